@@ -1,0 +1,169 @@
+// XLA FFI handlers for the CPU kernels: shapes and attributes in, FwdParams / BwdParams out, the
+// kernel run on XLA's intra-op thread pool.
+#include "cpu_ffi_handlers.h"
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "cpu_kernels.h"
+#include "ffi_shapes.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_flash {
+namespace {
+
+// Runs tasks on XLA's thread pool, the calling thread taking part. Helpers that start late
+// (the pool busy elsewhere) find no work left and leave without touching the caller's state,
+// which is why the shared part lives in a shared_ptr.
+struct PoolRunner {
+  ffi::ThreadPool* pool;
+
+  struct Shared {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> active{0};
+    std::mutex mutex;
+    std::condition_variable done;
+  };
+
+  static void drain(Shared& shared, int64_t n, cpu::TaskRunner::Body body, void* arg) {
+    for (int64_t i; (i = shared.next.fetch_add(1)) < n;) body(arg, i);
+  }
+
+  static void run(const void* self, int64_t n, cpu::TaskRunner::Body body, void* arg) {
+    if (n <= 0) return;
+    ffi::ThreadPool* pool = static_cast<const PoolRunner*>(self)->pool;
+    const int64_t helpers = std::min<int64_t>(pool->num_threads(), n - 1);
+    auto shared = std::make_shared<Shared>();
+    for (int64_t t = 0; t < helpers; ++t) {
+      pool->Schedule([shared, n, body, arg] {
+        shared->active.fetch_add(1);
+        drain(*shared, n, body, arg);
+        if (shared->active.fetch_sub(1) == 1) {
+          std::lock_guard<std::mutex> lock(shared->mutex);
+          shared->done.notify_all();
+        }
+      });
+    }
+    drain(*shared, n, body, arg);
+    // Every task has been claimed; wait for the helpers still running one.
+    std::unique_lock<std::mutex> lock(shared->mutex);
+    shared->done.wait(lock, [&] { return shared->active.load() == 0; });
+  }
+};
+
+ffi::Error run_fwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                   ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
+                   ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                   double scale, bool is_causal, int64_t window_left, int64_t window_right) {
+  FwdParams params;
+  JF_RETURN_IF_ERROR(attention_shape(q, k, v, q_lens, kv_lens, params.shape));
+  JF_RETURN_IF_ERROR(attention_dtype(q, params.dtype));
+  JF_RETURN_IF_ERROR(expect_like("o", *o, q));
+  JF_RETURN_IF_ERROR(expect_count("lse", lse->element_count(), params.shape.batch *
+                                   params.shape.heads_q * params.shape.seq_q));
+  params.mask = {is_causal, window_left, window_right};
+  params.scale = static_cast<float>(scale);
+  params.q = q.untyped_data();
+  params.k = k.untyped_data();
+  params.v = v.untyped_data();
+  params.q_lens = q_lens.typed_data();
+  params.kv_lens = kv_lens.typed_data();
+  params.o = o->untyped_data();
+  params.lse = lse->typed_data();
+  PoolRunner runner{&pool};
+  cpu::flash_fwd(params, {&PoolRunner::run, &runner});
+  return ffi::Error::Success();
+}
+
+ffi::Error run_bwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                   ffi::AnyBuffer o, ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer d_o,
+                   ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
+                   ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                   ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::F32>> delta,
+                   ffi::Result<ffi::Buffer<ffi::F32>> dq_accum, double scale, bool is_causal,
+                   int64_t window_left, int64_t window_right, int64_t dq_splits) {
+  BwdParams params;
+  JF_RETURN_IF_ERROR(attention_shape(q, k, v, q_lens, kv_lens, params.shape));
+  JF_RETURN_IF_ERROR(attention_dtype(q, params.dtype));
+  const AttentionShape& sh = params.shape;
+  JF_RETURN_IF_ERROR(expect_like("o", o, q));
+  JF_RETURN_IF_ERROR(expect_like("do", d_o, q));
+  JF_RETURN_IF_ERROR(expect_like("dq", *dq, q));
+  JF_RETURN_IF_ERROR(expect_like("dk", *dk, k));
+  JF_RETURN_IF_ERROR(expect_like("dv", *dv, v));
+  const int64_t rows = sh.batch * sh.heads_q * sh.seq_q;
+  JF_RETURN_IF_ERROR(expect_count("lse", lse.element_count(), rows));
+  JF_RETURN_IF_ERROR(expect_count("delta", delta->element_count(), rows));
+  if (dq_splits < 1)
+    return ffi::Error::InvalidArgument("dq_splits must be >= 1, got " + std::to_string(dq_splits));
+  JF_RETURN_IF_ERROR(expect_count("dq_accum", dq_accum->element_count(),
+                                   dq_splits * rows * cpu::padded_head_dim(sh.head_dim)));
+  params.mask = {is_causal, window_left, window_right};
+  params.scale = static_cast<float>(scale);
+  params.q = q.untyped_data();
+  params.k = k.untyped_data();
+  params.v = v.untyped_data();
+  params.o = o.untyped_data();
+  params.d_o = d_o.untyped_data();
+  params.lse = lse.typed_data();
+  params.q_lens = q_lens.typed_data();
+  params.kv_lens = kv_lens.typed_data();
+  params.dq = dq->untyped_data();
+  params.dk = dk->untyped_data();
+  params.dv = dv->untyped_data();
+  params.delta = delta->typed_data();
+  params.dq_accum = dq_accum->typed_data();
+  params.dq_splits = dq_splits;
+  PoolRunner runner{&pool};
+  cpu::flash_bwd(params, {&PoolRunner::run, &runner});
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    kCpuFlashFwd, run_fwd,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::ThreadPool>()
+        .Arg<ffi::AnyBuffer>()           // q (..., T, N, H)
+        .Arg<ffi::AnyBuffer>()           // k (..., S, K, H)
+        .Arg<ffi::AnyBuffer>()           // v (..., S, K, H)
+        .Arg<ffi::Buffer<ffi::S32>>()    // q_lens (...)
+        .Arg<ffi::Buffer<ffi::S32>>()    // kv_lens (...)
+        .Ret<ffi::AnyBuffer>()           // o (..., T, N, H)
+        .Ret<ffi::Buffer<ffi::F32>>()    // lse (..., N, T)
+        .Attr<double>("scale")
+        .Attr<bool>("is_causal")
+        .Attr<int64_t>("window_left")    // < 0: unbounded
+        .Attr<int64_t>("window_right"));  // < 0: unbounded
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    kCpuFlashBwd, run_bwd,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::ThreadPool>()
+        .Arg<ffi::AnyBuffer>()           // q
+        .Arg<ffi::AnyBuffer>()           // k
+        .Arg<ffi::AnyBuffer>()           // v
+        .Arg<ffi::AnyBuffer>()           // o
+        .Arg<ffi::Buffer<ffi::F32>>()    // lse (..., N, T)
+        .Arg<ffi::AnyBuffer>()           // do, the output cotangent
+        .Arg<ffi::Buffer<ffi::S32>>()    // q_lens
+        .Arg<ffi::Buffer<ffi::S32>>()    // kv_lens
+        .Ret<ffi::AnyBuffer>()           // dq
+        .Ret<ffi::AnyBuffer>()           // dk
+        .Ret<ffi::AnyBuffer>()           // dv
+        .Ret<ffi::Buffer<ffi::F32>>()    // delta workspace (..., N, T)
+        .Ret<ffi::Buffer<ffi::F32>>()    // dq_accum workspace (dq_splits * ... * T * N * Hpad)
+        .Attr<double>("scale")
+        .Attr<bool>("is_causal")
+        .Attr<int64_t>("window_left")
+        .Attr<int64_t>("window_right")
+        .Attr<int64_t>("dq_splits"));
+
+}  // namespace jax_flash

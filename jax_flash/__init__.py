@@ -1,0 +1,12 @@
+"""jax_flash: FlashAttention for JAX.
+
+``jax_flash.dot_product_attention`` is a drop-in for ``jax.nn.dot_product_attention`` backed by
+tiled FlashAttention kernels registered as XLA FFI custom calls.
+"""
+
+from jax_flash._attention import dot_product_attention
+from jax_flash._registry import cpu_kernel_isa, has_platform
+
+__version__ = "0.1.0"
+
+__all__ = ["dot_product_attention", "cpu_kernel_isa", "has_platform", "__version__"]

@@ -1,0 +1,138 @@
+"""jax_flash.dot_product_attention: the public drop-in for jax.nn.dot_product_attention."""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from jax_flash import _ops, _registry, _validation
+from jax_flash._reference import attention_reference
+
+Implementation = Literal["cpu", "cuda", "xla"]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash_attention(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig):
+  return _ops.flash_fwd(q, k, v, q_lens, kv_lens, config)
+
+
+def _flash_attention_fwd(q, k, v, q_lens, kv_lens, config):
+  o, lse = _ops.flash_fwd(q, k, v, q_lens, kv_lens, config)
+  return (o, lse), (q, k, v, o, lse, q_lens, kv_lens)
+
+
+def _flash_attention_bwd(config, residuals, cotangents):
+  q, k, v, o, lse, q_lens, kv_lens = residuals
+  d_o, _ = cotangents  # lse leaves through stop_gradient: its cotangent is always zero
+  dq, dk, dv = _ops.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config)
+  return dq, dk, dv, None, None
+
+
+_flash_attention.defvjp(_flash_attention_fwd, _flash_attention_bwd)
+
+
+def _resolve_implementation(implementation: str | None) -> str:
+  if implementation == "cuda" and not _registry.has_platform("cuda"):
+    raise ValueError(
+        "implementation='cuda' was requested but this jax_flash build has no CUDA kernels; "
+        "use implementation='cpu' or 'xla'")
+  if implementation is not None:
+    return implementation
+  backend = jax.default_backend()
+  if backend == "cpu":
+    return "cpu"
+  if backend in ("gpu", "cuda") and _registry.has_platform("cuda"):
+    return "cuda"
+  raise NotImplementedError(
+      f"jax_flash has no kernel for the default backend {backend!r} in this build; pass "
+      "implementation='xla' for the plain XLA path (or 'cpu' to run on host devices)")
+
+
+def dot_product_attention(
+    query: jax.typing.ArrayLike,
+    key: jax.typing.ArrayLike,
+    value: jax.typing.ArrayLike,
+    bias: jax.typing.ArrayLike | None = None,
+    mask: jax.typing.ArrayLike | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: jax.typing.ArrayLike | None = None,
+    key_value_seq_lengths: jax.typing.ArrayLike | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: Implementation | None = None,
+    return_residual: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+  """Scaled dot-product attention computed by FlashAttention kernels.
+
+  A drop-in for :func:`jax.nn.dot_product_attention`: the same arguments, shapes and masking
+  semantics, computed in tiles with an online softmax so that memory grows linearly with the
+  sequence length, and differentiated by a backward pass that recomputes the tiles.
+
+  Args:
+    query: ``(B, T, N, H)`` or ``(T, N, H)``; float32, bfloat16 or float16.
+    key: ``(B, S, K, H)`` or ``(S, K, H)``, ``N % K == 0`` (grouped-query attention).
+    value: same shape and dtype as ``key``.
+    bias: not supported yet (raises ``NotImplementedError``).
+    mask: not supported yet (raises ``NotImplementedError``).
+    scale: logit scale; ``1 / sqrt(H)`` by default.
+    is_causal: query ``i`` attends keys ``j <= i`` (top-left aligned, as jax.nn).
+    query_seq_lengths: ``(B,)`` int32; output rows at or past the length are zero.
+    key_value_seq_lengths: ``(B,)`` int32; keys at or past the length are ignored.
+    local_window_size: ``w`` or ``(left, right)``: query ``i`` attends keys
+      ``i - left <= j <= i + right``.
+    implementation: ``None`` picks the kernel for the default backend (``"cpu"`` on the host,
+      ``"cuda"`` on NVIDIA GPUs once built); ``"cpu"``/``"cuda"`` force one; ``"xla"`` is the
+      plain (quadratic-memory) reference.
+    return_residual: also return the log-sum-exp of each query row's logits, ``(B, T, N)``
+      (or ``(T, N)``) in float32, under ``stop_gradient`` as in jax.nn.
+
+  Returns:
+    The attention output, shaped and typed like ``query``; with ``return_residual``, the pair
+    ``(output, lse)``. A query row with no key to attend to gives zeros (and a log-sum-exp of
+    the most negative float32), never NaN.
+  """
+  if bias is not None:
+    raise NotImplementedError("jax_flash.dot_product_attention: `bias` is not supported yet")
+  if mask is not None:
+    raise NotImplementedError(
+        "jax_flash.dot_product_attention: `mask` is not supported yet; causal, padding "
+        "(query_seq_lengths / key_value_seq_lengths) and local_window_size masks are")
+  _validation.check_implementation(implementation)
+  query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+  _validation.check_qkv(query, key, value)
+  unbatched = query.ndim == 3
+  if unbatched:
+    query, key, value = query[None], key[None], value[None]
+  batch, seq_q, _, head_dim = query.shape
+  seq_k = key.shape[1]
+  q_lens = _validation.check_seq_lengths("query_seq_lengths", query_seq_lengths, batch)
+  kv_lens = _validation.check_seq_lengths("key_value_seq_lengths", key_value_seq_lengths, batch)
+  window = _validation.check_window(local_window_size)
+  scale = _validation.check_scale(scale, head_dim)
+  implementation = _resolve_implementation(implementation)
+  if implementation != "xla":
+    _validation.check_kernel_head_dim(head_dim, implementation)
+
+  if q_lens is None:
+    q_lens = jnp.full((batch,), seq_q, jnp.int32)
+  if kv_lens is None:
+    kv_lens = jnp.full((batch,), seq_k, jnp.int32)
+  window_left, window_right = window if window is not None else (-1, -1)
+  if implementation == "xla":
+    out, lse = attention_reference(
+        query, key, value, q_lens, kv_lens, scale=scale, is_causal=bool(is_causal),
+        window_left=window_left, window_right=window_right)
+  else:
+    config = _ops.KernelConfig(implementation, scale, bool(is_causal), window_left, window_right)
+    out, lse = _flash_attention(query, key, value, q_lens, kv_lens, config)
+    lse = jax.lax.stop_gradient(lse)
+
+  if unbatched:
+    out, lse = out[0], lse[0]
+  if not return_residual:
+    return out
+  return out, jnp.swapaxes(lse, -1, -2)  # (..., N, T) -> (..., T, N)

@@ -1,0 +1,96 @@
+"""The forward and backward custom calls, as JAX functions over the kernels' own layouts.
+
+Kernel layouts: q, o, dq (..., T, N, H); k, v, dk, dv (..., S, K, H); lse (..., N, T) float32;
+q_lens, kv_lens (...,) int32. Leading dimensions are batch; vmap adds more (``broadcast_all``),
+and the kernels fold them all into one batch dimension.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Alignment of the head dim in the kernels' float32 tiles (cpu_kernels.h: kHeadDimAlign).
+_HEAD_DIM_ALIGN = 16
+# Key block size of the CPU backward (cpu_kernels.h: kBlockK).
+_CPU_BLOCK_K = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+  """Static settings of one attention call (hashable: it is a custom_vjp nondiff argument)."""
+
+  implementation: str  # "cpu" or "cuda"
+  scale: float
+  is_causal: bool
+  window_left: int  # -1: unbounded
+  window_right: int  # -1: unbounded
+
+  def attributes(self) -> dict:
+    return dict(
+        scale=float(self.scale),
+        is_causal=bool(self.is_causal),
+        window_left=np.int64(self.window_left),
+        window_right=np.int64(self.window_right),
+    )
+
+
+def _target(config: KernelConfig, pass_name: str) -> str:
+  return f"jax_flash_{config.implementation}_{pass_name}"
+
+
+def _lse_shape(q: jax.Array) -> tuple[int, ...]:
+  *batch, t, n, _ = q.shape
+  return (*batch, n, t)
+
+
+def flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig):
+  """Returns (o, lse) with o like q and lse (..., N, T) float32."""
+  call = jax.ffi.ffi_call(
+      _target(config, "fwd"),
+      (
+          jax.ShapeDtypeStruct(q.shape, q.dtype),
+          jax.ShapeDtypeStruct(_lse_shape(q), jnp.float32),
+      ),
+      vmap_method="broadcast_all",
+  )
+  return call(q, k, v, q_lens, kv_lens, **config.attributes())
+
+
+def dq_splits(batch: int, heads_k: int, seq_k: int) -> int:
+  """How many float32 dQ partials the CPU backward keeps so every core has key blocks to work
+  on: one when batch x kv heads already covers the cores twice."""
+  units = batch * heads_k
+  cores = os.cpu_count() or 1
+  if units >= 2 * cores:
+    return 1
+  return max(1, min(math.ceil(seq_k / _CPU_BLOCK_K), math.ceil(2 * cores / units)))
+
+
+def flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig):
+  """Returns (dq, dk, dv); the kernel's workspaces come back as extra outputs and are dropped."""
+  *batch, seq_q, heads_q, head_dim = q.shape
+  seq_k, heads_k = k.shape[-3], k.shape[-2]
+  batch_size = math.prod(batch)
+  splits = dq_splits(batch_size, heads_k, seq_k)
+  padded = -(-head_dim // _HEAD_DIM_ALIGN) * _HEAD_DIM_ALIGN
+  call = jax.ffi.ffi_call(
+      _target(config, "bwd"),
+      (
+          jax.ShapeDtypeStruct(q.shape, q.dtype),
+          jax.ShapeDtypeStruct(k.shape, k.dtype),
+          jax.ShapeDtypeStruct(v.shape, v.dtype),
+          jax.ShapeDtypeStruct(_lse_shape(q), jnp.float32),  # delta
+          jax.ShapeDtypeStruct((splits * batch_size * seq_q * heads_q * padded,), jnp.float32),
+      ),
+      vmap_method="broadcast_all",
+  )
+  dq, dk, dv, _, _ = call(
+      q, k, v, o, lse, d_o, q_lens, kv_lens, **config.attributes(), dq_splits=np.int64(splits)
+  )
+  return dq, dk, dv

@@ -1,0 +1,61 @@
+"""Plain-XLA attention with jax_flash's semantics: the ``implementation="xla"`` path.
+
+It materialises the (T, S) scores, so its memory is quadratic: a reference, not a kernel. It
+differs from ``jax.nn.dot_product_attention`` only where jax.nn's answer is an artefact of its
+large-negative fill: a query row with no key to attend to gives 0 here (jax.nn averages every
+value row), and its log-sum-exp is ``EMPTY_ROW_LSE``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# cpu attention_params.h: kEmptyRowLse, the most negative float32.
+EMPTY_ROW_LSE = float(np.finfo(np.float32).min)
+
+
+def key_mask(seq_q: int, seq_k: int, q_lens, kv_lens, is_causal: bool,
+             window_left: int, window_right: int) -> jax.Array:
+  """(B, T, S) bool: which keys each query row may attend to (window bounds < 0: unbounded)."""
+  i = jnp.arange(seq_q)[None, :, None]
+  j = jnp.arange(seq_k)[None, None, :]
+  mask = (i < q_lens[:, None, None]) & (j < kv_lens[:, None, None])
+  if is_causal:
+    mask &= j <= i
+  if window_left >= 0:
+    mask &= j >= i - window_left
+  if window_right >= 0:
+    mask &= j <= i + window_right
+  return mask
+
+
+def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bool,
+                        window_left: int = -1, window_right: int = -1):
+  """Returns (o, lse): o (B, T, N, H) in q's dtype, lse (B, N, T) float32.
+
+  Computed in float32 whatever the input dtype (inputs are upcast first).
+  """
+  batch, seq_q, heads_q, head_dim = q.shape
+  seq_k, heads_k = k.shape[1], k.shape[2]
+  group = heads_q // heads_k
+  qf = q.astype(jnp.float32).reshape(batch, seq_q, heads_k, group, head_dim)
+  kf = k.astype(jnp.float32)
+  vf = v.astype(jnp.float32)
+  scores = jnp.einsum("btkgh,bskh->bkgts", qf, kf, precision="highest") * scale
+  mask = key_mask(seq_q, seq_k, q_lens, kv_lens, is_causal, window_left, window_right)
+  mask = mask[:, None, None, :, :]
+  scores = jnp.where(mask, scores, -jnp.inf)
+  row_max = jnp.max(scores, axis=-1, keepdims=True)
+  has_keys = jnp.isfinite(row_max)
+  row_max = jnp.where(has_keys, row_max, 0.0)
+  probs = jnp.exp(scores - jax.lax.stop_gradient(row_max))
+  row_sum = jnp.sum(probs, axis=-1, keepdims=True)
+  safe_sum = jnp.where(has_keys, row_sum, 1.0)
+  probs = probs / safe_sum
+  out = jnp.einsum("bkgts,bskh->btkgh", probs, vf, precision="highest")
+  out = out.reshape(batch, seq_q, heads_q, head_dim).astype(q.dtype)
+  lse = jnp.where(has_keys, jnp.log(safe_sum) + row_max, EMPTY_ROW_LSE)[..., 0]
+  lse = lse.reshape(batch, heads_q, seq_q)
+  return out, jax.lax.stop_gradient(lse)

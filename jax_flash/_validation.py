@@ -1,0 +1,96 @@
+"""Trace-time checks of dot_product_attention's arguments; every message names the argument and
+the shapes involved."""
+
+from __future__ import annotations
+
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+MAX_KERNEL_HEAD_DIM = 256  # cuda/ffi_shapes.h: kMaxHeadDim
+IMPLEMENTATIONS = (None, "cpu", "cuda", "xla")
+
+
+def check_qkv(query: jax.Array, key: jax.Array, value: jax.Array) -> None:
+  shapes = f"query{query.shape}, key{key.shape}, value{value.shape}"
+  if query.ndim not in (3, 4) or key.ndim != query.ndim or value.ndim != query.ndim:
+    raise ValueError(
+        "query, key and value must all be rank 4 (B, T|S, N|K, H) or all rank 3 (T|S, N|K, H); "
+        f"got {shapes}")
+  if key.shape != value.shape:
+    raise ValueError(f"key and value must have the same shape; got {shapes}")
+  if query.ndim == 4 and query.shape[0] != key.shape[0]:
+    raise ValueError(f"query and key must have the same batch size; got {shapes}")
+  if query.shape[-1] != key.shape[-1]:
+    raise ValueError(f"query and key must have the same head dim H; got {shapes}")
+  heads_q, heads_k = query.shape[-2], key.shape[-2]
+  if heads_k == 0 or heads_q % heads_k != 0:
+    raise ValueError(
+        f"the number of query heads N={heads_q} must be a multiple of the number of key/value "
+        f"heads K={heads_k}; got {shapes}")
+  dtypes = {query.dtype, key.dtype, value.dtype}
+  if len(dtypes) != 1:
+    raise ValueError(
+        f"query, key and value must share one dtype; got query {query.dtype}, key {key.dtype}, "
+        f"value {value.dtype}")
+  if query.dtype not in SUPPORTED_DTYPES:
+    raise ValueError(
+        f"query, key and value must be float32, bfloat16 or float16; got {query.dtype}")
+
+
+def check_seq_lengths(name: str, lengths, batch: int) -> jax.Array | None:
+  if lengths is None:
+    return None
+  lengths = jnp.asarray(lengths)
+  if lengths.shape != (batch,):
+    raise ValueError(f"{name} must have shape ({batch},) (one length per batch element); "
+                     f"got {lengths.shape}")
+  if not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise ValueError(f"{name} must be an integer array (int32); got {lengths.dtype}")
+  return lengths.astype(jnp.int32)
+
+
+def check_window(local_window_size) -> tuple[int, int] | None:
+  if local_window_size is None:
+    return None
+  window = local_window_size
+  if isinstance(window, numbers.Integral):
+    window = (window, window)
+  if (not isinstance(window, (tuple, list)) or len(window) != 2
+      or not all(isinstance(w, numbers.Integral) for w in window)):
+    raise ValueError("local_window_size must be an int or a (left, right) pair of ints; got "
+                     f"{local_window_size!r}")
+  left, right = int(window[0]), int(window[1])
+  if left < 0 or right < 0:
+    raise ValueError(f"local_window_size must be >= 0 on both sides; got {(left, right)} "
+                     "(0 means the query's own position only)")
+  return left, right
+
+
+def check_scale(scale, head_dim: int) -> float:
+  if scale is None:
+    return 1.0 / float(np.sqrt(head_dim))
+  try:
+    value = float(scale)
+  except jax.errors.ConcretizationTypeError as e:
+    raise ValueError("scale must be a concrete Python number, not a traced value") from e
+  except TypeError as e:
+    raise ValueError(f"scale must be a real number; got {scale!r}") from e
+  if not np.isfinite(value):
+    raise ValueError(f"scale must be finite; got {value}")
+  return value
+
+
+def check_implementation(implementation) -> None:
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}; got {implementation!r}")
+
+
+def check_kernel_head_dim(head_dim: int, implementation: str) -> None:
+  if head_dim > MAX_KERNEL_HEAD_DIM:
+    raise ValueError(
+        f"head dim H={head_dim} is larger than the {implementation!r} kernels support "
+        f"(H <= {MAX_KERNEL_HEAD_DIM}); use implementation='xla' for larger heads")
