@@ -1,5 +1,7 @@
 // Picks the CPU kernel variant for the running processor, and provides the per-thread scratch
 // memory the kernels use (kept here, out of the per-ISA files; see cpu_kernels.h).
+#include <cstdlib>
+#include <cstring>
 #include <new>
 
 #include "cpu_kernels.h"
@@ -25,17 +27,31 @@ struct Variant {
   void (*bwd)(const BwdParams&, const TaskRunner&);
 };
 
-Variant detect() {
+// The variants this CPU can run, best first.
+int supported_variants(Variant* out) {
+  int n = 0;
 #if JF_HAVE_X86_VARIANTS
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq"))
-    return {"avx512", avx512::flash_fwd, avx512::flash_bwd};
+    out[n++] = {"avx512", avx512::flash_fwd, avx512::flash_bwd};
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
       __builtin_cpu_supports("f16c"))
-    return {"avx2", avx2::flash_fwd, avx2::flash_bwd};
+    out[n++] = {"avx2", avx2::flash_fwd, avx2::flash_bwd};
 #endif
-  return {"baseline", baseline::flash_fwd, baseline::flash_bwd};
+  out[n++] = {"baseline", baseline::flash_fwd, baseline::flash_bwd};
+  return n;
+}
+
+// The best variant, or the one JAX_FLASH_CPU_ISA names if this CPU supports it (for testing
+// every variant on one machine).
+Variant detect() {
+  Variant variants[3];
+  const int n = supported_variants(variants);
+  if (const char* wanted = std::getenv("JAX_FLASH_CPU_ISA"))
+    for (int i = 0; i < n; ++i)
+      if (std::strcmp(wanted, variants[i].name) == 0) return variants[i];
+  return variants[0];
 }
 
 const Variant& variant() {

@@ -44,7 +44,7 @@ inline float softmax_row_update(float* s, int64_t padded_cols, float& row_max, f
     store(s + c, p);
     sum += p;
   }
-  const float correction = std::exp2(row_max - new_max);  // row_max = -inf gives 0
+  const float correction = __builtin_exp2f(row_max - new_max);  // row_max = -inf gives 0
   row_sum = row_sum * correction + reduce_sum(sum);
   row_max = new_max;
   return correction;
@@ -128,7 +128,7 @@ struct FlashFwd {
     for (int64_t r = 0; r < rows; ++r) {
       if (r < live_rows && row_sum[r] > 0.f) {
         store_row(acc + r * dp, d, 1.f / row_sum[r], out + r * q_stride);
-        lse[r] = (row_max[r] + std::log2(row_sum[r])) * kLn2;
+        lse[r] = (row_max[r] + __builtin_log2f(row_sum[r])) * kLn2;
       } else {  // padding row or nothing to attend to
         store_zeros(d, out + r * q_stride);
         lse[r] = kEmptyRowLse;

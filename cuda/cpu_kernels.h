@@ -19,7 +19,7 @@ inline constexpr int64_t kBlockQ = 64;
 inline constexpr int64_t kBlockK = 64;
 inline constexpr int64_t kHeadDimAlign = 16;
 
-inline int64_t padded_head_dim(int64_t head_dim) {
+static inline int64_t padded_head_dim(int64_t head_dim) {
   return (head_dim + kHeadDimAlign - 1) / kHeadDimAlign * kHeadDimAlign;
 }
 
