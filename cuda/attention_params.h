@@ -10,6 +10,12 @@
 
 #include <cstdint>
 
+#if defined(__CUDACC__)
+#define JF_HOST_DEVICE __host__ __device__
+#else
+#define JF_HOST_DEVICE
+#endif
+
 namespace jax_flash {
 
 enum class Dtype : int { kFloat32, kBFloat16, kFloat16 };
@@ -76,11 +82,11 @@ inline constexpr float kEmptyRowLse = -3.4028234663852886e38f;
 struct KeyRange {
   int64_t begin;
   int64_t end;
-  bool empty() const { return begin >= end; }
+  JF_HOST_DEVICE bool empty() const { return begin >= end; }
 };
 
 // static: internal linkage, so the copies compiled with different ISA flags never merge.
-static inline KeyRange key_range(const MaskParams& m, int64_t i, int64_t q_len, int64_t kv_len) {
+JF_HOST_DEVICE static inline KeyRange key_range(const MaskParams& m, int64_t i, int64_t q_len, int64_t kv_len) {
   if (i >= q_len) return {0, 0};
   int64_t begin = 0;
   int64_t end = kv_len;

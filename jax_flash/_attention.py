@@ -13,6 +13,9 @@ from jax_flash._reference import attention_reference
 
 Implementation = Literal["cpu", "cuda", "xla"]
 
+# The CUDA kernels read rows in 16-byte chunks: head dims are padded to a multiple of 8.
+_CUDA_HEAD_DIM_MULTIPLE = 8
+
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _flash_attention(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig):
@@ -37,14 +40,18 @@ _flash_attention.defvjp(_flash_attention_fwd, _flash_attention_bwd)
 def _resolve_implementation(implementation: str | None) -> str:
   if implementation == "cuda" and not _registry.has_platform("cuda"):
     raise ValueError(
-        "implementation='cuda' was requested but this jax_flash build has no CUDA kernels; "
-        "use implementation='cpu' or 'xla'")
+        "implementation='cuda' was requested but this jax_flash build has no CUDA kernels "
+        "(no CUDA compiler when it was built); use implementation='cpu' or 'xla'")
+  if implementation == "cuda" and not _registry.cuda_gpu_present():
+    raise ValueError(
+        "implementation='cuda' was requested but JAX sees no CUDA GPU; use "
+        "implementation='cpu' or 'xla'")
   if implementation is not None:
     return implementation
   backend = jax.default_backend()
   if backend == "cpu":
     return "cpu"
-  if backend in ("gpu", "cuda") and _registry.has_platform("cuda"):
+  if backend in ("gpu", "cuda") and _registry.has_platform("cuda") and _registry.cuda_gpu_present():
     return "cuda"
   raise NotImplementedError(
       f"jax_flash has no kernel for the default backend {backend!r} in this build; pass "
@@ -109,13 +116,18 @@ def dot_product_attention(
     query, key, value = query[None], key[None], value[None]
   batch, seq_q, _, head_dim = query.shape
   seq_k = key.shape[1]
-  q_lens = _validation.check_seq_lengths("query_seq_lengths", query_seq_lengths, batch)
-  kv_lens = _validation.check_seq_lengths("key_value_seq_lengths", key_value_seq_lengths, batch)
-  window = _validation.check_window(local_window_size)
+  q_lens = _validation.check_seq_lengths("query_seq_lengths", query_seq_lengths, batch, seq_q)
+  kv_lens = _validation.check_seq_lengths(
+      "key_value_seq_lengths", key_value_seq_lengths, batch, seq_k)
+  window = _validation.check_window(local_window_size, seq_q + seq_k)
   scale = _validation.check_scale(scale, head_dim)
   implementation = _resolve_implementation(implementation)
   if implementation != "xla":
     _validation.check_kernel_head_dim(head_dim, implementation)
+  if implementation == "cuda" and query.dtype == jnp.float32:
+    raise NotImplementedError(
+        "jax_flash's CUDA kernels take bfloat16 or float16 so far; float32 inputs "
+        f"(query{query.shape}) need implementation='xla' for now")
 
   if q_lens is None:
     q_lens = jnp.full((batch,), seq_q, jnp.int32)
@@ -128,7 +140,13 @@ def dot_product_attention(
         window_left=window_left, window_right=window_right)
   else:
     config = _ops.KernelConfig(implementation, scale, bool(is_causal), window_left, window_right)
+    pad = _CUDA_HEAD_DIM_MULTIPLE - head_dim % _CUDA_HEAD_DIM_MULTIPLE
+    if implementation == "cuda" and pad != _CUDA_HEAD_DIM_MULTIPLE:
+      # Zero columns change no score and give zero output columns, sliced off again.
+      widths = [(0, 0)] * 3 + [(0, pad)]
+      query, key, value = (jnp.pad(x, widths) for x in (query, key, value))
     out, lse = _flash_attention(query, key, value, q_lens, kv_lens, config)
+    out = out[..., :head_dim]
     lse = jax.lax.stop_gradient(lse)
 
   if unbatched:

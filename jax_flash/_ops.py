@@ -19,6 +19,9 @@ import numpy as np
 _HEAD_DIM_ALIGN = 16
 # Key block size of the CPU backward (cpu_kernels.h: kBlockK).
 _CPU_BLOCK_K = 64
+# At most this many float32 dQ partials: the workspace stays a small multiple of dQ however many
+# cores the host has.
+_MAX_DQ_SPLITS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,21 +67,34 @@ def flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig):
 
 def dq_splits(batch: int, heads_k: int, seq_k: int) -> int:
   """How many float32 dQ partials the CPU backward keeps so every core has key blocks to work
-  on: one when batch x kv heads already covers the cores twice."""
+  on: one when batch x kv heads already covers the cores twice, never more than
+  _MAX_DQ_SPLITS."""
   units = batch * heads_k
   cores = os.cpu_count() or 1
   if units >= 2 * cores:
     return 1
-  return max(1, min(math.ceil(seq_k / _CPU_BLOCK_K), math.ceil(2 * cores / units)))
+  wanted = min(math.ceil(seq_k / _CPU_BLOCK_K), math.ceil(2 * cores / units), _MAX_DQ_SPLITS)
+  return max(1, wanted)
 
 
 def flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig):
-  """Returns (dq, dk, dv); the kernel's workspaces come back as extra outputs and are dropped."""
+  """Returns (dq, dk, dv); the kernel's workspaces come back as extra outputs and are dropped.
+
+  Workspaces: delta (..., N, T) float32, and the float32 dQ accumulator: on the CPU one flat
+  partial per dQ split with the head dim padded to 16; on CUDA one shaped like q.
+  """
   *batch, seq_q, heads_q, head_dim = q.shape
   seq_k, heads_k = k.shape[-3], k.shape[-2]
-  batch_size = math.prod(batch)
-  splits = dq_splits(batch_size, heads_k, seq_k)
-  padded = -(-head_dim // _HEAD_DIM_ALIGN) * _HEAD_DIM_ALIGN
+  attributes = config.attributes()
+  if config.implementation == "cpu":
+    batch_size = math.prod(batch)
+    splits = dq_splits(batch_size, heads_k, seq_k)
+    padded = -(-head_dim // _HEAD_DIM_ALIGN) * _HEAD_DIM_ALIGN
+    dq_accum = jax.ShapeDtypeStruct(
+        (splits * batch_size * seq_q * heads_q * padded,), jnp.float32)
+    attributes["dq_splits"] = np.int64(splits)
+  else:
+    dq_accum = jax.ShapeDtypeStruct(q.shape, jnp.float32)
   call = jax.ffi.ffi_call(
       _target(config, "bwd"),
       (
@@ -86,11 +102,9 @@ def flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig):
           jax.ShapeDtypeStruct(k.shape, k.dtype),
           jax.ShapeDtypeStruct(v.shape, v.dtype),
           jax.ShapeDtypeStruct(_lse_shape(q), jnp.float32),  # delta
-          jax.ShapeDtypeStruct((splits * batch_size * seq_q * heads_q * padded,), jnp.float32),
+          dq_accum,
       ),
       vmap_method="broadcast_all",
   )
-  dq, dk, dv, _, _ = call(
-      q, k, v, o, lse, d_o, q_lens, kv_lens, **config.attributes(), dq_splits=np.int64(splits)
-  )
+  dq, dk, dv, _, _ = call(q, k, v, o, lse, d_o, q_lens, kv_lens, **attributes)
   return dq, dk, dv

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 
 try:
@@ -14,12 +16,23 @@ except ImportError as e:  # pragma: no cover - only on broken installs
 _PLATFORM_NAMES = {"cpu": "cpu", "cuda": "CUDA"}
 
 
+def _native_modules() -> list:
+  modules = [_native]
+  try:  # built only where a CUDA compiler was found; imports without a driver (static runtime)
+    from jax_flash import _native_cuda
+    modules.append(_native_cuda)
+  except ImportError:
+    pass
+  return modules
+
+
 def _register_all() -> dict[str, set[str]]:
   registered: dict[str, set[str]] = {}
-  for platform, targets in _native.registrations().items():
-    for name, capsule in targets.items():
-      jax.ffi.register_ffi_target(name, capsule, platform=_PLATFORM_NAMES[platform])
-    registered[platform] = set(targets)
+  for module in _native_modules():
+    for platform, targets in module.registrations().items():
+      for name, capsule in targets.items():
+        jax.ffi.register_ffi_target(name, capsule, platform=_PLATFORM_NAMES[platform])
+      registered.setdefault(platform, set()).update(targets)
   return registered
 
 
@@ -34,3 +47,12 @@ def has_platform(platform: str) -> bool:
 def cpu_kernel_isa() -> str:
   """The instruction set of the CPU kernel variant this processor runs."""
   return _native.cpu_kernel_isa()
+
+
+@functools.cache
+def cuda_gpu_present() -> bool:
+  """Whether JAX has a CUDA device (asked lazily: it initialises JAX's backends)."""
+  try:
+    return bool(jax.devices("cuda"))
+  except RuntimeError:
+    return False

@@ -1,0 +1,140 @@
+// XLA FFI handlers for the CUDA kernels: shapes and attributes in, FwdParams / BwdParams out,
+// kernels launched on XLA's stream. No allocation, synchronisation or device reads happen here,
+// so the handlers are safe to capture in CUDA graphs (kCmdBufferCompatible).
+#include "cuda_ffi_handlers.h"
+
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "ffi_shapes.h"
+#include "flash_launch.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_flash {
+namespace {
+
+ffi::Error cuda_error(const char* what, cudaError_t e) {
+  return ffi::Error::Internal(std::string("jax_flash: ") + what + ": " + cudaGetErrorString(e));
+}
+
+// The CUDA kernels take bfloat16/float16 with the head dim a multiple of 8 (the Python side
+// pads it); anything else is a caller bug, reported with the shape.
+ffi::Error check_cuda_inputs(const ffi::AnyBuffer& q, const AttentionShape& shape, Dtype dtype) {
+  if (dtype == Dtype::kFloat32)
+    return ffi::Error::InvalidArgument("jax_flash: the CUDA kernels take bfloat16 or float16");
+  if (shape.head_dim % 8 != 0)
+    return ffi::Error::InvalidArgument("jax_flash: the CUDA kernels need the head dim padded to a "
+                                       "multiple of 8, got q" + shape_string(q.dimensions()));
+  return ffi::Error::Success();
+}
+
+ffi::Error run_fwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                   ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
+                   ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                   double scale, bool is_causal, int64_t window_left, int64_t window_right) {
+  FwdParams params;
+  JF_RETURN_IF_ERROR(attention_shape(q, k, v, q_lens, kv_lens, params.shape));
+  JF_RETURN_IF_ERROR(attention_dtype(q, params.dtype));
+  JF_RETURN_IF_ERROR(check_cuda_inputs(q, params.shape, params.dtype));
+  JF_RETURN_IF_ERROR(expect_like("o", *o, q));
+  JF_RETURN_IF_ERROR(expect_count("lse", lse->element_count(),
+                                  params.shape.batch * params.shape.heads_q * params.shape.seq_q));
+  params.mask = {is_causal, window_left, window_right};
+  params.scale = static_cast<float>(scale);
+  params.q = q.untyped_data();
+  params.k = k.untyped_data();
+  params.v = v.untyped_data();
+  params.q_lens = q_lens.typed_data();
+  params.kv_lens = kv_lens.typed_data();
+  params.o = o->untyped_data();
+  params.lse = lse->typed_data();
+  if (cudaError_t e = cuda::launch_flash_fwd(params, stream)) return cuda_error("forward launch", e);
+  return ffi::Error::Success();
+}
+
+ffi::Error run_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                   ffi::AnyBuffer o, ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer d_o,
+                   ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
+                   ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                   ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::F32>> delta,
+                   ffi::Result<ffi::Buffer<ffi::F32>> dq_accum, double scale, bool is_causal,
+                   int64_t window_left, int64_t window_right) {
+  BwdParams params;
+  JF_RETURN_IF_ERROR(attention_shape(q, k, v, q_lens, kv_lens, params.shape));
+  JF_RETURN_IF_ERROR(attention_dtype(q, params.dtype));
+  JF_RETURN_IF_ERROR(check_cuda_inputs(q, params.shape, params.dtype));
+  const AttentionShape& sh = params.shape;
+  JF_RETURN_IF_ERROR(expect_like("o", o, q));
+  JF_RETURN_IF_ERROR(expect_like("do", d_o, q));
+  JF_RETURN_IF_ERROR(expect_like("dq", *dq, q));
+  JF_RETURN_IF_ERROR(expect_like("dk", *dk, k));
+  JF_RETURN_IF_ERROR(expect_like("dv", *dv, v));
+  const int64_t rows = sh.batch * sh.heads_q * sh.seq_q;
+  JF_RETURN_IF_ERROR(expect_count("lse", lse.element_count(), rows));
+  JF_RETURN_IF_ERROR(expect_count("delta", delta->element_count(), rows));
+  JF_RETURN_IF_ERROR(expect_count("dq_accum", dq_accum->element_count(), rows * sh.head_dim));
+  params.mask = {is_causal, window_left, window_right};
+  params.scale = static_cast<float>(scale);
+  params.q = q.untyped_data();
+  params.k = k.untyped_data();
+  params.v = v.untyped_data();
+  params.o = o.untyped_data();
+  params.d_o = d_o.untyped_data();
+  params.lse = lse.typed_data();
+  params.q_lens = q_lens.typed_data();
+  params.kv_lens = kv_lens.typed_data();
+  params.dq = dq->untyped_data();
+  params.dk = dk->untyped_data();
+  params.dv = dv->untyped_data();
+  params.delta = delta->typed_data();
+  params.dq_accum = dq_accum->typed_data();
+  if (cudaError_t e = cuda::launch_flash_bwd(params, stream)) return cuda_error("backward launch", e);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    kCudaFlashFwd, run_fwd,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Arg<ffi::AnyBuffer>()           // q (..., T, N, H), H a multiple of 8
+        .Arg<ffi::AnyBuffer>()           // k (..., S, K, H)
+        .Arg<ffi::AnyBuffer>()           // v (..., S, K, H)
+        .Arg<ffi::Buffer<ffi::S32>>()    // q_lens (...)
+        .Arg<ffi::Buffer<ffi::S32>>()    // kv_lens (...)
+        .Ret<ffi::AnyBuffer>()           // o (..., T, N, H)
+        .Ret<ffi::Buffer<ffi::F32>>()    // lse (..., N, T)
+        .Attr<double>("scale")
+        .Attr<bool>("is_causal")
+        .Attr<int64_t>("window_left")    // < 0: unbounded
+        .Attr<int64_t>("window_right"),  // < 0: unbounded
+    {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    kCudaFlashBwd, run_bwd,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Arg<ffi::AnyBuffer>()           // q
+        .Arg<ffi::AnyBuffer>()           // k
+        .Arg<ffi::AnyBuffer>()           // v
+        .Arg<ffi::AnyBuffer>()           // o
+        .Arg<ffi::Buffer<ffi::F32>>()    // lse (..., N, T)
+        .Arg<ffi::AnyBuffer>()           // do, the output cotangent
+        .Arg<ffi::Buffer<ffi::S32>>()    // q_lens
+        .Arg<ffi::Buffer<ffi::S32>>()    // kv_lens
+        .Ret<ffi::AnyBuffer>()           // dq
+        .Ret<ffi::AnyBuffer>()           // dk
+        .Ret<ffi::AnyBuffer>()           // dv
+        .Ret<ffi::Buffer<ffi::F32>>()    // delta workspace (..., N, T)
+        .Ret<ffi::Buffer<ffi::F32>>()    // dq_accum workspace, float32 shaped like q
+        .Attr<double>("scale")
+        .Attr<bool>("is_causal")
+        .Attr<int64_t>("window_left")
+        .Attr<int64_t>("window_right"),
+    {ffi::Traits::kCmdBufferCompatible});
+
+}  // namespace jax_flash

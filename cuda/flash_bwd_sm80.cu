@@ -1,0 +1,53 @@
+// Instantiations and launcher of the sm_80+ backward kernels.
+#include <algorithm>
+
+#include "flash_bwd_sm80.cuh"
+#include "flash_dispatch.cuh"
+#include "flash_launch.h"
+
+namespace jax_flash::cuda {
+namespace {
+
+// Tile shapes per head dim: (kBlockM, kBlockN, warps along keys, warps along the head dim).
+template <int kHeadDim>
+using BwdTraitsFor = std::conditional_t<
+    (kHeadDim <= 128), BwdTraits<kHeadDim, 64, 64, 4, 1>, BwdTraits<kHeadDim, 64, 32, 2, 2>>;
+
+template <typename T, int kHeadDim>
+struct Launch {
+  static cudaError_t run(const BwdParams& p, cudaStream_t stream);
+};
+
+template <typename T, int kHeadDim>
+cudaError_t Launch<T, kHeadDim>::run(const BwdParams& p, cudaStream_t stream) {
+  using Traits = BwdTraitsFor<kHeadDim>;
+  const AttentionShape& sh = p.shape;
+  const int64_t rows = sh.batch * sh.seq_q * sh.heads_q;
+  constexpr int kPrepareWarps = 8;
+  flash_bwd_prepare_kernel<T><<<(rows + kPrepareWarps - 1) / kPrepareWarps, 32 * kPrepareWarps, 0, stream>>>(p);
+  if (cudaError_t e = cudaGetLastError()) return e;
+
+  if (sh.seq_k > 0) {  // with no keys, dK and dV are empty and dQ stays 0
+    auto kernel = flash_bwd_kernel<Traits, T>;
+    constexpr int smem = Traits::kSmemBytes;
+    if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem))
+      return e;
+    const dim3 grid((sh.seq_k + Traits::kBlockN - 1) / Traits::kBlockN, sh.heads_k, sh.batch);
+    kernel<<<grid, Traits::kThreads, smem, stream>>>(p);
+    if (cudaError_t e = cudaGetLastError()) return e;
+  }
+
+  const int64_t elements = rows * sh.head_dim;
+  const int blocks = static_cast<int>(std::min<int64_t>((elements + 255) / 256, 65536));
+  flash_bwd_convert_dq_kernel<T><<<blocks, 256, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_flash_bwd(const BwdParams& params, cudaStream_t stream) {
+  if (params.shape.batch == 0 || params.shape.seq_q == 0) return cudaSuccess;  // empty outputs
+  return dispatch_dtype_head_dim<Launch>(params, stream);
+}
+
+}  // namespace jax_flash::cuda

@@ -1,0 +1,38 @@
+// Instantiations and launcher of the sm_80+ forward kernel.
+#include "flash_dispatch.cuh"
+#include "flash_fwd_sm80.cuh"
+#include "flash_launch.h"
+
+namespace jax_flash::cuda {
+namespace {
+
+// Tile shapes per head dim: (kBlockM, kBlockN, warps).
+template <int kHeadDim>
+using FwdTraitsFor = std::conditional_t<
+    (kHeadDim <= 128), FwdTraits<kHeadDim, 128, 64, 8>, FwdTraits<kHeadDim, 64, 32, 4>>;
+
+template <typename T, int kHeadDim>
+struct Launch {
+  static cudaError_t run(const FwdParams& p, cudaStream_t stream);
+};
+
+template <typename T, int kHeadDim>
+cudaError_t Launch<T, kHeadDim>::run(const FwdParams& p, cudaStream_t stream) {
+  using Traits = FwdTraitsFor<kHeadDim>;
+  auto kernel = flash_fwd_kernel<Traits, T>;
+  constexpr int smem = Traits::kSmemBytes;
+  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem))
+    return e;
+  const dim3 grid((p.shape.seq_q + Traits::kBlockM - 1) / Traits::kBlockM, p.shape.heads_q, p.shape.batch);
+  kernel<<<grid, Traits::kThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_flash_fwd(const FwdParams& params, cudaStream_t stream) {
+  if (params.shape.seq_q == 0 || params.shape.batch == 0) return cudaSuccess;
+  return dispatch_dtype_head_dim<Launch>(params, stream);
+}
+
+}  // namespace jax_flash::cuda

@@ -1,0 +1,21 @@
+// Host-side launchers of the CUDA kernels (flash_fwd_sm80.cu, flash_bwd_sm80.cu).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "attention_params.h"
+
+namespace jax_flash::cuda {
+
+// Head dims the kernels are compiled for; inputs are padded (by the caller) to a multiple of 8
+// and run on the smallest of these that holds them.
+inline constexpr int kCompiledHeadDims[] = {32, 64, 128, 192, 256};
+
+// Forward: o and lse. The launch shape comes from the shapes alone (CUDA-graph safe).
+cudaError_t launch_flash_fwd(const FwdParams& params, cudaStream_t stream);
+
+// Backward: dq, dk, dv, using params.delta and params.dq_accum (batch, seq_q, heads_q, head_dim
+// floats) as workspaces the caller owns.
+cudaError_t launch_flash_bwd(const BwdParams& params, cudaStream_t stream);
+
+}  // namespace jax_flash::cuda

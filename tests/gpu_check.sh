@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One GPU-machine run: build the extension (CUDA kernels included), run the GPU tests, run the
+# benchmark beside cuDNN / XLA / Pallas, and print the summary last. Results go to $OUT (the device
+# tool's output folder) or ./gpu_out.
+#   usage: bash tests/gpu_check.sh [pytest-args...]      (BENCH_ARGS="--quick" to shorten)
+set -uo pipefail
+out="${OUT:-gpu_out}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+start=$(date +%s)
+
+echo "== build" | tee "$out/build.log"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$out/build.log"
+JAX_FLASH_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install --no-build-isolation \
+  --no-deps -e . >>"$out/build.log" 2>&1 || { tail -50 "$out/build.log"; exit 1; }
+echo "build: $(( $(date +%s) - start )) s"
+
+echo "== GPU tests"
+python3 -m pytest -q -m gpu tests/test_cuda.py -x -p no:cacheprovider "$@" 2>&1 \
+  | tee "$out/pytest_gpu.log" | tail -30
+tests_rc=${PIPESTATUS[0]}
+echo "tests: $(( $(date +%s) - start )) s"
+
+echo "== benchmark"
+python3 -m jax_flash.benchmark --platform gpu --out "$out" ${BENCH_ARGS:-} 2>"$out/bench_progress.log" \
+  | tee "$out/bench.log"
+echo "total: $(( $(date +%s) - start )) s"
+echo "== GPU tests summary"; tail -3 "$out/pytest_gpu.log"
+exit "$tests_rc"

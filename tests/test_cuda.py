@@ -1,0 +1,130 @@
+"""The CUDA kernels against the references: marked `gpu`, skipped without an NVIDIA GPU.
+
+Run on the GPU machine with tests/gpu_check.sh. The same covering grid as the CPU kernel (its
+16-bit cases: the CUDA kernels take bfloat16/float16 so far), plus large cases, a CUDA-graph
+(command buffer) run, and a jit-compiled training step.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attention_testing import Case, check_against_references, run_jax_flash
+from test_forward_backward import GRID
+
+pytestmark = pytest.mark.gpu
+
+C = Case
+LARGE = [
+    C(batch=1, seq_q=4096, seq_k=4096, heads_q=8, heads_k=8, head_dim=128, dtype="bfloat16",
+      is_causal=True),
+    C(batch=2, seq_q=4096, seq_k=4096, heads_q=8, heads_k=2, head_dim=64, dtype="float16",
+      kv_lens=(4096, 3000)),
+    C(batch=1, seq_q=4096, seq_k=4096, heads_q=4, heads_k=4, head_dim=256, dtype="bfloat16",
+      local_window_size=(512, 0)),
+    # batch x heads >= 132 CTAs in every kernel, T != S
+    C(batch=4, seq_q=1000, seq_k=1500, heads_q=40, heads_k=8, head_dim=192, dtype="bfloat16",
+      is_causal=True, q_lens=(1000, 999, 500, 1), kv_lens=(1500, 1, 800, 1500)),
+    C(batch=1, seq_q=16384, seq_k=16384, heads_q=2, heads_k=1, head_dim=128, dtype="bfloat16",
+      is_causal=True),
+]
+CASES = [c for c in GRID if c.dtype != "float32"] + LARGE
+
+
+@pytest.fixture(autouse=True)
+def _exact_float32_references():
+  """The float32 references must not run on TF32 tensor cores."""
+  with jax.default_matmul_precision("highest"):
+    yield
+
+
+def _poison_device_memory(nbytes: int = 1 << 30) -> None:
+  """Fill and free a large block with NaN so that buffers XLA hands out next start as NaN:
+  an element a kernel forgot to write then fails the finiteness check."""
+  jax.block_until_ready(jnp.full((nbytes // 4,), jnp.nan, jnp.float32)).delete()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_cuda_matches_reference(case):
+  _poison_device_memory()
+  got = run_jax_flash(case, "cuda")
+  check_against_references(case, got)
+
+
+def test_cuda_is_default_on_gpu():
+  q, k, v, _ = C(dtype="bfloat16", seq_q=300, seq_k=300).inputs()
+  auto = jax_flash_call(q, k, v, None)
+  cuda = jax_flash_call(q, k, v, "cuda")
+  np.testing.assert_array_equal(np.asarray(auto, np.float32), np.asarray(cuda, np.float32))
+
+
+def jax_flash_call(q, k, v, implementation):
+  import jax_flash
+  return jax_flash.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+
+
+def test_dk_dv_deterministic():
+  """dK and dV are reduced in registers: bit-identical run after run. (dQ is accumulated with
+  float32 atomics; its order, and so its last bits, can vary.)"""
+  case = C(batch=2, seq_q=1024, seq_k=1024, heads_q=8, heads_k=2, head_dim=128,
+           dtype="bfloat16", is_causal=True)
+  first = run_jax_flash(case, "cuda")
+  for _ in range(3):
+    again = run_jax_flash(case, "cuda")
+    for name in ("out", "lse", "dk", "dv"):
+      np.testing.assert_array_equal(first[name], again[name], err_msg=name)
+
+
+def test_command_buffer_capture():
+  """The handlers are marked command-buffer compatible: XLA may capture them in CUDA graphs.
+  Run a jitted fwd+bwd many times (XLA captures after warm-up) and compare with the first."""
+  case = C(batch=2, seq_q=512, seq_k=512, heads_q=4, heads_k=4, head_dim=64, dtype="bfloat16")
+  q, k, v, g = case.inputs()
+  import jax_flash
+
+  @jax.jit
+  def step(q, k, v):
+    def loss(q, k, v):
+      out = jax_flash.dot_product_attention(q, k, v, implementation="cuda")
+      return jnp.sum(out.astype(jnp.float32) * g)
+    return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+  reference = jax.tree.map(np.asarray, step(q, k, v))
+  for _ in range(10):
+    value, grads = step(q, k, v)
+  np.testing.assert_allclose(np.asarray(value), reference[0], rtol=1e-5)
+  for got, want in zip(grads[1:], reference[1][1:]):  # dk, dv: deterministic
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_jit_training_step_reduces_loss():
+  """A tiny attention-only regression model trained with a jit-compiled SGD step."""
+  import jax_flash
+  rng = np.random.default_rng(0)
+  batch, seq, heads, dim = 4, 256, 4, 64
+  x = jnp.asarray(rng.standard_normal((batch, seq, heads * dim)), jnp.bfloat16)
+  target = jnp.asarray(rng.standard_normal((batch, seq, heads * dim)), jnp.float32)
+  params = {name: jnp.asarray(rng.standard_normal((heads * dim, heads * dim)) / 16, jnp.float32)
+            for name in ("wq", "wk", "wv")}
+
+  def loss_fn(params):
+    def project(w):
+      return (x @ w.astype(jnp.bfloat16)).reshape(batch, seq, heads, dim)
+    out = jax_flash.dot_product_attention(project(params["wq"]), project(params["wk"]),
+                                          project(params["wv"]), is_causal=True)
+    return jnp.mean((out.astype(jnp.float32).reshape(batch, seq, -1) - target) ** 2)
+
+  @jax.jit
+  def train_step(params):
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    return jax.tree.map(lambda p, g: p - 0.5 * g, params, grads), loss
+
+  losses = []
+  for _ in range(20):
+    params, loss = train_step(params)
+    losses.append(float(loss))
+  assert all(np.isfinite(losses))
+  assert losses[-1] < losses[0]
