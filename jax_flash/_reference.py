@@ -39,6 +39,9 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bo
   """
   batch, seq_q, heads_q, head_dim = q.shape
   seq_k, heads_k = k.shape[1], k.shape[2]
+  if seq_k == 0:  # nothing to attend to anywhere (and max over no keys is undefined)
+    lse = jnp.full((batch, heads_q, seq_q), EMPTY_ROW_LSE, jnp.float32)
+    return jnp.zeros_like(q), lse
   group = heads_q // heads_k
   qf = q.astype(jnp.float32).reshape(batch, seq_q, heads_k, group, head_dim)
   kf = k.astype(jnp.float32)

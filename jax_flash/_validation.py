@@ -26,6 +26,8 @@ def check_qkv(query: jax.Array, key: jax.Array, value: jax.Array) -> None:
     raise ValueError(f"query and key must have the same batch size; got {shapes}")
   if query.shape[-1] != key.shape[-1]:
     raise ValueError(f"query and key must have the same head dim H; got {shapes}")
+  if query.shape[-1] == 0:
+    raise ValueError(f"the head dim H=0: query, key and value need H >= 1; got {shapes}")
   heads_q, heads_k = query.shape[-2], key.shape[-2]
   if heads_k == 0 or heads_q % heads_k != 0:
     raise ValueError(
@@ -41,7 +43,9 @@ def check_qkv(query: jax.Array, key: jax.Array, value: jax.Array) -> None:
         f"query, key and value must be float32, bfloat16 or float16; got {query.dtype}")
 
 
-def check_seq_lengths(name: str, lengths, batch: int) -> jax.Array | None:
+def check_seq_lengths(name: str, lengths, batch: int, full: int) -> jax.Array | None:
+  """The lengths as int32; values past the sequence mean all of it (clipped in their own dtype
+  first, so no wide or unsigned length wraps around)."""
   if lengths is None:
     return None
   lengths = jnp.asarray(lengths)
@@ -50,10 +54,12 @@ def check_seq_lengths(name: str, lengths, batch: int) -> jax.Array | None:
                      f"got {lengths.shape}")
   if not jnp.issubdtype(lengths.dtype, jnp.integer):
     raise ValueError(f"{name} must be an integer array (int32); got {lengths.dtype}")
-  return lengths.astype(jnp.int32)
+  return jnp.clip(lengths, 0, full).astype(jnp.int32)
 
 
-def check_window(local_window_size) -> tuple[int, int] | None:
+def check_window(local_window_size, reach: int) -> tuple[int, int] | None:
+  """(left, right), each at most `reach` (T + S: a wider window masks nothing more, and the
+  kernels' index arithmetic stays far from overflow)."""
   if local_window_size is None:
     return None
   window = local_window_size
@@ -67,7 +73,7 @@ def check_window(local_window_size) -> tuple[int, int] | None:
   if left < 0 or right < 0:
     raise ValueError(f"local_window_size must be >= 0 on both sides; got {(left, right)} "
                      "(0 means the query's own position only)")
-  return left, right
+  return min(left, reach), min(right, reach)
 
 
 def check_scale(scale, head_dim: int) -> float:
@@ -77,7 +83,7 @@ def check_scale(scale, head_dim: int) -> float:
     value = float(scale)
   except jax.errors.ConcretizationTypeError as e:
     raise ValueError("scale must be a concrete Python number, not a traced value") from e
-  except TypeError as e:
+  except (TypeError, ValueError) as e:
     raise ValueError(f"scale must be a real number; got {scale!r}") from e
   if not np.isfinite(value):
     raise ValueError(f"scale must be finite; got {value}")
