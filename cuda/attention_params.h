@@ -70,8 +70,10 @@ struct BwdParams {
   void* dv = nullptr;
   // Workspaces, returned to XLA as extra outputs so no memory is hidden from it.
   float* delta = nullptr;        // (batch, heads_q, seq_q): rowsum(dO * O)
-  float* dq_accum = nullptr;     // (dq_splits, batch, seq_q, heads_q, head_dim) float32
-  int64_t dq_splits = 1;         // key blocks are dealt round-robin to this many dQ partials
+  float* dq_accum = nullptr;     // float32 dQ partials (layout per backend; unused when
+                                 // deterministic on CUDA)
+  int64_t dq_splits = 1;         // CPU: key blocks are dealt round-robin to this many partials
+  bool deterministic = false;    // CUDA: dQ without atomics (the CPU is always deterministic)
 };
 
 // The log-sum-exp stored for a query row that attends to nothing: finite, and exp(x - lse) of

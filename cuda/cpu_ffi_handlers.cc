@@ -87,7 +87,8 @@ ffi::Error run_bwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                    ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                    ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::F32>> delta,
                    ffi::Result<ffi::Buffer<ffi::F32>> dq_accum, double scale, bool is_causal,
-                   int64_t window_left, int64_t window_right, int64_t dq_splits) {
+                   int64_t window_left, int64_t window_right, int64_t dq_splits,
+                   bool /*deterministic: the CPU backward always is*/) {
   BwdParams params;
   JF_RETURN_IF_ERROR(attention_shape(q, k, v, q_lens, kv_lens, params.shape));
   JF_RETURN_IF_ERROR(attention_dtype(q, params.dtype));
@@ -164,6 +165,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<bool>("is_causal")
         .Attr<int64_t>("window_left")
         .Attr<int64_t>("window_right")
-        .Attr<int64_t>("dq_splits"));
+        .Attr<int64_t>("dq_splits")
+        .Attr<bool>("deterministic"));   // accepted for symmetry: always true on the CPU
 
 }  // namespace jax_flash

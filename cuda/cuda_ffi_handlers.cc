@@ -61,7 +61,7 @@ ffi::Error run_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                    ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                    ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::F32>> delta,
                    ffi::Result<ffi::Buffer<ffi::F32>> dq_accum, double scale, bool is_causal,
-                   int64_t window_left, int64_t window_right) {
+                   int64_t window_left, int64_t window_right, bool deterministic) {
   BwdParams params;
   JF_RETURN_IF_ERROR(attention_shape(q, k, v, q_lens, kv_lens, params.shape));
   JF_RETURN_IF_ERROR(attention_dtype(q, params.dtype));
@@ -75,7 +75,8 @@ ffi::Error run_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   const int64_t rows = sh.batch * sh.heads_q * sh.seq_q;
   JF_RETURN_IF_ERROR(expect_count("lse", lse.element_count(), rows));
   JF_RETURN_IF_ERROR(expect_count("delta", delta->element_count(), rows));
-  JF_RETURN_IF_ERROR(expect_count("dq_accum", dq_accum->element_count(), rows * sh.head_dim));
+  JF_RETURN_IF_ERROR(expect_count("dq_accum", dq_accum->element_count(),
+                                  deterministic ? 0 : rows * sh.head_dim));
   params.mask = {is_causal, window_left, window_right};
   params.scale = static_cast<float>(scale);
   params.q = q.untyped_data();
@@ -90,7 +91,8 @@ ffi::Error run_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   params.dk = dk->untyped_data();
   params.dv = dv->untyped_data();
   params.delta = delta->typed_data();
-  params.dq_accum = dq_accum->typed_data();
+  params.dq_accum = deterministic ? nullptr : dq_accum->typed_data();
+  params.deterministic = deterministic;
   if (cudaError_t e = cuda::launch_flash_bwd(params, stream)) return cuda_error("backward launch", e);
   return ffi::Error::Success();
 }
@@ -130,11 +132,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<ffi::AnyBuffer>()           // dk
         .Ret<ffi::AnyBuffer>()           // dv
         .Ret<ffi::Buffer<ffi::F32>>()    // delta workspace (..., N, T)
-        .Ret<ffi::Buffer<ffi::F32>>()    // dq_accum workspace, float32 shaped like q
+        .Ret<ffi::Buffer<ffi::F32>>()    // dq_accum workspace, float32 shaped like q (empty
+                                         // when deterministic)
         .Attr<double>("scale")
         .Attr<bool>("is_causal")
         .Attr<int64_t>("window_left")
-        .Attr<int64_t>("window_right"),
+        .Attr<int64_t>("window_right")
+        .Attr<bool>("deterministic"),    // dQ without atomics
     {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_flash

@@ -79,6 +79,16 @@ struct MmaOp<__half> {
   }
 };
 
+// p[0] += a, p[1] += b in global memory (p 8-byte aligned); one vector reduction on sm_90.
+__device__ __forceinline__ void atomic_add_pair(float* p, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(p), make_float2(a, b));
+#else
+  atomicAdd(p, a);
+  atomicAdd(p + 1, b);
+#endif
+}
+
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));

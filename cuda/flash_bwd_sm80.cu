@@ -8,10 +8,16 @@
 namespace jax_flash::cuda {
 namespace {
 
-// Tile shapes per head dim: (kBlockM, kBlockN, warps along keys, warps along the head dim).
+// Tile shapes per head dim: (kBlockM, kBlockN, warps, then the warp grids' row counts for S/dP,
+// dK/dV and dQ). 8 warps; key blocks of 128 up to head dim 128, of 64 beyond (shared memory).
 template <int kHeadDim>
-using BwdTraitsFor = std::conditional_t<
-    (kHeadDim <= 128), BwdTraits<kHeadDim, 64, 64, 4, 1>, BwdTraits<kHeadDim, 64, 32, 2, 2>>;
+using BwdTraitsFor = std::conditional_t<(kHeadDim <= 128), BwdTraits<kHeadDim, 64, 128, 8, 2, 4, 4>,
+                                        BwdTraits<kHeadDim, 64, 64, 8, 2, 4, 4>>;
+
+// The deterministic dQ kernel: query blocks of 64 (16 rows a warp), key blocks as the forward.
+template <int kHeadDim>
+using DqTraitsFor = std::conditional_t<(kHeadDim <= 128), FwdTraits<kHeadDim, 64, 64, 4>,
+                                       FwdTraits<kHeadDim, 64, 32, 4>>;
 
 template <typename T, int kHeadDim>
 struct Launch {
@@ -37,6 +43,16 @@ cudaError_t Launch<T, kHeadDim>::run(const BwdParams& p, cudaStream_t stream) {
     if (cudaError_t e = cudaGetLastError()) return e;
   }
 
+  if (p.deterministic) {
+    using DqTraits = DqTraitsFor<kHeadDim>;
+    auto dq_kernel = flash_bwd_dq_kernel<DqTraits, T>;
+    constexpr int dq_smem = 2 * (2 * DqTraits::QTile::kElements + 4 * DqTraits::KVTile::kElements);
+    if (cudaError_t e = cudaFuncSetAttribute(dq_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dq_smem))
+      return e;
+    const dim3 dq_grid((sh.seq_q + DqTraits::kBlockM - 1) / DqTraits::kBlockM, sh.heads_q, sh.batch);
+    dq_kernel<<<dq_grid, DqTraits::kThreads, dq_smem, stream>>>(p);
+    return cudaGetLastError();
+  }
   const int64_t elements = rows * sh.head_dim;
   const int blocks = static_cast<int>(std::min<int64_t>((elements + 255) / 256, 65536));
   flash_bwd_convert_dq_kernel<T><<<blocks, 256, 0, stream>>>(p);

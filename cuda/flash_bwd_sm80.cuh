@@ -7,6 +7,9 @@
 //     memory to feed dV += P^T dO, dK += dS^T Q (accumulated in registers over the whole loop:
 //     the GQA reduction happens here) and dQ += dS K (added to the fp32 accumulator atomically);
 //   flash_bwd_convert_dq_kernel: dQ = accumulator in the input dtype.
+// Deterministic mode replaces the atomics and the convert pass by flash_bwd_dq_kernel: one CTA
+// per query block, recomputing S, dP and dS for every key block its rows see and accumulating
+// dQ in registers (three more products, no atomics, the same result run after run).
 #pragma once
 
 #include "flash_fwd_sm80.cuh"
@@ -31,7 +34,8 @@ __device__ __forceinline__ void rows_seeing(const MaskParams& m, int64_t j0, int
   end = lo;
 }
 
-// One warp per (batch, query row, head): delta = dO . O, and the row's dQ accumulator zeroed.
+// One warp per (batch, query row, head): delta = dO . O, and the row's dQ accumulator zeroed
+// (when there is one).
 template <typename T>
 __global__ void flash_bwd_prepare_kernel(const __grid_constant__ BwdParams p) {
   const AttentionShape& sh = p.shape;
@@ -41,7 +45,7 @@ __global__ void flash_bwd_prepare_kernel(const __grid_constant__ BwdParams p) {
   const int64_t h = row % sh.heads_q, t = row / sh.heads_q % sh.seq_q, b = row / (sh.heads_q * sh.seq_q);
   const T* o = static_cast<const T*>(p.o) + row * sh.head_dim;
   const T* d_o = static_cast<const T*>(p.d_o) + row * sh.head_dim;
-  float* dq = p.dq_accum + row * sh.head_dim;
+  float* dq = p.deterministic ? nullptr : p.dq_accum + row * sh.head_dim;
   float sum = 0.f;
   for (int c = lane * 8; c < sh.head_dim; c += 32 * 8) {
     const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
@@ -50,8 +54,10 @@ __global__ void flash_bwd_prepare_kernel(const __grid_constant__ BwdParams p) {
     const T* de = reinterpret_cast<const T*>(&dv);
 #pragma unroll
     for (int e = 0; e < 8; ++e) sum += static_cast<float>(oe[e]) * static_cast<float>(de[e]);
-    *reinterpret_cast<float4*>(dq + c) = make_float4(0.f, 0.f, 0.f, 0.f);
-    *reinterpret_cast<float4*>(dq + c + 4) = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (dq != nullptr) {
+      *reinterpret_cast<float4*>(dq + c) = make_float4(0.f, 0.f, 0.f, 0.f);
+      *reinterpret_cast<float4*>(dq + c + 4) = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
   }
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
@@ -68,41 +74,50 @@ __global__ void flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams p)
     dq[i] = static_cast<T>(p.dq_accum[i]);
 }
 
-// Stores a warp's 16 x kBN accumulator (rows row0.., all columns) into a P-shaped shared tile.
-template <typename PTile, int kTiles, typename T>
-__device__ __forceinline__ void store_fragment(T* tile, const float (&x)[kTiles][4], int row0, int lane) {
+// Stores a warp's accumulator (rows from row0, columns from col0) into a 16-bit shared tile.
+template <typename Tile, int kMTiles, int kNTiles, typename T>
+__device__ __forceinline__ void store_accumulator(T* tile, const float (&x)[kMTiles][kNTiles][4],
+                                                  int row0, int col0, int lane) {
 #pragma unroll
-  for (int t = 0; t < kTiles; ++t) {
-    const int row = row0 + lane / 4, within = (lane % 4) * 2;
-    *reinterpret_cast<uint32_t*>(tile + PTile::offset(row, t) + within) = MmaOp<T>::pack(x[t][0], x[t][1]);
-    *reinterpret_cast<uint32_t*>(tile + PTile::offset(row + 8, t) + within) = MmaOp<T>::pack(x[t][2], x[t][3]);
-  }
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = row0 + mt * 16 + half * 8 + lane / 4, col = col0 + nt * 8 + (lane % 4) * 2;
+        *reinterpret_cast<uint32_t*>(tile + Tile::offset(row, col / 8) + col % 8) =
+            MmaOp<T>::pack(x[mt][nt][2 * half], x[mt][nt][2 * half + 1]);
+      }
 }
 
-// The A operand X^T (16 keys from key0, all kBlockM queries) of a stored [query][key] tile.
-template <typename PTile, int kSteps, typename T>
-__device__ __forceinline__ void load_transposed_a(uint32_t (&a)[kSteps][4], const T* tile, int key0, int lane) {
+// Writes a warp's dK or dV accumulator (key rows from row0, columns from col0) to global memory.
+template <int kMTiles, int kNTiles, typename T>
+__device__ __forceinline__ void store_rows(T* out, int64_t row_stride, const float (&x)[kMTiles][kNTiles][4],
+                                           int row0, int col0, int rows, int64_t cols, int lane) {
 #pragma unroll
-  for (int kk = 0; kk < kSteps; ++kk)
-    ldmatrix_x4_trans(a[kk], tile + PTile::offset(kk * 16 + lane / 16 * 8 + lane % 8, key0 / 8 + lane / 8 % 2));
-}
-
-// The A operand X (16 queries from row0, all keys) of a stored [query][key] tile.
-template <typename PTile, int kSteps, typename T>
-__device__ __forceinline__ void load_a(uint32_t (&a)[kSteps][4], const T* tile, int row0, int lane) {
+  for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-  for (int kk = 0; kk < kSteps; ++kk)
-    ldmatrix_x4(a[kk], tile + PTile::offset(row0 + lane / 8 % 2 * 8 + lane % 8, kk * 2 + lane / 16));
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = row0 + mt * 16 + half * 8 + lane / 4, col = col0 + nt * 8 + (lane % 4) * 2;
+        if (row < rows && col < cols)
+          *reinterpret_cast<uint32_t*>(out + row * row_stride + col) =
+              MmaOp<T>::pack(x[mt][nt][2 * half], x[mt][nt][2 * half + 1]);
+      }
 }
 
 template <typename Traits, typename T>
 __global__ void __launch_bounds__(Traits::kThreads)
     flash_bwd_kernel(const __grid_constant__ BwdParams p) {
   constexpr int kBM = Traits::kBlockM, kBN = Traits::kBlockN, kD = Traits::kHeadDim;
-  constexpr int kThreads = Traits::kThreads, kSliceD = Traits::kSliceD, kDqChunk = Traits::kDqChunk;
+  constexpr int kThreads = Traits::kThreads, kDqChunk = Traits::kDqChunk;
   using QTile = typename Traits::QTile;
   using KVTile = typename Traits::KVTile;
   using PTile = typename Traits::PTile;
+  using Sdp = typename Traits::SdpGrid;
+  using Kv = typename Traits::KvGrid;
+  using Dq = typename Traits::DqGrid;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* s_k = reinterpret_cast<T*>(smem_raw);
   T* s_v = s_k + KVTile::kElements;
@@ -113,7 +128,6 @@ __global__ void __launch_bounds__(Traits::kThreads)
 
   const AttentionShape& sh = p.shape;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int warp_n = warp % Traits::kWarpsN, warp_d = warp / Traits::kWarpsN;
   const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
   const int group = static_cast<int>(sh.heads_q / sh.heads_k);
   const int64_t q_len = clamp_len(p.q_lens, b, sh.seq_q);
@@ -142,9 +156,9 @@ __global__ void __launch_bounds__(Traits::kThreads)
                                q_stride, rows, chunks, tid);
   };
 
-  float dk[kSliceD / 8][4] = {};
-  float dv[kSliceD / 8][4] = {};
-  const int key0 = warp_n * 16, col0 = warp_d * kSliceD;
+  float dk[Kv::kMTiles][Kv::kNTiles][4] = {};
+  float dv[Kv::kMTiles][Kv::kNTiles][4] = {};
+  const int sdp_m0 = Sdp::row0(warp), sdp_n0 = Sdp::col0(warp);
   const float scale_log2 = p.scale * kLog2e;
 
   if (iterations > 0) {
@@ -169,75 +183,68 @@ __global__ void __launch_bounds__(Traits::kThreads)
     const T* tile_q = s_q + stage * QTile::kElements;
     const T* tile_do = s_do + stage * QTile::kElements;
 
-    // S and dP for this warp's 16 query rows.
-    float s[kBN / 8][4] = {};
-    float dp[kBN / 8][4] = {};
-    warp_mma_abt<QTile, KVTile, kD / 16>(s, tile_q, warp * 16, s_k, 0, lane);
-    warp_mma_abt<QTile, KVTile, kD / 16>(dp, tile_do, warp * 16, s_v, 0, lane);
+    // S = Q K^T and dP = dO V^T on this warp's part of the kBM x kBN tile.
+    float s[Sdp::kMTiles][Sdp::kNTiles][4] = {};
+    float dp[Sdp::kMTiles][Sdp::kNTiles][4] = {};
+    warp_gemm<QTile, false, KVTile, false, kD / 16>(s, tile_q, sdp_m0, 0, s_k, sdp_n0, 0, lane);
+    warp_gemm<QTile, false, KVTile, false, kD / 16>(dp, tile_do, sdp_m0, 0, s_v, sdp_n0, 0, lane);
 
-    const int64_t row_a = m0 + warp * 16 + lane / 4, row_b = row_a + 8;
+    // P = exp2(S scale log2e - lse log2e) (0 where masked), dS = scale P (dP - delta).
     const float* lse = p.lse + (static_cast<int64_t>(b) * sh.heads_q + h) * sh.seq_q;
     const float* delta = p.delta + (static_cast<int64_t>(b) * sh.heads_q + h) * sh.seq_q;
-    const float lse_a = row_a < q_len ? lse[row_a] * kLog2e : 0.f;
-    const float lse_b = row_b < q_len ? lse[row_b] * kLog2e : 0.f;
-    const float delta_a = row_a < q_len ? delta[row_a] : 0.f;
-    const float delta_b = row_b < q_len ? delta[row_b] : 0.f;
-    const KeyRange keys_a = key_range(p.mask, row_a, q_len, kv_len);
-    const KeyRange keys_b = key_range(p.mask, row_b, q_len, kv_len);
     const KeyRange first = key_range(p.mask, m0, q_len, kv_len);
     const KeyRange last = key_range(p.mask, min64(m0 + kBM, q_len) - 1, q_len, kv_len);
     const bool masked = m0 + kBM > q_len || n0 < last.begin || n0 + kBN > first.end;
 #pragma unroll
-    for (int t = 0; t < kBN / 8; ++t)
+    for (int mt = 0; mt < Sdp::kMTiles; ++mt)
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int64_t j = n0 + t * 8 + (lane % 4) * 2 + e;
-        float pa = fast_exp2(s[t][e] * scale_log2 - lse_a);
-        float pb = fast_exp2(s[t][2 + e] * scale_log2 - lse_b);
-        if (masked) {
-          if (j < keys_a.begin || j >= keys_a.end) pa = 0.f;
-          if (j < keys_b.begin || j >= keys_b.end) pb = 0.f;
-        }
-        s[t][e] = pa;
-        s[t][2 + e] = pb;
-        dp[t][e] = p.scale * pa * (dp[t][e] - delta_a);
-        dp[t][2 + e] = p.scale * pb * (dp[t][2 + e] - delta_b);
+      for (int half = 0; half < 2; ++half) {
+        const int64_t row = m0 + sdp_m0 + mt * 16 + half * 8 + lane / 4;
+        const float row_lse = row < q_len ? lse[row] * kLog2e : 0.f;
+        const float row_delta = row < q_len ? delta[row] : 0.f;
+        const KeyRange row_keys = key_range(p.mask, row, q_len, kv_len);
+#pragma unroll
+        for (int nt = 0; nt < Sdp::kNTiles; ++nt)
+#pragma unroll
+          for (int e = 2 * half; e < 2 * half + 2; ++e) {
+            float prob = fast_exp2(s[mt][nt][e] * scale_log2 - row_lse);
+            if (masked) {
+              const int64_t j = n0 + sdp_n0 + nt * 8 + (lane % 4) * 2 + e % 2;
+              if (j < row_keys.begin || j >= row_keys.end) prob = 0.f;
+            }
+            s[mt][nt][e] = prob;
+            dp[mt][nt][e] = p.scale * prob * (dp[mt][nt][e] - row_delta);
+          }
       }
-    store_fragment<PTile>(s_p, s, warp * 16, lane);
-    store_fragment<PTile>(s_ds, dp, warp * 16, lane);
+    store_accumulator<PTile>(s_p, s, sdp_m0, sdp_n0, lane);
+    store_accumulator<PTile>(s_ds, dp, sdp_m0, sdp_n0, lane);
     __syncthreads();
 
-    // dV += P^T dO and dK += dS^T Q for this warp's 16 keys and head-dim slice.
-    {
-      uint32_t a[kBM / 16][4];
-      load_transposed_a<PTile>(a, s_p, key0, lane);
-      warp_mma_ab_regs<QTile, kBM / 16>(dv, a, tile_do, col0, lane);
-      load_transposed_a<PTile>(a, s_ds, key0, lane);
-      warp_mma_ab_regs<QTile, kBM / 16>(dk, a, tile_q, col0, lane);
-    }
-    // dQ += dS K for this warp's 16 query rows, kDqChunk columns at a time.
-    {
-      uint32_t a[kBN / 16][4];
-      load_a<PTile>(a, s_ds, warp * 16, lane);
-      float* dq_a = p.dq_accum + ((b * sh.seq_q + row_a) * sh.heads_q + h) * sh.head_dim;
-      float* dq_b = dq_a + 8 * q_stride;
+    // dV += P^T dO and dK += dS^T Q: A = the [query][key] tiles read transposed.
+    warp_gemm<PTile, true, QTile, true, kBM / 16>(dv, s_p, Kv::row0(warp), 0, tile_do, Kv::col0(warp), 0, lane);
+    warp_gemm<PTile, true, QTile, true, kBM / 16>(dk, s_ds, Kv::row0(warp), 0, tile_q, Kv::col0(warp), 0, lane);
+
+    // dQ += dS K, added to the float32 accumulator (kDqChunk columns at a time); the
+    // deterministic mode computes dQ in flash_bwd_dq_kernel instead.
+    if (!p.deterministic) {
 #pragma unroll
-      for (int c0 = 0; c0 < kD; c0 += kDqChunk) {
-        float dq[kDqChunk / 8][4] = {};
-        warp_mma_ab_regs<KVTile, kBN / 16>(dq, a, s_k, c0, lane);
+      for (int c0 = 0; c0 < Dq::kCols; c0 += kDqChunk) {
+        float dq[Dq::kMTiles][kDqChunk / 8][4] = {};
+        warp_gemm<PTile, false, KVTile, true, kBN / 16>(dq, s_ds, Dq::row0(warp), 0, s_k, Dq::col0(warp) + c0, 0, lane);
 #pragma unroll
-        for (int t = 0; t < kDqChunk / 8; ++t) {
-          const int col = c0 + t * 8 + (lane % 4) * 2;
-          if (col >= sh.head_dim) continue;
-          if (row_a < q_len) {
-            atomicAdd(dq_a + col, dq[t][0]);
-            atomicAdd(dq_a + col + 1, dq[t][1]);
+        for (int mt = 0; mt < Dq::kMTiles; ++mt)
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int64_t row = m0 + Dq::row0(warp) + mt * 16 + half * 8 + lane / 4;
+            if (row >= q_len) continue;
+            float* dq_row = p.dq_accum + ((b * sh.seq_q + row) * sh.heads_q + h) * sh.head_dim;
+#pragma unroll
+            for (int nt = 0; nt < kDqChunk / 8; ++nt) {
+              const int col = Dq::col0(warp) + c0 + nt * 8 + (lane % 4) * 2;
+              if (col >= sh.head_dim) continue;
+              atomic_add_pair(dq_row + col, dq[mt][nt][2 * half], dq[mt][nt][2 * half + 1]);
+            }
           }
-          if (row_b < q_len) {
-            atomicAdd(dq_b + col, dq[t][2]);
-            atomicAdd(dq_b + col + 1, dq[t][3]);
-          }
-        }
       }
     }
     __syncthreads();  // P, dS and this stage are overwritten next
@@ -246,20 +253,143 @@ __global__ void __launch_bounds__(Traits::kThreads)
   // dK and dV rows of this block (zeros where no query sees the key).
   T* dk_out = static_cast<T*>(p.dk) + (b * sh.seq_k + n0) * kv_stride + hk * sh.head_dim;
   T* dv_out = static_cast<T*>(p.dv) + (b * sh.seq_k + n0) * kv_stride + hk * sh.head_dim;
-  const int r_a = key0 + lane / 4, r_b = r_a + 8;
+  store_rows(dk_out, kv_stride, dk, Kv::row0(warp), Kv::col0(warp), keys, sh.head_dim, lane);
+  store_rows(dv_out, kv_stride, dv, Kv::row0(warp), Kv::col0(warp), keys, sh.head_dim, lane);
+}
+
+// The P and dS of one tile of scores (fragments s, dp for this thread's rows): P = exp2(S
+// scale log2e - lse log2e), 0 outside each row's key range when `masked`; dS = scale P (dP - D).
+template <int kMTiles, int kNTiles>
+__device__ __forceinline__ void probabilities_and_ds(float (&s)[kMTiles][kNTiles][4], float (&dp)[kMTiles][kNTiles][4],
+                                                     const float (&lse2)[kMTiles][2], const float (&delta)[kMTiles][2],
+                                                     const KeyRange (&keys)[kMTiles][2], bool masked, int64_t n0,
+                                                     float scale, float scale_log2, int lane) {
 #pragma unroll
-  for (int t = 0; t < kSliceD / 8; ++t) {
-    const int col = col0 + t * 8 + (lane % 4) * 2;
-    if (col >= sh.head_dim) continue;
-    if (r_a < keys) {
-      *reinterpret_cast<uint32_t*>(dk_out + r_a * kv_stride + col) = MmaOp<T>::pack(dk[t][0], dk[t][1]);
-      *reinterpret_cast<uint32_t*>(dv_out + r_a * kv_stride + col) = MmaOp<T>::pack(dv[t][0], dv[t][1]);
-    }
-    if (r_b < keys) {
-      *reinterpret_cast<uint32_t*>(dk_out + r_b * kv_stride + col) = MmaOp<T>::pack(dk[t][2], dk[t][3]);
-      *reinterpret_cast<uint32_t*>(dv_out + r_b * kv_stride + col) = MmaOp<T>::pack(dv[t][2], dv[t][3]);
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float prob = fast_exp2(s[mt][nt][e] * scale_log2 - lse2[mt][e / 2]);
+        if (masked) {
+          const int64_t j = n0 + nt * 8 + (lane % 4) * 2 + e % 2;
+          if (j < keys[mt][e / 2].begin || j >= keys[mt][e / 2].end) prob = 0.f;
+        }
+        s[mt][nt][e] = prob;
+        dp[mt][nt][e] = scale * prob * (dp[mt][nt][e] - delta[mt][e / 2]);
+      }
+}
+
+template <typename Traits, typename T>
+__global__ void __launch_bounds__(Traits::kThreads)
+    flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
+  constexpr int kBM = Traits::kBlockM, kBN = Traits::kBlockN, kD = Traits::kHeadDim;
+  constexpr int kThreads = Traits::kThreads, kMT = Traits::kMTiles;
+  using QTile = typename Traits::QTile;
+  using KVTile = typename Traits::KVTile;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* s_q = reinterpret_cast<T*>(smem_raw);
+  T* s_do = s_q + QTile::kElements;
+  T* s_k = s_do + QTile::kElements;      // two stages
+  T* s_v = s_k + 2 * KVTile::kElements;  // two stages
+
+  const AttentionShape& sh = p.shape;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int m_block = gridDim.x - 1 - blockIdx.x;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int hk = h / (sh.heads_q / sh.heads_k);
+  const int64_t q_len = clamp_len(p.q_lens, b, sh.seq_q);
+  const int64_t kv_len = clamp_len(p.kv_lens, b, sh.seq_k);
+  const int64_t q_stride = sh.heads_q * sh.head_dim, kv_stride = sh.heads_k * sh.head_dim;
+  const int chunks = static_cast<int>(sh.head_dim / 8);
+  const int64_t m0 = static_cast<int64_t>(m_block) * kBM;
+  const int rows = static_cast<int>(min64(kBM, sh.seq_q - m0));
+  const int live_rows = static_cast<int>(max64(0, min64(rows, q_len - m0)));
+  const int warp_m0 = warp * kMT * 16;
+
+  int n_first = 0, n_last = -1;
+  KeyRange first{0, 0}, last{0, 0};
+  if (live_rows > 0) {
+    first = key_range(p.mask, m0, q_len, kv_len);
+    last = key_range(p.mask, m0 + live_rows - 1, q_len, kv_len);
+    if (last.end > first.begin) {
+      n_first = static_cast<int>(first.begin / kBN);
+      n_last = static_cast<int>((last.end - 1) / kBN);
     }
   }
+  const bool has_padding_rows = m0 + kBM > q_len;
+
+  const float* lse = p.lse + (static_cast<int64_t>(b) * sh.heads_q + h) * sh.seq_q;
+  const float* delta = p.delta + (static_cast<int64_t>(b) * sh.heads_q + h) * sh.seq_q;
+  KeyRange keys[kMT][2];
+  float lse2[kMT][2], row_delta[kMT][2];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int64_t row = m0 + warp_m0 + mt * 16 + half * 8 + lane / 4;
+      keys[mt][half] = key_range(p.mask, row, q_len, kv_len);
+      lse2[mt][half] = row < q_len ? lse[row] * kLog2e : 0.f;
+      row_delta[mt][half] = row < q_len ? delta[row] : 0.f;
+    }
+  float dq[kMT][kD / 8][4] = {};
+  const float scale_log2 = p.scale * kLog2e;
+
+  if (n_last >= n_first) {
+    const int64_t q_offset = (b * sh.seq_q + m0) * q_stride + h * sh.head_dim;
+    const T* k = static_cast<const T*>(p.k) + b * sh.seq_k * kv_stride + hk * sh.head_dim;
+    const T* v = static_cast<const T*>(p.v) + b * sh.seq_k * kv_stride + hk * sh.head_dim;
+    auto load_kv = [&](int n_block, int stage) {
+      const int64_t n0 = static_cast<int64_t>(n_block) * kBN;
+      const int n_rows = static_cast<int>(min64(kBN, kv_len - n0));
+      load_tile<KVTile, kThreads>(s_k + stage * KVTile::kElements, k + n0 * kv_stride, kv_stride, n_rows, chunks, tid);
+      load_tile<KVTile, kThreads>(s_v + stage * KVTile::kElements, v + n0 * kv_stride, kv_stride, n_rows, chunks, tid);
+    };
+    load_tile<QTile, kThreads>(s_q, static_cast<const T*>(p.q) + q_offset, q_stride, live_rows, chunks, tid);
+    load_tile<QTile, kThreads>(s_do, static_cast<const T*>(p.d_o) + q_offset, q_stride, live_rows, chunks, tid);
+    load_kv(n_first, 0);
+    cp_async_commit();
+
+    for (int n_block = n_first, stage = 0; n_block <= n_last; ++n_block, stage ^= 1) {
+      if (n_block < n_last) {
+        load_kv(n_block + 1, stage ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+      __syncthreads();
+      const T* tile_k = s_k + stage * KVTile::kElements;
+      const T* tile_v = s_v + stage * KVTile::kElements;
+      float s[kMT][kBN / 8][4] = {};
+      float dp[kMT][kBN / 8][4] = {};
+      warp_gemm<QTile, false, KVTile, false, kD / 16>(s, s_q, warp_m0, 0, tile_k, 0, 0, lane);
+      warp_gemm<QTile, false, KVTile, false, kD / 16>(dp, s_do, warp_m0, 0, tile_v, 0, 0, lane);
+      const int64_t n0 = static_cast<int64_t>(n_block) * kBN;
+      const bool masked = has_padding_rows || n0 < last.begin || n0 + kBN > first.end;
+      probabilities_and_ds(s, dp, lse2, row_delta, keys, masked, n0, p.scale, scale_log2, lane);
+      uint32_t ds[kBN / 16][kMT][4];
+      accumulator_to_a<T>(ds, dp);
+      warp_gemm_a_regs<KVTile, true>(dq, ds, tile_k, 0, 0, lane);
+      __syncthreads();  // the stage is overwritten by the next iteration's prefetch
+    }
+  }
+
+  T* out = static_cast<T*>(p.dq) + (b * sh.seq_q + m0) * q_stride + h * sh.head_dim;
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = warp_m0 + mt * 16 + half * 8 + lane / 4;
+      if (row >= rows) continue;
+#pragma unroll
+      for (int dt = 0; dt < kD / 8; ++dt) {
+        const int col = dt * 8 + (lane % 4) * 2;
+        if (col < sh.head_dim)
+          *reinterpret_cast<uint32_t*>(out + row * q_stride + col) =
+              MmaOp<T>::pack(dq[mt][dt][2 * half], dq[mt][dt][2 * half + 1]);
+      }
+    }
 }
 
 }  // namespace jax_flash::cuda

@@ -30,8 +30,9 @@ struct SmemTile {
   }
 };
 
-// Forward: each CTA owns kBlockM query rows of one (batch, head), 16 per warp, and streams
-// key/value tiles of kBlockN rows through a two-stage cp.async pipeline.
+// Forward: each CTA owns kBlockM query rows of one (batch, head), kBlockM / kNWarps per warp (a
+// multiple of 16: more rows a warp means fewer shared-memory reads of K and V per product), and
+// streams key/value tiles of kBlockN rows through a two-stage cp.async pipeline.
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
 struct FwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
@@ -39,37 +40,53 @@ struct FwdTraits {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kNWarps = kNWarps_;
   static constexpr int kThreads = 32 * kNWarps;
-  static_assert(kBlockM == 16 * kNWarps, "each warp owns 16 query rows");
+  static constexpr int kMTiles = kBlockM / (16 * kNWarps);  // 16-row tiles per warp
+  static_assert(kMTiles * 16 * kNWarps == kBlockM, "warps own whole 16-row tiles");
   static_assert(kBlockN % 16 == 0 && kHeadDim % 16 == 0, "tiles are multiples of 16");
   using QTile = SmemTile<kBlockM, kHeadDim>;
   using KVTile = SmemTile<kBlockN, kHeadDim>;
   static constexpr int kSmemBytes = 2 * (QTile::kElements + 4 * KVTile::kElements);
 };
 
+// A grid of warps over an M x N tile of a product: kWarpsM x kWarpsN, each warp owning
+// kMTiles 16-row tiles and kNTiles 8-column tiles.
+template <int kM, int kN, int kWarpsM_, int kWarpsN_>
+struct WarpGrid {
+  static constexpr int kWarpsM = kWarpsM_;
+  static constexpr int kWarpsN = kWarpsN_;
+  static constexpr int kRows = kM / kWarpsM;  // per warp
+  static constexpr int kCols = kN / kWarpsN;
+  static constexpr int kMTiles = kRows / 16;
+  static constexpr int kNTiles = kCols / 8;
+  static_assert(kMTiles * 16 * kWarpsM == kM && kNTiles * 8 * kWarpsN == kN, "whole tiles");
+  static_assert(kNTiles % 2 == 0, "n-tiles come in pairs");
+  __device__ __forceinline__ static int row0(int warp) { return warp % kWarpsM * kRows; }
+  __device__ __forceinline__ static int col0(int warp) { return warp / kWarpsM * kCols; }
+};
+
 // Backward main kernel: each CTA owns kBlockN keys of one (batch, kv head) and loops over the
-// query blocks (of every query head of the group) that see them. The warps tile the dK/dV
-// products kWarpsN (16 keys each) x kWarpsD (head-dim slices); the S/dP/dQ products 16 query
-// rows per warp.
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kWarpsN_, int kWarpsD_>
+// query blocks (of every query head of the group) that see them. Three warp grids: S and dP
+// (kBlockM x kBlockN), dK and dV (kBlockN x head dim), dQ (kBlockM x head dim, done in column
+// chunks of at most kDqChunk to bound registers).
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kSdpWarpsM, int kKvWarpsN,
+          int kDqWarpsM>
 struct BwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
-  static constexpr int kWarpsN = kWarpsN_;
-  static constexpr int kWarpsD = kWarpsD_;
-  static constexpr int kNWarps = kWarpsN * kWarpsD;
+  static constexpr int kNWarps = kNWarps_;
   static constexpr int kThreads = 32 * kNWarps;
-  static constexpr int kSliceD = kHeadDim / kWarpsD;  // head-dim columns of a warp's dK/dV
-  static constexpr int kDqChunk = kHeadDim < 64 ? kHeadDim : 64;  // dQ columns per pass
-  static_assert(kBlockM == 16 * kNWarps, "each warp owns 16 query rows of S and dP");
-  static_assert(kBlockN == 16 * kWarpsN, "each warp row owns 16 keys of dK and dV");
-  static_assert(kSliceD % 16 == 0 && kHeadDim % kDqChunk == 0, "head-dim slices of 16");
+  using SdpGrid = WarpGrid<kBlockM, kBlockN, kSdpWarpsM, kNWarps / kSdpWarpsM>;
+  using KvGrid = WarpGrid<kBlockN, kHeadDim, kKvWarpsN, kNWarps / kKvWarpsN>;
+  using DqGrid = WarpGrid<kBlockM, kHeadDim, kDqWarpsM, kNWarps / kDqWarpsM>;
+  static constexpr int kDqChunk =
+      DqGrid::kCols % 64 == 0 ? 64 : (DqGrid::kCols % 32 == 0 ? 32 : 16);
+  static_assert(DqGrid::kCols % kDqChunk == 0 && kDqChunk % 16 == 0, "dQ column chunks");
   using QTile = SmemTile<kBlockM, kHeadDim>;
   using KVTile = SmemTile<kBlockN, kHeadDim>;
   using PTile = SmemTile<kBlockM, kBlockN>;
   static constexpr int kSmemBytes =
-      2 * (2 * KVTile::kElements + 4 * QTile::kElements + 2 * PTile::kElements) +
-      4 * 2 * kBlockM;  // + lse and delta rows (float)
+      2 * (2 * KVTile::kElements + 4 * QTile::kElements + 2 * PTile::kElements);
 };
 
 }  // namespace jax_flash::cuda

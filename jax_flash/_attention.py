@@ -72,6 +72,7 @@ def dot_product_attention(
     local_window_size: int | tuple[int, int] | None = None,
     implementation: Implementation | None = None,
     return_residual: bool = False,
+    deterministic: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Scaled dot-product attention computed by FlashAttention kernels.
 
@@ -96,6 +97,9 @@ def dot_product_attention(
       plain (quadratic-memory) reference.
     return_residual: also return the log-sum-exp of each query row's logits, ``(B, T, N)``
       (or ``(T, N)``) in float32, under ``stop_gradient`` as in jax.nn.
+    deterministic: make the backward pass bit-identical run after run. The CUDA backward
+      otherwise adds dQ with float32 atomics, whose order varies; deterministic mode computes
+      dQ in a separate pass instead (slower). The CPU backward is always deterministic.
 
   Returns:
     The attention output, shaped and typed like ``query``; with ``return_residual``, the pair
@@ -109,6 +113,8 @@ def dot_product_attention(
         "jax_flash.dot_product_attention: `mask` is not supported yet; causal, padding "
         "(query_seq_lengths / key_value_seq_lengths) and local_window_size masks are")
   _validation.check_implementation(implementation)
+  if not isinstance(deterministic, bool):
+    raise ValueError(f"deterministic must be a bool; got {deterministic!r}")
   query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
   _validation.check_qkv(query, key, value)
   unbatched = query.ndim == 3
@@ -139,7 +145,8 @@ def dot_product_attention(
         query, key, value, q_lens, kv_lens, scale=scale, is_causal=bool(is_causal),
         window_left=window_left, window_right=window_right)
   else:
-    config = _ops.KernelConfig(implementation, scale, bool(is_causal), window_left, window_right)
+    config = _ops.KernelConfig(implementation, scale, bool(is_causal), window_left, window_right,
+                               deterministic)
     pad = _CUDA_HEAD_DIM_MULTIPLE - head_dim % _CUDA_HEAD_DIM_MULTIPLE
     if implementation == "cuda" and pad != _CUDA_HEAD_DIM_MULTIPLE:
       # Zero columns change no score and give zero output columns, sliced off again.

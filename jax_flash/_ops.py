@@ -33,6 +33,7 @@ class KernelConfig:
   is_causal: bool
   window_left: int  # -1: unbounded
   window_right: int  # -1: unbounded
+  deterministic: bool = False  # backward: bit-identical gradients run after run
 
   def attributes(self) -> dict:
     return dict(
@@ -81,11 +82,13 @@ def flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig):
   """Returns (dq, dk, dv); the kernel's workspaces come back as extra outputs and are dropped.
 
   Workspaces: delta (..., N, T) float32, and the float32 dQ accumulator: on the CPU one flat
-  partial per dQ split with the head dim padded to 16; on CUDA one shaped like q.
+  partial per dQ split with the head dim padded to 16; on CUDA one shaped like q, or none in
+  deterministic mode.
   """
   *batch, seq_q, heads_q, head_dim = q.shape
   seq_k, heads_k = k.shape[-3], k.shape[-2]
   attributes = config.attributes()
+  attributes["deterministic"] = bool(config.deterministic)
   if config.implementation == "cpu":
     batch_size = math.prod(batch)
     splits = dq_splits(batch_size, heads_k, seq_k)
@@ -93,6 +96,8 @@ def flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig):
     dq_accum = jax.ShapeDtypeStruct(
         (splits * batch_size * seq_q * heads_q * padded,), jnp.float32)
     attributes["dq_splits"] = np.int64(splits)
+  elif config.deterministic:  # dQ computed per query block, no accumulator
+    dq_accum = jax.ShapeDtypeStruct((0,), jnp.float32)
   else:
     dq_accum = jax.ShapeDtypeStruct(q.shape, jnp.float32)
   call = jax.ffi.ffi_call(
