@@ -10,7 +10,7 @@
 #include <string>
 
 #include "cpu_kernels.h"
-#include "ffi_shapes.h"
+#include "ffi_params.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -62,20 +62,8 @@ ffi::Error run_fwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                    ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse,
                    double scale, bool is_causal, int64_t window_left, int64_t window_right) {
   FwdParams params;
-  JF_RETURN_IF_ERROR(attention_shape(q, k, v, q_lens, kv_lens, params.shape));
-  JF_RETURN_IF_ERROR(attention_dtype(q, params.dtype));
-  JF_RETURN_IF_ERROR(expect_like("o", *o, q));
-  JF_RETURN_IF_ERROR(expect_count("lse", lse->element_count(), params.shape.batch *
-                                   params.shape.heads_q * params.shape.seq_q));
-  params.mask = {is_causal, window_left, window_right};
-  params.scale = static_cast<float>(scale);
-  params.q = q.untyped_data();
-  params.k = k.untyped_data();
-  params.v = v.untyped_data();
-  params.q_lens = q_lens.typed_data();
-  params.kv_lens = kv_lens.typed_data();
-  params.o = o->untyped_data();
-  params.lse = lse->typed_data();
+  JF_RETURN_IF_ERROR(make_fwd_params(q, k, v, q_lens, kv_lens, *o, *lse, scale, is_causal,
+                                     window_left, window_right, params));
   PoolRunner runner{&pool};
   cpu::flash_fwd(params, {&PoolRunner::run, &runner});
   return ffi::Error::Success();
@@ -90,35 +78,14 @@ ffi::Error run_bwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                    int64_t window_left, int64_t window_right, int64_t dq_splits,
                    bool /*deterministic: the CPU backward always is*/) {
   BwdParams params;
-  JF_RETURN_IF_ERROR(attention_shape(q, k, v, q_lens, kv_lens, params.shape));
-  JF_RETURN_IF_ERROR(attention_dtype(q, params.dtype));
-  const AttentionShape& sh = params.shape;
-  JF_RETURN_IF_ERROR(expect_like("o", o, q));
-  JF_RETURN_IF_ERROR(expect_like("do", d_o, q));
-  JF_RETURN_IF_ERROR(expect_like("dq", *dq, q));
-  JF_RETURN_IF_ERROR(expect_like("dk", *dk, k));
-  JF_RETURN_IF_ERROR(expect_like("dv", *dv, v));
-  const int64_t rows = sh.batch * sh.heads_q * sh.seq_q;
-  JF_RETURN_IF_ERROR(expect_count("lse", lse.element_count(), rows));
-  JF_RETURN_IF_ERROR(expect_count("delta", delta->element_count(), rows));
+  JF_RETURN_IF_ERROR(make_bwd_params(q, k, v, o, lse, d_o, q_lens, kv_lens, *dq, *dk, *dv, *delta,
+                                     scale, is_causal, window_left, window_right, params));
   if (dq_splits < 1)
     return ffi::Error::InvalidArgument("dq_splits must be >= 1, got " + std::to_string(dq_splits));
+  const AttentionShape& sh = params.shape;
   JF_RETURN_IF_ERROR(expect_count("dq_accum", dq_accum->element_count(),
-                                   dq_splits * rows * cpu::padded_head_dim(sh.head_dim)));
-  params.mask = {is_causal, window_left, window_right};
-  params.scale = static_cast<float>(scale);
-  params.q = q.untyped_data();
-  params.k = k.untyped_data();
-  params.v = v.untyped_data();
-  params.o = o.untyped_data();
-  params.d_o = d_o.untyped_data();
-  params.lse = lse.typed_data();
-  params.q_lens = q_lens.typed_data();
-  params.kv_lens = kv_lens.typed_data();
-  params.dq = dq->untyped_data();
-  params.dk = dk->untyped_data();
-  params.dv = dv->untyped_data();
-  params.delta = delta->typed_data();
+                                  dq_splits * sh.batch * sh.heads_q * sh.seq_q *
+                                      cpu::padded_head_dim(sh.head_dim)));
   params.dq_accum = dq_accum->typed_data();
   params.dq_splits = dq_splits;
   PoolRunner runner{&pool};

@@ -7,7 +7,7 @@
 
 #include <string>
 
-#include "ffi_shapes.h"
+#include "ffi_params.h"
 #include "flash_launch.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -36,21 +36,9 @@ ffi::Error run_fwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                    ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse,
                    double scale, bool is_causal, int64_t window_left, int64_t window_right) {
   FwdParams params;
-  JF_RETURN_IF_ERROR(attention_shape(q, k, v, q_lens, kv_lens, params.shape));
-  JF_RETURN_IF_ERROR(attention_dtype(q, params.dtype));
+  JF_RETURN_IF_ERROR(make_fwd_params(q, k, v, q_lens, kv_lens, *o, *lse, scale, is_causal,
+                                     window_left, window_right, params));
   JF_RETURN_IF_ERROR(check_cuda_inputs(q, params.shape, params.dtype));
-  JF_RETURN_IF_ERROR(expect_like("o", *o, q));
-  JF_RETURN_IF_ERROR(expect_count("lse", lse->element_count(),
-                                  params.shape.batch * params.shape.heads_q * params.shape.seq_q));
-  params.mask = {is_causal, window_left, window_right};
-  params.scale = static_cast<float>(scale);
-  params.q = q.untyped_data();
-  params.k = k.untyped_data();
-  params.v = v.untyped_data();
-  params.q_lens = q_lens.typed_data();
-  params.kv_lens = kv_lens.typed_data();
-  params.o = o->untyped_data();
-  params.lse = lse->typed_data();
   if (cudaError_t e = cuda::launch_flash_fwd(params, stream)) return cuda_error("forward launch", e);
   return ffi::Error::Success();
 }
@@ -63,34 +51,12 @@ ffi::Error run_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                    ffi::Result<ffi::Buffer<ffi::F32>> dq_accum, double scale, bool is_causal,
                    int64_t window_left, int64_t window_right, bool deterministic) {
   BwdParams params;
-  JF_RETURN_IF_ERROR(attention_shape(q, k, v, q_lens, kv_lens, params.shape));
-  JF_RETURN_IF_ERROR(attention_dtype(q, params.dtype));
+  JF_RETURN_IF_ERROR(make_bwd_params(q, k, v, o, lse, d_o, q_lens, kv_lens, *dq, *dk, *dv, *delta,
+                                     scale, is_causal, window_left, window_right, params));
   JF_RETURN_IF_ERROR(check_cuda_inputs(q, params.shape, params.dtype));
   const AttentionShape& sh = params.shape;
-  JF_RETURN_IF_ERROR(expect_like("o", o, q));
-  JF_RETURN_IF_ERROR(expect_like("do", d_o, q));
-  JF_RETURN_IF_ERROR(expect_like("dq", *dq, q));
-  JF_RETURN_IF_ERROR(expect_like("dk", *dk, k));
-  JF_RETURN_IF_ERROR(expect_like("dv", *dv, v));
-  const int64_t rows = sh.batch * sh.heads_q * sh.seq_q;
-  JF_RETURN_IF_ERROR(expect_count("lse", lse.element_count(), rows));
-  JF_RETURN_IF_ERROR(expect_count("delta", delta->element_count(), rows));
   JF_RETURN_IF_ERROR(expect_count("dq_accum", dq_accum->element_count(),
-                                  deterministic ? 0 : rows * sh.head_dim));
-  params.mask = {is_causal, window_left, window_right};
-  params.scale = static_cast<float>(scale);
-  params.q = q.untyped_data();
-  params.k = k.untyped_data();
-  params.v = v.untyped_data();
-  params.o = o.untyped_data();
-  params.d_o = d_o.untyped_data();
-  params.lse = lse.typed_data();
-  params.q_lens = q_lens.typed_data();
-  params.kv_lens = kv_lens.typed_data();
-  params.dq = dq->untyped_data();
-  params.dk = dk->untyped_data();
-  params.dv = dv->untyped_data();
-  params.delta = delta->typed_data();
+                                  deterministic ? 0 : sh.batch * sh.heads_q * sh.seq_q * sh.head_dim));
   params.dq_accum = deterministic ? nullptr : dq_accum->typed_data();
   params.deterministic = deterministic;
   if (cudaError_t e = cuda::launch_flash_bwd(params, stream)) return cuda_error("backward launch", e);

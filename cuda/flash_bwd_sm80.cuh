@@ -302,22 +302,9 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const int64_t kv_len = clamp_len(p.kv_lens, b, sh.seq_k);
   const int64_t q_stride = sh.heads_q * sh.head_dim, kv_stride = sh.heads_k * sh.head_dim;
   const int chunks = static_cast<int>(sh.head_dim / 8);
-  const int64_t m0 = static_cast<int64_t>(m_block) * kBM;
-  const int rows = static_cast<int>(min64(kBM, sh.seq_q - m0));
-  const int live_rows = static_cast<int>(max64(0, min64(rows, q_len - m0)));
+  const QueryBlock<kBM, kBN> blk(p.mask, m_block, sh.seq_q, q_len, kv_len);
+  const int64_t m0 = blk.m0;
   const int warp_m0 = warp * kMT * 16;
-
-  int n_first = 0, n_last = -1;
-  KeyRange first{0, 0}, last{0, 0};
-  if (live_rows > 0) {
-    first = key_range(p.mask, m0, q_len, kv_len);
-    last = key_range(p.mask, m0 + live_rows - 1, q_len, kv_len);
-    if (last.end > first.begin) {
-      n_first = static_cast<int>(first.begin / kBN);
-      n_last = static_cast<int>((last.end - 1) / kBN);
-    }
-  }
-  const bool has_padding_rows = m0 + kBM > q_len;
 
   const float* lse = p.lse + (static_cast<int64_t>(b) * sh.heads_q + h) * sh.seq_q;
   const float* delta = p.delta + (static_cast<int64_t>(b) * sh.heads_q + h) * sh.seq_q;
@@ -335,6 +322,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
   float dq[kMT][kD / 8][4] = {};
   const float scale_log2 = p.scale * kLog2e;
 
+  const int n_first = blk.n_first, n_last = blk.n_last;
   if (n_last >= n_first) {
     const int64_t q_offset = (b * sh.seq_q + m0) * q_stride + h * sh.head_dim;
     const T* k = static_cast<const T*>(p.k) + b * sh.seq_k * kv_stride + hk * sh.head_dim;
@@ -345,8 +333,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
       load_tile<KVTile, kThreads>(s_k + stage * KVTile::kElements, k + n0 * kv_stride, kv_stride, n_rows, chunks, tid);
       load_tile<KVTile, kThreads>(s_v + stage * KVTile::kElements, v + n0 * kv_stride, kv_stride, n_rows, chunks, tid);
     };
-    load_tile<QTile, kThreads>(s_q, static_cast<const T*>(p.q) + q_offset, q_stride, live_rows, chunks, tid);
-    load_tile<QTile, kThreads>(s_do, static_cast<const T*>(p.d_o) + q_offset, q_stride, live_rows, chunks, tid);
+    load_tile<QTile, kThreads>(s_q, static_cast<const T*>(p.q) + q_offset, q_stride, blk.live_rows, chunks, tid);
+    load_tile<QTile, kThreads>(s_do, static_cast<const T*>(p.d_o) + q_offset, q_stride, blk.live_rows, chunks, tid);
     load_kv(n_first, 0);
     cp_async_commit();
 
@@ -366,8 +354,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
       warp_gemm<QTile, false, KVTile, false, kD / 16>(s, s_q, warp_m0, 0, tile_k, 0, 0, lane);
       warp_gemm<QTile, false, KVTile, false, kD / 16>(dp, s_do, warp_m0, 0, tile_v, 0, 0, lane);
       const int64_t n0 = static_cast<int64_t>(n_block) * kBN;
-      const bool masked = has_padding_rows || n0 < last.begin || n0 + kBN > first.end;
-      probabilities_and_ds(s, dp, lse2, row_delta, keys, masked, n0, p.scale, scale_log2, lane);
+      probabilities_and_ds(s, dp, lse2, row_delta, keys, blk.needs_mask(n0), n0, p.scale, scale_log2, lane);
       uint32_t ds[kBN / 16][kMT][4];
       accumulator_to_a<T>(ds, dp);
       warp_gemm_a_regs<KVTile, true>(dq, ds, tile_k, 0, 0, lane);
@@ -381,7 +368,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = warp_m0 + mt * 16 + half * 8 + lane / 4;
-      if (row >= rows) continue;
+      if (row >= blk.rows) continue;
 #pragma unroll
       for (int dt = 0; dt < kD / 8; ++dt) {
         const int col = dt * 8 + (lane % 4) * 2;

@@ -49,6 +49,38 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// The query rows [m0, m0 + rows) of a CTA (live: before q_len) and the key blocks [n_first,
+// n_last] that any of them sees.
+template <int kBlockM, int kBlockN>
+struct QueryBlock {
+  int64_t m0;
+  int rows, live_rows;
+  KeyRange first{0, 0}, last{0, 0};  // key ranges of the first and last live rows
+  int n_first = 0, n_last = -1;
+  bool has_padding_rows;
+
+  __device__ QueryBlock(const MaskParams& mask, int m_block, int64_t seq_q, int64_t q_len,
+                        int64_t kv_len)
+      : m0(static_cast<int64_t>(m_block) * kBlockM),
+        rows(static_cast<int>(min64(kBlockM, seq_q - m0))),
+        live_rows(static_cast<int>(max64(0, min64(rows, q_len - m0)))),
+        has_padding_rows(m0 + kBlockM > q_len) {
+    if (live_rows > 0) {
+      first = key_range(mask, m0, q_len, kv_len);
+      last = key_range(mask, m0 + live_rows - 1, q_len, kv_len);
+      if (last.end > first.begin) {
+        n_first = static_cast<int>(first.begin / kBlockN);
+        n_last = static_cast<int>((last.end - 1) / kBlockN);
+      }
+    }
+  }
+
+  // Whether some row sees only part of key block n0 (or is padding): then masks apply.
+  __device__ bool needs_mask(int64_t n0) const {
+    return has_padding_rows || n0 < last.begin || n0 + kBlockN > first.end;
+  }
+};
+
 // Sets to -inf the scores of keys outside each row's range. Fragment element (mt, nt, e) of a
 // thread is row 16 mt + lane/4 (+8 for e >= 2), column 8 nt + 2 (lane % 4) + e % 2.
 template <int kMTiles, int kNTiles>
@@ -87,27 +119,13 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const int64_t kv_len = clamp_len(p.kv_lens, b, sh.seq_k);
   const int64_t q_stride = sh.heads_q * sh.head_dim, kv_stride = sh.heads_k * sh.head_dim;
   const int chunks = static_cast<int>(sh.head_dim / 8);
-  const int64_t m0 = static_cast<int64_t>(m_block) * kBM;
-  const int rows = static_cast<int>(min64(kBM, sh.seq_q - m0));
-  const int live_rows = static_cast<int>(max64(0, min64(rows, q_len - m0)));
+  const QueryBlock<kBM, kBN> blk(p.mask, m_block, sh.seq_q, q_len, kv_len);
+  const int64_t m0 = blk.m0;
   const int warp_m0 = warp * kMT * 16;
 
   const T* q = static_cast<const T*>(p.q) + (b * sh.seq_q + m0) * q_stride + h * sh.head_dim;
   const T* k = static_cast<const T*>(p.k) + b * sh.seq_k * kv_stride + hk * sh.head_dim;
   const T* v = static_cast<const T*>(p.v) + b * sh.seq_k * kv_stride + hk * sh.head_dim;
-
-  // Key blocks some row of this CTA sees.
-  int n_first = 0, n_last = -1;
-  KeyRange first{0, 0}, last{0, 0};
-  if (live_rows > 0) {
-    first = key_range(p.mask, m0, q_len, kv_len);
-    last = key_range(p.mask, m0 + live_rows - 1, q_len, kv_len);
-    if (last.end > first.begin) {
-      n_first = static_cast<int>(first.begin / kBN);
-      n_last = static_cast<int>((last.end - 1) / kBN);
-    }
-  }
-  const bool has_padding_rows = m0 + kBM > q_len;
 
   // This thread's rows: [mt][0] = row 16 mt + lane/4 of the warp's, [mt][1] that + 8.
   KeyRange keys[kMT][2];
@@ -123,6 +141,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
   float o[kMT][kD / 8][4] = {};
   const float scale_log2 = p.scale * kLog2e;
 
+  const int n_first = blk.n_first, n_last = blk.n_last;
   if (n_last >= n_first) {
     auto load_k = [&](int n_block, int stage) {
       const int64_t n0 = static_cast<int64_t>(n_block) * kBN;
@@ -136,7 +155,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
     };
     // Groups in flight, oldest first: (Q, K[n_last]), V[n_last], then per iteration K, V of
     // the next block.
-    load_tile<QTile, kThreads>(s_q, q, q_stride, live_rows, chunks, tid);
+    load_tile<QTile, kThreads>(s_q, q, q_stride, blk.live_rows, chunks, tid);
     load_k(n_last, 0);
     cp_async_commit();
     load_v(n_last, 0);
@@ -157,7 +176,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
       warp_gemm<QTile, false, KVTile, false, kD / 16>(s, s_q, warp_m0, 0,
                                                       s_k + stage * KVTile::kElements, 0, 0, lane);
       const int64_t n0 = static_cast<int64_t>(n_block) * kBN;
-      if (has_padding_rows || n0 < last.begin || n0 + kBN > first.end) mask_scores(s, n0, keys, lane);
+      if (blk.needs_mask(n0)) mask_scores(s, n0, keys, lane);
 
       // Online softmax: new row maxima, rescale the running sums and O, P = exp2(...).
       uint32_t pa[kBN / 16][kMT][4];
@@ -214,7 +233,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
       const int row = warp_m0 + mt * 16 + half * 8 + lane / 4;
       const float sum = quad_sum(row_sum[mt][half]);
       const float inv = sum > 0.f ? 1.f / sum : 0.f;
-      if (row >= rows) continue;
+      if (row >= blk.rows) continue;
 #pragma unroll
       for (int dt = 0; dt < kD / 8; ++dt) {
         const int col = dt * 8 + (lane % 4) * 2;

@@ -288,8 +288,9 @@ def references(case: Case) -> tuple[dict, dict]:
   return ref32, refd
 
 
-def run_jax_flash(case: Case, implementation: str) -> dict:
-  """jax_flash's out, lse, dq, dk, dv for `case` (loss with the full, unmasked cotangent).
+def run_jax_flash(case: Case, implementation: str, **extra) -> dict:
+  """jax_flash's out, lse, dq, dk, dv for `case` (loss with the full, unmasked cotangent);
+  `extra` are further keyword arguments of jax_flash's own (e.g. deterministic=True).
 
   With case.return_residual the gradient flows through the (out, lse) call; otherwise through
   the plain call, and lse comes from a second call with return_residual=True.

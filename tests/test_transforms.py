@@ -221,3 +221,23 @@ def test_higher_order_and_forward_mode_refuse_loudly(rng):
     jax.grad(lambda q: jnp.sum(grad(q, k, v, g)[0]))(q)
   with pytest.raises(TypeError, match="custom_vjp"):
     jax.jvp(lambda q: attention(q, k, v), (q,), (q,))
+
+
+def test_deterministic_flag_on_cpu():
+  """The CPU backward is always deterministic: the flag is accepted and changes nothing."""
+  rng = np.random.default_rng(7)
+  q, k, v = (jnp.asarray(rng.standard_normal((2, 70, 4, 24)), jnp.float32) for _ in range(3))
+
+  def grads(deterministic):
+    loss = lambda q, k, v: jnp.sum(jax_flash.dot_product_attention(
+        q, k, v, is_causal=True, implementation="cpu", deterministic=deterministic) ** 2)
+    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+  for a, b in zip(grads(False), grads(True)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_deterministic_must_be_bool():
+  x = jnp.ones((1, 4, 1, 8))
+  with pytest.raises(ValueError, match="deterministic"):
+    jax_flash.dot_product_attention(x, x, x, deterministic="yes")

@@ -1,5 +1,6 @@
-// Reading attention shapes and dtypes out of XLA FFI buffers, with errors that name the operand
-// and its shape. Shared by the CPU and CUDA handlers.
+// From XLA FFI buffers and attributes to FwdParams / BwdParams, with errors that name the
+// operand and its shape. Shared by the CPU and CUDA handlers, which add only what is their own
+// (dtype limits, workspaces).
 #pragma once
 
 #include <cstdint>
@@ -97,6 +98,70 @@ inline xla::ffi::Error expect_count(const char* name, size_t count, int64_t expe
     return xla::ffi::Error::InvalidArgument(std::string("jax_flash: ") + name + " has " +
                                             std::to_string(count) + " elements, expected " +
                                             std::to_string(expected));
+  return xla::ffi::Error::Success();
+}
+
+// Checks the forward's operands and fills every field of `params` they determine.
+inline xla::ffi::Error make_fwd_params(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuffer& k,
+                                       const xla::ffi::AnyBuffer& v,
+                                       const xla::ffi::Buffer<xla::ffi::S32>& q_lens,
+                                       const xla::ffi::Buffer<xla::ffi::S32>& kv_lens,
+                                       const xla::ffi::AnyBuffer& o,
+                                       const xla::ffi::Buffer<xla::ffi::F32>& lse, double scale,
+                                       bool is_causal, int64_t window_left, int64_t window_right,
+                                       FwdParams& params) {
+  JF_RETURN_IF_ERROR(attention_shape(q, k, v, q_lens, kv_lens, params.shape));
+  JF_RETURN_IF_ERROR(attention_dtype(q, params.dtype));
+  JF_RETURN_IF_ERROR(expect_like("o", o, q));
+  const AttentionShape& sh = params.shape;
+  JF_RETURN_IF_ERROR(expect_count("lse", lse.element_count(), sh.batch * sh.heads_q * sh.seq_q));
+  params.mask = {is_causal, window_left, window_right};
+  params.scale = static_cast<float>(scale);
+  params.q = q.untyped_data();
+  params.k = k.untyped_data();
+  params.v = v.untyped_data();
+  params.q_lens = q_lens.typed_data();
+  params.kv_lens = kv_lens.typed_data();
+  params.o = o.untyped_data();
+  params.lse = lse.typed_data();
+  return xla::ffi::Error::Success();
+}
+
+// Checks the backward's operands and fills every field of `params` they determine (all but the
+// dQ accumulator, whose form is the backend's).
+inline xla::ffi::Error make_bwd_params(
+    const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuffer& k, const xla::ffi::AnyBuffer& v,
+    const xla::ffi::AnyBuffer& o, const xla::ffi::Buffer<xla::ffi::F32>& lse,
+    const xla::ffi::AnyBuffer& d_o, const xla::ffi::Buffer<xla::ffi::S32>& q_lens,
+    const xla::ffi::Buffer<xla::ffi::S32>& kv_lens, const xla::ffi::AnyBuffer& dq,
+    const xla::ffi::AnyBuffer& dk, const xla::ffi::AnyBuffer& dv,
+    const xla::ffi::Buffer<xla::ffi::F32>& delta, double scale, bool is_causal,
+    int64_t window_left, int64_t window_right, BwdParams& params) {
+  JF_RETURN_IF_ERROR(attention_shape(q, k, v, q_lens, kv_lens, params.shape));
+  JF_RETURN_IF_ERROR(attention_dtype(q, params.dtype));
+  JF_RETURN_IF_ERROR(expect_like("o", o, q));
+  JF_RETURN_IF_ERROR(expect_like("do", d_o, q));
+  JF_RETURN_IF_ERROR(expect_like("dq", dq, q));
+  JF_RETURN_IF_ERROR(expect_like("dk", dk, k));
+  JF_RETURN_IF_ERROR(expect_like("dv", dv, v));
+  const AttentionShape& sh = params.shape;
+  const int64_t rows = sh.batch * sh.heads_q * sh.seq_q;
+  JF_RETURN_IF_ERROR(expect_count("lse", lse.element_count(), rows));
+  JF_RETURN_IF_ERROR(expect_count("delta", delta.element_count(), rows));
+  params.mask = {is_causal, window_left, window_right};
+  params.scale = static_cast<float>(scale);
+  params.q = q.untyped_data();
+  params.k = k.untyped_data();
+  params.v = v.untyped_data();
+  params.o = o.untyped_data();
+  params.d_o = d_o.untyped_data();
+  params.lse = lse.typed_data();
+  params.q_lens = q_lens.typed_data();
+  params.kv_lens = kv_lens.typed_data();
+  params.dq = dq.untyped_data();
+  params.dk = dk.untyped_data();
+  params.dv = dv.untyped_data();
+  params.delta = delta.typed_data();
   return xla::ffi::Error::Success();
 }
 
