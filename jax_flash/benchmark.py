@@ -308,6 +308,18 @@ def time_step(step: Step, warm_up_runs: int, max_reps: int,
   return tuple(times)
 
 
+def check_fits(temp_bytes: int | None, device_kind: str) -> None:
+  """Raises MemoryError when a compiled pass needs more temp memory than the device has free:
+  a clear failure now instead of the allocator's retries (which stall for minutes)."""
+  stats = jax.devices(device_kind)[0].memory_stats()
+  if temp_bytes is None or not stats or "bytes_limit" not in stats:
+    return
+  free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+  if temp_bytes > free:
+    raise MemoryError(f"needs {temp_bytes / 2**30:.1f} GiB of temp memory, "
+                      f"{free / 2**30:.1f} GiB free on the device")
+
+
 def peak_bytes_in_use(device_kind: str) -> int | None:
   """The first `device_kind` device's peak bytes in use so far in this process, where its
   runtime reports them (GPUs do; the CPU does not)."""
@@ -559,6 +571,7 @@ def _measure_pass(platform: Platform, peer: Peer, case: Case, pass_name: str,
   try:
     compiled = prepare()
     temp = compiled.temp_bytes
+    check_fits(temp, platform.device_kind)
     times = tuple(t / compiled.calls_per_step
                   for t in time_step(compiled.step, platform.warm_up_runs, reps))
   except Exception as e:  # as above
