@@ -8,7 +8,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from jax_flash import _ops, _registry, _validation
+from jax_flash import _ops, _registry, _sharding, _validation
 from jax_flash._reference import attention_reference
 
 Implementation = Literal["cpu", "cuda", "xla"]
@@ -19,18 +19,18 @@ _CUDA_HEAD_DIM_MULTIPLE = 8
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _flash_attention(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig):
-  return _ops.flash_fwd(q, k, v, q_lens, kv_lens, config)
+  return _sharding.flash_fwd(q, k, v, q_lens, kv_lens, config)
 
 
 def _flash_attention_fwd(q, k, v, q_lens, kv_lens, config):
-  o, lse = _ops.flash_fwd(q, k, v, q_lens, kv_lens, config)
+  o, lse = _sharding.flash_fwd(q, k, v, q_lens, kv_lens, config)
   return (o, lse), (q, k, v, o, lse, q_lens, kv_lens)
 
 
 def _flash_attention_bwd(config, residuals, cotangents):
   q, k, v, o, lse, q_lens, kv_lens = residuals
   d_o, _ = cotangents  # lse leaves through stop_gradient: its cotangent is always zero
-  dq, dk, dv = _ops.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config)
+  dq, dk, dv = _sharding.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config)
   return dq, dk, dv, None, None
 
 

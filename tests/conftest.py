@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import zlib
+
+# 8 host devices for the sharding tests; must be set before JAX initialises its backends.
+_DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
+if _DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEVICES_FLAG).strip()
 
 import jax
 import numpy as np

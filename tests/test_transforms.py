@@ -217,7 +217,9 @@ def test_higher_order_and_forward_mode_refuse_loudly(rng):
   """Second derivatives and forward mode are not implemented (custom_vjp over FFI calls): JAX
   must refuse with an error, never return made-up numbers."""
   q, k, v, g = make_inputs(rng, seq_q=8, seq_k=8)
-  with pytest.raises(ValueError, match="cannot be differentiated"):
+  # The backward's custom call sits inside custom_partitioning, which has no derivative rule.
+  with pytest.raises((ValueError, NotImplementedError),
+                     match="cannot be differentiated|Differentiation rule .* not implemented"):
     jax.grad(lambda q: jnp.sum(grad(q, k, v, g)[0]))(q)
   with pytest.raises(TypeError, match="custom_vjp"):
     jax.jvp(lambda q: attention(q, k, v), (q,), (q,))

@@ -1,0 +1,165 @@
+"""Partitioning of the attention custom calls, so they shard like native ops under jax.jit.
+
+A bare custom call does not partition: XLA would gather its operands onto every device. Each
+kernel call here is wrapped, innermost first, in
+  * ``custom_partitioning`` with a Shardy sharding rule (and the GSPMD callbacks for partitioners
+    without Shardy): batch and head axes shard with no communication at all; the sequence and
+    head-dim axes are kept whole (sharded inputs are gathered first);
+  * ``custom_vmap``, whose rule folds a mapped axis into the batch axis (custom_partitioning has
+    no batching rule of its own).
+
+Grouped-query attention: query heads (K groups of G) shard over the same mesh axes as the K
+key/value heads. With one kv head (MQA) the query heads shard alone and the kv head is
+replicated: no communication in the forward; the backward sums dK/dV over the head axis (one
+all-reduce of kv-sized arrays). When the axes divide the query heads but not K > 1 kv
+heads, the heads are kept whole instead (the op is replicated over those axes: correct, but
+without the head parallelism).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_flash import _ops
+
+# Factors: b batch, t query positions, s key positions, n query heads, k kv heads, h head dim.
+# The head factors are independent: the partition callback below keeps them consistent (a
+# compound n = (k g) would let Shardy split mesh axes into sub-axes when K does not divide).
+_FWD_RULE = "b t n h, b s k h, b s k h, b, b -> b t n h, b n t"
+_BWD_RULE = ("b t n h, b s k h, b s k h, b t n h, b n t, b t n h, b, b "
+             "-> b t n h, b s k h, b s k h")
+# Kept whole (in order of first appearance in the rules, as Shardy wants them).
+_WHOLE_FACTORS = ("t", "h", "s")
+
+
+def _axis_size(mesh, axes) -> int:
+  if axes is None:
+    return 1
+  names = axes if isinstance(axes, tuple) else (axes,)
+  return math.prod(mesh.shape[name] for name in names)
+
+
+def _spec_entry(sharding, index: int):
+  spec = getattr(sharding, "spec", None)
+  return spec[index] if spec is not None and len(spec) > index else None
+
+
+def _plan(mesh, arg_shapes) -> tuple[object, object, object]:
+  """The (batch, query-head, kv-head) axes the op runs sharded over, read off the query's
+  sharding: the kv heads shard with the query heads when they split evenly, one kv head (MQA)
+  is replicated, and otherwise every head stays on every device."""
+  q, k = arg_shapes[0], arg_shapes[1]
+  batch = _spec_entry(q.sharding, 0)
+  heads = _spec_entry(q.sharding, 2)
+  if q.shape[0] % _axis_size(mesh, batch):
+    batch = None
+  if heads is None or q.shape[2] % _axis_size(mesh, heads):
+    return batch, None, None
+  if k.shape[2] % _axis_size(mesh, heads) == 0:
+    return batch, heads, heads
+  if k.shape[2] == 1:
+    return batch, heads, None
+  return batch, None, None
+
+
+def _shardings(mesh, batch, q_heads, kv_heads):
+  q_rows = NamedSharding(mesh, P(batch, None, q_heads, None))  # q, o, do, dq
+  kv_rows = NamedSharding(mesh, P(batch, None, kv_heads, None))  # k, v, dk, dv
+  lse = NamedSharding(mesh, P(batch, q_heads, None))
+  lens = NamedSharding(mesh, P(batch))
+  return q_rows, kv_rows, lse, lens
+
+
+def _fwd_impl(q, k, v, q_lens, kv_lens, config):
+  return _ops.flash_fwd(q, k, v, q_lens, kv_lens, config)
+
+
+def _fwd_partition(config, mesh, arg_shapes, result_shape):
+  q_rows, kv_rows, lse, lens = _shardings(mesh, *_plan(mesh, arg_shapes))
+  lower = functools.partial(_fwd_impl, config=config)
+  return mesh, lower, (q_rows, lse), (q_rows, kv_rows, kv_rows, lens, lens)
+
+
+def _fwd_infer(config, mesh, arg_shapes, result_shape):
+  q_rows, _, lse, _ = _shardings(mesh, *_plan(mesh, arg_shapes))
+  return q_rows, lse
+
+
+def _bwd_impl(q, k, v, o, lse, d_o, q_lens, kv_lens, config):
+  return _ops.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config)
+
+
+def _bwd_partition(config, mesh, arg_shapes, result_shape):
+  batch, q_heads, kv_heads = _plan(mesh, arg_shapes)
+  q_rows, kv_rows, lse, lens = _shardings(mesh, batch, q_heads, kv_heads)
+
+  def lower(*args):
+    dq, dk, dv = _bwd_impl(*args, config=config)
+    if q_heads is not None and kv_heads is None:
+      # One kv head, query heads split: each device holds the dK/dV of its query heads only.
+      dk, dv = jax.lax.psum((dk, dv), q_heads)
+    return dq, dk, dv
+
+  return (mesh, lower, (q_rows, kv_rows, kv_rows),
+          (q_rows, kv_rows, kv_rows, q_rows, lse, q_rows, lens, lens))
+
+
+def _bwd_infer(config, mesh, arg_shapes, result_shape):
+  q_rows, kv_rows, _, _ = _shardings(mesh, *_plan(mesh, arg_shapes))
+  return q_rows, kv_rows, kv_rows
+
+
+_partitioned_fwd = custom_partitioning(_fwd_impl, static_argnums=(5,))
+_partitioned_fwd.def_partition(partition=_fwd_partition, infer_sharding_from_operands=_fwd_infer,
+                               sharding_rule=_FWD_RULE, need_replication_factors=_WHOLE_FACTORS)
+_partitioned_bwd = custom_partitioning(_bwd_impl, static_argnums=(8,))
+_partitioned_bwd.def_partition(partition=_bwd_partition, infer_sharding_from_operands=_bwd_infer,
+                               sharding_rule=_BWD_RULE, need_replication_factors=_WHOLE_FACTORS)
+
+
+def _fold_into_batch(axis_size: int, in_batched, args):
+  """Every argument with the mapped axis in front (broadcast where unmapped), folded into the
+  batch axis: (V, B, ...) -> (V * B, ...)."""
+  folded = []
+  for x, batched in zip(args, in_batched):
+    if not batched:
+      x = jnp.broadcast_to(x, (axis_size, *x.shape))
+    folded.append(x.reshape(axis_size * x.shape[1], *x.shape[2:]))
+  return folded
+
+
+def _unfold(axis_size: int, outputs):
+  return tuple(x.reshape(axis_size, x.shape[0] // axis_size, *x.shape[1:]) for x in outputs)
+
+
+@functools.cache
+def _batched_op(partitioned, config: _ops.KernelConfig):
+  """partitioned(..., config) as a function of arrays only, with a vmap rule."""
+
+  @jax.custom_batching.custom_vmap
+  def op(*args):
+    return partitioned(*args, config)
+
+  @op.def_vmap
+  def op_vmap(axis_size, in_batched, *args):
+    outputs = op(*_fold_into_batch(axis_size, in_batched, args))
+    return _unfold(axis_size, outputs), tuple(True for _ in outputs)
+
+  return op
+
+
+def flash_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig):
+  """(o, lse) of the forward kernel; q, k, v rank 4, lens rank 1; partitions and vmaps."""
+  return _batched_op(_partitioned_fwd, config)(q, k, v, q_lens, kv_lens)
+
+
+def flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelConfig):
+  """(dq, dk, dv) of the backward kernels; partitions and vmaps like flash_fwd."""
+  return _batched_op(_partitioned_bwd, config)(q, k, v, o, lse, d_o, q_lens, kv_lens)

@@ -1,0 +1,138 @@
+"""The kernels partition like native ops under jax.jit with shardings (8 simulated CPU devices).
+
+Batch and head sharding must need no communication at all, and give the single-device results
+(forward and gradients), with both partitioners (Shardy and GSPMD). Inputs sharded along the
+sequence, and GQA layouts whose kv heads do not split over the head axis, must stay correct
+(the op then runs on gathered inputs).
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_flash
+from attention_testing import random_array
+
+COLLECTIVES = re.compile(r"all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter")
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 devices (conftest sets --xla_force_host_platform_device_count=8)")
+  return Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+
+
+@pytest.fixture(params=["shardy", "gspmd"])
+def partitioner(request):
+  previous = jax.config.jax_use_shardy_partitioner
+  jax.config.update("jax_use_shardy_partitioner", request.param == "shardy")
+  yield request.param
+  jax.config.update("jax_use_shardy_partitioner", previous)
+
+
+def _inputs(seed, batch=4, seq=48, heads_q=8, heads_k=4, head_dim=16):
+  rng = np.random.default_rng(seed)
+  q = random_array(rng, (batch, seq, heads_q, head_dim), jnp.float32)
+  k = random_array(rng, (batch, seq, heads_k, head_dim), jnp.float32)
+  v = random_array(rng, (batch, seq, heads_k, head_dim), jnp.float32)
+  g = random_array(rng, q.shape, jnp.float32)
+  lens = jnp.asarray(rng.integers(1, seq + 1, size=batch), jnp.int32)
+  return q, k, v, g, lens
+
+
+def _attention(q, k, v, lens):
+  return jax_flash.dot_product_attention(q, k, v, is_causal=True, key_value_seq_lengths=lens,
+                                         implementation="cpu")
+
+
+def _forward_and_vjp(q, k, v, g, lens):
+  out, vjp = jax.vjp(lambda q, k, v: _attention(q, k, v, lens), q, k, v)
+  return out, vjp(g)  # the cotangent is given: no reduction, so no collective of its own
+
+
+def _run(mesh, spec_q, spec_kv, args):
+  q, k, v, g, lens = args
+  rows_q, rows_kv = NamedSharding(mesh, spec_q), NamedSharding(mesh, spec_kv)
+  batch = NamedSharding(mesh, P(spec_q[0]))
+  shardings = (rows_q, rows_kv, rows_kv, rows_q, batch)
+  placed = [jax.device_put(x, s) for x, s in zip(args, shardings)]
+  fn = jax.jit(_forward_and_vjp, in_shardings=shardings)
+  hlo = fn.lower(*placed).compile().as_text()
+  return jax.tree.map(np.asarray, fn(*placed)), hlo
+
+
+def _assert_matches_single_device(got, args):
+  want = jax.tree.map(np.asarray, jax.jit(_forward_and_vjp)(*args))
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("spec", [
+    P("data", None, None, None),                 # batch
+    P(None, None, "model", None),                # heads (4 kv heads over 4 devices)
+    P("data", None, "model", None),              # batch and heads
+    P(("data", "model"), None, None, None),      # batch over the whole mesh
+], ids=["batch", "heads", "batch+heads", "batch-2d"])
+def test_batch_and_head_sharding_needs_no_communication(mesh, partitioner, spec):
+  args = _inputs(0, batch=8)
+  got, hlo = _run(mesh, spec, spec, args)
+  assert not COLLECTIVES.search(hlo), COLLECTIVES.findall(hlo)
+  _assert_matches_single_device(got, args)
+  assert got[0].shape == args[0].shape
+
+
+def test_output_keeps_the_input_sharding(mesh, partitioner):
+  q, k, v, g, lens = _inputs(1)
+  spec = P("data", None, "model", None)
+  placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)]
+  out = jax.jit(_attention)(*placed, jax.device_put(lens, NamedSharding(mesh, P("data"))))
+  assert out.sharding.spec[0] == "data" and out.sharding.spec[2] == "model", out.sharding
+
+
+def test_kv_heads_that_do_not_split_stay_correct(mesh, partitioner):
+  """8 query heads over a 4-way axis, but only 2 kv heads: heads are kept whole."""
+  args = _inputs(2, heads_k=2)
+  got, _ = _run(mesh, P("data", None, "model", None), P("data", None, None, None), args)
+  _assert_matches_single_device(got, args)
+
+
+@pytest.mark.parametrize("heads", [8, 1], ids=["mha", "mqa"])
+def test_equal_heads_and_mqa_shard_query_heads(mesh, partitioner, heads):
+  """Query heads over the head axis; the kv heads with them (MHA: no communication) or
+  replicated (MQA: the backward's only collective sums dK/dV over the head axis)."""
+  args = _inputs(5, heads_k=heads)
+  kv_spec = P("data", None, "model" if heads == 8 else None, None)
+  got, hlo = _run(mesh, P("data", None, "model", None), kv_spec, args)
+  found = set(COLLECTIVES.findall(hlo))
+  assert found == (set() if heads == 8 else {"all-reduce"}), found
+  _assert_matches_single_device(got, args)
+
+
+@pytest.mark.parametrize("spec", [
+    P(None, "model", None, None),                # sequence
+    P("data", "model", None, None),              # batch and sequence
+    P(None, None, None, "model"),                # head dim
+], ids=["sequence", "batch+sequence", "head-dim"])
+def test_other_shardings_stay_correct(mesh, partitioner, spec):
+  args = _inputs(3)
+  got, _ = _run(mesh, spec, spec, args)
+  _assert_matches_single_device(got, args)
+
+
+def test_vmap_under_sharding(mesh):
+  q, k, v, g, lens = _inputs(4, batch=8)
+  spec = NamedSharding(mesh, P(None, "data", None, "model", None))
+  qs, ks, vs = (jax.device_put(x.reshape(2, 4, *x.shape[1:]), spec) for x in (q, k, v))
+  fn = jax.jit(jax.vmap(lambda q, k, v: jax_flash.dot_product_attention(
+      q, k, v, is_causal=True, implementation="cpu")))
+  got = np.asarray(fn(qs, ks, vs)).reshape(q.shape)
+  want = np.asarray(jax_flash.dot_product_attention(q, k, v, is_causal=True, implementation="cpu"))
+  np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
