@@ -6,7 +6,11 @@ tiled FlashAttention kernels registered as XLA FFI custom calls.
 
 from jax_flash._attention import dot_product_attention
 from jax_flash._registry import cpu_kernel_isa, has_platform
+from jax_flash._ring import ring_attention, zigzag_indices
 
 __version__ = "0.1.0"
 
-__all__ = ["dot_product_attention", "cpu_kernel_isa", "has_platform", "__version__"]
+__all__ = [
+    "dot_product_attention", "ring_attention", "zigzag_indices", "cpu_kernel_isa",
+    "has_platform", "__version__",
+]

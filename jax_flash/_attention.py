@@ -58,6 +58,21 @@ def _resolve_implementation(implementation: str | None) -> str:
       "implementation='xla' for the plain XLA path (or 'cpu' to run on host devices)")
 
 
+def resolve_kernel(implementation: str | None, query: jax.Array) -> str:
+  """The kernel ("cpu" or "cuda") for `implementation`, checked as dot_product_attention does;
+  for the callers that need a kernel (ring attention has no plain-XLA path)."""
+  _validation.check_implementation(implementation)
+  if implementation == "xla":
+    raise ValueError("this function needs a kernel: implementation must be None, 'cpu' or 'cuda'")
+  implementation = _resolve_implementation(implementation)
+  _validation.check_kernel_head_dim(query.shape[-1], implementation)
+  if implementation == "cuda" and (query.dtype == jnp.float32 or query.shape[-1] % 8):
+    raise NotImplementedError(
+        f"ring attention on the CUDA kernels needs bfloat16/float16 and a head dim that is a "
+        f"multiple of 8; got query{query.shape} {query.dtype}")
+  return implementation
+
+
 def dot_product_attention(
     query: jax.typing.ArrayLike,
     key: jax.typing.ArrayLike,

@@ -1,0 +1,252 @@
+"""Context parallelism: ring attention over a sequence sharded along a mesh axis.
+
+Each device holds a slice of the sequence of every operand. Keys and values travel around the
+ring (``ppermute``) while each device attends its queries to the block it holds; partial
+results merge through their log-sum-exps. The backward pass goes around the ring again, with
+each block's dK/dV accumulators travelling with it until they are back on their owner.
+
+Layouts: "contiguous" gives device r rows [r L, (r+1) L); "zigzag" splits the sequence into
+2P chunks and gives device r chunks r and 2P-1-r, so under a causal mask every device has the
+same amount of work (see ``zigzag_indices``). Block pairs are chunk-aligned, so each is fully
+visible, causal on its diagonal, or invisible (skipped) — the kernels need no position offsets.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_flash import _ops, _validation
+from jax_flash._reference import EMPTY_ROW_LSE
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def zigzag_indices(seq_len: int, num_devices: int) -> np.ndarray:
+  """Positions in the zig-zag order: x[:, zigzag_indices(...)] laid out contiguously over the
+  devices gives device r the chunks r and 2P-1-r of the original sequence."""
+  if seq_len % (2 * num_devices):
+    raise ValueError(f"the zigzag layout needs the sequence length ({seq_len}) to be a multiple "
+                     f"of 2 x the number of devices ({2 * num_devices})")
+  chunks = np.arange(seq_len).reshape(2 * num_devices, -1)
+  order = [c for r in range(num_devices) for c in (r, 2 * num_devices - 1 - r)]
+  return chunks[order].reshape(-1)
+
+
+def _chunk_ids(rank, num_devices: int, layout: str):
+  if layout == "contiguous":
+    return [rank]
+  return [rank, 2 * num_devices - 1 - rank]
+
+
+def _local_lengths(lengths, chunk_id, chunk_len: int):
+  """Global lengths -> the lengths within chunk `chunk_id` (positions past them are padding)."""
+  return jnp.clip(lengths - chunk_id * chunk_len, 0, chunk_len).astype(jnp.int32)
+
+
+def _relation(q_id, k_id, is_causal: bool):
+  """0: the pair is invisible (skip), 1: causal diagonal, 2: fully visible."""
+  if not is_causal:
+    return jnp.int32(2)
+  return jnp.where(q_id > k_id, 2, jnp.where(q_id == k_id, 1, 0)).astype(jnp.int32)
+
+
+def _configs(config: _ops.KernelConfig):
+  diagonal = _ops.KernelConfig(config.implementation, config.scale, True, -1, -1,
+                               config.deterministic)
+  full = _ops.KernelConfig(config.implementation, config.scale, False, -1, -1,
+                           config.deterministic)
+  return diagonal, full
+
+
+def _varying(axis_name, *xs):
+  """Every output of a block marked as varying over the ring axis: shard_map needs the branches
+  of a switch to agree, and constants (skipped blocks) or custom-call results are typed as
+  unvarying."""
+  return tuple(x if axis_name in _varying_axes(x) else jax.lax.pcast(x, axis_name, to="varying")
+               for x in xs)
+
+
+def _varying_axes(x) -> frozenset:
+  aval = jax.typeof(x)
+  vma = getattr(aval, "vma", None)  # the name in some jax versions
+  return vma if vma is not None else aval.manual_axis_type.varying
+
+
+def _block_fwd(config, axis_name, relation, q, k, v, q_lens, kv_lens):
+  """(o float32, lse) of one block pair, by its relation."""
+  diagonal, full = _configs(config)
+
+  def skip(q, k, v, q_lens, kv_lens):
+    batch, seq, heads, _ = q.shape
+    return _varying(axis_name, jnp.zeros(q.shape, jnp.float32),
+                    jnp.full((batch, heads, seq), EMPTY_ROW_LSE, jnp.float32))
+
+  def run(cfg):
+    def branch(q, k, v, q_lens, kv_lens):
+      o, lse = _ops.flash_fwd(q, k, v, q_lens, kv_lens, cfg)
+      return _varying(axis_name, o.astype(jnp.float32), lse)
+    return branch
+
+  return jax.lax.switch(relation, [skip, run(diagonal), run(full)], q, k, v, q_lens, kv_lens)
+
+
+def _merge(o, lse, o_part, lse_part):
+  """Combines two partial softmax results over disjoint key sets (empty parts weigh 0)."""
+  new_lse = jnp.logaddexp(lse, lse_part)
+  def weight(x):  # (B, N, T) -> (B, T, N, 1)
+    return jnp.exp(x - new_lse).transpose(0, 2, 1)[..., None]
+  return o * weight(lse) + o_part * weight(lse_part), new_lse
+
+
+def _split(x, parts: int, axis: int):
+  return jnp.split(x, parts, axis=axis) if parts > 1 else [x]
+
+
+def _ring_fwd(q, k, v, q_lens, kv_lens, axis_name, layout, config):
+  num = jax.lax.axis_size(axis_name)
+  rank = jax.lax.axis_index(axis_name)
+  q_ids = _chunk_ids(rank, num, layout)
+  parts = len(q_ids)
+  chunk_q, chunk_k = q.shape[1] // parts, k.shape[1] // parts
+  qs = _split(q, parts, 1)
+  outs = [jnp.zeros(x.shape, jnp.float32) for x in qs]
+  lses = [jnp.full((x.shape[0], x.shape[2], x.shape[1]), EMPTY_ROW_LSE, jnp.float32) for x in qs]
+  perm = [(i, (i + 1) % num) for i in range(num)]
+  for step in range(num):
+    src = (rank - step) % num
+    k_ids = _chunk_ids(src, num, layout)
+    for c, (q_c, q_id) in enumerate(zip(qs, q_ids)):
+      for k_c, v_c, k_id in zip(_split(k, parts, 1), _split(v, parts, 1), k_ids):
+        o_p, lse_p = _block_fwd(config, axis_name, _relation(q_id, k_id, config.is_causal), q_c, k_c, v_c,
+                                _local_lengths(q_lens, q_id, chunk_q),
+                                _local_lengths(kv_lens, k_id, chunk_k))
+        outs[c], lses[c] = _merge(outs[c], lses[c], o_p, lse_p)
+    if step + 1 < num:
+      k, v = jax.lax.ppermute((k, v), axis_name, perm)
+  out = jnp.concatenate(outs, axis=1).astype(q.dtype)
+  return out, jnp.concatenate(lses, axis=2)
+
+
+def _block_bwd(config, axis_name, relation, q, k, v, o, lse, d_o, q_lens, kv_lens):
+  diagonal, full = _configs(config)
+
+  def skip(q, k, v, o, lse, d_o, q_lens, kv_lens):
+    return _varying(axis_name, jnp.zeros(q.shape, q.dtype), jnp.zeros(k.shape, k.dtype),
+                    jnp.zeros(v.shape, v.dtype))
+
+  def run(cfg):
+    def branch(q, k, v, o, lse, d_o, q_lens, kv_lens):
+      return _varying(axis_name, *_ops.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, cfg))
+    return branch
+
+  return jax.lax.switch(relation, [skip, run(diagonal), run(full)],
+                        q, k, v, o, lse, d_o, q_lens, kv_lens)
+
+
+def _ring_bwd(q, k, v, q_lens, kv_lens, o, lse, d_o, axis_name, layout, config):
+  num = jax.lax.axis_size(axis_name)
+  rank = jax.lax.axis_index(axis_name)
+  q_ids = _chunk_ids(rank, num, layout)
+  parts = len(q_ids)
+  chunk_q, chunk_k = q.shape[1] // parts, k.shape[1] // parts
+  qs, os_, dos = _split(q, parts, 1), _split(o, parts, 1), _split(d_o, parts, 1)
+  lses = _split(lse, parts, 2)
+  dqs = [jnp.zeros(x.shape, jnp.float32) for x in qs]
+  dk = jnp.zeros(k.shape, jnp.float32)
+  dv = jnp.zeros(v.shape, jnp.float32)
+  perm = [(i, (i + 1) % num) for i in range(num)]
+  for step in range(num):
+    src = (rank - step) % num
+    k_ids = _chunk_ids(src, num, layout)
+    dks, dvs = _split(dk, parts, 1), _split(dv, parts, 1)
+    for c, q_id in enumerate(q_ids):
+      for j, (k_c, v_c, k_id) in enumerate(zip(_split(k, parts, 1), _split(v, parts, 1), k_ids)):
+        dq_p, dk_p, dv_p = _block_bwd(
+            config, axis_name, _relation(q_id, k_id, config.is_causal), qs[c], k_c, v_c, os_[c], lses[c],
+            dos[c], _local_lengths(q_lens, q_id, chunk_q), _local_lengths(kv_lens, k_id, chunk_k))
+        dqs[c] = dqs[c] + dq_p.astype(jnp.float32)
+        dks[j] = dks[j] + dk_p.astype(jnp.float32)
+        dvs[j] = dvs[j] + dv_p.astype(jnp.float32)
+    dk, dv = jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1)
+    # The gradient accumulators travel with their blocks; after `num` moves they are home.
+    if step + 1 < num:
+      k, v, dk, dv = jax.lax.ppermute((k, v, dk, dv), axis_name, perm)
+    else:
+      dk, dv = jax.lax.ppermute((dk, dv), axis_name, perm)
+  dq = jnp.concatenate(dqs, axis=1)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _ring(q, k, v, q_lens, kv_lens, axis_name, layout, config):
+  return _ring_fwd(q, k, v, q_lens, kv_lens, axis_name, layout, config)
+
+
+def _ring_vjp_fwd(q, k, v, q_lens, kv_lens, axis_name, layout, config):
+  out, lse = _ring_fwd(q, k, v, q_lens, kv_lens, axis_name, layout, config)
+  return (out, lse), (q, k, v, q_lens, kv_lens, out, lse)
+
+
+def _ring_vjp_bwd(axis_name, layout, config, residuals, cotangents):
+  q, k, v, q_lens, kv_lens, out, lse = residuals
+  d_out, _ = cotangents  # lse leaves under stop_gradient
+  dq, dk, dv = _ring_bwd(q, k, v, q_lens, kv_lens, out, lse, d_out, axis_name, layout, config)
+  return dq, dk, dv, None, None
+
+
+_ring.defvjp(_ring_vjp_fwd, _ring_vjp_bwd)
+
+
+def ring_attention(query, key, value, *, axis_name: str, layout: str = "contiguous",
+                   scale: float | None = None, is_causal: bool = False,
+                   query_seq_lengths=None, key_value_seq_lengths=None,
+                   implementation: str | None = None, deterministic: bool = False,
+                   return_residual: bool = False):
+  """Attention over a sequence sharded along `axis_name`, for use inside ``jax.shard_map``.
+
+  Args:
+    query, key, value: this device's slices, ``(B, T/P, N, H)`` and ``(B, S/P, K, H)``, in the
+      `layout` ("contiguous" or "zigzag", see ``zigzag_indices``); rank 4.
+    axis_name: the mesh axis the sequence is sharded over (P devices).
+    query_seq_lengths, key_value_seq_lengths: global lengths ``(B,)``.
+    The other arguments are those of ``jax_flash.dot_product_attention``; with ``is_causal``
+    the global query and key positions must coincide (T == S). Local windows, bias and masks
+    are not supported here.
+
+  Returns:
+    This device's slice of the output (and of the log-sum-exp, ``(B, T/P, N)`` float32, with
+    ``return_residual``).
+  """
+  from jax_flash import _attention  # the implementation choice lives there
+  query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+  _validation.check_qkv(query, key, value)
+  if query.ndim != 4:
+    raise ValueError(f"ring_attention takes rank-4 slices (B, T, N, H); got query{query.shape}")
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
+  parts = 1 if layout == "contiguous" else 2
+  if query.shape[1] % parts or key.shape[1] % parts:
+    raise ValueError(f"the zigzag layout holds two chunks per device: query{query.shape} and "
+                     f"key{key.shape} need even sequence slices")
+  if is_causal and query.shape[1] != key.shape[1]:
+    raise ValueError("ring_attention with is_causal needs query and key slices of one length "
+                     f"(global T == S); got query{query.shape}, key{key.shape}")
+  implementation = _attention.resolve_kernel(implementation, query)
+  batch, seq_q, _, head_dim = query.shape
+  num = jax.lax.axis_size(axis_name)
+  q_lens = _validation.check_seq_lengths("query_seq_lengths", query_seq_lengths, batch, seq_q * num)
+  kv_lens = _validation.check_seq_lengths(
+      "key_value_seq_lengths", key_value_seq_lengths, batch, key.shape[1] * num)
+  if q_lens is None:
+    q_lens = jnp.full((batch,), seq_q * num, jnp.int32)
+  if kv_lens is None:
+    kv_lens = jnp.full((batch,), key.shape[1] * num, jnp.int32)
+  config = _ops.KernelConfig(implementation, _validation.check_scale(scale, head_dim),
+                             bool(is_causal), -1, -1, deterministic)
+  out, lse = _ring(query, key, value, q_lens, kv_lens, axis_name, layout, config)
+  lse = jax.lax.stop_gradient(lse)
+  return (out, jnp.swapaxes(lse, -1, -2)) if return_residual else out
