@@ -1,0 +1,459 @@
+"""Flax integration: an ``attention_fn`` for Flax's attention modules, and ready modules.
+
+Flax is an optional dependency (``pip install -e ".[examples]"``); import this module on its own,
+``import jax_flash.flax``: ``import jax_flash`` never imports Flax.
+
+* :func:`dot_product_attention` takes the arguments Flax passes to ``attention_fn`` (mask, bias,
+  dropout_rng, dropout_rate, broadcast_dropout, deterministic, dtype, precision, module,
+  is_causal, ...) and maps them onto :func:`jax_flash.dot_product_attention`;
+  :func:`make_attention_fn` returns one with options fixed (``is_causal``, ``implementation``,
+  ...). Both go into ``flax.nnx.MultiHeadAttention(attention_fn=...)`` and
+  ``flax.linen.MultiHeadDotProductAttention(attention_fn=...)``.
+* :class:`FlashMultiHeadAttention` (NNX) and :class:`FlashMultiHeadDotProductAttention` (Linen)
+  are Flax's modules with FlashAttention inside: the same constructor arguments and the same
+  parameter tree, so parameters move between the stock and the flash module either way; plus
+  ``is_causal``, ``num_kv_heads`` (grouped-query attention), ``implementation`` and per-call
+  ``query_seq_lengths`` / ``key_value_seq_lengths`` (padding).
+
+What FlashAttention cannot honour raises at trace time, never silently: an attention ``mask`` or
+``bias`` (no attention matrix exists to mask; use ``is_causal`` and the sequence lengths),
+active dropout, sowing the attention weights (``sow_weights=True`` / ``module=``), Flax's
+autoregressive ``decode`` cache (it works through a mask), and AQT's replacement einsums.
+
+Names that mean something else in Flax: Flax's ``deterministic`` means "no dropout";
+jax_flash's bit-reproducible backward pass is ``deterministic_backward`` here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import jax_flash
+from jax_flash import _validation
+from jax_flash._attention import Implementation
+
+__all__ = [
+    "AttentionFn",
+    "FlashMultiHeadAttention",
+    "FlashMultiHeadDotProductAttention",
+    "dot_product_attention",
+    "make_attention_fn",
+]
+
+_MASK_HELP = (
+    "jax_flash never builds the attention matrix, so it takes no `mask`/`bias` arrays (an "
+    "arbitrary mask is not supported yet). Express the mask instead: causal self-attention is "
+    "`is_causal=True` (FlashMultiHeadAttention(is_causal=True), "
+    "FlashMultiHeadDotProductAttention(is_causal=True), make_attention_fn(is_causal=True), or "
+    "nnx.MultiHeadAttention's own `is_causal=True` call argument) instead of "
+    "nn.make_causal_mask / nnx.make_causal_mask; padding is `query_seq_lengths` / "
+    "`key_value_seq_lengths` (call arguments of the Flash modules and of "
+    "jax_flash.flax.dot_product_attention); sliding windows are `local_window_size`. Flax's "
+    "`decode=True` cache also passes a mask: decoding is not supported yet.")
+
+
+def _promote(query, key, value, dtype):
+  """Flax's promote_dtype: cast to `dtype`, or to the inputs' common (inexact) dtype."""
+  arrays = [jnp.asarray(x) for x in (query, key, value)]
+  if dtype is None:
+    dtype = jnp.result_type(*arrays)
+    if not jnp.issubdtype(dtype, jnp.inexact):
+      dtype = jnp.promote_types(jnp.float32, dtype)
+  return [x.astype(dtype) for x in arrays]
+
+
+def _flat_lengths(name: str, lengths, batch_dims: tuple[int, ...]):
+  """Per-sequence lengths shaped like the batch dims -> (prod(batch_dims),)."""
+  if lengths is None:
+    return None
+  lengths = jnp.asarray(lengths)
+  if lengths.shape != batch_dims:
+    raise ValueError(
+        f"{name} must have one length per sequence, shape {batch_dims} (the batch dims of the "
+        f"query); got {lengths.shape}")
+  return lengths.reshape(-1)
+
+
+def dot_product_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    broadcast_dropout: bool = True,
+    dropout_rng: jax.Array | None = None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = False,
+    dtype: Any = None,
+    precision: Any = None,
+    module: Any = None,
+    *,
+    force_fp32_for_softmax: bool = False,
+    qk_attn_weights_einsum: Callable[..., jax.Array] | None = None,
+    attn_weights_value_einsum: Callable[..., jax.Array] | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: Implementation | None = None,
+    deterministic_backward: bool = False,
+) -> jax.Array:
+  """FlashAttention with the signature of Flax's ``dot_product_attention``.
+
+  Pass it as ``attention_fn`` to ``nnx.MultiHeadAttention`` or ``nn.MultiHeadDotProductAttention``
+  (or call it directly). Positional arguments follow Flax's order up to ``module``; the rest are
+  keyword-only.
+
+  Args:
+    query: ``(batch..., T, N, H)``; any number of batch dims, including none.
+    key: ``(batch..., S, K, H)`` with ``N % K == 0`` (grouped-query attention).
+    value: shaped like ``key``.
+    bias: must be None (raises ``NotImplementedError``: see the message for what to use).
+    mask: must be None (raises ``NotImplementedError``: use ``is_causal``, the sequence lengths
+      or ``local_window_size``).
+    broadcast_dropout: accepted for Flax; without dropout it has no effect.
+    dropout_rng: accepted for Flax; without dropout it has no effect.
+    dropout_rate: dropout on the attention weights is not supported yet: a rate > 0 with
+      ``deterministic=False`` raises ``NotImplementedError``; with ``deterministic=True`` (Flax's
+      evaluation mode) there is no dropout to apply.
+    deterministic: Flax's meaning: True turns dropout off. (jax_flash's reproducible backward is
+      ``deterministic_backward``.)
+    dtype: the computation dtype: query, key and value are cast to it (default: their common
+      dtype, as Flax's promote_dtype); the output has this dtype.
+    precision: accepted and ignored: the kernels multiply input-dtype values exactly and
+      accumulate in float32 (float32 inputs are computed in full float32), at least what any
+      ``jax.lax.Precision`` asks for.
+    module: Flax passes the module here to sow the attention weights (``sow_weights=True``);
+      FlashAttention never materialises them, so a module raises ``NotImplementedError``.
+    force_fp32_for_softmax: honoured whatever its value: the softmax is always float32.
+    qk_attn_weights_einsum: AQT's replacement einsum; must be None (raises otherwise).
+    attn_weights_value_einsum: AQT's replacement einsum; must be None (raises otherwise).
+    is_causal: query ``i`` attends keys ``j <= i`` (top-left aligned, as jax.nn).
+    scale: logit scale, ``1 / sqrt(H)`` by default (as Flax).
+    query_seq_lengths: int array shaped like the batch dims; output rows at or past the
+      length are zero.
+    key_value_seq_lengths: int array shaped like the batch dims; keys at or past the length
+      are ignored (padding).
+    local_window_size: ``w`` or ``(left, right)``: query ``i`` attends keys
+      ``i - left <= j <= i + right``.
+    implementation: ``None`` (the kernel for the default backend), ``"cpu"``, ``"cuda"`` or
+      ``"xla"``, as in :func:`jax_flash.dot_product_attention`.
+    deterministic_backward: jax_flash's ``deterministic``: a bit-reproducible backward pass.
+
+  Returns:
+    ``(batch..., T, N, H)`` in the computation dtype.
+  """
+  if bias is not None:
+    raise NotImplementedError(f"jax_flash.flax: `bias` is not supported. {_MASK_HELP}")
+  if mask is not None:
+    raise NotImplementedError(
+        f"jax_flash.flax: got a `mask` of shape {jnp.shape(mask)}. {_MASK_HELP}")
+  if dropout_rate and not deterministic:
+    raise NotImplementedError(
+        f"jax_flash.flax: attention dropout (dropout_rate={dropout_rate}, deterministic=False) "
+        "is not supported yet; use dropout_rate=0.0, or deterministic=True for evaluation")
+  if module is not None:
+    raise NotImplementedError(
+        "jax_flash.flax: cannot sow attention weights (sow_weights=True passes `module`): "
+        "FlashAttention never materialises the attention matrix")
+  if qk_attn_weights_einsum is not None or attn_weights_value_einsum is not None:
+    raise NotImplementedError(
+        "jax_flash.flax: qk_attn_weights_einsum / attn_weights_value_einsum (e.g. AQT's "
+        "quantised einsums, from qk_attn_weights_einsum_cls / attn_weights_value_einsum_cls) "
+        "cannot replace the products inside the FlashAttention kernels")
+  del broadcast_dropout, dropout_rng, precision, force_fp32_for_softmax  # see the docstring
+
+  query, key, value = _promote(query, key, value, dtype)
+  if not query.ndim == key.ndim == value.ndim >= 3:
+    raise ValueError(
+        "query, key and value must all have shape (batch..., length, heads, head_dim) with the "
+        f"same number of batch dims; got query{query.shape}, key{key.shape}, value{value.shape}")
+  batch_dims = query.shape[:-3]
+  if key.shape[:-3] != batch_dims or value.shape[:-3] != batch_dims:
+    raise ValueError(
+        "query, key and value must have the same batch dims; got "
+        f"query{query.shape}, key{key.shape}, value{value.shape}")
+  q_lens = _flat_lengths("query_seq_lengths", query_seq_lengths, batch_dims)
+  kv_lens = _flat_lengths("key_value_seq_lengths", key_value_seq_lengths, batch_dims)
+
+  # jax_flash takes (B, T, N, H): fold every batch dim (or none) into one.
+  batch = math.prod(batch_dims)
+  query4, key4, value4 = (x.reshape(batch, *x.shape[-3:]) for x in (query, key, value))
+  out = jax_flash.dot_product_attention(
+      query4, key4, value4, scale=scale, is_causal=is_causal, query_seq_lengths=q_lens,
+      key_value_seq_lengths=kv_lens, local_window_size=local_window_size,
+      implementation=implementation, deterministic=deterministic_backward)
+  return out.reshape(query.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionFn:
+  """:func:`dot_product_attention` with options fixed; build it with :func:`make_attention_fn`.
+
+  A frozen (hashable) dataclass rather than a ``functools.partial``, for two reasons: a
+  call-time ``is_causal=False`` (which ``nnx.MultiHeadAttention`` always passes) must not undo a
+  fixed ``is_causal=True`` (the two are or-ed), and NNX keeps ``attention_fn`` as a static
+  attribute, which compares by value here.
+  """
+
+  is_causal: bool = False
+  scale: float | None = None
+  local_window_size: int | tuple[int, int] | None = None
+  implementation: Implementation | None = None
+  deterministic_backward: bool = False
+
+  # Linen passes only the keyword arguments this signature names, so it names all of them.
+  def __call__(self, query, key, value, bias=None, mask=None, broadcast_dropout=True,
+               dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
+               precision=None, module=None, *, force_fp32_for_softmax=False,
+               qk_attn_weights_einsum=None, attn_weights_value_einsum=None, is_causal=False,
+               query_seq_lengths=None, key_value_seq_lengths=None) -> jax.Array:
+    return dot_product_attention(
+        query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
+        deterministic, dtype, precision, module, force_fp32_for_softmax=force_fp32_for_softmax,
+        qk_attn_weights_einsum=qk_attn_weights_einsum,
+        attn_weights_value_einsum=attn_weights_value_einsum,
+        is_causal=self.is_causal or bool(is_causal), scale=self.scale,
+        query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=self.local_window_size, implementation=self.implementation,
+        deterministic_backward=self.deterministic_backward)
+
+
+def make_attention_fn(
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: Implementation | None = None,
+    deterministic_backward: bool = False,
+) -> AttentionFn:
+  """An ``attention_fn`` for Flax's attention modules with jax_flash's options fixed.
+
+  ``is_causal=True`` gives causal self-attention in ``nn.MultiHeadDotProductAttention`` (whose
+  call takes no ``is_causal``) and in ``nnx.MultiHeadAttention`` whatever its call passes. Call
+  the modules without ``mask=nn.make_causal_mask(...)``: a mask raises ``NotImplementedError``.
+  """
+  if not isinstance(is_causal, bool):
+    raise ValueError(f"is_causal must be a bool; got {is_causal!r}")
+  if not isinstance(deterministic_backward, bool):
+    raise ValueError(f"deterministic_backward must be a bool; got {deterministic_backward!r}")
+  _validation.check_implementation(implementation)
+  if isinstance(local_window_size, list):
+    local_window_size = tuple(local_window_size)
+  return AttentionFn(is_causal=is_causal, scale=scale, local_window_size=local_window_size,
+                     implementation=implementation,
+                     deterministic_backward=deterministic_backward)
+
+
+# ---------------------------------------------------------------------------------------------
+# NNX
+
+
+class FlashMultiHeadAttention(nnx.MultiHeadAttention):
+  """``nnx.MultiHeadAttention`` computed by jax_flash.
+
+  The constructor takes every argument of ``nnx.MultiHeadAttention`` (including
+  ``num_kv_heads`` for grouped-query attention) and builds the same submodules (``query``,
+  ``key``, ``value``, ``out`` LinearGeneral, optional ``query_ln``/``key_ln``), so its state is
+  interchangeable with the stock module's (``nnx.update(flash, nnx.state(stock))``). Added:
+
+  Args:
+    is_causal: causal self-attention (query ``i`` attends keys ``j <= i``) on every call.
+    local_window_size: ``w`` or ``(left, right)`` sliding-window attention.
+    implementation: jax_flash's kernel choice (``None``: the best for the backend).
+    deterministic_backward: bit-reproducible backward pass (see jax_flash).
+
+  ``attention_fn`` cannot be given (the module sets it). ``dropout_rate > 0`` is accepted for
+  evaluation (``deterministic=True``) but raises when dropout would apply; ``decode`` and
+  ``sow_weights`` raise ``NotImplementedError``; unlike the stock module, ``decode`` may be left
+  unset (it means False).
+  """
+
+  def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
+               out_features: int | None = None, num_kv_heads: int | None = None,
+               in_kv_features: int | None = None, *, is_causal: bool = False,
+               local_window_size: int | tuple[int, int] | None = None,
+               implementation: Implementation | None = None,
+               deterministic_backward: bool = False, rngs: nnx.Rngs, **kwargs):
+    if "attention_fn" in kwargs:
+      raise ValueError(
+          "FlashMultiHeadAttention sets attention_fn itself; for another attention_fn use "
+          "nnx.MultiHeadAttention")
+    attention_fn = make_attention_fn(
+        is_causal=is_causal, local_window_size=local_window_size,
+        implementation=implementation, deterministic_backward=deterministic_backward)
+    super().__init__(num_heads, in_features, qkv_features, out_features, num_kv_heads,
+                     in_kv_features, attention_fn=attention_fn, rngs=rngs, **kwargs)
+    self.is_causal = is_causal
+
+  def __call__(self, inputs_q: jax.Array, inputs_k: jax.Array | None = None,
+               inputs_v: jax.Array | None = None, *, mask: jax.Array | None = None,
+               deterministic: bool | None = None, rngs: Any = None, sow_weights: bool = False,
+               decode: bool | None = None, is_causal: bool = False,
+               query_seq_lengths: jax.Array | None = None,
+               key_value_seq_lengths: jax.Array | None = None, out_sharding=None,
+               qkv_sharding=None) -> jax.Array:
+    """``nnx.MultiHeadAttention.__call__`` plus padding lengths.
+
+    ``is_causal=True`` makes this call causal (or-ed with the constructor's ``is_causal``).
+    ``query_seq_lengths`` / ``key_value_seq_lengths``: int arrays shaped like the batch dims of
+    the inputs; keys past a length are ignored, output rows past a length are zero before the
+    output projection (so they equal its bias). ``rngs`` is accepted for Flax's signature; with
+    dropout unsupported it is never used.
+    """
+    del rngs
+    if decode or (decode is None and self.decode):
+      raise NotImplementedError(
+          "FlashMultiHeadAttention: decode (Flax's autoregressive cache) is not supported yet")
+    if inputs_k is None:
+      if inputs_v is not None:
+        raise ValueError("`inputs_k` cannot be None if `inputs_v` is not None (as in "
+                         "nnx.MultiHeadAttention)")
+      inputs_k = inputs_q
+    if inputs_v is None:
+      inputs_v = inputs_k
+    if inputs_q.shape[-1] != self.in_features:
+      raise ValueError(f"Incompatible input dimension, got {inputs_q.shape[-1]} but module "
+                       f"expects {self.in_features}.")
+
+    query = self.query(inputs_q, out_sharding=qkv_sharding)
+    key = self.key(inputs_k, out_sharding=qkv_sharding)
+    value = self.value(inputs_v, out_sharding=qkv_sharding)
+    if self.normalize_qk:
+      query, key = self.query_ln(query), self.key_ln(key)
+
+    if self.dropout_rate > 0.0:
+      deterministic = deterministic if deterministic is not None else self.deterministic
+      if deterministic is None:
+        raise ValueError("No `deterministic` argument was provided to FlashMultiHeadAttention "
+                         "as either a __call__ argument, class attribute, or nnx.view")
+    else:
+      deterministic = True
+    x = self.attention_fn(
+        query, key, value, mask=mask, dropout_rate=self.dropout_rate,
+        broadcast_dropout=self.broadcast_dropout, deterministic=deterministic,
+        dtype=self.dtype, precision=self.precision, module=self if sow_weights else None,
+        is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths)
+    return self.out(x, out_sharding=out_sharding)
+
+
+# ---------------------------------------------------------------------------------------------
+# Linen
+
+
+class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
+  """``nn.MultiHeadDotProductAttention`` computed by jax_flash.
+
+  Every attribute of the stock module, and the same parameters (``query``, ``key``, ``value``,
+  ``out`` DenseGeneral, optional ``query_ln``/``key_ln``), so variables move between the stock
+  and the flash module either way. Linen names an unnamed submodule after its class
+  (``MultiHeadDotProductAttention_0`` vs ``FlashMultiHeadDotProductAttention_0``): give the
+  attention submodule a ``name=`` for checkpoints that load into either. Added attributes:
+
+  Attributes:
+    num_kv_heads: key/value heads for grouped-query attention (``num_heads % num_kv_heads ==
+      0``); ``None`` means ``num_heads``. With fewer heads than ``num_heads`` the ``key`` and
+      ``value`` kernels are ``(features, num_kv_heads, head_dim)``, which stock Linen (no GQA)
+      cannot load; repeating each kv head ``num_heads // num_kv_heads`` times gives the
+      equivalent stock parameters.
+    is_causal: causal self-attention (query ``i`` attends keys ``j <= i``).
+    local_window_size: ``w`` or ``(left, right)`` sliding-window attention.
+    implementation: jax_flash's kernel choice (``None``: the best for the backend).
+    deterministic_backward: bit-reproducible backward pass (see jax_flash).
+
+  ``attention_fn`` must stay unset. ``dropout_rate > 0`` works for evaluation
+  (``deterministic=True``) and raises when dropout would apply; ``decode``, ``sow_weights`` and
+  the ``*_einsum_cls`` attributes raise ``NotImplementedError``; the deprecated ``inputs_kv``
+  call argument is not taken (use ``inputs_k``).
+  """
+
+  num_kv_heads: int | None = None
+  is_causal: bool = False
+  local_window_size: int | tuple[int, int] | None = None
+  implementation: Implementation | None = None
+  deterministic_backward: bool = False
+
+  @nn.compact
+  def __call__(self, inputs_q: jax.Array, inputs_k: jax.Array | None = None,
+               inputs_v: jax.Array | None = None, *, mask: jax.Array | None = None,
+               deterministic: bool | None = None, dropout_rng: jax.Array | None = None,
+               sow_weights: bool = False, query_seq_lengths: jax.Array | None = None,
+               key_value_seq_lengths: jax.Array | None = None) -> jax.Array:
+    """``nn.MultiHeadDotProductAttention.__call__`` plus padding lengths: int arrays shaped
+    like the batch dims of the inputs; keys past a length are ignored, output rows past a length
+    are zero before the output projection (so they equal its bias)."""
+    del dropout_rng  # dropout is not supported: never drawn
+    if self.attention_fn is not nn.dot_product_attention:
+      raise ValueError("FlashMultiHeadDotProductAttention computes attention with jax_flash; "
+                       "for another attention_fn use nn.MultiHeadDotProductAttention")
+    if self.decode:
+      raise NotImplementedError("FlashMultiHeadDotProductAttention: decode (Flax's "
+                                "autoregressive cache) is not supported yet")
+    num_kv_heads = self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+    if num_kv_heads < 1 or self.num_heads % num_kv_heads != 0:
+      raise ValueError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads "
+                       f"({num_kv_heads})")
+    attention_fn = make_attention_fn(
+        is_causal=self.is_causal, local_window_size=self.local_window_size,
+        implementation=self.implementation, deterministic_backward=self.deterministic_backward)
+
+    if inputs_k is None:
+      if inputs_v is not None:
+        raise ValueError("`inputs_k` cannot be None if `inputs_v` is not None (as in "
+                         "nn.MultiHeadDotProductAttention)")
+      inputs_k = inputs_q
+    if inputs_v is None:
+      inputs_v = inputs_k
+    features = self.out_features or inputs_q.shape[-1]
+    qkv_features = self.qkv_features or inputs_q.shape[-1]
+    if qkv_features % self.num_heads != 0:
+      raise ValueError(f"Memory dimension ({qkv_features}) must be divisible by number of "
+                       f"heads ({self.num_heads}).")
+    head_dim = qkv_features // self.num_heads
+
+    # The stock module's projections, parameter for parameter (kv heads aside).
+    dense = functools.partial(
+        nn.DenseGeneral, axis=-1, dtype=self.dtype, param_dtype=self.param_dtype,
+        kernel_init=self.kernel_init, bias_init=self.bias_init, use_bias=self.use_bias,
+        precision=self.precision, dot_general=self.qkv_dot_general,
+        dot_general_cls=self.qkv_dot_general_cls)
+    query = dense(features=(self.num_heads, head_dim), name="query")(inputs_q)
+    key = dense(features=(num_kv_heads, head_dim), name="key")(inputs_k)
+    value = dense(features=(num_kv_heads, head_dim), name="value")(inputs_v)
+    if self.normalize_qk:
+      layer_norm = functools.partial(nn.LayerNorm, use_bias=False, dtype=self.dtype,
+                                     param_dtype=self.param_dtype)
+      query = layer_norm(name="query_ln")(query)
+      key = layer_norm(name="key_ln")(key)
+
+    if self.dropout_rate > 0.0:
+      deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
+    else:
+      deterministic = True
+    einsums = {
+        name: (cls() if cls else None) for name, cls in (
+            ("qk_attn_weights_einsum", self.qk_attn_weights_einsum_cls),
+            ("attn_weights_value_einsum", self.attn_weights_value_einsum_cls))}
+    x = attention_fn(
+        query, key, value, mask=mask, dropout_rate=self.dropout_rate,
+        broadcast_dropout=self.broadcast_dropout, deterministic=deterministic,
+        dtype=self.dtype, precision=self.precision, module=self if sow_weights else None,
+        force_fp32_for_softmax=self.force_fp32_for_softmax, query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths, **einsums)
+    return nn.DenseGeneral(
+        features=features, axis=(-2, -1), kernel_init=self.out_kernel_init or self.kernel_init,
+        bias_init=self.out_bias_init or self.bias_init, use_bias=self.use_bias,
+        dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision,
+        dot_general=self.out_dot_general, dot_general_cls=self.out_dot_general_cls,
+        name="out")(x)

@@ -1,0 +1,450 @@
+"""jax_flash.flax: the attention_fn and the ready NNX / Linen modules against Flax's stock ones.
+
+With the same parameters, a flash module and the stock module agree in the forward pass and in
+the gradients with respect to the inputs and every parameter, by FlashAttention's rule
+(attention_testing.py): for each result x,
+
+    max|x_flash - x_stock_f32| <= 2 * max|x_stock_dtype - x_stock_f32| + 1e-5 * M + 1e-6
+
+where x_stock_f32 is the stock module computing in float32 on the same (float32) parameters and
+inputs, x_stock_dtype the stock module computing in the test's dtype, M = max|x_stock_f32| for
+the output and the largest |stock float32 gradient| over all gradients for the gradients. Flax's
+modules round the projections to the computation dtype, so both sides carry that rounding.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+flax = pytest.importorskip("flax")
+import flax.linen as nn  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from attention_testing import assert_within_rule, max_abs, random_array  # noqa: E402
+
+from jax_flash import flax as jflax  # noqa: E402
+
+F32 = jnp.float32
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+BATCH, SEQ_Q, SEQ_K, FEATURES, HEADS, KV_HEADS = 2, 17, 23, 64, 4, 2  # head dim 16
+LAYERS = 3
+
+
+def inputs(rng, seq_k=SEQ_K):
+  """x_q (B, T, F), x_kv (B, S, F) and a cotangent g shaped like the output, all float32."""
+  xq = random_array(rng, (BATCH, SEQ_Q, FEATURES), F32)
+  xkv = random_array(rng, (BATCH, seq_k, FEATURES), F32)
+  g = random_array(rng, (BATCH, SEQ_Q, FEATURES), F32)
+  return xq, xkv, g
+
+
+def as_numpy(out, grads) -> dict:
+  """{"out": ..., "d<path>": ...} in float64, from an output and a pytree of gradients."""
+  result = {"out": np.asarray(out.astype(F32), np.float64)}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]:
+    result["d" + jax.tree_util.keystr(path)] = np.asarray(leaf.astype(F32), np.float64)
+  return result
+
+
+def assert_matches_stock(flash: dict, stock32: dict, stockd: dict) -> None:
+  """The rule of the module docstring on the output and on every gradient."""
+  assert flash.keys() == stock32.keys() == stockd.keys()
+  grad_scale = max(max_abs(x) for name, x in stock32.items() if name != "out")
+  for name, got in flash.items():
+    assert np.all(np.isfinite(got)), f"{name} has non-finite elements"
+    magnitude = None if name == "out" else grad_scale
+    assert_within_rule(name, got, stock32[name], stockd[name], magnitude=magnitude)
+
+
+def assert_close(got, want, name=""):
+  """Equal up to float32 round-off: max|got - want| <= 1e-5 max|want| + 1e-6."""
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  assert got.shape == want.shape, (name, got.shape, want.shape)
+  err = max_abs(got - want)
+  assert err <= 1e-5 * max_abs(want) + 1e-6, f"{name}: max abs error {err:.3g}"
+
+
+def causal_mask(x):
+  return nn.make_causal_mask(x[..., 0])
+
+
+# ---------------------------------------------------------------------------------------------
+# NNX
+
+
+def nnx_mha(cls, dtype=F32, **kwargs):
+  return cls(HEADS, FEATURES, dtype=dtype, decode=False, rngs=nnx.Rngs(0), **kwargs)
+
+
+def nnx_results(model, xq, xkv, g, **call) -> dict:
+  """Output and gradients (inputs and parameters) of sum(model(xq, xkv) * g), under nnx.jit."""
+
+  @nnx.jit
+  def run(model, xq, xkv):
+    def loss(model, xq, xkv):
+      out = model(xq, xkv, **call)
+      return jnp.sum(out.astype(F32) * g), out
+
+    grad_fn = nnx.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+    (_, out), grads = grad_fn(model, xq, xkv)
+    return out, grads
+
+  out, grads = run(model, xq, xkv)
+  assert out.dtype == (getattr(model, "dtype", None) or F32) and out.shape == g.shape
+  return as_numpy(out, grads)
+
+
+# bfloat16 once per API (its stock compiles are the slow part): NNX cross, Linen causal GQA.
+@pytest.mark.parametrize("dtype, variant", [
+    ("float32", "cross"), ("float32", "causal_gqa"), ("bfloat16", "cross")])
+def test_nnx_module_matches_stock(rng, dtype, variant):
+  causal = variant == "causal_gqa"
+  kv_heads = KV_HEADS if causal else None  # stock NNX has num_kv_heads too
+  stock32 = nnx_mha(nnx.MultiHeadAttention, num_kv_heads=kv_heads)
+  stockd = nnx_mha(nnx.MultiHeadAttention, DTYPES[dtype], num_kv_heads=kv_heads)
+  flash = nnx_mha(jflax.FlashMultiHeadAttention, DTYPES[dtype], num_kv_heads=kv_heads,
+                  is_causal=causal)
+  nnx.update(stockd, nnx.state(stock32))
+  nnx.update(flash, nnx.state(stock32))
+  xq, xkv, g = inputs(rng)
+  if causal:
+    xkv, stock_call = xq, dict(mask=causal_mask(xq))
+  else:
+    stock_call = {}
+  ref32 = nnx_results(stock32, xq, xkv, g, **stock_call)
+  refd = ref32 if dtype == "float32" else nnx_results(stockd, xq, xkv, g, **stock_call)
+  assert_matches_stock(nnx_results(flash, xq, xkv, g), ref32, refd)
+
+
+def nnx_stack(cls, **kwargs):
+  """LAYERS attention layers with stacked parameters (leading axis: layer)."""
+
+  @nnx.vmap(in_axes=0, out_axes=0)
+  def create(key):
+    return cls(HEADS, FEATURES, decode=False, rngs=nnx.Rngs(key), **kwargs)
+
+  return create(jax.random.split(jax.random.key(1), LAYERS))
+
+
+class ScannedStack(nnx.Module):
+  """x <- x + attention(x) for each layer: nnx.scan over the stack, each step under nnx.remat."""
+
+  def __init__(self, layers):
+    self.layers = layers
+
+  def __call__(self, x, _, **call):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    @nnx.remat
+    def step(x, layer):
+      return x + layer(x, **call)
+
+    return step(x, self.layers)
+
+
+def test_nnx_scan_and_remat_over_layers_matches_stock(rng):
+  stock = nnx_stack(nnx.MultiHeadAttention)
+  flash = nnx_stack(jflax.FlashMultiHeadAttention, is_causal=True)
+  nnx.update(flash, nnx.state(stock))
+  assert nnx.state(flash, nnx.Param)["query"]["kernel"].shape == (LAYERS, FEATURES, HEADS, 16)
+  xq, _, g = inputs(rng)
+  ref = nnx_results(ScannedStack(stock), xq, None, g, mask=causal_mask(xq))
+  got = nnx_results(ScannedStack(flash), xq, None, g)
+  assert_matches_stock(got, ref, ref)
+
+
+@pytest.mark.parametrize("num_kv_heads", [None, KV_HEADS])
+def test_nnx_state_moves_between_stock_and_flash(rng, num_kv_heads):
+  kwargs = dict(num_kv_heads=num_kv_heads, normalize_qk=True)
+  stock = nnx_mha(nnx.MultiHeadAttention, **kwargs)
+  flash = jflax.FlashMultiHeadAttention(HEADS, FEATURES, rngs=nnx.Rngs(7), **kwargs)
+  stock_state, flash_state = nnx.state(stock), nnx.state(flash)
+  assert jax.tree.structure(stock_state) == jax.tree.structure(flash_state)
+  assert jax.tree.map(jnp.shape, stock_state) == jax.tree.map(jnp.shape, flash_state)
+  assert set(nnx.to_pure_dict(stock_state)) == {"query", "key", "value", "out", "query_ln",
+                                                "key_ln"}
+
+  xq, xkv, _ = inputs(rng)
+  # stock -> flash through a pure dict (what a checkpoint holds), then flash -> stock.
+  nnx.replace_by_pure_dict(flash_state, nnx.to_pure_dict(stock_state))
+  nnx.update(flash, flash_state)
+  assert_close(flash(xq, xkv), stock(xq, xkv), "stock -> flash")
+  other = nnx.MultiHeadAttention(HEADS, FEATURES, decode=False, rngs=nnx.Rngs(8), **kwargs)
+  assert not np.allclose(other(xq, xkv), stock(xq, xkv))
+  nnx.update(other, nnx.state(flash))
+  assert_close(other(xq, xkv), stock(xq, xkv), "flash -> stock")
+
+
+def test_nnx_padding_lengths_match_stock_mask(rng):
+  stock = nnx_mha(nnx.MultiHeadAttention)
+  flash = nnx_mha(jflax.FlashMultiHeadAttention)
+  nnx.update(flash, nnx.state(stock))
+  xq, xkv, _ = inputs(rng)
+  lengths = jnp.array([SEQ_K, 9], jnp.int32)
+  mask = nnx.make_attention_mask(jnp.ones((BATCH, SEQ_Q)), jnp.arange(SEQ_K) < lengths[:, None])
+  want = nnx.jit(lambda m, q, kv: m(q, kv, mask=mask))(stock, xq, xkv)
+  got = nnx.jit(lambda m, q, kv: m(q, kv, key_value_seq_lengths=lengths))(flash, xq, xkv)
+  assert_close(got, want)
+
+
+def test_nnx_implementation_is_selectable(rng):
+  xq, xkv, _ = inputs(rng)
+  default = nnx_mha(jflax.FlashMultiHeadAttention)
+  xla = nnx_mha(jflax.FlashMultiHeadAttention, implementation="xla")
+  assert xla.attention_fn.implementation == "xla"
+  assert_close(xla(xq, xkv), default(xq, xkv))
+
+
+# ---------------------------------------------------------------------------------------------
+# Linen
+
+
+def repeat_kv(params, group: int):
+  """GQA parameters -> the equivalent stock (one kv head per query head) parameters."""
+  params = dict(params)
+  for name in ("key", "value"):
+    params[name] = jax.tree.map(lambda p: jnp.repeat(p, group, axis=-2), params[name])
+  return params
+
+
+def linen_results(apply, params, xq, xkv, g) -> dict:
+  """Output and gradients (inputs and parameters) of sum(apply(params, xq, xkv) * g), under
+  jax.jit."""
+
+  @jax.jit
+  def run(params, xq, xkv):
+    def loss(params, xq, xkv):
+      out = apply(params, xq, xkv)
+      return jnp.sum(out.astype(F32) * g), out
+
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(params, xq, xkv)
+    return out, grads
+
+  out, grads = run(params, xq, xkv)
+  assert out.shape == g.shape
+  return as_numpy(out, grads)
+
+
+def applier(module, params_map=lambda p: p, **call):
+  return lambda params, xq, xkv: module.apply({"params": params_map(params)}, xq, xkv, **call)
+
+
+@pytest.mark.parametrize("dtype, variant", [
+    ("float32", "cross"), ("float32", "causal_gqa"), ("bfloat16", "causal_gqa")])
+def test_linen_module_matches_stock(rng, dtype, variant):
+  causal = variant == "causal_gqa"
+  kv_heads = KV_HEADS if causal else None
+  flash = jflax.FlashMultiHeadDotProductAttention(HEADS, dtype=DTYPES[dtype],
+                                                  num_kv_heads=kv_heads, is_causal=causal)
+  stock32 = nn.MultiHeadDotProductAttention(HEADS, dtype=F32)
+  stockd = nn.MultiHeadDotProductAttention(HEADS, dtype=DTYPES[dtype])
+  xq, xkv, g = inputs(rng)
+  if causal:
+    # Stock Linen has no GQA: the reference repeats each kv head over its query-head group.
+    xkv = xq
+    params = flash.init(jax.random.key(0), xq)["params"]
+    assert params["key"]["kernel"].shape == (FEATURES, KV_HEADS, FEATURES // HEADS)
+    params_map = lambda p: repeat_kv(p, HEADS // KV_HEADS)  # noqa: E731
+    stock_call = dict(mask=causal_mask(xq))
+  else:
+    params = stockd.init(jax.random.key(0), xq, xkv)["params"]
+    params_map, stock_call = (lambda p: p), {}
+  ref32 = linen_results(applier(stock32, params_map, **stock_call), params, xq, xkv, g)
+  refd = ref32 if dtype == "float32" else linen_results(
+      applier(stockd, params_map, **stock_call), params, xq, xkv, g)
+  assert_matches_stock(linen_results(applier(flash), params, xq, xkv, g), ref32, refd)
+
+
+def test_linen_checkpoint_matches_stock(rng):
+  flash = jflax.FlashMultiHeadDotProductAttention(HEADS, is_causal=True)
+  stock = nn.MultiHeadDotProductAttention(HEADS)
+  xq, _, g = inputs(rng)
+  params = stock.init(jax.random.key(0), xq)["params"]
+  remat_flash = jax.checkpoint(applier(flash))
+  ref = linen_results(applier(stock, mask=causal_mask(xq)), params, xq, xq, g)
+  assert_matches_stock(linen_results(remat_flash, params, xq, xq, g), ref, ref)
+
+
+def test_linen_variables_move_between_stock_and_flash(rng):
+  stock = nn.MultiHeadDotProductAttention(HEADS, qkv_features=32, out_features=48,
+                                          normalize_qk=True)
+  flash = jflax.FlashMultiHeadDotProductAttention(HEADS, qkv_features=32, out_features=48,
+                                                  normalize_qk=True)
+  xq, xkv, _ = inputs(rng)
+  stock_vars = stock.init(jax.random.key(0), xq, xkv)
+  flash_vars = flash.init(jax.random.key(0), xq, xkv)
+  assert jax.tree.structure(stock_vars) == jax.tree.structure(flash_vars)
+  assert jax.tree.map(jnp.shape, stock_vars) == jax.tree.map(jnp.shape, flash_vars)
+  # Same initialisers and names, so the same key even gives the same values.
+  jax.tree.map(np.testing.assert_array_equal, stock_vars, flash_vars)
+  other_vars = stock.init(jax.random.key(3), xq, xkv)
+  assert_close(flash.apply(other_vars, xq, xkv), stock.apply(other_vars, xq, xkv))
+
+
+def test_linen_padding_lengths_match_stock_mask(rng):
+  stock = nn.MultiHeadDotProductAttention(HEADS)
+  flash = jflax.FlashMultiHeadDotProductAttention(HEADS)
+  xq, xkv, _ = inputs(rng)
+  variables = stock.init(jax.random.key(0), xq, xkv)
+  lengths = jnp.array([5, SEQ_K], jnp.int32)
+  mask = nn.make_attention_mask(jnp.ones((BATCH, SEQ_Q)), jnp.arange(SEQ_K) < lengths[:, None])
+  assert_close(flash.apply(variables, xq, xkv, key_value_seq_lengths=lengths),
+               stock.apply(variables, xq, xkv, mask=mask))
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention function inside the stock modules, and on its own
+
+
+def test_attention_fn_in_stock_modules(rng):
+  xq, xkv, _ = inputs(rng)
+  mask = causal_mask(xq)
+
+  stock = nnx_mha(nnx.MultiHeadAttention)
+  flash_fn = nnx_mha(nnx.MultiHeadAttention, attention_fn=jflax.dot_product_attention)
+  causal_fn = nnx_mha(nnx.MultiHeadAttention, attention_fn=jflax.make_attention_fn(is_causal=True))
+  nnx.update(flash_fn, nnx.state(stock))
+  nnx.update(causal_fn, nnx.state(stock))
+  assert_close(nnx.jit(lambda m, q, kv: m(q, kv))(flash_fn, xq, xkv), stock(xq, xkv), "nnx")
+  assert_close(flash_fn(xq, is_causal=True), stock(xq, mask=mask), "nnx is_causal call")
+  # nnx passes is_causal=False on every call: it must not undo the function's is_causal=True.
+  assert_close(causal_fn(xq), stock(xq, mask=mask), "nnx make_attention_fn(is_causal=True)")
+
+  linen_stock = nn.MultiHeadDotProductAttention(HEADS)
+  variables = linen_stock.init(jax.random.key(0), xq, xkv)
+  linen_fn = nn.MultiHeadDotProductAttention(HEADS, attention_fn=jflax.dot_product_attention)
+  linen_causal = nn.MultiHeadDotProductAttention(
+      HEADS, attention_fn=jflax.make_attention_fn(is_causal=True))
+  assert_close(jax.jit(linen_fn.apply)(variables, xq, xkv), linen_stock.apply(variables, xq, xkv),
+               "linen")
+  assert_close(linen_causal.apply(variables, xq), linen_stock.apply(variables, xq, mask=mask),
+               "linen make_attention_fn(is_causal=True)")
+
+
+def test_attention_fn_names_every_argument_linen_passes():
+  # Linen passes attention_fn only the keywords its signature names: naming them all is what
+  # turns an unsupported one into an error instead of dropping it.
+  linen_kwargs = {"mask", "dropout_rng", "dropout_rate", "broadcast_dropout", "deterministic",
+                  "dtype", "precision", "force_fp32_for_softmax", "qk_attn_weights_einsum",
+                  "attn_weights_value_einsum", "module"}
+  for fn in (jflax.dot_product_attention, jflax.make_attention_fn()):
+    assert linen_kwargs <= set(inspect.signature(fn).parameters)
+
+
+@pytest.mark.parametrize("batch_dims", [(), (2, 3)])
+def test_attention_fn_batch_dims_and_lengths(rng, batch_dims):
+  shape_q, shape_k = (*batch_dims, 9, 4, 16), (*batch_dims, 11, 2, 16)
+  q, k, v = random_array(rng, shape_q, F32), random_array(rng, shape_k, F32), random_array(
+      rng, shape_k, F32)
+  want = nnx.dot_product_attention(q, k, v, is_causal=True)
+  assert_close(jflax.dot_product_attention(q, k, v, is_causal=True), want)
+
+  lengths = jnp.asarray(rng.integers(1, 12, batch_dims), jnp.int32)
+  mask = (jnp.arange(11) < lengths[..., None])[..., None, None, :]  # (batch..., 1, 1, S)
+  want = nnx.dot_product_attention(q, k, v, mask=jnp.broadcast_to(mask, (*batch_dims, 4, 9, 11)))
+  assert_close(jflax.dot_product_attention(q, k, v, key_value_seq_lengths=lengths), want)
+
+
+def test_make_attention_fn_fixes_jax_flash_options(rng):
+  q = random_array(rng, (2, 13, 4, 16), F32)
+  fn = jflax.make_attention_fn(local_window_size=[3, 1], scale=0.3, implementation="xla")
+  assert fn == jflax.make_attention_fn(local_window_size=(3, 1), scale=0.3, implementation="xla")
+  hash(fn)  # NNX keeps attention_fn as a static attribute
+  want = jax.nn.dot_product_attention(q, q, q, local_window_size=(3, 1), scale=0.3)
+  assert_close(fn(q, q, q), want)
+  with pytest.raises(ValueError, match="implementation"):
+    jflax.make_attention_fn(implementation="triton")
+
+
+def test_attention_fn_dtype_promotes_like_flax(rng):
+  q = random_array(rng, (2, 9, 4, 16), F32)
+  k = random_array(rng, (2, 9, 4, 16), jnp.bfloat16)
+  assert jflax.dot_product_attention(q, k, k).dtype == F32
+  out = jflax.dot_product_attention(q, q, q, dtype=jnp.bfloat16)
+  assert out.dtype == jnp.bfloat16
+  want = jflax.dot_product_attention(*(x.astype(jnp.bfloat16) for x in (q, q, q)))
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+
+
+def test_attention_fn_options_that_cannot_matter_are_accepted(rng):
+  q = random_array(rng, (2, 9, 4, 16), F32)
+  want = jflax.dot_product_attention(q, q, q)
+  got = jflax.dot_product_attention(
+      q, q, q, dropout_rate=0.1, deterministic=True, dropout_rng=jax.random.key(0),
+      broadcast_dropout=False, precision=jax.lax.Precision.HIGHEST, force_fp32_for_softmax=True)
+  np.testing.assert_array_equal(got, want)
+
+
+# ---------------------------------------------------------------------------------------------
+# What cannot be honoured raises
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(mask=jnp.ones((2, 1, 9, 9), bool)), "mask.*is_causal=True.*key_value_seq_lengths"),
+    (dict(bias=jnp.zeros((2, 1, 9, 9))), "bias"),
+    (dict(dropout_rate=0.1, deterministic=False), "dropout"),
+    (dict(module=object()), "sow"),
+    (dict(qk_attn_weights_einsum=jnp.einsum, attn_weights_value_einsum=jnp.einsum), "einsum"),
+])
+def test_attention_fn_raises_for_what_it_cannot_honour(rng, kwargs, match):
+  q = random_array(rng, (2, 9, 4, 16), F32)
+  with pytest.raises(NotImplementedError, match=match):
+    jflax.dot_product_attention(q, q, q, **kwargs)
+  with pytest.raises(NotImplementedError, match=match):
+    jflax.make_attention_fn(is_causal=True)(q, q, q, **kwargs)
+
+
+def test_nnx_modules_raise_for_what_they_cannot_honour(rng):
+  xq, _, _ = inputs(rng)
+  flash = nnx_mha(jflax.FlashMultiHeadAttention)
+  with pytest.raises(NotImplementedError, match="mask"):
+    flash(xq, mask=causal_mask(xq))
+  with pytest.raises(NotImplementedError, match="sow"):
+    flash(xq, sow_weights=True)
+  with pytest.raises(NotImplementedError, match="decode"):
+    flash(xq, decode=True)
+  with pytest.raises(ValueError, match="attention_fn"):
+    nnx_mha(jflax.FlashMultiHeadAttention, attention_fn=nnx.dot_product_attention)
+  dropout = nnx_mha(jflax.FlashMultiHeadAttention, dropout_rate=0.1)
+  with pytest.raises(NotImplementedError, match="dropout"):
+    dropout(xq, deterministic=False)
+  nnx.update(dropout, nnx.state(flash, nnx.Param))
+  assert_close(dropout(xq, deterministic=True), flash(xq))  # evaluation mode: no dropout
+  # The stock module with the flash attention_fn raises the same way.
+  stock = nnx_mha(nnx.MultiHeadAttention, dropout_rate=0.1,
+                  attention_fn=jflax.dot_product_attention)
+  with pytest.raises(NotImplementedError, match="dropout"):
+    stock(xq, deterministic=False)
+  with pytest.raises(NotImplementedError, match="mask"):
+    stock(xq, mask=causal_mask(xq), deterministic=True)
+
+
+def test_linen_modules_raise_for_what_they_cannot_honour(rng):
+  xq, _, _ = inputs(rng)
+  flash = jflax.FlashMultiHeadDotProductAttention(HEADS)
+  variables = flash.init(jax.random.key(0), xq)
+  with pytest.raises(NotImplementedError, match="mask"):
+    flash.apply(variables, xq, mask=causal_mask(xq))
+  with pytest.raises(NotImplementedError, match="sow"):
+    flash.apply(variables, xq, sow_weights=True, mutable=["intermediates"])
+  with pytest.raises(NotImplementedError, match="dropout"):
+    flash.clone(dropout_rate=0.1).apply(variables, xq, deterministic=False,
+                                        rngs={"dropout": jax.random.key(1)})
+  with pytest.raises(NotImplementedError, match="decode"):
+    flash.clone(decode=True).apply(variables, xq)
+  with pytest.raises(NotImplementedError, match="einsum"):
+    flash.clone(qk_attn_weights_einsum_cls=lambda: jnp.einsum,
+                attn_weights_value_einsum_cls=lambda: jnp.einsum).apply(variables, xq)
+  with pytest.raises(ValueError, match="attention_fn"):
+    flash.clone(attention_fn=jflax.dot_product_attention).apply(variables, xq)
+  with pytest.raises(ValueError, match="num_kv_heads"):
+    flash.clone(num_kv_heads=3).init(jax.random.key(0), xq)
+  # The stock module passes dropout to the flash attention_fn: it raises instead of dropping it.
+  stock = nn.MultiHeadDotProductAttention(HEADS, dropout_rate=0.1,
+                                          attention_fn=jflax.dot_product_attention)
+  with pytest.raises(NotImplementedError, match="dropout"):
+    stock.apply(variables, xq, deterministic=False, rngs={"dropout": jax.random.key(1)})
