@@ -62,10 +62,13 @@ def _configs(config: _ops.KernelConfig):
   return diagonal, full
 
 
-def _varying(axis_name, *xs):
-  """Every output of a block marked as varying over the ring axis: shard_map needs the branches
-  of a switch to agree, and constants (skipped blocks) or custom-call results are typed as
-  unvarying."""
+def _varying(axis_name, like, *xs):
+  """The outputs of a block typed as varying over the ring axis when its input `like` is:
+  inside shard_map the branches of a switch must agree, and constants (skipped blocks) or
+  custom-call results come out unvarying. Elsewhere (a custom_partitioning lowering) nothing
+  is typed varying and the outputs stay as they are."""
+  if axis_name not in _varying_axes(like):
+    return xs
   return tuple(x if axis_name in _varying_axes(x) else jax.lax.pcast(x, axis_name, to="varying")
                for x in xs)
 
@@ -82,13 +85,13 @@ def _block_fwd(config, axis_name, relation, q, k, v, q_lens, kv_lens):
 
   def skip(q, k, v, q_lens, kv_lens):
     batch, seq, heads, _ = q.shape
-    return _varying(axis_name, jnp.zeros(q.shape, jnp.float32),
+    return _varying(axis_name, q, jnp.zeros(q.shape, jnp.float32),
                     jnp.full((batch, heads, seq), EMPTY_ROW_LSE, jnp.float32))
 
   def run(cfg):
     def branch(q, k, v, q_lens, kv_lens):
       o, lse = _ops.flash_fwd(q, k, v, q_lens, kv_lens, cfg)
-      return _varying(axis_name, o.astype(jnp.float32), lse)
+      return _varying(axis_name, q, o.astype(jnp.float32), lse)
     return branch
 
   return jax.lax.switch(relation, [skip, run(diagonal), run(full)], q, k, v, q_lens, kv_lens)
@@ -135,12 +138,12 @@ def _block_bwd(config, axis_name, relation, q, k, v, o, lse, d_o, q_lens, kv_len
   diagonal, full = _configs(config)
 
   def skip(q, k, v, o, lse, d_o, q_lens, kv_lens):
-    return _varying(axis_name, jnp.zeros(q.shape, q.dtype), jnp.zeros(k.shape, k.dtype),
+    return _varying(axis_name, q, jnp.zeros(q.shape, q.dtype), jnp.zeros(k.shape, k.dtype),
                     jnp.zeros(v.shape, v.dtype))
 
   def run(cfg):
     def branch(q, k, v, o, lse, d_o, q_lens, kv_lens):
-      return _varying(axis_name, *_ops.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, cfg))
+      return _varying(axis_name, q, *_ops.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, cfg))
     return branch
 
   return jax.lax.switch(relation, [skip, run(diagonal), run(full)],

@@ -3,8 +3,9 @@
 A bare custom call does not partition: XLA would gather its operands onto every device. Each
 kernel call here is wrapped, innermost first, in
   * ``custom_partitioning`` with a Shardy sharding rule (and the GSPMD callbacks for partitioners
-    without Shardy): batch and head axes shard with no communication at all; the sequence and
-    head-dim axes are kept whole (sharded inputs are gathered first);
+    without Shardy): batch and head axes shard with no communication at all; a sharded sequence
+    axis runs ring attention over it (jax_flash._ring, contiguous layout: K/V blocks move by
+    collective-permute only); the head dim is kept whole;
   * ``custom_vmap``, whose rule folds a mapped axis into the batch axis (custom_partitioning has
     no batching rule of its own).
 
@@ -18,6 +19,7 @@ without the head parallelism).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -27,7 +29,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_flash import _ops
+from jax_flash import _ops, _ring
 
 # Factors: b batch, t query positions, s key positions, n query heads, k kv heads, h head dim.
 # The head factors are independent: the partition callback below keeps them consistent (a
@@ -35,8 +37,8 @@ from jax_flash import _ops
 _FWD_RULE = "b t n h, b s k h, b s k h, b, b -> b t n h, b n t"
 _BWD_RULE = ("b t n h, b s k h, b s k h, b t n h, b n t, b t n h, b, b "
              "-> b t n h, b s k h, b s k h")
-# Kept whole (in order of first appearance in the rules, as Shardy wants them).
-_WHOLE_FACTORS = ("t", "h", "s")
+# Kept whole: the head dim.
+_WHOLE_FACTORS = ("h",)
 
 
 def _axis_size(mesh, axes) -> int:
@@ -51,29 +53,45 @@ def _spec_entry(sharding, index: int):
   return spec[index] if spec is not None and len(spec) > index else None
 
 
-def _plan(mesh, arg_shapes) -> tuple[object, object, object]:
-  """The (batch, query-head, kv-head) axes the op runs sharded over, read off the query's
-  sharding: the kv heads shard with the query heads when they split evenly, one kv head (MQA)
-  is replicated, and otherwise every head stays on every device."""
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """The mesh axes the op runs sharded over (None: kept whole)."""
+  batch: object
+  q_heads: object
+  kv_heads: object
+  seq: object  # query and key positions: ring attention over these axes
+
+
+def _plan(mesh, arg_shapes, config: _ops.KernelConfig) -> _Plan:
+  """Read off the query's sharding: batch as it is; the kv heads shard with the query heads
+  when they split evenly, one kv head (MQA) is replicated, otherwise all heads stay whole; a
+  sharded sequence runs the ring when its blocks are chunk-aligned (no window; causal only with
+  equal query and key lengths), and is gathered otherwise."""
   q, k = arg_shapes[0], arg_shapes[1]
   batch = _spec_entry(q.sharding, 0)
+  seq = _spec_entry(q.sharding, 1)
   heads = _spec_entry(q.sharding, 2)
   if q.shape[0] % _axis_size(mesh, batch):
     batch = None
+  if seq is not None:
+    ring_ok = (config.window_left < 0 and config.window_right < 0 and
+               not (config.is_causal and q.shape[1] != k.shape[1]) and
+               q.shape[1] % _axis_size(mesh, seq) == 0 and k.shape[1] % _axis_size(mesh, seq) == 0)
+    seq = seq if ring_ok else None
   if heads is None or q.shape[2] % _axis_size(mesh, heads):
-    return batch, None, None
+    return _Plan(batch, None, None, seq)
   if k.shape[2] % _axis_size(mesh, heads) == 0:
-    return batch, heads, heads
+    return _Plan(batch, heads, heads, seq)
   if k.shape[2] == 1:
-    return batch, heads, None
-  return batch, None, None
+    return _Plan(batch, heads, None, seq)
+  return _Plan(batch, None, None, seq)
 
 
-def _shardings(mesh, batch, q_heads, kv_heads):
-  q_rows = NamedSharding(mesh, P(batch, None, q_heads, None))  # q, o, do, dq
-  kv_rows = NamedSharding(mesh, P(batch, None, kv_heads, None))  # k, v, dk, dv
-  lse = NamedSharding(mesh, P(batch, q_heads, None))
-  lens = NamedSharding(mesh, P(batch))
+def _shardings(mesh, plan: _Plan):
+  q_rows = NamedSharding(mesh, P(plan.batch, plan.seq, plan.q_heads, None))  # q, o, do, dq
+  kv_rows = NamedSharding(mesh, P(plan.batch, plan.seq, plan.kv_heads, None))  # k, v, dk, dv
+  lse = NamedSharding(mesh, P(plan.batch, plan.q_heads, plan.seq))
+  lens = NamedSharding(mesh, P(plan.batch))
   return q_rows, kv_rows, lse, lens
 
 
@@ -82,13 +100,19 @@ def _fwd_impl(q, k, v, q_lens, kv_lens, config):
 
 
 def _fwd_partition(config, mesh, arg_shapes, result_shape):
-  q_rows, kv_rows, lse, lens = _shardings(mesh, *_plan(mesh, arg_shapes))
-  lower = functools.partial(_fwd_impl, config=config)
+  plan = _plan(mesh, arg_shapes, config)
+  q_rows, kv_rows, lse, lens = _shardings(mesh, plan)
+
+  def lower(q, k, v, q_lens, kv_lens):
+    if plan.seq is not None:
+      return _ring._ring_fwd(q, k, v, q_lens, kv_lens, plan.seq, "contiguous", config)
+    return _fwd_impl(q, k, v, q_lens, kv_lens, config)
+
   return mesh, lower, (q_rows, lse), (q_rows, kv_rows, kv_rows, lens, lens)
 
 
 def _fwd_infer(config, mesh, arg_shapes, result_shape):
-  q_rows, _, lse, _ = _shardings(mesh, *_plan(mesh, arg_shapes))
+  q_rows, _, lse, _ = _shardings(mesh, _plan(mesh, arg_shapes, config))
   return q_rows, lse
 
 
@@ -97,14 +121,18 @@ def _bwd_impl(q, k, v, o, lse, d_o, q_lens, kv_lens, config):
 
 
 def _bwd_partition(config, mesh, arg_shapes, result_shape):
-  batch, q_heads, kv_heads = _plan(mesh, arg_shapes)
-  q_rows, kv_rows, lse, lens = _shardings(mesh, batch, q_heads, kv_heads)
+  plan = _plan(mesh, arg_shapes, config)
+  q_rows, kv_rows, lse, lens = _shardings(mesh, plan)
 
-  def lower(*args):
-    dq, dk, dv = _bwd_impl(*args, config=config)
-    if q_heads is not None and kv_heads is None:
+  def lower(q, k, v, o, lse, d_o, q_lens, kv_lens):
+    if plan.seq is not None:
+      dq, dk, dv = _ring._ring_bwd(q, k, v, q_lens, kv_lens, o, lse, d_o, plan.seq,
+                                   "contiguous", config)
+    else:
+      dq, dk, dv = _bwd_impl(q, k, v, o, lse, d_o, q_lens, kv_lens, config)
+    if plan.q_heads is not None and plan.kv_heads is None:
       # One kv head, query heads split: each device holds the dK/dV of its query heads only.
-      dk, dv = jax.lax.psum((dk, dv), q_heads)
+      dk, dv = jax.lax.psum((dk, dv), plan.q_heads)
     return dq, dk, dv
 
   return (mesh, lower, (q_rows, kv_rows, kv_rows),
@@ -112,7 +140,7 @@ def _bwd_partition(config, mesh, arg_shapes, result_shape):
 
 
 def _bwd_infer(config, mesh, arg_shapes, result_shape):
-  q_rows, kv_rows, _, _ = _shardings(mesh, *_plan(mesh, arg_shapes))
+  q_rows, kv_rows, _, _ = _shardings(mesh, _plan(mesh, arg_shapes, config))
   return q_rows, kv_rows, kv_rows
 
 

@@ -1,9 +1,10 @@
 """The kernels partition like native ops under jax.jit with shardings (8 simulated CPU devices).
 
 Batch and head sharding must need no communication at all, and give the single-device results
-(forward and gradients), with both partitioners (Shardy and GSPMD). Inputs sharded along the
-sequence, and GQA layouts whose kv heads do not split over the head axis, must stay correct
-(the op then runs on gathered inputs).
+(forward and gradients), with both partitioners (Shardy and GSPMD). Sequence sharding runs ring
+attention: K/V blocks move by collective-permute only. Layouts the op cannot run sharded (GQA
+kv heads that do not split over the head axis, a sharded head dim, windows over a sharded
+sequence) must stay correct (the op then runs on gathered inputs).
 """
 
 from __future__ import annotations
@@ -119,10 +120,39 @@ def test_equal_heads_and_mqa_shard_query_heads(mesh, partitioner, heads):
 @pytest.mark.parametrize("spec", [
     P(None, "model", None, None),                # sequence
     P("data", "model", None, None),              # batch and sequence
-    P(None, None, None, "model"),                # head dim
-], ids=["sequence", "batch+sequence", "head-dim"])
-def test_other_shardings_stay_correct(mesh, partitioner, spec):
+    P(None, ("data", "model"), None, None),      # sequence over the whole mesh
+], ids=["sequence", "batch+sequence", "sequence-2d"])
+def test_sequence_sharding_runs_the_ring(mesh, partitioner, spec):
+  args = _inputs(3, seq=64)
+  got, hlo = _run(mesh, spec, spec, args)
+  assert set(COLLECTIVES.findall(hlo)) == {"collective-permute"}, set(COLLECTIVES.findall(hlo))
+  _assert_matches_single_device(got, args)
+
+
+def test_sequence_and_heads_sharded_together(mesh, partitioner):
+  args = _inputs(6, seq=64)
+  spec = P(None, "data", "model", None)
+  got, hlo = _run(mesh, spec, spec, args)
+  assert set(COLLECTIVES.findall(hlo)) == {"collective-permute"}, set(COLLECTIVES.findall(hlo))
+  _assert_matches_single_device(got, args)
+
+
+def test_window_over_a_sharded_sequence_stays_correct(mesh, partitioner):
+  """Windows are not chunk-aligned: the sequence is gathered instead of running the ring."""
+  q, k, v, g, lens = _inputs(7, seq=64)
+  spec = NamedSharding(mesh, P(None, "model", None, None))
+
+  def windowed(q, k, v):
+    return jax_flash.dot_product_attention(q, k, v, local_window_size=(5, 0), implementation="cpu")
+
+  placed = [jax.device_put(x, spec) for x in (q, k, v)]
+  got = np.asarray(jax.jit(windowed)(*placed))
+  np.testing.assert_allclose(got, np.asarray(windowed(q, k, v)), rtol=2e-6, atol=2e-6)
+
+
+def test_sharded_head_dim_stays_correct(mesh, partitioner):
   args = _inputs(3)
+  spec = P(None, None, None, "model")
   got, _ = _run(mesh, spec, spec, args)
   _assert_matches_single_device(got, args)
 
