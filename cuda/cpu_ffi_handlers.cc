@@ -95,44 +95,11 @@ ffi::Error run_bwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    kCpuFlashFwd, run_fwd,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::ThreadPool>()
-        .Arg<ffi::AnyBuffer>()           // q (..., T, N, H)
-        .Arg<ffi::AnyBuffer>()           // k (..., S, K, H)
-        .Arg<ffi::AnyBuffer>()           // v (..., S, K, H)
-        .Arg<ffi::Buffer<ffi::S32>>()    // q_lens (...)
-        .Arg<ffi::Buffer<ffi::S32>>()    // kv_lens (...)
-        .Ret<ffi::AnyBuffer>()           // o (..., T, N, H)
-        .Ret<ffi::Buffer<ffi::F32>>()    // lse (..., N, T)
-        .Attr<double>("scale")
-        .Attr<bool>("is_causal")
-        .Attr<int64_t>("window_left")    // < 0: unbounded
-        .Attr<int64_t>("window_right"));  // < 0: unbounded
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuFlashFwd, run_fwd, fwd_binding<ffi::ThreadPool>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    kCpuFlashBwd, run_bwd,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::ThreadPool>()
-        .Arg<ffi::AnyBuffer>()           // q
-        .Arg<ffi::AnyBuffer>()           // k
-        .Arg<ffi::AnyBuffer>()           // v
-        .Arg<ffi::AnyBuffer>()           // o
-        .Arg<ffi::Buffer<ffi::F32>>()    // lse (..., N, T)
-        .Arg<ffi::AnyBuffer>()           // do, the output cotangent
-        .Arg<ffi::Buffer<ffi::S32>>()    // q_lens
-        .Arg<ffi::Buffer<ffi::S32>>()    // kv_lens
-        .Ret<ffi::AnyBuffer>()           // dq
-        .Ret<ffi::AnyBuffer>()           // dk
-        .Ret<ffi::AnyBuffer>()           // dv
-        .Ret<ffi::Buffer<ffi::F32>>()    // delta workspace (..., N, T)
-        .Ret<ffi::Buffer<ffi::F32>>()    // dq_accum workspace (dq_splits * ... * T * N * Hpad)
-        .Attr<double>("scale")
-        .Attr<bool>("is_causal")
-        .Attr<int64_t>("window_left")
-        .Attr<int64_t>("window_right")
-        .Attr<int64_t>("dq_splits")
-        .Attr<bool>("deterministic"));   // accepted for symmetry: always true on the CPU
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuFlashBwd, run_bwd,
+                              bwd_binding<ffi::ThreadPool>()
+                                  .Attr<int64_t>("dq_splits")
+                                  .Attr<bool>("deterministic"));
 
 }  // namespace jax_flash

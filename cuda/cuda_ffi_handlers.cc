@@ -65,46 +65,12 @@ ffi::Error run_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    kCudaFlashFwd, run_fwd,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()
-        .Arg<ffi::AnyBuffer>()           // q (..., T, N, H), H a multiple of 8
-        .Arg<ffi::AnyBuffer>()           // k (..., S, K, H)
-        .Arg<ffi::AnyBuffer>()           // v (..., S, K, H)
-        .Arg<ffi::Buffer<ffi::S32>>()    // q_lens (...)
-        .Arg<ffi::Buffer<ffi::S32>>()    // kv_lens (...)
-        .Ret<ffi::AnyBuffer>()           // o (..., T, N, H)
-        .Ret<ffi::Buffer<ffi::F32>>()    // lse (..., N, T)
-        .Attr<double>("scale")
-        .Attr<bool>("is_causal")
-        .Attr<int64_t>("window_left")    // < 0: unbounded
-        .Attr<int64_t>("window_right"),  // < 0: unbounded
-    {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaFlashFwd, run_fwd, fwd_binding<ffi::PlatformStream<cudaStream_t>>(),
+                              {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    kCudaFlashBwd, run_bwd,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()
-        .Arg<ffi::AnyBuffer>()           // q
-        .Arg<ffi::AnyBuffer>()           // k
-        .Arg<ffi::AnyBuffer>()           // v
-        .Arg<ffi::AnyBuffer>()           // o
-        .Arg<ffi::Buffer<ffi::F32>>()    // lse (..., N, T)
-        .Arg<ffi::AnyBuffer>()           // do, the output cotangent
-        .Arg<ffi::Buffer<ffi::S32>>()    // q_lens
-        .Arg<ffi::Buffer<ffi::S32>>()    // kv_lens
-        .Ret<ffi::AnyBuffer>()           // dq
-        .Ret<ffi::AnyBuffer>()           // dk
-        .Ret<ffi::AnyBuffer>()           // dv
-        .Ret<ffi::Buffer<ffi::F32>>()    // delta workspace (..., N, T)
-        .Ret<ffi::Buffer<ffi::F32>>()    // dq_accum workspace, float32 shaped like q (empty
-                                         // when deterministic)
-        .Attr<double>("scale")
-        .Attr<bool>("is_causal")
-        .Attr<int64_t>("window_left")
-        .Attr<int64_t>("window_right")
-        .Attr<bool>("deterministic"),    // dQ without atomics
-    {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaFlashBwd, run_bwd,
+                              bwd_binding<ffi::PlatformStream<cudaStream_t>>()
+                                  .Attr<bool>("deterministic"),  // dQ without atomics
+                              {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_flash

@@ -165,4 +165,48 @@ inline xla::ffi::Error make_bwd_params(
   return xla::ffi::Error::Success();
 }
 
+// The FFI signatures of the two passes, shared by the CPU and CUDA handlers: `Ctx` is how the
+// backend runs (XLA's thread pool, or its CUDA stream); backend-specific attributes follow.
+template <typename Ctx>
+auto fwd_binding() {
+  namespace ffi = xla::ffi;
+  return ffi::Ffi::Bind()
+      .Ctx<Ctx>()
+      .template Arg<ffi::AnyBuffer>()           // q (..., T, N, H)
+      .template Arg<ffi::AnyBuffer>()           // k (..., S, K, H)
+      .template Arg<ffi::AnyBuffer>()           // v (..., S, K, H)
+      .template Arg<ffi::Buffer<ffi::S32>>()    // q_lens (...)
+      .template Arg<ffi::Buffer<ffi::S32>>()    // kv_lens (...)
+      .template Ret<ffi::AnyBuffer>()           // o (..., T, N, H)
+      .template Ret<ffi::Buffer<ffi::F32>>()    // lse (..., N, T)
+      .template Attr<double>("scale")
+      .template Attr<bool>("is_causal")
+      .template Attr<int64_t>("window_left")    // < 0: unbounded
+      .template Attr<int64_t>("window_right");  // < 0: unbounded
+}
+
+template <typename Ctx>
+auto bwd_binding() {
+  namespace ffi = xla::ffi;
+  return ffi::Ffi::Bind()
+      .Ctx<Ctx>()
+      .template Arg<ffi::AnyBuffer>()           // q
+      .template Arg<ffi::AnyBuffer>()           // k
+      .template Arg<ffi::AnyBuffer>()           // v
+      .template Arg<ffi::AnyBuffer>()           // o
+      .template Arg<ffi::Buffer<ffi::F32>>()    // lse (..., N, T)
+      .template Arg<ffi::AnyBuffer>()           // do, the output cotangent
+      .template Arg<ffi::Buffer<ffi::S32>>()    // q_lens
+      .template Arg<ffi::Buffer<ffi::S32>>()    // kv_lens
+      .template Ret<ffi::AnyBuffer>()           // dq
+      .template Ret<ffi::AnyBuffer>()           // dk
+      .template Ret<ffi::AnyBuffer>()           // dv
+      .template Ret<ffi::Buffer<ffi::F32>>()    // delta workspace (..., N, T)
+      .template Ret<ffi::Buffer<ffi::F32>>()    // dq_accum workspace (form per backend)
+      .template Attr<double>("scale")
+      .template Attr<bool>("is_causal")
+      .template Attr<int64_t>("window_left")
+      .template Attr<int64_t>("window_right");
+}
+
 }  // namespace jax_flash
