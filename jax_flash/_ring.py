@@ -62,15 +62,13 @@ def _configs(config: _ops.KernelConfig):
   return diagonal, full
 
 
-def _varying(axis_name, like, *xs):
-  """The outputs of a block typed as varying over the ring axis when its input `like` is:
-  inside shard_map the branches of a switch must agree, and constants (skipped blocks) or
-  custom-call results come out unvarying. Elsewhere (a custom_partitioning lowering) nothing
-  is typed varying and the outputs stay as they are."""
-  if axis_name not in _varying_axes(like):
-    return xs
-  return tuple(x if axis_name in _varying_axes(x) else jax.lax.pcast(x, axis_name, to="varying")
-               for x in xs)
+def _varying_like(x, like):
+  """`x` typed as varying over every mesh axis `like` varies over: inside shard_map the branches
+  of a switch (and a VJP's cotangents) must carry their inputs' types, and constants (skipped
+  blocks) or custom-call results come out unvarying. Outside shard_map (a custom_partitioning
+  lowering) nothing is typed varying and `x` stays as it is."""
+  missing = tuple(sorted(_varying_axes(like) - _varying_axes(x)))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _varying_axes(x) -> frozenset:
@@ -79,19 +77,19 @@ def _varying_axes(x) -> frozenset:
   return vma if vma is not None else aval.manual_axis_type.varying
 
 
-def _block_fwd(config, axis_name, relation, q, k, v, q_lens, kv_lens):
+def _block_fwd(config, relation, q, k, v, q_lens, kv_lens):
   """(o float32, lse) of one block pair, by its relation."""
   diagonal, full = _configs(config)
 
   def skip(q, k, v, q_lens, kv_lens):
     batch, seq, heads, _ = q.shape
-    return _varying(axis_name, q, jnp.zeros(q.shape, jnp.float32),
-                    jnp.full((batch, heads, seq), EMPTY_ROW_LSE, jnp.float32))
+    return (_varying_like(jnp.zeros(q.shape, jnp.float32), q),
+            _varying_like(jnp.full((batch, heads, seq), EMPTY_ROW_LSE, jnp.float32), q))
 
   def run(cfg):
     def branch(q, k, v, q_lens, kv_lens):
       o, lse = _ops.flash_fwd(q, k, v, q_lens, kv_lens, cfg)
-      return _varying(axis_name, q, o.astype(jnp.float32), lse)
+      return _varying_like(o.astype(jnp.float32), q), _varying_like(lse, q)
     return branch
 
   return jax.lax.switch(relation, [skip, run(diagonal), run(full)], q, k, v, q_lens, kv_lens)
@@ -124,7 +122,7 @@ def _ring_fwd(q, k, v, q_lens, kv_lens, axis_name, layout, config):
     k_ids = _chunk_ids(src, num, layout)
     for c, (q_c, q_id) in enumerate(zip(qs, q_ids)):
       for k_c, v_c, k_id in zip(_split(k, parts, 1), _split(v, parts, 1), k_ids):
-        o_p, lse_p = _block_fwd(config, axis_name, _relation(q_id, k_id, config.is_causal), q_c, k_c, v_c,
+        o_p, lse_p = _block_fwd(config, _relation(q_id, k_id, config.is_causal), q_c, k_c, v_c,
                                 _local_lengths(q_lens, q_id, chunk_q),
                                 _local_lengths(kv_lens, k_id, chunk_k))
         outs[c], lses[c] = _merge(outs[c], lses[c], o_p, lse_p)
@@ -134,16 +132,17 @@ def _ring_fwd(q, k, v, q_lens, kv_lens, axis_name, layout, config):
   return out, jnp.concatenate(lses, axis=2)
 
 
-def _block_bwd(config, axis_name, relation, q, k, v, o, lse, d_o, q_lens, kv_lens):
+def _block_bwd(config, relation, q, k, v, o, lse, d_o, q_lens, kv_lens):
   diagonal, full = _configs(config)
 
   def skip(q, k, v, o, lse, d_o, q_lens, kv_lens):
-    return _varying(axis_name, q, jnp.zeros(q.shape, q.dtype), jnp.zeros(k.shape, k.dtype),
-                    jnp.zeros(v.shape, v.dtype))
+    return (_varying_like(jnp.zeros(q.shape, q.dtype), q), _varying_like(jnp.zeros(k.shape, k.dtype), k),
+            _varying_like(jnp.zeros(v.shape, v.dtype), v))
 
   def run(cfg):
     def branch(q, k, v, o, lse, d_o, q_lens, kv_lens):
-      return _varying(axis_name, q, *_ops.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, cfg))
+      dq, dk, dv = _ops.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, cfg)
+      return _varying_like(dq, q), _varying_like(dk, k), _varying_like(dv, v)
     return branch
 
   return jax.lax.switch(relation, [skip, run(diagonal), run(full)],
@@ -169,7 +168,7 @@ def _ring_bwd(q, k, v, q_lens, kv_lens, o, lse, d_o, axis_name, layout, config):
     for c, q_id in enumerate(q_ids):
       for j, (k_c, v_c, k_id) in enumerate(zip(_split(k, parts, 1), _split(v, parts, 1), k_ids)):
         dq_p, dk_p, dv_p = _block_bwd(
-            config, axis_name, _relation(q_id, k_id, config.is_causal), qs[c], k_c, v_c, os_[c], lses[c],
+            config, _relation(q_id, k_id, config.is_causal), qs[c], k_c, v_c, os_[c], lses[c],
             dos[c], _local_lengths(q_lens, q_id, chunk_q), _local_lengths(kv_lens, k_id, chunk_k))
         dqs[c] = dqs[c] + dq_p.astype(jnp.float32)
         dks[j] = dks[j] + dk_p.astype(jnp.float32)

@@ -105,3 +105,25 @@ def test_ring_rejects_causal_with_unequal_lengths(mesh):
                      mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
   with pytest.raises(ValueError, match="T == S"):
     fn(q, k[:, :32], v[:, :32])
+
+
+def test_ring_gradients_on_a_mesh_with_other_axes():
+  """Inputs that also vary over a data axis: the VJP's cotangents must carry the same types
+  (shard_map's default check_vma=True)."""
+  if len(jax.devices()) < 4:
+    pytest.skip("needs 4 devices")
+  mesh2d = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "seq"))
+  spec = P("data", "seq", None, None)
+  ring = jax.shard_map(lambda q, k, v: jax_flash.ring_attention(
+      q, k, v, axis_name="seq", layout="zigzag", is_causal=True, implementation="cpu"),
+      mesh=mesh2d, in_specs=(spec,) * 3, out_specs=spec)
+  q, k, v, g = _inputs(7, batch=2, seq=32)
+  order = jax_flash.zigzag_indices(32, 2)
+  inverse = np.argsort(order)
+  loss = lambda attention: lambda q, k, v: jnp.sum(attention(q, k, v) * g[:, order])
+  got = jax.jit(jax.grad(loss(ring), argnums=(0, 1, 2)))(q[:, order], k[:, order], v[:, order])
+  single = lambda q, k, v: jax_flash.dot_product_attention(q, k, v, is_causal=True,
+                                                           implementation="cpu")
+  want = jax.grad(lambda q, k, v: jnp.sum(single(q, k, v) * g), argnums=(0, 1, 2))(q, k, v)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(np.asarray(a)[:, inverse], np.asarray(b), rtol=1e-5, atol=1e-5)
