@@ -7,9 +7,8 @@
 
 namespace jax_flash::cuda {
 
-// Head dims the kernels are compiled for; inputs are padded (by the caller) to a multiple of 8
-// and run on the smallest of these that holds them.
-inline constexpr int kCompiledHeadDims[] = {32, 64, 128, 192, 256};
+// The kernels are compiled for head dims 32, 64, 128, 192 and 256 (flash_dispatch.cuh); inputs
+// are padded by the caller to a multiple of 8 and run on the smallest that holds them.
 
 // Forward: o and lse. The launch shape comes from the shapes alone (CUDA-graph safe).
 cudaError_t launch_flash_fwd(const FwdParams& params, cudaStream_t stream);
