@@ -3,6 +3,9 @@
 # benchmark beside cuDNN / XLA / Pallas, and print the summary last. Results go to $OUT (the device
 # tool's output folder) or ./gpu_out.
 #   usage: bash tests/gpu_check.sh [pytest-args...]      (BENCH_ARGS="--quick" to shorten)
+# Opt-in steps for the end-to-end measurements (each several minutes):
+#   E2E=1   examples/train_lm.py --preset gpt2-small --compare jax_flash,xla,cudnn (issue 4)
+#   RING=1  examples/bench_ring.py: ring scaling and longest sequence, all visible GPUs (issue 5)
 set -uo pipefail
 out="${OUT:-gpu_out}"
 mkdir -p "$out"
@@ -24,6 +27,15 @@ echo "tests: $(( $(date +%s) - start )) s"
 echo "== benchmark"
 python3 -m jax_flash.benchmark --platform gpu --out "$out" ${BENCH_ARGS:-} 2>"$out/bench_progress.log" \
   | tee "$out/bench.log"
+if [[ "${E2E:-0}" == 1 ]]; then
+  echo "== end-to-end training (gpt2-small, jax_flash vs xla vs cudnn)"
+  python3 examples/train_lm.py --preset gpt2-small --compare jax_flash,xla,cudnn \
+    --out "$out/e2e" ${E2E_ARGS:-} 2>&1 | tee "$out/e2e.log" | tail -15
+fi
+if [[ "${RING:-0}" == 1 ]]; then
+  echo "== ring attention"
+  python3 examples/bench_ring.py --out "$out/ring" ${RING_ARGS:-} 2>&1 | tee "$out/ring.log" | tail -20
+fi
 echo "total: $(( $(date +%s) - start )) s"
 echo "== GPU tests summary"; tail -3 "$out/pytest_gpu.log"
 exit "$tests_rc"
