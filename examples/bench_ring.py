@@ -54,19 +54,10 @@ import statistics
 import sys
 import time
 
-FWD_BWD_FLOP_FACTOR = 3.5
-REASON_MAX_CHARS = 300
+# Imports no backend: --devices still sets XLA_FLAGS before JAX starts (below).
+from jax_flash.benchmark import FWD_BWD_FLOP_FACTOR, failure_reason, positive_ints
+
 GIB = 2**30
-
-
-def _positive_ints(text: str) -> list[int]:
-  try:
-    values = [int(part) for part in text.split(",") if part]
-  except ValueError:
-    values = []
-  if not values or min(values) < 1:
-    raise argparse.ArgumentTypeError(f"expected positive integers (a,b,...), got {text!r}")
-  return values
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--head-dim", type=int, default=128)
   p.add_argument("--heads", type=int, default=16)
   p.add_argument("--batch", type=int, default=1)
-  p.add_argument("--seqs", type=_positive_ints, default=[4096, 8192, 16384],
+  p.add_argument("--seqs", type=positive_ints, default=[4096, 8192, 16384],
                  help="per-device sequence lengths of the scaling test (default 4096,8192,16384)")
   p.add_argument("--start-seq", type=int, default=16384,
                  help="first sequence of the longest-sequence search (default 16384)")
@@ -138,13 +129,6 @@ SPEC = P(None, "seq", None, None)
 
 def _log(line: str) -> None:
   print(line, file=sys.stderr, flush=True)
-
-
-def _reason(error: BaseException) -> str:
-  """The exception's type and the first line of its message (cut if very long)."""
-  lines = str(error).strip().splitlines()
-  reason = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
-  return reason if len(reason) <= REASON_MAX_CHARS else reason[:REASON_MAX_CHARS - 3] + "..."
 
 
 def flops(batch: int, seq: int, heads: int, head_dim: int) -> float:
@@ -272,7 +256,7 @@ def measure(name, step, args, devices, seq, args_cfg, warm_up, steps, calls):
     record.update(compile_s=compile_s, temp_bytes=temp)
     times = time_calls(compiled, args, warm_up, steps, calls)
   except Exception as e:  # a failure is a result to report
-    record.update(status="fails", reason=_reason(e))
+    record.update(status="fails", reason=failure_reason(e))
     return record
   median = statistics.median(times)
   record.update(status="ok", times_ms=[t * 1e3 for t in times], median_ms=median * 1e3,
@@ -306,7 +290,7 @@ def scaling(cfg, mesh, devices, report):
                      cfg.steps, cfg.calls)
       del args
     except Exception as e:  # e.g. a sequence that zig-zag cannot split
-      ring = dict(kind="ring", seq=total, devices=num, status="fails", reason=_reason(e))
+      ring = dict(kind="ring", seq=total, devices=num, status="fails", reason=failure_reason(e))
     _free()
     _log(_line(ring))
     row["ring"] = ring
@@ -342,7 +326,7 @@ def longest(cfg, name, mesh, devices, report, tries):
       args = device_inputs(shape, cfg.dtype, sharding, seq)
       record = measure(name, step, args, devices, seq, cfg, cfg.long_warm_up, cfg.long_reps, 1)
     except Exception as e:  # the inputs alone may not fit
-      record = dict(kind=name, seq=seq, devices=len(devices), status="fails", reason=_reason(e))
+      record = dict(kind=name, seq=seq, devices=len(devices), status="fails", reason=failure_reason(e))
     args = None
     _free()
     _log(_line(record))

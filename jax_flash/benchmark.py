@@ -544,7 +544,7 @@ def _no_devices(device_kind: str) -> str | None:
   try:
     jax.devices(device_kind)
   except RuntimeError as e:
-    return f"jax_flash benchmark: JAX sees no {device_kind} device ({_reason(e)})"
+    return f"jax_flash benchmark: JAX sees no {device_kind} device ({failure_reason(e)})"
   return None
 
 
@@ -560,7 +560,7 @@ def measure_peer(platform: Platform, peer: Peer, unavailable: str | None, case: 
   try:
     prepares = peer.build(case, inputs)
   except Exception as e:  # any failure of a peer is a result to report, not a crash
-    return [Measurement(peer.name, case, p, "fails", _reason(e)) for p in PASSES]
+    return [Measurement(peer.name, case, p, "fails", failure_reason(e)) for p in PASSES]
   return [_measure_pass(platform, peer, case, p, prepares[p], reps) for p in PASSES]
 
 
@@ -575,13 +575,13 @@ def _measure_pass(platform: Platform, peer: Peer, case: Case, pass_name: str,
     times = tuple(t / compiled.calls_per_step
                   for t in time_step(compiled.step, platform.warm_up_runs, reps))
   except Exception as e:  # as above
-    return Measurement(peer.name, case, pass_name, "fails", _reason(e), temp_bytes=temp,
+    return Measurement(peer.name, case, pass_name, "fails", failure_reason(e), temp_bytes=temp,
                        peak_bytes=peak_bytes_in_use(platform.device_kind))
   return Measurement(peer.name, case, pass_name, "ok", times_s=times, temp_bytes=temp,
                      peak_bytes=peak_bytes_in_use(platform.device_kind))
 
 
-def _reason(error: Exception) -> str:
+def failure_reason(error: Exception) -> str:
   """The exception's type and the first line of its message (cut if very long)."""
   message = str(error).strip().splitlines()
   reason = f"{type(error).__name__}: {message[0]}" if message else type(error).__name__
@@ -777,7 +777,7 @@ def write_plot(path: pathlib.Path, platform: Platform, measurements: Sequence[Me
 # Command line
 
 
-def _positive_ints(text: str) -> list[int]:
+def positive_ints(text: str) -> list[int]:
   """An argument of positive integers separated by commas."""
   try:
     values = [int(part) for part in text.split(",") if part]
@@ -804,13 +804,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
       default="gpu" if jax.default_backend() == "gpu" else "cpu",
       help="what to measure on (default: gpu when JAX's default backend is a GPU, else cpu)")
   seqs = parser.add_mutually_exclusive_group()
-  seqs.add_argument("--seqs", type=_positive_ints, nargs="+", metavar="SEQ",
+  seqs.add_argument("--seqs", type=positive_ints, nargs="+", metavar="SEQ",
                     help=f"sequence lengths (default: {_per_platform('default_seqs')})")
   seqs.add_argument("--quick", action="store_true",
                     help="a short smoke test: the platform's quick sequence lengths "
                          f"({_per_platform('quick_seqs')}) and head dims "
                          f"({_per_platform('quick_head_dims')})")
-  parser.add_argument("--head-dims", type=_positive_ints, nargs="+", metavar="HDIM",
+  parser.add_argument("--head-dims", type=positive_ints, nargs="+", metavar="HDIM",
                       help=f"head dims (default: {_per_platform('default_head_dims')}); only "
                            "platforms whose table shows the head dim take this option")
   parser.add_argument("--causal", choices=("both", "yes", "no"), default="both",
@@ -863,7 +863,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       write_plot(args.out / "plot.png", platform, measurements,
                  f"{env['device_kind']}, {cases[0].dtype}: attention {platform.rate_unit}")
     except Exception as e:  # the plot only shows what results.json holds: warn, lose nothing
-      _log(f"jax_flash benchmark: warning: no plot written ({_reason(e)})")
+      _log(f"jax_flash benchmark: warning: no plot written ({failure_reason(e)})")
   return 0
 
 
