@@ -2,7 +2,7 @@
 
     python -m jax_flash.benchmark [--platform cpu|gpu] [--seqs 512 1024 ...]
                                   [--head-dims 64,128,256] [--causal both|yes|no]
-                                  [--reps N] [--out DIR] [--quick]
+                                  [--reps N] [--out DIR] [--quick] [--deterministic]
 
 Each platform has a list of cases, a list of peers and a table layout:
 
@@ -23,6 +23,9 @@ backward 3.5× the forward. Memory: XLA's compiled temp bytes of each pass (the 
 and the device's peak bytes in use after it where the runtime reports them (a high-water mark
 over the whole process, so it only grows). Absolute times drift between machines; compare peers
 of one run.
+
+With --deterministic, jax_flash runs with `deterministic=True` (its bit-reproducible backward),
+beside the same peers.
 
 With --out DIR: results.json (environment, settings, every measurement) and table.md, rewritten
 after each case so that an interrupted run keeps what it measured, and plot.png at the end.
@@ -482,9 +485,15 @@ def _gpu_cases(seqs: Sequence[int], head_dims: Sequence[int],
           for seq in seqs for head_dim in head_dims for causal in causal_modes]
 
 
-FLASH_CPU = jax_peer("jax_flash", "flash", "cpu",
-                     functools.partial(jax_flash.dot_product_attention, implementation="cpu"),
-                     functools.partial(_jax_flash_unavailable, "cpu"))
+def flash_peer(kernel: str, device_kind: str, deterministic: bool = False) -> Peer:
+  """jax_flash's `kernel` ("cpu" or "cuda") on the `device_kind` device."""
+  attention = functools.partial(jax_flash.dot_product_attention, implementation=kernel,
+                                deterministic=deterministic)
+  return jax_peer("jax_flash", "flash", device_kind, attention,
+                  functools.partial(_jax_flash_unavailable, kernel))
+
+
+FLASH_CPU = flash_peer("cpu", "cpu")
 XLA_CPU = jax_peer("xla", "xla", "cpu",
                    functools.partial(jax.nn.dot_product_attention, implementation="xla"))
 TORCH_CPU = Peer(name="torch", label="torch", unavailable=_torch_unavailable,
@@ -509,9 +518,7 @@ CPU = Platform(
     progress="case",
 )
 
-FLASH_GPU = jax_peer("jax_flash", "flash", "gpu",
-                     functools.partial(jax_flash.dot_product_attention, implementation="cuda"),
-                     functools.partial(_jax_flash_unavailable, "cuda"))
+FLASH_GPU = flash_peer("cuda", "gpu")
 CUDNN_GPU = jax_peer("cudnn", "cudnn", "gpu",
                      functools.partial(jax.nn.dot_product_attention, implementation="cudnn"))
 XLA_GPU = jax_peer("xla", "xla", "gpu",
@@ -537,6 +544,14 @@ GPU = Platform(
 )
 
 PLATFORMS = {"cpu": CPU, "gpu": GPU}
+
+
+def with_deterministic_flash(platform: Platform) -> Platform:
+  """The platform with its jax_flash peer (the first) running the deterministic backward."""
+  kernel = {"cpu": "cpu", "gpu": "cuda"}[platform.name]
+  return dataclasses.replace(
+      platform, peers=(flash_peer(kernel, platform.device_kind, deterministic=True),
+                       *platform.peers[1:]))
 
 
 def _no_devices(device_kind: str) -> str | None:
@@ -819,6 +834,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       help=f"timed repetitions after the warm-up ({_per_platform('warm_up_runs')} "
                            "runs); fewer for slow peers, so each spends about "
                            f"{TIME_BUDGET_S:g} s per pass of a case (default: 20)")
+  parser.add_argument("--deterministic", action="store_true",
+                      help="time jax_flash's deterministic backward (deterministic=True)")
   parser.add_argument("--out", type=pathlib.Path, metavar="DIR",
                       help="write results.json (measurements and environment), table.md and "
                            "plot.png here")
@@ -839,6 +856,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   """Runs the benchmark; returns the process exit status."""
   args = parse_args(argv)
   platform = PLATFORMS[args.platform]
+  if args.deterministic:
+    platform = with_deterministic_flash(platform)
   no_devices = _no_devices(platform.device_kind)
   if no_devices is not None:
     print(no_devices, file=sys.stderr)
@@ -851,7 +870,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   env = environment(platform)
   settings = dict(seqs=list(seqs), head_dims=list(head_dims), causal=args.causal,
                   reps=args.reps, warm_up_runs=platform.warm_up_runs,
-                  time_budget_s=TIME_BUDGET_S, quick=args.quick, cases=len(cases))
+                  time_budget_s=TIME_BUDGET_S, quick=args.quick, cases=len(cases),
+                  deterministic=args.deterministic)
   measurements: list[Measurement] = []
   for results in run(platform, cases, args.reps):
     measurements.extend(results)

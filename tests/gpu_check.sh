@@ -6,6 +6,7 @@
 # Opt-in steps for the end-to-end measurements (each several minutes):
 #   E2E=1   examples/train_lm.py --preset gpt2-small --compare jax_flash,xla,cudnn (issue 4)
 #   RING=1  examples/bench_ring.py: ring scaling and longest sequence, all visible GPUs (issue 5)
+#   PROFILE=1  Nsight Compute reports of the forward and main backward kernels (hd128, seq 4096)
 set -uo pipefail
 out="${OUT:-gpu_out}"
 mkdir -p "$out"
@@ -17,6 +18,19 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$
 JAX_FLASH_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install --no-build-isolation \
   --no-deps -e . >>"$out/build.log" 2>&1 || { tail -50 "$out/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"
+
+if [[ "${PROFILE:-0}" == 1 ]]; then
+  echo "== profile (ncu)"
+  for causal in "" --causal; do
+    name="ncu${causal:+_causal}"
+    ncu --clock-control none -k regex:'flash_(fwd|bwd)_kernel' -c 2 --set full -f -o "$out/$name" \
+      python3 tests/gpu_profile.py $causal >"$out/$name.log" 2>&1 || tail -20 "$out/$name.log"
+    ncu --import "$out/$name.ncu-rep" --page details >"$out/$name.txt" 2>&1
+    grep -E "Duration|Registers Per|Achieved Occupancy|Compute \(SM\) Throughput|Memory Throughput" \
+      "$out/$name.txt"
+  done
+  echo "profile: $(( $(date +%s) - start )) s"
+fi
 
 echo "== GPU tests"
 python3 -m pytest -q -m gpu tests/test_cuda.py -x -p no:cacheprovider "$@" 2>&1 \

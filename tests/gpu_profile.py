@@ -1,0 +1,43 @@
+"""Runs jax_flash's CUDA forward and backward once each, for Nsight Compute to profile.
+
+    ncu --clock-control none -k regex:'flash_(fwd|bwd)_kernel' -c 2 --set full \\
+        python3 tests/gpu_profile.py [--seq 4096] [--head-dim 128] [--causal]
+
+One jitted forward+backward at the benchmark's shape (16k tokens, hidden 2048, bf16): the first
+two launches matched by the regex are the forward kernel and the main backward kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+
+import jax_flash
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--seq", type=int, default=4096)
+  parser.add_argument("--head-dim", type=int, default=128)
+  parser.add_argument("--causal", action="store_true")
+  parser.add_argument("--deterministic", action="store_true")
+  args = parser.parse_args()
+  batch, heads = max(1, 16384 // args.seq), max(1, 2048 // args.head_dim)
+  shape = (batch, args.seq, heads, args.head_dim)
+  q, k, v, d_out = (jax.random.normal(key, shape, jnp.bfloat16)
+                    for key in jax.random.split(jax.random.key(0), 4))
+
+  def loss(q, k, v):
+    out = jax_flash.dot_product_attention(q, k, v, is_causal=args.causal, implementation="cuda",
+                                          deterministic=args.deterministic)
+    return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32))
+
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+  jax.block_until_ready(grads)
+  print("profiled", shape, "causal" if args.causal else "non-causal")
+
+
+if __name__ == "__main__":
+  main()
