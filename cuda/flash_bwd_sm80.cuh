@@ -74,20 +74,21 @@ __global__ void flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams p)
     dq[i] = static_cast<T>(p.dq_accum[i]);
 }
 
-// Stores a warp's accumulator (rows from row0, columns from col0) into a 16-bit shared tile.
+// Stores a warp's accumulator (rows from row0, columns from col0, a multiple of 8 * kNTiles)
+// into a 16-bit shared tile, addressed like the warp GEMMs' operands: one lane address, moves of
+// 8 rows and 1 chunk.
 template <typename Tile, int kMTiles, int kNTiles, typename T>
 __device__ __forceinline__ void store_accumulator(T* tile, const float (&x)[kMTiles][kNTiles][4],
                                                   int row0, int col0, int lane) {
+  const SmemOperand<Tile, kPowerOfTwo<kNTiles>> op(tile, row0 + lane / 4, col0 / 8);
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = row0 + mt * 16 + half * 8 + lane / 4, col = col0 + nt * 8 + (lane % 4) * 2;
-        *reinterpret_cast<uint32_t*>(tile + Tile::offset(row, col / 8) + col % 8) =
-            MmaOp<T>::pack(x[mt][nt][2 * half], x[mt][nt][2 * half + 1]);
-      }
+      for (int half = 0; half < 2; ++half)
+        st_shared_b32(op.at(mt * 16 + half * 8, nt) + (lane % 4) * 4,
+                      MmaOp<T>::pack(x[mt][nt][2 * half], x[mt][nt][2 * half + 1]));
 }
 
 // Writes a warp's dK or dV accumulator (key rows from row0, columns from col0) to global memory.
@@ -104,6 +105,42 @@ __device__ __forceinline__ void store_rows(T* out, int64_t row_stride, const flo
         if (row < rows && col < cols)
           *reinterpret_cast<uint32_t*>(out + row * row_stride + col) =
               MmaOp<T>::pack(x[mt][nt][2 * half], x[mt][nt][2 * half + 1]);
+      }
+}
+
+// The log2-scaled lse and the delta of this thread's rows, the warp's rows starting at m0. Rows
+// that attend to nothing (past q_len, or lse = kEmptyRowLse) get lse +inf: every P of theirs is
+// exp2(-inf) = 0, masked or not.
+template <int kMTiles>
+__device__ __forceinline__ void load_row_statistics(float (&lse2)[kMTiles][2], float (&row_delta)[kMTiles][2],
+                                                    const float* lse, const float* delta, int64_t m0,
+                                                    int64_t q_len, int lane) {
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int64_t row = m0 + mt * 16 + half * 8 + lane / 4;
+      const float row_lse = row < q_len ? lse[row] : kEmptyRowLse;
+      lse2[mt][half] = row_lse == kEmptyRowLse ? INFINITY : row_lse * kLog2e;
+      row_delta[mt][half] = row < q_len ? delta[row] : 0.f;
+    }
+}
+
+// The P and dS of one tile of scores (fragments s, dp for this thread's rows; masked scores are
+// -inf): P = exp2(S scale log2e - lse log2e), dS = scale P (dP - delta).
+template <int kMTiles, int kNTiles>
+__device__ __forceinline__ void probabilities_and_ds(float (&s)[kMTiles][kNTiles][4], float (&dp)[kMTiles][kNTiles][4],
+                                                     const float (&lse2)[kMTiles][2], const float (&delta)[kMTiles][2],
+                                                     float scale, float scale_log2) {
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float prob = fast_exp2(s[mt][nt][e] * scale_log2 - lse2[mt][e / 2]);
+        s[mt][nt][e] = prob;
+        dp[mt][nt][e] = scale * prob * (dp[mt][nt][e] - delta[mt][e / 2]);
       }
 }
 
@@ -170,14 +207,14 @@ __global__ void __launch_bounds__(Traits::kThreads)
     cp_async_commit();
   }
   for (int it = 0, stage = 0; it < iterations; ++it, stage ^= 1) {
+    // This iteration's Q and dO (the one group in flight) have landed, and every warp is done
+    // with the previous iteration's P, dS and stage: prefetch the next Q and dO into that stage.
+    cp_async_wait<0>();
+    __syncthreads();
     if (it + 1 < iterations) {
       load_q_do(it + 1, stage ^ 1);
       cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
     }
-    __syncthreads();
     const int h = hk * group + it / mb_count;
     const int64_t m0 = static_cast<int64_t>(mb_first + it % mb_count) * kBM;
     const T* tile_q = s_q + stage * QTile::kElements;
@@ -186,43 +223,26 @@ __global__ void __launch_bounds__(Traits::kThreads)
     // S = Q K^T and dP = dO V^T on this warp's part of the kBM x kBN tile.
     float s[Sdp::kMTiles][Sdp::kNTiles][4] = {};
     float dp[Sdp::kMTiles][Sdp::kNTiles][4] = {};
-    warp_gemm<QTile, false, KVTile, false, kD / 16>(s, tile_q, sdp_m0, 0, s_k, sdp_n0, 0, lane);
-    warp_gemm<QTile, false, KVTile, false, kD / 16>(dp, tile_do, sdp_m0, 0, s_v, sdp_n0, 0, lane);
+    warp_gemm<QTile, false, KVTile, false, kD / 16>(s, tile_q, sdp_m0, s_k, sdp_n0, lane);
+    warp_gemm<QTile, false, KVTile, false, kD / 16>(dp, tile_do, sdp_m0, s_v, sdp_n0, lane);
 
     // P = exp2(S scale log2e - lse log2e) (0 where masked), dS = scale P (dP - delta).
     const float* lse = p.lse + (static_cast<int64_t>(b) * sh.heads_q + h) * sh.seq_q;
     const float* delta = p.delta + (static_cast<int64_t>(b) * sh.heads_q + h) * sh.seq_q;
+    float lse2[Sdp::kMTiles][2], row_delta[Sdp::kMTiles][2];
+    load_row_statistics(lse2, row_delta, lse, delta, m0 + sdp_m0, q_len, lane);
     const KeyRange first = key_range(p.mask, m0, q_len, kv_len);
     const KeyRange last = key_range(p.mask, min64(m0 + kBM, q_len) - 1, q_len, kv_len);
-    const bool masked = m0 + kBM > q_len || n0 < last.begin || n0 + kBN > first.end;
-#pragma unroll
-    for (int mt = 0; mt < Sdp::kMTiles; ++mt)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int64_t row = m0 + sdp_m0 + mt * 16 + half * 8 + lane / 4;
-        const float row_lse = row < q_len ? lse[row] * kLog2e : 0.f;
-        const float row_delta = row < q_len ? delta[row] : 0.f;
-        const KeyRange row_keys = key_range(p.mask, row, q_len, kv_len);
-#pragma unroll
-        for (int nt = 0; nt < Sdp::kNTiles; ++nt)
-#pragma unroll
-          for (int e = 2 * half; e < 2 * half + 2; ++e) {
-            float prob = fast_exp2(s[mt][nt][e] * scale_log2 - row_lse);
-            if (masked) {
-              const int64_t j = n0 + sdp_n0 + nt * 8 + (lane % 4) * 2 + e % 2;
-              if (j < row_keys.begin || j >= row_keys.end) prob = 0.f;
-            }
-            s[mt][nt][e] = prob;
-            dp[mt][nt][e] = p.scale * prob * (dp[mt][nt][e] - row_delta);
-          }
-      }
+    if (m0 + kBM > q_len || n0 < last.begin || n0 + kBN > first.end)
+      mask_scores(s, p.mask, m0 + sdp_m0, n0 + sdp_n0, q_len, kv_len, lane);
+    probabilities_and_ds(s, dp, lse2, row_delta, p.scale, scale_log2);
     store_accumulator<PTile>(s_p, s, sdp_m0, sdp_n0, lane);
     store_accumulator<PTile>(s_ds, dp, sdp_m0, sdp_n0, lane);
     __syncthreads();
 
     // dV += P^T dO and dK += dS^T Q: A = the [query][key] tiles read transposed.
-    warp_gemm<PTile, true, QTile, true, kBM / 16>(dv, s_p, Kv::row0(warp), 0, tile_do, Kv::col0(warp), 0, lane);
-    warp_gemm<PTile, true, QTile, true, kBM / 16>(dk, s_ds, Kv::row0(warp), 0, tile_q, Kv::col0(warp), 0, lane);
+    warp_gemm<PTile, true, QTile, true, kBM / 16>(dv, s_p, Kv::row0(warp), tile_do, Kv::col0(warp), lane);
+    warp_gemm<PTile, true, QTile, true, kBM / 16>(dk, s_ds, Kv::row0(warp), tile_q, Kv::col0(warp), lane);
 
     // dQ += dS K, added to the float32 accumulator (kDqChunk columns at a time); the
     // deterministic mode computes dQ in flash_bwd_dq_kernel instead.
@@ -230,7 +250,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
 #pragma unroll
       for (int c0 = 0; c0 < Dq::kCols; c0 += kDqChunk) {
         float dq[Dq::kMTiles][kDqChunk / 8][4] = {};
-        warp_gemm<PTile, false, KVTile, true, kBN / 16>(dq, s_ds, Dq::row0(warp), 0, s_k, Dq::col0(warp) + c0, 0, lane);
+        warp_gemm<PTile, false, KVTile, true, kBN / 16>(dq, s_ds, Dq::row0(warp), s_k, Dq::col0(warp) + c0, lane);
 #pragma unroll
         for (int mt = 0; mt < Dq::kMTiles; ++mt)
 #pragma unroll
@@ -247,7 +267,6 @@ __global__ void __launch_bounds__(Traits::kThreads)
           }
       }
     }
-    __syncthreads();  // P, dS and this stage are overwritten next
   }
 
   // dK and dV rows of this block (zeros where no query sees the key).
@@ -255,29 +274,6 @@ __global__ void __launch_bounds__(Traits::kThreads)
   T* dv_out = static_cast<T*>(p.dv) + (b * sh.seq_k + n0) * kv_stride + hk * sh.head_dim;
   store_rows(dk_out, kv_stride, dk, Kv::row0(warp), Kv::col0(warp), keys, sh.head_dim, lane);
   store_rows(dv_out, kv_stride, dv, Kv::row0(warp), Kv::col0(warp), keys, sh.head_dim, lane);
-}
-
-// The P and dS of one tile of scores (fragments s, dp for this thread's rows): P = exp2(S
-// scale log2e - lse log2e), 0 outside each row's key range when `masked`; dS = scale P (dP - D).
-template <int kMTiles, int kNTiles>
-__device__ __forceinline__ void probabilities_and_ds(float (&s)[kMTiles][kNTiles][4], float (&dp)[kMTiles][kNTiles][4],
-                                                     const float (&lse2)[kMTiles][2], const float (&delta)[kMTiles][2],
-                                                     const KeyRange (&keys)[kMTiles][2], bool masked, int64_t n0,
-                                                     float scale, float scale_log2, int lane) {
-#pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float prob = fast_exp2(s[mt][nt][e] * scale_log2 - lse2[mt][e / 2]);
-        if (masked) {
-          const int64_t j = n0 + nt * 8 + (lane % 4) * 2 + e % 2;
-          if (j < keys[mt][e / 2].begin || j >= keys[mt][e / 2].end) prob = 0.f;
-        }
-        s[mt][nt][e] = prob;
-        dp[mt][nt][e] = scale * prob * (dp[mt][nt][e] - delta[mt][e / 2]);
-      }
 }
 
 template <typename Traits, typename T>
@@ -308,17 +304,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
 
   const float* lse = p.lse + (static_cast<int64_t>(b) * sh.heads_q + h) * sh.seq_q;
   const float* delta = p.delta + (static_cast<int64_t>(b) * sh.heads_q + h) * sh.seq_q;
-  KeyRange keys[kMT][2];
   float lse2[kMT][2], row_delta[kMT][2];
-#pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int64_t row = m0 + warp_m0 + mt * 16 + half * 8 + lane / 4;
-      keys[mt][half] = key_range(p.mask, row, q_len, kv_len);
-      lse2[mt][half] = row < q_len ? lse[row] * kLog2e : 0.f;
-      row_delta[mt][half] = row < q_len ? delta[row] : 0.f;
-    }
+  load_row_statistics(lse2, row_delta, lse, delta, m0 + warp_m0, q_len, lane);
   float dq[kMT][kD / 8][4] = {};
   const float scale_log2 = p.scale * kLog2e;
 
@@ -339,26 +326,25 @@ __global__ void __launch_bounds__(Traits::kThreads)
     cp_async_commit();
 
     for (int n_block = n_first, stage = 0; n_block <= n_last; ++n_block, stage ^= 1) {
+      // This block's K and V have landed and every warp is done with the other stage.
+      cp_async_wait<0>();
+      __syncthreads();
       if (n_block < n_last) {
         load_kv(n_block + 1, stage ^ 1);
         cp_async_commit();
-        cp_async_wait<1>();
-      } else {
-        cp_async_wait<0>();
       }
-      __syncthreads();
       const T* tile_k = s_k + stage * KVTile::kElements;
       const T* tile_v = s_v + stage * KVTile::kElements;
       float s[kMT][kBN / 8][4] = {};
       float dp[kMT][kBN / 8][4] = {};
-      warp_gemm<QTile, false, KVTile, false, kD / 16>(s, s_q, warp_m0, 0, tile_k, 0, 0, lane);
-      warp_gemm<QTile, false, KVTile, false, kD / 16>(dp, s_do, warp_m0, 0, tile_v, 0, 0, lane);
+      warp_gemm<QTile, false, KVTile, false, kD / 16>(s, s_q, warp_m0, tile_k, 0, lane);
+      warp_gemm<QTile, false, KVTile, false, kD / 16>(dp, s_do, warp_m0, tile_v, 0, lane);
       const int64_t n0 = static_cast<int64_t>(n_block) * kBN;
-      probabilities_and_ds(s, dp, lse2, row_delta, keys, blk.needs_mask(n0), n0, p.scale, scale_log2, lane);
+      if (blk.needs_mask(n0)) mask_scores(s, p.mask, m0 + warp_m0, n0, q_len, kv_len, lane);
+      probabilities_and_ds(s, dp, lse2, row_delta, p.scale, scale_log2);
       uint32_t ds[kBN / 16][kMT][4];
       accumulator_to_a<T>(ds, dp);
-      warp_gemm_a_regs<KVTile, true>(dq, ds, tile_k, 0, 0, lane);
-      __syncthreads();  // the stage is overwritten by the next iteration's prefetch
+      warp_gemm_a_regs<KVTile, true>(dq, ds, tile_k, 0, lane);
     }
   }
 

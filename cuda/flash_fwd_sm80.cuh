@@ -28,15 +28,32 @@ __device__ __forceinline__ int64_t clamp_len(const int32_t* lens, int64_t b, int
 }
 
 // Copies rows [0, rows) x chunks [0, chunks) of a global tile (row stride in elements) into a
-// swizzled shared tile; everything outside is zero-filled.
+// swizzled shared tile; everything outside is zero-filled. Each thread copies the same chunk
+// column of rows tid / kChunks + i * kThreads / kChunks where the thread count allows (a fixed,
+// unrolled trip with one address per thread), else walks the tile in thread-strided order.
 template <typename Tile, int kThreads, typename T>
 __device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64_t row_stride, int rows,
                                           int chunks, int tid) {
+  constexpr int kCopies = Tile::kRows * Tile::kChunks;
+  static_assert(kCopies % kThreads == 0, "every thread copies as many chunks");
+  if constexpr (kThreads % Tile::kChunks == 0) {
+    constexpr int kRowsPerPass = kThreads / Tile::kChunks;
+    const int c = tid % Tile::kChunks, r0 = tid / Tile::kChunks;
+    const T* src = gmem + r0 * row_stride + c * 8;
 #pragma unroll
-  for (int i = tid; i < Tile::kRows * Tile::kChunks; i += kThreads) {
-    const int r = i / Tile::kChunks, c = i % Tile::kChunks;
-    const bool valid = r < rows && c < chunks;
-    cp_async_16(smem + Tile::offset(r, c), valid ? gmem + r * row_stride + c * 8 : gmem, valid);
+    for (int i = 0; i < kCopies / kThreads; ++i) {
+      const int r = r0 + i * kRowsPerPass;
+      const bool valid = r < rows && c < chunks;
+      cp_async_16(smem + Tile::offset(r, c), valid ? src + i * kRowsPerPass * row_stride : gmem, valid);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kCopies / kThreads; ++i) {
+      const int index = tid + i * kThreads;
+      const int r = index / Tile::kChunks, c = index % Tile::kChunks;
+      const bool valid = r < rows && c < chunks;
+      cp_async_16(smem + Tile::offset(r, c), valid ? gmem + r * row_stride + c * 8 : gmem, valid);
+    }
   }
 }
 
@@ -81,21 +98,31 @@ struct QueryBlock {
   }
 };
 
-// Sets to -inf the scores of keys outside each row's range. Fragment element (mt, nt, e) of a
-// thread is row 16 mt + lane/4 (+8 for e >= 2), column 8 nt + 2 (lane % 4) + e % 2.
+// Sets to -inf the scores of keys outside each row's range, for the kMTiles 16-row tiles of a
+// warp whose first query row is m0 (key ranges computed here, on the few masked tiles, rather
+// than kept in registers across the loop). Fragment element (mt, nt, e) of a thread is row
+// 16 mt + lane/4 (+8 for e >= 2), column 8 nt + 2 (lane % 4) + e % 2.
 template <int kMTiles, int kNTiles>
-__device__ __forceinline__ void mask_scores(float (&s)[kMTiles][kNTiles][4], int64_t n0,
-                                            const KeyRange (&keys)[kMTiles][2], int lane) {
+__device__ __forceinline__ void mask_scores(float (&s)[kMTiles][kNTiles][4], const MaskParams& mask,
+                                            int64_t m0, int64_t n0, int64_t q_len, int64_t kv_len,
+                                            int lane) {
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt)
+    for (int half = 0; half < 2; ++half) {
+      const KeyRange r = key_range(mask, m0 + mt * 16 + half * 8 + lane / 4, q_len, kv_len);
+      // Bounds relative to this thread's first column of the tile, in 32 bits.
+      const int64_t j0 = n0 + (lane % 4) * 2;
+      const int begin = static_cast<int>(max64(-1, min64(r.begin - j0, kNTiles * 8)));
+      const int end = static_cast<int>(max64(-1, min64(r.end - j0, kNTiles * 8)));
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int64_t j = n0 + nt * 8 + (lane % 4) * 2 + e % 2;
-        const KeyRange& r = keys[mt][e / 2];
-        if (j < r.begin || j >= r.end) s[mt][nt][e] = -INFINITY;
-      }
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int j = nt * 8 + e;
+          if (j < begin || j >= end) s[mt][nt][2 * half + e] = -INFINITY;
+        }
+    }
 }
 
 template <typename Traits, typename T>
@@ -128,13 +155,11 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const T* v = static_cast<const T*>(p.v) + b * sh.seq_k * kv_stride + hk * sh.head_dim;
 
   // This thread's rows: [mt][0] = row 16 mt + lane/4 of the warp's, [mt][1] that + 8.
-  KeyRange keys[kMT][2];
   float row_max[kMT][2], row_sum[kMT][2];
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      keys[mt][half] = key_range(p.mask, m0 + warp_m0 + mt * 16 + half * 8 + lane / 4, q_len, kv_len);
       row_max[mt][half] = -INFINITY;
       row_sum[mt][half] = 0.f;
     }
@@ -173,10 +198,10 @@ __global__ void __launch_bounds__(Traits::kThreads)
       __syncthreads();
 
       float s[kMT][kBN / 8][4] = {};
-      warp_gemm<QTile, false, KVTile, false, kD / 16>(s, s_q, warp_m0, 0,
-                                                      s_k + stage * KVTile::kElements, 0, 0, lane);
+      warp_gemm<QTile, false, KVTile, false, kD / 16>(s, s_q, warp_m0, s_k + stage * KVTile::kElements, 0,
+                                                      lane);
       const int64_t n0 = static_cast<int64_t>(n_block) * kBN;
-      if (blk.needs_mask(n0)) mask_scores(s, n0, keys, lane);
+      if (blk.needs_mask(n0)) mask_scores(s, p.mask, m0 + warp_m0, n0, q_len, kv_len, lane);
 
       // Online softmax: new row maxima, rescale the running sums and O, P = exp2(...).
       uint32_t pa[kBN / 16][kMT][4];
@@ -218,8 +243,9 @@ __global__ void __launch_bounds__(Traits::kThreads)
         cp_async_wait<0>();
       }
       __syncthreads();
-      warp_gemm_a_regs<KVTile, true>(o, pa, s_v + stage * KVTile::kElements, 0, 0, lane);
-      __syncthreads();  // the stage is overwritten by the next iteration's prefetch
+      // No barrier here: the next iteration's first prefetch (K into the other stage) was last
+      // read before this iteration's second barrier, and its V prefetch waits for its first.
+      warp_gemm_a_regs<KVTile, true>(o, pa, s_v + stage * KVTile::kElements, 0, lane);
     }
   }
 

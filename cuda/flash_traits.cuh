@@ -9,6 +9,11 @@ namespace jax_flash::cuda {
 // A [kRows][kCols] tile of 16-bit elements in shared memory. Rows are split in 16-byte chunks
 // whose order is XOR-swizzled with the row, so the 8 rows one ldmatrix reads (same logical
 // chunk) land in 8 different bank groups, and cp.async writes stay 16-byte aligned.
+//
+// The swizzle commutes with moves the warp GEMMs make: for dr a multiple of 8,
+//   physical_chunk(row + dr, chunk ^ dc) == physical_chunk(row, chunk) ^ dc,
+// so a lane computes its address once per operand and reaches every fragment by one XOR and an
+// immediate offset (warp_gemm.cuh).
 template <int kRows_, int kCols_>
 struct SmemTile {
   static constexpr int kRows = kRows_;
@@ -18,15 +23,17 @@ struct SmemTile {
   static_assert(kChunks < 8 || kChunks % 8 == 0, "swizzle works on groups of 8 chunks");
   static constexpr int kElements = kRows * kCols;
 
+  __device__ __forceinline__ static int physical_chunk(int row, int chunk) {
+    if constexpr (kChunks >= 8) {
+      return (chunk & ~7) | ((chunk ^ row) & 7);
+    } else {  // 4 chunks a row: two rows share a 128-byte line
+      return chunk ^ ((row >> 1) & 3);
+    }
+  }
+
   // Offset (in elements) of chunk `chunk` (8 elements) of row `row`.
   __device__ __forceinline__ static int offset(int row, int chunk) {
-    int physical;
-    if constexpr (kChunks >= 8) {
-      physical = (chunk & ~7) | ((chunk ^ row) & 7);
-    } else {  // 4 chunks a row: two rows share a 128-byte line
-      physical = chunk ^ ((row >> 1) & 3);
-    }
-    return row * kCols + physical * 8;
+    return row * kCols + physical_chunk(row, chunk) * 8;
   }
 };
 
