@@ -7,10 +7,12 @@ namespace jax_flash::cuda {
 namespace {
 
 // Tile shapes per head dim: (kBlockM, kBlockN, warps). Up to 128: 32 query rows a warp (as
-// FlashAttention-2); beyond, 16 rows a warp so the output accumulator fits in registers.
+// FlashAttention-2); beyond, 16 rows a warp so the output accumulator fits in registers, and 8
+// warps so that a CTA still owns 128 rows (each K/V tile read from shared memory serves twice
+// the rows of a 64-row CTA, and an SM keeps 8 warps, not 4, with one CTA of 192 KiB).
 template <int kHeadDim>
 using FwdTraitsFor = std::conditional_t<
-    (kHeadDim <= 128), FwdTraits<kHeadDim, 128, 64, 4>, FwdTraits<kHeadDim, 64, 64, 4>>;
+    (kHeadDim <= 128), FwdTraits<kHeadDim, 128, 64, 4>, FwdTraits<kHeadDim, 128, 64, 8>>;
 
 template <typename T, int kHeadDim>
 struct Launch {

@@ -9,9 +9,12 @@ import jax
 import jax.numpy as jnp
 
 from jax_flash import _ops, _registry, _sharding, _validation
+from jax_flash._blockwise import blockwise_attention
 from jax_flash._reference import attention_reference
 
-Implementation = Literal["cpu", "cuda", "xla"]
+Implementation = Literal["cpu", "cuda", "xla", "blockwise"]
+# The paths that are plain XLA, not jax_flash's kernels.
+_XLA_PATHS = {"xla": attention_reference, "blockwise": blockwise_attention}
 
 # The CUDA kernels read rows in 16-byte chunks: head dims are padded to a multiple of 8.
 _CUDA_HEAD_DIM_MULTIPLE = 8
@@ -37,7 +40,9 @@ def _flash_attention_bwd(config, residuals, cotangents):
 _flash_attention.defvjp(_flash_attention_fwd, _flash_attention_bwd)
 
 
-def _resolve_implementation(implementation: str | None) -> str:
+def _resolve_implementation(implementation: str | None, dtype) -> str:
+  """The path `implementation` names; for None, the best one for the default backend and the
+  input dtype (the CUDA kernels take 16-bit inputs: float32 runs the blockwise XLA path)."""
   if implementation == "cuda" and not _registry.has_platform("cuda"):
     raise ValueError(
         "implementation='cuda' was requested but this jax_flash build has no CUDA kernels "
@@ -52,25 +57,27 @@ def _resolve_implementation(implementation: str | None) -> str:
   if backend == "cpu":
     return "cpu"
   if backend in ("gpu", "cuda") and _registry.has_platform("cuda") and _registry.cuda_gpu_present():
-    return "cuda"
+    return "blockwise" if jnp.dtype(dtype) == jnp.float32 else "cuda"
   raise NotImplementedError(
       f"jax_flash has no kernel for the default backend {backend!r} in this build; pass "
-      "implementation='xla' for the plain XLA path (or 'cpu' to run on host devices)")
+      "implementation='blockwise' for the linear-memory XLA path, 'xla' for the plain "
+      "reference (or 'cpu' to run on host devices)")
 
 
 def resolve_kernel(implementation: str | None, query: jax.Array) -> str:
   """The kernel ("cpu" or "cuda") for `implementation`, checked as dot_product_attention does;
   for the callers that need a kernel (ring attention has no plain-XLA path)."""
   _validation.check_implementation(implementation)
-  if implementation == "xla":
+  if implementation in _XLA_PATHS:
     raise ValueError("this function needs a kernel: implementation must be None, 'cpu' or 'cuda'")
-  implementation = _resolve_implementation(implementation)
-  _validation.check_kernel_head_dim(query.shape[-1], implementation)
-  if implementation == "cuda" and (query.dtype == jnp.float32 or query.shape[-1] % 8):
+  resolved = _resolve_implementation(implementation, query.dtype)
+  if resolved == "blockwise" or (resolved == "cuda" and (query.dtype == jnp.float32 or
+                                                         query.shape[-1] % 8)):
     raise NotImplementedError(
         f"ring attention on the CUDA kernels needs bfloat16/float16 and a head dim that is a "
         f"multiple of 8; got query{query.shape} {query.dtype}")
-  return implementation
+  _validation.check_kernel_head_dim(query.shape[-1], resolved)
+  return resolved
 
 
 def dot_product_attention(
@@ -107,9 +114,11 @@ def dot_product_attention(
     key_value_seq_lengths: ``(B,)`` int32; keys at or past the length are ignored.
     local_window_size: ``w`` or ``(left, right)``: query ``i`` attends keys
       ``i - left <= j <= i + right``.
-    implementation: ``None`` picks the kernel for the default backend (``"cpu"`` on the host,
-      ``"cuda"`` on NVIDIA GPUs once built); ``"cpu"``/``"cuda"`` force one; ``"xla"`` is the
-      plain (quadratic-memory) reference.
+    implementation: ``None`` picks the path for the default backend: ``"cpu"`` on the host,
+      ``"cuda"`` on NVIDIA GPUs for bfloat16/float16, ``"blockwise"`` there for float32.
+      ``"cpu"``/``"cuda"`` force a kernel; ``"blockwise"`` is FlashAttention in plain XLA (key
+      blocks in a scan, linear memory, products at JAX's default precision: TF32 on recent
+      GPUs, as any float32 matmul in JAX); ``"xla"`` is the plain quadratic-memory reference.
     return_residual: also return the log-sum-exp of each query row's logits, ``(B, T, N)``
       (or ``(T, N)``) in float32, under ``stop_gradient`` as in jax.nn.
     deterministic: make the backward pass bit-identical run after run. The CUDA backward
@@ -142,23 +151,25 @@ def dot_product_attention(
       "key_value_seq_lengths", key_value_seq_lengths, batch, seq_k)
   window = _validation.check_window(local_window_size, seq_q + seq_k)
   scale = _validation.check_scale(scale, head_dim)
-  implementation = _resolve_implementation(implementation)
-  if implementation != "xla":
+  implementation = _resolve_implementation(implementation, query.dtype)
+  if implementation not in _XLA_PATHS:
     _validation.check_kernel_head_dim(head_dim, implementation)
   if implementation == "cuda" and query.dtype == jnp.float32:
     raise NotImplementedError(
-        "jax_flash's CUDA kernels take bfloat16 or float16 so far; float32 inputs "
-        f"(query{query.shape}) need implementation='xla' for now")
+        "jax_flash's CUDA kernels take bfloat16 or float16; for float32 inputs "
+        f"(query{query.shape}) use implementation=None or 'blockwise' (FlashAttention in XLA "
+        "at JAX's default float32 matmul precision)")
 
   if q_lens is None:
     q_lens = jnp.full((batch,), seq_q, jnp.int32)
   if kv_lens is None:
     kv_lens = jnp.full((batch,), seq_k, jnp.int32)
   window_left, window_right = window if window is not None else (-1, -1)
-  if implementation == "xla":
-    out, lse = attention_reference(
+  if implementation in _XLA_PATHS:
+    out, lse = _XLA_PATHS[implementation](
         query, key, value, q_lens, kv_lens, scale=scale, is_causal=bool(is_causal),
         window_left=window_left, window_right=window_right)
+    lse = jax.lax.stop_gradient(lse)
   else:
     config = _ops.KernelConfig(implementation, scale, bool(is_causal), window_left, window_right,
                                deterministic)

@@ -17,10 +17,11 @@ EMPTY_ROW_LSE = float(np.finfo(np.float32).min)
 
 
 def key_mask(seq_q: int, seq_k: int, q_lens, kv_lens, is_causal: bool,
-             window_left: int, window_right: int) -> jax.Array:
-  """(B, T, S) bool: which keys each query row may attend to (window bounds < 0: unbounded)."""
+             window_left: int, window_right: int, key_offset=0) -> jax.Array:
+  """(B, T, S) bool: which keys each query row may attend to (window bounds < 0: unbounded),
+  for the S keys from position `key_offset` on."""
   i = jnp.arange(seq_q)[None, :, None]
-  j = jnp.arange(seq_k)[None, None, :]
+  j = key_offset + jnp.arange(seq_k)[None, None, :]
   mask = (i < q_lens[:, None, None]) & (j < kv_lens[:, None, None])
   if is_causal:
     mask &= j <= i

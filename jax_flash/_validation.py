@@ -11,7 +11,7 @@ import numpy as np
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MAX_KERNEL_HEAD_DIM = 256  # cuda/ffi_shapes.h: kMaxHeadDim
-IMPLEMENTATIONS = (None, "cpu", "cuda", "xla")
+IMPLEMENTATIONS = (None, "cpu", "cuda", "xla", "blockwise")
 
 
 def check_qkv(query: jax.Array, key: jax.Array, value: jax.Array) -> None:
@@ -99,4 +99,4 @@ def check_kernel_head_dim(head_dim: int, implementation: str) -> None:
   if head_dim > MAX_KERNEL_HEAD_DIM:
     raise ValueError(
         f"head dim H={head_dim} is larger than the {implementation!r} kernels support "
-        f"(H <= {MAX_KERNEL_HEAD_DIM}); use implementation='xla' for larger heads")
+        f"(H <= {MAX_KERNEL_HEAD_DIM}); use implementation='blockwise' (or 'xla') for larger heads")

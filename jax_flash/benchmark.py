@@ -19,7 +19,8 @@ the reason (and goes on). Every step is compiled, warmed up, then repeated (fewe
 peers) and the median time is reported.
 
 FLOPs follow the FlashAttention benchmarks: forward 4·B·S²·N·H, halved when causal; forward plus
-backward 3.5× the forward. Memory: XLA's compiled temp bytes of each pass (the figure to compare),
+backward 3.5× the forward. The table's "bwd" rows are the backward alone, derived: the median
+fwd+bwd time less the median fwd time of the same peer in the same run (2.5× the forward's FLOPs). Memory: XLA's compiled temp bytes of each pass (the figure to compare),
 and the device's peak bytes in use after it where the runtime reports them (a high-water mark
 over the whole process, so it only grows). Absolute times drift between machines; compare peers
 of one run.
@@ -56,6 +57,8 @@ import numpy as np
 import jax_flash
 
 PASSES = ("fwd", "fwd+bwd")
+# Table rows per case: the measured passes and the backward alone, derived from them.
+TABLE_PASSES = ("fwd", "bwd", "fwd+bwd")
 # Forward plus backward costs 3.5 forwards (the backward 2.5).
 FWD_BWD_FLOP_FACTOR = 3.5
 # Time one peer may spend repeating one pass of one case; slow peers get fewer repetitions.
@@ -93,7 +96,8 @@ class Case:
     forward = 4.0 * self.batch * self.seq**2 * self.heads * self.head_dim
     if self.causal:
       forward /= 2
-    return forward * (FWD_BWD_FLOP_FACTOR if pass_name == "fwd+bwd" else 1.0)
+    factor = {"fwd": 1.0, "bwd": FWD_BWD_FLOP_FACTOR - 1.0, "fwd+bwd": FWD_BWD_FLOP_FACTOR}
+    return forward * factor[pass_name]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -659,6 +663,32 @@ def run(platform: Platform, cases: Sequence[Case], reps: int) -> Iterator[list[M
 # Reporting
 
 
+def with_backward(measurements: Sequence[Measurement]) -> list[Measurement]:
+  """The measurements plus, per peer and case, the backward pass alone: its time is the median
+  fwd+bwd time less the median fwd time (both taken in this run), marked as derived."""
+  by_key = {(m.peer, m.case, m.pass_name): m for m in measurements}
+  derived = []
+  for m in measurements:
+    if m.pass_name != "fwd+bwd":
+      continue
+    forward = by_key.get((m.peer, m.case, "fwd"))
+    if forward is None:
+      continue
+    if not (m.ok and forward.ok):
+      failed = m if not m.ok else forward
+      derived.append(Measurement(m.peer, m.case, "bwd", failed.status, failed.reason))
+      continue
+    backward_s = m.median_s - forward.median_s
+    if backward_s <= 0:
+      derived.append(Measurement(m.peer, m.case, "bwd", "fails",
+                                 "fwd+bwd no slower than fwd: no backward time to derive"))
+      continue
+    derived.append(Measurement(m.peer, m.case, "bwd", "ok",
+                               "derived: median fwd+bwd time - median fwd time",
+                               times_s=(backward_s,)))
+  return [*measurements, *derived]
+
+
 def format_table(platform: Platform, measurements: Sequence[Measurement]) -> str:
   """A markdown table in the platform's columns, one row per case and pass, then one note per
   distinct reason a peer did not run."""
@@ -666,7 +696,8 @@ def format_table(platform: Platform, measurements: Sequence[Measurement]) -> str
   for m in measurements:
     by_row.setdefault((m.case, m.pass_name), {})[m.peer] = m
   rows = [Row(case, pass_name, by_row[(case, pass_name)])
-          for case in dict.fromkeys(m.case for m in measurements) for pass_name in PASSES]
+          for case in dict.fromkeys(m.case for m in measurements) for pass_name in TABLE_PASSES
+          if (case, pass_name) in by_row]
   lines = ["| " + " | ".join(c.header for c in platform.columns) + " |",
            "|" + "---|" * len(platform.columns)]
   lines += ["| " + " | ".join(c.cell(row) for c in platform.columns) + " |" for row in rows]
@@ -876,8 +907,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   for results in run(platform, cases, args.reps):
     measurements.extend(results)
     if args.out is not None:
-      write_results(args.out, env, settings, measurements, format_table(platform, measurements))
-  print(format_table(platform, measurements))
+      reported = with_backward(measurements)
+      write_results(args.out, env, settings, reported, format_table(platform, reported))
+  print(format_table(platform, with_backward(measurements)))
   if args.out is not None:
     try:
       write_plot(args.out / "plot.png", platform, measurements,

@@ -146,8 +146,8 @@ def dot_product_attention(
       are ignored (padding).
     local_window_size: ``w`` or ``(left, right)``: query ``i`` attends keys
       ``i - left <= j <= i + right``.
-    implementation: ``None`` (the kernel for the default backend), ``"cpu"``, ``"cuda"`` or
-      ``"xla"``, as in :func:`jax_flash.dot_product_attention`.
+    implementation: ``None`` (the best path for the backend and dtype), ``"cpu"``, ``"cuda"``,
+      ``"blockwise"`` or ``"xla"``, as in :func:`jax_flash.dot_product_attention`.
     deterministic_backward: jax_flash's ``deterministic``: a bit-reproducible backward pass.
 
   Returns:

@@ -1,8 +1,9 @@
 """The CUDA kernels against the references: marked `gpu`, skipped without an NVIDIA GPU.
 
 Run on the GPU machine with tests/gpu_check.sh. The same covering grid as the CPU kernel (its
-16-bit cases: the CUDA kernels take bfloat16/float16 so far), plus large cases, a CUDA-graph
-(command buffer) run, and a jit-compiled training step.
+16-bit cases: the CUDA kernels take bfloat16/float16), plus large cases, a CUDA-graph (command
+buffer) run, a jit-compiled training step, and float32 inputs (the blockwise XLA path) against
+JAX's own default-precision attention.
 """
 
 from __future__ import annotations
@@ -59,6 +60,37 @@ def test_cuda_is_default_on_gpu():
   auto = jax_flash_call(q, k, v, None)
   cuda = jax_flash_call(q, k, v, "cuda")
   np.testing.assert_array_equal(np.asarray(auto, np.float32), np.asarray(cuda, np.float32))
+
+
+def test_float32_on_gpu_is_as_accurate_as_jax_default_matmul():
+  """float32 inputs with implementation=None run (the blockwise XLA path) and are as accurate as
+  JAX's own attention at its default float32 matmul precision: for the output and every
+  gradient, max|x - x_exact| <= 2 max|x_jax_default - x_exact| + 1e-5 max|x_exact| + 1e-6, where
+  x_exact is computed at "highest" precision."""
+  import jax_flash
+  case = C(batch=2, seq_q=1024, seq_k=1024, heads_q=8, heads_k=2, head_dim=64, is_causal=True)
+  q, k, v, g = case.inputs()
+
+  def results(attention):
+    def loss(q, k, v):
+      return jnp.sum(attention(q, k, v) * g)
+    out = attention(q, k, v)
+    return [out, *jax.grad(loss, argnums=(0, 1, 2))(q, k, v)]
+
+  def flash(q, k, v):
+    return jax_flash.dot_product_attention(q, k, v, is_causal=True)
+
+  def jax_nn(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+
+  exact = results(jax.jit(jax_nn))  # the module's fixture: "highest"
+  with jax.default_matmul_precision("default"):
+    got, default = results(jax.jit(flash)), results(jax.jit(jax_nn))
+  for name, x, d, e in zip(("out", "dq", "dk", "dv"), got, default, exact):
+    assert x.dtype == jnp.float32, name
+    x, d, e = (np.asarray(a, np.float64) for a in (x, d, e))
+    bound = 2 * np.max(np.abs(d - e)) + 1e-5 * np.max(np.abs(e)) + 1e-6
+    assert np.max(np.abs(x - e)) <= bound, (name, np.max(np.abs(x - e)), bound)
 
 
 def jax_flash_call(q, k, v, implementation):

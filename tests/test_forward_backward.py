@@ -3,8 +3,8 @@
 The grid is not a cartesian product (CI has 2 cores): every sequence pair, head dim, GQA ratio,
 dtype and mask kind appears in several cases, each time with different partners, and the large
 cases (1023, head dim 256) are kept to a few combinations. Every case runs for
-implementation="cpu" (the C++ kernel) and "xla" (the plain reference path), which must both
-satisfy the tolerance rule of attention_testing.
+implementation="cpu" (the C++ kernel), "xla" (the plain reference path) and "blockwise" (key
+blocks in a scan, in XLA), which must all satisfy the tolerance rule of attention_testing.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import jax_flash
+from jax_flash import _blockwise
 from attention_testing import (EMPTY_ROW_LSE, Case, check_against_references, random_array,
                                run_jax_flash)
 
@@ -128,12 +129,17 @@ def test_grid_covers_every_value():
     assert {c.head_dim for c in GRID if c.dtype == dtype} >= {32, 40, 64, 96, 111, 128}, dtype
 
 
+IMPLEMENTATIONS = ("cpu", "xla", "blockwise")
+
+
 @pytest.mark.parametrize(
     "case,implementation",
-    [(c, impl) for c in GRID for impl in ("cpu", "xla")],  # impl innermost: references are cached
-    ids=[f"{c.id}-{impl}" for c in GRID for impl in ("cpu", "xla")],
+    [(c, impl) for c in GRID for impl in IMPLEMENTATIONS],  # impl innermost: references are cached
+    ids=[f"{c.id}-{impl}" for c in GRID for impl in IMPLEMENTATIONS],
 )
-def test_matches_reference(case, implementation):
+def test_matches_reference(case, implementation, monkeypatch):
+  # Blocks of 48 keys: every case with S > 48 crosses block edges, most with a padded last block.
+  monkeypatch.setattr(_blockwise, "KEY_BLOCK", 48)
   got = run_jax_flash(case, implementation)
   check_against_references(case, got)
 
@@ -203,7 +209,7 @@ def _attention(q, k, v, implementation, **options):
   return jax_flash.dot_product_attention(q, k, v, implementation=implementation, **options)
 
 
-@pytest.mark.parametrize("implementation", ["cpu", "xla"])
+@pytest.mark.parametrize("implementation", ["cpu", "xla", "blockwise"])
 @pytest.mark.parametrize("seq_q,seq_k", [(5, 0), (0, 5)], ids=["no_keys", "no_queries"])
 def test_empty_sequences(rng, implementation, seq_q, seq_k):
   """A zero-length key (or query) sequence: every row has nothing to attend to, so the output

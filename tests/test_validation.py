@@ -25,7 +25,7 @@ def arrays(rng, q_shape, k_shape, v_shape=None, dtypes=("float32",) * 3):
                                                                   dtypes))
 
 
-IMPLEMENTATIONS = ["cpu", "xla", None]
+IMPLEMENTATIONS = ["cpu", "xla", "blockwise", None]
 
 SHAPE_ERRORS = [
     # (id, q shape, k shape, v shape, fragments of the message)
@@ -158,12 +158,13 @@ def test_head_dim_above_kernel_limit(rng):
   q, k, v = arrays(rng, (1, 5, 2, 257), (1, 7, 1, 257))
   for implementation in ("cpu", None):
     with pytest.raises(ValueError, match=pattern("H=257", "'cpu'", "H <= 256",
-                                                 "implementation='xla'")):
+                                                 "implementation='blockwise'")):
       jax_flash.dot_product_attention(q, k, v, implementation=implementation)
-  # The plain reference path takes any head dim.
-  out = jax_flash.dot_product_attention(q, k, v, implementation="xla", is_causal=True)
+  # The XLA paths take any head dim.
   want = reference_f32(q, k, v, is_causal=True)
-  np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-6)
+  for implementation in ("xla", "blockwise"):
+    out = jax_flash.dot_product_attention(q, k, v, implementation=implementation, is_causal=True)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-6)
   # 256 itself is fine for the kernel.
   q, k, v = arrays(rng, (1, 5, 2, 256), (1, 7, 1, 256))
   jax_flash.dot_product_attention(q, k, v, implementation="cpu")
@@ -204,7 +205,7 @@ def test_bad_scale(rng, scale, fragments):
     jax_flash.dot_product_attention(q, k, v, scale=scale)
 
 
-@pytest.mark.parametrize("implementation", ["cpu", "xla"])
+@pytest.mark.parametrize("implementation", ["cpu", "xla", "blockwise"])
 def test_zero_head_dim(rng, implementation):
   """H = 0: an empty result or a ValueError naming the head dim would both do.
 
