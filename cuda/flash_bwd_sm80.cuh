@@ -183,9 +183,17 @@ __global__ void __launch_bounds__(Traits::kThreads)
 
   const T* q_base = static_cast<const T*>(p.q) + b * sh.seq_q * q_stride;
   const T* do_base = static_cast<const T*>(p.d_o) + b * sh.seq_q * q_stride;
-  auto load_q_do = [&](int it, int stage) {
-    const int h = hk * group + it / mb_count;
-    const int64_t m0 = static_cast<int64_t>(mb_first + it % mb_count) * kBM;
+  // Iteration it visits query block mb_first + it % mb_count of query head hk * group +
+  // it / mb_count; kept as two counters (no division in the loop).
+  struct Visit {
+    int h, mb;
+  };
+  auto next_visit = [&](Visit v) {
+    return v.mb + 1 < mb_first + mb_count ? Visit{v.h, v.mb + 1} : Visit{v.h + 1, mb_first};
+  };
+  auto load_q_do = [&](Visit v, int stage) {
+    const int h = v.h;
+    const int64_t m0 = static_cast<int64_t>(v.mb) * kBM;
     const int rows = static_cast<int>(max64(0, min64(kBM, q_len - m0)));
     load_tile<QTile, kThreads>(s_q + stage * QTile::kElements, q_base + m0 * q_stride + h * sh.head_dim,
                                q_stride, rows, chunks, tid);
@@ -203,20 +211,21 @@ __global__ void __launch_bounds__(Traits::kThreads)
     const T* v = static_cast<const T*>(p.v) + (b * sh.seq_k + n0) * kv_stride + hk * sh.head_dim;
     load_tile<KVTile, kThreads>(s_k, k, kv_stride, live_keys, chunks, tid);
     load_tile<KVTile, kThreads>(s_v, v, kv_stride, live_keys, chunks, tid);
-    load_q_do(0, 0);
+    load_q_do(Visit{hk * group, mb_first}, 0);
     cp_async_commit();
   }
-  for (int it = 0, stage = 0; it < iterations; ++it, stage ^= 1) {
+  Visit visit{hk * group, mb_first};
+  for (int it = 0, stage = 0; it < iterations; ++it, stage ^= 1, visit = next_visit(visit)) {
     // This iteration's Q and dO (the one group in flight) have landed, and every warp is done
     // with the previous iteration's P, dS and stage: prefetch the next Q and dO into that stage.
     cp_async_wait<0>();
     __syncthreads();
     if (it + 1 < iterations) {
-      load_q_do(it + 1, stage ^ 1);
+      load_q_do(next_visit(visit), stage ^ 1);
       cp_async_commit();
     }
-    const int h = hk * group + it / mb_count;
-    const int64_t m0 = static_cast<int64_t>(mb_first + it % mb_count) * kBM;
+    const int h = visit.h;
+    const int64_t m0 = static_cast<int64_t>(visit.mb) * kBM;
     const T* tile_q = s_q + stage * QTile::kElements;
     const T* tile_do = s_do + stage * QTile::kElements;
 
@@ -247,6 +256,12 @@ __global__ void __launch_bounds__(Traits::kThreads)
     // dQ += dS K, added to the float32 accumulator (kDqChunk columns at a time); the
     // deterministic mode computes dQ in flash_bwd_dq_kernel instead.
     if (!p.deterministic) {
+      // This thread's first dQ element of the block; rows past q_len and padded columns
+      // (head dims the kernel rounds up) are skipped.
+      const int lane_row = Dq::row0(warp) + lane / 4, lane_col = Dq::col0(warp) + (lane % 4) * 2;
+      float* dq_block = p.dq_accum + (b * sh.seq_q + m0 + lane_row) * q_stride + h * sh.head_dim + lane_col;
+      const int live_rows = static_cast<int>(min64(kBM, q_len - m0)) - lane_row;
+      const int live_cols = static_cast<int>(sh.head_dim) - lane_col;
 #pragma unroll
       for (int c0 = 0; c0 < Dq::kCols; c0 += kDqChunk) {
         float dq[Dq::kMTiles][kDqChunk / 8][4] = {};
@@ -255,14 +270,13 @@ __global__ void __launch_bounds__(Traits::kThreads)
         for (int mt = 0; mt < Dq::kMTiles; ++mt)
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
-            const int64_t row = m0 + Dq::row0(warp) + mt * 16 + half * 8 + lane / 4;
-            if (row >= q_len) continue;
-            float* dq_row = p.dq_accum + ((b * sh.seq_q + row) * sh.heads_q + h) * sh.head_dim;
+            const int r = mt * 16 + half * 8;
+            if (r >= live_rows) continue;
 #pragma unroll
             for (int nt = 0; nt < kDqChunk / 8; ++nt) {
-              const int col = Dq::col0(warp) + c0 + nt * 8 + (lane % 4) * 2;
-              if (col >= sh.head_dim) continue;
-              atomic_add_pair(dq_row + col, dq[mt][nt][2 * half], dq[mt][nt][2 * half + 1]);
+              const int c = c0 + nt * 8;
+              if (c < live_cols)
+                atomic_add_pair(dq_block + r * q_stride + c, dq[mt][nt][2 * half], dq[mt][nt][2 * half + 1]);
             }
           }
       }

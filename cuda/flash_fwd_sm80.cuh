@@ -18,6 +18,8 @@
 namespace jax_flash::cuda {
 
 inline constexpr float kLog2e = 1.4426950408889634f;
+// Lazy rescaling threshold of the forward's online softmax: probabilities stay <= 2^8.
+inline constexpr float kRescaleLog2 = 8.f;
 
 __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 __device__ __forceinline__ int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -203,8 +205,16 @@ __global__ void __launch_bounds__(Traits::kThreads)
       const int64_t n0 = static_cast<int64_t>(n_block) * kBN;
       if (blk.needs_mask(n0)) mask_scores(s, p.mask, m0 + warp_m0, n0, q_len, kv_len, lane);
 
-      // Online softmax: new row maxima, rescale the running sums and O, P = exp2(...).
+      // Online softmax with lazy rescaling. A row's reference maximum (row_max) moves only when
+      // some row of the warp meets a score more than kRescaleLog2 (in log2 units) above its own,
+      // or sees its first key; then every row of the warp moves to its new maximum, and O and
+      // the sums are rescaled. Otherwise P = exp2(S - reference) stays <= 2^kRescaleLog2 and
+      // nothing is rescaled: exact, since the final normalisation and lse use the same
+      // reference. After the first blocks, a warp rarely rescales (it saved 128 multiplies a
+      // thread per block). scale_log2 >= 0 here (ops.py keeps the scale positive).
       uint32_t pa[kBN / 16][kMT][4];
+      float new_max[kMT][2];
+      bool grow = false;
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -213,11 +223,34 @@ __global__ void __launch_bounds__(Traits::kThreads)
 #pragma unroll
           for (int nt = 0; nt < kBN / 8; ++nt)
             tile_max = fmaxf(tile_max, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
-          const float new_max = fmaxf(row_max[mt][half], quad_max(tile_max));
-          // A row with nothing visible yet keeps max -inf: subtract 0 so exp2(-inf) gives 0.
-          const float base = new_max == -INFINITY ? 0.f : new_max * scale_log2;
-          const float correction = fast_exp2(row_max[mt][half] * scale_log2 - base);
-          row_max[mt][half] = new_max;
+          const float old_max = row_max[mt][half];
+          new_max[mt][half] = fmaxf(old_max, quad_max(tile_max));
+          grow |= old_max == -INFINITY ? new_max[mt][half] != -INFINITY
+                                       : (new_max[mt][half] - old_max) * scale_log2 > kRescaleLog2;
+        }
+      if (__any_sync(0xffffffffu, grow)) {
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            // A row with nothing visible yet keeps max -inf: its correction is exp2(-inf) = 0.
+            const float base = new_max[mt][half] == -INFINITY ? 0.f : new_max[mt][half] * scale_log2;
+            const float correction = fast_exp2(row_max[mt][half] * scale_log2 - base);
+            row_max[mt][half] = new_max[mt][half];
+            row_sum[mt][half] *= correction;
+#pragma unroll
+            for (int dt = 0; dt < kD / 8; ++dt) {
+              o[mt][dt][2 * half] *= correction;
+              o[mt][dt][2 * half + 1] *= correction;
+            }
+          }
+      }
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          // -inf reference (nothing seen yet): subtract 0 so that exp2(-inf) gives 0.
+          const float base = row_max[mt][half] == -INFINITY ? 0.f : row_max[mt][half] * scale_log2;
           float sum = 0.f;
 #pragma unroll
           for (int nt = 0; nt < kBN / 8; ++nt)
@@ -226,12 +259,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
               s[mt][nt][e] = fast_exp2(s[mt][nt][e] * scale_log2 - base);
               sum += s[mt][nt][e];
             }
-          row_sum[mt][half] = row_sum[mt][half] * correction + sum;
-#pragma unroll
-          for (int dt = 0; dt < kD / 8; ++dt) {
-            o[mt][dt][2 * half] *= correction;
-            o[mt][dt][2 * half + 1] *= correction;
-          }
+          row_sum[mt][half] += sum;
         }
       accumulator_to_a<T>(pa, s);
 

@@ -55,6 +55,12 @@ def _lse_shape(q: jax.Array) -> tuple[int, ...]:
 
 def flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig):
   """Returns (o, lse) with o like q and lse (..., N, T) float32."""
+  if config.implementation == "cuda" and config.scale < 0:
+    # The CUDA forward takes its running row maxima on the unscaled scores, which is right for
+    # a positive scale only: flip the sign of q instead (the same logits; exact in any dtype).
+    # The backward needs no such care (it rescales with the saved lse, no maxima).
+    q = -q
+    config = dataclasses.replace(config, scale=-config.scale)
   call = jax.ffi.ffi_call(
       _target(config, "fwd"),
       (

@@ -92,6 +92,9 @@ GRID = [
       return_residual=True),
     C(batch=2, seq_q=1023, seq_k=1023, heads_k=4, head_dim=111, dtype="float16",
       q_lens=(1023, 700), kv_lens=(1023, 300)),
+    # a negative scale (the logits change sign: the row maxima come from the smallest scores)
+    C(batch=2, seq_q=113, seq_k=203, heads_k=4, head_dim=64, dtype="bfloat16", scale=-0.6,
+      kv_lens=(203, 77), return_residual=True),
     # rank 3 with T != S and an explicit scale
     C(batch=1, seq_q=113, seq_k=203, heads_k=4, head_dim=32, is_causal=True, rank3=True,
       scale=0.3, return_residual=True),
