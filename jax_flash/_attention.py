@@ -171,6 +171,7 @@ def dot_product_attention(
         window_left=window_left, window_right=window_right)
     lse = jax.lax.stop_gradient(lse)
   else:
+    query, scale = _ops.positive_scale(query, scale)
     config = _ops.KernelConfig(implementation, scale, bool(is_causal), window_left, window_right,
                                deterministic)
     pad = _CUDA_HEAD_DIM_MULTIPLE - head_dim % _CUDA_HEAD_DIM_MULTIPLE

@@ -24,6 +24,18 @@ _CPU_BLOCK_K = 64
 _MAX_DQ_SPLITS = 8
 
 
+def positive_scale(q: jax.Array, scale: float) -> tuple[jax.Array, float]:
+  """(q', scale') with scale' > 0 and the same logits scale' * q'.k as scale * q.k: the kernels
+  take positive scales only (the CUDA forward keeps row maxima of unscaled scores, and masks set
+  scores to -inf, which a negative or zero scale would turn into +inf or NaN). Applied outside
+  the kernels' custom VJPs, so JAX differentiates the sign flip (or the zeroing) itself."""
+  if scale > 0:
+    return q, scale
+  if scale < 0:
+    return -q, -scale
+  return jnp.zeros_like(q), 1.0  # every logit is 0: uniform attention over the visible keys
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
   """Static settings of one attention call (hashable: it is a custom_vjp nondiff argument)."""
@@ -55,12 +67,6 @@ def _lse_shape(q: jax.Array) -> tuple[int, ...]:
 
 def flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig):
   """Returns (o, lse) with o like q and lse (..., N, T) float32."""
-  if config.implementation == "cuda" and config.scale < 0:
-    # The CUDA forward takes its running row maxima on the unscaled scores, which is right for
-    # a positive scale only: flip the sign of q instead (the same logits; exact in any dtype).
-    # The backward needs no such care (it rescales with the saved lse, no maxima).
-    q = -q
-    config = dataclasses.replace(config, scale=-config.scale)
   call = jax.ffi.ffi_call(
       _target(config, "fwd"),
       (

@@ -247,8 +247,8 @@ def ring_attention(query, key, value, *, axis_name: str, layout: str = "contiguo
     q_lens = jnp.full((batch,), seq_q * num, jnp.int32)
   if kv_lens is None:
     kv_lens = jnp.full((batch,), key.shape[1] * num, jnp.int32)
-  config = _ops.KernelConfig(implementation, _validation.check_scale(scale, head_dim),
-                             bool(is_causal), -1, -1, deterministic)
+  query, scale = _ops.positive_scale(query, _validation.check_scale(scale, head_dim))
+  config = _ops.KernelConfig(implementation, scale, bool(is_causal), -1, -1, deterministic)
   out, lse = _ring(query, key, value, q_lens, kv_lens, axis_name, layout, config)
   lse = jax.lax.stop_gradient(lse)
   return (out, jnp.swapaxes(lse, -1, -2)) if return_residual else out

@@ -95,6 +95,9 @@ GRID = [
     # a negative scale (the logits change sign: the row maxima come from the smallest scores)
     C(batch=2, seq_q=113, seq_k=203, heads_k=4, head_dim=64, dtype="bfloat16", scale=-0.6,
       kv_lens=(203, 77), return_residual=True),
+    # scale 0: every logit 0, uniform attention over the visible keys, dq = dk = 0
+    C(batch=2, seq_q=113, seq_k=113, heads_k=1, head_dim=32, dtype="float16", scale=0.0,
+      is_causal=True, kv_lens=(113, 40)),
     # rank 3 with T != S and an explicit scale
     C(batch=1, seq_q=113, seq_k=203, heads_k=4, head_dim=32, is_causal=True, rank3=True,
       scale=0.3, return_residual=True),

@@ -127,3 +127,24 @@ def test_ring_gradients_on_a_mesh_with_other_axes():
   want = jax.grad(lambda q, k, v: jnp.sum(single(q, k, v) * g), argnums=(0, 1, 2))(q, k, v)
   for a, b in zip(got, want):
     np.testing.assert_allclose(np.asarray(a)[:, inverse], np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("scale", [-0.4, 0.0], ids=["negative", "zero"])
+def test_ring_with_non_positive_scale(mesh, scale):
+  """The kernels take positive scales; ring_attention maps others onto them (q's sign flipped,
+  or zeroed), checked against the plain XLA path, which takes any scale as it is."""
+  q, k, v, g = _inputs(7)
+  seq = q.shape[1]
+  lens = jnp.asarray([seq, 29], jnp.int32)
+
+  def single(q, k, v, q_lens, kv_lens):
+    return jax_flash.dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                           query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens,
+                                           implementation="xla", return_residual=True)
+
+  want = jax.jit(_vjp_outputs, static_argnums=0)(single, q, k, v, g, lens, lens)
+  got = jax.jit(_vjp_outputs, static_argnums=0)(
+      _ring_fn(mesh, "contiguous", is_causal=True, scale=scale), q, k, v, g, lens, lens)
+  for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+    # Rows past the query length: jax_flash's lse there is EMPTY_ROW_LSE, the same in both.
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5, err_msg=name)
