@@ -38,3 +38,17 @@ def test_backward_not_derived_from_failures_or_noise():
   assert derived["torch"].ok and derived["torch"].median_s == pytest.approx(2.0)
   table = benchmark.format_table(benchmark.CPU, rows)
   assert "| bwd |" in table and "no backward time" in table
+
+
+def test_cli_writes_results_with_backward_rows(tmp_path):
+  """The CLI on the CPU, tiny: every peer measured or marked, bwd rows derived, the
+  deterministic flag recorded, the files written."""
+  import json
+
+  assert benchmark.main(["--platform", "cpu", "--seqs", "64", "--causal", "yes", "--reps", "1",
+                         "--deterministic", "--out", str(tmp_path)]) == 0
+  results = json.loads((tmp_path / "results.json").read_text())
+  assert results["settings"]["deterministic"] is True
+  rows = {(m["peer"], m["pass"]) for m in results["measurements"]}
+  assert {("jax_flash", "fwd"), ("jax_flash", "bwd"), ("jax_flash", "fwd+bwd")} <= rows
+  assert "| bwd |" in (tmp_path / "table.md").read_text()
