@@ -169,7 +169,6 @@ def dot_product_attention(
     out, lse = _XLA_PATHS[implementation](
         query, key, value, q_lens, kv_lens, scale=scale, is_causal=bool(is_causal),
         window_left=window_left, window_right=window_right)
-    lse = jax.lax.stop_gradient(lse)
   else:
     query, scale = _ops.positive_scale(query, scale)
     config = _ops.KernelConfig(implementation, scale, bool(is_causal), window_left, window_right,
@@ -181,7 +180,7 @@ def dot_product_attention(
       query, key, value = (jnp.pad(x, widths) for x in (query, key, value))
     out, lse = _flash_attention(query, key, value, q_lens, kv_lens, config)
     out = out[..., :head_dim]
-    lse = jax.lax.stop_gradient(lse)
+  lse = jax.lax.stop_gradient(lse)
 
   if unbatched:
     out, lse = out[0], lse[0]

@@ -16,6 +16,7 @@ and lse ``EMPTY_ROW_LSE``.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,16 @@ from jax_flash._reference import EMPTY_ROW_LSE, key_mask
 
 # Keys per scan step. Scores of one step take batch * heads * T * KEY_BLOCK float32s.
 KEY_BLOCK = 512
+
+
+class _Config(NamedTuple):
+  """Static settings of one call (hashable: the custom_vjp's nondiff argument)."""
+
+  scale: float
+  is_causal: bool
+  window_left: int
+  window_right: int
+  block: int  # keys per scan step
 
 
 def _split_groups(x: jax.Array, heads_k: int) -> jax.Array:
@@ -40,19 +51,23 @@ def _key_blocks(x: jax.Array, block: int) -> jax.Array:
   return jnp.moveaxis(x.reshape(batch, blocks, block, heads, head_dim), 1, 0)
 
 
-def _block_scores(q5, k_block, index, q_lens, kv_lens, config):
+def _scan_inputs(k: jax.Array, v: jax.Array, block: int):
+  """What both passes scan over: each key block's index, K block and V block."""
+  return jnp.arange(-(-k.shape[1] // block)), _key_blocks(k, block), _key_blocks(v, block)
+
+
+def _block_scores(q5, k_block, index, q_lens, kv_lens, config: _Config):
   """Scaled scores (B, K, G, T, block) of key block `index`, -inf where masked."""
-  scale, is_causal, window_left, window_right, block = config
-  scores = jnp.einsum("btkgh,bskh->bkgts", q5, k_block) * scale
-  mask = key_mask(q5.shape[1], block, q_lens, kv_lens, is_causal, window_left, window_right,
-                  key_offset=index * block)
+  scores = jnp.einsum("btkgh,bskh->bkgts", q5, k_block) * config.scale
+  mask = key_mask(q5.shape[1], config.block, q_lens, kv_lens, config.is_causal,
+                  config.window_left, config.window_right, key_offset=index * config.block)
   return jnp.where(mask[:, None, None], scores, -jnp.inf)
 
 
 def _forward(q, k, v, q_lens, kv_lens, config):
   """(o (B, T, N, H) in q's dtype, lse (B, N, T) float32)."""
   batch, seq_q, heads_q, head_dim = q.shape
-  heads_k, block = k.shape[2], config[-1]
+  heads_k = k.shape[2]
   q5 = _split_groups(q, heads_k)
   stats_shape = (batch, heads_k, heads_q // heads_k, seq_q)
 
@@ -70,13 +85,12 @@ def _forward(q, k, v, q_lens, kv_lens, config):
 
   init = (jnp.full(stats_shape, -jnp.inf), jnp.zeros(stats_shape),
           jnp.zeros(stats_shape + (head_dim,)))
-  blocks = jnp.arange(-(-k.shape[1] // block))
-  (row_max, row_sum, acc), _ = jax.lax.scan(
-      step, init, (blocks, _key_blocks(k, block), _key_blocks(v, block)))
+  (row_max, row_sum, acc), _ = jax.lax.scan(step, init, _scan_inputs(k, v, config.block))
   has_keys = row_sum > 0
-  out = acc / jnp.where(has_keys, row_sum, 1.0)[..., None]
+  safe_sum = jnp.where(has_keys, row_sum, 1.0)
+  out = acc / safe_sum[..., None]
   out = jnp.moveaxis(out, 3, 1).reshape(batch, seq_q, heads_q, head_dim).astype(q.dtype)
-  lse = jnp.where(has_keys, jnp.log(jnp.where(has_keys, row_sum, 1.0)) + row_max, EMPTY_ROW_LSE)
+  lse = jnp.where(has_keys, jnp.log(safe_sum) + row_max, EMPTY_ROW_LSE)
   return out, lse.reshape(batch, heads_q, seq_q)
 
 
@@ -84,7 +98,6 @@ def _backward(q, k, v, o, lse, d_o, q_lens, kv_lens, config):
   """(dq, dk, dv) in the dtypes of q, k, v; dK and dV summed over each kv head's query heads."""
   batch, seq_q, heads_q, head_dim = q.shape
   seq_k, heads_k = k.shape[1], k.shape[2]
-  scale, block = config[0], config[-1]
   q5, do5 = _split_groups(q, heads_k), _split_groups(d_o, heads_k)
   delta = jnp.einsum("btkgh,btkgh->bkgt", do5, _split_groups(o, heads_k))
   lse = lse.reshape(batch, heads_k, heads_q // heads_k, seq_q)
@@ -96,15 +109,13 @@ def _backward(q, k, v, o, lse, d_o, q_lens, kv_lens, config):
     scores = _block_scores(q5, k_block, index, q_lens, kv_lens, config)
     probs = jnp.exp(scores - lse[..., None])
     d_probs = jnp.einsum("btkgh,bskh->bkgts", do5, v_block)
-    d_scores = probs * (d_probs - delta[..., None]) * scale
+    d_scores = probs * (d_probs - delta[..., None]) * config.scale
     dq = dq + jnp.einsum("bkgts,bskh->btkgh", d_scores, k_block)
     dk_block = jnp.einsum("bkgts,btkgh->bskh", d_scores, q5)
     dv_block = jnp.einsum("bkgts,btkgh->bskh", probs, do5)
     return dq, (dk_block, dv_block)
 
-  blocks = jnp.arange(-(-seq_k // block))
-  dq, (dk, dv) = jax.lax.scan(
-      step, jnp.zeros_like(q5), (blocks, _key_blocks(k, block), _key_blocks(v, block)))
+  dq, (dk, dv) = jax.lax.scan(step, jnp.zeros_like(q5), _scan_inputs(k, v, config.block))
 
   def unblock(x, like):
     x = jnp.moveaxis(x, 0, 1).reshape(batch, -1, heads_k, head_dim)
@@ -139,6 +150,6 @@ def blockwise_attention(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bo
   if k.shape[1] == 0 or q.shape[1] == 0:  # no blocks to scan: every row is empty
     lse = jnp.full((q.shape[0], q.shape[2], q.shape[1]), EMPTY_ROW_LSE, jnp.float32)
     return jnp.zeros_like(q), lse
-  block = min(KEY_BLOCK, k.shape[1])
-  config = (float(scale), bool(is_causal), int(window_left), int(window_right), block)
+  config = _Config(float(scale), bool(is_causal), int(window_left), int(window_right),
+                   min(KEY_BLOCK, k.shape[1]))
   return _attention(q, k, v, q_lens, kv_lens, config)
