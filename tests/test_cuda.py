@@ -180,3 +180,22 @@ def test_jit_training_step_reduces_loss():
     losses.append(float(loss))
   assert all(np.isfinite(losses))
   assert losses[-1] < losses[0]
+
+
+def test_mma_sync_forward_on_hopper():
+  """On Hopper the forward runs the wgmma kernel for head dims 33..128; the mma.sync one
+  (JAX_FLASH_CUDA_FORWARD=sm80, read once per process) must still pass the same cases there."""
+  import os
+  import subprocess
+  import sys
+
+  major = int(jax.devices("gpu")[0].compute_capability.split(".")[0])
+  if major != 9:
+    pytest.skip("the wgmma forward runs on compute capability 9.x only")
+  env = dict(os.environ, JAX_FLASH_CUDA_FORWARD="sm80")
+  result = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "gpu",
+       os.path.join(os.path.dirname(__file__), "test_cuda.py"),
+       "-k", "test_cuda_matches_reference and (h64 or h128)"],
+      env=env, capture_output=True, text=True, timeout=900)
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

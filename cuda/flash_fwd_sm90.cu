@@ -1,0 +1,62 @@
+// Launcher of the Hopper forward kernel, and the rule that picks it.
+#include <cstdlib>
+#include <cstring>
+
+#include "flash_dispatch.cuh"
+#include "flash_fwd_sm90.cuh"
+#include "flash_launch.h"
+
+namespace jax_flash::cuda {
+namespace {
+
+template <typename T, int kHeadDim>
+struct LaunchSm90 {
+  static cudaError_t run(const FwdParams& p, cudaStream_t stream) {
+    if constexpr (kHeadDim == 64 || kHeadDim == 128) {
+      using Traits = Sm90FwdTraits<kHeadDim, 128>;
+      auto kernel = flash_fwd_sm90_kernel<Traits, T>;
+      constexpr int smem = Traits::kSmemBytes;
+      if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem))
+        return e;
+      const dim3 grid((p.shape.seq_q + Traits::kBlockM - 1) / Traits::kBlockM, p.shape.heads_q, p.shape.batch);
+      kernel<<<grid, Traits::kThreads, smem, stream>>>(p);
+      return cudaGetLastError();
+    } else {
+      return cudaErrorNotSupported;
+    }
+  }
+};
+
+// Compute capability major of the current device, asked once per device (no stream work, so
+// safe while XLA captures a CUDA graph).
+int device_major() {
+  constexpr int kMaxDevices = 64;
+  static int majors[kMaxDevices] = {};  // 0: not asked yet
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return 0;
+  if (majors[device] == 0) {
+    int major = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return 0;
+    majors[device] = major;
+  }
+  return majors[device];
+}
+
+}  // namespace
+
+bool sm90_forward_applies(const FwdParams& params) {
+  // JAX_FLASH_CUDA_FORWARD=sm80 keeps the mma.sync kernel everywhere (for comparisons).
+  static const bool forced_sm80 = [] {
+    const char* choice = std::getenv("JAX_FLASH_CUDA_FORWARD");
+    return choice != nullptr && std::strcmp(choice, "sm80") == 0;
+  }();
+  const int64_t d = params.shape.head_dim;
+  return !forced_sm80 && d > 32 && d <= 128 && device_major() == 9;
+}
+
+cudaError_t launch_flash_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
+  if (params.shape.seq_q == 0 || params.shape.batch == 0) return cudaSuccess;
+  return dispatch_dtype_head_dim<LaunchSm90>(params, stream);
+}
+
+}  // namespace jax_flash::cuda
