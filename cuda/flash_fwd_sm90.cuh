@@ -32,6 +32,17 @@ struct GmmaTile {
   __device__ __forceinline__ static int offset(int row, int chunk) {
     return (chunk / 8) * kRows * 64 + row * 64 + ((chunk % 8) ^ (row % 8)) * 8;
   }
+
+  // wgmma descriptor of the K-major operand whose M/N rows are rows row0.. of the tile (a multiple
+  // of 8) and whose k runs along the columns, at k-step kk (columns 16 kk .. 16 kk + 15).
+  __device__ __forceinline__ static uint64_t k_major(uint32_t tile_address, int row0, int kk) {
+    return smem_descriptor(tile_address + kk / 4 * kBlockBytes + row0 * 128 + kk % 4 * 32, 16, 1024);
+  }
+  // wgmma descriptor of the N-major operand whose k runs along the rows (k-step kk: rows 16 kk ..
+  // 16 kk + 15) and whose N is every column.
+  __device__ __forceinline__ static uint64_t n_major(uint32_t tile_address, int kk) {
+    return smem_descriptor(tile_address + kk * 16 * 128, kBlockBytes, 1024);
+  }
 };
 
 template <int kHeadDim_, int kBlockN_>
@@ -86,20 +97,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   float o[1][kD / 8][4] = {};
   const float scale_log2 = p.scale * kLog2e;
 
-  // Descriptors: Q of this warpgroup and K at k-step kk (16 columns of the head dim), V at
-  // k-step kk (16 keys).
-  const uint32_t q_address = smem_address(s_q) + group * 64 * 128;
-  auto q_descriptor = [&](int kk) {
-    return smem_descriptor(q_address + kk / 4 * QTile::kBlockBytes + kk % 4 * 32, 16, 1024);
-  };
-  auto k_descriptor = [&](int stage, int kk) {
-    return smem_descriptor(smem_address(s_k + stage * KVTile::kElements) + kk / 4 * KVTile::kBlockBytes +
-                               kk % 4 * 32, 16, 1024);
-  };
-  auto v_descriptor = [&](int stage, int kk) {
-    return smem_descriptor(smem_address(s_v + stage * KVTile::kElements) + kk * 16 * 128,
-                           KVTile::kBlockBytes, 1024);
-  };
+  const uint32_t q_address = smem_address(s_q);
+  auto k_address = [&](int stage) { return smem_address(s_k + stage * KVTile::kElements); };
+  auto v_address = [&](int stage) { return smem_address(s_v + stage * KVTile::kElements); };
 
   const int n_first = blk.n_first, n_last = blk.n_last;
   if (n_last >= n_first) {
@@ -139,7 +139,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kD / 16; ++kk)
-        Wgmma<T, kBN>::ss(s[0], q_descriptor(kk), k_descriptor(stage, kk), kk > 0);
+        Wgmma<T, kBN>::ss(s[0], QTile::k_major(q_address, group * 64, kk), KVTile::k_major(k_address(stage), 0, kk),
+                          kk > 0);
       wgmma_commit();
       wgmma_wait<0>();
       fence_registers(s[0]);
@@ -208,7 +209,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kBN / 16; ++kk)
-        Wgmma<T, kD>::rs_b_transposed(o[0], pa[kk][0], v_descriptor(stage, kk), true);
+        Wgmma<T, kD>::rs_b_transposed(o[0], pa[kk][0], KVTile::n_major(v_address(stage), kk), true);
       wgmma_commit();
       wgmma_wait<0>();
       fence_registers(o[0]);

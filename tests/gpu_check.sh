@@ -36,7 +36,7 @@ fi
 echo "== GPU tests"
 # No XLA autotuning for the tests (compile time); the benchmark below keeps it (its XLA peers).
 XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
-  python3 -m pytest -q -m gpu tests/test_cuda.py -x -p no:cacheprovider "$@" 2>&1 \
+  python3 -m pytest -q -m gpu tests/test_wgmma_layout.py tests --maxfail=5 -p no:cacheprovider "$@" 2>&1 \
   | tee "$out/pytest_gpu.log" | tail -30
 tests_rc=${PIPESTATUS[0]}
 echo "tests: $(( $(date +%s) - start )) s"
