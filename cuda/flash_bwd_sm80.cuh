@@ -303,39 +303,28 @@ __global__ void __launch_bounds__(Traits::kThreads)
   T* s_k = s_do + QTile::kElements;      // two stages
   T* s_v = s_k + 2 * KVTile::kElements;  // two stages
 
-  const AttentionShape& sh = p.shape;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int m_block = gridDim.x - 1 - blockIdx.x;
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int hk = h / (sh.heads_q / sh.heads_k);
-  const int64_t q_len = clamp_len(p.q_lens, b, sh.seq_q);
-  const int64_t kv_len = clamp_len(p.kv_lens, b, sh.seq_k);
-  const int64_t q_stride = sh.heads_q * sh.head_dim, kv_stride = sh.heads_k * sh.head_dim;
-  const int chunks = static_cast<int>(sh.head_dim / 8);
-  const QueryBlock<kBM, kBN> blk(p.mask, m_block, sh.seq_q, q_len, kv_len);
-  const int64_t m0 = blk.m0;
+  const QueryBlockTask<kBM, kBN> task(p);
+  const QueryBlock<kBM, kBN>& blk = task.blk;
+  const int64_t m0 = blk.m0, q_len = task.q_len, kv_len = task.kv_len;
   const int warp_m0 = warp * kMT * 16;
 
-  const float* lse = p.lse + (static_cast<int64_t>(b) * sh.heads_q + h) * sh.seq_q;
-  const float* delta = p.delta + (static_cast<int64_t>(b) * sh.heads_q + h) * sh.seq_q;
   float lse2[kMT][2], row_delta[kMT][2];
-  load_row_statistics(lse2, row_delta, lse, delta, m0 + warp_m0, q_len, lane);
+  load_row_statistics(lse2, row_delta, p.lse + task.stat_offset, p.delta + task.stat_offset, m0 + warp_m0, q_len,
+                      lane);
   float dq[kMT][kD / 8][4] = {};
   const float scale_log2 = p.scale * kLog2e;
 
   const int n_first = blk.n_first, n_last = blk.n_last;
   if (n_last >= n_first) {
-    const int64_t q_offset = (b * sh.seq_q + m0) * q_stride + h * sh.head_dim;
-    const T* k = static_cast<const T*>(p.k) + b * sh.seq_k * kv_stride + hk * sh.head_dim;
-    const T* v = static_cast<const T*>(p.v) + b * sh.seq_k * kv_stride + hk * sh.head_dim;
     auto load_kv = [&](int n_block, int stage) {
-      const int64_t n0 = static_cast<int64_t>(n_block) * kBN;
-      const int n_rows = static_cast<int>(min64(kBN, kv_len - n0));
-      load_tile<KVTile, kThreads>(s_k + stage * KVTile::kElements, k + n0 * kv_stride, kv_stride, n_rows, chunks, tid);
-      load_tile<KVTile, kThreads>(s_v + stage * KVTile::kElements, v + n0 * kv_stride, kv_stride, n_rows, chunks, tid);
+      task.template load_keys<KVTile, kThreads>(s_k + stage * KVTile::kElements, static_cast<const T*>(p.k),
+                                                n_block, tid);
+      task.template load_keys<KVTile, kThreads>(s_v + stage * KVTile::kElements, static_cast<const T*>(p.v),
+                                                n_block, tid);
     };
-    load_tile<QTile, kThreads>(s_q, static_cast<const T*>(p.q) + q_offset, q_stride, blk.live_rows, chunks, tid);
-    load_tile<QTile, kThreads>(s_do, static_cast<const T*>(p.d_o) + q_offset, q_stride, blk.live_rows, chunks, tid);
+    task.template load_queries<QTile, kThreads>(s_q, static_cast<const T*>(p.q), tid);
+    task.template load_queries<QTile, kThreads>(s_do, static_cast<const T*>(p.d_o), tid);
     load_kv(n_first, 0);
     cp_async_commit();
 
@@ -362,21 +351,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
     }
   }
 
-  T* out = static_cast<T*>(p.dq) + (b * sh.seq_q + m0) * q_stride + h * sh.head_dim;
-#pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = warp_m0 + mt * 16 + half * 8 + lane / 4;
-      if (row >= blk.rows) continue;
-#pragma unroll
-      for (int dt = 0; dt < kD / 8; ++dt) {
-        const int col = dt * 8 + (lane % 4) * 2;
-        if (col < sh.head_dim)
-          *reinterpret_cast<uint32_t*>(out + row * q_stride + col) =
-              MmaOp<T>::pack(dq[mt][dt][2 * half], dq[mt][dt][2 * half + 1]);
-      }
-    }
+  store_rows(static_cast<T*>(p.dq) + task.q_offset, task.q_stride, dq, warp_m0, 0, blk.rows, p.shape.head_dim, lane);
 }
 
 }  // namespace jax_flash::cuda

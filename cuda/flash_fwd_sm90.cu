@@ -9,12 +9,28 @@
 namespace jax_flash::cuda {
 namespace {
 
+// Which forward kernel JAX_FLASH_CUDA_FORWARD asks for (read once): "sm80" (mma.sync), "sm90"
+// (wgmma, the default on Hopper) or "sm90-pipelined" (wgmma with the softmax overlapped).
+enum class ForwardChoice { kDefault, kSm80, kSm90Pipelined };
+
+ForwardChoice forward_choice() {
+  static const ForwardChoice choice = [] {
+    const char* value = std::getenv("JAX_FLASH_CUDA_FORWARD");
+    if (value == nullptr) return ForwardChoice::kDefault;
+    if (std::strcmp(value, "sm80") == 0) return ForwardChoice::kSm80;
+    if (std::strcmp(value, "sm90-pipelined") == 0) return ForwardChoice::kSm90Pipelined;
+    return ForwardChoice::kDefault;
+  }();
+  return choice;
+}
+
 template <typename T, int kHeadDim>
 struct LaunchSm90 {
   static cudaError_t run(const FwdParams& p, cudaStream_t stream) {
     if constexpr (kHeadDim == 64 || kHeadDim == 128) {
       using Traits = Sm90FwdTraits<kHeadDim, 128>;
-      auto kernel = flash_fwd_sm90_kernel<Traits, T>;
+      void (*kernel)(FwdParams) = flash_fwd_sm90_kernel<Traits, T>;
+      if (forward_choice() == ForwardChoice::kSm90Pipelined) kernel = flash_fwd_sm90_pipelined_kernel<Traits, T>;
       constexpr int smem = Traits::kSmemBytes;
       if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem))
         return e;
@@ -45,13 +61,8 @@ int device_major() {
 }  // namespace
 
 bool sm90_forward_applies(const FwdParams& params) {
-  // JAX_FLASH_CUDA_FORWARD=sm80 keeps the mma.sync kernel everywhere (for comparisons).
-  static const bool forced_sm80 = [] {
-    const char* choice = std::getenv("JAX_FLASH_CUDA_FORWARD");
-    return choice != nullptr && std::strcmp(choice, "sm80") == 0;
-  }();
   const int64_t d = params.shape.head_dim;
-  return !forced_sm80 && d > 32 && d <= 128 && device_major() == 9;
+  return forward_choice() != ForwardChoice::kSm80 && d > 32 && d <= 128 && device_major() == 9;
 }
 
 cudaError_t launch_flash_fwd_sm90(const FwdParams& params, cudaStream_t stream) {

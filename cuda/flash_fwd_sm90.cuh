@@ -6,6 +6,7 @@
 // memory), masks and the online softmax with lazy rescaling in registers (as flash_fwd_sm80.cuh),
 // then O += P V with P straight from registers (wgmma RS; V read N-major). No warp
 // specialisation or TMA yet: the two warpgroups run the same steps between barriers.
+// flash_fwd_sm90_pipelined_kernel overlaps each warpgroup's softmax with its P V product.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -60,6 +61,52 @@ struct Sm90FwdTraits {
   static_assert(kBlockN == 64 || kBlockN == 128, "wgmma shapes are instantiated for N = 64, 128");
 };
 
+// Shared memory of a Hopper forward CTA: Q, then two stages of K and of V, from a 1 KiB boundary
+// (wgmma's swizzle pattern is anchored to 1 KiB boundaries of the shared address space).
+template <typename Traits, typename T>
+struct Sm90FwdSmem {
+  T* q;
+  T* k;  // two stages
+  T* v;  // two stages
+  __device__ explicit Sm90FwdSmem(unsigned char* raw) {
+    const uint32_t address = smem_address(raw);
+    q = reinterpret_cast<T*>(raw + (((address + 1023) & ~1023u) - address));
+    k = q + Traits::QTile::kElements;
+    v = k + 2 * Traits::KVTile::kElements;
+  }
+  __device__ uint32_t k_address(int stage) const { return smem_address(k + stage * Traits::KVTile::kElements); }
+  __device__ uint32_t v_address(int stage) const { return smem_address(v + stage * Traits::KVTile::kElements); }
+};
+
+// S = Q K^T for the warpgroup's 64 query rows (from row q_row0 of the Q tile) against the K tile
+// at k_address: issued and committed as one wgmma group, not waited for.
+template <typename Traits, typename T>
+__device__ __forceinline__ void issue_scores(float (&s)[1][Traits::kBlockN / 8][4], uint32_t q_address, int q_row0,
+                                             uint32_t k_address) {
+  fence_registers(s[0]);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk)
+    Wgmma<T, Traits::kBlockN>::ss(s[0], Traits::QTile::k_major(q_address, q_row0, kk),
+                                  Traits::KVTile::k_major(k_address, 0, kk), kk > 0);
+  wgmma_commit();
+}
+
+// O += P V for the warpgroup: P from registers, V (N-major) at v_address; one wgmma group, not
+// waited for.
+template <typename Traits, typename T>
+__device__ __forceinline__ void issue_output(float (&o)[1][Traits::kHeadDim / 8][4],
+                                             uint32_t (&pa)[Traits::kBlockN / 16][1][4], uint32_t v_address) {
+  fence_registers(o[0]);
+#pragma unroll
+  for (int kk = 0; kk < Traits::kBlockN / 16; ++kk) fence_registers(pa[kk]);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < Traits::kBlockN / 16; ++kk)
+    Wgmma<T, Traits::kHeadDim>::rs_b_transposed(o[0], pa[kk][0], Traits::KVTile::n_major(v_address, kk), true);
+  wgmma_commit();
+}
+
 template <typename Traits, typename T>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
@@ -69,53 +116,32 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   using QTile = typename Traits::QTile;
   using KVTile = typename Traits::KVTile;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  // wgmma's swizzle pattern is anchored to 1 KiB boundaries of the shared address space.
-  const uint32_t raw_address = smem_address(smem_raw);
-  T* s_q = reinterpret_cast<T*>(smem_raw + (((raw_address + 1023) & ~1023u) - raw_address));
-  T* s_k = s_q + QTile::kElements;       // two stages
-  T* s_v = s_k + 2 * KVTile::kElements;  // two stages
+  const Sm90FwdSmem<Traits, T> smem(smem_raw);
 
-  const AttentionShape& sh = p.shape;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int group = warp / 4;  // warpgroup: query rows 64 group ..
-  const int m_block = gridDim.x - 1 - blockIdx.x;  // longest (causal) blocks first
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int hk = h / (sh.heads_q / sh.heads_k);
-  const int64_t q_len = clamp_len(p.q_lens, b, sh.seq_q);
-  const int64_t kv_len = clamp_len(p.kv_lens, b, sh.seq_k);
-  const int64_t q_stride = sh.heads_q * sh.head_dim, kv_stride = sh.heads_k * sh.head_dim;
-  const int chunks = static_cast<int>(sh.head_dim / 8);
-  const QueryBlock<kBM, kBN> blk(p.mask, m_block, sh.seq_q, q_len, kv_len);
+  const QueryBlockTask<kBM, kBN> task(p);
+  const QueryBlock<kBM, kBN>& blk = task.blk;
   const int64_t m0 = blk.m0;
   const int warp_m0 = group * 64 + warp % 4 * 16;  // this warp's 16 rows
+  const T* k = static_cast<const T*>(p.k);
+  const T* v = static_cast<const T*>(p.v);
 
-  const T* q = static_cast<const T*>(p.q) + (b * sh.seq_q + m0) * q_stride + h * sh.head_dim;
-  const T* k = static_cast<const T*>(p.k) + b * sh.seq_k * kv_stride + hk * sh.head_dim;
-  const T* v = static_cast<const T*>(p.v) + b * sh.seq_k * kv_stride + hk * sh.head_dim;
-
-  float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {{0.f, 0.f}};
+  OnlineSoftmax<1> softmax;
   float o[1][kD / 8][4] = {};
   const float scale_log2 = p.scale * kLog2e;
-
-  const uint32_t q_address = smem_address(s_q);
-  auto k_address = [&](int stage) { return smem_address(s_k + stage * KVTile::kElements); };
-  auto v_address = [&](int stage) { return smem_address(s_v + stage * KVTile::kElements); };
 
   const int n_first = blk.n_first, n_last = blk.n_last;
   if (n_last >= n_first) {
     auto load_k = [&](int n_block, int stage) {
-      const int64_t n0 = static_cast<int64_t>(n_block) * kBN;
-      load_tile<KVTile, kThreads>(s_k + stage * KVTile::kElements, k + n0 * kv_stride, kv_stride,
-                                  static_cast<int>(min64(kBN, kv_len - n0)), chunks, tid);
+      task.template load_keys<KVTile, kThreads>(smem.k + stage * KVTile::kElements, k, n_block, tid);
     };
     auto load_v = [&](int n_block, int stage) {
-      const int64_t n0 = static_cast<int64_t>(n_block) * kBN;
-      load_tile<KVTile, kThreads>(s_v + stage * KVTile::kElements, v + n0 * kv_stride, kv_stride,
-                                  static_cast<int>(min64(kBN, kv_len - n0)), chunks, tid);
+      task.template load_keys<KVTile, kThreads>(smem.v + stage * KVTile::kElements, v, n_block, tid);
     };
     // Groups in flight, oldest first: (Q, K[n_last]), V[n_last], then per iteration K, V of the
     // next block (as the sm80 kernel).
-    load_tile<QTile, kThreads>(s_q, q, q_stride, blk.live_rows, chunks, tid);
+    task.template load_queries<QTile, kThreads>(smem.q, static_cast<const T*>(p.q), tid);
     load_k(n_last, 0);
     cp_async_commit();
     load_v(n_last, 0);
@@ -133,62 +159,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       fence_proxy_async();
       __syncthreads();
 
-      // S = Q K^T for this warpgroup's 64 rows.
       float s[1][kBN / 8][4];
-      fence_registers(s[0]);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk)
-        Wgmma<T, kBN>::ss(s[0], QTile::k_major(q_address, group * 64, kk), KVTile::k_major(k_address(stage), 0, kk),
-                          kk > 0);
-      wgmma_commit();
+      issue_scores<Traits, T>(s, smem_address(smem.q), group * 64, smem.k_address(stage));
       wgmma_wait<0>();
       fence_registers(s[0]);
 
       const int64_t n0 = static_cast<int64_t>(n_block) * kBN;
-      if (blk.needs_mask(n0)) mask_scores(s, p.mask, m0 + warp_m0, n0, q_len, kv_len, lane);
-
-      // Online softmax with lazy rescaling (see flash_fwd_sm80.cuh).
-      float new_max[2];
-      bool grow = false;
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        float tile_max = -INFINITY;
-#pragma unroll
-        for (int nt = 0; nt < kBN / 8; ++nt)
-          tile_max = fmaxf(tile_max, fmaxf(s[0][nt][2 * half], s[0][nt][2 * half + 1]));
-        const float old_max = row_max[0][half];
-        new_max[half] = fmaxf(old_max, quad_max(tile_max));
-        grow |= old_max == -INFINITY ? new_max[half] != -INFINITY
-                                     : (new_max[half] - old_max) * scale_log2 > kRescaleLog2;
-      }
-      if (__any_sync(0xffffffffu, grow)) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const float base = new_max[half] == -INFINITY ? 0.f : new_max[half] * scale_log2;
-          const float correction = fast_exp2(row_max[0][half] * scale_log2 - base);
-          row_max[0][half] = new_max[half];
-          row_sum[0][half] *= correction;
-#pragma unroll
-          for (int dt = 0; dt < kD / 8; ++dt) {
-            o[0][dt][2 * half] *= correction;
-            o[0][dt][2 * half + 1] *= correction;
-          }
-        }
-      }
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const float base = row_max[0][half] == -INFINITY ? 0.f : row_max[0][half] * scale_log2;
-        float sum = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < kBN / 8; ++nt)
-#pragma unroll
-          for (int e = 2 * half; e < 2 * half + 2; ++e) {
-            s[0][nt][e] = fast_exp2(s[0][nt][e] * scale_log2 - base);
-            sum += s[0][nt][e];
-          }
-        row_sum[0][half] += sum;
-      }
+      if (blk.needs_mask(n0)) mask_scores(s, p.mask, m0 + warp_m0, n0, task.q_len, task.kv_len, lane);
+      if (softmax.must_rescale(s, scale_log2)) softmax.rescale(o, scale_log2);
+      softmax.exponentiate(s, scale_log2);
       uint32_t pa[kBN / 16][1][4];
       accumulator_to_a<T>(pa, s);
 
@@ -202,15 +181,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       fence_proxy_async();
       __syncthreads();
 
-      // O += P V: P from registers, V N-major from shared memory.
-      fence_registers(o[0]);
-#pragma unroll
-      for (int kk = 0; kk < kBN / 16; ++kk) fence_registers(pa[kk]);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBN / 16; ++kk)
-        Wgmma<T, kD>::rs_b_transposed(o[0], pa[kk][0], KVTile::n_major(v_address(stage), kk), true);
-      wgmma_commit();
+      issue_output<Traits, T>(o, pa, smem.v_address(stage));
       wgmma_wait<0>();
       fence_registers(o[0]);
       // No barrier here (as the sm80 kernel): the next prefetches are ordered by the next
@@ -218,24 +189,112 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
   }
 
-  // Epilogue: normalise, write O (zeros for rows with nothing to attend) and the log-sum-exp.
-  T* out = static_cast<T*>(p.o) + (b * sh.seq_q + m0) * q_stride + h * sh.head_dim;
-  float* lse = p.lse + (static_cast<int64_t>(b) * sh.heads_q + h) * sh.seq_q + m0;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int row = warp_m0 + half * 8 + lane / 4;
-    const float sum = quad_sum(row_sum[0][half]);
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    if (row >= blk.rows) continue;
-#pragma unroll
-    for (int dt = 0; dt < kD / 8; ++dt) {
-      const int col = dt * 8 + (lane % 4) * 2;
-      if (col < sh.head_dim)
-        *reinterpret_cast<uint32_t*>(out + row * q_stride + col) =
-            MmaOp<T>::pack(o[0][dt][2 * half] * inv, o[0][dt][2 * half + 1] * inv);
+  store_output(static_cast<T*>(p.o) + task.q_offset, task.q_stride, p.lse + task.stat_offset + m0, o, softmax,
+               p.scale, warp_m0, blk.rows, p.shape.head_dim, lane);
+#endif  // JF_SM90A
+}
+
+// The same forward with each warpgroup's softmax overlapped with its P V product
+// (FlashAttention-3's intra-warpgroup pipelining): per key block i, S(i+1) = Q K(i+1)^T is computed,
+// then O += P(i) V(i) is issued and runs on the tensor cores while the softmax of block i+1 works
+// on S(i+1); O's rescale (rare with lazy rescaling) waits for the product. K(j), V(j) live in
+// stage j % 2; stage i % 2 is refilled with block i+2 once every warpgroup is done with block i.
+template <typename Traits, typename T>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    flash_fwd_sm90_pipelined_kernel(const __grid_constant__ FwdParams p) {
+#if JF_SM90A
+  constexpr int kBM = Traits::kBlockM, kBN = Traits::kBlockN, kD = Traits::kHeadDim;
+  constexpr int kThreads = Traits::kThreads;
+  using QTile = typename Traits::QTile;
+  using KVTile = typename Traits::KVTile;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const Sm90FwdSmem<Traits, T> smem(smem_raw);
+
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int group = warp / 4;
+  const QueryBlockTask<kBM, kBN> task(p);
+  const QueryBlock<kBM, kBN>& blk = task.blk;
+  const int64_t m0 = blk.m0;
+  const int warp_m0 = group * 64 + warp % 4 * 16;
+  const T* k = static_cast<const T*>(p.k);
+  const T* v = static_cast<const T*>(p.v);
+
+  OnlineSoftmax<1> softmax;
+  float o[1][kD / 8][4] = {};
+  const float scale_log2 = p.scale * kLog2e;
+
+  // Blocks are visited last first: visit i is key block n_last - i.
+  const int count = blk.n_last - blk.n_first + 1;
+  if (count > 0) {
+    auto load_kv = [&](int i) {  // K(i) and V(i) into stage i % 2, one group each
+      task.template load_keys<KVTile, kThreads>(smem.k + i % 2 * KVTile::kElements, k, blk.n_last - i, tid);
+      cp_async_commit();
+      task.template load_keys<KVTile, kThreads>(smem.v + i % 2 * KVTile::kElements, v, blk.n_last - i, tid);
+      cp_async_commit();
+    };
+    // Masks of visit i's block (key block n_last - i) on its scores.
+    auto mask_block = [&](float (&s)[1][kBN / 8][4], int i) {
+      const int64_t n0 = static_cast<int64_t>(blk.n_last - i) * kBN;
+      if (blk.needs_mask(n0)) mask_scores(s, p.mask, m0 + warp_m0, n0, task.q_len, task.kv_len, lane);
+    };
+
+    // Groups in flight, oldest first: (Q, K(0)), V(0), K(1), V(1).
+    task.template load_queries<QTile, kThreads>(smem.q, static_cast<const T*>(p.q), tid);
+    load_kv(0);
+    if (count > 1) {
+      load_kv(1);
+      cp_async_wait<3>();
+    } else {
+      cp_async_wait<1>();
     }
-    if (lane % 4 == 0) lse[row] = sum > 0.f ? row_max[0][half] * p.scale + logf(sum) : kEmptyRowLse;
+    fence_proxy_async();
+    __syncthreads();
+    float s[1][kBN / 8][4];
+    issue_scores<Traits, T>(s, smem_address(smem.q), group * 64, smem.k_address(0));
+    wgmma_wait<0>();
+    fence_registers(s[0]);
+    mask_block(s, 0);
+    if (softmax.must_rescale(s, scale_log2)) softmax.rescale(o, scale_log2);
+    softmax.exponentiate(s, scale_log2);
+    uint32_t pa[kBN / 16][1][4];
+    accumulator_to_a<T>(pa, s);
+
+    for (int i = 0; i < count; ++i) {
+      const bool has_next = i + 1 < count;
+      // V(i) and, when there is one, K(i + 1) have landed (V(i + 1) may still be in flight).
+      if (has_next)
+        cp_async_wait<1>();
+      else
+        cp_async_wait<0>();
+      fence_proxy_async();
+      __syncthreads();
+      if (has_next) {
+        issue_scores<Traits, T>(s, smem_address(smem.q), group * 64, smem.k_address((i + 1) % 2));
+        wgmma_wait<0>();
+        fence_registers(s[0]);
+      }
+      issue_output<Traits, T>(o, pa, smem.v_address(i % 2));
+      // While P(i) V(i) runs: the softmax of block i + 1, touching neither O nor P(i).
+      bool moved = false;
+      if (has_next) {
+        mask_block(s, i + 1);
+        moved = softmax.must_rescale(s, scale_log2);
+        if (moved) softmax.move_reference(scale_log2);
+        softmax.exponentiate(s, scale_log2);
+      }
+      wgmma_wait<0>();  // P(i) V(i) is in: O, P(i)'s registers and stage i % 2 are free
+      fence_registers(o[0]);
+      if (moved) softmax.rescale_output(o);
+      if (has_next) accumulator_to_a<T>(pa, s);
+      if (i + 2 < count) {
+        __syncthreads();  // every warpgroup is done with stage i % 2
+        load_kv(i + 2);
+      }
+    }
   }
+
+  store_output(static_cast<T*>(p.o) + task.q_offset, task.q_stride, p.lse + task.stat_offset + m0, o, softmax,
+               p.scale, warp_m0, blk.rows, p.shape.head_dim, lane);
 #endif  // JF_SM90A
 }
 
