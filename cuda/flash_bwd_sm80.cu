@@ -34,24 +34,17 @@ cudaError_t Launch<T, kHeadDim>::run(const BwdParams& p, cudaStream_t stream) {
   if (cudaError_t e = cudaGetLastError()) return e;
 
   if (sh.seq_k > 0) {  // with no keys, dK and dV are empty and dQ stays 0
-    auto kernel = flash_bwd_kernel<Traits, T>;
-    constexpr int smem = Traits::kSmemBytes;
-    if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem))
-      return e;
     const dim3 grid((sh.seq_k + Traits::kBlockN - 1) / Traits::kBlockN, sh.heads_k, sh.batch);
-    kernel<<<grid, Traits::kThreads, smem, stream>>>(p);
-    if (cudaError_t e = cudaGetLastError()) return e;
+    if (cudaError_t e = launch_with_smem(flash_bwd_kernel<Traits, T>, grid, Traits::kThreads, Traits::kSmemBytes,
+                                         stream, p))
+      return e;
   }
 
   if (p.deterministic) {
     using DqTraits = DqTraitsFor<kHeadDim>;
-    auto dq_kernel = flash_bwd_dq_kernel<DqTraits, T>;
     constexpr int dq_smem = 2 * (2 * DqTraits::QTile::kElements + 4 * DqTraits::KVTile::kElements);
-    if (cudaError_t e = cudaFuncSetAttribute(dq_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dq_smem))
-      return e;
     const dim3 dq_grid((sh.seq_q + DqTraits::kBlockM - 1) / DqTraits::kBlockM, sh.heads_q, sh.batch);
-    dq_kernel<<<dq_grid, DqTraits::kThreads, dq_smem, stream>>>(p);
-    return cudaGetLastError();
+    return launch_with_smem(flash_bwd_dq_kernel<DqTraits, T>, dq_grid, DqTraits::kThreads, dq_smem, stream, p);
   }
   const int64_t elements = rows * sh.head_dim;
   const int blocks = static_cast<int>(std::min<int64_t>((elements + 255) / 256, 65536));

@@ -22,13 +22,8 @@ struct Launch {
 template <typename T, int kHeadDim>
 cudaError_t Launch<T, kHeadDim>::run(const FwdParams& p, cudaStream_t stream) {
   using Traits = FwdTraitsFor<kHeadDim>;
-  auto kernel = flash_fwd_kernel<Traits, T>;
-  constexpr int smem = Traits::kSmemBytes;
-  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem))
-    return e;
   const dim3 grid((p.shape.seq_q + Traits::kBlockM - 1) / Traits::kBlockM, p.shape.heads_q, p.shape.batch);
-  kernel<<<grid, Traits::kThreads, smem, stream>>>(p);
-  return cudaGetLastError();
+  return launch_with_smem(flash_fwd_kernel<Traits, T>, grid, Traits::kThreads, Traits::kSmemBytes, stream, p);
 }
 
 }  // namespace

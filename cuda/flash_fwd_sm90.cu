@@ -29,14 +29,10 @@ struct LaunchSm90 {
   static cudaError_t run(const FwdParams& p, cudaStream_t stream) {
     if constexpr (kHeadDim == 64 || kHeadDim == 128) {
       using Traits = Sm90FwdTraits<kHeadDim, 128>;
-      void (*kernel)(FwdParams) = flash_fwd_sm90_kernel<Traits, T>;
-      if (forward_choice() == ForwardChoice::kSm90Pipelined) kernel = flash_fwd_sm90_pipelined_kernel<Traits, T>;
-      constexpr int smem = Traits::kSmemBytes;
-      if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem))
-        return e;
+      const bool pipelined = forward_choice() == ForwardChoice::kSm90Pipelined;
       const dim3 grid((p.shape.seq_q + Traits::kBlockM - 1) / Traits::kBlockM, p.shape.heads_q, p.shape.batch);
-      kernel<<<grid, Traits::kThreads, smem, stream>>>(p);
-      return cudaGetLastError();
+      return launch_with_smem(pipelined ? flash_fwd_sm90_pipelined_kernel<Traits, T> : flash_fwd_sm90_kernel<Traits, T>,
+                              grid, Traits::kThreads, Traits::kSmemBytes, stream, p);
     } else {
       return cudaErrorNotSupported;
     }
