@@ -39,9 +39,10 @@ struct LaunchSm90 {
   }
 };
 
-// Compute capability major of the current device, asked once per device (no stream work, so
-// safe while XLA captures a CUDA graph).
-int device_major() {
+}  // namespace
+
+int device_compute_major() {
+  // Asked once per device (no stream work, so safe while XLA captures a CUDA graph).
   constexpr int kMaxDevices = 64;
   static int majors[kMaxDevices] = {};  // 0: not asked yet
   int device = 0;
@@ -54,11 +55,9 @@ int device_major() {
   return majors[device];
 }
 
-}  // namespace
-
 bool sm90_forward_applies(const FwdParams& params) {
   const int64_t d = params.shape.head_dim;
-  return forward_choice() != ForwardChoice::kSm80 && d > 32 && d <= 128 && device_major() == 9;
+  return forward_choice() != ForwardChoice::kSm80 && d > 32 && d <= 128 && device_compute_major() == 9;
 }
 
 cudaError_t launch_flash_fwd_sm90(const FwdParams& params, cudaStream_t stream) {

@@ -8,8 +8,9 @@
 #   E2E=1   examples/train_lm.py --preset gpt2-small --compare jax_flash,xla,cudnn (issue 4)
 #   RING=1  examples/bench_ring.py: ring scaling and longest sequence, all visible GPUs (issue 5)
 #   PROFILE=1  Nsight Compute reports of the forward and main backward kernels (hd128, seq 4096)
-#   FORWARDS="sm80 sm90 sm90-pipelined"  the benchmark (BENCH_ARGS) once per forward kernel
-#              choice (JAX_FLASH_CUDA_FORWARD), each into $out/forward_<choice>
+#   VARIANTS="JAX_FLASH_CUDA_FORWARD=sm80 JAX_FLASH_CUDA_FORWARD=sm90-pipelined
+#             JAX_FLASH_CUDA_BACKWARD=sm90"  the benchmark (BENCH_ARGS) once more per kernel choice
+#             (an environment assignment each), into $out/variant_<assignment>
 set -uo pipefail
 out="${OUT:-gpu_out}"
 mkdir -p "$out"
@@ -48,11 +49,11 @@ if [[ "${BENCH:-1}" == 1 ]]; then
   python3 -m jax_flash.benchmark --platform gpu --out "$out" ${BENCH_ARGS:-} 2>"$out/bench_progress.log" \
     | tee "$out/bench.log"
 fi
-for choice in ${FORWARDS:-}; do
-  echo "== benchmark with JAX_FLASH_CUDA_FORWARD=$choice"
-  JAX_FLASH_CUDA_FORWARD=$choice python3 -m jax_flash.benchmark --platform gpu \
-    --out "$out/forward_$choice" ${BENCH_ARGS:-} 2>"$out/forward_${choice}_progress.log" \
-    | tee "$out/forward_$choice.log"
+for variant in ${VARIANTS:-}; do
+  echo "== benchmark with $variant"
+  name="variant_${variant//=/_}"
+  env "$variant" python3 -m jax_flash.benchmark --platform gpu --out "$out/$name" ${BENCH_ARGS:-} \
+    2>"$out/${name}_progress.log" | tee "$out/$name.log"
 done
 if [[ "$tests_rc" != 0 ]]; then
   echo "GPU tests failed: skipping the end-to-end steps"

@@ -182,20 +182,38 @@ def test_jit_training_step_reduces_loss():
   assert losses[-1] < losses[0]
 
 
-def test_mma_sync_forward_on_hopper():
-  """On Hopper the forward runs the wgmma kernel for head dims 33..128; the mma.sync one
-  (JAX_FLASH_CUDA_FORWARD=sm80, read once per process) must still pass the same cases there."""
+def _run_cuda_tests_with(env_overrides: dict, selection: str) -> None:
+  """Runs the CUDA reference tests matching `selection` in a subprocess with the environment
+  overrides (the kernel choices are read once per process)."""
   import os
   import subprocess
   import sys
 
   major = int(jax.devices("gpu")[0].compute_capability.split(".")[0])
   if major != 9:
-    pytest.skip("the wgmma forward runs on compute capability 9.x only")
-  env = dict(os.environ, JAX_FLASH_CUDA_FORWARD="sm80")
+    pytest.skip("the wgmma kernels run on compute capability 9.x only")
   result = subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "gpu",
-       os.path.join(os.path.dirname(__file__), "test_cuda.py"),
-       "-k", "test_cuda_matches_reference and (h64 or h128)"],
-      env=env, capture_output=True, text=True, timeout=900)
+       os.path.join(os.path.dirname(__file__), "test_cuda.py"), "-k", selection],
+      env=dict(os.environ, **env_overrides), capture_output=True, text=True, timeout=900)
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def test_wgmma_backward_on_hopper():
+  """The opt-in Hopper backward (JAX_FLASH_CUDA_BACKWARD=sm90) on the head-dim 64/128 cases,
+  with dQ by atomics and in the deterministic mode."""
+  _run_cuda_tests_with({"JAX_FLASH_CUDA_BACKWARD": "sm90"},
+                       "(test_cuda_matches_reference or test_deterministic_matches_reference) "
+                       "and (h64 or h128)")
+
+
+def test_pipelined_wgmma_forward_on_hopper():
+  """The FA3-style pipelined Hopper forward (JAX_FLASH_CUDA_FORWARD=sm90-pipelined)."""
+  _run_cuda_tests_with({"JAX_FLASH_CUDA_FORWARD": "sm90-pipelined"},
+                       "test_cuda_matches_reference and (h64 or h128)")
+
+
+def test_mma_sync_forward_on_hopper():
+  """On Hopper the forward runs the wgmma kernel for head dims 33..128; the mma.sync one
+  (JAX_FLASH_CUDA_FORWARD=sm80) must still pass the same cases there."""
+  _run_cuda_tests_with({"JAX_FLASH_CUDA_FORWARD": "sm80"}, "test_cuda_matches_reference and (h64 or h128)")

@@ -1,0 +1,258 @@
+// FlashAttention backward main kernel for Hopper (sm_90a) on wgmma, head dims 64 and 128.
+//
+// CTA = 2 warpgroups x 64 keys of one (batch, kv head): K and V stay in shared memory while the
+// query blocks (64 rows, of every query head of the group) that see the keys stream past, Q and
+// dO (and their lse, delta) double-buffered. Per query block, computed transposed so that each
+// warpgroup's rows are its keys (FlashAttention-3's layout):
+//   S^T = K Q^T and dP^T = V dO^T (SS wgmma), P^T = exp2(S^T scale log2e - lse log2e) and
+//   dS^T = scale P^T (dP^T - delta) in registers (masks on the tiles that need them);
+//   dV += P^T dO and dK += dS^T Q (RS wgmma, P^T and dS^T straight from registers, dO and Q read
+//   N-major), accumulated in registers over the whole loop (the GQA reduction);
+//   dS^T to shared memory, then dQ = dS K (SS wgmma, both operands transposed; each warpgroup
+//   64 columns of the head dim) added to the float32 accumulator with atomics (or left to the
+//   deterministic dQ kernel).
+// The prepare and convert kernels of flash_bwd_sm80.cuh run around it. No warp specialisation or
+// TMA: both warpgroups run the same steps between barriers.
+#pragma once
+
+#include "flash_bwd_sm80.cuh"
+#include "flash_fwd_sm90.cuh"
+
+namespace jax_flash::cuda {
+
+template <int kHeadDim_>
+struct Sm90BwdTraits {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = 64;   // query rows per iteration
+  static constexpr int kBlockN = 128;  // keys: 2 warpgroups x 64
+  static constexpr int kThreads = 256;
+  using KVTile = GmmaTile<kBlockN, kHeadDim>;
+  using QTile = GmmaTile<kBlockM, kHeadDim>;
+  using DsTile = GmmaTile<kBlockN, kBlockM>;  // dS^T: [key][query]
+  // K, V; two stages of Q and dO; dS^T; two stages of the block's lse (log2 units) and delta;
+  // 1 KiB to align the base.
+  static constexpr int kSmemBytes =
+      2 * (2 * KVTile::kElements + 4 * QTile::kElements + DsTile::kElements) + 2 * 2 * kBlockM * 4 + 1024;
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "wgmma shapes are instantiated for N = 64, 128");
+  static_assert(kBlockM == 64, "dS^T is stored through SmemTile, whose layout is DsTile's for 64 columns");
+};
+
+// Sets to -inf the transposed scores s (rows: keys from key0, this thread's rows lane/4 and
+// +8 of its warp's 16; columns: queries from query0, 8 j + 2 (lane % 4) + e % 2) outside each
+// query's key range.
+template <int kNTiles>
+__device__ __forceinline__ void mask_transposed_scores(float (&s)[1][kNTiles][4], const MaskParams& mask,
+                                                       int64_t key0, int64_t query0, int64_t q_len,
+                                                       int64_t kv_len, int lane) {
+#pragma unroll
+  for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const KeyRange r = key_range(mask, query0 + nt * 8 + (lane % 4) * 2 + c, q_len, kv_len);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int64_t key = key0 + lane / 4 + half * 8;
+        if (key < r.begin || key >= r.end) s[0][nt][2 * half + c] = -INFINITY;
+      }
+    }
+}
+
+template <typename Traits, typename T>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    flash_bwd_sm90_kernel(const __grid_constant__ BwdParams p) {
+#if JF_SM90A
+  constexpr int kBM = Traits::kBlockM, kBN = Traits::kBlockN, kD = Traits::kHeadDim;
+  constexpr int kThreads = Traits::kThreads;
+  using KVTile = typename Traits::KVTile;
+  using QTile = typename Traits::QTile;
+  using DsTile = typename Traits::DsTile;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const uint32_t raw_address = smem_address(smem_raw);
+  T* s_k = reinterpret_cast<T*>(smem_raw + (((raw_address + 1023) & ~1023u) - raw_address));
+  T* s_v = s_k + KVTile::kElements;
+  T* s_q = s_v + KVTile::kElements;      // two stages
+  T* s_do = s_q + 2 * QTile::kElements;  // two stages
+  T* s_ds = s_do + 2 * QTile::kElements;
+  float* s_lse2 = reinterpret_cast<float*>(s_ds + DsTile::kElements);  // two stages of kBM
+  float* s_delta = s_lse2 + 2 * kBM;                                     // two stages of kBM
+
+  const AttentionShape& sh = p.shape;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int group = warp / 4;                         // warpgroup: keys 64 group ..
+  const int warp_key0 = group * 64 + warp % 4 * 16;   // this warp's 16 keys in the block
+  const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  const int heads_per_kv = static_cast<int>(sh.heads_q / sh.heads_k);
+  const int64_t q_len = clamp_len(p.q_lens, b, sh.seq_q);
+  const int64_t kv_len = clamp_len(p.kv_lens, b, sh.seq_k);
+  const int64_t q_stride = sh.heads_q * sh.head_dim, kv_stride = sh.heads_k * sh.head_dim;
+  const int chunks = static_cast<int>(sh.head_dim / 8);
+  const int64_t n0 = static_cast<int64_t>(n_block) * kBN;
+  const int keys = static_cast<int>(min64(kBN, sh.seq_k - n0));
+  const int live_keys = static_cast<int>(max64(0, min64(keys, kv_len - n0)));
+
+  int64_t m_begin = 0, m_end = 0;
+  if (live_keys > 0) rows_seeing(p.mask, n0, n0 + live_keys, q_len, kv_len, m_begin, m_end);
+  const int mb_first = static_cast<int>(m_begin / kBM);
+  const int mb_count = m_end > m_begin ? static_cast<int>((m_end - 1) / kBM) - mb_first + 1 : 0;
+  const int iterations = mb_count * heads_per_kv;
+
+  // Iteration it visits query block mb_first + it % mb_count of query head hk * heads_per_kv +
+  // it / mb_count, kept as two counters.
+  struct Visit {
+    int h, mb;
+  };
+  auto next_visit = [&](Visit v) {
+    return v.mb + 1 < mb_first + mb_count ? Visit{v.h, v.mb + 1} : Visit{v.h + 1, mb_first};
+  };
+  const T* q_base = static_cast<const T*>(p.q) + b * sh.seq_q * q_stride;
+  const T* do_base = static_cast<const T*>(p.d_o) + b * sh.seq_q * q_stride;
+  // Q, dO of a visit into a stage (cp.async), and its rows' lse (log2 units; +inf for rows that
+  // attend to nothing, so that their P is 0) and delta (plain stores, published by a barrier).
+  auto load_visit = [&](Visit v, int stage) {
+    const int64_t m0 = static_cast<int64_t>(v.mb) * kBM;
+    const int rows = static_cast<int>(max64(0, min64(kBM, q_len - m0)));
+    load_tile<QTile, kThreads>(s_q + stage * QTile::kElements, q_base + m0 * q_stride + v.h * sh.head_dim,
+                               q_stride, rows, chunks, tid);
+    load_tile<QTile, kThreads>(s_do + stage * QTile::kElements, do_base + m0 * q_stride + v.h * sh.head_dim,
+                               q_stride, rows, chunks, tid);
+    if (tid < kBM) {
+      const int64_t stat = (static_cast<int64_t>(b) * sh.heads_q + v.h) * sh.seq_q + m0 + tid;
+      const float lse = tid < rows ? p.lse[stat] : kEmptyRowLse;
+      s_lse2[stage * kBM + tid] = lse == kEmptyRowLse ? INFINITY : lse * kLog2e;
+      s_delta[stage * kBM + tid] = tid < rows ? p.delta[stat] : 0.f;
+    }
+  };
+
+  float dk[1][kD / 8][4] = {};
+  float dv[1][kD / 8][4] = {};
+  const float scale_log2 = p.scale * kLog2e;
+  const uint32_t k_address = smem_address(s_k), v_address = smem_address(s_v);
+  const uint32_t ds_address = smem_address(s_ds);
+
+  if (iterations > 0) {
+    const T* k = static_cast<const T*>(p.k) + (b * sh.seq_k + n0) * kv_stride + hk * sh.head_dim;
+    const T* v = static_cast<const T*>(p.v) + (b * sh.seq_k + n0) * kv_stride + hk * sh.head_dim;
+    load_tile<KVTile, kThreads>(s_k, k, kv_stride, live_keys, chunks, tid);
+    load_tile<KVTile, kThreads>(s_v, v, kv_stride, live_keys, chunks, tid);
+    load_visit(Visit{hk * heads_per_kv, mb_first}, 0);
+    cp_async_commit();
+  }
+  Visit visit{hk * heads_per_kv, mb_first};
+  for (int it = 0, stage = 0; it < iterations; ++it, stage ^= 1, visit = next_visit(visit)) {
+    // This visit's tiles have landed and every warp is done with the previous one (its stage,
+    // dS^T tile and statistics): prefetch the next visit into the other stage.
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+    if (it + 1 < iterations) {
+      load_visit(next_visit(visit), stage ^ 1);
+      cp_async_commit();
+    }
+    const int64_t m0 = static_cast<int64_t>(visit.mb) * kBM;
+    const uint32_t q_address = smem_address(s_q + stage * QTile::kElements);
+    const uint32_t do_address = smem_address(s_do + stage * QTile::kElements);
+
+    // S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys.
+    float st[1][kBM / 8][4], dpt[1][kBM / 8][4];
+    fence_registers(st[0]);
+    fence_registers(dpt[0]);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk)
+      Wgmma<T, kBM>::ss(st[0], KVTile::k_major(k_address, group * 64, kk), QTile::k_major(q_address, 0, kk), kk > 0);
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk)
+      Wgmma<T, kBM>::ss(dpt[0], KVTile::k_major(v_address, group * 64, kk), QTile::k_major(do_address, 0, kk),
+                        kk > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(st[0]);
+    fence_registers(dpt[0]);
+
+    // P^T and dS^T; masks where some query of the block sees only part of the keys.
+    const KeyRange first = key_range(p.mask, m0, q_len, kv_len);
+    const KeyRange last = key_range(p.mask, min64(m0 + kBM, q_len) - 1, q_len, kv_len);
+    if (m0 + kBM > q_len || n0 < last.begin || n0 + kBN > first.end)
+      mask_transposed_scores(st, p.mask, n0 + warp_key0, m0, q_len, kv_len, lane);
+    const float* lse2 = s_lse2 + stage * kBM;
+    const float* delta = s_delta + stage * kBM;
+#pragma unroll
+    for (int nt = 0; nt < kBM / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int query = nt * 8 + (lane % 4) * 2 + e % 2;
+        const float prob = fast_exp2(st[0][nt][e] * scale_log2 - lse2[query]);
+        st[0][nt][e] = prob;
+        dpt[0][nt][e] = p.scale * prob * (dpt[0][nt][e] - delta[query]);
+      }
+
+    // dS^T to shared memory for dQ (each thread its fragments: rows keys, columns queries).
+    if (!p.deterministic) {
+      // SmemTile<kBN, 64> stores exactly as DsTile lays out (one 64-column block, chunk ^ row).
+      store_accumulator<SmemTile<kBN, kBM>>(s_ds, dpt, warp_key0, 0, lane);
+      fence_proxy_async();
+    }
+
+    // dV += P^T dO, dK += dS^T Q.
+    uint32_t pt[kBM / 16][1][4], dst[kBM / 16][1][4];
+    accumulator_to_a<T>(pt, st);
+    accumulator_to_a<T>(dst, dpt);
+    fence_registers(dv[0]);
+    fence_registers(dk[0]);
+#pragma unroll
+    for (int kk = 0; kk < kBM / 16; ++kk) {
+      fence_registers(pt[kk]);
+      fence_registers(dst[kk]);
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBM / 16; ++kk)
+      Wgmma<T, kD>::rs_b_transposed(dv[0], pt[kk][0], QTile::n_major(do_address, kk), true);
+#pragma unroll
+    for (int kk = 0; kk < kBM / 16; ++kk)
+      Wgmma<T, kD>::rs_b_transposed(dk[0], dst[kk][0], QTile::n_major(q_address, kk), true);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(dv[0]);
+    fence_registers(dk[0]);
+
+    // dQ = dS K: warpgroup g computes head-dim columns 64 g .. 64 g + 63 (all of them for head
+    // dim 64 in warpgroup 0), then adds them to the float32 accumulator.
+    if (!p.deterministic) {
+      __syncthreads();  // every warp's dS^T is in shared memory
+      if (group * 64 < kD) {
+        float dq[1][8][4];
+        fence_registers(dq[0]);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBN / 16; ++kk)
+          Wgmma<T, 64>::ss_transposed(dq[0], DsTile::n_major(ds_address, kk),
+                                      KVTile::n_major(k_address + group * KVTile::kBlockBytes, kk), kk > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_registers(dq[0]);
+        const int lane_row = warp % 4 * 16 + lane / 4, lane_col = group * 64 + (lane % 4) * 2;
+        float* dq_block = p.dq_accum + (b * sh.seq_q + m0 + lane_row) * q_stride + visit.h * sh.head_dim + lane_col;
+        const int live_rows = static_cast<int>(min64(kBM, q_len - m0)) - lane_row;
+        const int live_cols = static_cast<int>(sh.head_dim) - lane_col;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          if (half * 8 >= live_rows) continue;
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt)
+            if (nt * 8 < live_cols)
+              atomic_add_pair(dq_block + half * 8 * q_stride + nt * 8, dq[0][nt][2 * half], dq[0][nt][2 * half + 1]);
+        }
+      }
+    }
+  }
+
+  // dK and dV rows of this block (zeros where no query sees the key).
+  T* dk_out = static_cast<T*>(p.dk) + (b * sh.seq_k + n0) * kv_stride + hk * sh.head_dim;
+  T* dv_out = static_cast<T*>(p.dv) + (b * sh.seq_k + n0) * kv_stride + hk * sh.head_dim;
+  store_rows(dk_out, kv_stride, dk, warp_key0, 0, keys, sh.head_dim, lane);
+  store_rows(dv_out, kv_stride, dv, warp_key0, 0, keys, sh.head_dim, lane);
+#endif  // JF_SM90A
+}
+
+}  // namespace jax_flash::cuda
