@@ -638,13 +638,16 @@ def _log(line: str) -> None:
   print(line, file=sys.stderr, flush=True)
 
 
-def run(platform: Platform, cases: Sequence[Case], reps: int) -> Iterator[list[Measurement]]:
+def run(platform: Platform, cases: Sequence[Case], reps: int,
+        skip: Sequence[str] = ()) -> Iterator[list[Measurement]]:
   """Measures every peer on every case; yields each case's measurements once they are taken.
+  Peers named in `skip` are recorded as skipped, not run.
 
   Prints progress to stderr: a line per case, or a line per peer and pass as each peer finishes,
   as the platform says.
   """
-  unavailable = {peer.name: peer.unavailable() for peer in platform.peers}
+  unavailable = {peer.name: "skipped (--skip)" if peer.name in skip else peer.unavailable()
+                 for peer in platform.peers}
   for index, case in enumerate(cases, 1):
     inputs = make_inputs(case)
     results: list[Measurement] = []
@@ -841,6 +844,12 @@ def _per_platform(attribute: str) -> str:
                    for name, v in values.items())
 
 
+def _peer_names() -> str:
+  """The skippable peers of each platform, for the help text."""
+  return "; ".join(f"{name}: {','.join(p.name for p in platform.peers[1:])}"
+                   for name, platform in PLATFORMS.items())
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
       prog="python -m jax_flash.benchmark",
@@ -867,6 +876,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                            f"{TIME_BUDGET_S:g} s per pass of a case (default: 20)")
   parser.add_argument("--deterministic", action="store_true",
                       help="time jax_flash's deterministic backward (deterministic=True)")
+  parser.add_argument("--skip", nargs="+", default=[], metavar="PEER",
+                      help="peers not to run, for a shorter run (their cells read "
+                           f"'unavailable'); jax_flash cannot be skipped ({_peer_names()})")
   parser.add_argument("--out", type=pathlib.Path, metavar="DIR",
                       help="write results.json (measurements and environment), table.md and "
                            "plot.png here")
@@ -877,6 +889,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   args.seqs = [n for group in args.seqs for n in group] if args.seqs else None
   args.head_dims = [n for group in args.head_dims for n in group] if args.head_dims else None
   platform = PLATFORMS[args.platform]
+  skippable = [peer.name for peer in platform.peers[1:]]
+  for name in args.skip:
+    if name not in skippable:
+      parser.error(f"--skip: {name!r} is not a skippable {platform.name} peer "
+                   f"(those are {', '.join(skippable)})")
   if args.head_dims and HEAD_DIM_COLUMN not in platform.columns:
     parser.error(f"--head-dims: the {platform.name} table has no head dim column (its cases "
                  f"have head dim {','.join(map(str, platform.default_head_dims))})")
@@ -902,9 +919,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   settings = dict(seqs=list(seqs), head_dims=list(head_dims), causal=args.causal,
                   reps=args.reps, warm_up_runs=platform.warm_up_runs,
                   time_budget_s=TIME_BUDGET_S, quick=args.quick, cases=len(cases),
-                  deterministic=args.deterministic)
+                  deterministic=args.deterministic, skip=list(args.skip))
   measurements: list[Measurement] = []
-  for results in run(platform, cases, args.reps):
+  for results in run(platform, cases, args.reps, args.skip):
     measurements.extend(results)
     if args.out is not None:
       reported = with_backward(measurements)

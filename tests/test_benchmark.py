@@ -52,3 +52,19 @@ def test_cli_writes_results_with_backward_rows(tmp_path):
   rows = {(m["peer"], m["pass"]) for m in results["measurements"]}
   assert {("jax_flash", "fwd"), ("jax_flash", "bwd"), ("jax_flash", "fwd+bwd")} <= rows
   assert "| bwd |" in (tmp_path / "table.md").read_text()
+
+
+def test_cli_skips_named_peers(tmp_path):
+  """--skip leaves a peer out (recorded, not run); jax_flash and unknown names are refused."""
+  import json
+
+  assert benchmark.main(["--platform", "cpu", "--seqs", "64", "--causal", "no", "--reps", "1",
+                         "--skip", "torch", "--out", str(tmp_path)]) == 0
+  measurements = json.loads((tmp_path / "results.json").read_text())["measurements"]
+  torch_rows = [m for m in measurements if m["peer"] == "torch"]
+  assert torch_rows and all(m["status"] == "unavailable" for m in torch_rows)
+  assert all("--skip" in m["reason"] for m in torch_rows)
+  assert any(m["peer"] == "xla" and m["status"] == "ok" for m in measurements)
+  for bad in ("jax_flash", "cudnn"):
+    with pytest.raises(SystemExit):
+      benchmark.main(["--platform", "cpu", "--skip", bad])
