@@ -9,6 +9,7 @@
 
 #include "ffi_params.h"
 #include "flash_launch.h"
+#include "kernel_choice.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -23,6 +24,8 @@ ffi::Error cuda_error(const char* what, cudaError_t e) {
 // The CUDA kernels take bfloat16/float16 with the head dim a multiple of 8 (the Python side
 // pads it); anything else is a caller bug, reported with the shape.
 ffi::Error check_cuda_inputs(const ffi::AnyBuffer& q, const AttentionShape& shape, Dtype dtype) {
+  if (const std::string& error = cuda::kernel_override_error(); !error.empty())
+    return ffi::Error::InvalidArgument(error);
   if (dtype == Dtype::kFloat32)
     return ffi::Error::InvalidArgument("jax_flash: the CUDA kernels take bfloat16 or float16");
   if (shape.head_dim % 8 != 0)

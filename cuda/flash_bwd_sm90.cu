@@ -1,7 +1,4 @@
-// Launcher of the Hopper main backward kernel, and the rule that picks it.
-#include <cstdlib>
-#include <cstring>
-
+// Launcher of the Hopper main backward kernel (kernel_choice.h picks it).
 #include "flash_bwd_sm90.cuh"
 #include "flash_dispatch.cuh"
 #include "flash_launch.h"
@@ -24,16 +21,6 @@ struct LaunchSm90Bwd {
 };
 
 }  // namespace
-
-bool sm90_backward_applies(const BwdParams& params) {
-  // Opt-in until it has run on a GPU: JAX_FLASH_CUDA_BACKWARD=sm90.
-  static const bool wanted = [] {
-    const char* value = std::getenv("JAX_FLASH_CUDA_BACKWARD");
-    return value != nullptr && std::strcmp(value, "sm90") == 0;
-  }();
-  const int64_t d = params.shape.head_dim;
-  return wanted && d > 32 && d <= 128 && device_compute_major() == 9;
-}
 
 cudaError_t launch_flash_bwd_main_sm90(const BwdParams& params, cudaStream_t stream) {
   return dispatch_dtype_head_dim<LaunchSm90Bwd>(params, stream);

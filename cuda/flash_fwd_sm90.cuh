@@ -195,9 +195,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 }
 
 // The same forward with each warpgroup's softmax overlapped with its P V product
-// (FlashAttention-3's intra-warpgroup pipelining): per key block i, S(i+1) = Q K(i+1)^T is computed,
-// then O += P(i) V(i) is issued and runs on the tensor cores while the softmax of block i+1 works
-// on S(i+1); O's rescale (rare with lazy rescaling) waits for the product. K(j), V(j) live in
+// (FlashAttention-3's intra-warpgroup pipelining): per key block i, S(i+1) = Q K(i+1)^T and
+// O += P(i) V(i) are issued together; the softmax of block i+1 works on S(i+1) while the product
+// runs; O's rescale (rare with lazy rescaling) waits for the product. K(j), V(j) live in
 // stage j % 2; stage i % 2 is refilled with block i+2 once every warpgroup is done with block i.
 template <typename Traits, typename T>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
@@ -259,38 +259,38 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     uint32_t pa[kBN / 16][1][4];
     accumulator_to_a<T>(pa, s);
 
-    for (int i = 0; i < count; ++i) {
-      const bool has_next = i + 1 < count;
-      // V(i) and, when there is one, K(i + 1) have landed (V(i + 1) may still be in flight).
-      if (has_next)
-        cp_async_wait<1>();
-      else
-        cp_async_wait<0>();
+    // Every visit but the last has a next block to overlap with.
+    for (int i = 0; i + 1 < count; ++i) {
+      // V(i) and K(i + 1) have landed (V(i + 1) may still be in flight).
+      cp_async_wait<1>();
       fence_proxy_async();
       __syncthreads();
-      if (has_next) {
-        issue_scores<Traits, T>(s, smem_address(smem.q), group * 64, smem.k_address((i + 1) % 2));
-        wgmma_wait<0>();
-        fence_registers(s[0]);
-      }
+      // S(i + 1) and then P(i) V(i) are issued back to back; waiting for all but the newest
+      // group waits for S(i + 1) only, so the softmax of block i + 1 (touching neither O nor
+      // P(i)) runs while P(i) V(i) is on the tensor cores.
+      issue_scores<Traits, T>(s, smem_address(smem.q), group * 64, smem.k_address((i + 1) % 2));
       issue_output<Traits, T>(o, pa, smem.v_address(i % 2));
-      // While P(i) V(i) runs: the softmax of block i + 1, touching neither O nor P(i).
-      bool moved = false;
-      if (has_next) {
-        mask_block(s, i + 1);
-        moved = softmax.must_rescale(s, scale_log2);
-        if (moved) softmax.move_reference(scale_log2);
-        softmax.exponentiate(s, scale_log2);
-      }
+      wgmma_wait<1>();
+      fence_registers(s[0]);
+      mask_block(s, i + 1);
+      const bool moved = softmax.must_rescale(s, scale_log2);
+      if (moved) softmax.move_reference(scale_log2);
+      softmax.exponentiate(s, scale_log2);
       wgmma_wait<0>();  // P(i) V(i) is in: O, P(i)'s registers and stage i % 2 are free
       fence_registers(o[0]);
       if (moved) softmax.rescale_output(o);
-      if (has_next) accumulator_to_a<T>(pa, s);
+      accumulator_to_a<T>(pa, s);
       if (i + 2 < count) {
         __syncthreads();  // every warpgroup is done with stage i % 2
         load_kv(i + 2);
       }
     }
+    cp_async_wait<0>();  // the last V
+    fence_proxy_async();
+    __syncthreads();
+    issue_output<Traits, T>(o, pa, smem.v_address((count - 1) % 2));
+    wgmma_wait<0>();
+    fence_registers(o[0]);
   }
 
   store_output(static_cast<T*>(p.o) + task.q_offset, task.q_stride, p.lse + task.stat_offset + m0, o, softmax,

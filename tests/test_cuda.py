@@ -8,6 +8,10 @@ JAX's own default-precision attention.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -182,38 +186,41 @@ def test_jit_training_step_reduces_loss():
   assert losses[-1] < losses[0]
 
 
-def _run_cuda_tests_with(env_overrides: dict, selection: str) -> None:
-  """Runs the CUDA reference tests matching `selection` in a subprocess with the environment
-  overrides (the kernel choices are read once per process)."""
-  import os
-  import subprocess
-  import sys
+def _run_in_subprocess(env_overrides: dict, *pytest_args: str) -> subprocess.CompletedProcess:
+  """pytest on this file in a subprocess with the environment overrides (the kernel choices are
+  read once per process)."""
+  return subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "gpu",
+       os.path.abspath(__file__), *pytest_args],
+      env=dict(os.environ, **env_overrides), capture_output=True, text=True, timeout=900)
 
+
+def _run_cuda_tests_on_hopper_with(env_overrides: dict, selection: str) -> None:
+  """Runs the CUDA reference tests matching `selection` under the overrides, on Hopper."""
   major = int(jax.devices("gpu")[0].compute_capability.split(".")[0])
   if major != 9:
-    pytest.skip("the wgmma kernels run on compute capability 9.x only")
-  result = subprocess.run(
-      [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "gpu",
-       os.path.join(os.path.dirname(__file__), "test_cuda.py"), "-k", selection],
-      env=dict(os.environ, **env_overrides), capture_output=True, text=True, timeout=900)
+    pytest.skip("the kernel choice only differs on compute capability 9.x")
+  result = _run_in_subprocess(env_overrides, "-k", selection)
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
-def test_wgmma_backward_on_hopper():
-  """The opt-in Hopper backward (JAX_FLASH_CUDA_BACKWARD=sm90) on the head-dim 64/128 cases,
-  with dQ by atomics and in the deterministic mode."""
-  _run_cuda_tests_with({"JAX_FLASH_CUDA_BACKWARD": "sm90"},
-                       "(test_cuda_matches_reference or test_deterministic_matches_reference) "
-                       "and (h64 or h128)")
+def test_mma_sync_kernels_on_hopper():
+  """On Hopper head dims 33..128 run the wgmma kernels; the mma.sync ones (what A100s run) must
+  pass the same cases there too, dQ by atomics and deterministic."""
+  _run_cuda_tests_on_hopper_with(
+      {"JAX_FLASH_CUDA_FORWARD": "sm80", "JAX_FLASH_CUDA_BACKWARD": "sm80"},
+      "(test_cuda_matches_reference or test_deterministic_matches_reference) and (h64 or h128)")
 
 
-def test_pipelined_wgmma_forward_on_hopper():
-  """The FA3-style pipelined Hopper forward (JAX_FLASH_CUDA_FORWARD=sm90-pipelined)."""
-  _run_cuda_tests_with({"JAX_FLASH_CUDA_FORWARD": "sm90-pipelined"},
-                       "test_cuda_matches_reference and (h64 or h128)")
+def test_plain_wgmma_forward_on_hopper():
+  """The Hopper forward without the softmax / P V overlap (JAX_FLASH_CUDA_FORWARD=sm90)."""
+  _run_cuda_tests_on_hopper_with({"JAX_FLASH_CUDA_FORWARD": "sm90"},
+                                 "test_cuda_matches_reference and (h64 or h128)")
 
 
-def test_mma_sync_forward_on_hopper():
-  """On Hopper the forward runs the wgmma kernel for head dims 33..128; the mma.sync one
-  (JAX_FLASH_CUDA_FORWARD=sm80) must still pass the same cases there."""
-  _run_cuda_tests_with({"JAX_FLASH_CUDA_FORWARD": "sm80"}, "test_cuda_matches_reference and (h64 or h128)")
+def test_unknown_kernel_choice_is_an_error():
+  """A misspelt override is reported by name, not ignored."""
+  result = _run_in_subprocess({"JAX_FLASH_CUDA_FORWARD": "sm90-pipelind"}, "-k",
+                              "test_cuda_is_default_on_gpu")
+  assert result.returncode != 0
+  assert "JAX_FLASH_CUDA_FORWARD=sm90-pipelind is not one of" in result.stdout + result.stderr
