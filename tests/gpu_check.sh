@@ -3,7 +3,7 @@
 # benchmark beside cuDNN / XLA / Pallas, and print the summary last. Results go to $OUT (the device
 # tool's output folder) or ./gpu_out.
 #   usage: bash tests/gpu_check.sh [pytest-args...]      (BENCH_ARGS="--quick" to shorten, BENCH=0
-#   to skip the benchmark)
+#   to skip the benchmark, TEST_TIMEOUT=seconds to bound the tests)
 # Opt-in steps for the end-to-end measurements (each several minutes):
 #   E2E=1   examples/train_lm.py --preset gpt2-small --compare jax_flash,xla,cudnn (issue 4)
 #   RING=1  examples/bench_ring.py: ring scaling and longest sequence, all visible GPUs (issue 5)
@@ -39,7 +39,7 @@ fi
 echo "== GPU tests"
 # No XLA autotuning for the tests (compile time); the benchmark below keeps it (its XLA peers).
 XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
-  python3 -m pytest -q -m gpu tests/test_wgmma_layout.py tests --maxfail=5 -p no:cacheprovider "$@" 2>&1 \
+  timeout "${TEST_TIMEOUT:-3600}" python3 -m pytest -q -m gpu tests/test_wgmma_layout.py tests --maxfail=5 -p no:cacheprovider "$@" 2>&1 \
   | tee "$out/pytest_gpu.log" | tail -30
 tests_rc=${PIPESTATUS[0]}
 echo "tests: $(( $(date +%s) - start )) s"
