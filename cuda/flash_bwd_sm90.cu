@@ -2,24 +2,18 @@
 #include "flash_bwd_sm90.cuh"
 #include "flash_dispatch.cuh"
 #include "flash_launch.h"
-#include "kernel_choice.h"
 
 namespace jax_flash::cuda {
 namespace {
-
-template <typename Traits, typename T>
-cudaError_t launch_sm90_bwd(const BwdParams& p, cudaStream_t stream) {
-  const dim3 grid((p.shape.seq_k + Traits::kBlockN - 1) / Traits::kBlockN, p.shape.heads_k, p.shape.batch);
-  return launch_with_smem(flash_bwd_sm90_kernel<Traits, T>, grid, Traits::kThreads, Traits::kSmemBytes, stream, p);
-}
 
 template <typename T, int kHeadDim>
 struct LaunchSm90Bwd {
   static cudaError_t run(const BwdParams& p, cudaStream_t stream) {
     if constexpr (kHeadDim == 64 || kHeadDim == 128) {
-      if (backward_kernel(p) == BackwardKernel::kSm90Keys64)
-        return launch_sm90_bwd<Sm90BwdTraits<kHeadDim, 1>, T>(p, stream);
-      return launch_sm90_bwd<Sm90BwdTraits<kHeadDim, 2>, T>(p, stream);
+      using Traits = Sm90BwdTraits<kHeadDim>;
+      const dim3 grid((p.shape.seq_k + Traits::kBlockN - 1) / Traits::kBlockN, p.shape.heads_k, p.shape.batch);
+      return launch_with_smem(flash_bwd_sm90_kernel<Traits, T>, grid, Traits::kThreads, Traits::kSmemBytes, stream,
+                              p);
     } else {
       return cudaErrorNotSupported;
     }

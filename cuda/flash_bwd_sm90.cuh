@@ -1,6 +1,6 @@
 // FlashAttention backward main kernel for Hopper (sm_90a) on wgmma, head dims 64 and 128.
 //
-// CTA = 1 or 2 warpgroups x 64 keys of one (batch, kv head): K and V stay in shared memory while the
+// CTA = 2 warpgroups x 64 keys of one (batch, kv head): K and V stay in shared memory while the
 // query blocks (64 rows, of every query head of the group) that see the keys stream past, Q and
 // dO (and their lse, delta) double-buffered. Per query block, computed transposed so that each
 // warpgroup's rows are its keys (FlashAttention-3's layout):
@@ -8,8 +8,8 @@
 //   dS^T = scale P^T (dP^T - delta) in registers (masks on the tiles that need them);
 //   dV += P^T dO and dK += dS^T Q (RS wgmma, P^T and dS^T straight from registers, dO and Q read
 //   N-major), accumulated in registers over the whole loop (the GQA reduction);
-//   dS^T to shared memory, then dQ = dS K (SS wgmma, both operands transposed; 64 columns of the
-//   head dim at a time) added to the float32 accumulator with atomics (or left to the
+//   dS^T to shared memory, then dQ = dS K (SS wgmma, both operands transposed; each warpgroup
+//   64 columns of the head dim) added to the float32 accumulator with atomics (or left to the
 //   deterministic dQ kernel).
 // The prepare and convert kernels of flash_bwd_sm80.cuh run around it. No warp specialisation or
 // TMA: both warpgroups run the same steps between barriers.
@@ -20,16 +20,12 @@
 
 namespace jax_flash::cuda {
 
-// kWarpGroups warpgroups of 64 keys each: 2 (128 keys, one CTA per SM) or 1 (64 keys, two CTAs
-// per SM: finer causal blocks, and one CTA's prologue and epilogue overlap the other's work).
-template <int kHeadDim_, int kWarpGroups_>
+template <int kHeadDim_>
 struct Sm90BwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kWarpGroups = kWarpGroups_;
-  static constexpr int kBlockM = 64;                 // query rows per iteration
-  static constexpr int kBlockN = 64 * kWarpGroups;  // keys
-  static constexpr int kThreads = 128 * kWarpGroups;
-  static constexpr int kCtasPerSm = 3 - kWarpGroups;
+  static constexpr int kBlockM = 64;   // query rows per iteration
+  static constexpr int kBlockN = 128;  // keys: 2 warpgroups x 64
+  static constexpr int kThreads = 256;
   using KVTile = GmmaTile<kBlockN, kHeadDim>;
   using QTile = GmmaTile<kBlockM, kHeadDim>;
   using DsTile = GmmaTile<kBlockN, kBlockM>;  // dS^T: [key][query]
@@ -38,7 +34,6 @@ struct Sm90BwdTraits {
   static constexpr int kSmemBytes =
       2 * (2 * KVTile::kElements + 4 * QTile::kElements + DsTile::kElements) + 2 * 2 * kBlockM * 4 + 1024;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "wgmma shapes are instantiated for N = 64, 128");
-  static_assert(kWarpGroups == 1 || kWarpGroups == 2, "64 or 128 keys per CTA");
   static_assert(kBlockM == 64, "dS^T is stored through SmemTile, whose layout is DsTile's for 64 columns");
 };
 
@@ -63,7 +58,7 @@ __device__ __forceinline__ void mask_transposed_scores(float (&s)[1][kNTiles][4]
 }
 
 template <typename Traits, typename T>
-__global__ void __launch_bounds__(Traits::kThreads, Traits::kCtasPerSm)
+__global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_bwd_sm90_kernel(const __grid_constant__ BwdParams p) {
 #if JF_SM90A
   constexpr int kBM = Traits::kBlockM, kBN = Traits::kBlockN, kD = Traits::kHeadDim;
@@ -221,26 +216,24 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kCtasPerSm)
     fence_registers(dv[0]);
     fence_registers(dk[0]);
 
-    // dQ = dS K in 64-column blocks of the head dim, block c by warpgroup c % kWarpGroups, each
-    // added to the float32 accumulator.
+    // dQ = dS K: warpgroup g computes head-dim columns 64 g .. 64 g + 63 (all of them for head
+    // dim 64 in warpgroup 0), then adds them to the float32 accumulator.
     if (!p.deterministic) {
       __syncthreads();  // every warp's dS^T is in shared memory
-      const int lane_row = warp % 4 * 16 + lane / 4;
-      const int live_rows = static_cast<int>(min64(kBM, q_len - m0)) - lane_row;
-      float* dq_rows = p.dq_accum + (b * sh.seq_q + m0 + lane_row) * q_stride + visit.h * sh.head_dim;
-#pragma unroll
-      for (int column_block = group; column_block < kD / 64; column_block += Traits::kWarpGroups) {
+      if (group * 64 < kD) {
         float dq[1][8][4];
         fence_registers(dq[0]);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kBN / 16; ++kk)
           Wgmma<T, 64>::ss_transposed(dq[0], DsTile::n_major(ds_address, kk),
-                                      KVTile::n_major(k_address + column_block * KVTile::kBlockBytes, kk), kk > 0);
+                                      KVTile::n_major(k_address + group * KVTile::kBlockBytes, kk), kk > 0);
         wgmma_commit();
         wgmma_wait<0>();
         fence_registers(dq[0]);
-        const int lane_col = column_block * 64 + (lane % 4) * 2;
+        const int lane_row = warp % 4 * 16 + lane / 4, lane_col = group * 64 + (lane % 4) * 2;
+        float* dq_block = p.dq_accum + (b * sh.seq_q + m0 + lane_row) * q_stride + visit.h * sh.head_dim + lane_col;
+        const int live_rows = static_cast<int>(min64(kBM, q_len - m0)) - lane_row;
         const int live_cols = static_cast<int>(sh.head_dim) - lane_col;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
@@ -248,8 +241,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kCtasPerSm)
 #pragma unroll
           for (int nt = 0; nt < 8; ++nt)
             if (nt * 8 < live_cols)
-              atomic_add_pair(dq_rows + half * 8 * q_stride + lane_col + nt * 8, dq[0][nt][2 * half],
-                              dq[0][nt][2 * half + 1]);
+              atomic_add_pair(dq_block + half * 8 * q_stride + nt * 8, dq[0][nt][2 * half], dq[0][nt][2 * half + 1]);
         }
       }
     }

@@ -35,8 +35,7 @@ Overrides read_overrides() {
     const std::string v = value;
     if (v == "sm80") o.backward = BackwardKernel::kSm80;
     else if (v == "sm90") o.backward = BackwardKernel::kSm90;
-    else if (v == "sm90-n64") o.backward = BackwardKernel::kSm90Keys64;
-    else bad(kBackwardVariable, v, "sm80, sm90, sm90-n64");
+    else bad(kBackwardVariable, v, "sm80, sm90");
   }
   return o;
 }

@@ -212,14 +212,6 @@ def test_mma_sync_kernels_on_hopper():
       "(test_cuda_matches_reference or test_deterministic_matches_reference) and (h64 or h128)")
 
 
-def test_wgmma_backward_with_64_keys_on_hopper():
-  """The Hopper backward with one warpgroup of 64 keys per CTA (JAX_FLASH_CUDA_BACKWARD=sm90-n64),
-  dQ by atomics and deterministic."""
-  _run_cuda_tests_on_hopper_with(
-      {"JAX_FLASH_CUDA_BACKWARD": "sm90-n64"},
-      "(test_cuda_matches_reference or test_deterministic_matches_reference) and (h64 or h128)")
-
-
 def test_plain_wgmma_forward_on_hopper():
   """The Hopper forward without the softmax / P V overlap (JAX_FLASH_CUDA_FORWARD=sm90)."""
   _run_cuda_tests_on_hopper_with({"JAX_FLASH_CUDA_FORWARD": "sm90"},
