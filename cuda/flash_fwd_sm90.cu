@@ -1,8 +1,7 @@
-// Launcher of the Hopper forward kernels (kernel_choice.h picks them).
+// Launcher of the Hopper forward kernel (kernel_choice.h picks it).
 #include "flash_dispatch.cuh"
 #include "flash_fwd_sm90.cuh"
 #include "flash_launch.h"
-#include "kernel_choice.h"
 
 namespace jax_flash::cuda {
 namespace {
@@ -12,10 +11,8 @@ struct LaunchSm90 {
   static cudaError_t run(const FwdParams& p, cudaStream_t stream) {
     if constexpr (kHeadDim == 64 || kHeadDim == 128) {
       using Traits = Sm90FwdTraits<kHeadDim, 128>;
-      const bool pipelined = forward_kernel(p) == ForwardKernel::kSm90Pipelined;
       const dim3 grid((p.shape.seq_q + Traits::kBlockM - 1) / Traits::kBlockM, p.shape.heads_q, p.shape.batch);
-      return launch_with_smem(pipelined ? flash_fwd_sm90_pipelined_kernel<Traits, T> : flash_fwd_sm90_kernel<Traits, T>,
-                              grid, Traits::kThreads, Traits::kSmemBytes, stream, p);
+      return launch_with_smem(flash_fwd_sm90_kernel<Traits, T>, grid, Traits::kThreads, Traits::kSmemBytes, stream, p);
     } else {
       return cudaErrorNotSupported;
     }

@@ -4,9 +4,10 @@
 // stream through shared memory in two stages (cp.async, as the sm80 kernel), laid out for wgmma
 // (GmmaTile, 128-byte swizzle). Per key block: S = Q K^T (wgmma, both operands in shared
 // memory), masks and the online softmax with lazy rescaling in registers (as flash_fwd_sm80.cuh),
-// then O += P V with P straight from registers (wgmma RS; V read N-major). No warp
-// specialisation or TMA yet: the two warpgroups run the same steps between barriers.
-// flash_fwd_sm90_pipelined_kernel overlaps each warpgroup's softmax with its P V product.
+// then O += P V with P straight from registers (wgmma RS; V read N-major), each warpgroup's
+// softmax of the next block running under its P V product. No warp specialisation or TMA yet:
+// the two warpgroups run the same steps between barriers. (A variant without the overlap measured
+// within a few percent of this one: cuda/PERF_NOTES.md, v4.)
 #pragma once
 
 #include <cuda_runtime.h>
@@ -107,101 +108,15 @@ __device__ __forceinline__ void issue_output(float (&o)[1][Traits::kHeadDim / 8]
   wgmma_commit();
 }
 
-template <typename Traits, typename T>
-__global__ void __launch_bounds__(Traits::kThreads, 1)
-    flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
-#if JF_SM90A
-  constexpr int kBM = Traits::kBlockM, kBN = Traits::kBlockN, kD = Traits::kHeadDim;
-  constexpr int kThreads = Traits::kThreads;
-  using QTile = typename Traits::QTile;
-  using KVTile = typename Traits::KVTile;
-  extern __shared__ __align__(1024) unsigned char smem_raw[];
-  const Sm90FwdSmem<Traits, T> smem(smem_raw);
-
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int group = warp / 4;  // warpgroup: query rows 64 group ..
-  const QueryBlockTask<kBM, kBN> task(p);
-  const QueryBlock<kBM, kBN>& blk = task.blk;
-  const int64_t m0 = blk.m0;
-  const int warp_m0 = group * 64 + warp % 4 * 16;  // this warp's 16 rows
-  const T* k = static_cast<const T*>(p.k);
-  const T* v = static_cast<const T*>(p.v);
-
-  OnlineSoftmax<1> softmax;
-  float o[1][kD / 8][4] = {};
-  const float scale_log2 = p.scale * kLog2e;
-
-  const int n_first = blk.n_first, n_last = blk.n_last;
-  if (n_last >= n_first) {
-    auto load_k = [&](int n_block, int stage) {
-      task.template load_keys<KVTile, kThreads>(smem.k + stage * KVTile::kElements, k, n_block, tid);
-    };
-    auto load_v = [&](int n_block, int stage) {
-      task.template load_keys<KVTile, kThreads>(smem.v + stage * KVTile::kElements, v, n_block, tid);
-    };
-    // Groups in flight, oldest first: (Q, K[n_last]), V[n_last], then per iteration K, V of the
-    // next block (as the sm80 kernel).
-    task.template load_queries<QTile, kThreads>(smem.q, static_cast<const T*>(p.q), tid);
-    load_k(n_last, 0);
-    cp_async_commit();
-    load_v(n_last, 0);
-    cp_async_commit();
-
-    for (int n_block = n_last, stage = 0; n_block >= n_first; --n_block, stage ^= 1) {
-      const bool prefetch = n_block > n_first;
-      if (prefetch) {
-        load_k(n_block - 1, stage ^ 1);
-        cp_async_commit();
-        cp_async_wait<2>();  // this stage's K has landed
-      } else {
-        cp_async_wait<1>();
-      }
-      fence_proxy_async();
-      __syncthreads();
-
-      float s[1][kBN / 8][4];
-      issue_scores<Traits, T>(s, smem_address(smem.q), group * 64, smem.k_address(stage));
-      wgmma_wait<0>();
-      fence_registers(s[0]);
-
-      const int64_t n0 = static_cast<int64_t>(n_block) * kBN;
-      if (blk.needs_mask(n0)) mask_scores(s, p.mask, m0 + warp_m0, n0, task.q_len, task.kv_len, lane);
-      if (softmax.must_rescale(s, scale_log2)) softmax.rescale(o, scale_log2);
-      softmax.exponentiate(s, scale_log2);
-      uint32_t pa[kBN / 16][1][4];
-      accumulator_to_a<T>(pa, s);
-
-      if (prefetch) {
-        load_v(n_block - 1, stage ^ 1);
-        cp_async_commit();
-        cp_async_wait<2>();  // this stage's V has landed
-      } else {
-        cp_async_wait<0>();
-      }
-      fence_proxy_async();
-      __syncthreads();
-
-      issue_output<Traits, T>(o, pa, smem.v_address(stage));
-      wgmma_wait<0>();
-      fence_registers(o[0]);
-      // No barrier here (as the sm80 kernel): the next prefetches are ordered by the next
-      // iteration's barriers, and this warpgroup's reads of the stage are complete (waited).
-    }
-  }
-
-  store_output(static_cast<T*>(p.o) + task.q_offset, task.q_stride, p.lse + task.stat_offset + m0, o, softmax,
-               p.scale, warp_m0, blk.rows, p.shape.head_dim, lane);
-#endif  // JF_SM90A
-}
-
-// The same forward with each warpgroup's softmax overlapped with its P V product
-// (FlashAttention-3's intra-warpgroup pipelining): per key block i, S(i+1) = Q K(i+1)^T and
+// The Hopper forward: 2 warpgroups x 64 query rows against key/value blocks of kBlockN, each
+// warpgroup's softmax overlapped with its P V product (FlashAttention-3's intra-warpgroup
+// pipelining): per key block i, S(i+1) = Q K(i+1)^T and
 // O += P(i) V(i) are issued together; the softmax of block i+1 works on S(i+1) while the product
 // runs; O's rescale (rare with lazy rescaling) waits for the product. K(j), V(j) live in
 // stage j % 2; stage i % 2 is refilled with block i+2 once every warpgroup is done with block i.
 template <typename Traits, typename T>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
-    flash_fwd_sm90_pipelined_kernel(const __grid_constant__ FwdParams p) {
+    flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
 #if JF_SM90A
   constexpr int kBM = Traits::kBlockM, kBN = Traits::kBlockN, kD = Traits::kHeadDim;
   constexpr int kThreads = Traits::kThreads;

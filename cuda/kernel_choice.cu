@@ -28,8 +28,7 @@ Overrides read_overrides() {
     const std::string v = value;
     if (v == "sm80") o.forward = ForwardKernel::kSm80;
     else if (v == "sm90") o.forward = ForwardKernel::kSm90;
-    else if (v == "sm90-pipelined") o.forward = ForwardKernel::kSm90Pipelined;
-    else bad(kForwardVariable, v, "sm80, sm90, sm90-pipelined");
+    else bad(kForwardVariable, v, "sm80, sm90");
   }
   if (const char* value = std::getenv(kBackwardVariable); value != nullptr && *value != '\0') {
     const std::string v = value;
@@ -68,7 +67,7 @@ int device_compute_major() {
 
 ForwardKernel forward_kernel(const FwdParams& params) {
   if (!hopper_head_dim(params.shape.head_dim) || device_compute_major() != 9) return ForwardKernel::kSm80;
-  return overrides().forward.value_or(ForwardKernel::kSm90Pipelined);
+  return overrides().forward.value_or(ForwardKernel::kSm90);
 }
 
 BackwardKernel backward_kernel(const BwdParams& params) {

@@ -1,7 +1,7 @@
 // Which CUDA kernel runs each pass. On Hopper (compute capability 9.x) head dims 33..128 (padded
 // to 64 or 128) run the wgmma kernels, everything else the mma.sync (sm80) ones. Two environment
 // variables, read once per process, override the choice for experiments and comparisons:
-//   JAX_FLASH_CUDA_FORWARD  = sm80 | sm90 | sm90-pipelined   (default on Hopper: sm90-pipelined)
+//   JAX_FLASH_CUDA_FORWARD  = sm80 | sm90                    (default on Hopper: sm90)
 //   JAX_FLASH_CUDA_BACKWARD = sm80 | sm90                    (default on Hopper: sm90)
 // A Hopper choice only applies where a Hopper kernel exists.
 #pragma once
@@ -12,7 +12,7 @@
 
 namespace jax_flash::cuda {
 
-enum class ForwardKernel { kSm80, kSm90, kSm90Pipelined };
+enum class ForwardKernel { kSm80, kSm90 };
 enum class BackwardKernel { kSm80, kSm90 };
 
 // Empty when the variables are unset or hold a known value; else a message naming the variable,

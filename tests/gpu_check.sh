@@ -8,7 +8,7 @@
 #   E2E=1   examples/train_lm.py --preset gpt2-small --compare jax_flash,xla,cudnn (issue 4)
 #   RING=1  examples/bench_ring.py: ring scaling and longest sequence, all visible GPUs (issue 5)
 #   PROFILE=1  Nsight Compute reports of the forward and main backward kernels (hd128, seq 4096)
-#   VARIANTS="JAX_FLASH_CUDA_FORWARD=sm90 JAX_FLASH_CUDA_BACKWARD=sm80"  the benchmark
+#   VARIANTS="JAX_FLASH_CUDA_FORWARD=sm80 JAX_FLASH_CUDA_BACKWARD=sm80"  the benchmark
 #             (BENCH_ARGS) once more per kernel choice (an environment assignment each, see
 #             cuda/kernel_choice.h), into $out/variant_<assignment>
 set -uo pipefail

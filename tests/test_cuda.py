@@ -212,12 +212,6 @@ def test_mma_sync_kernels_on_hopper():
       "(test_cuda_matches_reference or test_deterministic_matches_reference) and (h64 or h128)")
 
 
-def test_plain_wgmma_forward_on_hopper():
-  """The Hopper forward without the softmax / P V overlap (JAX_FLASH_CUDA_FORWARD=sm90)."""
-  _run_cuda_tests_on_hopper_with({"JAX_FLASH_CUDA_FORWARD": "sm90"},
-                                 "test_cuda_matches_reference and (h64 or h128)")
-
-
 def test_unknown_kernel_choice_is_an_error():
   """A misspelt override is reported by name, not ignored."""
   result = _run_in_subprocess({"JAX_FLASH_CUDA_FORWARD": "sm90-pipelind"}, "-k",
