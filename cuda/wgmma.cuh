@@ -69,145 +69,79 @@ __device__ __forceinline__ void fence_registers(uint32_t (&x)[kRows][kCols]) {
 template <typename T, int kN>
 struct Wgmma;
 
-// wgmma shapes m64n64k16 for the 16-bit type T whose PTX name is PTX ("bf16" or "f16").
-#define JF_DEFINE_WGMMA_N64(T, PTX)                                                                   \
+// The asm operands of an accumulator d[kN / 8][4]: "+f" for d[j][0..3], n-tile by n-tile, and
+// the PTX list that names them (%0 .. %(kN / 2 - 1)); the operands after them follow.
+#define JF_WGMMA_ACC(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
+#define JF_WGMMA_ACC_N64 \
+  JF_WGMMA_ACC(0), JF_WGMMA_ACC(1), JF_WGMMA_ACC(2), JF_WGMMA_ACC(3), \
+  JF_WGMMA_ACC(4), JF_WGMMA_ACC(5), JF_WGMMA_ACC(6), JF_WGMMA_ACC(7)
+#define JF_WGMMA_ACC_N128 \
+  JF_WGMMA_ACC_N64, \
+  JF_WGMMA_ACC(8), JF_WGMMA_ACC(9), JF_WGMMA_ACC(10), JF_WGMMA_ACC(11), \
+  JF_WGMMA_ACC(12), JF_WGMMA_ACC(13), JF_WGMMA_ACC(14), JF_WGMMA_ACC(15)
+#define JF_WGMMA_REGS_N64 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define JF_WGMMA_REGS_N128 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+
+// wgmma m64nNk16 with float32 accumulators for the 16-bit type T whose PTX name is PTX ("bf16" or
+// "f16"). ACC and REGS are the accumulator operands and their PTX list for N; the next operand
+// numbers are given as strings: SS (the two descriptors, then the accumulate predicate) and RS (A's
+// four registers and B's descriptor, then the predicate).
+#define JF_DEFINE_WGMMA(T, PTX, N, ACC, REGS, SS_DESCS, SS_PRED, RS_OPERANDS, RS_PRED)                   \
   template <>                                                                                       \
-  struct Wgmma<T, 64> {                                                                            \
-    /* D[64 x 64] (+)= A[64 x 16] (shared, K-major) * B[16 x 64] (shared, K-major). */             \
-    __device__ __forceinline__ static void ss(float (&d)[8][4], uint64_t a_desc, uint64_t b_desc,  \
+  struct Wgmma<T, N> {                                                                              \
+    /* D[64 x N] (+)= A[64 x 16] (shared, K-major) * B[16 x N] (shared, K-major). */               \
+    __device__ __forceinline__ static void ss(float (&d)[N / 8][4], uint64_t a_desc, uint64_t b_desc, \
                                               bool accumulate) {                                  \
-      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                  \
-                   "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX "." PTX                        \
-                   " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"                        \
-                   : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), \
-      "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
-      "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
-      "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), \
-      "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), \
-      "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
-      "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), \
-      "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])                                                     \
-                   : "l"(a_desc), "l"(b_desc), "r"(static_cast<int>(accumulate)));               \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SS_PRED ", 0;\n"                             \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX "." PTX " " REGS ", " SS_DESCS \
+                   ", p, 1, 1, 0, 0;\n}\n"                                                          \
+                   : ACC                                                                            \
+                   : "l"(a_desc), "l"(b_desc), "r"(static_cast<int>(accumulate)));                 \
     }                                                                                               \
-    /* D[64 x 64] (+)= A[64 x 16] (shared, M-major: stored [k][m]) * B[16 x 64] (shared, N-major). */ \
-    __device__ __forceinline__ static void ss_transposed(float (&d)[8][4], uint64_t a_desc,       \
-                                                         uint64_t b_desc, bool accumulate) {    \
-      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                  \
-                   "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX "." PTX                        \
-                   " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n}\n"                        \
-                   : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), \
-      "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
-      "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
-      "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), \
-      "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), \
-      "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
-      "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), \
-      "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])                                                     \
-                   : "l"(a_desc), "l"(b_desc), "r"(static_cast<int>(accumulate)));               \
+    /* D[64 x N] (+)= A[64 x 16] (shared, M-major: stored [k][m]) * B[16 x N] (shared, N-major). */ \
+    __device__ __forceinline__ static void ss_transposed(float (&d)[N / 8][4], uint64_t a_desc,     \
+                                                         uint64_t b_desc, bool accumulate) {      \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SS_PRED ", 0;\n"                             \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX "." PTX " " REGS ", " SS_DESCS \
+                   ", p, 1, 1, 1, 1;\n}\n"                                                          \
+                   : ACC                                                                            \
+                   : "l"(a_desc), "l"(b_desc), "r"(static_cast<int>(accumulate)));                 \
     }                                                                                               \
-    /* D[64 x 64] (+)= A[64 x 16] (registers) * B[16 x 64] (shared, N-major: stored [k][n]). */    \
-    __device__ __forceinline__ static void rs_b_transposed(float (&d)[8][4], const uint32_t (&a)[4], \
-                                                           uint64_t b_desc, bool accumulate) {   \
-      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                  \
-                   "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX "." PTX                        \
-                   " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"   \
-                   : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), \
-      "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
-      "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
-      "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), \
-      "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), \
-      "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
-      "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), \
-      "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])                                                     \
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc),                     \
-                     "r"(static_cast<int>(accumulate)));                                          \
+    /* D[64 x N] (+)= A[64 x 16] (registers) * B[16 x N] (shared, N-major: stored [k][n]). */      \
+    __device__ __forceinline__ static void rs_b_transposed(float (&d)[N / 8][4], const uint32_t (&a)[4], \
+                                                           uint64_t b_desc, bool accumulate) {    \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " RS_PRED ", 0;\n"                             \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX "." PTX " " REGS ", " RS_OPERANDS \
+                   ", p, 1, 1, 1;\n}\n"                                                             \
+                   : ACC                                                                            \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc),                       \
+                     "r"(static_cast<int>(accumulate)));                                            \
     }                                                                                               \
   };
 
-// wgmma shapes m64n128k16 for the 16-bit type T whose PTX name is PTX ("bf16" or "f16").
-#define JF_DEFINE_WGMMA_N128(T, PTX)                                                                   \
-  template <>                                                                                       \
-  struct Wgmma<T, 128> {                                                                            \
-    /* D[64 x 128] (+)= A[64 x 16] (shared, K-major) * B[16 x 128] (shared, K-major). */             \
-    __device__ __forceinline__ static void ss(float (&d)[16][4], uint64_t a_desc, uint64_t b_desc,  \
-                                              bool accumulate) {                                  \
-      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                  \
-                   "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX "." PTX                        \
-                   " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"                        \
-                   : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), \
-      "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
-      "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
-      "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), \
-      "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), \
-      "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
-      "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), \
-      "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), \
-      "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), \
-      "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), \
-      "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), \
-      "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), \
-      "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), \
-      "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), \
-      "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), \
-      "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])                                                     \
-                   : "l"(a_desc), "l"(b_desc), "r"(static_cast<int>(accumulate)));               \
-    }                                                                                               \
-    /* D[64 x 128] (+)= A[64 x 16] (shared, M-major: stored [k][m]) * B[16 x 128] (shared, N-major). */ \
-    __device__ __forceinline__ static void ss_transposed(float (&d)[16][4], uint64_t a_desc,       \
-                                                         uint64_t b_desc, bool accumulate) {    \
-      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                  \
-                   "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX "." PTX                        \
-                   " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 1, 1;\n}\n"                        \
-                   : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), \
-      "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
-      "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
-      "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), \
-      "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), \
-      "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
-      "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), \
-      "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), \
-      "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), \
-      "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), \
-      "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), \
-      "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), \
-      "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), \
-      "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), \
-      "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), \
-      "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])                                                     \
-                   : "l"(a_desc), "l"(b_desc), "r"(static_cast<int>(accumulate)));               \
-    }                                                                                               \
-    /* D[64 x 128] (+)= A[64 x 16] (registers) * B[16 x 128] (shared, N-major: stored [k][n]). */    \
-    __device__ __forceinline__ static void rs_b_transposed(float (&d)[16][4], const uint32_t (&a)[4], \
-                                                           uint64_t b_desc, bool accumulate) {   \
-      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                  \
-                   "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX "." PTX                        \
-                   " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"   \
-                   : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), \
-      "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
-      "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
-      "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), \
-      "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), \
-      "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
-      "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), \
-      "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), \
-      "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), \
-      "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), \
-      "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), \
-      "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), \
-      "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), \
-      "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), \
-      "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), \
-      "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])                                                     \
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc),                     \
-                     "r"(static_cast<int>(accumulate)));                                          \
-    }                                                                                               \
-  };
-
+#define JF_DEFINE_WGMMA_N64(T, PTX)                                                                 \
+  JF_DEFINE_WGMMA(T, PTX, 64, JF_WGMMA_ACC_N64, JF_WGMMA_REGS_N64, "%32, %33", "%34",              \
+                  "{%32, %33, %34, %35}, %36", "%37")
+#define JF_DEFINE_WGMMA_N128(T, PTX)                                                                \
+  JF_DEFINE_WGMMA(T, PTX, 128, JF_WGMMA_ACC_N128, JF_WGMMA_REGS_N128, "%64, %65", "%66",          \
+                  "{%64, %65, %66, %67}, %68", "%69")
 JF_DEFINE_WGMMA_N64(__nv_bfloat16, "bf16")
 JF_DEFINE_WGMMA_N64(__half, "f16")
 JF_DEFINE_WGMMA_N128(__nv_bfloat16, "bf16")
 JF_DEFINE_WGMMA_N128(__half, "f16")
 #undef JF_DEFINE_WGMMA_N64
 #undef JF_DEFINE_WGMMA_N128
+#undef JF_DEFINE_WGMMA
+#undef JF_WGMMA_REGS_N64
+#undef JF_WGMMA_REGS_N128
+#undef JF_WGMMA_ACC_N64
+#undef JF_WGMMA_ACC_N128
+#undef JF_WGMMA_ACC
 
 }  // namespace jax_flash::cuda
