@@ -36,7 +36,7 @@ cudaError_t Launch<T, kHeadDim>::run(const BwdParams& p, cudaStream_t stream) {
 
   if (sh.seq_k > 0) {  // with no keys, dK and dV are empty and dQ stays 0
     const dim3 grid((sh.seq_k + Traits::kBlockN - 1) / Traits::kBlockN, sh.heads_k, sh.batch);
-    const cudaError_t e = backward_kernel(p) == BackwardKernel::kSm90
+    const cudaError_t e = backward_kernel(p) == KernelFamily::kSm90
                               ? launch_flash_bwd_main_sm90(p, stream)
                               : launch_with_smem(flash_bwd_kernel<Traits, T>, grid, Traits::kThreads,
                                                  Traits::kSmemBytes, stream, p);

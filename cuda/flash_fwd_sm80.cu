@@ -31,7 +31,7 @@ cudaError_t Launch<T, kHeadDim>::run(const FwdParams& p, cudaStream_t stream) {
 
 cudaError_t launch_flash_fwd(const FwdParams& params, cudaStream_t stream) {
   if (params.shape.seq_q == 0 || params.shape.batch == 0) return cudaSuccess;
-  if (forward_kernel(params) != ForwardKernel::kSm80) return launch_flash_fwd_sm90(params, stream);
+  if (forward_kernel(params) == KernelFamily::kSm90) return launch_flash_fwd_sm90(params, stream);
   return dispatch_dtype_head_dim<Launch>(params, stream);
 }
 

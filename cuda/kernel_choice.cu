@@ -13,29 +13,27 @@ constexpr const char* kForwardVariable = "JAX_FLASH_CUDA_FORWARD";
 constexpr const char* kBackwardVariable = "JAX_FLASH_CUDA_BACKWARD";
 
 struct Overrides {
-  std::optional<ForwardKernel> forward;
-  std::optional<BackwardKernel> backward;
+  std::optional<KernelFamily> forward;
+  std::optional<KernelFamily> backward;
   std::string error;
 };
 
+// The family `variable` names, if set; a value that names none is appended to `error`.
+std::optional<KernelFamily> read_override(const char* variable, std::string& error) {
+  const char* value = std::getenv(variable);
+  if (value == nullptr || *value == '\0') return std::nullopt;
+  const std::string v = value;
+  if (v == "sm80") return KernelFamily::kSm80;
+  if (v == "sm90") return KernelFamily::kSm90;
+  error += std::string(error.empty() ? "" : "; ") + "jax_flash: " + variable + "=" + v +
+           " is not one of sm80, sm90";
+  return std::nullopt;
+}
+
 Overrides read_overrides() {
   Overrides o;
-  auto bad = [&](const char* variable, const std::string& value, const char* allowed) {
-    o.error += std::string(o.error.empty() ? "" : "; ") + "jax_flash: " + variable + "=" + value +
-               " is not one of " + allowed;
-  };
-  if (const char* value = std::getenv(kForwardVariable); value != nullptr && *value != '\0') {
-    const std::string v = value;
-    if (v == "sm80") o.forward = ForwardKernel::kSm80;
-    else if (v == "sm90") o.forward = ForwardKernel::kSm90;
-    else bad(kForwardVariable, v, "sm80, sm90");
-  }
-  if (const char* value = std::getenv(kBackwardVariable); value != nullptr && *value != '\0') {
-    const std::string v = value;
-    if (v == "sm80") o.backward = BackwardKernel::kSm80;
-    else if (v == "sm90") o.backward = BackwardKernel::kSm90;
-    else bad(kBackwardVariable, v, "sm80, sm90");
-  }
+  o.forward = read_override(kForwardVariable, o.error);
+  o.backward = read_override(kBackwardVariable, o.error);
   return o;
 }
 
@@ -44,8 +42,11 @@ const Overrides& overrides() {
   return o;
 }
 
-// The head dims the wgmma kernels are compiled for (64 and 128), after padding.
-bool hopper_head_dim(int64_t head_dim) { return head_dim > 32 && head_dim <= 128; }
+// wgmma where it exists (Hopper, head dims padded to 64 or 128) unless overridden; else mma.sync.
+KernelFamily choose(int64_t head_dim, std::optional<KernelFamily> override_family) {
+  const bool hopper_kernel_exists = head_dim > 32 && head_dim <= 128 && device_compute_major() == 9;
+  return hopper_kernel_exists ? override_family.value_or(KernelFamily::kSm90) : KernelFamily::kSm80;
+}
 
 }  // namespace
 
@@ -65,14 +66,12 @@ int device_compute_major() {
   return majors[device];
 }
 
-ForwardKernel forward_kernel(const FwdParams& params) {
-  if (!hopper_head_dim(params.shape.head_dim) || device_compute_major() != 9) return ForwardKernel::kSm80;
-  return overrides().forward.value_or(ForwardKernel::kSm90);
+KernelFamily forward_kernel(const FwdParams& params) {
+  return choose(params.shape.head_dim, overrides().forward);
 }
 
-BackwardKernel backward_kernel(const BwdParams& params) {
-  if (!hopper_head_dim(params.shape.head_dim) || device_compute_major() != 9) return BackwardKernel::kSm80;
-  return overrides().backward.value_or(BackwardKernel::kSm90);
+KernelFamily backward_kernel(const BwdParams& params) {
+  return choose(params.shape.head_dim, overrides().backward);
 }
 
 }  // namespace jax_flash::cuda

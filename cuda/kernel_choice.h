@@ -12,15 +12,15 @@
 
 namespace jax_flash::cuda {
 
-enum class ForwardKernel { kSm80, kSm90 };
-enum class BackwardKernel { kSm80, kSm90 };
+// The kernel family of a pass: mma.sync (sm80) or wgmma (sm90).
+enum class KernelFamily { kSm80, kSm90 };
 
 // Empty when the variables are unset or hold a known value; else a message naming the variable,
 // its value and the values it takes (the FFI handlers return it as an error).
 const std::string& kernel_override_error();
 
-ForwardKernel forward_kernel(const FwdParams& params);
-BackwardKernel backward_kernel(const BwdParams& params);
+KernelFamily forward_kernel(const FwdParams& params);
+KernelFamily backward_kernel(const BwdParams& params);
 
 // Compute capability major of the current device (0 if CUDA cannot say).
 int device_compute_major();
