@@ -844,9 +844,14 @@ def _per_platform(attribute: str) -> str:
                    for name, v in values.items())
 
 
+def _skippable(platform: Platform) -> list[str]:
+  """The peers --skip may name: all but jax_flash (the first)."""
+  return [peer.name for peer in platform.peers[1:]]
+
+
 def _peer_names() -> str:
   """The skippable peers of each platform, for the help text."""
-  return "; ".join(f"{name}: {','.join(p.name for p in platform.peers[1:])}"
+  return "; ".join(f"{name}: {','.join(_skippable(platform))}"
                    for name, platform in PLATFORMS.items())
 
 
@@ -889,7 +894,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   args.seqs = [n for group in args.seqs for n in group] if args.seqs else None
   args.head_dims = [n for group in args.head_dims for n in group] if args.head_dims else None
   platform = PLATFORMS[args.platform]
-  skippable = [peer.name for peer in platform.peers[1:]]
+  skippable = _skippable(platform)
   for name in args.skip:
     if name not in skippable:
       parser.error(f"--skip: {name!r} is not a skippable {platform.name} peer "
