@@ -101,6 +101,28 @@ inline xla::ffi::Error expect_count(const char* name, size_t count, int64_t expe
   return xla::ffi::Error::Success();
 }
 
+// Checks the operands both passes take (q, k, v, o and the lengths) and fills the fields of
+// `params` (FwdParams or BwdParams) they and the mask/scale attributes determine.
+template <typename Params>
+xla::ffi::Error set_attention_inputs(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuffer& k,
+                                     const xla::ffi::AnyBuffer& v, const xla::ffi::AnyBuffer& o,
+                                     const xla::ffi::Buffer<xla::ffi::S32>& q_lens,
+                                     const xla::ffi::Buffer<xla::ffi::S32>& kv_lens, double scale,
+                                     bool is_causal, int64_t window_left, int64_t window_right,
+                                     Params& params) {
+  JF_RETURN_IF_ERROR(attention_shape(q, k, v, q_lens, kv_lens, params.shape));
+  JF_RETURN_IF_ERROR(attention_dtype(q, params.dtype));
+  JF_RETURN_IF_ERROR(expect_like("o", o, q));
+  params.mask = {is_causal, window_left, window_right};
+  params.scale = static_cast<float>(scale);
+  params.q = q.untyped_data();
+  params.k = k.untyped_data();
+  params.v = v.untyped_data();
+  params.q_lens = q_lens.typed_data();
+  params.kv_lens = kv_lens.typed_data();
+  return xla::ffi::Error::Success();
+}
+
 // Checks the forward's operands and fills every field of `params` they determine.
 inline xla::ffi::Error make_fwd_params(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuffer& k,
                                        const xla::ffi::AnyBuffer& v,
@@ -110,18 +132,10 @@ inline xla::ffi::Error make_fwd_params(const xla::ffi::AnyBuffer& q, const xla::
                                        const xla::ffi::Buffer<xla::ffi::F32>& lse, double scale,
                                        bool is_causal, int64_t window_left, int64_t window_right,
                                        FwdParams& params) {
-  JF_RETURN_IF_ERROR(attention_shape(q, k, v, q_lens, kv_lens, params.shape));
-  JF_RETURN_IF_ERROR(attention_dtype(q, params.dtype));
-  JF_RETURN_IF_ERROR(expect_like("o", o, q));
+  JF_RETURN_IF_ERROR(set_attention_inputs(q, k, v, o, q_lens, kv_lens, scale, is_causal, window_left,
+                                          window_right, params));
   const AttentionShape& sh = params.shape;
   JF_RETURN_IF_ERROR(expect_count("lse", lse.element_count(), sh.batch * sh.heads_q * sh.seq_q));
-  params.mask = {is_causal, window_left, window_right};
-  params.scale = static_cast<float>(scale);
-  params.q = q.untyped_data();
-  params.k = k.untyped_data();
-  params.v = v.untyped_data();
-  params.q_lens = q_lens.typed_data();
-  params.kv_lens = kv_lens.typed_data();
   params.o = o.untyped_data();
   params.lse = lse.typed_data();
   return xla::ffi::Error::Success();
@@ -137,9 +151,8 @@ inline xla::ffi::Error make_bwd_params(
     const xla::ffi::AnyBuffer& dk, const xla::ffi::AnyBuffer& dv,
     const xla::ffi::Buffer<xla::ffi::F32>& delta, double scale, bool is_causal,
     int64_t window_left, int64_t window_right, BwdParams& params) {
-  JF_RETURN_IF_ERROR(attention_shape(q, k, v, q_lens, kv_lens, params.shape));
-  JF_RETURN_IF_ERROR(attention_dtype(q, params.dtype));
-  JF_RETURN_IF_ERROR(expect_like("o", o, q));
+  JF_RETURN_IF_ERROR(set_attention_inputs(q, k, v, o, q_lens, kv_lens, scale, is_causal, window_left,
+                                          window_right, params));
   JF_RETURN_IF_ERROR(expect_like("do", d_o, q));
   JF_RETURN_IF_ERROR(expect_like("dq", dq, q));
   JF_RETURN_IF_ERROR(expect_like("dk", dk, k));
@@ -148,16 +161,9 @@ inline xla::ffi::Error make_bwd_params(
   const int64_t rows = sh.batch * sh.heads_q * sh.seq_q;
   JF_RETURN_IF_ERROR(expect_count("lse", lse.element_count(), rows));
   JF_RETURN_IF_ERROR(expect_count("delta", delta.element_count(), rows));
-  params.mask = {is_causal, window_left, window_right};
-  params.scale = static_cast<float>(scale);
-  params.q = q.untyped_data();
-  params.k = k.untyped_data();
-  params.v = v.untyped_data();
   params.o = o.untyped_data();
   params.d_o = d_o.untyped_data();
   params.lse = lse.typed_data();
-  params.q_lens = q_lens.typed_data();
-  params.kv_lens = kv_lens.typed_data();
   params.dq = dq.untyped_data();
   params.dk = dk.untyped_data();
   params.dv = dv.untyped_data();
