@@ -259,6 +259,18 @@ def make_attention_fn(
 # NNX
 
 
+def _keys_and_values(inputs_q, inputs_k, inputs_v, stock: str):
+  """The key and value inputs as Flax's `stock` module defaults them: self-attention without
+  inputs_k, values from the keys without inputs_v."""
+  if inputs_k is None:
+    if inputs_v is not None:
+      raise ValueError(f"`inputs_k` cannot be None if `inputs_v` is not None (as in {stock})")
+    inputs_k = inputs_q
+  if inputs_v is None:
+    inputs_v = inputs_k
+  return inputs_k, inputs_v
+
+
 class FlashMultiHeadAttention(nnx.MultiHeadAttention):
   """``nnx.MultiHeadAttention`` computed by jax_flash.
 
@@ -315,13 +327,7 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
     if decode or (decode is None and self.decode):
       raise NotImplementedError(
           "FlashMultiHeadAttention: decode (Flax's autoregressive cache) is not supported yet")
-    if inputs_k is None:
-      if inputs_v is not None:
-        raise ValueError("`inputs_k` cannot be None if `inputs_v` is not None (as in "
-                         "nnx.MultiHeadAttention)")
-      inputs_k = inputs_q
-    if inputs_v is None:
-      inputs_v = inputs_k
+    inputs_k, inputs_v = _keys_and_values(inputs_q, inputs_k, inputs_v, "nnx.MultiHeadAttention")
     if inputs_q.shape[-1] != self.in_features:
       raise ValueError(f"Incompatible input dimension, got {inputs_q.shape[-1]} but module "
                        f"expects {self.in_features}.")
@@ -408,13 +414,8 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
         is_causal=self.is_causal, local_window_size=self.local_window_size,
         implementation=self.implementation, deterministic_backward=self.deterministic_backward)
 
-    if inputs_k is None:
-      if inputs_v is not None:
-        raise ValueError("`inputs_k` cannot be None if `inputs_v` is not None (as in "
-                         "nn.MultiHeadDotProductAttention)")
-      inputs_k = inputs_q
-    if inputs_v is None:
-      inputs_v = inputs_k
+    inputs_k, inputs_v = _keys_and_values(inputs_q, inputs_k, inputs_v,
+                                          "nn.MultiHeadDotProductAttention")
     features = self.out_features or inputs_q.shape[-1]
     qkv_features = self.qkv_features or inputs_q.shape[-1]
     if qkv_features % self.num_heads != 0:
