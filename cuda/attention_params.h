@@ -98,4 +98,22 @@ JF_HOST_DEVICE static inline KeyRange key_range(const MaskParams& m, int64_t i, 
   return {begin, end};
 }
 
+// Half-open range of query rows that attend to key j: the rows i with key_range(i) holding j.
+// Both bounds grow with j, and an empty range is only ever followed by empty ones.
+struct QueryRange {
+  int64_t begin;
+  int64_t end;
+  JF_HOST_DEVICE bool empty() const { return begin >= end; }
+};
+
+JF_HOST_DEVICE static inline QueryRange query_range(const MaskParams& m, int64_t j, int64_t q_len, int64_t kv_len) {
+  if (j < 0 || j >= kv_len) return {0, 0};
+  int64_t begin = 0;
+  int64_t end = q_len;
+  if (m.causal && j > begin) begin = j;                                             // i >= j
+  if (m.window_right >= 0 && j - m.window_right > begin) begin = j - m.window_right;  // j <= i + right
+  if (m.window_left >= 0 && j + m.window_left + 1 < end) end = j + m.window_left + 1;  // j >= i - left
+  return {begin, end};
+}
+
 }  // namespace jax_flash

@@ -30,8 +30,8 @@ cudaError_t Launch<T, kHeadDim>::run(const BwdParams& p, cudaStream_t stream) {
   using Traits = BwdTraitsFor<kHeadDim>;
   const AttentionShape& sh = p.shape;
   const int64_t rows = sh.batch * sh.seq_q * sh.heads_q;
-  constexpr int kPrepareWarps = 8;
-  flash_bwd_prepare_kernel<T><<<(rows + kPrepareWarps - 1) / kPrepareWarps, 32 * kPrepareWarps, 0, stream>>>(p);
+  constexpr int kRowThreads = prepare_threads_per_row(kHeadDim);
+  flash_bwd_prepare_kernel<T, kRowThreads><<<(rows * kRowThreads + 255) / 256, 256, 0, stream>>>(p);
   if (cudaError_t e = cudaGetLastError()) return e;
 
   if (sh.seq_k > 0) {  // with no keys, dK and dV are empty and dQ stays 0
@@ -49,8 +49,8 @@ cudaError_t Launch<T, kHeadDim>::run(const BwdParams& p, cudaStream_t stream) {
     const dim3 dq_grid((sh.seq_q + DqTraits::kBlockM - 1) / DqTraits::kBlockM, sh.heads_q, sh.batch);
     return launch_with_smem(flash_bwd_dq_kernel<DqTraits, T>, dq_grid, DqTraits::kThreads, dq_smem, stream, p);
   }
-  const int64_t elements = rows * sh.head_dim;
-  const int blocks = static_cast<int>(std::min<int64_t>((elements + 255) / 256, 65536));
+  const int64_t groups = rows * sh.head_dim / 8;  // the convert kernel's 8 elements a thread
+  const int blocks = static_cast<int>(std::min<int64_t>((groups + 255) / 256, 65536));
   flash_bwd_convert_dq_kernel<T><<<blocks, 256, 0, stream>>>(p);
   return cudaGetLastError();
 }

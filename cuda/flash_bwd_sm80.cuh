@@ -34,20 +34,28 @@ __device__ __forceinline__ void rows_seeing(const MaskParams& m, int64_t j0, int
   end = lo;
 }
 
-// One warp per (batch, query row, head): delta = dO . O, and the row's dQ accumulator zeroed
-// (when there is one).
-template <typename T>
+// Threads per query row in the prepare kernel: one per 8 elements of the head dim, rounded up to
+// a power of two (so a row's threads are an aligned group of a warp), at most a warp.
+__host__ __device__ constexpr int prepare_threads_per_row(int64_t head_dim) {
+  int threads = 1;
+  while (threads < 32 && threads * 8 < head_dim) threads *= 2;
+  return threads;
+}
+
+// delta = dO . O per (batch, query row, head), and the row's dQ accumulator zeroed (when there
+// is one). kThreadsPerRow threads a row (prepare_threads_per_row), each 16 bytes of O and dO at
+// a time: at head dim 64 a warp takes 4 rows, so every lane loads.
+template <typename T, int kThreadsPerRow>
 __global__ void flash_bwd_prepare_kernel(const __grid_constant__ BwdParams p) {
   const AttentionShape& sh = p.shape;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= sh.batch * sh.seq_q * sh.heads_q) return;
-  const int64_t h = row % sh.heads_q, t = row / sh.heads_q % sh.seq_q, b = row / (sh.heads_q * sh.seq_q);
+  const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kThreadsPerRow;
+  const int lane_in_row = threadIdx.x % kThreadsPerRow;
+  const bool live = row < sh.batch * sh.seq_q * sh.heads_q;  // no early return: the shuffles need every lane
   const T* o = static_cast<const T*>(p.o) + row * sh.head_dim;
   const T* d_o = static_cast<const T*>(p.d_o) + row * sh.head_dim;
   float* dq = p.deterministic ? nullptr : p.dq_accum + row * sh.head_dim;
   float sum = 0.f;
-  for (int c = lane * 8; c < sh.head_dim; c += 32 * 8) {
+  for (int c = lane_in_row * 8; live && c < sh.head_dim; c += kThreadsPerRow * 8) {
     const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
     const uint4 dv = *reinterpret_cast<const uint4*>(d_o + c);
     const T* oe = reinterpret_cast<const T*>(&ov);
@@ -60,18 +68,27 @@ __global__ void flash_bwd_prepare_kernel(const __grid_constant__ BwdParams p) {
     }
   }
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-  if (lane == 0) p.delta[(b * sh.heads_q + h) * sh.seq_q + t] = sum;
+  for (int offset = kThreadsPerRow / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  if (live && lane_in_row == 0) {
+    const int64_t h = row % sh.heads_q, t = row / sh.heads_q % sh.seq_q, b = row / (sh.heads_q * sh.seq_q);
+    p.delta[(b * sh.heads_q + h) * sh.seq_q + t] = sum;
+  }
 }
 
+// dQ = the float32 accumulator in the input dtype, 8 elements (two 16-byte loads, one store) a
+// thread per step; the head dim is a multiple of 8, so the element count is too.
 template <typename T>
 __global__ void flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams p) {
   const AttentionShape& sh = p.shape;
-  const int64_t n = sh.batch * sh.seq_q * sh.heads_q * sh.head_dim;
-  T* dq = static_cast<T*>(p.dq);
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    dq[i] = static_cast<T>(p.dq_accum[i]);
+  const int64_t groups = sh.batch * sh.seq_q * sh.heads_q * sh.head_dim / 8;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < groups;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float4 lo = reinterpret_cast<const float4*>(p.dq_accum)[2 * i];
+    const float4 hi = reinterpret_cast<const float4*>(p.dq_accum)[2 * i + 1];
+    const uint4 packed = make_uint4(MmaOp<T>::pack(lo.x, lo.y), MmaOp<T>::pack(lo.z, lo.w), MmaOp<T>::pack(hi.x, hi.y),
+                                    MmaOp<T>::pack(hi.z, hi.w));
+    reinterpret_cast<uint4*>(p.dq)[i] = packed;
+  }
 }
 
 // Stores a warp's accumulator (rows from row0, columns from col0, a multiple of 8 * kNTiles)

@@ -38,24 +38,53 @@ struct Sm90BwdTraits {
 };
 
 // Sets to -inf the transposed scores s (rows: keys from key0, this thread's rows lane/4 and
-// +8 of its warp's 16; columns: queries from query0, 8 j + 2 (lane % 4) + e % 2) outside each
-// query's key range.
+// +8 of its warp's 16; columns: queries from query0, 8 j + 2 (lane % 4) + e % 2) of the queries
+// that do not see the key: one query range per key row, two compares per score.
 template <int kNTiles>
 __device__ __forceinline__ void mask_transposed_scores(float (&s)[1][kNTiles][4], const MaskParams& mask,
                                                        int64_t key0, int64_t query0, int64_t q_len,
                                                        int64_t kv_len, int lane) {
+  const int64_t column0 = query0 + (lane % 4) * 2;
 #pragma unroll
-  for (int nt = 0; nt < kNTiles; ++nt)
+  for (int half = 0; half < 2; ++half) {
+    const QueryRange r = query_range(mask, key0 + lane / 4 + half * 8, q_len, kv_len);
+    // Bounds relative to this thread's first column, in 32 bits.
+    const int begin = static_cast<int>(max64(-1, min64(r.begin - column0, kNTiles * 8)));
+    const int end = static_cast<int>(max64(-1, min64(r.end - column0, kNTiles * 8)));
 #pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const KeyRange r = key_range(mask, query0 + nt * 8 + (lane % 4) * 2 + c, q_len, kv_len);
+    for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int64_t key = key0 + lane / 4 + half * 8;
-        if (key < r.begin || key >= r.end) s[0][nt][2 * half + c] = -INFINITY;
-      }
-    }
+      for (int c = 0; c < 2; ++c)
+        if (nt * 8 + c < begin || nt * 8 + c >= end) s[0][nt][2 * half + c] = -INFINITY;
+  }
 }
+
+// The query blocks of kBlockM rows a warpgroup's keys [key0, key_end) take part in: `live` those
+// whose rows see some of the keys (outside them the warpgroup's scores are all masked), `whole`
+// those whose rows all see every key (inside them no mask is needed; empty unless 64 keys live).
+struct KeyGroupBlocks {
+  int live_begin = 0, live_end = 0, whole_begin = 0, whole_end = 0;
+
+  template <int kBlockM>
+  __device__ static KeyGroupBlocks of(const MaskParams& mask, int64_t key0, int64_t key_end, int64_t q_len,
+                                      int64_t kv_len) {
+    KeyGroupBlocks g;
+    if (key_end <= key0) return g;
+    const QueryRange first = query_range(mask, key0, q_len, kv_len);
+    const QueryRange last = query_range(mask, key_end - 1, q_len, kv_len);
+    if (first.begin < last.end) {
+      g.live_begin = static_cast<int>(first.begin / kBlockM);
+      g.live_end = static_cast<int>((last.end + kBlockM - 1) / kBlockM);
+    }
+    if (key_end - key0 == 64 && last.begin < first.end) {
+      g.whole_begin = static_cast<int>((last.begin + kBlockM - 1) / kBlockM);
+      g.whole_end = static_cast<int>(first.end / kBlockM);
+    }
+    return g;
+  }
+  __device__ bool live(int mb) const { return mb >= live_begin && mb < live_end; }
+  __device__ bool whole(int mb) const { return mb >= whole_begin && mb < whole_end; }
+};
 
 template <typename Traits, typename T>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
@@ -106,8 +135,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   };
   const T* q_base = static_cast<const T*>(p.q) + b * sh.seq_q * q_stride;
   const T* do_base = static_cast<const T*>(p.d_o) + b * sh.seq_q * q_stride;
-  // Q, dO of a visit into a stage (cp.async), and its rows' lse (log2 units; +inf for rows that
-  // attend to nothing, so that their P is 0) and delta (plain stores, published by a barrier).
+  // Q, dO of a visit into a stage (cp.async); its rows' lse and delta into registers of the
+  // first kBM threads (loaded early, stored to shared memory once they have arrived).
+  struct RowStatistics {
+    float lse, delta;
+  };
   auto load_visit = [&](Visit v, int stage) {
     const int64_t m0 = static_cast<int64_t>(v.mb) * kBM;
     const int rows = static_cast<int>(max64(0, min64(kBM, q_len - m0)));
@@ -115,11 +147,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                                q_stride, rows, chunks, tid);
     load_tile<QTile, kThreads>(s_do + stage * QTile::kElements, do_base + m0 * q_stride + v.h * sh.head_dim,
                                q_stride, rows, chunks, tid);
-    if (tid < kBM) {
+    RowStatistics stats{kEmptyRowLse, 0.f};
+    if (tid < rows) {
       const int64_t stat = (static_cast<int64_t>(b) * sh.heads_q + v.h) * sh.seq_q + m0 + tid;
-      const float lse = tid < rows ? p.lse[stat] : kEmptyRowLse;
-      s_lse2[stage * kBM + tid] = lse == kEmptyRowLse ? INFINITY : lse * kLog2e;
-      s_delta[stage * kBM + tid] = tid < rows ? p.delta[stat] : 0.f;
+      stats = {p.lse[stat], p.delta[stat]};
+    }
+    return stats;
+  };
+  // The lse in log2 units (+inf for rows that attend to nothing, so that their P is 0) and the
+  // delta of a stage, published by the next barrier.
+  auto store_statistics = [&](RowStatistics stats, int stage) {
+    if (tid < kBM) {
+      s_lse2[stage * kBM + tid] = stats.lse == kEmptyRowLse ? INFINITY : stats.lse * kLog2e;
+      s_delta[stage * kBM + tid] = stats.delta;
     }
   };
 
@@ -129,120 +169,144 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const uint32_t k_address = smem_address(s_k), v_address = smem_address(s_v);
   const uint32_t ds_address = smem_address(s_ds);
 
+  // The query blocks this warpgroup's keys take part in (the others skip their products).
+  const int64_t group_key0 = n0 + group * 64;
+  const KeyGroupBlocks group_blocks =
+      KeyGroupBlocks::of<kBM>(p.mask, group_key0, min64(group_key0 + 64, n0 + live_keys), q_len, kv_len);
+
   if (iterations > 0) {
     const T* k = static_cast<const T*>(p.k) + (b * sh.seq_k + n0) * kv_stride + hk * sh.head_dim;
     const T* v = static_cast<const T*>(p.v) + (b * sh.seq_k + n0) * kv_stride + hk * sh.head_dim;
     load_tile<KVTile, kThreads>(s_k, k, kv_stride, live_keys, chunks, tid);
     load_tile<KVTile, kThreads>(s_v, v, kv_stride, live_keys, chunks, tid);
-    load_visit(Visit{hk * heads_per_kv, mb_first}, 0);
+    store_statistics(load_visit(Visit{hk * heads_per_kv, mb_first}, 0), 0);
     cp_async_commit();
   }
   Visit visit{hk * heads_per_kv, mb_first};
   for (int it = 0, stage = 0; it < iterations; ++it, stage ^= 1, visit = next_visit(visit)) {
-    // This visit's tiles have landed and every warp is done with the previous one (its stage,
-    // dS^T tile and statistics): prefetch the next visit into the other stage.
+    // This visit's tiles and statistics have landed and every warp is done with the previous
+    // visit (its stage, dS^T tile and statistics): prefetch the next visit into the other stage.
     cp_async_wait<0>();
     fence_proxy_async();
     __syncthreads();
-    if (it + 1 < iterations) {
-      load_visit(next_visit(visit), stage ^ 1);
-      cp_async_commit();
-    }
+    const bool has_next = it + 1 < iterations;
     const int64_t m0 = static_cast<int64_t>(visit.mb) * kBM;
     const uint32_t q_address = smem_address(s_q + stage * QTile::kElements);
     const uint32_t do_address = smem_address(s_do + stage * QTile::kElements);
 
-    // S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys.
+    // S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys, then P^T and dS^T (masked
+    // where some query of the block does not see some key). A warpgroup none of whose keys the
+    // block's queries see has P^T = dS^T = 0: it skips the products and stores a zero dS^T.
     float st[1][kBM / 8][4], dpt[1][kBM / 8][4];
-    fence_registers(st[0]);
-    fence_registers(dpt[0]);
-    wgmma_fence();
+    const bool group_live = group_blocks.live(visit.mb);
+    RowStatistics next_stats{};
+    if (group_live) {
+      fence_registers(st[0]);
+      fence_registers(dpt[0]);
+      wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk)
-      Wgmma<T, kBM>::ss(st[0], KVTile::k_major(k_address, group * 64, kk), QTile::k_major(q_address, 0, kk), kk > 0);
+      for (int kk = 0; kk < kD / 16; ++kk)
+        Wgmma<T, kBM>::ss(st[0], KVTile::k_major(k_address, group * 64, kk), QTile::k_major(q_address, 0, kk),
+                          kk > 0);
 #pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk)
-      Wgmma<T, kBM>::ss(dpt[0], KVTile::k_major(v_address, group * 64, kk), QTile::k_major(do_address, 0, kk),
-                        kk > 0);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_registers(st[0]);
-    fence_registers(dpt[0]);
-
-    // P^T and dS^T; masks where some query of the block sees only part of the keys.
-    const KeyRange first = key_range(p.mask, m0, q_len, kv_len);
-    const KeyRange last = key_range(p.mask, min64(m0 + kBM, q_len) - 1, q_len, kv_len);
-    if (m0 + kBM > q_len || n0 < last.begin || n0 + kBN > first.end)
-      mask_transposed_scores(st, p.mask, n0 + warp_key0, m0, q_len, kv_len, lane);
-    const float* lse2 = s_lse2 + stage * kBM;
-    const float* delta = s_delta + stage * kBM;
-#pragma unroll
-    for (int nt = 0; nt < kBM / 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int query = nt * 8 + (lane % 4) * 2 + e % 2;
-        const float prob = fast_exp2(st[0][nt][e] * scale_log2 - lse2[query]);
-        st[0][nt][e] = prob;
-        dpt[0][nt][e] = p.scale * prob * (dpt[0][nt][e] - delta[query]);
+      for (int kk = 0; kk < kD / 16; ++kk)
+        Wgmma<T, kBM>::ss(dpt[0], KVTile::k_major(v_address, group * 64, kk), QTile::k_major(do_address, 0, kk),
+                          kk > 0);
+      wgmma_commit();
+      // The next visit's loads are issued under the products.
+      if (has_next) {
+        next_stats = load_visit(next_visit(visit), stage ^ 1);
+        cp_async_commit();
       }
+      wgmma_wait<0>();
+      fence_registers(st[0]);
+      fence_registers(dpt[0]);
 
-    // dS^T to shared memory for dQ (each thread its fragments: rows keys, columns queries).
-    if (!p.deterministic) {
-      // SmemTile<kBN, 64> stores exactly as DsTile lays out (one 64-column block, chunk ^ row).
-      store_accumulator<SmemTile<kBN, kBM>>(s_ds, dpt, warp_key0, 0, lane);
-      fence_proxy_async();
+      if (!group_blocks.whole(visit.mb))
+        mask_transposed_scores(st, p.mask, n0 + warp_key0, m0, q_len, kv_len, lane);
+      const float* lse2 = s_lse2 + stage * kBM;
+      const float* delta = s_delta + stage * kBM;
+#pragma unroll
+      for (int nt = 0; nt < kBM / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int query = nt * 8 + (lane % 4) * 2 + e % 2;
+          const float prob = fast_exp2(st[0][nt][e] * scale_log2 - lse2[query]);
+          st[0][nt][e] = prob;
+          dpt[0][nt][e] = p.scale * prob * (dpt[0][nt][e] - delta[query]);
+        }
+    } else {
+      if (has_next) {
+        next_stats = load_visit(next_visit(visit), stage ^ 1);
+        cp_async_commit();
+      }
+#pragma unroll
+      for (int nt = 0; nt < kBM / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dpt[0][nt][e] = 0.f;
     }
+    // The next visit's statistics have had the products' time to arrive.
+    if (has_next) store_statistics(next_stats, stage ^ 1);
 
-    // dV += P^T dO, dK += dS^T Q.
-    uint32_t pt[kBM / 16][1][4], dst[kBM / 16][1][4];
-    accumulator_to_a<T>(pt, st);
-    accumulator_to_a<T>(dst, dpt);
+    // dS^T to shared memory, for dK and dQ (each thread its fragments: rows keys, columns
+    // queries). SmemTile<kBN, 64> stores exactly as DsTile lays out (one 64-column block,
+    // chunk ^ row).
+    store_accumulator<SmemTile<kBN, kBM>>(s_ds, dpt, warp_key0, 0, lane);
+    fence_proxy_async();
+    __syncthreads();  // every warp's dS^T is in shared memory
+
+    // dV += P^T dO (P^T from registers) and dK += dS^T Q (dS^T from shared memory, which keeps
+    // registers free for dQ) for this warpgroup's keys if the block sees them, and dQ = dS K
+    // (warpgroup g: head-dim columns 64 g .. 64 g + 63, all of them for head dim 64 in
+    // warpgroup 0), issued back to back and waited for once.
+    const bool dq_here = !p.deterministic && group * 64 < kD;
+    float dq[1][8][4];
     fence_registers(dv[0]);
     fence_registers(dk[0]);
+    fence_registers(dq[0]);
+    if (group_live) {
+      uint32_t pt[kBM / 16][1][4];
+      accumulator_to_a<T>(pt, st);
 #pragma unroll
-    for (int kk = 0; kk < kBM / 16; ++kk) {
-      fence_registers(pt[kk]);
-      fence_registers(dst[kk]);
+      for (int kk = 0; kk < kBM / 16; ++kk) fence_registers(pt[kk]);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBM / 16; ++kk)
+        Wgmma<T, kD>::rs_b_transposed(dv[0], pt[kk][0], QTile::n_major(do_address, kk), true);
+#pragma unroll
+      for (int kk = 0; kk < kBM / 16; ++kk)
+        Wgmma<T, kD>::ss_b_transposed(dk[0], DsTile::k_major(ds_address, group * 64, kk),
+                                      QTile::n_major(q_address, kk), true);
+      wgmma_commit();
+      // At head dim 128 the registers do not hold dK, dV and dQ in flight at once.
+      if constexpr (kD > 64) wgmma_wait<0>();
     }
-    wgmma_fence();
+    if (dq_here) {
+      wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kBM / 16; ++kk)
-      Wgmma<T, kD>::rs_b_transposed(dv[0], pt[kk][0], QTile::n_major(do_address, kk), true);
-#pragma unroll
-    for (int kk = 0; kk < kBM / 16; ++kk)
-      Wgmma<T, kD>::rs_b_transposed(dk[0], dst[kk][0], QTile::n_major(q_address, kk), true);
-    wgmma_commit();
+      for (int kk = 0; kk < kBN / 16; ++kk)
+        Wgmma<T, 64>::ss_transposed(dq[0], DsTile::n_major(ds_address, kk),
+                                    KVTile::n_major(k_address + group * KVTile::kBlockBytes, kk), kk > 0);
+      wgmma_commit();
+    }
     wgmma_wait<0>();
     fence_registers(dv[0]);
     fence_registers(dk[0]);
+    fence_registers(dq[0]);
 
-    // dQ = dS K: warpgroup g computes head-dim columns 64 g .. 64 g + 63 (all of them for head
-    // dim 64 in warpgroup 0), then adds them to the float32 accumulator.
-    if (!p.deterministic) {
-      __syncthreads();  // every warp's dS^T is in shared memory
-      if (group * 64 < kD) {
-        float dq[1][8][4];
-        fence_registers(dq[0]);
-        wgmma_fence();
+    // dQ added to the float32 accumulator.
+    if (dq_here) {
+      const int lane_row = warp % 4 * 16 + lane / 4, lane_col = group * 64 + (lane % 4) * 2;
+      float* dq_block = p.dq_accum + (b * sh.seq_q + m0 + lane_row) * q_stride + visit.h * sh.head_dim + lane_col;
+      const int live_rows = static_cast<int>(min64(kBM, q_len - m0)) - lane_row;
+      const int live_cols = static_cast<int>(sh.head_dim) - lane_col;
 #pragma unroll
-        for (int kk = 0; kk < kBN / 16; ++kk)
-          Wgmma<T, 64>::ss_transposed(dq[0], DsTile::n_major(ds_address, kk),
-                                      KVTile::n_major(k_address + group * KVTile::kBlockBytes, kk), kk > 0);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_registers(dq[0]);
-        const int lane_row = warp % 4 * 16 + lane / 4, lane_col = group * 64 + (lane % 4) * 2;
-        float* dq_block = p.dq_accum + (b * sh.seq_q + m0 + lane_row) * q_stride + visit.h * sh.head_dim + lane_col;
-        const int live_rows = static_cast<int>(min64(kBM, q_len - m0)) - lane_row;
-        const int live_cols = static_cast<int>(sh.head_dim) - lane_col;
+      for (int half = 0; half < 2; ++half) {
+        if (half * 8 >= live_rows) continue;
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          if (half * 8 >= live_rows) continue;
-#pragma unroll
-          for (int nt = 0; nt < 8; ++nt)
-            if (nt * 8 < live_cols)
-              atomic_add_pair(dq_block + half * 8 * q_stride + nt * 8, dq[0][nt][2 * half], dq[0][nt][2 * half + 1]);
-        }
+        for (int nt = 0; nt < 8; ++nt)
+          if (nt * 8 < live_cols)
+            atomic_add_pair(dq_block + half * 8 * q_stride + nt * 8, dq[0][nt][2 * half], dq[0][nt][2 * half + 1]);
       }
     }
   }

@@ -113,6 +113,15 @@ struct Wgmma;
                    : ACC                                                                            \
                    : "l"(a_desc), "l"(b_desc), "r"(static_cast<int>(accumulate)));                 \
     }                                                                                               \
+    /* D[64 x N] (+)= A[64 x 16] (shared, K-major) * B[16 x N] (shared, N-major: stored [k][n]). */ \
+    __device__ __forceinline__ static void ss_b_transposed(float (&d)[N / 8][4], uint64_t a_desc,   \
+                                                           uint64_t b_desc, bool accumulate) {    \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SS_PRED ", 0;\n"                             \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX "." PTX " " REGS ", " SS_DESCS \
+                   ", p, 1, 1, 0, 1;\n}\n"                                                          \
+                   : ACC                                                                            \
+                   : "l"(a_desc), "l"(b_desc), "r"(static_cast<int>(accumulate)));                 \
+    }                                                                                               \
     /* D[64 x N] (+)= A[64 x 16] (registers) * B[16 x N] (shared, N-major: stored [k][n]). */      \
     __device__ __forceinline__ static void rs_b_transposed(float (&d)[N / 8][4], const uint32_t (&a)[4], \
                                                            uint64_t b_desc, bool accumulate) {    \

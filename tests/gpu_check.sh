@@ -3,11 +3,12 @@
 # benchmark beside cuDNN / XLA / Pallas, and print the summary last. Results go to $OUT (the device
 # tool's output folder) or ./gpu_out.
 #   usage: bash tests/gpu_check.sh [pytest-args...]      (BENCH_ARGS="--quick" to shorten, BENCH=0
-#   to skip the benchmark, TEST_TIMEOUT=seconds to bound the tests)
+#   to skip the benchmark, TESTS=0 to skip the tests, TEST_TIMEOUT=seconds to bound them)
 # Opt-in steps for the end-to-end measurements (each several minutes):
 #   E2E=1   examples/train_lm.py --preset gpt2-small --compare jax_flash,xla,cudnn (issue 4)
 #   RING=1  examples/bench_ring.py: ring scaling and longest sequence, all visible GPUs (issue 5)
-#   PROFILE=1  Nsight Compute reports of the forward and main backward kernels (hd128, seq 4096)
+#   PROFILE=1  Nsight Compute reports of the forward and backward kernels (PROFILE_CASES: the
+#             tests/gpu_profile.py arguments of each case, ';'-separated; hd128 seq 4096 by default)
 #   VARIANTS="JAX_FLASH_CUDA_FORWARD=sm80 JAX_FLASH_CUDA_BACKWARD=sm80"  the benchmark
 #             (BENCH_ARGS) once more per kernel choice (an environment assignment each, see
 #             cuda/kernel_choice.h), into $out/variant_<assignment>
@@ -25,24 +26,33 @@ echo "build: $(( $(date +%s) - start )) s"
 
 if [[ "${PROFILE:-0}" == 1 ]]; then
   echo "== profile (ncu)"
-  for causal in "" --causal; do
-    name="ncu${causal:+_causal}"
-    ncu --clock-control none -k regex:'flash_(fwd|bwd)_kernel' -c 2 --set full -f -o "$out/$name" \
-      python3 tests/gpu_profile.py $causal >"$out/$name.log" 2>&1 || tail -20 "$out/$name.log"
+  # One report per case (tests/gpu_profile.py arguments, ';'-separated): the forward, prepare,
+  # main backward and dQ-convert kernels of one jitted forward+backward.
+  IFS=';' read -ra cases <<<"${PROFILE_CASES:---seq 4096;--seq 4096 --causal}"
+  for case in "${cases[@]}"; do
+    name="ncu$(echo "$case" | tr -d ' -' | tr -c 'a-z0-9\n' _)"
+    # shellcheck disable=SC2086
+    ncu --clock-control none -k regex:'flash_' -c 4 --set full --import-source no -f -o "$out/$name" \
+      python3 tests/gpu_profile.py $case >"$out/$name.log" 2>&1 || tail -20 "$out/$name.log"
     ncu --import "$out/$name.ncu-rep" --page details >"$out/$name.txt" 2>&1
-    grep -E "Duration|Registers Per|Achieved Occupancy|Compute \(SM\) Throughput|Memory Throughput" \
+    ncu --import "$out/$name.ncu-rep" --page raw --csv >"$out/$name.csv" 2>&1
+    echo "-- $case"
+    grep -E "^  [a-z_].*\(|Duration|Registers Per|Achieved Occupancy|Compute \(SM\) Throughput|Memory Throughput" \
       "$out/$name.txt"
   done
   echo "profile: $(( $(date +%s) - start )) s"
 fi
 
-echo "== GPU tests"
-# No XLA autotuning for the tests (compile time); the benchmark below keeps it (its XLA peers).
-XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
-  timeout "${TEST_TIMEOUT:-3600}" python3 -m pytest -q -m gpu tests/test_wgmma_layout.py tests --maxfail=5 -p no:cacheprovider "$@" 2>&1 \
-  | tee "$out/pytest_gpu.log" | tail -30
-tests_rc=${PIPESTATUS[0]}
-echo "tests: $(( $(date +%s) - start )) s"
+tests_rc=0
+if [[ "${TESTS:-1}" == 1 ]]; then
+  echo "== GPU tests"
+  # No XLA autotuning for the tests (compile time); the benchmark below keeps it (its XLA peers).
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
+    timeout "${TEST_TIMEOUT:-3600}" python3 -m pytest -q -m gpu tests/test_wgmma_layout.py tests --maxfail=5 -p no:cacheprovider "$@" 2>&1 \
+    | tee "$out/pytest_gpu.log" | tail -30
+  tests_rc=${PIPESTATUS[0]}
+  echo "tests: $(( $(date +%s) - start )) s"
+fi
 
 if [[ "${BENCH:-1}" == 1 ]]; then
   echo "== benchmark"
@@ -67,5 +77,5 @@ if [[ "${RING:-0}" == 1 ]]; then
   python3 examples/bench_ring.py --out "$out/ring" ${RING_ARGS:-} 2>&1 | tee "$out/ring.log" | tail -20
 fi
 echo "total: $(( $(date +%s) - start )) s"
-echo "== GPU tests summary"; tail -3 "$out/pytest_gpu.log"
+[[ "${TESTS:-1}" == 1 ]] && { echo "== GPU tests summary"; tail -3 "$out/pytest_gpu.log"; }
 exit "$tests_rc"
