@@ -116,4 +116,18 @@ JF_HOST_DEVICE static inline QueryRange query_range(const MaskParams& m, int64_t
   return {begin, end};
 }
 
+// Half-open range of query rows that attend to some key in [j0, j1): the union of their
+// query_range (one interval, since the bounds grow with j and the empty ranges come last).
+JF_HOST_DEVICE static inline QueryRange queries_seeing_keys(const MaskParams& m, int64_t j0, int64_t j1, int64_t q_len,
+                                                           int64_t kv_len) {
+  // The last key of [j0, j1) that some query sees (a key is unseen only past the last query
+  // under a causal or right-window mask, or past kv_len).
+  int64_t last = j1 < kv_len ? j1 - 1 : kv_len - 1;
+  if (m.causal && q_len - 1 < last) last = q_len - 1;
+  if (m.window_right >= 0 && q_len - 1 + m.window_right < last) last = q_len - 1 + m.window_right;
+  if (j0 < 0) j0 = 0;
+  if (last < j0) return {0, 0};
+  return {query_range(m, j0, q_len, kv_len).begin, query_range(m, last, q_len, kv_len).end};
+}
+
 }  // namespace jax_flash

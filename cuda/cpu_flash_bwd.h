@@ -14,24 +14,6 @@
 
 namespace jax_flash::cpu::JF_ISA {
 
-// First and last+1 query rows in [0, q_len) whose key range meets [j0, j1): the ranges move right
-// monotonically with the row, so both ends are found by bisection.
-inline void rows_seeing(const MaskParams& m, int64_t j0, int64_t j1, int64_t q_len, int64_t kv_len,
-                        int64_t& first, int64_t& end) {
-  int64_t lo = 0, hi = q_len;  // first row whose range ends after j0
-  while (lo < hi) {
-    const int64_t mid = (lo + hi) / 2;
-    if (key_range(m, mid, q_len, kv_len).end > j0) hi = mid; else lo = mid + 1;
-  }
-  first = lo;
-  lo = first, hi = q_len;  // first row whose range begins at or after j1
-  while (lo < hi) {
-    const int64_t mid = (lo + hi) / 2;
-    if (key_range(m, mid, q_len, kv_len).begin >= j1) hi = mid; else lo = mid + 1;
-  }
-  end = lo;
-}
-
 template <typename T>
 struct FlashBwdDelta {
   const BwdParams& p;
@@ -101,8 +83,8 @@ struct FlashBwdMain {
       const int64_t j0 = kb * bk;
       const int64_t cols = min64(bk, sh.seq_k - j0);
       const int64_t live_cols = max64(0, min64(cols, kv_len - j0));
-      int64_t first_row = 0, end_row = 0;
-      if (live_cols > 0) rows_seeing(p.mask, j0, j0 + live_cols, q_len, kv_len, first_row, end_row);
+      const QueryRange rows = queries_seeing_keys(p.mask, j0, j0 + live_cols, q_len, kv_len);
+      const int64_t first_row = rows.begin, end_row = rows.end;
       if (end_row <= first_row) {  // no query sees these keys: zero gradients
         for (int64_t r = 0; r < cols; ++r) {
           store_zeros(d, dk + (j0 + r) * kv_stride);

@@ -16,24 +16,6 @@
 
 namespace jax_flash::cuda {
 
-// First and last+1 query rows whose key range meets [j0, j1) (ranges move right with the row).
-__device__ __forceinline__ void rows_seeing(const MaskParams& m, int64_t j0, int64_t j1,
-                                            int64_t q_len, int64_t kv_len, int64_t& first,
-                                            int64_t& end) {
-  int64_t lo = 0, hi = q_len;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi) / 2;
-    if (key_range(m, mid, q_len, kv_len).end > j0) hi = mid; else lo = mid + 1;
-  }
-  first = lo;
-  hi = q_len;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi) / 2;
-    if (key_range(m, mid, q_len, kv_len).begin >= j1) hi = mid; else lo = mid + 1;
-  }
-  end = lo;
-}
-
 // Threads per query row in the prepare kernel: one per 8 elements of the head dim, rounded up to
 // a power of two (so a row's threads are an aligned group of a warp), at most a warp.
 __host__ __device__ constexpr int prepare_threads_per_row(int64_t head_dim) {
@@ -192,8 +174,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const int keys = static_cast<int>(min64(kBN, sh.seq_k - n0));
   const int live_keys = static_cast<int>(max64(0, min64(keys, kv_len - n0)));
 
-  int64_t m_begin = 0, m_end = 0;
-  if (live_keys > 0) rows_seeing(p.mask, n0, n0 + live_keys, q_len, kv_len, m_begin, m_end);
+  const QueryRange seeing = queries_seeing_keys(p.mask, n0, n0 + live_keys, q_len, kv_len);
+  const int64_t m_begin = seeing.begin, m_end = seeing.end;
   const int mb_first = static_cast<int>(m_begin / kBM);
   const int mb_count = m_end > m_begin ? static_cast<int>((m_end - 1) / kBM) - mb_first + 1 : 0;
   const int iterations = mb_count * group;

@@ -70,12 +70,13 @@ struct KeyGroupBlocks {
                                       int64_t kv_len) {
     KeyGroupBlocks g;
     if (key_end <= key0) return g;
+    const QueryRange any = queries_seeing_keys(mask, key0, key_end, q_len, kv_len);
+    if (!any.empty()) {
+      g.live_begin = static_cast<int>(any.begin / kBlockM);
+      g.live_end = static_cast<int>((any.end + kBlockM - 1) / kBlockM);
+    }
     const QueryRange first = query_range(mask, key0, q_len, kv_len);
     const QueryRange last = query_range(mask, key_end - 1, q_len, kv_len);
-    if (first.begin < last.end) {
-      g.live_begin = static_cast<int>(first.begin / kBlockM);
-      g.live_end = static_cast<int>((last.end + kBlockM - 1) / kBlockM);
-    }
     if (key_end - key0 == 64 && last.begin < first.end) {
       g.whole_begin = static_cast<int>((last.begin + kBlockM - 1) / kBlockM);
       g.whole_end = static_cast<int>(first.end / kBlockM);
@@ -119,8 +120,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int keys = static_cast<int>(min64(kBN, sh.seq_k - n0));
   const int live_keys = static_cast<int>(max64(0, min64(keys, kv_len - n0)));
 
-  int64_t m_begin = 0, m_end = 0;
-  if (live_keys > 0) rows_seeing(p.mask, n0, n0 + live_keys, q_len, kv_len, m_begin, m_end);
+  const QueryRange seeing = queries_seeing_keys(p.mask, n0, n0 + live_keys, q_len, kv_len);
+  const int64_t m_begin = seeing.begin, m_end = seeing.end;
   const int mb_first = static_cast<int>(m_begin / kBM);
   const int mb_count = m_end > m_begin ? static_cast<int>((m_end - 1) / kBM) - mb_first + 1 : 0;
   const int iterations = mb_count * heads_per_kv;
@@ -311,11 +312,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
   }
 
-  // dK and dV rows of this block (zeros where no query sees the key).
+  // dK and dV rows of this block (zeros where no query sees the key), through shared memory (K
+  // and V are no longer read once every warp is here) so that the stores are whole rows.
+  using OutTile = SmemTile<kBN, kD>;
+  static_assert(OutTile::kElements == KVTile::kElements, "dK and dV staged where K and V were");
+  __syncthreads();
+  store_accumulator<OutTile>(s_k, dk, warp_key0, 0, lane);
+  store_accumulator<OutTile>(s_v, dv, warp_key0, 0, lane);
+  __syncthreads();
   T* dk_out = static_cast<T*>(p.dk) + (b * sh.seq_k + n0) * kv_stride + hk * sh.head_dim;
   T* dv_out = static_cast<T*>(p.dv) + (b * sh.seq_k + n0) * kv_stride + hk * sh.head_dim;
-  store_rows(dk_out, kv_stride, dk, warp_key0, 0, keys, sh.head_dim, lane);
-  store_rows(dv_out, kv_stride, dv, warp_key0, 0, keys, sh.head_dim, lane);
+  store_tile<OutTile, kThreads>(dk_out, kv_stride, s_k, keys, chunks, tid);
+  store_tile<OutTile, kThreads>(dv_out, kv_stride, s_v, keys, chunks, tid);
 #endif  // JF_SM90A
 }
 

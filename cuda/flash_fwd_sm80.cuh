@@ -59,6 +59,24 @@ __device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64_t row_st
   }
 }
 
+// The reverse of load_tile: rows [0, rows) x chunks [0, chunks) of a swizzled shared tile to a
+// global tile, 16 bytes a thread at a time (a warp writes whole rows).
+template <typename Tile, int kThreads, typename T>
+__device__ __forceinline__ void store_tile(T* gmem, int64_t row_stride, const T* smem, int rows, int chunks,
+                                           int tid) {
+  constexpr int kCopies = Tile::kRows * Tile::kChunks;
+  static_assert(kCopies % kThreads == 0 && kThreads % Tile::kChunks == 0, "every thread copies as many chunks");
+  constexpr int kRowsPerPass = kThreads / Tile::kChunks;
+  const int c = tid % Tile::kChunks, r0 = tid / Tile::kChunks;
+#pragma unroll
+  for (int i = 0; i < kCopies / kThreads; ++i) {
+    const int r = r0 + i * kRowsPerPass;
+    if (r < rows && c < chunks)
+      *reinterpret_cast<uint4*>(gmem + r * row_stride + c * 8) =
+          *reinterpret_cast<const uint4*>(smem + Tile::offset(r, c));
+  }
+}
+
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
