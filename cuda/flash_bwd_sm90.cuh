@@ -15,8 +15,6 @@
 // TMA: both warpgroups run the same steps between barriers.
 #pragma once
 
-#include <type_traits>
-
 #include "flash_bwd_sm80.cuh"
 #include "flash_fwd_sm90.cuh"
 
@@ -172,12 +170,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const uint32_t k_address = smem_address(s_k), v_address = smem_address(s_v);
   const uint32_t ds_address = smem_address(s_ds);
 
-  // The query blocks each warpgroup's keys take part in: a warpgroup skips its products in the
-  // others, and dQ skips its keys there.
-  const int64_t keys_end = n0 + live_keys;
-  const KeyGroupBlocks low_blocks = KeyGroupBlocks::of<kBM>(p.mask, n0, min64(n0 + 64, keys_end), q_len, kv_len);
-  const KeyGroupBlocks high_blocks = KeyGroupBlocks::of<kBM>(p.mask, n0 + 64, keys_end, q_len, kv_len);
-  const KeyGroupBlocks group_blocks = group == 0 ? low_blocks : high_blocks;
+  // The query blocks this warpgroup's keys take part in (the others skip their products).
+  const int64_t group_key0 = n0 + group * 64;
+  const KeyGroupBlocks group_blocks =
+      KeyGroupBlocks::of<kBM>(p.mask, group_key0, min64(group_key0 + 64, n0 + live_keys), q_len, kv_len);
 
   if (iterations > 0) {
     const T* k = static_cast<const T*>(p.k) + (b * sh.seq_k + n0) * kv_stride + hk * sh.head_dim;
@@ -287,28 +283,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       if constexpr (kD > 64) wgmma_wait<0>();
     }
     if (dq_here) {
-      // k-steps first .. last - 1 of dQ = dS K (16 keys each); those of a warpgroup whose keys the
-      // block does not see are skipped (their dS is 0).
-      auto dq_steps = [&](auto first, auto last) {
-        wgmma_fence();
+      wgmma_fence();
 #pragma unroll
-        for (int kk = decltype(first)::value; kk < decltype(last)::value; ++kk)
-          Wgmma<T, 64>::ss_transposed(dq[0], DsTile::n_major(ds_address, kk),
-                                      KVTile::n_major(k_address + group * KVTile::kBlockBytes, kk),
-                                      kk > decltype(first)::value);
-        wgmma_commit();
-      };
-      using Zero = std::integral_constant<int, 0>;
-      using Half = std::integral_constant<int, kBN / 32>;
-      using All = std::integral_constant<int, kBN / 16>;
-      const bool low_live = low_blocks.live(visit.mb), high_live = high_blocks.live(visit.mb);
-      if (low_live && high_live) {
-        dq_steps(Zero{}, All{});
-      } else if (low_live) {
-        dq_steps(Zero{}, Half{});
-      } else {
-        dq_steps(Half{}, All{});
-      }
+      for (int kk = 0; kk < kBN / 16; ++kk)
+        Wgmma<T, 64>::ss_transposed(dq[0], DsTile::n_major(ds_address, kk),
+                                    KVTile::n_major(k_address + group * KVTile::kBlockBytes, kk), kk > 0);
+      wgmma_commit();
     }
     wgmma_wait<0>();
     fence_registers(dv[0]);
