@@ -90,37 +90,37 @@ struct Wgmma;
 
 // wgmma m64nNk16 with float32 accumulators for the 16-bit type T whose PTX name is PTX ("bf16" or
 // "f16"). ACC and REGS are the accumulator operands and their PTX list for N; the next operand
-// numbers are given as strings: SS (the two descriptors, then the accumulate predicate) and RS (A's
-// four registers and B's descriptor, then the predicate).
-#define JF_DEFINE_WGMMA(T, PTX, N, ACC, REGS, SS_DESCS, SS_PRED, RS_OPERANDS, RS_PRED)                   \
+// numbers are given as strings: SS (the two descriptors, the accumulate predicate, then the two
+// transpose immediates) and RS (A's four registers and B's descriptor, then the predicate).
+#define JF_DEFINE_WGMMA(T, PTX, N, ACC, REGS, SS_DESCS, SS_PRED, SS_TRANS, RS_OPERANDS, RS_PRED)         \
   template <>                                                                                       \
   struct Wgmma<T, N> {                                                                              \
-    /* D[64 x N] (+)= A[64 x 16] (shared, K-major) * B[16 x N] (shared, K-major). */               \
+    /* D[64 x N] (+)= A[64 x 16] * B[16 x N], both from shared memory: A K-major (stored [m][k]) or, \
+       with kTransposeA, M-major ([k][m]); B K-major ([n][k]) or, with kTransposeB, N-major ([k][n]). */ \
+    template <int kTransposeA, int kTransposeB>                                                     \
+    __device__ __forceinline__ static void ss_layout(float (&d)[N / 8][4], uint64_t a_desc,         \
+                                                     uint64_t b_desc, bool accumulate) {          \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SS_PRED ", 0;\n"                             \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX "." PTX " " REGS ", " SS_DESCS \
+                   ", p, 1, 1, " SS_TRANS ";\n}\n"                                                  \
+                   : ACC                                                                            \
+                   : "l"(a_desc), "l"(b_desc), "r"(static_cast<int>(accumulate)), "n"(kTransposeA), \
+                     "n"(kTransposeB));                                                             \
+    }                                                                                               \
+    /* Both K-major. */                                                                             \
     __device__ __forceinline__ static void ss(float (&d)[N / 8][4], uint64_t a_desc, uint64_t b_desc, \
                                               bool accumulate) {                                  \
-      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SS_PRED ", 0;\n"                             \
-                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX "." PTX " " REGS ", " SS_DESCS \
-                   ", p, 1, 1, 0, 0;\n}\n"                                                          \
-                   : ACC                                                                            \
-                   : "l"(a_desc), "l"(b_desc), "r"(static_cast<int>(accumulate)));                 \
+      ss_layout<0, 0>(d, a_desc, b_desc, accumulate);                                               \
     }                                                                                               \
-    /* D[64 x N] (+)= A[64 x 16] (shared, M-major: stored [k][m]) * B[16 x N] (shared, N-major). */ \
+    /* A M-major, B N-major. */                                                                     \
     __device__ __forceinline__ static void ss_transposed(float (&d)[N / 8][4], uint64_t a_desc,     \
                                                          uint64_t b_desc, bool accumulate) {      \
-      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SS_PRED ", 0;\n"                             \
-                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX "." PTX " " REGS ", " SS_DESCS \
-                   ", p, 1, 1, 1, 1;\n}\n"                                                          \
-                   : ACC                                                                            \
-                   : "l"(a_desc), "l"(b_desc), "r"(static_cast<int>(accumulate)));                 \
+      ss_layout<1, 1>(d, a_desc, b_desc, accumulate);                                               \
     }                                                                                               \
-    /* D[64 x N] (+)= A[64 x 16] (shared, K-major) * B[16 x N] (shared, N-major: stored [k][n]). */ \
+    /* A K-major, B N-major. */                                                                     \
     __device__ __forceinline__ static void ss_b_transposed(float (&d)[N / 8][4], uint64_t a_desc,   \
                                                            uint64_t b_desc, bool accumulate) {    \
-      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SS_PRED ", 0;\n"                             \
-                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX "." PTX " " REGS ", " SS_DESCS \
-                   ", p, 1, 1, 0, 1;\n}\n"                                                          \
-                   : ACC                                                                            \
-                   : "l"(a_desc), "l"(b_desc), "r"(static_cast<int>(accumulate)));                 \
+      ss_layout<0, 1>(d, a_desc, b_desc, accumulate);                                               \
     }                                                                                               \
     /* D[64 x N] (+)= A[64 x 16] (registers) * B[16 x N] (shared, N-major: stored [k][n]). */      \
     __device__ __forceinline__ static void rs_b_transposed(float (&d)[N / 8][4], const uint32_t (&a)[4], \
@@ -135,10 +135,10 @@ struct Wgmma;
   };
 
 #define JF_DEFINE_WGMMA_N64(T, PTX)                                                                 \
-  JF_DEFINE_WGMMA(T, PTX, 64, JF_WGMMA_ACC_N64, JF_WGMMA_REGS_N64, "%32, %33", "%34",              \
+  JF_DEFINE_WGMMA(T, PTX, 64, JF_WGMMA_ACC_N64, JF_WGMMA_REGS_N64, "%32, %33", "%34", "%35, %36",  \
                   "{%32, %33, %34, %35}, %36", "%37")
 #define JF_DEFINE_WGMMA_N128(T, PTX)                                                                \
-  JF_DEFINE_WGMMA(T, PTX, 128, JF_WGMMA_ACC_N128, JF_WGMMA_REGS_N128, "%64, %65", "%66",          \
+  JF_DEFINE_WGMMA(T, PTX, 128, JF_WGMMA_ACC_N128, JF_WGMMA_REGS_N128, "%64, %65", "%66", "%67, %68", \
                   "{%64, %65, %66, %67}, %68", "%69")
 JF_DEFINE_WGMMA_N64(__nv_bfloat16, "bf16")
 JF_DEFINE_WGMMA_N64(__half, "f16")
