@@ -1,6 +1,9 @@
 // The nanobind extension jax_flash._native: hands the FFI handler capsules to Python.
 #include <nanobind/nanobind.h>
 
+#include <cstdint>
+
+#include "attention_params.h"
 #include "cpu_ffi_handlers.h"
 #include "cpu_kernels.h"
 
@@ -28,4 +31,22 @@ NB_MODULE(_native, m) {
   });
   m.def("cpu_kernel_isa", [] { return jax_flash::cpu::kernel_isa(); },
         "The instruction set of the CPU kernel variant this processor runs.");
+  // For tests: the mask arithmetic every kernel (CPU and CUDA) walks tiles by, from
+  // attention_params.h. Returns ([key_range(i) for i < rows], [query_range(j) for j < keys],
+  // queries_seeing_keys(j0, j1)), each range a (begin, end) pair.
+  m.def("_mask_ranges", [](bool causal, int64_t window_left, int64_t window_right, int64_t q_len, int64_t kv_len,
+                           int64_t rows, int64_t keys, int64_t j0, int64_t j1) {
+    const jax_flash::MaskParams mask{causal, window_left, window_right};
+    nb::list key_ranges, query_ranges;
+    for (int64_t i = 0; i < rows; ++i) {
+      const jax_flash::KeyRange r = jax_flash::key_range(mask, i, q_len, kv_len);
+      key_ranges.append(nb::make_tuple(r.begin, r.end));
+    }
+    for (int64_t j = 0; j < keys; ++j) {
+      const jax_flash::QueryRange r = jax_flash::query_range(mask, j, q_len, kv_len);
+      query_ranges.append(nb::make_tuple(r.begin, r.end));
+    }
+    const jax_flash::QueryRange seeing = jax_flash::queries_seeing_keys(mask, j0, j1, q_len, kv_len);
+    return nb::make_tuple(key_ranges, query_ranges, nb::make_tuple(seeing.begin, seeing.end));
+  });
 }

@@ -1,0 +1,39 @@
+"""The mask arithmetic the kernels walk their tiles by (cuda/attention_params.h: key_range,
+query_range, queries_seeing_keys), against the reference mask of jax_flash._reference: the CPU and
+CUDA kernels skip, mask and visit tiles by these ranges, so an off-by-one here is a wrong gradient
+there on some shape."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jax_flash import _native
+from jax_flash._reference import key_mask
+
+
+def _mask(causal: bool, left: int, right: int, q_len: int, kv_len: int, rows: int, keys: int) -> np.ndarray:
+  """(rows, keys) bool from the reference: which keys each query row attends to."""
+  return np.asarray(key_mask(rows, keys, np.array([q_len]), np.array([kv_len]), causal, left, right))[0]
+
+
+def _as_set(begin: int, end: int) -> set[int]:
+  return set(range(begin, end))
+
+
+@settings(max_examples=300, deadline=None)
+@given(causal=st.booleans(), left=st.integers(-1, 12), right=st.integers(-1, 12),
+       q_len=st.integers(0, 40), kv_len=st.integers(0, 40), j0=st.integers(0, 45),
+       width=st.integers(0, 20))
+def test_ranges_match_the_reference_mask(causal, left, right, q_len, kv_len, j0, width):
+  rows, keys = 45, 45  # past both lengths: rows/keys outside them see nothing
+  mask = _mask(causal, left, right, q_len, kv_len, rows, keys)
+  key_ranges, query_ranges, seeing = _native._mask_ranges(causal, left, right, q_len, kv_len, rows, keys,
+                                                         j0, j0 + width)
+  for i, (begin, end) in enumerate(key_ranges):
+    assert _as_set(begin, end) == set(np.flatnonzero(mask[i])), f"key_range({i})"
+  for j, (begin, end) in enumerate(query_ranges):
+    assert _as_set(begin, end) == set(np.flatnonzero(mask[:, j])), f"query_range({j})"
+  want = set(np.flatnonzero(mask[:, j0:j0 + width].any(axis=1)))
+  assert _as_set(*seeing) == want, f"queries_seeing_keys({j0}, {j0 + width})"
