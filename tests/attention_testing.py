@@ -125,6 +125,15 @@ def random_array(rng: np.random.Generator, shape, dtype) -> jax.Array:
   return jnp.asarray(x, dtype=dtype)
 
 
+def random_qkv_and_cotangent(rng: np.random.Generator, batch: int, seq: int, heads_q: int, heads_k: int,
+                             head_dim: int, dtype=jnp.float32):
+  """q, k, v of (batch, seq, heads, head_dim) and a cotangent shaped like q."""
+  q = random_array(rng, (batch, seq, heads_q, head_dim), dtype)
+  k = random_array(rng, (batch, seq, heads_k, head_dim), dtype)
+  v = random_array(rng, (batch, seq, heads_k, head_dim), dtype)
+  return q, k, v, random_array(rng, q.shape, dtype)
+
+
 # ---------------------------------------------------------------------------------------------
 # Which query rows see keys (computed independently of jax_flash)
 

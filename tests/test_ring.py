@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_flash
-from attention_testing import random_array
+from attention_testing import random_qkv_and_cotangent
 
 DEVICES = 4
 
@@ -27,12 +27,7 @@ def mesh():
 
 
 def _inputs(seed, batch=2, seq=64, heads_q=4, heads_k=2, head_dim=16):
-  rng = np.random.default_rng(seed)
-  q = random_array(rng, (batch, seq, heads_q, head_dim), jnp.float32)
-  k = random_array(rng, (batch, seq, heads_k, head_dim), jnp.float32)
-  v = random_array(rng, (batch, seq, heads_k, head_dim), jnp.float32)
-  g = random_array(rng, q.shape, jnp.float32)
-  return q, k, v, g
+  return random_qkv_and_cotangent(np.random.default_rng(seed), batch, seq, heads_q, heads_k, head_dim)
 
 
 def _ring_fn(mesh, layout, **options):

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_flash
-from attention_testing import random_array
+from attention_testing import random_qkv_and_cotangent
 
 COLLECTIVES = re.compile(r"all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter")
 
@@ -41,10 +41,7 @@ def partitioner(request):
 
 def _inputs(seed, batch=4, seq=48, heads_q=8, heads_k=4, head_dim=16):
   rng = np.random.default_rng(seed)
-  q = random_array(rng, (batch, seq, heads_q, head_dim), jnp.float32)
-  k = random_array(rng, (batch, seq, heads_k, head_dim), jnp.float32)
-  v = random_array(rng, (batch, seq, heads_k, head_dim), jnp.float32)
-  g = random_array(rng, q.shape, jnp.float32)
+  q, k, v, g = random_qkv_and_cotangent(rng, batch, seq, heads_q, heads_k, head_dim)
   lens = jnp.asarray(rng.integers(1, seq + 1, size=batch), jnp.int32)
   return q, k, v, g, lens
 
