@@ -30,59 +30,39 @@ def hw_mn_major(start, lbo, sbo, k, n):   # ((T,8,m),(8,k)):((1,T,LBO),(8T,SBO))
     return swz(start + off)
 
 base = 0x10000  # 1 KiB aligned
+
+def k_major_mismatches(rows, row0, count, kk):
+    """A K-major operand of a GmmaTile<rows, .>: its rows row0 .. row0 + count - 1 (the M or N
+    index), k-step kk (columns 16 kk ..)."""
+    s, l, sb = k_major_desc(base, rows, row0, kk)
+    return sum(hw_k_major(s, l, sb, i, j) != store_addr(base, rows, row0 + i, 16 * kk + j)
+               for i in range(count) for j in range(16))
+
+def n_major_mismatches(rows, col0, count, kk):
+    """An MN-major operand of a GmmaTile<rows, .>: k-step kk (rows 16 kk ..), its columns col0 ..
+    col0 + count - 1 (col0 a multiple of 64: the descriptor starts at that 64-column block)."""
+    s, l, sb = n_major_desc(base + (col0 // 64) * rows * 128, rows, kk)
+    return sum(hw_mn_major(s, l, sb, j, n) != store_addr(base, rows, 16 * kk + j, col0 + n)
+               for j in range(16) for n in range(count))
+
 bad = 0
 for d in (64, 128):
+    # Forward (flash_fwd_sm90.cuh), BM = BN = 128.
     BM, BN = 128, 128
-    # Q (K-major A): warpgroup g rows 64g.., k-step kk: element (i, j) = Q[64g + i][16kk + j]
-    for g in range(2):
-        for kk in range(d // 16):
-            s, l, sb = k_major_desc(base, BM, 64 * g, kk)
-            for i in range(64):
-                for j in range(16):
-                    if hw_k_major(s, l, sb, i, j) != store_addr(base, BM, 64 * g + i, 16 * kk + j): bad += 1
-    # K (K-major B, N = BN keys): element (n, j) = K[n][16kk + j]
     for kk in range(d // 16):
-        s, l, sb = k_major_desc(base, BN, 0, kk)
-        for n in range(BN):
-            for j in range(16):
-                if hw_k_major(s, l, sb, n, j) != store_addr(base, BN, n, 16 * kk + j): bad += 1
-    # V (N-major B): element (k = key 16kk + j, n = dim) = V[16kk + j][n]
+        bad += sum(k_major_mismatches(BM, 64 * g, 64, kk) for g in range(2))  # Q: A of warpgroup g
+        bad += k_major_mismatches(BN, 0, BN, kk)                               # K: B of S = Q K^T
     for kk in range(BN // 16):
-        s, l, sb = n_major_desc(base, BN, kk)
-        for j in range(16):
-            for n in range(d):
-                if hw_mn_major(s, l, sb, j, n) != store_addr(base, BN, 16 * kk + j, n): bad += 1
-# Backward (flash_bwd_sm90.cuh), BN = 128 keys, BM = 64 queries.
-for d in (64, 128):
+        bad += n_major_mismatches(BN, 0, d, kk)                                # V: B of O += P V
+    # Backward (flash_bwd_sm90.cuh), BN = 128 keys, BM = 64 queries.
     BM, BN = 64, 128
-    # S^T = K Q^T: A = K rows 64g.. (K-major), B = Q (K-major, N = BM queries).
-    for g in range(2):
-        for kk in range(d // 16):
-            s_, l, sb = k_major_desc(base, BN, 64 * g, kk)
-            for i in range(64):
-                for j in range(16):
-                    if hw_k_major(s_, l, sb, i, j) != store_addr(base, BN, 64 * g + i, 16 * kk + j): bad += 1
     for kk in range(d // 16):
-        s_, l, sb = k_major_desc(base, BM, 0, kk)
-        for n in range(BM):
-            for j in range(16):
-                if hw_k_major(s_, l, sb, n, j) != store_addr(base, BM, n, 16 * kk + j): bad += 1
-    # dV += P^T dO: B = dO (N-major: k = query 16kk + j, n = dim).
+        bad += sum(k_major_mismatches(BN, 64 * g, 64, kk) for g in range(2))  # K, V: A of S^T, dP^T
+        bad += k_major_mismatches(BM, 0, BM, kk)                               # Q, dO: B of S^T, dP^T
     for kk in range(BM // 16):
-        s_, l, sb = n_major_desc(base, BM, kk)
-        for j in range(16):
-            for n in range(d):
-                if hw_mn_major(s_, l, sb, j, n) != store_addr(base, BM, 16 * kk + j, n): bad += 1
-    # dQ = dS K: A = dS (M-major from dS^T stored [key][query]: element (m = query, k = key 16kk + j)),
-    # B = K (N-major, the group's 64 columns: element (k = key, n = 64g + n)).
+        bad += n_major_mismatches(BM, 0, d, kk)                                # dO, Q: B of dV, dK
+        bad += sum(k_major_mismatches(BN, 64 * g, 64, kk) for g in range(2))  # dS^T: A of dK
     for kk in range(BN // 16):
-        s_, l, sb = n_major_desc(base, BN, kk)  # DsTile = GmmaTile<BN, BM>
-        for j in range(16):
-            for m in range(BM):
-                if hw_mn_major(s_, l, sb, j, m) != store_addr(base, BN, 16 * kk + j, m): bad += 1
-        for g in range(d // 64):
-            s_, l, sb = n_major_desc(base + g * BN * 128, BN, kk)
-            for j in range(16):
-                for n in range(64):
-                    if hw_mn_major(s_, l, sb, j, n) != store_addr(base, BN, 16 * kk + j, 64 * g + n): bad += 1
+        bad += n_major_mismatches(BN, 0, BM, kk)                               # dS^T read as dS: A of dQ
+        bad += sum(n_major_mismatches(BN, 64 * g, 64, kk) for g in range(d // 64))  # K: B of dQ
 print("mismatches:", bad)
