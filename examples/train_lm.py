@@ -296,38 +296,43 @@ def check_attention_backend(config: Config) -> None:
 # ---- data ---------------------------------------------------------------------------------------
 
 
-def text_files(config: Config) -> Iterator[str]:
-  """The files to read, in a fixed order.
-
-  Default: the standard library's own source, present on every machine with Python: its top-level
-  ``*.py`` files first, then those of its packages (site-packages excluded).
-  """
-  if config.data is None:
+def text_files(data: str | None, data_glob: str = "*.py") -> Iterator[str]:
+  """The files to read, in a fixed order: `data` itself, the files matching `data_glob` in the
+  folder `data` (recursively), or by default the standard library's own source, present on every
+  machine with Python: its top-level ``*.py`` files first, then those of its packages
+  (site-packages excluded)."""
+  if data is None:
     yield from sorted(glob.glob(os.path.join(STDLIB_DIR, "*.py")))
     skip = {"site-packages", "dist-packages"}
     deeper = glob.glob(os.path.join(STDLIB_DIR, "*", "**", "*.py"), recursive=True)
     yield from sorted(p for p in deeper
                       if not skip & set(os.path.relpath(p, STDLIB_DIR).split(os.sep)))
-  elif os.path.isdir(config.data):
-    pattern = os.path.join(config.data, "**", config.data_glob)
+  elif os.path.isdir(data):
+    pattern = os.path.join(data, "**", data_glob)
     yield from sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
   else:
-    yield config.data
+    yield data
+
+
+def read_bytes(data: str | None, data_glob: str, max_bytes: int) -> np.ndarray:
+  """The text files of text_files concatenated into one uint8 array of at most max_bytes."""
+  chunks, total = [], 0
+  for path in text_files(data, data_glob):
+    with open(path, "rb") as f:
+      chunk = f.read(max_bytes - total)
+    chunks.append(chunk)
+    total += len(chunk)
+    if total >= max_bytes:
+      break
+  return np.frombuffer(b"".join(chunks), dtype=np.uint8)
 
 
 def load_bytes(config: Config) -> np.ndarray:
-  """Concatenates the text files into one uint8 array of at most max_data_bytes."""
-  chunks, total = [], 0
-  for path in text_files(config):
-    with open(path, "rb") as f:
-      data = f.read(config.max_data_bytes - total)
-    chunks.append(data)
-    total += len(data)
-    if total >= config.max_data_bytes:
-      break
-  if total < 2 * (config.seq_len + 1):
-    raise ValueError(f"not enough text: {total} bytes from {config.data or 'the stdlib'}")
-  return np.frombuffer(b"".join(chunks), dtype=np.uint8)
+  """The training text: at most max_data_bytes, and enough for two sequences."""
+  data = read_bytes(config.data, config.data_glob, config.max_data_bytes)
+  if len(data) < 2 * (config.seq_len + 1):
+    raise ValueError(f"not enough text: {len(data)} bytes from {config.data or 'the stdlib'}")
+  return data
 
 
 def split_data(data: np.ndarray, config: Config) -> tuple[np.ndarray, np.ndarray]:
@@ -369,11 +374,14 @@ def attention_fn(config: Config):
                            implementation=config.attention)
 
 
-def rope(x: jax.Array, base: float) -> jax.Array:
-  """Rotary position embedding of x (B, T, heads, H), rotating pairs (i, i + H/2)."""
+def rope(x: jax.Array, base: float, positions: jax.Array | None = None) -> jax.Array:
+  """Rotary position embedding of x (B, T, heads, H), rotating pairs (i, i + H/2), at the given
+  positions (T,) (default 0 .. T-1)."""
   seq_len, head_dim = x.shape[1], x.shape[-1]
+  if positions is None:
+    positions = jnp.arange(seq_len)
   freqs = base ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-  angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * freqs[None, :]  # (T, H/2)
+  angles = positions.astype(jnp.float32)[:, None] * freqs[None, :]  # (T, H/2)
   cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
@@ -465,8 +473,10 @@ def count_params(state: nnx.State) -> int:
 # ---- training step ------------------------------------------------------------------------------
 
 
-def make_optimizer(config: Config) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """AdamW with gradient clipping, linear warmup and cosine decay; returns (tx, schedule)."""
+def make_optimizer(config) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """AdamW with gradient clipping, linear warmup and cosine decay; returns (tx, schedule). Any
+  config with learning_rate, warmup_steps, steps, grad_clip and weight_decay (train_lm_sharded's
+  too)."""
   schedule = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=config.learning_rate, warmup_steps=config.warmup_steps,
       decay_steps=max(config.steps, config.warmup_steps + 1), end_value=config.learning_rate / 10)

@@ -122,7 +122,6 @@ if __name__ == "__main__":
   _force_host_device_count(ARGS.devices or DEFAULT_CPU_DEVICES)
 
 import dataclasses  # noqa: E402
-import glob  # noqa: E402
 import math  # noqa: E402
 import time  # noqa: E402
 from collections import Counter  # noqa: E402
@@ -135,9 +134,11 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_flash  # noqa: E402
+import train_lm  # noqa: E402  (this folder: its data reading, rotary embedding and optimizer)
 
 VOCAB = 256  # bytes
 STDLIB_DIR = os.path.dirname(os.__file__)
+ROPE_BASE = 10_000.0
 
 # Activation layouts. B batch, T sequence, D width, N heads, H head dim, F MLP hidden, V vocab.
 X_SPEC = P("data", "seq", None)                 # residual stream (B, T, D)
@@ -245,32 +246,6 @@ def validate(config: Config, mesh_shape: tuple[int, int, int]) -> None:
 # ---- data ---------------------------------------------------------------------------------------
 
 
-def text_files(data: str | None):
-  """The stdlib's own *.py files (top level first, site-packages excluded), or --data."""
-  if data is None:
-    yield from sorted(glob.glob(os.path.join(STDLIB_DIR, "*.py")))
-    deeper = glob.glob(os.path.join(STDLIB_DIR, "*", "**", "*.py"), recursive=True)
-    skip = {"site-packages", "dist-packages"}
-    yield from sorted(p for p in deeper
-                      if not skip & set(os.path.relpath(p, STDLIB_DIR).split(os.sep)))
-  elif os.path.isdir(data):
-    yield from sorted(p for p in glob.glob(os.path.join(data, "**", "*.py"), recursive=True))
-  else:
-    yield data
-
-
-def load_bytes(data: str | None, max_bytes: int) -> np.ndarray:
-  chunks, total = [], 0
-  for path in text_files(data):
-    with open(path, "rb") as f:
-      chunk = f.read(max_bytes - total)
-    chunks.append(chunk)
-    total += len(chunk)
-    if total >= max_bytes:
-      break
-  return np.frombuffer(b"".join(chunks), np.uint8)
-
-
 class Batches:
   """Random training windows and fixed validation windows, with their tokens permuted into the
   ring layout's order (zig-zag) once, here, on the host: position ``i`` of a batch row holds the
@@ -356,16 +331,6 @@ def rms_norm(x, scale, eps=1e-6):
   return (y * scale).astype(x.dtype)
 
 
-def rope(x, positions, base=10_000.0):
-  """Rotary embedding of x (B, T, N, H) at the given (zig-zag permuted) positions (T,)."""
-  head_dim = x.shape[-1]
-  freqs = base ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-  angles = positions.astype(jnp.float32)[:, None] * freqs[None, :]
-  cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).astype(x.dtype)
-
-
 class Model:
   """A pre-norm causal transformer over bytes, as pure functions of the parameter pytree."""
 
@@ -395,7 +360,7 @@ class Model:
     q, k, v = (self.constrain(jnp.einsum("btd,dnh->btnh", h, p[w].astype(h.dtype)), HEADS_SPEC)
                for w in ("wq", "wk", "wv"))
     if c.positions == "rope":
-      q, k = rope(q, positions), rope(k, positions)
+      q, k = train_lm.rope(q, ROPE_BASE, positions), train_lm.rope(k, ROPE_BASE, positions)
     o = self.constrain(self.attention(q, k, v), HEADS_SPEC)
     x = self.constrain(x + jnp.einsum("btnh,nhd->btd", o, p["wo"].astype(o.dtype)), X_SPEC)
     h = rms_norm(x, p["mlp_norm"])
@@ -424,17 +389,6 @@ class Model:
 
 
 # ---- training -----------------------------------------------------------------------------------
-
-
-def make_optimizer(config: Config):
-  schedule = optax.warmup_cosine_decay_schedule(
-      0.0, config.learning_rate, config.warmup_steps, max(config.steps, config.warmup_steps + 1),
-      end_value=config.learning_rate / 10)
-  decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)
-  tx = optax.chain(optax.clip_by_global_norm(config.grad_clip),
-                   optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=config.weight_decay,
-                               mask=decay_mask))
-  return tx, schedule
 
 
 def state_shardings(config: Config, mesh, tx):
@@ -640,12 +594,12 @@ def main(args: argparse.Namespace) -> None:
                "jax_flash.dot_product_attention (partitioned over batch and heads)")
   print(f"attention: {attention}; activations {dtype}")
 
-  raw = load_bytes(args.data, args.max_data_bytes)
+  raw = train_lm.read_bytes(args.data, "*.py", args.max_data_bytes)
   batches = Batches(config, raw, order)
   print(f"data: {len(batches.train):,} train / {len(batches.val):,} validation bytes from "
         f"{args.data or STDLIB_DIR + ' (*.py)'}")
 
-  tx, schedule = make_optimizer(config)
+  tx, schedule = train_lm.make_optimizer(config)
   shardings = state_shardings(config, mesh, tx)
   params = jax.jit(lambda key: init_params(config, key), out_shardings=shardings[0])(
       jax.random.key(config.seed))
