@@ -27,6 +27,14 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
                "l"(gmem), "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Asks L2 for the 128-byte line holding p (no result, no fault semantics beyond the address).
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
+// An upper bound of the SM count (PTX %nsmid).
+__device__ __forceinline__ int sm_id_bound() {
+  int n;
+  asm volatile("mov.u32 %0, %%nsmid;\n" : "=r"(n));
+  return n;
+}
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
