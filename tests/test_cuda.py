@@ -35,6 +35,12 @@ LARGE = [
       is_causal=True, q_lens=(1000, 999, 500, 1), kv_lens=(1500, 1, 800, 1500)),
     C(batch=1, seq_q=16384, seq_k=16384, heads_q=2, heads_k=1, head_dim=128, dtype="bfloat16",
       is_causal=True),
+    # batch x kv heads a wave of CTAs on their own, T != S, GQA, lengths; a window at head dim 128
+    C(batch=8, seq_q=600, seq_k=700, heads_q=32, heads_k=16, head_dim=64, dtype="bfloat16",
+      is_causal=True, q_lens=(600, 599, 300, 1, 600, 128, 64, 65),
+      kv_lens=(700, 1, 350, 700, 129, 700, 64, 700)),
+    C(batch=16, seq_q=512, seq_k=512, heads_q=8, heads_k=8, head_dim=128, dtype="float16",
+      local_window_size=(100, 20)),
 ]
 CASES = [c for c in GRID if c.dtype != "float32"] + LARGE
 
