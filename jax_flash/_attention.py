@@ -106,8 +106,13 @@ def dot_product_attention(
     query: ``(B, T, N, H)`` or ``(T, N, H)``; float32, bfloat16 or float16.
     key: ``(B, S, K, H)`` or ``(S, K, H)``, ``N % K == 0`` (grouped-query attention).
     value: same shape and dtype as ``key``.
-    bias: not supported yet (raises ``NotImplementedError``).
-    mask: not supported yet (raises ``NotImplementedError``).
+    bias: added to the scaled logits, broadcastable to ``(B, N, T, S)`` (fewer dims gain
+      leading ones; each dim 1 or full), differentiable. Only the ``"blockwise"`` and ``"xla"``
+      paths take it: the kernels raise ``NotImplementedError`` (so does ``None`` where it
+      picks a kernel).
+    mask: bool, ``True`` where a query may attend a key, broadcastable like ``bias``; the same
+      paths take it. Causal, padding and window masks go through ``is_causal``, the sequence
+      lengths and ``local_window_size`` instead, which every path takes.
     scale: logit scale; ``1 / sqrt(H)`` by default.
     is_causal: query ``i`` attends keys ``j <= i`` (top-left aligned, as jax.nn).
     query_seq_lengths: ``(B,)`` int32; output rows at or past the length are zero.
@@ -130,12 +135,6 @@ def dot_product_attention(
     ``(output, lse)``. A query row with no key to attend to gives zeros (and a log-sum-exp of
     the most negative float32), never NaN.
   """
-  if bias is not None:
-    raise NotImplementedError("jax_flash.dot_product_attention: `bias` is not supported yet")
-  if mask is not None:
-    raise NotImplementedError(
-        "jax_flash.dot_product_attention: `mask` is not supported yet; causal, padding "
-        "(query_seq_lengths / key_value_seq_lengths) and local_window_size masks are")
   _validation.check_implementation(implementation)
   if not isinstance(deterministic, bool):
     raise ValueError(f"deterministic must be a bool; got {deterministic!r}")
@@ -151,7 +150,19 @@ def dot_product_attention(
       "key_value_seq_lengths", key_value_seq_lengths, batch, seq_k)
   window = _validation.check_window(local_window_size, seq_q + seq_k)
   scale = _validation.check_scale(scale, head_dim)
+  heads_q = query.shape[2]
+  bias = _validation.check_logit_array("bias", bias, batch, heads_q, seq_q, seq_k)
+  mask = _validation.check_logit_array("mask", mask, batch, heads_q, seq_q, seq_k)
   implementation = _resolve_implementation(implementation, query.dtype)
+  if (bias is not None or mask is not None) and implementation not in _XLA_PATHS:
+    given = " and ".join(f"{name}{x.shape}" for name, x in (("bias", bias), ("mask", mask))
+                         if x is not None)
+    raise NotImplementedError(
+        f"jax_flash.dot_product_attention: the {implementation!r} kernels take no bias or mask "
+        f"arrays (got {given}): they never build the (T, S) scores. Express a mask as "
+        "is_causal / query_seq_lengths / key_value_seq_lengths / local_window_size, which the "
+        "kernels take, or pass implementation='blockwise' (FlashAttention in XLA, which takes "
+        "both arrays) or 'xla'")
   if implementation not in _XLA_PATHS:
     _validation.check_kernel_head_dim(head_dim, implementation)
   if implementation == "cuda" and query.dtype == jnp.float32:
@@ -168,7 +179,7 @@ def dot_product_attention(
   if implementation in _XLA_PATHS:
     out, lse = _XLA_PATHS[implementation](
         query, key, value, q_lens, kv_lens, scale=scale, is_causal=bool(is_causal),
-        window_left=window_left, window_right=window_right)
+        window_left=window_left, window_right=window_right, bias=bias, mask=mask)
   else:
     query, scale = _ops.positive_scale(query, scale)
     config = _ops.KernelConfig(implementation, scale, bool(is_causal), window_left, window_right,

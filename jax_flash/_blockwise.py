@@ -11,6 +11,10 @@ full float32 on the CPU), with float32 softmax statistics and accumulation. It i
 ``implementation=None`` runs for float32 inputs on a GPU, where the CUDA kernels take 16-bit
 inputs. Semantics are the kernels': a row with no key to attend to gives 0 output, 0 gradient
 and lse ``EMPTY_ROW_LSE``.
+
+Unlike the kernels it also takes jax.nn's ``bias`` and ``mask`` arrays: each scan step adds and
+applies the slice of its key block (arrays with no key dim broadcast over every block), and the
+backward pass returns the bias's gradient, summed over the dims it broadcasts along.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_flash._reference import EMPTY_ROW_LSE, key_mask
+from jax_flash._reference import EMPTY_ROW_LSE, grouped_logit_array, key_mask
 
 # Keys per scan step. Scores of one step take batch * heads * T * KEY_BLOCK float32s.
 KEY_BLOCK = 512
@@ -51,20 +55,48 @@ def _key_blocks(x: jax.Array, block: int) -> jax.Array:
   return jnp.moveaxis(x.reshape(batch, blocks, block, heads, head_dim), 1, 0)
 
 
-def _scan_inputs(k: jax.Array, v: jax.Array, block: int):
-  """What both passes scan over: each key block's index, K block and V block."""
-  return jnp.arange(-(-k.shape[1] // block)), _key_blocks(k, block), _key_blocks(v, block)
+def _logit_blocks(x: jax.Array | None, block: int, heads_k: int, fill):
+  """A rank-4 bias or mask (B|1, N|1, T|1, S|1) as the scan sees it: (S / block, B|1, K|1, G|1,
+  T|1, block) split along the keys (padded with `fill`), or None when it has no key dim to split
+  (then every block uses the whole array: see _logit_block)."""
+  if x is None or x.shape[3] == 1:
+    return None
+  blocks = -(-x.shape[3] // block)
+  x = jnp.pad(x, [(0, 0)] * 3 + [(0, blocks * block - x.shape[3])], constant_values=fill)
+  x = grouped_logit_array(x, heads_k)
+  return jnp.moveaxis(x.reshape(*x.shape[:4], blocks, block), 4, 0)
 
 
-def _block_scores(q5, k_block, index, q_lens, kv_lens, config: _Config):
-  """Scaled scores (B, K, G, T, block) of key block `index`, -inf where masked."""
+def _logit_block(whole: jax.Array | None, blocks: jax.Array | None, heads_k: int):
+  """This step's slice of a bias or mask: its block if it was split, else the whole (grouped)
+  array, which broadcasts over the keys; None without one."""
+  if blocks is not None:
+    return blocks
+  return None if whole is None else grouped_logit_array(whole, heads_k)
+
+
+def _scan_inputs(k: jax.Array, v: jax.Array, bias, mask, block: int):
+  """What both passes scan over: each key block's index, K block and V block, and its slices of
+  the bias and mask where those have a key dim."""
+  heads_k = k.shape[2]
+  return (jnp.arange(-(-k.shape[1] // block)), _key_blocks(k, block), _key_blocks(v, block),
+          _logit_blocks(bias, block, heads_k, 0.0), _logit_blocks(mask, block, heads_k, False))
+
+
+def _block_scores(q5, k_block, index, q_lens, kv_lens, bias_block, mask_block, config: _Config):
+  """Scaled scores (B, K, G, T, block) of key block `index` plus its bias, -inf where masked."""
   scores = jnp.einsum("btkgh,bskh->bkgts", q5, k_block) * config.scale
-  mask = key_mask(q5.shape[1], config.block, q_lens, kv_lens, config.is_causal,
-                  config.window_left, config.window_right, key_offset=index * config.block)
-  return jnp.where(mask[:, None, None], scores, -jnp.inf)
+  if bias_block is not None:
+    scores = scores + bias_block
+  allowed = key_mask(q5.shape[1], config.block, q_lens, kv_lens, config.is_causal,
+                     config.window_left, config.window_right, key_offset=index * config.block)
+  allowed = allowed[:, None, None]
+  if mask_block is not None:
+    allowed = allowed & mask_block
+  return jnp.where(allowed, scores, -jnp.inf)
 
 
-def _forward(q, k, v, q_lens, kv_lens, config):
+def _forward(q, k, v, q_lens, kv_lens, bias, mask, config):
   """(o (B, T, N, H) in q's dtype, lse (B, N, T) float32)."""
   batch, seq_q, heads_q, head_dim = q.shape
   heads_k = k.shape[2]
@@ -73,8 +105,10 @@ def _forward(q, k, v, q_lens, kv_lens, config):
 
   def step(carry, xs):
     row_max, row_sum, acc = carry
-    index, k_block, v_block = xs
-    scores = _block_scores(q5, k_block, index, q_lens, kv_lens, config)
+    index, k_block, v_block, bias_blocks, mask_blocks = xs
+    scores = _block_scores(q5, k_block, index, q_lens, kv_lens,
+                           _logit_block(bias, bias_blocks, heads_k),
+                           _logit_block(mask, mask_blocks, heads_k), config)
     new_max = jnp.maximum(row_max, jnp.max(scores, axis=-1))
     base = jnp.where(jnp.isfinite(new_max), new_max, 0.0)  # no key seen yet: exp(-inf) = 0
     probs = jnp.exp(scores - base[..., None])
@@ -85,7 +119,8 @@ def _forward(q, k, v, q_lens, kv_lens, config):
 
   init = (jnp.full(stats_shape, -jnp.inf), jnp.zeros(stats_shape),
           jnp.zeros(stats_shape + (head_dim,)))
-  (row_max, row_sum, acc), _ = jax.lax.scan(step, init, _scan_inputs(k, v, config.block))
+  (row_max, row_sum, acc), _ = jax.lax.scan(step, init,
+                                            _scan_inputs(k, v, bias, mask, config.block))
   has_keys = row_sum > 0
   safe_sum = jnp.where(has_keys, row_sum, 1.0)
   out = acc / safe_sum[..., None]
@@ -94,8 +129,9 @@ def _forward(q, k, v, q_lens, kv_lens, config):
   return out, lse.reshape(batch, heads_q, seq_q)
 
 
-def _backward(q, k, v, o, lse, d_o, q_lens, kv_lens, config):
-  """(dq, dk, dv) in the dtypes of q, k, v; dK and dV summed over each kv head's query heads."""
+def _backward(q, k, v, o, lse, d_o, q_lens, kv_lens, bias, mask, config):
+  """(dq, dk, dv, dbias) in the dtypes of q, k, v and the bias (None without one); dK and dV
+  summed over each kv head's query heads, dbias over the dims the bias broadcasts along."""
   batch, seq_q, heads_q, head_dim = q.shape
   seq_k, heads_k = k.shape[1], k.shape[2]
   q5, do5 = _split_groups(q, heads_k), _split_groups(d_o, heads_k)
@@ -103,53 +139,83 @@ def _backward(q, k, v, o, lse, d_o, q_lens, kv_lens, config):
   lse = lse.reshape(batch, heads_k, heads_q // heads_k, seq_q)
   # Rows that attend to nothing: lse +inf makes every probability exp(-inf) = 0.
   lse = jnp.where(lse == EMPTY_ROW_LSE, jnp.inf, lse)
+  bias5 = None if bias is None else grouped_logit_array(bias, heads_k)
 
-  def step(dq, xs):
-    index, k_block, v_block = xs
-    scores = _block_scores(q5, k_block, index, q_lens, kv_lens, config)
+  def bias_gradient(d_logits):
+    """The bias's share of the logits' gradient: summed over the dims it broadcasts along."""
+    axes = tuple(i for i in range(5) if bias5.shape[i] == 1 and d_logits.shape[i] != 1)
+    return jnp.sum(d_logits, axis=axes, keepdims=True)
+
+  def step(carry, xs):
+    dq, dbias_sum = carry
+    index, k_block, v_block, bias_blocks, mask_blocks = xs
+    scores = _block_scores(q5, k_block, index, q_lens, kv_lens,
+                           _logit_block(bias, bias_blocks, heads_k),
+                           _logit_block(mask, mask_blocks, heads_k), config)
     probs = jnp.exp(scores - lse[..., None])
     d_probs = jnp.einsum("btkgh,bskh->bkgts", do5, v_block)
-    d_scores = probs * (d_probs - delta[..., None]) * config.scale
+    d_logits = probs * (d_probs - delta[..., None])
+    d_scores = d_logits * config.scale
     dq = dq + jnp.einsum("bkgts,bskh->btkgh", d_scores, k_block)
     dk_block = jnp.einsum("bkgts,btkgh->bskh", d_scores, q5)
     dv_block = jnp.einsum("bkgts,btkgh->bskh", probs, do5)
-    return dq, (dk_block, dv_block)
+    dbias_block = None
+    if bias5 is not None and bias5.shape[4] == 1:
+      dbias_sum = dbias_sum + bias_gradient(d_logits)
+    elif bias5 is not None:
+      dbias_block = bias_gradient(d_logits)
+    return (dq, dbias_sum), (dk_block, dv_block, dbias_block)
 
-  dq, (dk, dv) = jax.lax.scan(step, jnp.zeros_like(q5), _scan_inputs(k, v, config.block))
+  dbias_init = None if bias5 is None else jnp.zeros(bias5.shape, jnp.float32)
+  (dq, dbias_sum), (dk, dv, dbias_blocks) = jax.lax.scan(
+      step, (jnp.zeros_like(q5), dbias_init), _scan_inputs(k, v, bias, mask, config.block))
 
   def unblock(x, like):
     x = jnp.moveaxis(x, 0, 1).reshape(batch, -1, heads_k, head_dim)
     return x[:, :seq_k].astype(like.dtype)
 
-  return dq.reshape(q.shape).astype(q.dtype), unblock(dk, k), unblock(dv, v)
+  dbias = None
+  if bias is not None:
+    if dbias_blocks is None:
+      dbias = dbias_sum
+    else:  # (S / block, B|1, K|1, G|1, T|1, block) -> (B|1, K|1, G|1, T|1, S)
+      dbias = jnp.moveaxis(dbias_blocks, 0, 4)
+      dbias = dbias.reshape(*dbias.shape[:4], -1)[..., :seq_k]
+    dbias = dbias.reshape(bias.shape).astype(bias.dtype)
+  return dq.reshape(q.shape).astype(q.dtype), unblock(dk, k), unblock(dv, v), dbias
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _attention(q, k, v, q_lens, kv_lens, config):
-  return _forward(q, k, v, q_lens, kv_lens, config)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _attention(q, k, v, q_lens, kv_lens, bias, mask, config):
+  return _forward(q, k, v, q_lens, kv_lens, bias, mask, config)
 
 
-def _attention_fwd(q, k, v, q_lens, kv_lens, config):
-  o, lse = _forward(q, k, v, q_lens, kv_lens, config)
-  return (o, lse), (q, k, v, o, lse, q_lens, kv_lens)
+def _attention_fwd(q, k, v, q_lens, kv_lens, bias, mask, config):
+  o, lse = _forward(q, k, v, q_lens, kv_lens, bias, mask, config)
+  return (o, lse), (q, k, v, o, lse, q_lens, kv_lens, bias, mask)
 
 
 def _attention_bwd(config, residuals, cotangents):
-  q, k, v, o, lse, q_lens, kv_lens = residuals
+  q, k, v, o, lse, q_lens, kv_lens, bias, mask = residuals
   d_o, _ = cotangents  # lse leaves through stop_gradient
-  return (*_backward(q, k, v, o, lse, d_o, q_lens, kv_lens, config), None, None)
+  dq, dk, dv, dbias = _backward(q, k, v, o, lse, d_o, q_lens, kv_lens, bias, mask, config)
+  return dq, dk, dv, None, None, dbias, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def blockwise_attention(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bool,
-                        window_left: int = -1, window_right: int = -1):
+                        window_left: int = -1, window_right: int = -1, bias=None, mask=None):
   """Returns (o, lse) as ``attention_reference`` does: o (B, T, N, H) in q's dtype, lse
-  (B, N, T) float32, differentiable in q, k and v with a recomputing backward pass."""
+  (B, N, T) float32, differentiable in q, k, v and the bias with a recomputing backward pass.
+  `bias` (added to the scaled scores) and `mask` (True: attend) are rank 4, broadcastable to
+  (B, N, T, S); each scan step takes their slice for its key block."""
   if k.shape[1] == 0 or q.shape[1] == 0:  # no blocks to scan: every row is empty
     lse = jnp.full((q.shape[0], q.shape[2], q.shape[1]), EMPTY_ROW_LSE, jnp.float32)
     return jnp.zeros_like(q), lse
   config = _Config(float(scale), bool(is_causal), int(window_left), int(window_right),
                    min(KEY_BLOCK, k.shape[1]))
-  return _attention(q, k, v, q_lens, kv_lens, config)
+  if bias is not None:
+    bias = bias.astype(jnp.float32) if bias.dtype != jnp.float32 else bias
+  return _attention(q, k, v, q_lens, kv_lens, bias, mask, config)

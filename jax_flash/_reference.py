@@ -32,11 +32,19 @@ def key_mask(seq_q: int, seq_k: int, q_lens, kv_lens, is_causal: bool,
   return mask
 
 
+def grouped_logit_array(x, heads_k: int):
+  """A (B|1, N|1, T|1, S|1) bias or mask laid out like the grouped scores (B, K, G, T, S): its
+  head dim split into (kv head, query head of the group), or (1, 1) when it broadcasts."""
+  b, n, t, s = x.shape
+  return x.reshape(b, 1, 1, t, s) if n == 1 else x.reshape(b, heads_k, n // heads_k, t, s)
+
+
 def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bool,
-                        window_left: int = -1, window_right: int = -1):
+                        window_left: int = -1, window_right: int = -1, bias=None, mask=None):
   """Returns (o, lse): o (B, T, N, H) in q's dtype, lse (B, N, T) float32.
 
-  Computed in float32 whatever the input dtype (inputs are upcast first).
+  Computed in float32 whatever the input dtype (inputs are upcast first). `bias` (added to the
+  scaled scores) and `mask` (True: attend) are rank 4, broadcastable to (B, N, T, S).
   """
   batch, seq_q, heads_q, head_dim = q.shape
   seq_k, heads_k = k.shape[1], k.shape[2]
@@ -48,9 +56,13 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bo
   kf = k.astype(jnp.float32)
   vf = v.astype(jnp.float32)
   scores = jnp.einsum("btkgh,bskh->bkgts", qf, kf, precision="highest") * scale
-  mask = key_mask(seq_q, seq_k, q_lens, kv_lens, is_causal, window_left, window_right)
-  mask = mask[:, None, None, :, :]
-  scores = jnp.where(mask, scores, -jnp.inf)
+  if bias is not None:
+    scores = scores + grouped_logit_array(bias.astype(jnp.float32), heads_k)
+  allowed = key_mask(seq_q, seq_k, q_lens, kv_lens, is_causal, window_left, window_right)
+  allowed = allowed[:, None, None, :, :]
+  if mask is not None:
+    allowed = allowed & grouped_logit_array(mask, heads_k)
+  scores = jnp.where(allowed, scores, -jnp.inf)
   row_max = jnp.max(scores, axis=-1, keepdims=True)
   has_keys = jnp.isfinite(row_max)
   row_max = jnp.where(has_keys, row_max, 0.0)

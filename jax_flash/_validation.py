@@ -57,6 +57,29 @@ def check_seq_lengths(name: str, lengths, batch: int, full: int) -> jax.Array | 
   return jnp.clip(lengths, 0, full).astype(jnp.int32)
 
 
+def check_logit_array(name: str, x, batch: int, heads: int, seq_q: int,
+                      seq_k: int) -> jax.Array | None:
+  """`bias` or `mask` as a rank-4 array broadcastable to the scores (B, N, T, S), as jax.nn takes
+  them: fewer dims gain leading ones, and each dim is 1 or the full size (the mask must be bool;
+  a bias of any float dtype is added in float32)."""
+  if x is None:
+    return None
+  x = jnp.asarray(x)
+  want = (batch, heads, seq_q, seq_k)
+  if x.ndim > 4:
+    raise ValueError(f"{name} must have at most 4 dims, broadcastable to (B, N, T, S) = {want}; "
+                     f"got {name}{x.shape}")
+  x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+  if any(d not in (1, w) for d, w in zip(x.shape, want)):
+    raise ValueError(f"{name} must be broadcastable to (B, N, T, S) = {want} (each dim 1 or "
+                     f"that size); got {name}{x.shape}")
+  if name == "mask" and x.dtype != jnp.bool_:
+    raise ValueError(f"mask must be a bool array (True: attend), as in jax.nn; got {x.dtype}")
+  if name == "bias" and not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"bias must be a float array; got {x.dtype}")
+  return x
+
+
 def check_window(local_window_size, reach: int) -> tuple[int, int] | None:
   """(left, right), each at most `reach` (T + S: a wider window masks nothing more, and the
   kernels' index arithmetic stays far from overflow)."""

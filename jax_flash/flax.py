@@ -16,8 +16,9 @@ Flax is an optional dependency (``pip install -e ".[examples]"``); import this m
   ``query_seq_lengths`` / ``key_value_seq_lengths`` (padding).
 
 What FlashAttention cannot honour raises at trace time, never silently: an attention ``mask`` or
-``bias`` (no attention matrix exists to mask; use ``is_causal`` and the sequence lengths),
-active dropout, sowing the attention weights (``sow_weights=True`` / ``module=``), Flax's
+``bias`` on the kernels (no attention matrix exists to mask; use ``is_causal`` and the sequence
+lengths, or ``implementation="blockwise"``, FlashAttention in XLA, which takes both), active
+dropout, sowing the attention weights (``sow_weights=True`` / ``module=``), Flax's
 autoregressive ``decode`` cache (it works through a mask), and AQT's replacement einsums.
 
 Names that mean something else in Flax: Flax's ``deterministic`` means "no dropout";
@@ -50,8 +51,8 @@ __all__ = [
 ]
 
 _MASK_HELP = (
-    "jax_flash never builds the attention matrix, so it takes no `mask`/`bias` arrays (an "
-    "arbitrary mask is not supported yet). Express the mask instead: causal self-attention is "
+    "jax_flash's kernels never build the attention matrix, so they take no `mask`/`bias` arrays "
+    "(implementation='blockwise', FlashAttention in XLA, takes both). Express the mask instead: causal self-attention is "
     "`is_causal=True` (FlashMultiHeadAttention(is_causal=True), "
     "FlashMultiHeadDotProductAttention(is_causal=True), make_attention_fn(is_causal=True), or "
     "nnx.MultiHeadAttention's own `is_causal=True` call argument) instead of "
@@ -59,6 +60,25 @@ _MASK_HELP = (
     "`key_value_seq_lengths` (call arguments of the Flash modules and of "
     "jax_flash.flax.dot_product_attention); sliding windows are `local_window_size`. Flax's "
     "`decode=True` cache also passes a mask: decoding is not supported yet.")
+
+
+def _fold_logit_array(name: str, x, batch_dims: tuple[int, ...]) -> jax.Array | None:
+  """A bias or mask broadcastable to (batch..., N, T, S), as jax_flash takes it: rank 4 with the
+  batch dims folded into one (kept 1 where they all broadcast), a mask as bool (Flax's masks are
+  often float, nonzero meaning attend, as its make_attention_mask gives them)."""
+  if x is None:
+    return None
+  x = jnp.asarray(x)
+  if name == "mask":
+    x = x.astype(bool)
+  rank = len(batch_dims) + 3
+  if x.ndim > rank:
+    raise ValueError(f"jax_flash.flax: {name} must have at most {rank} dims (batch..., N, T, "
+                     f"S) for a query with batch dims {batch_dims}; got {name}{x.shape}")
+  x = x.reshape((1,) * (rank - x.ndim) + x.shape)
+  if all(d == 1 for d in x.shape[:-3]):
+    return x.reshape(1, *x.shape[-3:])
+  return jnp.broadcast_to(x, batch_dims + x.shape[-3:]).reshape(-1, *x.shape[-3:])
 
 
 def _promote(query, key, value, dtype):
@@ -118,9 +138,11 @@ def dot_product_attention(
     query: ``(batch..., T, N, H)``; any number of batch dims, including none.
     key: ``(batch..., S, K, H)`` with ``N % K == 0`` (grouped-query attention).
     value: shaped like ``key``.
-    bias: must be None (raises ``NotImplementedError``: see the message for what to use).
-    mask: must be None (raises ``NotImplementedError``: use ``is_causal``, the sequence lengths
-      or ``local_window_size``).
+    bias: broadcastable to ``(batch..., N, T, S)``, added to the scaled logits; only with
+      ``implementation="blockwise"`` or ``"xla"`` (the kernels raise ``NotImplementedError``:
+      see the message for what to use).
+    mask: bool, broadcastable like ``bias`` (True: attend); the same paths take it. On the
+      kernels use ``is_causal``, the sequence lengths or ``local_window_size`` instead.
     broadcast_dropout: accepted for Flax; without dropout it has no effect.
     dropout_rng: accepted for Flax; without dropout it has no effect.
     dropout_rate: dropout on the attention weights is not supported yet: a rate > 0 with
@@ -153,11 +175,13 @@ def dot_product_attention(
   Returns:
     ``(batch..., T, N, H)`` in the computation dtype.
   """
-  if bias is not None:
-    raise NotImplementedError(f"jax_flash.flax: `bias` is not supported. {_MASK_HELP}")
-  if mask is not None:
-    raise NotImplementedError(
-        f"jax_flash.flax: got a `mask` of shape {jnp.shape(mask)}. {_MASK_HELP}")
+  if implementation not in ("blockwise", "xla"):
+    if bias is not None:
+      raise NotImplementedError(
+          f"jax_flash.flax: got a `bias` of shape {jnp.shape(bias)}. {_MASK_HELP}")
+    if mask is not None:
+      raise NotImplementedError(
+          f"jax_flash.flax: got a `mask` of shape {jnp.shape(mask)}. {_MASK_HELP}")
   if dropout_rate and not deterministic:
     raise NotImplementedError(
         f"jax_flash.flax: attention dropout (dropout_rate={dropout_rate}, deterministic=False) "
@@ -189,9 +213,11 @@ def dot_product_attention(
   # jax_flash takes (B, T, N, H): fold every batch dim (or none) into one.
   batch = math.prod(batch_dims)
   query4, key4, value4 = (x.reshape(batch, *x.shape[-3:]) for x in (query, key, value))
+  bias4, mask4 = (_fold_logit_array(name, x, batch_dims)
+                  for name, x in (("bias", bias), ("mask", mask)))
   out = jax_flash.dot_product_attention(
-      query4, key4, value4, scale=scale, is_causal=is_causal, query_seq_lengths=q_lens,
-      key_value_seq_lengths=kv_lens, local_window_size=local_window_size,
+      query4, key4, value4, bias4, mask4, scale=scale, is_causal=is_causal,
+      query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens, local_window_size=local_window_size,
       implementation=implementation, deterministic=deterministic_backward)
   return out.reshape(query.shape)
 

@@ -349,6 +349,28 @@ def test_attention_fn_batch_dims_and_lengths(rng, batch_dims):
   assert_close(jflax.dot_product_attention(q, k, v, key_value_seq_lengths=lengths), want)
 
 
+@pytest.mark.parametrize("implementation", ["blockwise", "xla"])
+@pytest.mark.parametrize("batch_dims", [(), (2, 3)])
+def test_attention_fn_takes_mask_and_bias_on_the_xla_paths(rng, implementation, batch_dims):
+  """Flax's masks and biases (batch dims folded like the query's, broadcast dims kept) go
+  through to the paths that take them, as in Flax's own attention; every row keeps a key."""
+  q = random_array(rng, (*batch_dims, 9, 4, 16), F32)
+  k, v = (random_array(rng, (*batch_dims, 11, 4, 16), F32) for _ in range(2))
+  mask = jnp.asarray(rng.random((*batch_dims, 1, 9, 11)) < 0.6).at[..., 0].set(True)
+  bias = random_array(rng, (4, 1, 11), F32)  # per head and key, broadcast over batch and rows
+  want = nnx.dot_product_attention(q, k, v, bias=bias, mask=mask)
+  got = jflax.dot_product_attention(q, k, v, bias, mask, implementation=implementation)
+  assert_close(got, want)
+  module = jflax.FlashMultiHeadAttention(num_heads=4, in_features=8, qkv_features=16,
+                                         decode=False, implementation=implementation,
+                                         rngs=nnx.Rngs(0))
+  x = random_array(rng, (2, 9, 8), F32)
+  stock = nnx.MultiHeadAttention(num_heads=4, in_features=8, qkv_features=16, decode=False,
+                                 rngs=nnx.Rngs(0))
+  causal = nnx.make_causal_mask(x[..., 0])
+  assert_close(module(x, mask=causal), stock(x, mask=causal))
+
+
 def test_make_attention_fn_fixes_jax_flash_options(rng):
   q = random_array(rng, (2, 13, 4, 16), F32)
   fn = jflax.make_attention_fn(local_window_size=[3, 1], scale=0.3, implementation="xla")

@@ -170,15 +170,32 @@ def test_head_dim_above_kernel_limit(rng):
   jax_flash.dot_product_attention(q, k, v, implementation="cpu")
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-def test_bias_and_mask_not_implemented(rng, implementation):
+@pytest.mark.parametrize("implementation", ["cpu", None])
+def test_bias_and_mask_need_an_xla_path(rng, implementation):
+  """The kernels take no bias or mask arrays: asking for them there (or with None, which picks a
+  kernel on this machine) says what to use, never falls back silently."""
   q, k, v = arrays(rng, (2, 8, 4, 16), (2, 8, 4, 16))
-  with pytest.raises(NotImplementedError, match="`bias`"):
+  with pytest.raises(NotImplementedError, match=pattern("'cpu' kernels", "bias(2, 4, 8, 8)",
+                                                        "implementation='blockwise'")):
     jax_flash.dot_product_attention(q, k, v, jnp.zeros((2, 4, 8, 8)),
                                     implementation=implementation)
-  with pytest.raises(NotImplementedError, match="`mask`"):
-    jax_flash.dot_product_attention(q, k, v, mask=jnp.ones((2, 4, 8, 8), bool),
+  with pytest.raises(NotImplementedError, match=pattern("mask(1, 1, 8, 8)", "is_causal")):
+    jax_flash.dot_product_attention(q, k, v, mask=jnp.ones((8, 8), bool),
                                     implementation=implementation)
+
+
+@pytest.mark.parametrize("name, value, fragments", [
+    ("bias", np.zeros((2, 4, 8, 8, 1), np.float32), ("bias", "at most 4 dims", "(2, 4, 8, 8)")),
+    ("bias", np.zeros((2, 3, 8, 8), np.float32), ("bias", "broadcastable", "bias(2, 3, 8, 8)")),
+    ("bias", np.zeros((8, 7), np.float32), ("bias", "broadcastable", "bias(1, 1, 8, 7)")),
+    ("bias", np.zeros((8, 8), np.int32), ("bias must be a float array", "int32")),
+    ("mask", np.ones((2, 4, 8, 8), np.float32), ("mask must be a bool array", "float32")),
+    ("mask", np.ones((3, 1, 1, 8), bool), ("mask", "broadcastable", "mask(3, 1, 1, 8)")),
+])
+def test_bias_and_mask_shapes(rng, name, value, fragments):
+  q, k, v = arrays(rng, (2, 8, 4, 16), (2, 8, 2, 16))
+  with pytest.raises(ValueError, match=pattern(*fragments)):
+    jax_flash.dot_product_attention(q, k, v, **{name: value}, implementation="blockwise")
 
 
 def test_traced_scale_under_jit(rng):
