@@ -65,14 +65,14 @@ def check_logit_array(name: str, x, batch: int, heads: int, seq_q: int,
   if x is None:
     return None
   x = jnp.asarray(x)
-  want = (batch, heads, seq_q, seq_k)
+  given, want = x.shape, (batch, heads, seq_q, seq_k)
   if x.ndim > 4:
     raise ValueError(f"{name} must have at most 4 dims, broadcastable to (B, N, T, S) = {want}; "
-                     f"got {name}{x.shape}")
+                     f"got {name}{given}")
   x = x.reshape((1,) * (4 - x.ndim) + x.shape)
   if any(d not in (1, w) for d, w in zip(x.shape, want)):
     raise ValueError(f"{name} must be broadcastable to (B, N, T, S) = {want} (each dim 1 or "
-                     f"that size); got {name}{x.shape}")
+                     f"that size, leading dims 1 if left out); got {name}{given}")
   if name == "mask" and x.dtype != jnp.bool_:
     raise ValueError(f"mask must be a bool array (True: attend), as in jax.nn; got {x.dtype}")
   if name == "bias" and not jnp.issubdtype(x.dtype, jnp.floating):

@@ -187,7 +187,7 @@ def test_bias_and_mask_need_an_xla_path(rng, implementation):
 @pytest.mark.parametrize("name, value, fragments", [
     ("bias", np.zeros((2, 4, 8, 8, 1), np.float32), ("bias", "at most 4 dims", "(2, 4, 8, 8)")),
     ("bias", np.zeros((2, 3, 8, 8), np.float32), ("bias", "broadcastable", "bias(2, 3, 8, 8)")),
-    ("bias", np.zeros((8, 7), np.float32), ("bias", "broadcastable", "bias(1, 1, 8, 7)")),
+    ("bias", np.zeros((8, 7), np.float32), ("bias", "broadcastable", "bias(8, 7)")),
     ("bias", np.zeros((8, 8), np.int32), ("bias must be a float array", "int32")),
     ("mask", np.ones((2, 4, 8, 8), np.float32), ("mask must be a bool array", "float32")),
     ("mask", np.ones((3, 1, 1, 8), bool), ("mask", "broadcastable", "mask(3, 1, 1, 8)")),
