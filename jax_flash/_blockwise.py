@@ -55,32 +55,34 @@ def _key_blocks(x: jax.Array, block: int) -> jax.Array:
   return jnp.moveaxis(x.reshape(batch, blocks, block, heads, head_dim), 1, 0)
 
 
-def _logit_blocks(x: jax.Array | None, block: int, heads_k: int, fill):
-  """A rank-4 bias or mask (B|1, N|1, T|1, S|1) as the scan sees it: (S / block, B|1, K|1, G|1,
-  T|1, block) split along the keys (padded with `fill`), or None when it has no key dim to split
-  (then every block uses the whole array: see _logit_block)."""
-  if x is None or x.shape[3] == 1:
+def _grouped(x: jax.Array | None, heads_k: int) -> jax.Array | None:
+  """A rank-4 bias or mask (B|1, N|1, T|1, S|1) laid out like the scores (see
+  grouped_logit_array), or None without one."""
+  return None if x is None else grouped_logit_array(x, heads_k)
+
+
+def _logit_blocks(x5: jax.Array | None, block: int, fill):
+  """A grouped bias or mask (B|1, K|1, G|1, T|1, S|1) as the scan sees it: (S / block, B|1, K|1,
+  G|1, T|1, block) split along the keys (padded with `fill`), or None when it has no key dim to
+  split (then every block uses the whole array: see _this_block)."""
+  if x5 is None or x5.shape[4] == 1:
     return None
-  blocks = -(-x.shape[3] // block)
-  x = jnp.pad(x, [(0, 0)] * 3 + [(0, blocks * block - x.shape[3])], constant_values=fill)
-  x = grouped_logit_array(x, heads_k)
-  return jnp.moveaxis(x.reshape(*x.shape[:4], blocks, block), 4, 0)
+  blocks = -(-x5.shape[4] // block)
+  x5 = jnp.pad(x5, [(0, 0)] * 4 + [(0, blocks * block - x5.shape[4])], constant_values=fill)
+  return jnp.moveaxis(x5.reshape(*x5.shape[:4], blocks, block), 4, 0)
 
 
-def _logit_block(whole: jax.Array | None, blocks: jax.Array | None, heads_k: int):
-  """This step's slice of a bias or mask: its block if it was split, else the whole (grouped)
+def _this_block(whole5: jax.Array | None, blocks: jax.Array | None) -> jax.Array | None:
+  """A scan step's slice of a grouped bias or mask: its block if it was split, else the whole
   array, which broadcasts over the keys; None without one."""
-  if blocks is not None:
-    return blocks
-  return None if whole is None else grouped_logit_array(whole, heads_k)
+  return blocks if blocks is not None else whole5
 
 
-def _scan_inputs(k: jax.Array, v: jax.Array, bias, mask, block: int):
+def _scan_inputs(k: jax.Array, v: jax.Array, bias5, mask5, block: int):
   """What both passes scan over: each key block's index, K block and V block, and its slices of
-  the bias and mask where those have a key dim."""
-  heads_k = k.shape[2]
+  the grouped bias and mask where those have a key dim."""
   return (jnp.arange(-(-k.shape[1] // block)), _key_blocks(k, block), _key_blocks(v, block),
-          _logit_blocks(bias, block, heads_k, 0.0), _logit_blocks(mask, block, heads_k, False))
+          _logit_blocks(bias5, block, 0.0), _logit_blocks(mask5, block, False))
 
 
 def _block_scores(q5, k_block, index, q_lens, kv_lens, bias_block, mask_block, config: _Config):
@@ -101,14 +103,14 @@ def _forward(q, k, v, q_lens, kv_lens, bias, mask, config):
   batch, seq_q, heads_q, head_dim = q.shape
   heads_k = k.shape[2]
   q5 = _split_groups(q, heads_k)
+  bias5, mask5 = _grouped(bias, heads_k), _grouped(mask, heads_k)
   stats_shape = (batch, heads_k, heads_q // heads_k, seq_q)
 
   def step(carry, xs):
     row_max, row_sum, acc = carry
     index, k_block, v_block, bias_blocks, mask_blocks = xs
-    scores = _block_scores(q5, k_block, index, q_lens, kv_lens,
-                           _logit_block(bias, bias_blocks, heads_k),
-                           _logit_block(mask, mask_blocks, heads_k), config)
+    scores = _block_scores(q5, k_block, index, q_lens, kv_lens, _this_block(bias5, bias_blocks),
+                           _this_block(mask5, mask_blocks), config)
     new_max = jnp.maximum(row_max, jnp.max(scores, axis=-1))
     base = jnp.where(jnp.isfinite(new_max), new_max, 0.0)  # no key seen yet: exp(-inf) = 0
     probs = jnp.exp(scores - base[..., None])
@@ -120,7 +122,7 @@ def _forward(q, k, v, q_lens, kv_lens, bias, mask, config):
   init = (jnp.full(stats_shape, -jnp.inf), jnp.zeros(stats_shape),
           jnp.zeros(stats_shape + (head_dim,)))
   (row_max, row_sum, acc), _ = jax.lax.scan(step, init,
-                                            _scan_inputs(k, v, bias, mask, config.block))
+                                            _scan_inputs(k, v, bias5, mask5, config.block))
   has_keys = row_sum > 0
   safe_sum = jnp.where(has_keys, row_sum, 1.0)
   out = acc / safe_sum[..., None]
@@ -139,7 +141,7 @@ def _backward(q, k, v, o, lse, d_o, q_lens, kv_lens, bias, mask, config):
   lse = lse.reshape(batch, heads_k, heads_q // heads_k, seq_q)
   # Rows that attend to nothing: lse +inf makes every probability exp(-inf) = 0.
   lse = jnp.where(lse == EMPTY_ROW_LSE, jnp.inf, lse)
-  bias5 = None if bias is None else grouped_logit_array(bias, heads_k)
+  bias5, mask5 = _grouped(bias, heads_k), _grouped(mask, heads_k)
 
   def bias_gradient(d_logits):
     """The bias's share of the logits' gradient: summed over the dims it broadcasts along."""
@@ -149,9 +151,8 @@ def _backward(q, k, v, o, lse, d_o, q_lens, kv_lens, bias, mask, config):
   def step(carry, xs):
     dq, dbias_sum = carry
     index, k_block, v_block, bias_blocks, mask_blocks = xs
-    scores = _block_scores(q5, k_block, index, q_lens, kv_lens,
-                           _logit_block(bias, bias_blocks, heads_k),
-                           _logit_block(mask, mask_blocks, heads_k), config)
+    scores = _block_scores(q5, k_block, index, q_lens, kv_lens, _this_block(bias5, bias_blocks),
+                           _this_block(mask5, mask_blocks), config)
     probs = jnp.exp(scores - lse[..., None])
     d_probs = jnp.einsum("btkgh,bskh->bkgts", do5, v_block)
     d_logits = probs * (d_probs - delta[..., None])
@@ -168,7 +169,7 @@ def _backward(q, k, v, o, lse, d_o, q_lens, kv_lens, bias, mask, config):
 
   dbias_init = None if bias5 is None else jnp.zeros(bias5.shape, jnp.float32)
   (dq, dbias_sum), (dk, dv, dbias_blocks) = jax.lax.scan(
-      step, (jnp.zeros_like(q5), dbias_init), _scan_inputs(k, v, bias, mask, config.block))
+      step, (jnp.zeros_like(q5), dbias_init), _scan_inputs(k, v, bias5, mask5, config.block))
 
   def unblock(x, like):
     x = jnp.moveaxis(x, 0, 1).reshape(batch, -1, heads_k, head_dim)
@@ -217,5 +218,5 @@ def blockwise_attention(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bo
   config = _Config(float(scale), bool(is_causal), int(window_left), int(window_right),
                    min(KEY_BLOCK, k.shape[1]))
   if bias is not None:
-    bias = bias.astype(jnp.float32) if bias.dtype != jnp.float32 else bias
+    bias = bias.astype(jnp.float32)
   return _attention(q, k, v, q_lens, kv_lens, bias, mask, config)
