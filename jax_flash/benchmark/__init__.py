@@ -1,0 +1,61 @@
+"""Benchmark CLI: jax_flash beside its peers, measured in one run.
+
+    python -m jax_flash.benchmark [--platform cpu|gpu] [--seqs 512 1024 ...]
+                                  [--head-dims 64,128,256] [--causal both|yes|no]
+                                  [--reps N] [--out DIR] [--quick] [--deterministic]
+                                  [--skip PEER ...]
+
+Each platform (`platforms`) has a list of cases (`cases`), a list of peers (`peers`) and a table
+layout (`columns`):
+
+- gpu: the FlashAttention benchmark's shapes: 16k tokens in all (batch = 16384 // seq), hidden
+  2048 (heads = 2048 // head dim), bfloat16, seq 512 ... 16384, head dims 64, 128, 256; peers
+  jax_flash's CUDA kernels, cuDNN and XLA through jax.nn.dot_product_attention, and Pallas'
+  Triton FlashAttention (`mha`).
+- cpu: B=1, 4 heads, head dim 64, float32, seq 512 ... 8192; peers jax_flash's CPU kernels, XLA
+  and PyTorch's scaled_dot_product_attention.
+
+A peer builds, for one case, a step per pass that runs the forward pass to completion and one that
+runs forward and backward; or it reports why it is unavailable, or fails and the benchmark records
+the reason (and goes on) (`runner`). Every step is compiled, warmed up, then repeated (fewer times
+for slow peers) and the median time is reported (`measure`).
+
+FLOPs follow the FlashAttention benchmarks: forward 4·B·S²·N·H, halved when causal; forward plus
+backward 3.5× the forward. The table's "bwd" rows are the backward alone, derived: the median
+fwd+bwd time less the median fwd time of the same peer in the same run (2.5× the forward's
+FLOPs). Memory: XLA's compiled temp bytes of each pass (the figure to compare), and the device's
+peak bytes in use after it where the runtime reports them (a high-water mark over the whole
+process, so it only grows). Absolute times drift between machines; compare peers of one run.
+
+With --deterministic, jax_flash runs with `deterministic=True` (its bit-reproducible backward),
+beside the same peers. --skip leaves peers out (recorded as unavailable, "skipped (--skip)").
+
+With --out DIR: results.json (environment, settings, every measurement) and table.md, rewritten
+after each case so that an interrupted run keeps what it measured (`report`), and plot.png at the
+end (`plot`).
+"""
+
+from jax_flash.benchmark.cases import (FWD_BWD_FLOP_FACTOR, PASSES, Case, Inputs, cpu_cases,
+                                       gpu_cases, make_inputs)
+from jax_flash.benchmark.cli import main, parse_args, positive_ints
+from jax_flash.benchmark.columns import Column, Row
+from jax_flash.benchmark.provenance import accelerator_packages, environment
+from jax_flash.benchmark.measure import (TIME_BUDGET_S, Compiled, Measurement, check_fits,
+                                         failure_reason, peak_bytes_in_use, time_step)
+from jax_flash.benchmark.peers import Peer, flash_peer, jax_peer
+from jax_flash.benchmark.platforms import CPU, GPU, PLATFORMS, Platform, with_deterministic_flash
+from jax_flash.benchmark.plot import write_plot
+from jax_flash.benchmark.report import TABLE_PASSES, format_table, with_backward, write_results
+from jax_flash.benchmark.runner import measure_peer, run
+
+# The name examples/bench_ring.py imports (from the single-file module this package replaces).
+_accelerator_packages = accelerator_packages
+
+__all__ = [
+    "CPU", "FWD_BWD_FLOP_FACTOR", "GPU", "PASSES", "PLATFORMS", "TABLE_PASSES", "TIME_BUDGET_S",
+    "Case", "Column", "Compiled", "Inputs", "Measurement", "Peer", "Platform", "Row",
+    "accelerator_packages", "check_fits", "cpu_cases", "environment", "failure_reason",
+    "flash_peer", "format_table", "gpu_cases", "jax_peer", "main", "make_inputs", "measure_peer",
+    "parse_args", "peak_bytes_in_use", "positive_ints", "run", "time_step", "with_backward",
+    "with_deterministic_flash", "write_plot", "write_results",
+]

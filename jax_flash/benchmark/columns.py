@@ -1,0 +1,72 @@
+"""The table's layout: a row per case and pass, columns that say how a row fills each cell."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+from jax_flash.benchmark.cases import Case
+from jax_flash.benchmark.measure import MIB, Measurement, RateUnit
+from jax_flash.benchmark.peers import Peer
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """One table row: one pass of one case, with every peer's measurement by peer name."""
+
+  case: Case
+  pass_name: str
+  results: Mapping[str, Measurement]
+
+
+@dataclasses.dataclass(frozen=True)
+class Column:
+  """A table column: its header and how a row fills its cell."""
+
+  header: str
+  cell: Callable[[Row], str]
+
+
+SEQ_COLUMN = Column("seq", lambda row: str(row.case.seq))
+HEAD_DIM_COLUMN = Column("hdim", lambda row: str(row.case.head_dim))
+CAUSAL_COLUMN = Column("causal", lambda row: "Y" if row.case.causal else "N")
+PASS_COLUMN = Column("pass", lambda row: row.pass_name)
+
+
+def _ok_cell(measurement: Measurement, value: Callable[[Measurement], str]) -> str:
+  """The value of a measurement that ran, else its status."""
+  return value(measurement) if measurement.ok else measurement.status
+
+
+def time_column(peer: Peer) -> Column:
+  """The peer's median milliseconds."""
+  return Column(f"{peer.name} ms",
+                lambda row: _ok_cell(row.results[peer.name], lambda m: f"{m.median_s * 1e3:.2f}"))
+
+
+def rate_column(peer: Peer, unit: RateUnit, header: str | None = None) -> Column:
+  """The peer's FLOP rate in `unit` (header "<name> <unit>" unless given)."""
+  return Column(header or f"{peer.name} {unit}",
+                lambda row: _ok_cell(row.results[peer.name], lambda m: f"{m.flop_rate(unit):.1f}"))
+
+
+def ratio_column(subject: Peer, peer: Peer) -> Column:
+  """How many times faster the subject is than the peer."""
+
+  def cell(row: Row) -> str:
+    mine, theirs = row.results[subject.name], row.results[peer.name]
+    if not (mine.ok and theirs.ok):
+      return "-"
+    return f"{theirs.median_s / mine.median_s:.2f}x"
+
+  return Column(f"{subject.label}/{peer.label}", cell)
+
+
+def temp_column(peer: Peer) -> Column:
+  """XLA's compiled temp memory of the peer's pass, MiB."""
+
+  def cell(row: Row) -> str:
+    temp = row.results[peer.name].temp_bytes
+    return "-" if temp is None else f"{temp / MIB:.1f}"
+
+  return Column(f"temp MiB {peer.label}", cell)

@@ -1,0 +1,177 @@
+"""The attention implementations measured beside jax_flash, and whether each can run here.
+
+A peer builds, for one case, a step per pass that runs the forward pass to completion and one that
+runs forward and backward; or it reports why it is unavailable (a package that does not import, a
+kernel this build lacks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+import os
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+import jax_flash
+from jax_flash.benchmark.cases import Case, Inputs
+from jax_flash.benchmark.measure import (ACCELERATOR_CALLS_PER_STEP, Compiled, Prepare,
+                                         compile_step, failure_reason)
+
+# An attention function over (B, S, N, H) arrays: (query, key, value, is_causal) -> output.
+AttentionFn = Callable[..., jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class Peer:
+  """An attention implementation to measure.
+
+  `name` names it in results and rate columns, `label` in ratio and memory columns;
+  `unavailable` returns why it cannot run here (None when it can); `build` puts a case's inputs
+  where the peer runs and returns a `Prepare` per pass, called just before that pass is timed
+  (so a pass that fails to compile leaves the other one measured).
+  """
+
+  name: str
+  label: str
+  unavailable: Callable[[], str | None]
+  build: Callable[[Case, Inputs], dict[str, Prepare]]
+
+
+# ---------------------------------------------------------------------------------------------
+# JAX peers
+
+
+def _build_jax(attention: AttentionFn, device_kind: str, case: Case,
+               inputs: Inputs) -> dict[str, Prepare]:
+  """Passes of a JAX attention function on the first `device_kind` device.
+
+  The forward+backward pass returns the output with the gradients of query, key and value for a
+  random output cotangent (those of sum(output · cotangent)): given only the gradients, XLA
+  would drop the product P·V of its forward pass (and report less temp memory), while PyTorch
+  and jax_flash compute it.
+  """
+  device = jax.devices(device_kind)[0]
+  q, k, v, d_out = (jax.device_put(x, device) for x in inputs.arrays())
+
+  def forward(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    return attention(q, k, v, is_causal=case.causal)
+
+  def forward_backward(q: jax.Array, k: jax.Array, v: jax.Array,
+                       d_out: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    out, vjp = jax.vjp(forward, q, k, v)
+    return out, vjp(d_out)
+
+  calls = 1 if device_kind == "cpu" else ACCELERATOR_CALLS_PER_STEP
+  return {"fwd": functools.partial(compile_step, forward, (q, k, v), calls),
+          "fwd+bwd": functools.partial(compile_step, forward_backward, (q, k, v, d_out), calls)}
+
+
+def jax_peer(name: str, label: str, device_kind: str, attention: AttentionFn,
+             unavailable: Callable[[], str | None] = lambda: None) -> Peer:
+  """A peer that runs `attention` under jax.jit on the platform's JAX device."""
+  return Peer(name=name, label=label, unavailable=unavailable,
+              build=functools.partial(_build_jax, attention, device_kind))
+
+
+def _jax_flash_unavailable(kernel: str) -> str | None:
+  if jax_flash.has_platform(kernel):
+    return None
+  return f"this jax_flash build has no {kernel!r} kernels"
+
+
+def flash_peer(kernel: str, device_kind: str, deterministic: bool = False) -> Peer:
+  """jax_flash's `kernel` ("cpu" or "cuda") on the `device_kind` device."""
+  attention = functools.partial(jax_flash.dot_product_attention, implementation=kernel,
+                                deterministic=deterministic)
+  return jax_peer("jax_flash", "flash", device_kind, attention,
+                  functools.partial(_jax_flash_unavailable, kernel))
+
+
+def _pallas_unavailable() -> str | None:
+  try:
+    from jax.experimental.pallas.ops.gpu import attention  # noqa: F401  (only whether it imports)
+  except ImportError as e:
+    return f"Pallas' GPU attention does not import ({e})"
+  return None
+
+
+def _pallas_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
+                      is_causal: bool) -> jax.Array:
+  """Pallas' Triton FlashAttention on (B, T, N, H) arrays, scaled by 1/sqrt(H) as jax.nn is.
+
+  Its signature has changed between JAX versions: `segment_ids`, `sm_scale` and `causal` are
+  passed only where `mha` has them, and a causal case fails where it has no `causal`.
+  """
+  from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
+  parameters = inspect.signature(pallas_attention.mha).parameters
+  options: dict[str, object] = {}
+  if "segment_ids" in parameters:
+    options["segment_ids"] = None
+  if "sm_scale" in parameters:
+    options["sm_scale"] = 1.0 / math.sqrt(query.shape[-1])
+  if "causal" in parameters:
+    options["causal"] = is_causal
+  elif is_causal:
+    raise NotImplementedError("this JAX's Pallas mha has no `causal` parameter")
+  return pallas_attention.mha(query, key, value, **options)
+
+
+# ---------------------------------------------------------------------------------------------
+# PyTorch peer
+
+
+def _torch_unavailable() -> str | None:
+  try:
+    import torch  # noqa: F401  (only whether it imports)
+  except ImportError as e:
+    return f"PyTorch is not installed ({e})"
+  return None
+
+
+def _build_torch_cpu(case: Case, inputs: Inputs) -> dict[str, Prepare]:
+  """Passes of PyTorch's CPU scaled_dot_product_attention, held to its flash kernel, on
+  (B, N, S, H) tensors with os.cpu_count() threads."""
+  import torch
+  from torch.nn.attention import SDPBackend, sdpa_kernel
+
+  torch.set_num_threads(os.cpu_count() or 1)
+  q, k, v, d_out = (torch.from_numpy(np.ascontiguousarray(x.swapaxes(1, 2)))
+                    for x in inputs.arrays())
+  leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+  attention = functools.partial(
+      torch.nn.functional.scaled_dot_product_attention, is_causal=case.causal)
+
+  def fwd() -> None:
+    with torch.no_grad(), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+      attention(q, k, v)
+
+  def fwd_bwd() -> None:
+    for leaf in leaves:
+      leaf.grad = None
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+      attention(*leaves).backward(d_out)
+
+  return {"fwd": lambda: Compiled(fwd, None), "fwd+bwd": lambda: Compiled(fwd_bwd, None)}
+
+
+# ---------------------------------------------------------------------------------------------
+# The peers of each platform
+
+FLASH_CPU = flash_peer("cpu", "cpu")
+XLA_CPU = jax_peer("xla", "xla", "cpu",
+                   functools.partial(jax.nn.dot_product_attention, implementation="xla"))
+TORCH_CPU = Peer(name="torch", label="torch", unavailable=_torch_unavailable,
+                 build=_build_torch_cpu)
+
+FLASH_GPU = flash_peer("cuda", "gpu")
+CUDNN_GPU = jax_peer("cudnn", "cudnn", "gpu",
+                     functools.partial(jax.nn.dot_product_attention, implementation="cudnn"))
+XLA_GPU = jax_peer("xla", "xla", "gpu",
+                   functools.partial(jax.nn.dot_product_attention, implementation="xla"))
+PALLAS_GPU = jax_peer("pallas", "pallas", "gpu", _pallas_attention, _pallas_unavailable)

@@ -1,0 +1,97 @@
+"""What each platform measures (cases, peers) and how its table reads."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import jax
+
+from jax_flash.benchmark.cases import Case, cpu_cases, gpu_cases
+from jax_flash.benchmark.columns import (CAUSAL_COLUMN, HEAD_DIM_COLUMN, PASS_COLUMN, SEQ_COLUMN,
+                                         Column, rate_column, ratio_column, temp_column,
+                                         time_column)
+from jax_flash.benchmark.measure import RateUnit, failure_reason
+from jax_flash.benchmark.peers import (CUDNN_GPU, FLASH_CPU, FLASH_GPU, PALLAS_GPU, TORCH_CPU,
+                                       XLA_CPU, XLA_GPU, Peer, flash_peer)
+
+
+@dataclasses.dataclass(frozen=True)
+class Platform:
+  """What one platform measures and how it reports it.
+
+  `device_kind` is the jax.devices() kind its JAX peers run on; `make_cases` takes sequence
+  lengths, head dims and causal modes; the first peer is jax_flash; `warm_up_runs` untimed runs
+  precede the timed ones; `progress` prints a line per case or per peer and pass.
+  """
+
+  name: str
+  device_kind: str
+  default_seqs: tuple[int, ...]
+  quick_seqs: tuple[int, ...]
+  default_head_dims: tuple[int, ...]
+  quick_head_dims: tuple[int, ...]
+  make_cases: Callable[[Sequence[int], Sequence[int], Sequence[bool]], list[Case]]
+  peers: tuple[Peer, ...]
+  warm_up_runs: int
+  rate_unit: RateUnit
+  columns: tuple[Column, ...]
+  progress: Literal["case", "pass"]
+
+
+CPU = Platform(
+    name="cpu",
+    device_kind="cpu",
+    default_seqs=(512, 1024, 2048, 4096, 8192),
+    quick_seqs=(512, 1024),
+    default_head_dims=(64,),
+    quick_head_dims=(64,),
+    make_cases=cpu_cases,
+    peers=(FLASH_CPU, XLA_CPU, TORCH_CPU),
+    warm_up_runs=1,
+    rate_unit="GFLOP/s",
+    columns=(SEQ_COLUMN, CAUSAL_COLUMN, PASS_COLUMN, time_column(FLASH_CPU),
+             rate_column(FLASH_CPU, "GFLOP/s", header="GFLOP/s"),
+             rate_column(XLA_CPU, "GFLOP/s"), rate_column(TORCH_CPU, "GFLOP/s"),
+             ratio_column(FLASH_CPU, XLA_CPU), ratio_column(FLASH_CPU, TORCH_CPU),
+             temp_column(FLASH_CPU), temp_column(XLA_CPU)),
+    progress="case",
+)
+
+GPU = Platform(
+    name="gpu",
+    device_kind="gpu",
+    default_seqs=(512, 1024, 2048, 4096, 8192, 16384),
+    quick_seqs=(1024, 4096),
+    default_head_dims=(64, 128, 256),
+    quick_head_dims=(128,),
+    make_cases=gpu_cases,
+    peers=(FLASH_GPU, CUDNN_GPU, XLA_GPU, PALLAS_GPU),
+    warm_up_runs=2,
+    rate_unit="TFLOP/s",
+    columns=(SEQ_COLUMN, HEAD_DIM_COLUMN, CAUSAL_COLUMN, PASS_COLUMN,
+             *(rate_column(p, "TFLOP/s") for p in (FLASH_GPU, CUDNN_GPU, XLA_GPU, PALLAS_GPU)),
+             ratio_column(FLASH_GPU, CUDNN_GPU), ratio_column(FLASH_GPU, PALLAS_GPU),
+             temp_column(FLASH_GPU), temp_column(CUDNN_GPU), temp_column(XLA_GPU)),
+    progress="pass",
+)
+
+PLATFORMS = {"cpu": CPU, "gpu": GPU}
+
+
+def with_deterministic_flash(platform: Platform) -> Platform:
+  """The platform with its jax_flash peer (the first) running the deterministic backward."""
+  kernel = {"cpu": "cpu", "gpu": "cuda"}[platform.name]
+  return dataclasses.replace(
+      platform, peers=(flash_peer(kernel, platform.device_kind, deterministic=True),
+                       *platform.peers[1:]))
+
+
+def no_devices(device_kind: str) -> str | None:
+  """Why JAX has no `device_kind` device here, or None when it has one."""
+  try:
+    jax.devices(device_kind)
+  except RuntimeError as e:
+    return f"jax_flash benchmark: JAX sees no {device_kind} device ({failure_reason(e)})"
+  return None

@@ -1,0 +1,63 @@
+"""Where the figures came from: the versions and machine facts recorded beside them."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import os
+import pathlib
+import sys
+
+import jax
+
+import jax_flash
+from jax_flash.benchmark.platforms import Platform
+
+
+def package_version(name: str) -> str | None:
+  """The installed version of the distribution `name`, None where it is not installed."""
+  try:
+    return importlib.metadata.version(name)
+  except importlib.metadata.PackageNotFoundError:
+    return None
+
+
+def cpu_model() -> str | None:
+  """The processor's model name from /proc/cpuinfo, where there is one."""
+  try:
+    lines = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+  except OSError:
+    return None
+  return next((line.split(":", 1)[1].strip() for line in lines
+               if line.startswith("model name")), None)
+
+
+def accelerator_packages() -> dict[str, str]:
+  """Versions of the installed JAX CUDA plugins and NVIDIA library wheels (cuDNN, cuBLAS...)."""
+  versions = {}
+  for distribution in importlib.metadata.distributions():
+    name = distribution.metadata["Name"] or ""
+    if name.lower().replace("_", "-").startswith(("jax-cuda", "nvidia-")):
+      versions[name] = distribution.version
+  return dict(sorted(versions.items()))
+
+
+def environment(platform: Platform) -> dict[str, object]:
+  """Versions and machine facts that go with the measurements."""
+  devices = jax.devices(platform.device_kind)
+  return dict(
+      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      platform=platform.name,
+      python=sys.version.split()[0],
+      jax=jax.__version__,
+      jaxlib=importlib.metadata.version("jaxlib"),
+      jax_flash=jax_flash.__version__,
+      jax_backend=jax.default_backend(),
+      device_kind=devices[0].device_kind,
+      device_count=len(devices),
+      accelerator_packages=accelerator_packages(),
+      cpu_kernel_isa=jax_flash.cpu_kernel_isa(),
+      cpu_model=cpu_model(),
+      cpu_count=os.cpu_count(),
+      torch=package_version("torch"),
+  )

@@ -1,0 +1,103 @@
+"""A run: every peer on every case, one pass after another, progress on stderr.
+
+A peer that cannot run, or raises while building or running, is recorded with the reason and the
+run goes on.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator, Sequence
+
+from jax_flash.benchmark.cases import PASSES, Case, Inputs, make_inputs
+from jax_flash.benchmark.measure import (MIB, Measurement, Prepare, RateUnit, check_fits,
+                                         failure_reason, peak_bytes_in_use, time_step)
+from jax_flash.benchmark.peers import Peer
+from jax_flash.benchmark.platforms import Platform
+
+SKIPPED_REASON = "skipped (--skip)"
+
+
+def log(line: str) -> None:
+  """Prints a progress or warning line on stderr (stdout holds only the table)."""
+  print(line, file=sys.stderr, flush=True)
+
+
+def measure_peer(platform: Platform, peer: Peer, unavailable: str | None, case: Case,
+                 inputs: Inputs, reps: int) -> list[Measurement]:
+  """Both passes of one peer on one case; a peer that cannot run or raises is recorded so."""
+  if unavailable is not None:
+    return [Measurement(peer.name, case, p, "unavailable", unavailable) for p in PASSES]
+  try:
+    prepares = peer.build(case, inputs)
+  except Exception as e:  # any failure of a peer is a result to report, not a crash
+    return [Measurement(peer.name, case, p, "fails", failure_reason(e)) for p in PASSES]
+  return [_measure_pass(platform, peer, case, p, prepares[p], reps) for p in PASSES]
+
+
+def _measure_pass(platform: Platform, peer: Peer, case: Case, pass_name: str,
+                  prepare: Prepare, reps: int) -> Measurement:
+  """One pass: made ready (compiled), warmed up and timed; then the device's peak memory."""
+  temp = None
+  try:
+    compiled = prepare()
+    temp = compiled.temp_bytes
+    check_fits(temp, platform.device_kind)
+    times = tuple(t / compiled.calls_per_step
+                  for t in time_step(compiled.step, platform.warm_up_runs, reps))
+  except Exception as e:  # as above
+    return Measurement(peer.name, case, pass_name, "fails", failure_reason(e), temp_bytes=temp,
+                       peak_bytes=peak_bytes_in_use(platform.device_kind))
+  return Measurement(peer.name, case, pass_name, "ok", times_s=times, temp_bytes=temp,
+                     peak_bytes=peak_bytes_in_use(platform.device_kind))
+
+
+def _case_progress(index: int, total: int, case: Case, results: Sequence[Measurement]) -> str:
+  """One line per case: each peer's median milliseconds per pass."""
+  parts = []
+  for peer in dict.fromkeys(r.peer for r in results):
+    cells = [f"{r.median_s * 1e3:.2f}" if r.ok else r.status for r in results if r.peer == peer]
+    parts.append(f"{peer} {'/'.join(cells)}")
+  causal = "Y" if case.causal else "N"
+  return (f"[{index}/{total}] seq {case.seq} causal {causal} ms ({'/'.join(PASSES)}): "
+          + ", ".join(parts))
+
+
+def _pass_progress(index: int, total: int, measurement: Measurement, unit: RateUnit) -> str:
+  """One line per peer and pass of a case: its median time and rate, or why it did not run."""
+  m, case = measurement, measurement.case
+  where = (f"[{index}/{total}] seq {case.seq} hdim {case.head_dim} "
+           f"causal {'Y' if case.causal else 'N'} {m.peer} {m.pass_name}:")
+  if m.ok:
+    result = (f"{m.median_s * 1e3:.3f} ms {m.flop_rate(unit):.1f} {unit} "
+              f"({len(m.times_s)} reps)")
+  else:
+    result = f"{m.status}: {m.reason}"
+  memory = "".join(f", {what} {value / MIB:.1f} MiB"
+                   for what, value in (("temp", m.temp_bytes), ("peak", m.peak_bytes))
+                   if value is not None)
+  return f"{where} {result}{memory}"
+
+
+def run(platform: Platform, cases: Sequence[Case], reps: int,
+        skip: Sequence[str] = ()) -> Iterator[list[Measurement]]:
+  """Measures every peer on every case; yields each case's measurements once they are taken.
+  Peers named in `skip` are recorded as skipped, not run.
+
+  Prints progress to stderr: a line per case, or a line per peer and pass as each peer finishes,
+  as the platform says.
+  """
+  unavailable = {peer.name: SKIPPED_REASON if peer.name in skip else peer.unavailable()
+                 for peer in platform.peers}
+  for index, case in enumerate(cases, 1):
+    inputs = make_inputs(case)
+    results: list[Measurement] = []
+    for peer in platform.peers:
+      peer_results = measure_peer(platform, peer, unavailable[peer.name], case, inputs, reps)
+      if platform.progress == "pass":
+        for measurement in peer_results:
+          log(_pass_progress(index, len(cases), measurement, platform.rate_unit))
+      results.extend(peer_results)
+    if platform.progress == "case":
+      log(_case_progress(index, len(cases), case, results))
+    yield results
