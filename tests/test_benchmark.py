@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
 
 from jax_flash import benchmark
@@ -68,3 +71,51 @@ def test_cli_skips_named_peers(tmp_path):
   for bad in ("jax_flash", "cudnn"):
     with pytest.raises(SystemExit):
       benchmark.main(["--platform", "cpu", "--skip", bad])
+
+
+# A GPU-platform case small enough to make its inputs anywhere (no peer runs it below).
+GPU_CASE = benchmark.Case(batch=1, seq=16, heads=2, head_dim=8, dtype="bfloat16", causal=True)
+OTHER_GPU_PEERS = ("jax_flash", "cudnn", "xla", "pallas")
+
+
+def run_gpu_table(skip):
+  """The GPU platform's table for GPU_CASE with the peers in `skip` left out."""
+  measurements = [m for results in benchmark.run(benchmark.GPU, [GPU_CASE], reps=1, skip=skip)
+                  for m in results]
+  return measurements, benchmark.format_table(benchmark.GPU, benchmark.with_backward(measurements))
+
+
+def test_tokamax_unavailable_is_reported_with_its_reason(monkeypatch):
+  """Without tokamax (it needs Python >= 3.12) its cells read 'unavailable', the note says why,
+  and its columns sit beside cuDNN's."""
+  monkeypatch.setitem(sys.modules, "tokamax", None)  # `import tokamax` fails, installed or not
+  reason = benchmark.TOKAMAX_GPU.unavailable()
+  assert reason is not None and "tokamax" in reason
+
+  measurements, table = run_gpu_table(skip=OTHER_GPU_PEERS)
+  tokamax = [m for m in measurements if m.peer == "tokamax"]
+  assert [m.pass_name for m in tokamax] == list(benchmark.PASSES)
+  assert all(m.status == "unavailable" and m.reason == reason for m in tokamax)
+  header = table.splitlines()[0]
+  for column in ("cudnn TFLOP/s | tokamax TFLOP/s", "flash/cudnn | flash/tokamax",
+                 "temp MiB cudnn | temp MiB tokamax"):
+    assert column in header
+  assert f"- tokamax unavailable: {reason}" in table
+
+
+def test_tokamax_that_imports_without_the_function_is_unavailable(monkeypatch):
+  monkeypatch.setitem(sys.modules, "tokamax", types.ModuleType("tokamax"))
+  assert "dot_product_attention" in benchmark.TOKAMAX_GPU.unavailable()
+
+
+def test_skip_tokamax():
+  """--skip tokamax is a GPU option (its cells recorded as skipped); the CPU platform has no
+  tokamax peer and refuses it."""
+  args = benchmark.parse_args(["--platform", "gpu", "--skip", "tokamax", "pallas"])
+  assert args.skip == ["tokamax", "pallas"]
+  with pytest.raises(SystemExit):
+    benchmark.parse_args(["--platform", "cpu", "--skip", "tokamax"])
+
+  measurements, table = run_gpu_table(skip=(*OTHER_GPU_PEERS, "tokamax"))
+  assert all(m.reason == "skipped (--skip)" for m in measurements if m.peer == "tokamax")
+  assert "- tokamax unavailable: skipped (--skip)" in table

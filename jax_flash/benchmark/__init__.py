@@ -10,8 +10,9 @@ layout (`columns`):
 
 - gpu: the FlashAttention benchmark's shapes: 16k tokens in all (batch = 16384 // seq), hidden
   2048 (heads = 2048 // head dim), bfloat16, seq 512 ... 16384, head dims 64, 128, 256; peers
-  jax_flash's CUDA kernels, cuDNN and XLA through jax.nn.dot_product_attention, and Pallas'
-  Triton FlashAttention (`mha`).
+  jax_flash's CUDA kernels, cuDNN through jax.nn.dot_product_attention, tokamax's Mosaic GPU
+  attention (where `import tokamax` works: it needs Python >= 3.12), XLA through
+  jax.nn.dot_product_attention, and Pallas' Triton FlashAttention (`mha`).
 - cpu: B=1, 4 heads, head dim 64, float32, seq 512 ... 8192; peers jax_flash's CPU kernels, XLA
   and PyTorch's scaled_dot_product_attention.
 
@@ -39,12 +40,12 @@ from jax_flash.benchmark.cases import (FWD_BWD_FLOP_FACTOR, PASSES, Case, Inputs
                                        gpu_cases, make_inputs)
 from jax_flash.benchmark.cli import main, parse_args, positive_ints
 from jax_flash.benchmark.columns import Column, Row
-from jax_flash.benchmark.provenance import accelerator_packages, environment
 from jax_flash.benchmark.measure import (TIME_BUDGET_S, Compiled, Measurement, check_fits,
                                          failure_reason, peak_bytes_in_use, time_step)
-from jax_flash.benchmark.peers import Peer, flash_peer, jax_peer
+from jax_flash.benchmark.peers import TOKAMAX_GPU, Peer, flash_peer, jax_peer
 from jax_flash.benchmark.platforms import CPU, GPU, PLATFORMS, Platform, with_deterministic_flash
 from jax_flash.benchmark.plot import write_plot
+from jax_flash.benchmark.provenance import accelerator_packages, environment
 from jax_flash.benchmark.report import TABLE_PASSES, format_table, with_backward, write_results
 from jax_flash.benchmark.runner import measure_peer, run
 
@@ -53,8 +54,8 @@ _accelerator_packages = accelerator_packages
 
 __all__ = [
     "CPU", "FWD_BWD_FLOP_FACTOR", "GPU", "PASSES", "PLATFORMS", "TABLE_PASSES", "TIME_BUDGET_S",
-    "Case", "Column", "Compiled", "Inputs", "Measurement", "Peer", "Platform", "Row",
-    "accelerator_packages", "check_fits", "cpu_cases", "environment", "failure_reason",
+    "TOKAMAX_GPU", "Case", "Column", "Compiled", "Inputs", "Measurement", "Peer", "Platform",
+    "Row", "accelerator_packages", "check_fits", "cpu_cases", "environment", "failure_reason",
     "flash_peer", "format_table", "gpu_cases", "jax_peer", "main", "make_inputs", "measure_peer",
     "parse_args", "peak_bytes_in_use", "positive_ints", "run", "time_step", "with_backward",
     "with_deterministic_flash", "write_plot", "write_results",

@@ -122,6 +122,35 @@ def _pallas_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
   return pallas_attention.mha(query, key, value, **options)
 
 
+def _tokamax_unavailable() -> str | None:
+  try:
+    import tokamax
+  # Not only ImportError: tokamax follows JAX's internals closely and may fail to import
+  # against another JAX version in other ways; any failure means it cannot run here.
+  except Exception as e:
+    if isinstance(e, ModuleNotFoundError) and e.name == "tokamax":
+      return f"tokamax is not installed ({e})"
+    return f"tokamax does not import ({failure_reason(e)})"
+  if not hasattr(tokamax, "dot_product_attention"):
+    return "this tokamax has no dot_product_attention"
+  return None
+
+
+def _tokamax_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
+                       is_causal: bool) -> jax.Array:
+  """tokamax's Mosaic GPU FlashAttention (a Pallas kernel for Hopper) on (B, T, N, H) arrays,
+  scaled by 1/sqrt(H) by default as jax.nn is.
+
+  `implementation="mosaic"` holds tokamax to that kernel: left to choose, it falls back to
+  Triton or XLA without a word where Mosaic does not apply, and the figure would not say which
+  ran. A tokamax whose API differs raises here, and the benchmark records the reason.
+  """
+  import tokamax
+
+  return tokamax.dot_product_attention(query, key, value, is_causal=is_causal,
+                                       implementation="mosaic")
+
+
 # ---------------------------------------------------------------------------------------------
 # PyTorch peer
 
@@ -172,6 +201,7 @@ TORCH_CPU = Peer(name="torch", label="torch", unavailable=_torch_unavailable,
 FLASH_GPU = flash_peer("cuda", "gpu")
 CUDNN_GPU = jax_peer("cudnn", "cudnn", "gpu",
                      functools.partial(jax.nn.dot_product_attention, implementation="cudnn"))
+TOKAMAX_GPU = jax_peer("tokamax", "tokamax", "gpu", _tokamax_attention, _tokamax_unavailable)
 XLA_GPU = jax_peer("xla", "xla", "gpu",
                    functools.partial(jax.nn.dot_product_attention, implementation="xla"))
 PALLAS_GPU = jax_peer("pallas", "pallas", "gpu", _pallas_attention, _pallas_unavailable)

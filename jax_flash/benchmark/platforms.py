@@ -13,8 +13,8 @@ from jax_flash.benchmark.columns import (CAUSAL_COLUMN, HEAD_DIM_COLUMN, PASS_CO
                                          Column, rate_column, ratio_column, temp_column,
                                          time_column)
 from jax_flash.benchmark.measure import RateUnit, failure_reason
-from jax_flash.benchmark.peers import (CUDNN_GPU, FLASH_CPU, FLASH_GPU, PALLAS_GPU, TORCH_CPU,
-                                       XLA_CPU, XLA_GPU, Peer, flash_peer)
+from jax_flash.benchmark.peers import (CUDNN_GPU, FLASH_CPU, FLASH_GPU, PALLAS_GPU, TOKAMAX_GPU,
+                                       TORCH_CPU, XLA_CPU, XLA_GPU, Peer, flash_peer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +59,7 @@ CPU = Platform(
     progress="case",
 )
 
+# tokamax sits beside cuDNN: the two fastest JAX attentions on Hopper, read side by side.
 GPU = Platform(
     name="gpu",
     device_kind="gpu",
@@ -67,13 +68,16 @@ GPU = Platform(
     default_head_dims=(64, 128, 256),
     quick_head_dims=(128,),
     make_cases=gpu_cases,
-    peers=(FLASH_GPU, CUDNN_GPU, XLA_GPU, PALLAS_GPU),
+    peers=(FLASH_GPU, CUDNN_GPU, TOKAMAX_GPU, XLA_GPU, PALLAS_GPU),
     warm_up_runs=2,
     rate_unit="TFLOP/s",
     columns=(SEQ_COLUMN, HEAD_DIM_COLUMN, CAUSAL_COLUMN, PASS_COLUMN,
-             *(rate_column(p, "TFLOP/s") for p in (FLASH_GPU, CUDNN_GPU, XLA_GPU, PALLAS_GPU)),
-             ratio_column(FLASH_GPU, CUDNN_GPU), ratio_column(FLASH_GPU, PALLAS_GPU),
-             temp_column(FLASH_GPU), temp_column(CUDNN_GPU), temp_column(XLA_GPU)),
+             *(rate_column(p, "TFLOP/s")
+               for p in (FLASH_GPU, CUDNN_GPU, TOKAMAX_GPU, XLA_GPU, PALLAS_GPU)),
+             ratio_column(FLASH_GPU, CUDNN_GPU), ratio_column(FLASH_GPU, TOKAMAX_GPU),
+             ratio_column(FLASH_GPU, PALLAS_GPU),
+             temp_column(FLASH_GPU), temp_column(CUDNN_GPU), temp_column(TOKAMAX_GPU),
+             temp_column(XLA_GPU)),
     progress="pass",
 )
 

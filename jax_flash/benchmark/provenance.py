@@ -60,4 +60,5 @@ def environment(platform: Platform) -> dict[str, object]:
       cpu_model=cpu_model(),
       cpu_count=os.cpu_count(),
       torch=package_version("torch"),
+      tokamax=package_version("tokamax"),
   )
