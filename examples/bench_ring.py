@@ -49,13 +49,17 @@ import importlib.metadata
 import json
 import os
 import pathlib
-import re
 import statistics
 import sys
 import time
 
 # Imports no backend: --devices still sets XLA_FLAGS before JAX starts (below).
 from jax_flash.benchmark import FWD_BWD_FLOP_FACTOR, failure_reason, positive_ints
+
+# The lm library lives beside this script: importable from any working directory, uninstalled.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from lm.host_devices import force_host_device_count  # noqa: E402  (imports no JAX)
 
 GIB = 2**30
 
@@ -103,16 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
   return p
 
 
-def _force_host_device_count(n: int) -> None:
-  flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
-                 os.environ.get("XLA_FLAGS", ""))
-  os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-
-
 if __name__ == "__main__":
   ARGS = build_parser().parse_args()
   if ARGS.devices is not None:
-    _force_host_device_count(ARGS.devices)
+    force_host_device_count(ARGS.devices)
   if ARGS.mem_fraction is not None:
     os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(ARGS.mem_fraction)
 

@@ -37,8 +37,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
+import sys
 import tempfile
+
+# The lm library lives beside this script: importable from any working directory, uninstalled.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from lm.host_devices import force_host_device_count  # noqa: E402  (imports no JAX)
 
 DEFAULT_CPU_DEVICES = 8
 AXES = ("data", "tensor", "seq")
@@ -109,17 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
   return p
 
 
-def _force_host_device_count(n: int) -> None:
-  """Sets XLA's simulated host device count; must run before JAX initialises its backends. It
-  only affects the CPU platform: on GPU hosts the GPUs are still the default devices."""
-  flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
-                 os.environ.get("XLA_FLAGS", ""))
-  os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-
-
 if __name__ == "__main__":
   ARGS = build_parser().parse_args()
-  _force_host_device_count(ARGS.devices or DEFAULT_CPU_DEVICES)
+  force_host_device_count(ARGS.devices or DEFAULT_CPU_DEVICES)
 
 import dataclasses  # noqa: E402
 import math  # noqa: E402
@@ -134,10 +131,11 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_flash  # noqa: E402
-import train_lm  # noqa: E402  (this folder: its data reading, rotary embedding and optimizer)
+from lm.collectives import dump_collectives  # noqa: E402
+from lm.data import STDLIB_DIR, read_bytes  # noqa: E402
+from lm.model import VOCAB_SIZE, rope  # noqa: E402
+from lm.training import make_optimizer  # noqa: E402
 
-VOCAB = 256  # bytes
-STDLIB_DIR = os.path.dirname(os.__file__)
 ROPE_BASE = 10_000.0
 
 # Activation layouts. B batch, T sequence, D width, N heads, H head dim, F MLP hidden, V vocab.
@@ -232,9 +230,9 @@ def validate(config: Config, mesh_shape: tuple[int, int, int]) -> None:
     problems.append(f"--batch-size {config.batch_size} does not split over data={data}")
   if config.heads % tensor:
     problems.append(f"--heads {config.heads} does not split over tensor={tensor}")
-  if config.hidden % tensor or VOCAB % tensor:
-    problems.append(f"the MLP hidden size {config.hidden} and the vocabulary {VOCAB} must split "
-                    f"over tensor={tensor}")
+  if config.hidden % tensor or VOCAB_SIZE % tensor:
+    problems.append(f"the MLP hidden size {config.hidden} and the vocabulary {VOCAB_SIZE} must "
+                    f"split over tensor={tensor}")
   chunks = 2 * seq if (seq > 1 and config.layout == "zigzag") else seq
   if config.seq_len % chunks:
     problems.append(f"--seq-len {config.seq_len} must be a multiple of {chunks} (seq={seq}, "
@@ -304,7 +302,7 @@ def init_params(config: Config, key: jax.Array) -> dict:
   normal = lambda k, shape, std: std * jax.random.normal(k, shape, jnp.float32)
   out_std = 0.02 / math.sqrt(2 * config.layers)
   keys = iter(jax.random.split(key, 2 + 6 * config.layers))
-  params = {"embed": normal(next(keys), (VOCAB, d), 0.02),
+  params = {"embed": normal(next(keys), (VOCAB_SIZE, d), 0.02),
             "final_norm": jnp.ones((d,), jnp.float32), "blocks": []}
   pos_key = next(keys)
   if config.positions == "learned":
@@ -360,7 +358,7 @@ class Model:
     q, k, v = (self.constrain(jnp.einsum("btd,dnh->btnh", h, p[w].astype(h.dtype)), HEADS_SPEC)
                for w in ("wq", "wk", "wv"))
     if c.positions == "rope":
-      q, k = train_lm.rope(q, ROPE_BASE, positions), train_lm.rope(k, ROPE_BASE, positions)
+      q, k = rope(q, ROPE_BASE, positions), rope(k, ROPE_BASE, positions)
     o = self.constrain(self.attention(q, k, v), HEADS_SPEC)
     x = self.constrain(x + jnp.einsum("btnh,nhd->btd", o, p["wo"].astype(o.dtype)), X_SPEC)
     h = rms_norm(x, p["mlp_norm"])
@@ -451,7 +449,7 @@ def print_shardings(config: Config, mesh, params) -> None:
                             ("residual stream x", (b, t, d), X_SPEC),
                             ("q, k, v, attention out", (b, t, n, h), HEADS_SPEC),
                             ("MLP hidden", (b, t, f), HIDDEN_SPEC),
-                            ("logits", (b, t, VOCAB), LOGITS_SPEC)]:
+                            ("logits", (b, t, VOCAB_SIZE), LOGITS_SPEC)]:
     shard = NamedSharding(mesh, spec).shard_shape(shape)
     print(f"  {what:32s} {str(shape):16s} {spec_str(spec):22s} -> {shard}")
 
@@ -486,83 +484,6 @@ def print_memory(mesh, state, compiled, label: str) -> None:
     print(f"  (no compiled memory analysis: {type(e).__name__})")
 
 
-_COLLECTIVE = re.compile(
-    r"=\s*(.+?)\s(all-gather|all-reduce|reduce-scatter|collective-permute|all-to-all)"
-    r"(?:-start)?\((.*)$", re.M)
-_ARRAY = re.compile(r"\b(pred|[a-z]+\d+)\[([\d,]*)\]")
-
-
-def _iota(dims: str, perm: str | None) -> np.ndarray:
-  """XLA's iota device list: iota(dims), transposed by perm."""
-  ids = np.arange(math.prod(int(s) for s in dims.split(","))).reshape(
-      [int(s) for s in dims.split(",")])
-  return ids.transpose([int(s) for s in perm.split(",")]) if perm else ids
-
-
-def _groups(attrs: str) -> list[list[int]] | None:
-  """Device groups of a collective, from its replica_groups (explicit, iota or mesh-axes form)
-  or, for a collective-permute, its source-target pairs."""
-  m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\]"
-                r"(?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}", attrs)
-  if m:  # mesh['a'=2,'b'=4], device_ids=([..]T(..)) {'b'}: groups span the listed axes
-    axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
-    sizes = [int(n) for _, n in axes]
-    ids = (_iota(m.group(2), m.group(3)) if m.group(2) else np.arange(math.prod(sizes)))
-    ids = ids.reshape(sizes)
-    reduced = [i for i, (name, _) in enumerate(axes) if f"'{name}'" in m.group(4)]
-    kept = [i for i in range(len(axes)) if i not in reduced]
-    size = math.prod(sizes[i] for i in reduced)
-    return ids.transpose(kept + reduced).reshape(-1, size).tolist()
-  m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
-  if m:
-    return _iota(m.group(2), m.group(3)).reshape([int(s) for s in m.group(1).split(",")]).tolist()
-  m = re.search(r"(?:replica_groups|source_target_pairs)=\{(\{[\d,{}]*\})\}", attrs)
-  if m:
-    return [[int(i) for i in g.split(",") if i] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
-  return None
-
-
-def _axes_of(groups, mesh) -> str:
-  """The mesh axes along which a collective's groups vary (device id = position in the mesh)."""
-  if not groups:
-    return "?"
-  varying = set()
-  for g in groups:
-    coords = np.array([np.unravel_index(i, mesh.devices.shape) for i in g])
-    if len(coords) > 1:
-      varying |= {mesh.axis_names[a] for a in np.flatnonzero(np.ptp(coords, axis=0))}
-  return "+".join(a for a in mesh.axis_names if a in varying) or "none"
-
-
-def _nbytes(shape: str) -> int:
-  """Bytes of the arrays in an HLO result shape (a tuple for combined collectives)."""
-  total = 0
-  for dtype, dims in _ARRAY.findall(shape):
-    bits = 8 if dtype == "pred" else int(re.sub(r"\D", "", dtype) or 8)
-    total += math.prod(int(d) for d in dims.split(",") if d) * bits // 8
-  return total
-
-
-def dump_collectives(compiled, mesh, path: str) -> None:
-  """Counts the collectives of the compiled step by kind and by the mesh axes they span."""
-  hlo = compiled.as_text()
-  with open(path, "w") as f:
-    f.write(hlo)
-  count: Counter = Counter()
-  size: Counter = Counter()
-  for m in _COLLECTIVE.finditer(hlo):
-    shape, op, attrs = m.groups()
-    key = (op, _axes_of(_groups(attrs), mesh))
-    count[key] += 1
-    size[key] += _nbytes(shape)
-  print(f"collectives in the compiled train step, per device (HLO written to {path}):")
-  if not count:
-    print("  none")
-  for key in sorted(count):
-    op, axes = key
-    print(f"  {op:20s} over {axes:12s} x{count[key]:<3d} {size[key] / 2**10:10,.1f} KiB")
-
-
 # ---- main ---------------------------------------------------------------------------------------
 
 
@@ -594,12 +515,12 @@ def main(args: argparse.Namespace) -> None:
                "jax_flash.dot_product_attention (partitioned over batch and heads)")
   print(f"attention: {attention}; activations {dtype}")
 
-  raw = train_lm.read_bytes(args.data, "*.py", args.max_data_bytes)
+  raw = read_bytes(args.data, "*.py", args.max_data_bytes)
   batches = Batches(config, raw, order)
   print(f"data: {len(batches.train):,} train / {len(batches.val):,} validation bytes from "
         f"{args.data or STDLIB_DIR + ' (*.py)'}")
 
-  tx, schedule = train_lm.make_optimizer(config)
+  tx, schedule = make_optimizer(config)
   shardings = state_shardings(config, mesh, tx)
   params = jax.jit(lambda key: init_params(config, key), out_shardings=shardings[0])(
       jax.random.key(config.seed))
@@ -627,7 +548,7 @@ def main(args: argparse.Namespace) -> None:
   # One batch at a time (float() waits): see wait_each_step below.
   evaluate = lambda params: float(np.mean([float(eval_step(params, x, y)) for x, y in val]))
   print(f"validation loss before training: {evaluate(state[0]):.3f} "
-        f"(uniform over bytes: {math.log(VOCAB):.3f})")
+        f"(uniform over bytes: {math.log(VOCAB_SIZE):.3f})")
 
   tokens_per_step = config.batch_size * config.seq_len
   # On the simulated CPU devices, XLA (jaxlib 0.10.2, 2 cores) can deadlock in a collective's
