@@ -1,6 +1,6 @@
 """The CUDA kernels against the references: marked `gpu`, skipped without an NVIDIA GPU.
 
-Run on the GPU machine with tests/gpu_check.sh. The same covering grid as the CPU kernel (its
+Run on the GPU machine with .ci/gpu/check.sh. The same covering grid as the CPU kernel (its
 16-bit cases: the CUDA kernels take bfloat16/float16), plus large cases, a CUDA-graph (command
 buffer) run, a jit-compiled training step, and float32 inputs (the blockwise XLA path) against
 JAX's own default-precision attention.

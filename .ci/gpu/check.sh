@@ -2,17 +2,19 @@
 # One GPU-machine run: build the extension (CUDA kernels included), run the GPU tests, run the
 # benchmark beside cuDNN / XLA / Pallas, and print the summary last. Results go to $OUT (the device
 # tool's output folder) or ./gpu_out.
-#   usage: bash tests/gpu_check.sh [pytest-args...]      (BENCH_ARGS="--quick" to shorten, BENCH=0
+#   usage: bash .ci/gpu/check.sh [pytest-args...]      (BENCH_ARGS="--quick" to shorten, BENCH=0
 #   to skip the benchmark, TESTS=0 to skip the tests, TEST_TIMEOUT=seconds to bound them)
 # Opt-in steps for the end-to-end measurements (each several minutes):
 #   E2E=1   examples/train_lm.py --preset gpt2-small --compare jax_flash,xla,cudnn (issue 4)
 #   RING=1  examples/bench_ring.py: ring scaling and longest sequence, all visible GPUs (issue 5)
 #   PROFILE=1  Nsight Compute reports of the forward and backward kernels (PROFILE_CASES: the
-#             tests/gpu_profile.py arguments of each case, ';'-separated; hd128 seq 4096 by default)
+#             .ci/gpu/profile_attention.py arguments of each case, ';'-separated; hd128 seq 4096
+#             by default)
 #   VARIANTS="JAX_FLASH_CUDA_FORWARD=sm80 JAX_FLASH_CUDA_BACKWARD=sm80"  the benchmark
 #             (BENCH_ARGS) once more per kernel choice (an environment assignment each, see
-#             cuda/kernel_choice.h), into $out/variant_<assignment>
+#             cuda/gpu/kernel_choice.h), into $out/variant_<assignment>
 set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."  # the repository root: pip install -e ., tests/
 out="${OUT:-gpu_out}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -26,14 +28,14 @@ echo "build: $(( $(date +%s) - start )) s"
 
 if [[ "${PROFILE:-0}" == 1 ]]; then
   echo "== profile (ncu)"
-  # One report per case (tests/gpu_profile.py arguments, ';'-separated): the forward, prepare,
-  # main backward and dQ-convert kernels of one jitted forward+backward.
+  # One report per case (.ci/gpu/profile_attention.py arguments, ';'-separated): the forward,
+  # prepare, main backward and dQ-convert kernels of one jitted forward+backward.
   IFS=';' read -ra cases <<<"${PROFILE_CASES:---seq 4096;--seq 4096 --causal}"
   for case in "${cases[@]}"; do
     name="ncu$(echo "$case" | tr -d ' -' | tr -c 'a-z0-9\n' _)"
     # shellcheck disable=SC2086
     ncu --clock-control none -k regex:'flash_' -c 4 --set full --import-source no -f -o "$out/$name" \
-      python3 tests/gpu_profile.py $case >"$out/$name.log" 2>&1 || tail -20 "$out/$name.log"
+      python3 .ci/gpu/profile_attention.py $case >"$out/$name.log" 2>&1 || tail -20 "$out/$name.log"
     ncu --import "$out/$name.ncu-rep" --page details >"$out/$name.txt" 2>&1
     ncu --import "$out/$name.ncu-rep" --page raw --csv >"$out/$name.csv" 2>&1
     echo "-- $case"

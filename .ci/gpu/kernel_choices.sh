@@ -3,10 +3,11 @@
 # choice (an environment assignment, or "default") the head-dim 64/128 reference cases and
 # jax_flash beside cuDNN at seq 4096, head dim 128. Every step has a time limit, so a kernel that
 # hangs costs minutes, not the call. Results go to $OUT (the device tool's output folder) or
-# ./gpu_out; the full check (every test, every peer) stays tests/gpu_check.sh.
-#   usage: CHOICES="default JAX_FLASH_CUDA_FORWARD=sm80" bash tests/gpu_kernel_choices.sh
+# ./gpu_out; the full check (every test, every peer) stays .ci/gpu/check.sh.
+#   usage: CHOICES="default JAX_FLASH_CUDA_FORWARD=sm80" bash .ci/gpu/kernel_choices.sh
 #   (SELECT=... overrides the pytest -k selection, BENCH_ARGS=... the benchmark's arguments)
 set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."  # the repository root: pip install -e ., tests/
 out="${OUT:-gpu_out}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false

@@ -1,7 +1,7 @@
 """Runs jax_flash's CUDA forward and backward once each, for Nsight Compute to profile.
 
     ncu --clock-control none -k regex:'flash_(fwd|bwd)_kernel' -c 2 --set full \\
-        python3 tests/gpu_profile.py [--seq 4096] [--head-dim 128] [--causal]
+        python3 .ci/gpu/profile_attention.py [--seq 4096] [--head-dim 128] [--causal]
 
 One jitted forward+backward at the benchmark's shape (16k tokens, hidden 2048, bf16): the first
 two launches matched by the regex are the forward kernel and the main backward kernel.
