@@ -1,4 +1,4 @@
-"""The mask arithmetic the kernels walk their tiles by (cuda/attention_params.h: key_range,
+"""The mask arithmetic the kernels walk their tiles by (cuda/common/mask.h: key_range,
 query_range, queries_seeing_keys), against the reference mask of jax_flash._reference: the CPU and
 CUDA kernels skip, mask and visit tiles by these ranges, so an off-by-one here is a wrong gradient
 there on some shape."""

@@ -10,7 +10,9 @@
 #include <random>
 #include <vector>
 
-#include "flash_fwd_sm90.cuh"
+#include "gpu/fragments.cuh"
+#include "sm90/gmma_tile.cuh"
+#include "sm90/wgmma.cuh"
 
 using namespace jax_flash::cuda;
 using bf16 = __nv_bfloat16;

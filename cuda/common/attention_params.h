@@ -1,0 +1,81 @@
+// Parameters of one attention pass, shared by every backend (the CPU kernel and both CUDA families).
+//
+// Layouts (row-major, innermost last):
+//   q, o, dq, do : (batch, seq_q, heads_q, head_dim)
+//   k, v, dk, dv : (batch, seq_k, heads_k, head_dim)
+//   lse, delta   : (batch, heads_q, seq_q), float32
+//   q_lens, kv_lens : (batch,), int32; valid query / key rows per batch element
+// "batch" is every leading dimension folded together (vmap adds them).
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define JF_HOST_DEVICE __host__ __device__
+#else
+#define JF_HOST_DEVICE
+#endif
+
+namespace jax_flash {
+
+enum class Dtype : int { kFloat32, kBFloat16, kFloat16 };
+
+// The masks jax.nn.dot_product_attention supports are all "key ranges per query row":
+// query row i of batch b attends keys j in [key_begin(i), key_end(i)).
+struct MaskParams {
+  bool causal = false;          // j <= i (top-left aligned, like jax.nn)
+  int64_t window_left = -1;     // j >= i - window_left; < 0 means unbounded
+  int64_t window_right = -1;    // j <= i + window_right; < 0 means unbounded
+};
+
+struct AttentionShape {
+  int64_t batch = 0;
+  int64_t seq_q = 0;
+  int64_t seq_k = 0;
+  int64_t heads_q = 0;
+  int64_t heads_k = 0;
+  int64_t head_dim = 0;
+  int64_t group() const { return heads_q / heads_k; }
+};
+
+// What both passes read: the problem, its masks and scale, the inputs.
+struct AttentionParams {
+  AttentionShape shape;
+  MaskParams mask;
+  Dtype dtype = Dtype::kFloat32;
+  float scale = 1.f;
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const int32_t* q_lens = nullptr;
+  const int32_t* kv_lens = nullptr;
+};
+
+struct FwdParams : AttentionParams {
+  void* o = nullptr;
+  float* lse = nullptr;
+};
+
+struct BwdParams : AttentionParams {
+  const void* o = nullptr;
+  const void* d_o = nullptr;
+  const float* lse = nullptr;
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+  // Workspaces, returned to XLA as extra outputs so no memory is hidden from it.
+  float* delta = nullptr;        // (batch, heads_q, seq_q): rowsum(dO * O)
+  float* dq_accum = nullptr;     // float32 dQ partials (layout per backend; unused when
+                                 // deterministic on CUDA)
+  int64_t dq_splits = 1;         // CPU: key blocks are dealt round-robin to this many partials
+  bool deterministic = false;    // CUDA: dQ without atomics (the CPU is always deterministic)
+};
+
+// The largest head dim any kernel takes (the Python side reads it from the native module).
+inline constexpr int64_t kMaxHeadDim = 256;
+
+// The log-sum-exp stored for a query row that attends to nothing: finite, and exp(x - lse) of
+// any other finite value is 0, so merging partial results treats such a row as empty.
+inline constexpr float kEmptyRowLse = -3.4028234663852886e38f;
+
+}  // namespace jax_flash

@@ -1,0 +1,61 @@
+// The mask arithmetic every kernel (CPU and CUDA) walks its tiles by: which keys a query row
+// sees, which query rows see a key, and which rows see any key of a block. Host and device code.
+#pragma once
+
+#include <cstdint>
+
+#include "common/attention_params.h"
+
+namespace jax_flash {
+
+// Half-open range of keys that query row i may attend to; empty when begin >= end.
+struct KeyRange {
+  int64_t begin;
+  int64_t end;
+  JF_HOST_DEVICE bool empty() const { return begin >= end; }
+};
+
+// static: internal linkage, so the copies compiled with different ISA flags never merge.
+JF_HOST_DEVICE static inline KeyRange key_range(const MaskParams& m, int64_t i, int64_t q_len, int64_t kv_len) {
+  if (i >= q_len) return {0, 0};
+  int64_t begin = 0;
+  int64_t end = kv_len;
+  if (m.causal && i + 1 < end) end = i + 1;
+  if (m.window_right >= 0 && i + m.window_right + 1 < end) end = i + m.window_right + 1;
+  if (m.window_left >= 0 && i - m.window_left > begin) begin = i - m.window_left;
+  return {begin, end};
+}
+
+// Half-open range of query rows that attend to key j: the rows i with key_range(i) holding j.
+// Both bounds grow with j, and an empty range is only ever followed by empty ones.
+struct QueryRange {
+  int64_t begin;
+  int64_t end;
+  JF_HOST_DEVICE bool empty() const { return begin >= end; }
+};
+
+JF_HOST_DEVICE static inline QueryRange query_range(const MaskParams& m, int64_t j, int64_t q_len, int64_t kv_len) {
+  if (j < 0 || j >= kv_len) return {0, 0};
+  int64_t begin = 0;
+  int64_t end = q_len;
+  if (m.causal && j > begin) begin = j;                                             // i >= j
+  if (m.window_right >= 0 && j - m.window_right > begin) begin = j - m.window_right;  // j <= i + right
+  if (m.window_left >= 0 && j + m.window_left + 1 < end) end = j + m.window_left + 1;  // j >= i - left
+  return {begin, end};
+}
+
+// Half-open range of query rows that attend to some key in [j0, j1): the union of their
+// query_range (one interval, since the bounds grow with j and the empty ranges come last).
+JF_HOST_DEVICE static inline QueryRange queries_seeing_keys(const MaskParams& m, int64_t j0, int64_t j1, int64_t q_len,
+                                                           int64_t kv_len) {
+  // The last key of [j0, j1) that some query sees (a key is unseen only past the last query
+  // under a causal or right-window mask, or past kv_len).
+  int64_t last = j1 < kv_len ? j1 - 1 : kv_len - 1;
+  if (m.causal && q_len - 1 < last) last = q_len - 1;
+  if (m.window_right >= 0 && q_len - 1 + m.window_right < last) last = q_len - 1 + m.window_right;
+  if (j0 < 0) j0 = 0;
+  if (last < j0) return {0, 0};
+  return {query_range(m, j0, q_len, kv_len).begin, query_range(m, last, q_len, kv_len).end};
+}
+
+}  // namespace jax_flash

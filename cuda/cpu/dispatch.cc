@@ -1,0 +1,84 @@
+// Picks the CPU kernel variant for the running processor, and provides the per-thread scratch
+// memory the kernels use (kept here, out of the per-ISA files; see kernels.h).
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+#include "cpu/kernels.h"
+
+// The per-ISA entry points (kernels_isa.cc), declared by the variants CMake built.
+#define JF_DECLARE_VARIANT(isa)                                        \
+  namespace jax_flash::cpu::isa {                                      \
+  void flash_fwd(const FwdParams& params, const TaskRunner& runner);   \
+  void flash_bwd(const BwdParams& params, const TaskRunner& runner);   \
+  }
+JF_DECLARE_VARIANT(baseline)
+#if JF_HAVE_X86_VARIANTS
+JF_DECLARE_VARIANT(avx2)
+JF_DECLARE_VARIANT(avx512)
+#endif
+
+namespace jax_flash::cpu {
+namespace {
+
+struct Variant {
+  const char* name;
+  void (*fwd)(const FwdParams&, const TaskRunner&);
+  void (*bwd)(const BwdParams&, const TaskRunner&);
+};
+
+// The variants this CPU can run, best first.
+int supported_variants(Variant* out) {
+  int n = 0;
+#if JF_HAVE_X86_VARIANTS
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq"))
+    out[n++] = {"avx512", avx512::flash_fwd, avx512::flash_bwd};
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c"))
+    out[n++] = {"avx2", avx2::flash_fwd, avx2::flash_bwd};
+#endif
+  out[n++] = {"baseline", baseline::flash_fwd, baseline::flash_bwd};
+  return n;
+}
+
+// The best variant, or the one JAX_FLASH_CPU_ISA names if this CPU supports it (for testing
+// every variant on one machine).
+Variant detect() {
+  Variant variants[3];
+  const int n = supported_variants(variants);
+  if (const char* wanted = std::getenv("JAX_FLASH_CPU_ISA"))
+    for (int i = 0; i < n; ++i)
+      if (std::strcmp(wanted, variants[i].name) == 0) return variants[i];
+  return variants[0];
+}
+
+const Variant& variant() {
+  static const Variant v = detect();
+  return v;
+}
+
+}  // namespace
+
+float* thread_scratch(int64_t count) {
+  // Cache-line aligned, grown on demand, freed when the thread ends.
+  struct Buffer {
+    float* data = nullptr;
+    int64_t size = 0;
+    ~Buffer() { ::operator delete[](data, std::align_val_t{64}); }
+  };
+  thread_local Buffer buffer;
+  if (buffer.size < count) {
+    ::operator delete[](buffer.data, std::align_val_t{64});
+    buffer.data = static_cast<float*>(::operator new[](count * sizeof(float), std::align_val_t{64}));
+    buffer.size = count;
+  }
+  return buffer.data;
+}
+
+void flash_fwd(const FwdParams& params, const TaskRunner& runner) { variant().fwd(params, runner); }
+void flash_bwd(const BwdParams& params, const TaskRunner& runner) { variant().bwd(params, runner); }
+const char* kernel_isa() { return variant().name; }
+
+}  // namespace jax_flash::cpu

@@ -1,0 +1,103 @@
+// XLA FFI handlers for the CPU kernels: shapes and attributes in, FwdParams / BwdParams out, the
+// kernel run on XLA's intra-op thread pool.
+#include "cpu/ffi_handlers.h"
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "cpu/kernels.h"
+#include "common/ffi_params.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_flash {
+namespace {
+
+// Runs tasks on XLA's thread pool, the calling thread taking part. Helpers that start late
+// (the pool busy elsewhere) find no work left and leave without touching the caller's state,
+// which is why the shared part lives in a shared_ptr.
+struct PoolRunner {
+  ffi::ThreadPool* pool;
+
+  struct Shared {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> active{0};
+    std::mutex mutex;
+    std::condition_variable done;
+  };
+
+  static void drain(Shared& shared, int64_t n, cpu::TaskRunner::Body body, void* arg) {
+    for (int64_t i; (i = shared.next.fetch_add(1)) < n;) body(arg, i);
+  }
+
+  static void run(const void* self, int64_t n, cpu::TaskRunner::Body body, void* arg) {
+    if (n <= 0) return;
+    ffi::ThreadPool* pool = static_cast<const PoolRunner*>(self)->pool;
+    const int64_t helpers = std::min<int64_t>(pool->num_threads(), n - 1);
+    auto shared = std::make_shared<Shared>();
+    for (int64_t t = 0; t < helpers; ++t) {
+      pool->Schedule([shared, n, body, arg] {
+        shared->active.fetch_add(1);
+        drain(*shared, n, body, arg);
+        if (shared->active.fetch_sub(1) == 1) {
+          std::lock_guard<std::mutex> lock(shared->mutex);
+          shared->done.notify_all();
+        }
+      });
+    }
+    drain(*shared, n, body, arg);
+    // Every task has been claimed; wait for the helpers still running one.
+    std::unique_lock<std::mutex> lock(shared->mutex);
+    shared->done.wait(lock, [&] { return shared->active.load() == 0; });
+  }
+};
+
+ffi::Error run_fwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                   ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
+                   ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                   double scale, bool is_causal, int64_t window_left, int64_t window_right) {
+  FwdParams params;
+  JF_RETURN_IF_ERROR(make_fwd_params(q, k, v, q_lens, kv_lens, *o, *lse, scale, is_causal,
+                                     window_left, window_right, params));
+  PoolRunner runner{&pool};
+  cpu::flash_fwd(params, {&PoolRunner::run, &runner});
+  return ffi::Error::Success();
+}
+
+ffi::Error run_bwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                   ffi::AnyBuffer o, ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer d_o,
+                   ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
+                   ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                   ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::F32>> delta,
+                   ffi::Result<ffi::Buffer<ffi::F32>> dq_accum, double scale, bool is_causal,
+                   int64_t window_left, int64_t window_right, int64_t dq_splits,
+                   bool /*deterministic: the CPU backward always is*/) {
+  BwdParams params;
+  JF_RETURN_IF_ERROR(make_bwd_params(q, k, v, o, lse, d_o, q_lens, kv_lens, *dq, *dk, *dv, *delta,
+                                     scale, is_causal, window_left, window_right, params));
+  if (dq_splits < 1)
+    return ffi::Error::InvalidArgument("dq_splits must be >= 1, got " + std::to_string(dq_splits));
+  JF_RETURN_IF_ERROR(expect_count("dq_accum", dq_accum->element_count(),
+                                  cpu::dq_accum_elements(params.shape, dq_splits)));
+  params.dq_accum = dq_accum->typed_data();
+  params.dq_splits = dq_splits;
+  PoolRunner runner{&pool};
+  cpu::flash_bwd(params, {&PoolRunner::run, &runner});
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuFlashFwd, run_fwd, fwd_binding<ffi::ThreadPool>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuFlashBwd, run_bwd,
+                              bwd_binding<ffi::ThreadPool>()
+                                  .Attr<int64_t>("dq_splits")
+                                  .Attr<bool>("deterministic"));
+
+}  // namespace jax_flash

@@ -1,0 +1,192 @@
+// FlashAttention backward on the CPU, by recomputation. Three passes:
+//   1. delta = rowsum(dO * O) per query row, and the dQ accumulators zeroed;
+//   2. one task per (batch, key/value head, dQ split): for each key block it owns (blocks are
+//      dealt round-robin to the splits) it recomputes P from Q, K and lse for every query block
+//      and query head of the group that sees it, accumulates dK and dV for the block in local
+//      tiles, and adds its share of dQ into the float32 accumulator of its split;
+//   3. dQ = sum of the split accumulators, in the input dtype.
+// With dS = P * (dP - delta): dV = P^T dO, dK = scale dS^T Q, dQ = scale dS K.
+#pragma once
+
+#include <cmath>
+
+#include "cpu/flash_fwd.h"
+
+namespace jax_flash::cpu::JF_ISA {
+
+template <typename T>
+struct FlashBwdDelta {
+  const BwdParams& p;
+  int64_t dp;
+  int64_t num_tasks() const { return p.shape.batch * p.shape.heads_q; }
+
+  void operator()(int64_t task) const {
+    const AttentionShape& sh = p.shape;
+    const int64_t h = task % sh.heads_q, b = task / sh.heads_q, d = sh.head_dim;
+    const int64_t stride = sh.heads_q * d;
+    const T* o = static_cast<const T*>(p.o) + b * sh.seq_q * stride + h * d;
+    const T* d_o = static_cast<const T*>(p.d_o) + b * sh.seq_q * stride + h * d;
+    float* delta = p.delta + task * sh.seq_q;
+    for (int64_t i = 0; i < sh.seq_q; ++i) {
+      float sum = 0.f;
+      for (int64_t c = 0; c < d; ++c) sum += to_float(o[i * stride + c]) * to_float(d_o[i * stride + c]);
+      delta[i] = sum;
+    }
+    for (int64_t s = 0; s < p.dq_splits; ++s) {
+      float* dq = p.dq_accum + ((s * sh.batch + b) * sh.seq_q * sh.heads_q + h) * dp;
+      for (int64_t i = 0; i < sh.seq_q; ++i)
+        for (int64_t c = 0; c < dp; ++c) dq[i * sh.heads_q * dp + c] = 0.f;
+    }
+  }
+};
+
+template <typename T>
+struct FlashBwdMain {
+  const BwdParams& p;
+  int64_t dp;
+  int64_t num_tasks() const { return p.shape.batch * p.shape.heads_k * p.dq_splits; }
+
+  void operator()(int64_t task) const {
+    const AttentionShape& sh = p.shape;
+    const int64_t split = task % p.dq_splits;
+    const int64_t hk = (task / p.dq_splits) % sh.heads_k;
+    const int64_t b = task / (p.dq_splits * sh.heads_k);
+    const int64_t d = sh.head_dim;
+    const int64_t q_stride = sh.heads_q * d, kv_stride = sh.heads_k * d;
+    const int64_t q_len = clamp_len(p.q_lens, b, sh.seq_q);
+    const int64_t kv_len = clamp_len(p.kv_lens, b, sh.seq_k);
+    const float score_scale = p.scale * kLog2e;
+    constexpr int64_t bq = kBlockQ, bk = kBlockK;
+
+    // Scratch tiles: K, K^T, V^T, dK, dV for the key block; Q, dO, P, dS, P^T or dS^T, lse, delta
+    // for the query block.
+    float* k_tile = thread_scratch(5 * bk * dp + 2 * bq * dp + 3 * bq * bk + 2 * bq);
+    float* kt_tile = k_tile + bk * dp;
+    float* vt_tile = kt_tile + dp * bk;
+    float* dk_acc = vt_tile + dp * bk;
+    float* dv_acc = dk_acc + bk * dp;
+    float* q_tile = dv_acc + bk * dp;
+    float* do_tile = q_tile + bq * dp;
+    float* probs = do_tile + bq * dp;
+    float* dscores = probs + bq * bk;
+    float* transposed = dscores + bq * bk;
+    float* lse2 = transposed + bk * bq;
+    float* delta = lse2 + bq;
+
+    const T* k = static_cast<const T*>(p.k) + b * sh.seq_k * kv_stride + hk * d;
+    const T* v = static_cast<const T*>(p.v) + b * sh.seq_k * kv_stride + hk * d;
+    T* dk = static_cast<T*>(p.dk) + b * sh.seq_k * kv_stride + hk * d;
+    T* dv = static_cast<T*>(p.dv) + b * sh.seq_k * kv_stride + hk * d;
+    const int64_t key_blocks = ceil_div(sh.seq_k, bk);
+
+    for (int64_t kb = split; kb < key_blocks; kb += p.dq_splits) {
+      const int64_t j0 = kb * bk;
+      const int64_t cols = min64(bk, sh.seq_k - j0);
+      const int64_t live_cols = max64(0, min64(cols, kv_len - j0));
+      const QueryRange rows = queries_seeing_keys(p.mask, j0, j0 + live_cols, q_len, kv_len);
+      const int64_t first_row = rows.begin, end_row = rows.end;
+      if (end_row <= first_row) {  // no query sees these keys: zero gradients
+        for (int64_t r = 0; r < cols; ++r) {
+          store_zeros(d, dk + (j0 + r) * kv_stride);
+          store_zeros(d, dv + (j0 + r) * kv_stride);
+        }
+        continue;
+      }
+      load_rows(k + j0 * kv_stride, kv_stride, live_cols, d, k_tile, dp);
+      load_rows_transposed(k + j0 * kv_stride, kv_stride, live_cols, d, kt_tile, bk, dp);
+      load_rows_transposed(v + j0 * kv_stride, kv_stride, live_cols, d, vt_tile, bk, dp);
+      for (int64_t x = 0; x < bk * dp; ++x) dk_acc[x] = dv_acc[x] = 0.f;
+
+      for (int64_t h = hk * sh.group(); h < (hk + 1) * sh.group(); ++h) {
+        const T* q = static_cast<const T*>(p.q) + b * sh.seq_q * q_stride + h * d;
+        const T* d_o = static_cast<const T*>(p.d_o) + b * sh.seq_q * q_stride + h * d;
+        const float* lse = p.lse + (b * sh.heads_q + h) * sh.seq_q;
+        const float* delta_h = p.delta + (b * sh.heads_q + h) * sh.seq_q;
+        float* dq = p.dq_accum + ((split * sh.batch + b) * sh.seq_q * sh.heads_q + h) * dp;
+        const int64_t dq_stride = sh.heads_q * dp;
+
+        for (int64_t i0 = first_row; i0 < end_row; i0 += bq) {
+          const int64_t rows = min64(bq, end_row - i0);
+          load_rows(q + i0 * q_stride, q_stride, rows, d, q_tile, dp);
+          load_rows(d_o + i0 * q_stride, q_stride, rows, d, do_tile, dp);
+          for (int64_t r = 0; r < rows; ++r) {
+            lse2[r] = lse[i0 + r] * kLog2e;
+            delta[r] = delta_h[i0 + r];
+          }
+          // P = exp2(S * scale * log2e - lse * log2e), masked.
+          gemm(rows, bk, dp, score_scale, q_tile, dp, kt_tile, bk, probs, bk, false);
+          const KeyRange first = key_range(p.mask, i0, q_len, kv_len);
+          const KeyRange last = key_range(p.mask, i0 + rows - 1, q_len, kv_len);
+          const bool whole = live_cols == bk && j0 >= last.begin && j0 + bk <= first.end;
+          for (int64_t r = 0; r < rows; ++r) {
+            float* s = probs + r * bk;
+            if (!whole) mask_row(s, j0, live_cols, bk, key_range(p.mask, i0 + r, q_len, kv_len));
+            const Vec l = splat(lse2[r]);
+            for (int64_t c = 0; c < bk; c += kLanes) store(s + c, exp2_nonpositive(vmin0(load(s + c) - l)));
+          }
+          // dV += P^T dO
+          transpose(probs, bk, rows, live_cols, transposed, bq);
+          gemm(live_cols, dp, rows, 1.f, transposed, bq, do_tile, dp, dv_acc, dp, true);
+          // dP = dO V^T, then dS = P * (dP - delta)
+          gemm(rows, bk, dp, 1.f, do_tile, dp, vt_tile, bk, dscores, bk, false);
+          for (int64_t r = 0; r < rows; ++r) {
+            const Vec dr = splat(delta[r]);
+            for (int64_t c = 0; c < bk; c += kLanes) {
+              const Vec pr = load(probs + r * bk + c);
+              store(dscores + r * bk + c, pr * (load(dscores + r * bk + c) - dr));
+            }
+          }
+          // dQ += scale dS K (into this split's float32 accumulator)
+          gemm(rows, dp, live_cols, p.scale, dscores, bk, k_tile, dp, dq + i0 * dq_stride, dq_stride, true);
+          // dK += scale dS^T Q
+          transpose(dscores, bk, rows, live_cols, transposed, bq);
+          gemm(live_cols, dp, rows, p.scale, transposed, bq, q_tile, dp, dk_acc, dp, true);
+        }
+      }
+      for (int64_t r = 0; r < cols; ++r) {
+        if (r < live_cols) {
+          store_row(dk_acc + r * dp, d, 1.f, dk + (j0 + r) * kv_stride);
+          store_row(dv_acc + r * dp, d, 1.f, dv + (j0 + r) * kv_stride);
+        } else {
+          store_zeros(d, dk + (j0 + r) * kv_stride);
+          store_zeros(d, dv + (j0 + r) * kv_stride);
+        }
+      }
+    }
+  }
+};
+
+template <typename T>
+struct FlashBwdDq {
+  const BwdParams& p;
+  int64_t dp;
+  int64_t num_tasks() const { return p.shape.batch * p.shape.seq_q; }
+
+  void operator()(int64_t row) const {  // one (batch, query position): every head
+    const AttentionShape& sh = p.shape;
+    const int64_t width = sh.heads_q * dp;
+    const int64_t split_stride = sh.batch * sh.seq_q * width;
+    T* dq = static_cast<T*>(p.dq) + row * sh.heads_q * sh.head_dim;
+    for (int64_t h = 0; h < sh.heads_q; ++h) {
+      const float* acc = p.dq_accum + row * width + h * dp;
+      for (int64_t c = 0; c < sh.head_dim; ++c) {
+        float sum = 0.f;
+        for (int64_t s = 0; s < p.dq_splits; ++s) sum += acc[s * split_stride + c];
+        dq[h * sh.head_dim + c] = from_float<T>(sum);
+      }
+    }
+  }
+};
+
+template <typename T>
+void flash_bwd_typed(const BwdParams& params, const TaskRunner& runner) {
+  const int64_t dp = padded_head_dim(params.shape.head_dim);
+  FlashBwdDelta<T> delta{params, dp};
+  parallel_for(runner, delta.num_tasks(), delta);
+  FlashBwdMain<T> main{params, dp};
+  parallel_for(runner, main.num_tasks(), main);
+  FlashBwdDq<T> dq{params, dp};
+  parallel_for(runner, dq.num_tasks(), dq);
+}
+
+}  // namespace jax_flash::cpu::JF_ISA

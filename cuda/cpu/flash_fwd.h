@@ -1,0 +1,146 @@
+// FlashAttention forward on the CPU: one task per (batch, query head, block of kBlockQ query
+// rows). Each task streams the key/value blocks its rows can see through an online softmax;
+// nothing of size seq_q x seq_k exists anywhere.
+#pragma once
+
+#include <cmath>
+
+#include "common/mask.h"
+#include "cpu/parallel.h"
+#include "cpu/simd.h"
+#include "cpu/tile_gemm.h"
+#include "cpu/tile_io.h"
+
+namespace jax_flash::cpu::JF_ISA {
+
+inline constexpr float kLog2e = 1.4426950408889634f;
+inline constexpr float kLn2 = 0.6931471805599453f;
+
+// Sets s[c] = -inf for the columns c of a score row (keys j0 + c) outside [keys.begin, keys.end)
+// and for the padding columns [cols, padded_cols).
+inline void mask_row(float* s, int64_t j0, int64_t cols, int64_t padded_cols, KeyRange keys) {
+  const float neg_inf = -INFINITY;
+  const int64_t lo = min64(max64(keys.begin - j0, 0), cols);
+  const int64_t hi = max64(min64(keys.end - j0, cols), lo);
+  for (int64_t c = 0; c < lo; ++c) s[c] = neg_inf;
+  for (int64_t c = hi; c < padded_cols; ++c) s[c] = neg_inf;
+}
+
+// Online softmax step for one row of base-2 scores s (padded_cols wide, masked entries -inf):
+// turns s into probabilities relative to the new running max and returns the factor by which
+// the row's earlier accumulators must be rescaled.
+inline float softmax_row_update(float* s, int64_t padded_cols, float& row_max, float& row_sum) {
+  Vec mx = splat(-INFINITY);
+  for (int64_t c = 0; c < padded_cols; c += kLanes) mx = vmax(mx, load(s + c));
+  const float new_max = row_max > reduce_max(mx) ? row_max : reduce_max(mx);
+  if (new_max == -INFINITY) {  // nothing visible yet: keep the row empty
+    for (int64_t c = 0; c < padded_cols; c += kLanes) store(s + c, Vec{});
+    return 1.f;
+  }
+  const Vec m = splat(new_max);
+  Vec sum = Vec{};
+  for (int64_t c = 0; c < padded_cols; c += kLanes) {
+    const Vec p = exp2_nonpositive(load(s + c) - m);
+    store(s + c, p);
+    sum += p;
+  }
+  const float correction = __builtin_exp2f(row_max - new_max);  // row_max = -inf gives 0
+  row_sum = row_sum * correction + reduce_sum(sum);
+  row_max = new_max;
+  return correction;
+}
+
+template <typename T>
+struct FlashFwd {
+  const FwdParams& p;
+  int64_t dp;        // head dim padded to kHeadDimAlign
+  int64_t q_blocks;  // per (batch, head)
+
+  explicit FlashFwd(const FwdParams& params)
+      : p(params),
+        dp(padded_head_dim(params.shape.head_dim)),
+        q_blocks(ceil_div(params.shape.seq_q, kBlockQ)) {}
+
+  int64_t num_tasks() const { return p.shape.batch * p.shape.heads_q * q_blocks; }
+
+  void operator()(int64_t task) const {
+    const AttentionShape& sh = p.shape;
+    // Last query blocks first: under a causal mask they are the longest tasks.
+    const int64_t qb = q_blocks - 1 - task % q_blocks;
+    const int64_t h = (task / q_blocks) % sh.heads_q;
+    const int64_t b = task / (q_blocks * sh.heads_q);
+    const int64_t hk = h / sh.group();
+    const int64_t d = sh.head_dim;
+    const int64_t q_stride = sh.heads_q * d, kv_stride = sh.heads_k * d;
+    const int64_t q_len = clamp_len(p.q_lens, b, sh.seq_q);
+    const int64_t kv_len = clamp_len(p.kv_lens, b, sh.seq_k);
+
+    const int64_t i0 = qb * kBlockQ;
+    const int64_t rows = min64(kBlockQ, sh.seq_q - i0);
+    const int64_t live_rows = max64(0, min64(rows, q_len - i0));
+    T* out = static_cast<T*>(p.o) + (b * sh.seq_q + i0) * q_stride + h * d;
+    float* lse = p.lse + (b * sh.heads_q + h) * sh.seq_q + i0;
+
+    // Scratch: Q tile, output accumulator, K^T tile, V tile, scores, row statistics.
+    const int64_t kp = kBlockK;  // key tile width, a multiple of kLanes
+    float* q_tile = thread_scratch(2 * kBlockQ * dp + 2 * dp * kp + kBlockQ * kp + 2 * kBlockQ);
+    float* acc = q_tile + kBlockQ * dp;
+    float* kt_tile = acc + kBlockQ * dp;
+    float* v_tile = kt_tile + dp * kp;
+    float* scores = v_tile + kp * dp;
+    float* row_max = scores + kBlockQ * kp;
+    float* row_sum = row_max + kBlockQ;
+
+    if (live_rows > 0) {
+      const T* q = static_cast<const T*>(p.q) + (b * sh.seq_q + i0) * q_stride + h * d;
+      load_rows(q, q_stride, live_rows, d, q_tile, dp);
+      for (int64_t r = 0; r < live_rows; ++r) {
+        row_max[r] = -INFINITY;
+        row_sum[r] = 0.f;
+      }
+      for (int64_t x = 0; x < live_rows * dp; ++x) acc[x] = 0.f;
+
+      const KeyRange first = key_range(p.mask, i0, q_len, kv_len);
+      const KeyRange last = key_range(p.mask, i0 + live_rows - 1, q_len, kv_len);
+      const T* k = static_cast<const T*>(p.k) + b * sh.seq_k * kv_stride + hk * d;
+      const T* v = static_cast<const T*>(p.v) + b * sh.seq_k * kv_stride + hk * d;
+      const float score_scale = p.scale * kLog2e;  // scores in base 2: exp2 instead of exp
+      for (int64_t j0 = first.begin; j0 < last.end; j0 += kp) {
+        const int64_t cols = min64(kp, last.end - j0);
+        load_rows_transposed(k + j0 * kv_stride, kv_stride, cols, d, kt_tile, kp, dp);
+        load_rows(v + j0 * kv_stride, kv_stride, cols, d, v_tile, dp);
+        gemm(live_rows, kp, dp, score_scale, q_tile, dp, kt_tile, kp, scores, kp, false);
+        // Masks apply only on tiles some row sees partly (the diagonal, window edges, padding).
+        const bool whole = cols == kp && j0 >= last.begin && j0 + cols <= first.end;
+        for (int64_t r = 0; r < live_rows; ++r) {
+          float* s = scores + r * kp;
+          if (!whole) mask_row(s, j0, cols, kp, key_range(p.mask, i0 + r, q_len, kv_len));
+          const float correction = softmax_row_update(s, kp, row_max[r], row_sum[r]);
+          if (correction != 1.f) {
+            const Vec cv = splat(correction);
+            for (int64_t c = 0; c < dp; c += kLanes) store(acc + r * dp + c, load(acc + r * dp + c) * cv);
+          }
+        }
+        gemm(live_rows, dp, cols, 1.f, scores, kp, v_tile, dp, acc, dp, true);
+      }
+    }
+
+    for (int64_t r = 0; r < rows; ++r) {
+      if (r < live_rows && row_sum[r] > 0.f) {
+        store_row(acc + r * dp, d, 1.f / row_sum[r], out + r * q_stride);
+        lse[r] = (row_max[r] + __builtin_log2f(row_sum[r])) * kLn2;
+      } else {  // padding row or nothing to attend to
+        store_zeros(d, out + r * q_stride);
+        lse[r] = kEmptyRowLse;
+      }
+    }
+  }
+};
+
+template <typename T>
+void flash_fwd_typed(const FwdParams& params, const TaskRunner& runner) {
+  FlashFwd<T> kernel(params);
+  parallel_for(runner, kernel.num_tasks(), kernel);
+}
+
+}  // namespace jax_flash::cpu::JF_ISA

@@ -1,0 +1,49 @@
+// The CPU FlashAttention kernels: entry points for the FFI handlers.
+//
+// The kernels are compiled once per instruction set (AVX-512, AVX2, baseline) into separate
+// namespaces (kernels_isa.cc); flash_fwd / flash_bwd pick the best one the running CPU has.
+// Those translation units use no standard-library templates, so no function compiled with wider
+// instructions can be merged by the linker into code that runs on a CPU without them: scratch
+// memory and threads come through the plain interfaces below.
+#pragma once
+
+#include <cstdint>
+
+#include "common/attention_params.h"
+
+namespace jax_flash::cpu {
+
+// Tile sizes of the CPU kernels (query rows x key rows), and the alignment of the head dim in
+// the tiles; the dQ accumulator workspace is padded to it.
+inline constexpr int64_t kBlockQ = 64;
+inline constexpr int64_t kBlockK = 64;
+inline constexpr int64_t kHeadDimAlign = 16;
+
+static inline int64_t padded_head_dim(int64_t head_dim) {
+  return (head_dim + kHeadDimAlign - 1) / kHeadDimAlign * kHeadDimAlign;
+}
+
+// Elements of the backward's float32 dQ workspace: one partial per split, each (batch, seq_q,
+// heads_q, padded head dim).
+static inline int64_t dq_accum_elements(const AttentionShape& shape, int64_t dq_splits) {
+  return dq_splits * shape.batch * shape.heads_q * shape.seq_q * padded_head_dim(shape.head_dim);
+}
+
+// Runs body(arg, i) for every i in [0, n) on the caller's thread pool and returns when all ran.
+struct TaskRunner {
+  using Body = void (*)(void* arg, int64_t i);
+  void (*run)(const void* self, int64_t n, Body body, void* arg);
+  const void* self;
+};
+
+// A float32 scratch area of at least `count` elements that belongs to the calling thread and
+// stays valid until its next call from the same thread.
+float* thread_scratch(int64_t count);
+
+void flash_fwd(const FwdParams& params, const TaskRunner& runner);
+void flash_bwd(const BwdParams& params, const TaskRunner& runner);
+
+// "avx512", "avx2" or "baseline": the kernel variant this CPU runs.
+const char* kernel_isa();
+
+}  // namespace jax_flash::cpu

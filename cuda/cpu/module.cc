@@ -1,0 +1,73 @@
+// The nanobind extension jax_flash._native: hands the FFI handler capsules to Python.
+#include <nanobind/nanobind.h>
+
+#include <cstdint>
+
+#include "common/attention_params.h"
+#include "common/mask.h"
+#include "cpu/ffi_handlers.h"
+#include "cpu/kernels.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+template <typename Fn>
+nb::capsule handler_capsule(Fn* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+}  // namespace
+
+NB_MODULE(_native, m) {
+  m.doc() = "jax_flash native kernels (XLA FFI handlers)";
+  // name -> {platform -> capsule}; Python registers each one with jax.ffi.register_ffi_target.
+  m.def("registrations", [] {
+    nb::dict cpu;
+    cpu["jax_flash_cpu_fwd"] = handler_capsule(jax_flash::kCpuFlashFwd);
+    cpu["jax_flash_cpu_bwd"] = handler_capsule(jax_flash::kCpuFlashBwd);
+    nb::dict out;
+    out["cpu"] = cpu;
+    return out;
+  });
+  // Constants of the kernels that the Python side needs (it reads them here, never copies them).
+  m.def("kernel_constants", [] {
+    nb::dict c;
+    c["max_head_dim"] = jax_flash::kMaxHeadDim;
+    c["empty_row_lse"] = jax_flash::kEmptyRowLse;
+    c["cpu_block_q"] = jax_flash::cpu::kBlockQ;
+    c["cpu_block_k"] = jax_flash::cpu::kBlockK;
+    c["cpu_head_dim_align"] = jax_flash::cpu::kHeadDimAlign;
+    return c;
+  });
+  m.def("cpu_dq_accum_elements",
+        [](int64_t dq_splits, int64_t batch, int64_t seq_q, int64_t heads_q, int64_t head_dim) {
+          jax_flash::AttentionShape shape;
+          shape.batch = batch;
+          shape.seq_q = seq_q;
+          shape.heads_q = heads_q;
+          shape.head_dim = head_dim;
+          return jax_flash::cpu::dq_accum_elements(shape, dq_splits);
+        },
+        "Elements of the CPU backward's float32 dQ workspace (what its handler checks).");
+  m.def("cpu_kernel_isa", [] { return jax_flash::cpu::kernel_isa(); },
+        "The instruction set of the CPU kernel variant this processor runs.");
+  // For tests: the mask arithmetic every kernel (CPU and CUDA) walks tiles by, from
+  // common/mask.h. Returns ([key_range(i) for i < rows], [query_range(j) for j < keys],
+  // queries_seeing_keys(j0, j1)), each range a (begin, end) pair.
+  m.def("_mask_ranges", [](bool causal, int64_t window_left, int64_t window_right, int64_t q_len, int64_t kv_len,
+                           int64_t rows, int64_t keys, int64_t j0, int64_t j1) {
+    const jax_flash::MaskParams mask{causal, window_left, window_right};
+    nb::list key_ranges, query_ranges;
+    for (int64_t i = 0; i < rows; ++i) {
+      const jax_flash::KeyRange r = jax_flash::key_range(mask, i, q_len, kv_len);
+      key_ranges.append(nb::make_tuple(r.begin, r.end));
+    }
+    for (int64_t j = 0; j < keys; ++j) {
+      const jax_flash::QueryRange r = jax_flash::query_range(mask, j, q_len, kv_len);
+      query_ranges.append(nb::make_tuple(r.begin, r.end));
+    }
+    const jax_flash::QueryRange seeing = jax_flash::queries_seeing_keys(mask, j0, j1, q_len, kv_len);
+    return nb::make_tuple(key_ranges, query_ranges, nb::make_tuple(seeing.begin, seeing.end));
+  });
+}

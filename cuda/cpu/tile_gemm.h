@@ -1,0 +1,86 @@
+// The one matrix product the CPU kernels need, on float32 tiles that sit in cache:
+//   C[M x N] = alpha * A[M x K] * B[K x N]   (or += when accumulate)
+// A, B, C row-major with leading dimensions lda, ldb, ldc; N and ldb, ldc are multiples of
+// kLanes (tiles are zero-padded). Every other product (A*B^T, A^T*B) is reduced to this one by
+// transposing the small operand once per tile.
+//
+// Register blocking as in BLIS: a kRows x (kVecs * kLanes) block of C stays in registers while
+// K streams through; rows of A are broadcast, rows of B are loaded as vectors.
+#pragma once
+
+#include <utility>
+
+#include "cpu/simd.h"
+
+namespace jax_flash::cpu::JF_ISA {
+
+#if JF_SIMD_LANES == 16
+inline constexpr int kRows = 6, kVecs = 4;  // 24 of the 32 zmm registers hold C
+#elif JF_SIMD_LANES == 8
+inline constexpr int kRows = 4, kVecs = 3;  // 12 of the 16 ymm registers hold C
+#else
+inline constexpr int kRows = 4, kVecs = 2;
+#endif
+
+template <int MR, int NV>
+inline void gemm_block(int64_t K, float alpha, const float* __restrict a, int64_t lda,
+                       const float* __restrict b, int64_t ldb, float* __restrict c, int64_t ldc,
+                       bool accumulate) {
+  Vec acc[MR][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) acc[r][v] = Vec{};
+  for (int64_t k = 0; k < K; ++k) {
+    Vec bv[NV];
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) bv[v] = load(b + k * ldb + v * kLanes);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const Vec av = splat(a[r * lda + k]);
+#pragma GCC unroll 8
+      for (int v = 0; v < NV; ++v) acc[r][v] += av * bv[v];
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) {
+      float* p = c + r * ldc + v * kLanes;
+      const Vec x = acc[r][v] * alpha;
+      store(p, accumulate ? load(p) + x : x);
+    }
+}
+
+using GemmBlockFn = void (*)(int64_t, float, const float*, int64_t, const float*, int64_t, float*,
+                             int64_t, bool);
+
+template <int MR, int... NV>
+constexpr void fill_row(GemmBlockFn* row, std::integer_sequence<int, NV...>) {
+  ((row[NV] = &gemm_block<MR, NV + 1>), ...);
+}
+
+template <int... MR>
+constexpr auto make_gemm_table(std::integer_sequence<int, MR...>) {
+  struct Table {
+    GemmBlockFn fn[kRows][kVecs];
+  } table{};
+  ((fill_row<MR + 1>(table.fn[MR], std::make_integer_sequence<int, kVecs>{})), ...);
+  return table;
+}
+
+inline void gemm(int64_t M, int64_t N, int64_t K, float alpha, const float* a, int64_t lda,
+                 const float* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  static constexpr auto table = make_gemm_table(std::make_integer_sequence<int, kRows>{});
+  const int64_t n_vecs = N / kLanes;
+  for (int64_t v0 = 0; v0 < n_vecs; v0 += kVecs) {
+    const int nv = static_cast<int>(n_vecs - v0 < kVecs ? n_vecs - v0 : kVecs);
+    for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+      const int mr = static_cast<int>(M - m0 < kRows ? M - m0 : kRows);
+      table.fn[mr - 1][nv - 1](K, alpha, a + m0 * lda, lda, b + v0 * kLanes, ldb,
+                               c + m0 * ldc + v0 * kLanes, ldc, accumulate);
+    }
+  }
+}
+
+}  // namespace jax_flash::cpu::JF_ISA

@@ -1,0 +1,85 @@
+// Moving tiles between the arrays XLA hands us (float32, bfloat16, float16; strided rows) and the
+// float32, zero-padded tiles the CPU kernels compute on. Compiled once per ISA (see simd.h).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace jax_flash::cpu::JF_ISA {
+
+struct BFloat16 {
+  uint16_t bits;
+};
+
+inline float to_float(float x) { return x; }
+inline float to_float(_Float16 x) { return static_cast<float>(x); }
+inline float to_float(BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+template <typename T>
+T from_float(float x);
+template <>
+inline float from_float<float>(float x) { return x; }
+template <>
+inline _Float16 from_float<_Float16>(float x) { return static_cast<_Float16>(x); }
+template <>
+inline BFloat16 from_float<BFloat16>(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return {static_cast<uint16_t>((bits >> 16) | 0x40)};
+  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
+  return {static_cast<uint16_t>(bits >> 16)};
+}
+
+// dst[r][c] = src[r * src_stride + c] for r < rows, c < cols; zero for cols <= c < padded_cols.
+template <typename T>
+inline void load_rows(const T* src, int64_t src_stride, int64_t rows, int64_t cols,
+                      float* dst, int64_t padded_cols) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* s = src + r * src_stride;
+    float* d = dst + r * padded_cols;
+    for (int64_t c = 0; c < cols; ++c) d[c] = to_float(s[c]);
+    for (int64_t c = cols; c < padded_cols; ++c) d[c] = 0.f;
+  }
+}
+
+// dst[c][r] = src[r * src_stride + c]: the transpose, padded with zero rows up to padded_cols
+// and zero columns up to padded_rows.
+template <typename T>
+inline void load_rows_transposed(const T* src, int64_t src_stride, int64_t rows, int64_t cols,
+                                 float* dst, int64_t padded_rows, int64_t padded_cols) {
+  for (int64_t c = 0; c < padded_cols; ++c) {
+    float* d = dst + c * padded_rows;
+    if (c < cols)
+      for (int64_t r = 0; r < rows; ++r) d[r] = to_float(src[r * src_stride + c]);
+    else
+      for (int64_t r = 0; r < rows; ++r) d[r] = 0.f;
+    for (int64_t r = rows; r < padded_rows; ++r) d[r] = 0.f;
+  }
+}
+
+// Transpose of a float32 tile: dst (cols x padded_rows) from src (rows x src_stride).
+inline void transpose(const float* src, int64_t src_stride, int64_t rows, int64_t cols,
+                      float* dst, int64_t padded_rows) {
+  for (int64_t c = 0; c < cols; ++c) {
+    float* d = dst + c * padded_rows;
+    for (int64_t r = 0; r < rows; ++r) d[r] = src[r * src_stride + c];
+    for (int64_t r = rows; r < padded_rows; ++r) d[r] = 0.f;
+  }
+}
+
+template <typename T>
+inline void store_row(const float* src, int64_t cols, float scale, T* dst) {
+  for (int64_t c = 0; c < cols; ++c) dst[c] = from_float<T>(src[c] * scale);
+}
+
+template <typename T>
+inline void store_zeros(int64_t cols, T* dst) {
+  for (int64_t c = 0; c < cols; ++c) dst[c] = from_float<T>(0.f);
+}
+
+}  // namespace jax_flash::cpu::JF_ISA

@@ -1,0 +1,176 @@
+// Which rows and keys a CTA owns, and which of the other side's blocks they meet: the query-block
+// task of the forward kernels (and the deterministic dQ kernel), the key-block task of the
+// backward kernels, and the query blocks a warpgroup's keys take part in. The mask arithmetic
+// itself is common/mask.h's.
+#pragma once
+
+#include <cstdint>
+
+#include "common/attention_params.h"
+#include "common/mask.h"
+#include "gpu/tile_io.cuh"
+
+namespace jax_flash::cuda {
+
+__device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+__device__ __forceinline__ int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+__device__ __forceinline__ int64_t clamp_len(const int32_t* lens, int64_t b, int64_t full) {
+  const int64_t n = lens[b];
+  return n < 0 ? 0 : (n > full ? full : n);
+}
+
+// The query rows [m0, m0 + rows) of a CTA (live: before q_len) and the key blocks [n_first,
+// n_last] that any of them sees.
+template <int kBlockM, int kBlockN>
+struct QueryBlock {
+  int64_t m0;
+  int rows, live_rows;
+  KeyRange first{0, 0}, last{0, 0};  // key ranges of the first and last live rows
+  int n_first = 0, n_last = -1;
+  bool has_padding_rows;
+
+  __device__ QueryBlock(const MaskParams& mask, int m_block, int64_t seq_q, int64_t q_len,
+                        int64_t kv_len)
+      : m0(static_cast<int64_t>(m_block) * kBlockM),
+        rows(static_cast<int>(min64(kBlockM, seq_q - m0))),
+        live_rows(static_cast<int>(max64(0, min64(rows, q_len - m0)))),
+        has_padding_rows(m0 + kBlockM > q_len) {
+    if (live_rows > 0) {
+      first = key_range(mask, m0, q_len, kv_len);
+      last = key_range(mask, m0 + live_rows - 1, q_len, kv_len);
+      if (last.end > first.begin) {
+        n_first = static_cast<int>(first.begin / kBlockN);
+        n_last = static_cast<int>((last.end - 1) / kBlockN);
+      }
+    }
+  }
+
+  // Whether some row sees only part of key block n0 (or is padding): then masks apply.
+  __device__ bool needs_mask(int64_t n0) const {
+    return has_padding_rows || n0 < last.begin || n0 + kBlockN > first.end;
+  }
+};
+
+// A query-block CTA's problem (the forward kernels and the deterministic dQ kernel): batch b, query
+// head h and its kv head hk, valid lengths, row strides, its query rows with the key blocks they
+// see (longest causal blocks first: block gridDim.x - 1 - blockIdx.x), and element offsets of its
+// first query row in q / o / dq / dO, of its kv head in k / v, and of its (b, h) row 0 in lse /
+// delta.
+template <int kBlockM, int kBlockN>
+struct QueryBlockTask {
+  int b, h, hk;
+  int64_t q_len, kv_len, q_stride, kv_stride;
+  int chunks;  // 16-byte chunks of a row's head dim
+  QueryBlock<kBlockM, kBlockN> blk;
+  int64_t q_offset, kv_offset, stat_offset;
+
+  template <typename Params>
+  __device__ explicit QueryBlockTask(const Params& p)
+      : b(blockIdx.z),
+        h(blockIdx.y),
+        hk(static_cast<int>(blockIdx.y / (p.shape.heads_q / p.shape.heads_k))),
+        q_len(clamp_len(p.q_lens, blockIdx.z, p.shape.seq_q)),
+        kv_len(clamp_len(p.kv_lens, blockIdx.z, p.shape.seq_k)),
+        q_stride(p.shape.heads_q * p.shape.head_dim),
+        kv_stride(p.shape.heads_k * p.shape.head_dim),
+        chunks(static_cast<int>(p.shape.head_dim / 8)),
+        blk(p.mask, gridDim.x - 1 - blockIdx.x, p.shape.seq_q, q_len, kv_len),
+        q_offset((b * p.shape.seq_q + blk.m0) * q_stride + h * p.shape.head_dim),
+        kv_offset(b * p.shape.seq_k * kv_stride + hk * p.shape.head_dim),
+        stat_offset((static_cast<int64_t>(b) * p.shape.heads_q + h) * p.shape.seq_q) {}
+
+  // Rows [0, rows) of key block n_block's K or V (from `base`, k or v) into a shared tile.
+  template <typename Tile, int kThreads, typename T>
+  __device__ __forceinline__ void load_keys(T* tile, const T* base, int n_block, int tid) const {
+    const int64_t n0 = static_cast<int64_t>(n_block) * kBlockN;
+    load_tile<Tile, kThreads>(tile, base + kv_offset + n0 * kv_stride, kv_stride,
+                              static_cast<int>(min64(kBlockN, kv_len - n0)), chunks, tid);
+  }
+  // This block's query rows of q or dO into a shared tile (rows past q_len zero).
+  template <typename Tile, int kThreads, typename T>
+  __device__ __forceinline__ void load_queries(T* tile, const T* base, int tid) const {
+    load_tile<Tile, kThreads>(tile, base + q_offset, q_stride, blk.live_rows, chunks, tid);
+  }
+};
+
+// A key-block CTA's problem (both families' main backward kernels): batch b, kv head hk and the
+// heads_per_kv query heads that share it, valid lengths, row strides, its keys [n0, n0 + keys)
+// (live: before kv_len), and the visits of its loop: every query block (of kBlockM rows) of every
+// query head of the group whose rows see some live key, head by head. Element offsets: kv_offset
+// of key row n0 of head hk in k / v / dk / dv, q_batch_offset of batch b's row 0 in q / dO.
+template <int kBlockM, int kBlockN>
+struct KeyBlockTask {
+  struct Visit {
+    int h, mb;  // query head, query block
+  };
+  int b, hk, heads_per_kv;
+  int64_t q_len, kv_len, q_stride, kv_stride;
+  int chunks;  // 16-byte chunks of a row's head dim
+  int64_t n0;
+  int keys, live_keys;
+  int mb_first = 0, mb_count = 0;
+  int iterations = 0;
+  int64_t kv_offset, q_batch_offset;
+
+  __device__ explicit KeyBlockTask(const BwdParams& p)
+      : b(static_cast<int>(blockIdx.z)),
+        hk(static_cast<int>(blockIdx.y)),
+        heads_per_kv(static_cast<int>(p.shape.heads_q / p.shape.heads_k)),
+        q_len(clamp_len(p.q_lens, b, p.shape.seq_q)),
+        kv_len(clamp_len(p.kv_lens, b, p.shape.seq_k)),
+        q_stride(p.shape.heads_q * p.shape.head_dim),
+        kv_stride(p.shape.heads_k * p.shape.head_dim),
+        chunks(static_cast<int>(p.shape.head_dim / 8)),
+        n0(static_cast<int64_t>(static_cast<int>(blockIdx.x)) * kBlockN),
+        keys(static_cast<int>(min64(kBlockN, p.shape.seq_k - n0))),
+        live_keys(static_cast<int>(max64(0, min64(keys, kv_len - n0)))),
+        kv_offset((b * p.shape.seq_k + n0) * kv_stride + hk * p.shape.head_dim),
+        q_batch_offset(b * p.shape.seq_q * q_stride) {
+    const QueryRange seeing = queries_seeing_keys(p.mask, n0, n0 + live_keys, q_len, kv_len);
+    mb_first = static_cast<int>(seeing.begin / kBlockM);
+    mb_count = seeing.end > seeing.begin ? static_cast<int>((seeing.end - 1) / kBlockM) - mb_first + 1 : 0;
+    iterations = mb_count * heads_per_kv;
+  }
+
+  // Iteration it visits query block mb_first + it % mb_count of query head hk * heads_per_kv +
+  // it / mb_count, kept as two counters (no division in the loop).
+  __device__ Visit first_visit() const { return {hk * heads_per_kv, mb_first}; }
+  __device__ Visit next_visit(Visit v) const {
+    return v.mb + 1 < mb_first + mb_count ? Visit{v.h, v.mb + 1} : Visit{v.h + 1, mb_first};
+  }
+  // Live query rows of a visit's block (0 past q_len).
+  __device__ int rows(Visit v) const {
+    return static_cast<int>(max64(0, min64(kBlockM, q_len - static_cast<int64_t>(v.mb) * kBlockM)));
+  }
+};
+
+// The query blocks of kBlockM rows a warpgroup's keys [key0, key_end) take part in: `live` those
+// whose rows see some of the keys (outside them the warpgroup's scores are all masked), `whole`
+// those whose rows all see every key (inside them no mask is needed; empty unless 64 keys live).
+struct KeyGroupBlocks {
+  int live_begin = 0, live_end = 0, whole_begin = 0, whole_end = 0;
+
+  template <int kBlockM>
+  __device__ static KeyGroupBlocks of(const MaskParams& mask, int64_t key0, int64_t key_end, int64_t q_len,
+                                      int64_t kv_len) {
+    KeyGroupBlocks g;
+    if (key_end <= key0) return g;
+    const QueryRange any = queries_seeing_keys(mask, key0, key_end, q_len, kv_len);
+    if (!any.empty()) {
+      g.live_begin = static_cast<int>(any.begin / kBlockM);
+      g.live_end = static_cast<int>((any.end + kBlockM - 1) / kBlockM);
+    }
+    const QueryRange first = query_range(mask, key0, q_len, kv_len);
+    const QueryRange last = query_range(mask, key_end - 1, q_len, kv_len);
+    if (key_end - key0 == 64 && last.begin < first.end) {
+      g.whole_begin = static_cast<int>((last.begin + kBlockM - 1) / kBlockM);
+      g.whole_end = static_cast<int>(first.end / kBlockM);
+    }
+    return g;
+  }
+  __device__ bool live(int mb) const { return mb >= live_begin && mb < live_end; }
+  __device__ bool whole(int mb) const { return mb >= whole_begin && mb < whole_end; }
+};
+
+}  // namespace jax_flash::cuda

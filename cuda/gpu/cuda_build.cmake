@@ -1,0 +1,24 @@
+# The CUDA kernels (cuda/gpu, cuda/sm80, cuda/sm90) and their extension, jax_flash._native_cuda.
+# Included from CMakeLists.txt once a CUDA compiler is found. The CUDA runtime is linked
+# statically; the kernels are built as SASS for sm_80 (A100 and later) and sm_90a (H100/H200).
+find_package(CUDAToolkit REQUIRED)
+set(CMAKE_CUDA_STANDARD 17)
+set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+
+file(GLOB JF_CUDA_SOURCES CONFIGURE_DEPENDS
+  "${CMAKE_CURRENT_SOURCE_DIR}/cuda/gpu/*.cu"
+  "${CMAKE_CURRENT_SOURCE_DIR}/cuda/sm80/*.cu"
+  "${CMAKE_CURRENT_SOURCE_DIR}/cuda/sm90/*.cu")
+add_library(jax_flash_cuda_kernels STATIC ${JF_CUDA_SOURCES})
+set_target_properties(jax_flash_cuda_kernels PROPERTIES CUDA_ARCHITECTURES OFF)
+target_compile_options(jax_flash_cuda_kernels PRIVATE
+  $<$<COMPILE_LANGUAGE:CUDA>:-O3 --expt-relaxed-constexpr -DNDEBUG
+    -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90a,code=sm_90a>)
+target_include_directories(jax_flash_cuda_kernels PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/cuda)
+
+nanobind_add_module(_native_cuda NB_STATIC cuda/gpu/module.cc cuda/gpu/ffi_handlers.cc)
+target_include_directories(_native_cuda PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/cuda)
+target_include_directories(_native_cuda SYSTEM PRIVATE ${XLA_FFI_INCLUDE_DIR})
+target_compile_options(_native_cuda PRIVATE ${JF_CPU_WARNINGS})
+target_link_libraries(_native_cuda PRIVATE jax_flash_cuda_kernels CUDA::cudart_static)
+install(TARGETS _native_cuda LIBRARY DESTINATION jax_flash)

@@ -1,0 +1,79 @@
+// XLA FFI handlers for the CUDA kernels: shapes and attributes in, FwdParams / BwdParams out,
+// kernels launched on XLA's stream. No allocation, synchronisation or device reads happen here,
+// so the handlers are safe to capture in CUDA graphs (kCmdBufferCompatible).
+#include "gpu/ffi_handlers.h"
+
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "common/ffi_params.h"
+#include "gpu/kernel_choice.h"
+#include "gpu/launch.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_flash {
+namespace {
+
+ffi::Error cuda_error(const char* what, cudaError_t e) {
+  return ffi::Error::Internal(std::string("jax_flash: ") + what + ": " + cudaGetErrorString(e));
+}
+
+// The CUDA kernels take bfloat16/float16 with the head dim a multiple of kHeadDimMultiple (the
+// Python side pads it); anything else is a caller bug, reported with the shape.
+ffi::Error check_cuda_inputs(const ffi::AnyBuffer& q, const AttentionShape& shape, Dtype dtype) {
+  if (const std::string& error = cuda::kernel_override_error(); !error.empty())
+    return ffi::Error::InvalidArgument(error);
+  if (dtype == Dtype::kFloat32)
+    return ffi::Error::InvalidArgument("jax_flash: the CUDA kernels take bfloat16 or float16");
+  if (shape.head_dim % cuda::kHeadDimMultiple != 0)
+    return ffi::Error::InvalidArgument("jax_flash: the CUDA kernels need the head dim padded to a multiple of " +
+                                       std::to_string(cuda::kHeadDimMultiple) + ", got q" +
+                                       shape_string(q.dimensions()));
+  return ffi::Error::Success();
+}
+
+ffi::Error run_fwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                   ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
+                   ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                   double scale, bool is_causal, int64_t window_left, int64_t window_right) {
+  FwdParams params;
+  JF_RETURN_IF_ERROR(make_fwd_params(q, k, v, q_lens, kv_lens, *o, *lse, scale, is_causal,
+                                     window_left, window_right, params));
+  JF_RETURN_IF_ERROR(check_cuda_inputs(q, params.shape, params.dtype));
+  if (cudaError_t e = cuda::launch_flash_fwd(params, stream)) return cuda_error("forward launch", e);
+  return ffi::Error::Success();
+}
+
+ffi::Error run_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                   ffi::AnyBuffer o, ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer d_o,
+                   ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
+                   ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                   ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::F32>> delta,
+                   ffi::Result<ffi::Buffer<ffi::F32>> dq_accum, double scale, bool is_causal,
+                   int64_t window_left, int64_t window_right, bool deterministic) {
+  BwdParams params;
+  JF_RETURN_IF_ERROR(make_bwd_params(q, k, v, o, lse, d_o, q_lens, kv_lens, *dq, *dk, *dv, *delta,
+                                     scale, is_causal, window_left, window_right, params));
+  JF_RETURN_IF_ERROR(check_cuda_inputs(q, params.shape, params.dtype));
+  JF_RETURN_IF_ERROR(expect_count("dq_accum", dq_accum->element_count(),
+                                  cuda::dq_accum_elements(params.shape, deterministic)));
+  params.dq_accum = deterministic ? nullptr : dq_accum->typed_data();
+  params.deterministic = deterministic;
+  if (cudaError_t e = cuda::launch_flash_bwd(params, stream)) return cuda_error("backward launch", e);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaFlashFwd, run_fwd, fwd_binding<ffi::PlatformStream<cudaStream_t>>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaFlashBwd, run_bwd,
+                              bwd_binding<ffi::PlatformStream<cudaStream_t>>()
+                                  .Attr<bool>("deterministic"),  // dQ without atomics
+                              {ffi::Traits::kCmdBufferCompatible});
+
+}  // namespace jax_flash

@@ -1,0 +1,71 @@
+// The kernel choice of kernel_choice.h: environment overrides read once, the device asked once.
+#include "gpu/kernel_choice.h"
+
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+#include <optional>
+
+namespace jax_flash::cuda {
+namespace {
+
+constexpr const char* kForwardVariable = "JAX_FLASH_CUDA_FORWARD";
+constexpr const char* kBackwardVariable = "JAX_FLASH_CUDA_BACKWARD";
+
+struct Overrides {
+  std::optional<KernelFamily> forward;
+  std::optional<KernelFamily> backward;
+  std::string error;
+};
+
+// The family `variable` names, if set; a value that names none is appended to `error`.
+std::optional<KernelFamily> read_override(const char* variable, std::string& error) {
+  const char* value = std::getenv(variable);
+  if (value == nullptr || *value == '\0') return std::nullopt;
+  const std::string v = value;
+  if (v == "sm80") return KernelFamily::kSm80;
+  if (v == "sm90") return KernelFamily::kSm90;
+  error += std::string(error.empty() ? "" : "; ") + "jax_flash: " + variable + "=" + v +
+           " is not one of sm80, sm90";
+  return std::nullopt;
+}
+
+Overrides read_overrides() {
+  Overrides o;
+  o.forward = read_override(kForwardVariable, o.error);
+  o.backward = read_override(kBackwardVariable, o.error);
+  return o;
+}
+
+const Overrides& overrides() {
+  static const Overrides o = read_overrides();
+  return o;
+}
+
+// wgmma on Hopper unless overridden; else mma.sync.
+KernelFamily choose(std::optional<KernelFamily> override_family) {
+  return device_compute_major() == 9 ? override_family.value_or(KernelFamily::kSm90) : KernelFamily::kSm80;
+}
+
+}  // namespace
+
+const std::string& kernel_override_error() { return overrides().error; }
+
+int device_compute_major() {
+  // Asked once per device (no stream work, so safe while XLA captures a CUDA graph).
+  constexpr int kMaxDevices = 64;
+  static int majors[kMaxDevices] = {};  // 0: not asked yet
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return 0;
+  if (majors[device] == 0) {
+    int major = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return 0;
+    majors[device] = major;
+  }
+  return majors[device];
+}
+
+KernelFamily forward_family() { return choose(overrides().forward); }
+KernelFamily backward_family() { return choose(overrides().backward); }
+
+}  // namespace jax_flash::cuda

@@ -1,0 +1,29 @@
+// Which CUDA kernel family runs each pass. On Hopper (compute capability 9.x) the wgmma (sm90)
+// family, wherever gpu/tile_shapes.cuh has a wgmma kernel for the head dim; the mma.sync (sm80)
+// family everywhere else. Two environment variables, read once per process, override the choice
+// for experiments and comparisons:
+//   JAX_FLASH_CUDA_FORWARD  = sm80 | sm90                    (default on Hopper: sm90)
+//   JAX_FLASH_CUDA_BACKWARD = sm80 | sm90                    (default on Hopper: sm90)
+// A Hopper choice only applies on Hopper, and only where a Hopper kernel exists.
+#pragma once
+
+#include <string>
+
+namespace jax_flash::cuda {
+
+// The kernel family of a pass: mma.sync (sm80) or wgmma (sm90).
+enum class KernelFamily { kSm80, kSm90 };
+
+// Empty when the variables are unset or hold a known value; else a message naming the variable,
+// its value and the values it takes (the FFI handlers return it as an error).
+const std::string& kernel_override_error();
+
+// The family each pass prefers on the current device (gpu/launch.cu falls back to sm80 where the
+// family has no kernel for the head dim).
+KernelFamily forward_family();
+KernelFamily backward_family();
+
+// Compute capability major of the current device (0 if CUDA cannot say).
+int device_compute_major();
+
+}  // namespace jax_flash::cuda

@@ -1,0 +1,89 @@
+// The one place a CUDA kernel is picked: the dtype and the compiled head dim (gpu/tile_shapes.cuh)
+// become template constants, the family comes from gpu/kernel_choice.h (wgmma where a Hopper
+// kernel exists for the head dim), and the backward's kernels are sequenced around the family's
+// main kernel.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#include "gpu/bwd_postprocess.cuh"
+#include "gpu/bwd_preprocess.cuh"
+#include "gpu/kernel_choice.h"
+#include "gpu/launch.h"
+#include "gpu/tile_shapes.cuh"
+
+namespace jax_flash::cuda {
+namespace {
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+// run(TypeTag<T>{}, std::integral_constant<int, D>{}) for the 16-bit dtype T and the smallest
+// compiled head dim D >= head_dim; cudaErrorInvalidValue for anything else.
+template <typename Run>
+cudaError_t dispatch_dtype_head_dim(Dtype dtype, int64_t head_dim, Run&& run) {
+  auto with_type = [&](auto type) -> cudaError_t {
+#define JF_HEAD_DIM_CASE(D) \
+  if (head_dim <= D) return run(type, std::integral_constant<int, D>{});
+    JF_SM80_HEAD_DIMS(JF_HEAD_DIM_CASE)
+#undef JF_HEAD_DIM_CASE
+    return cudaErrorInvalidValue;
+  };
+  switch (dtype) {
+    case Dtype::kBFloat16: return with_type(TypeTag<__nv_bfloat16>{});
+    case Dtype::kFloat16: return with_type(TypeTag<__half>{});
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
+  if (p.shape.seq_q == 0 || p.shape.batch == 0) return cudaSuccess;
+  const KernelFamily family = forward_family();
+  return dispatch_dtype_head_dim(p.dtype, p.shape.head_dim, [&](auto type, auto head_dim) -> cudaError_t {
+    using T = typename decltype(type)::type;
+    constexpr int kD = decltype(head_dim)::value;
+    if constexpr (TileShapes<kD>::kHasSm90)
+      if (family == KernelFamily::kSm90) return launch_fwd_sm90<T, kD>(p, stream);
+    return launch_fwd_sm80<T, kD>(p, stream);
+  });
+}
+
+// prepare (delta, dQ accumulator zeroed) -> main (either family) -> convert dQ, or the
+// deterministic dQ kernel instead of the atomics and the convert.
+cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
+  if (p.shape.batch == 0 || p.shape.seq_q == 0) return cudaSuccess;  // empty outputs
+  const KernelFamily family = backward_family();
+  return dispatch_dtype_head_dim(p.dtype, p.shape.head_dim, [&](auto type, auto head_dim) -> cudaError_t {
+    using T = typename decltype(type)::type;
+    constexpr int kD = decltype(head_dim)::value;
+    const AttentionShape& sh = p.shape;
+    const int64_t rows = sh.batch * sh.seq_q * sh.heads_q;
+    constexpr int kRowThreads = prepare_threads_per_row(kD);
+    flash_bwd_prepare_kernel<T, kRowThreads><<<(rows * kRowThreads + 255) / 256, 256, 0, stream>>>(p);
+    if (cudaError_t e = cudaGetLastError()) return e;
+
+    if (sh.seq_k > 0) {  // with no keys, dK and dV are empty and dQ stays 0
+      cudaError_t e = cudaSuccess;
+      if constexpr (TileShapes<kD>::kHasSm90)
+        e = family == KernelFamily::kSm90 ? launch_bwd_main_sm90<T, kD>(p, stream)
+                                          : launch_bwd_main_sm80<T, kD>(p, stream);
+      else
+        e = launch_bwd_main_sm80<T, kD>(p, stream);
+      if (e != cudaSuccess) return e;
+    }
+
+    if (p.deterministic) return launch_bwd_dq_sm80<T, kD>(p, stream);
+    const int64_t groups = rows * sh.head_dim / 8;  // the convert kernel's 8 elements a thread
+    const int blocks = static_cast<int>(std::min<int64_t>((groups + 255) / 256, 65536));
+    flash_bwd_convert_dq_kernel<T><<<blocks, 256, 0, stream>>>(p);
+    return cudaGetLastError();
+  });
+}
+
+}  // namespace jax_flash::cuda

@@ -1,0 +1,44 @@
+// Host-side entry points of the CUDA kernels. launch_flash_fwd / launch_flash_bwd (gpu/launch.cu)
+// are the one place that picks a kernel: the family from gpu/kernel_choice.h, the compiled head dim
+// and tiles from gpu/tile_shapes.cuh; they call the family launchers declared below (defined and
+// instantiated in sm80/ and sm90/). Launch shapes come from shapes and attributes alone, so the
+// handlers are safe to capture in CUDA graphs.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/attention_params.h"
+
+namespace jax_flash::cuda {
+
+// The CUDA kernels read rows in 16-byte chunks: the caller pads the head dim to a multiple of this.
+inline constexpr int64_t kHeadDimMultiple = 8;
+
+// Elements of the backward's float32 dQ accumulator workspace: one per element of dQ, or none in
+// deterministic mode (dQ then comes from its own kernel, without atomics).
+inline int64_t dq_accum_elements(const AttentionShape& shape, bool deterministic) {
+  return deterministic ? 0 : shape.batch * shape.heads_q * shape.seq_q * shape.head_dim;
+}
+
+// Forward: o and lse.
+cudaError_t launch_flash_fwd(const FwdParams& params, cudaStream_t stream);
+// Backward: dq, dk, dv, using params.delta and params.dq_accum (dq_accum_elements) as workspaces
+// the caller owns.
+cudaError_t launch_flash_bwd(const BwdParams& params, cudaStream_t stream);
+
+// The family launchers, for a 16-bit dtype T and a compiled head dim.
+template <typename T, int kHeadDim>
+cudaError_t launch_fwd_sm80(const FwdParams& params, cudaStream_t stream);
+template <typename T, int kHeadDim>
+cudaError_t launch_fwd_sm90(const FwdParams& params, cudaStream_t stream);
+template <typename T, int kHeadDim>
+cudaError_t launch_bwd_main_sm80(const BwdParams& params, cudaStream_t stream);
+template <typename T, int kHeadDim>
+cudaError_t launch_bwd_main_sm90(const BwdParams& params, cudaStream_t stream);
+// The deterministic mode's dQ kernel (mma.sync on every GPU).
+template <typename T, int kHeadDim>
+cudaError_t launch_bwd_dq_sm80(const BwdParams& params, cudaStream_t stream);
+
+}  // namespace jax_flash::cuda

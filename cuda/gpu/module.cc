@@ -1,0 +1,40 @@
+// The nanobind extension jax_flash._native_cuda: the CUDA handlers' capsules. A module of its own
+// so that the CPU extension imports on machines without an NVIDIA driver.
+#include <nanobind/nanobind.h>
+
+#include <cstdint>
+
+#include "common/attention_params.h"
+#include "gpu/ffi_handlers.h"
+#include "gpu/launch.h"
+
+namespace nb = nanobind;
+
+NB_MODULE(_native_cuda, m) {
+  m.doc() = "jax_flash CUDA kernels (XLA FFI handlers)";
+  m.def("registrations", [] {
+    nb::dict cuda;
+    cuda["jax_flash_cuda_fwd"] = nb::capsule(reinterpret_cast<void*>(jax_flash::kCudaFlashFwd));
+    cuda["jax_flash_cuda_bwd"] = nb::capsule(reinterpret_cast<void*>(jax_flash::kCudaFlashBwd));
+    nb::dict out;
+    out["cuda"] = cuda;
+    return out;
+  });
+  // Constants of the CUDA kernels that the Python side needs (read here, never copied).
+  m.def("kernel_constants", [] {
+    nb::dict c;
+    c["head_dim_multiple"] = jax_flash::cuda::kHeadDimMultiple;
+    c["max_head_dim"] = jax_flash::kMaxHeadDim;
+    return c;
+  });
+  m.def("dq_accum_elements",
+        [](int64_t batch, int64_t seq_q, int64_t heads_q, int64_t head_dim, bool deterministic) {
+          jax_flash::AttentionShape shape;
+          shape.batch = batch;
+          shape.seq_q = seq_q;
+          shape.heads_q = heads_q;
+          shape.head_dim = head_dim;
+          return jax_flash::cuda::dq_accum_elements(shape, deterministic);
+        },
+        "Elements of the CUDA backward's float32 dQ workspace (what its handler checks).");
+}

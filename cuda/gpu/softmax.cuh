@@ -1,0 +1,127 @@
+// The forward's online softmax in base 2 (running row maxima and sums with lazy rescaling), on
+// the m16n8 accumulator layout both CUDA families use (a warpgroup's wgmma accumulator is its
+// warps' m16n8 tiles).
+#pragma once
+
+#include <cmath>
+
+#include "gpu/ptx.cuh"
+
+namespace jax_flash::cuda {
+
+inline constexpr float kLog2e = 1.4426950408889634f;
+// Lazy rescaling threshold of the forward's online softmax: probabilities stay <= 2^8.
+inline constexpr float kRescaleLog2 = 8.f;
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// The online softmax of a warp's kMTiles 16-row tiles (this thread: rows lane/4 and lane/4 + 8
+// of each), with lazy rescaling. A row's reference maximum (max) moves only when some row of the
+// warp meets a score more than kRescaleLog2 (in log2 units) above its own, or sees its first
+// key; then every row of the warp moves to its new maximum and O and the sums are rescaled.
+// Otherwise P = exp2(S - reference) stays <= 2^kRescaleLog2 and nothing is rescaled: exact, since
+// the final normalisation and lse use the same reference. After the first blocks a warp rarely
+// rescales (saving 128 multiplies a thread per block at head dim 128). Needs scale_log2 >= 0
+// (ops.py keeps the scale positive).
+template <int kMTiles>
+struct OnlineSoftmax {
+  float max[kMTiles][2];
+  float sum[kMTiles][2];  // this thread's part; quad_sum gives the row's
+  float new_max[kMTiles][2];
+  float correction[kMTiles][2];  // of the last move_reference
+
+  __device__ __forceinline__ OnlineSoftmax() {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        max[mt][half] = -INFINITY;
+        sum[mt][half] = 0.f;
+      }
+  }
+
+  // The rows' maxima including this block's scores s; whether the warp must rescale.
+  template <int kNTiles>
+  __device__ __forceinline__ bool must_rescale(const float (&s)[kMTiles][kNTiles][4], float scale_log2) {
+    bool grow = false;
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float tile_max = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+          tile_max = fmaxf(tile_max, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
+        const float old_max = max[mt][half];
+        new_max[mt][half] = fmaxf(old_max, quad_max(tile_max));
+        grow |= old_max == -INFINITY ? new_max[mt][half] != -INFINITY
+                                     : (new_max[mt][half] - old_max) * scale_log2 > kRescaleLog2;
+      }
+    return __any_sync(0xffffffffu, grow);
+  }
+
+  // Moves every row's reference to its new maximum and rescales the sums; O still needs
+  // rescale_output (which may wait until O's pending product is in).
+  __device__ __forceinline__ void move_reference(float scale_log2) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        // A row with nothing visible yet keeps max -inf: its correction is exp2(-inf) = 0.
+        const float base = new_max[mt][half] == -INFINITY ? 0.f : new_max[mt][half] * scale_log2;
+        correction[mt][half] = fast_exp2(max[mt][half] * scale_log2 - base);
+        max[mt][half] = new_max[mt][half];
+        sum[mt][half] *= correction[mt][half];
+      }
+  }
+
+  // O relative to the references move_reference set.
+  template <int kDTiles>
+  __device__ __forceinline__ void rescale_output(float (&o)[kMTiles][kDTiles][4]) const {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) {
+          o[mt][dt][2 * half] *= correction[mt][half];
+          o[mt][dt][2 * half + 1] *= correction[mt][half];
+        }
+  }
+
+  template <int kDTiles>
+  __device__ __forceinline__ void rescale(float (&o)[kMTiles][kDTiles][4], float scale_log2) {
+    move_reference(scale_log2);
+    rescale_output(o);
+  }
+
+  // s <- P = exp2(S scale log2e - reference), added to the sums.
+  template <int kNTiles>
+  __device__ __forceinline__ void exponentiate(float (&s)[kMTiles][kNTiles][4], float scale_log2) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        // -inf reference (nothing seen yet): subtract 0 so that exp2(-inf) gives 0.
+        const float base = max[mt][half] == -INFINITY ? 0.f : max[mt][half] * scale_log2;
+        float block_sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int e = 2 * half; e < 2 * half + 2; ++e) {
+            s[mt][nt][e] = fast_exp2(s[mt][nt][e] * scale_log2 - base);
+            block_sum += s[mt][nt][e];
+          }
+        sum[mt][half] += block_sum;
+      }
+  }
+};
+
+}  // namespace jax_flash::cuda

@@ -1,0 +1,46 @@
+// Every CUDA kernel's tile shape per head dim, in one table, and the head dims each family is
+// compiled for (inputs padded to a multiple of kHeadDimMultiple run on the smallest compiled head
+// dim that holds them: gpu/launch.cu).
+#pragma once
+
+#include "gpu/launch.h"
+#include "sm80/traits.cuh"
+#include "sm90/traits.cuh"
+
+namespace jax_flash::cuda {
+
+// The compiled head dims of each family, smallest first, as X-macros: the launch switch and the
+// launchers' instantiations are both generated from them.
+#define JF_SM80_HEAD_DIMS(X) X(32) X(64) X(128) X(192) X(256)
+#define JF_SM90_HEAD_DIMS(X) X(64) X(128)
+
+template <int kHeadDim>
+struct TileShapes {
+  static_assert(kHeadDim % kHeadDimMultiple == 0, "compiled head dims are whole chunks");
+
+  // mma.sync forward (kBlockM, kBlockN, warps). Up to 128: 32 query rows a warp (as
+  // FlashAttention-2); beyond, 16 rows a warp so the output accumulator fits in registers, and 8
+  // warps so that a CTA still owns 128 rows (each K/V tile read from shared memory serves twice
+  // the rows of a 64-row CTA, and an SM keeps 8 warps, not 4, with one CTA of 192 KiB).
+  using Sm80Fwd = FwdTraits<kHeadDim, 128, 64, (kHeadDim <= 128 ? 4 : 8)>;
+  // mma.sync backward (kBlockM, kBlockN, warps, then the warp grids' row counts for S/dP, dK/dV
+  // and dQ): 8 warps; key blocks of 128 up to head dim 128, of 64 beyond (shared memory).
+  using Sm80Bwd = BwdTraits<kHeadDim, 64, (kHeadDim <= 128 ? 128 : 64), 8, 2, 4, 4>;
+  // The deterministic dQ kernel: query blocks of 64 (16 rows a warp), key blocks as the forward.
+  using Sm80BwdDq = FwdTraits<kHeadDim, 64, (kHeadDim <= 128 ? 64 : 32), 4>;
+
+#define JF_IS_HEAD_DIM(D) || kHeadDim == D
+  static constexpr bool kHasSm90 = false JF_SM90_HEAD_DIMS(JF_IS_HEAD_DIM);
+#undef JF_IS_HEAD_DIM
+  // wgmma forward: 2 warpgroups x 64 query rows, key blocks of 128.
+  using Sm90Fwd = Sm90FwdTraits<kHeadDim, 128>;
+  // wgmma backward: 2 warpgroups x 64 keys, query blocks of 64.
+  using Sm90Bwd = Sm90BwdTraits<kHeadDim>;
+};
+
+// Explicit instantiations of a launcher template<T, kHeadDim> for both 16-bit dtypes.
+#define JF_INSTANTIATE_LAUNCHER(launcher, Params, D)                                  \
+  template cudaError_t launcher<__nv_bfloat16, D>(const Params&, cudaStream_t); \
+  template cudaError_t launcher<__half, D>(const Params&, cudaStream_t);
+
+}  // namespace jax_flash::cuda

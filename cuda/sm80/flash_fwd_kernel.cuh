@@ -1,0 +1,105 @@
+// FlashAttention-2 forward for sm_80 and newer (mma.sync m16n8k16, bf16/fp16 in, fp32 out).
+//
+// CTA = kBlockM query rows of one (batch, query head); each warp owns kMTiles 16-row tiles.
+// Key/value tiles stream through shared memory in two stages (cp.async; K and V in separate
+// groups so the score product starts while V is still arriving), last tile first so the tiles
+// that need masks (causal diagonal, kv length edge) come before the unmasked ones. Scores stay
+// in registers: S = Q K^T, online softmax in base 2, P converted in registers into the A operand
+// of P V, which accumulates O.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "common/attention_params.h"
+#include "gpu/block_geometry.cuh"
+#include "gpu/epilogue.cuh"
+#include "gpu/mask.cuh"
+#include "gpu/ptx.cuh"
+#include "gpu/softmax.cuh"
+#include "sm80/traits.cuh"
+#include "sm80/warp_gemm.cuh"
+
+namespace jax_flash::cuda {
+
+template <typename Traits, typename T>
+__global__ void __launch_bounds__(Traits::kThreads)
+    flash_fwd_kernel(const __grid_constant__ FwdParams p) {
+  constexpr int kBM = Traits::kBlockM, kBN = Traits::kBlockN, kD = Traits::kHeadDim;
+  constexpr int kThreads = Traits::kThreads, kMT = Traits::kMTiles;
+  using QTile = typename Traits::QTile;
+  using KVTile = typename Traits::KVTile;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* s_q = reinterpret_cast<T*>(smem_raw);
+  T* s_k = s_q + QTile::kElements;       // two stages
+  T* s_v = s_k + 2 * KVTile::kElements;  // two stages
+
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const QueryBlockTask<kBM, kBN> task(p);
+  const QueryBlock<kBM, kBN>& blk = task.blk;
+  const int64_t m0 = blk.m0;
+  const int warp_m0 = warp * kMT * 16;
+  const T* k = static_cast<const T*>(p.k);
+  const T* v = static_cast<const T*>(p.v);
+
+  OnlineSoftmax<kMT> softmax;
+  float o[kMT][kD / 8][4] = {};
+  const float scale_log2 = p.scale * kLog2e;
+
+  const int n_first = blk.n_first, n_last = blk.n_last;
+  if (n_last >= n_first) {
+    auto load_k = [&](int n_block, int stage) {
+      task.template load_keys<KVTile, kThreads>(s_k + stage * KVTile::kElements, k, n_block, tid);
+    };
+    auto load_v = [&](int n_block, int stage) {
+      task.template load_keys<KVTile, kThreads>(s_v + stage * KVTile::kElements, v, n_block, tid);
+    };
+    // Groups in flight, oldest first: (Q, K[n_last]), V[n_last], then per iteration K, V of
+    // the next block.
+    task.template load_queries<QTile, kThreads>(s_q, static_cast<const T*>(p.q), tid);
+    load_k(n_last, 0);
+    cp_async_commit();
+    load_v(n_last, 0);
+    cp_async_commit();
+
+    for (int n_block = n_last, stage = 0; n_block >= n_first; --n_block, stage ^= 1) {
+      const bool prefetch = n_block > n_first;
+      if (prefetch) {
+        load_k(n_block - 1, stage ^ 1);
+        cp_async_commit();
+        cp_async_wait<2>();  // this stage's K has landed
+      } else {
+        cp_async_wait<1>();
+      }
+      __syncthreads();
+
+      float s[kMT][kBN / 8][4] = {};
+      warp_gemm<QTile, false, KVTile, false, kD / 16>(s, s_q, warp_m0, s_k + stage * KVTile::kElements, 0,
+                                                      lane);
+      const int64_t n0 = static_cast<int64_t>(n_block) * kBN;
+      if (blk.needs_mask(n0)) mask_scores(s, p.mask, m0 + warp_m0, n0, task.q_len, task.kv_len, lane);
+
+      if (softmax.must_rescale(s, scale_log2)) softmax.rescale(o, scale_log2);
+      softmax.exponentiate(s, scale_log2);
+      uint32_t pa[kBN / 16][kMT][4];
+      accumulator_to_a<T>(pa, s);
+
+      if (prefetch) {
+        load_v(n_block - 1, stage ^ 1);
+        cp_async_commit();
+        cp_async_wait<2>();  // this stage's V has landed
+      } else {
+        cp_async_wait<0>();
+      }
+      __syncthreads();
+      // No barrier here: the next iteration's first prefetch (K into the other stage) was last
+      // read before this iteration's second barrier, and its V prefetch waits for its first.
+      warp_gemm_a_regs<KVTile, true>(o, pa, s_v + stage * KVTile::kElements, 0, lane);
+    }
+  }
+
+  // Epilogue: normalise, write O (zeros for rows with nothing to attend) and the log-sum-exp.
+  store_output(static_cast<T*>(p.o) + task.q_offset, task.q_stride, p.lse + task.stat_offset + m0, o, softmax,
+               p.scale, warp_m0, blk.rows, p.shape.head_dim, lane);
+}
+
+}  // namespace jax_flash::cuda

@@ -1,0 +1,273 @@
+// FlashAttention backward main kernel for Hopper (sm_90a) on wgmma, head dims 64 and 128.
+//
+// CTA = 2 warpgroups x 64 keys of one (batch, kv head): K and V stay in shared memory while the
+// query blocks (64 rows, of every query head of the group) that see the keys stream past, Q and
+// dO (and their lse, delta) double-buffered. Per query block, computed transposed so that each
+// warpgroup's rows are its keys (FlashAttention-3's layout):
+//   S^T = K Q^T and dP^T = V dO^T (SS wgmma), P^T = exp2(S^T scale log2e - lse log2e) and
+//   dS^T = scale P^T (dP^T - delta) in registers (masks on the tiles that need them);
+//   dV += P^T dO and dK += dS^T Q (RS wgmma, P^T and dS^T straight from registers, dO and Q read
+//   N-major), accumulated in registers over the whole loop (the GQA reduction);
+//   dS^T to shared memory, then dQ = dS K (SS wgmma, both operands transposed; each warpgroup
+//   64 columns of the head dim) added to the float32 accumulator with atomics (or left to the
+//   deterministic dQ kernel).
+// The prepare and convert kernels of gpu/bwd_preprocess.cuh and gpu/bwd_postprocess.cuh run
+// around it. No warp specialisation or
+// TMA: both warpgroups run the same steps between barriers.
+#pragma once
+
+#include "common/attention_params.h"
+#include "gpu/block_geometry.cuh"
+#include "gpu/fragments.cuh"
+#include "gpu/mask.cuh"
+#include "gpu/ptx.cuh"
+#include "gpu/smem_tile.cuh"
+#include "gpu/softmax.cuh"
+#include "gpu/tile_io.cuh"
+#include "sm90/traits.cuh"
+#include "sm90/wgmma.cuh"
+
+namespace jax_flash::cuda {
+
+template <typename Traits, typename T>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    flash_bwd_sm90_kernel(const __grid_constant__ BwdParams p) {
+#if JF_SM90A
+  constexpr int kBM = Traits::kBlockM, kBN = Traits::kBlockN, kD = Traits::kHeadDim;
+  constexpr int kThreads = Traits::kThreads;
+  using KVTile = typename Traits::KVTile;
+  using QTile = typename Traits::QTile;
+  using DsTile = typename Traits::DsTile;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const uint32_t raw_address = smem_address(smem_raw);
+  T* s_k = reinterpret_cast<T*>(smem_raw + (((raw_address + 1023) & ~1023u) - raw_address));
+  T* s_v = s_k + KVTile::kElements;
+  T* s_q = s_v + KVTile::kElements;      // two stages
+  T* s_do = s_q + 2 * QTile::kElements;  // two stages
+  T* s_ds = s_do + 2 * QTile::kElements;
+  float* s_lse2 = reinterpret_cast<float*>(s_ds + DsTile::kElements);  // two stages of kBM
+  float* s_delta = s_lse2 + 2 * kBM;                                     // two stages of kBM
+
+  const AttentionShape& sh = p.shape;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int group = warp / 4;                         // warpgroup: keys 64 group ..
+  const int warp_key0 = group * 64 + warp % 4 * 16;   // this warp's 16 keys in the block
+  const KeyBlockTask<kBM, kBN> task(p);
+  using Visit = typename KeyBlockTask<kBM, kBN>::Visit;
+  const int b = task.b;
+  const int64_t q_len = task.q_len, kv_len = task.kv_len, q_stride = task.q_stride, kv_stride = task.kv_stride;
+  const int64_t n0 = task.n0;
+  const int live_keys = task.live_keys;
+  const int iterations = task.iterations;
+
+  const T* q_base = static_cast<const T*>(p.q) + task.q_batch_offset;
+  const T* do_base = static_cast<const T*>(p.d_o) + task.q_batch_offset;
+  // Q, dO of a visit into a stage (cp.async); its rows' lse and delta into registers of the
+  // first kBM threads (loaded early, stored to shared memory once they have arrived).
+  struct RowStatistics {
+    float lse, delta;
+  };
+  auto load_visit = [&](Visit v, int stage) {
+    const int64_t m0 = static_cast<int64_t>(v.mb) * kBM;
+    const int rows = task.rows(v);
+    load_tile<QTile, kThreads>(s_q + stage * QTile::kElements, q_base + m0 * q_stride + v.h * sh.head_dim,
+                               q_stride, rows, task.chunks, tid);
+    load_tile<QTile, kThreads>(s_do + stage * QTile::kElements, do_base + m0 * q_stride + v.h * sh.head_dim,
+                               q_stride, rows, task.chunks, tid);
+    RowStatistics stats{kEmptyRowLse, 0.f};
+    if (tid < rows) {
+      const int64_t stat = (static_cast<int64_t>(b) * sh.heads_q + v.h) * sh.seq_q + m0 + tid;
+      stats = {p.lse[stat], p.delta[stat]};
+    }
+    return stats;
+  };
+  // The lse in log2 units (+inf for rows that attend to nothing, so that their P is 0) and the
+  // delta of a stage, published by the next barrier.
+  auto store_statistics = [&](RowStatistics stats, int stage) {
+    if (tid < kBM) {
+      s_lse2[stage * kBM + tid] = stats.lse == kEmptyRowLse ? INFINITY : stats.lse * kLog2e;
+      s_delta[stage * kBM + tid] = stats.delta;
+    }
+  };
+
+  float dk[1][kD / 8][4] = {};
+  float dv[1][kD / 8][4] = {};
+  const float scale_log2 = p.scale * kLog2e;
+  const uint32_t k_address = smem_address(s_k), v_address = smem_address(s_v);
+  const uint32_t ds_address = smem_address(s_ds);
+
+  // The query blocks this warpgroup's keys take part in (the others skip their products).
+  const int64_t group_key0 = n0 + group * 64;
+  const KeyGroupBlocks group_blocks =
+      KeyGroupBlocks::of<kBM>(p.mask, group_key0, min64(group_key0 + 64, n0 + live_keys), q_len, kv_len);
+
+  if (iterations > 0) {
+    load_tile<KVTile, kThreads>(s_k, static_cast<const T*>(p.k) + task.kv_offset, kv_stride, live_keys, task.chunks,
+                                tid);
+    load_tile<KVTile, kThreads>(s_v, static_cast<const T*>(p.v) + task.kv_offset, kv_stride, live_keys, task.chunks,
+                                tid);
+    store_statistics(load_visit(task.first_visit(), 0), 0);
+    cp_async_commit();
+  }
+  // Warm L2 with the K and V tiles of the CTA that should start on this SM about a wave after
+  // this one (one CTA an SM, CTAs started in grid order): its prologue, which has nothing to
+  // overlap its loads with, then waits on L2 rather than DRAM.
+  {
+    const int64_t later = blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + gridDim.y * blockIdx.z) +
+                          sm_id_bound();
+    const int64_t later_n0 = later % gridDim.x * kBN;
+    const int64_t later_hk = later / gridDim.x % gridDim.y, later_b = later / gridDim.x / gridDim.y;
+    // A K or V tile row is kD 16-bit elements: kD / 64 lines of 128 bytes, a line a thread.
+    constexpr int kLinesPerRow = kD / 64;
+    const int row = tid / kLinesPerRow, line = tid % kLinesPerRow;
+    static_assert(kThreads == kBN * kLinesPerRow || kThreads == 2 * kBN * kLinesPerRow, "a line a thread");
+    if (later_b < sh.batch && row < kBN && later_n0 + row < sh.seq_k && line * 64 < sh.head_dim) {
+      const int64_t offset = (later_b * sh.seq_k + later_n0 + row) * kv_stride + later_hk * sh.head_dim + line * 64;
+      prefetch_l2(static_cast<const T*>(p.k) + offset);
+      prefetch_l2(static_cast<const T*>(p.v) + offset);
+    }
+  }
+
+  Visit visit = task.first_visit();
+  for (int it = 0, stage = 0; it < iterations; ++it, stage ^= 1, visit = task.next_visit(visit)) {
+    // This visit's tiles and statistics have landed and every warp is done with the previous
+    // visit (its stage, dS^T tile and statistics): prefetch the next visit into the other stage.
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+    const bool has_next = it + 1 < iterations;
+    const int64_t m0 = static_cast<int64_t>(visit.mb) * kBM;
+    const uint32_t q_address = smem_address(s_q + stage * QTile::kElements);
+    const uint32_t do_address = smem_address(s_do + stage * QTile::kElements);
+
+    // S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys, then P^T and dS^T (masked
+    // where some query of the block does not see some key). A warpgroup none of whose keys the
+    // block's queries see has P^T = dS^T = 0: it skips the products and stores a zero dS^T.
+    float st[1][kBM / 8][4], dpt[1][kBM / 8][4];
+    const bool group_live = group_blocks.live(visit.mb);
+    RowStatistics next_stats{};
+    if (group_live) {
+      fence_registers(st[0]);
+      fence_registers(dpt[0]);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk)
+        Wgmma<T, kBM>::ss(st[0], KVTile::k_major(k_address, group * 64, kk), QTile::k_major(q_address, 0, kk),
+                          kk > 0);
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk)
+        Wgmma<T, kBM>::ss(dpt[0], KVTile::k_major(v_address, group * 64, kk), QTile::k_major(do_address, 0, kk),
+                          kk > 0);
+      wgmma_commit();
+      // The next visit's loads are issued under the products.
+      if (has_next) {
+        next_stats = load_visit(task.next_visit(visit), stage ^ 1);
+        cp_async_commit();
+      }
+      wgmma_wait<0>();
+      fence_registers(st[0]);
+      fence_registers(dpt[0]);
+
+      if (!group_blocks.whole(visit.mb))
+        mask_transposed_scores(st, p.mask, n0 + warp_key0, m0, q_len, kv_len, lane);
+      const float* lse2 = s_lse2 + stage * kBM;
+      const float* delta = s_delta + stage * kBM;
+#pragma unroll
+      for (int nt = 0; nt < kBM / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int query = nt * 8 + (lane % 4) * 2 + e % 2;
+          const float prob = fast_exp2(st[0][nt][e] * scale_log2 - lse2[query]);
+          st[0][nt][e] = prob;
+          dpt[0][nt][e] = p.scale * prob * (dpt[0][nt][e] - delta[query]);
+        }
+    } else {
+      if (has_next) {
+        next_stats = load_visit(task.next_visit(visit), stage ^ 1);
+        cp_async_commit();
+      }
+#pragma unroll
+      for (int nt = 0; nt < kBM / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dpt[0][nt][e] = 0.f;
+    }
+    // The next visit's statistics have had the products' time to arrive.
+    if (has_next) store_statistics(next_stats, stage ^ 1);
+
+    // dS^T to shared memory, for dK and dQ (each thread its fragments: rows keys, columns
+    // queries). SmemTile<kBN, 64> stores exactly as DsTile lays out (one 64-column block,
+    // chunk ^ row).
+    store_accumulator<SmemTile<kBN, kBM>>(s_ds, dpt, warp_key0, 0, lane);
+    fence_proxy_async();
+    __syncthreads();  // every warp's dS^T is in shared memory
+
+    // dV += P^T dO (P^T from registers) and dK += dS^T Q (dS^T from shared memory, which keeps
+    // registers free for dQ) for this warpgroup's keys if the block sees them, and dQ = dS K
+    // (warpgroup g: head-dim columns 64 g .. 64 g + 63, all of them for head dim 64 in
+    // warpgroup 0), issued back to back and waited for once.
+    const bool dq_here = !p.deterministic && group * 64 < kD;
+    float dq[1][8][4];
+    fence_registers(dv[0]);
+    fence_registers(dk[0]);
+    fence_registers(dq[0]);
+    if (group_live) {
+      uint32_t pt[kBM / 16][1][4];
+      accumulator_to_a<T>(pt, st);
+#pragma unroll
+      for (int kk = 0; kk < kBM / 16; ++kk) fence_registers(pt[kk]);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBM / 16; ++kk)
+        Wgmma<T, kD>::rs_b_transposed(dv[0], pt[kk][0], QTile::n_major(do_address, kk), true);
+#pragma unroll
+      for (int kk = 0; kk < kBM / 16; ++kk)
+        Wgmma<T, kD>::ss_b_transposed(dk[0], DsTile::k_major(ds_address, group * 64, kk),
+                                      QTile::n_major(q_address, kk), true);
+      wgmma_commit();
+      // At head dim 128 the registers do not hold dK, dV and dQ in flight at once.
+      if constexpr (kD > 64) wgmma_wait<0>();
+    }
+    if (dq_here) {
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBN / 16; ++kk)
+        Wgmma<T, 64>::ss_transposed(dq[0], DsTile::n_major(ds_address, kk),
+                                    KVTile::n_major(k_address + group * KVTile::kBlockBytes, kk), kk > 0);
+      wgmma_commit();
+    }
+    wgmma_wait<0>();
+    fence_registers(dv[0]);
+    fence_registers(dk[0]);
+    fence_registers(dq[0]);
+
+    // dQ added to the float32 accumulator.
+    if (dq_here) {
+      const int lane_row = warp % 4 * 16 + lane / 4, lane_col = group * 64 + (lane % 4) * 2;
+      float* dq_block = p.dq_accum + (b * sh.seq_q + m0 + lane_row) * q_stride + visit.h * sh.head_dim + lane_col;
+      const int live_rows = static_cast<int>(min64(kBM, q_len - m0)) - lane_row;
+      const int live_cols = static_cast<int>(sh.head_dim) - lane_col;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        if (half * 8 >= live_rows) continue;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+          if (nt * 8 < live_cols)
+            atomic_add_pair(dq_block + half * 8 * q_stride + nt * 8, dq[0][nt][2 * half], dq[0][nt][2 * half + 1]);
+      }
+    }
+  }
+
+  // dK and dV rows of this block (zeros where no query sees the key), through shared memory (K
+  // and V are no longer read once every warp is here) so that the stores are whole rows.
+  using OutTile = SmemTile<kBN, kD>;
+  static_assert(OutTile::kElements == KVTile::kElements, "dK and dV staged where K and V were");
+  __syncthreads();
+  store_accumulator<OutTile>(s_k, dk, warp_key0, 0, lane);
+  store_accumulator<OutTile>(s_v, dv, warp_key0, 0, lane);
+  __syncthreads();
+  store_tile<OutTile, kThreads>(static_cast<T*>(p.dk) + task.kv_offset, kv_stride, s_k, task.keys, task.chunks, tid);
+  store_tile<OutTile, kThreads>(static_cast<T*>(p.dv) + task.kv_offset, kv_stride, s_v, task.keys, task.chunks, tid);
+#endif  // JF_SM90A
+}
+
+}  // namespace jax_flash::cuda

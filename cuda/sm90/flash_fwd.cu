@@ -1,0 +1,20 @@
+// Launcher of the wgmma forward kernel, for the head dims of gpu/tile_shapes.cuh.
+#include "gpu/kernel_launch.cuh"
+#include "gpu/launch.h"
+#include "gpu/tile_shapes.cuh"
+#include "sm90/flash_fwd_kernel.cuh"
+
+namespace jax_flash::cuda {
+
+template <typename T, int kHeadDim>
+cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
+  using Traits = typename TileShapes<kHeadDim>::Sm90Fwd;
+  const dim3 grid((p.shape.seq_q + Traits::kBlockM - 1) / Traits::kBlockM, p.shape.heads_q, p.shape.batch);
+  return launch_with_smem(flash_fwd_sm90_kernel<Traits, T>, grid, Traits::kThreads, Traits::kSmemBytes, stream, p);
+}
+
+#define JF_INSTANTIATE(D) JF_INSTANTIATE_LAUNCHER(launch_fwd_sm90, FwdParams, D)
+JF_SM90_HEAD_DIMS(JF_INSTANTIATE)
+#undef JF_INSTANTIATE
+
+}  // namespace jax_flash::cuda
