@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-# cpu attention_params.h: kEmptyRowLse, the most negative float32.
-EMPTY_ROW_LSE = float(np.finfo(np.float32).min)
+from jax_flash import _registry
+
+# The lse of a row with no key to attend to, as the kernels write it (the most negative float32).
+EMPTY_ROW_LSE: float = _registry.KERNEL_CONSTANTS["empty_row_lse"]
 
 
 def key_mask(seq_q: int, seq_k: int, q_lens, kv_lens, is_causal: bool,

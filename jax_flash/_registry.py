@@ -16,19 +16,24 @@ except ImportError as e:  # pragma: no cover - only on broken installs
 _PLATFORM_NAMES = {"cpu": "cpu", "cuda": "CUDA"}
 
 
-def _native_modules() -> list:
-  modules = [_native]
-  try:  # built only where a CUDA compiler was found; imports without a driver (static runtime)
+def _import_native_cuda():
+  """The CUDA extension, or None: built only where a CUDA compiler was found; it imports
+  without a driver (static runtime)."""
+  try:
     from jax_flash import _native_cuda
-    modules.append(_native_cuda)
   except ImportError:
-    pass
-  return modules
+    return None
+  return _native_cuda
+
+
+_native_cuda = _import_native_cuda()
 
 
 def _register_all() -> dict[str, set[str]]:
   registered: dict[str, set[str]] = {}
-  for module in _native_modules():
+  for module in (_native, _native_cuda):
+    if module is None:
+      continue
     for platform, targets in module.registrations().items():
       for name, capsule in targets.items():
         jax.ffi.register_ffi_target(name, capsule, platform=_PLATFORM_NAMES[platform])
@@ -37,6 +42,26 @@ def _register_all() -> dict[str, set[str]]:
 
 
 REGISTERED = _register_all()
+
+# The kernels' constants the Python side needs (max head dim, CPU tile sizes, the empty row's
+# lse, ...), read from the native modules once, never copied; CUDA's only where it was built.
+KERNEL_CONSTANTS: dict = dict(_native.kernel_constants())
+CUDA_KERNEL_CONSTANTS: dict | None = (
+    dict(_native_cuda.kernel_constants()) if _native_cuda is not None else None)
+
+
+def cpu_dq_accum_elements(dq_splits: int, batch: int, seq_q: int, heads_q: int,
+                          head_dim: int) -> int:
+  """Elements of the CPU backward's float32 dQ workspace, as its handler checks them."""
+  return int(_native.cpu_dq_accum_elements(dq_splits, batch, seq_q, heads_q, head_dim))
+
+
+def cuda_dq_accum_elements(batch: int, seq_q: int, heads_q: int, head_dim: int,
+                           deterministic: bool) -> int:
+  """Elements of the CUDA backward's float32 dQ workspace, as its handler checks them."""
+  if _native_cuda is None:
+    raise RuntimeError("jax_flash was built without CUDA kernels")
+  return int(_native_cuda.dq_accum_elements(batch, seq_q, heads_q, head_dim, deterministic))
 
 
 def has_platform(platform: str) -> bool:
