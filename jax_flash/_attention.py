@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import functools
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
-from jax_flash import _ops, _registry, _sharding, _validation
+from jax_flash import _derivatives, _dispatch, _ops, _sharding, _validation
 from jax_flash._blockwise import blockwise_attention
+from jax_flash._dispatch import Implementation
 from jax_flash._reference import attention_reference
 
-Implementation = Literal["cpu", "cuda", "xla", "blockwise"]
 # The paths that are plain XLA, not jax_flash's kernels.
 _XLA_PATHS = {"xla": attention_reference, "blockwise": blockwise_attention}
-
-# The CUDA kernels read rows in 16-byte chunks: head dims are padded to a multiple of 8.
-_CUDA_HEAD_DIM_MULTIPLE = 8
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -38,46 +34,6 @@ def _flash_attention_bwd(config, residuals, cotangents):
 
 
 _flash_attention.defvjp(_flash_attention_fwd, _flash_attention_bwd)
-
-
-def _resolve_implementation(implementation: str | None, dtype) -> str:
-  """The path `implementation` names; for None, the best one for the default backend and the
-  input dtype (the CUDA kernels take 16-bit inputs: float32 runs the blockwise XLA path)."""
-  if implementation == "cuda" and not _registry.has_platform("cuda"):
-    raise ValueError(
-        "implementation='cuda' was requested but this jax_flash build has no CUDA kernels "
-        "(no CUDA compiler when it was built); use implementation='cpu' or 'xla'")
-  if implementation == "cuda" and not _registry.cuda_gpu_present():
-    raise ValueError(
-        "implementation='cuda' was requested but JAX sees no CUDA GPU; use "
-        "implementation='cpu' or 'xla'")
-  if implementation is not None:
-    return implementation
-  backend = jax.default_backend()
-  if backend == "cpu":
-    return "cpu"
-  if backend in ("gpu", "cuda") and _registry.has_platform("cuda") and _registry.cuda_gpu_present():
-    return "blockwise" if jnp.dtype(dtype) == jnp.float32 else "cuda"
-  raise NotImplementedError(
-      f"jax_flash has no kernel for the default backend {backend!r} in this build; pass "
-      "implementation='blockwise' for the linear-memory XLA path, 'xla' for the plain "
-      "reference (or 'cpu' to run on host devices)")
-
-
-def resolve_kernel(implementation: str | None, query: jax.Array) -> str:
-  """The kernel ("cpu" or "cuda") for `implementation`, checked as dot_product_attention does;
-  for the callers that need a kernel (ring attention has no plain-XLA path)."""
-  _validation.check_implementation(implementation)
-  if implementation in _XLA_PATHS:
-    raise ValueError("this function needs a kernel: implementation must be None, 'cpu' or 'cuda'")
-  resolved = _resolve_implementation(implementation, query.dtype)
-  if resolved == "blockwise" or (resolved == "cuda" and (query.dtype == jnp.float32 or
-                                                         query.shape[-1] % 8)):
-    raise NotImplementedError(
-        f"ring attention on the CUDA kernels needs bfloat16/float16 and a head dim that is a "
-        f"multiple of 8; got query{query.shape} {query.dtype}")
-  _validation.check_kernel_head_dim(query.shape[-1], resolved)
-  return resolved
 
 
 def dot_product_attention(
@@ -134,42 +90,41 @@ def dot_product_attention(
     The attention output, shaped and typed like ``query``; with ``return_residual``, the pair
     ``(output, lse)``. A query row with no key to attend to gives zeros (and a log-sum-exp of
     the most negative float32), never NaN.
+
+  Differentiation: reverse mode (``jax.grad``, ``jax.vjp``, ``jax.jacrev``) on every path. On
+  the kernels ("cpu", "cuda") once only: a second derivative (``jax.grad`` of ``jax.grad``,
+  ``jax.hessian``) raises ``NotImplementedError`` naming jax_flash; "blockwise" and "xla"
+  have them. Forward mode (``jax.jvp``, ``jax.jacfwd``) runs on "xla" only; elsewhere it raises
+  ``TypeError``, in jax_flash's words when evaluated eagerly and in JAX's ("can't apply
+  forward-mode autodiff (jvp) to a custom_vjp function.") under ``jit``, where JAX raises it
+  while compiling, outside any jax_flash code.
   """
-  _validation.check_implementation(implementation)
+  _dispatch.check_implementation(implementation)
   if not isinstance(deterministic, bool):
     raise ValueError(f"deterministic must be a bool; got {deterministic!r}")
   query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
   _validation.check_qkv(query, key, value)
+  query_shape = query.shape  # as passed, for the messages
   unbatched = query.ndim == 3
   if unbatched:
     query, key, value = query[None], key[None], value[None]
-  batch, seq_q, _, head_dim = query.shape
+  batch, seq_q, heads_q, head_dim = query.shape
   seq_k = key.shape[1]
   q_lens = _validation.check_seq_lengths("query_seq_lengths", query_seq_lengths, batch, seq_q)
   kv_lens = _validation.check_seq_lengths(
       "key_value_seq_lengths", key_value_seq_lengths, batch, seq_k)
   window = _validation.check_window(local_window_size, seq_q + seq_k)
   scale = _validation.check_scale(scale, head_dim)
-  heads_q = query.shape[2]
+  call = _dispatch.Call(
+      query_shape, query.dtype,
+      bias=None if bias is None else jnp.shape(bias),
+      mask=None if mask is None else jnp.shape(mask),
+      mask_forms=_dispatch.mask_forms(is_causal=bool(is_causal), local_window=window is not None,
+                                      seq_lengths=q_lens is not None or kv_lens is not None),
+      deterministic=deterministic)
   bias = _validation.check_logit_array("bias", bias, batch, heads_q, seq_q, seq_k)
   mask = _validation.check_logit_array("mask", mask, batch, heads_q, seq_q, seq_k)
-  implementation = _resolve_implementation(implementation, query.dtype)
-  if (bias is not None or mask is not None) and implementation not in _XLA_PATHS:
-    given = " and ".join(f"{name}{x.shape}" for name, x in (("bias", bias), ("mask", mask))
-                         if x is not None)
-    raise NotImplementedError(
-        f"jax_flash.dot_product_attention: the {implementation!r} kernels take no bias or mask "
-        f"arrays (got {given}): they never build the (T, S) scores. Express a mask as "
-        "is_causal / query_seq_lengths / key_value_seq_lengths / local_window_size, which the "
-        "kernels take, or pass implementation='blockwise' (FlashAttention in XLA, which takes "
-        "both arrays) or 'xla'")
-  if implementation not in _XLA_PATHS:
-    _validation.check_kernel_head_dim(head_dim, implementation)
-  if implementation == "cuda" and query.dtype == jnp.float32:
-    raise NotImplementedError(
-        "jax_flash's CUDA kernels take bfloat16 or float16; for float32 inputs "
-        f"(query{query.shape}) use implementation=None or 'blockwise' (FlashAttention in XLA "
-        "at JAX's default float32 matmul precision)")
+  implementation = _dispatch.select(implementation, call)
 
   if q_lens is None:
     q_lens = jnp.full((batch,), seq_q, jnp.int32)
@@ -177,20 +132,15 @@ def dot_product_attention(
     kv_lens = jnp.full((batch,), seq_k, jnp.int32)
   window_left, window_right = window if window is not None else (-1, -1)
   if implementation in _XLA_PATHS:
-    out, lse = _XLA_PATHS[implementation](
-        query, key, value, q_lens, kv_lens, scale=scale, is_causal=bool(is_causal),
-        window_left=window_left, window_right=window_right, bias=bias, mask=mask)
+    with _derivatives.explain_forward_mode("jax_flash.dot_product_attention", implementation):
+      out, lse = _XLA_PATHS[implementation](
+          query, key, value, q_lens, kv_lens, scale=scale, is_causal=bool(is_causal),
+          window_left=window_left, window_right=window_right, bias=bias, mask=mask)
   else:
-    query, scale = _ops.positive_scale(query, scale)
-    config = _ops.KernelConfig(implementation, scale, bool(is_causal), window_left, window_right,
-                               deterministic)
-    pad = _CUDA_HEAD_DIM_MULTIPLE - head_dim % _CUDA_HEAD_DIM_MULTIPLE
-    if implementation == "cuda" and pad != _CUDA_HEAD_DIM_MULTIPLE:
-      # Zero columns change no score and give zero output columns, sliced off again.
-      widths = [(0, 0)] * 3 + [(0, pad)]
-      query, key, value = (jnp.pad(x, widths) for x in (query, key, value))
-    out, lse = _flash_attention(query, key, value, q_lens, kv_lens, config)
-    out = out[..., :head_dim]
+    out, lse = _ops.call_kernels(
+        _flash_attention, query, key, value, q_lens, kv_lens, implementation=implementation,
+        scale=scale, is_causal=bool(is_causal), window_left=window_left,
+        window_right=window_right, deterministic=deterministic)
   lse = jax.lax.stop_gradient(lse)
 
   if unbatched:

@@ -1,4 +1,6 @@
-"""The forward and backward custom calls, as JAX functions over the kernels' own layouts.
+"""The forward and backward custom calls, as JAX functions over the kernels' own layouts, and
+what every entry point does around them (:func:`call_kernels`: a positive scale, the head dim
+padded as the kernels need).
 
 Kernel layouts: q, o, dq (..., T, N, H); k, v, dk, dv (..., S, K, H); lse (..., N, T) float32;
 q_lens, kv_lens (...,) int32. Leading dimensions are batch; vmap adds more (``broadcast_all``),
@@ -10,15 +12,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Alignment of the head dim in the kernels' float32 tiles (cpu_kernels.h: kHeadDimAlign).
-_HEAD_DIM_ALIGN = 16
-# Key block size of the CPU backward (cpu_kernels.h: kBlockK).
-_CPU_BLOCK_K = 64
+from jax_flash import _derivatives, _dispatch, _registry
+
 # At most this many float32 dQ partials: the workspace stays a small multiple of dQ however many
 # cores the host has.
 _MAX_DQ_SPLITS = 8
@@ -65,7 +66,7 @@ def _lse_shape(q: jax.Array) -> tuple[int, ...]:
   return (*batch, n, t)
 
 
-def flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig):
+def _flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig):
   """Returns (o, lse) with o like q and lse (..., N, T) float32."""
   call = jax.ffi.ffi_call(
       _target(config, "fwd"),
@@ -78,6 +79,10 @@ def flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig):
   return call(q, k, v, q_lens, kv_lens, **config.attributes())
 
 
+# The kernel ops have one derivative, their custom VJP's: differentiating them raises.
+flash_fwd = _derivatives.first_order_only(_flash_fwd, nondiff_argnums=(5,))
+
+
 def dq_splits(batch: int, heads_k: int, seq_k: int) -> int:
   """How many float32 dQ partials the CPU backward keeps so every core has key blocks to work
   on: one when batch x kv heads already covers the cores twice, never more than
@@ -86,32 +91,28 @@ def dq_splits(batch: int, heads_k: int, seq_k: int) -> int:
   cores = os.cpu_count() or 1
   if units >= 2 * cores:
     return 1
-  wanted = min(math.ceil(seq_k / _CPU_BLOCK_K), math.ceil(2 * cores / units), _MAX_DQ_SPLITS)
+  block_k = _registry.KERNEL_CONSTANTS["cpu_block_k"]
+  wanted = min(math.ceil(seq_k / block_k), math.ceil(2 * cores / units), _MAX_DQ_SPLITS)
   return max(1, wanted)
 
 
-def flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig):
-  """Returns (dq, dk, dv); the kernel's workspaces come back as extra outputs and are dropped.
-
-  Workspaces: delta (..., N, T) float32, and the float32 dQ accumulator: on the CPU one flat
-  partial per dQ split with the head dim padded to 16; on CUDA one shaped like q, or none in
-  deterministic mode.
-  """
+def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig):
+  """Returns (dq, dk, dv); the kernel's workspaces come back as extra outputs and are dropped:
+  delta (..., N, T) float32, and the float32 dQ accumulator, flat, of the size the native
+  module gives (on the CPU one partial per dQ split; on CUDA one like q, none in deterministic
+  mode)."""
   *batch, seq_q, heads_q, head_dim = q.shape
   seq_k, heads_k = k.shape[-3], k.shape[-2]
+  batch_size = math.prod(batch)
   attributes = config.attributes()
   attributes["deterministic"] = bool(config.deterministic)
   if config.implementation == "cpu":
-    batch_size = math.prod(batch)
     splits = dq_splits(batch_size, heads_k, seq_k)
-    padded = -(-head_dim // _HEAD_DIM_ALIGN) * _HEAD_DIM_ALIGN
-    dq_accum = jax.ShapeDtypeStruct(
-        (splits * batch_size * seq_q * heads_q * padded,), jnp.float32)
+    elements = _registry.cpu_dq_accum_elements(splits, batch_size, seq_q, heads_q, head_dim)
     attributes["dq_splits"] = np.int64(splits)
-  elif config.deterministic:  # dQ computed per query block, no accumulator
-    dq_accum = jax.ShapeDtypeStruct((0,), jnp.float32)
   else:
-    dq_accum = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    elements = _registry.cuda_dq_accum_elements(batch_size, seq_q, heads_q, head_dim,
+                                                bool(config.deterministic))
   call = jax.ffi.ffi_call(
       _target(config, "bwd"),
       (
@@ -119,9 +120,46 @@ def flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig):
           jax.ShapeDtypeStruct(k.shape, k.dtype),
           jax.ShapeDtypeStruct(v.shape, v.dtype),
           jax.ShapeDtypeStruct(_lse_shape(q), jnp.float32),  # delta
-          dq_accum,
+          jax.ShapeDtypeStruct((elements,), jnp.float32),  # dQ accumulator
       ),
       vmap_method="broadcast_all",
   )
   dq, dk, dv, _, _ = call(q, k, v, o, lse, d_o, q_lens, kv_lens, **attributes)
   return dq, dk, dv
+
+
+flash_bwd = _derivatives.first_order_only(_flash_bwd, nondiff_argnums=(8,))
+
+
+def head_dim_padding(implementation: str, head_dim: int) -> int:
+  """How many zero columns the `implementation` kernels need appended to the head dim (the CUDA
+  kernels read rows in 16-byte chunks: a multiple of 8 16-bit values)."""
+  multiple = _dispatch.capabilities(implementation).head_dim_multiple
+  return -head_dim % multiple
+
+
+# What call_kernels runs: (q, k, v, q_lens, kv_lens, config) -> (o, lse), differentiable in q,
+# k and v (one device's custom VJP, or the ring's).
+KernelAttention = Callable[..., tuple[jax.Array, jax.Array]]
+
+
+def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.Array,
+                 q_lens: jax.Array, kv_lens: jax.Array, *, implementation: str, scale: float,
+                 is_causal: bool, window_left: int = -1, window_right: int = -1,
+                 deterministic: bool = False,
+                 caller: str = "jax_flash.dot_product_attention") -> tuple[jax.Array, jax.Array]:
+  """(out, lse) of `attention` with what every entry point does around the kernels: the scale
+  made positive (positive_scale) and the head dim zero-padded as `implementation` needs
+  (head_dim_padding), both outside the custom VJP so JAX differentiates them; the padding is
+  sliced off the output again. q, k, v are rank 4 (B, T|S, N|K, H)."""
+  head_dim = q.shape[-1]
+  q, scale = positive_scale(q, scale)
+  pad = head_dim_padding(implementation, head_dim)
+  if pad:  # zero columns change no score and give zero output columns
+    widths = [(0, 0)] * 3 + [(0, pad)]
+    q, k, v = (jnp.pad(x, widths) for x in (q, k, v))
+  config = KernelConfig(implementation, scale, bool(is_causal), window_left, window_right,
+                        deterministic)
+  with _derivatives.explain_forward_mode(caller, implementation):
+    out, lse = attention(q, k, v, q_lens, kv_lens, config)
+  return out[..., :head_dim], lse

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash import _ops, _validation
+from jax_flash import _dispatch, _ops, _validation
 from jax_flash._reference import EMPTY_ROW_LSE
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -107,7 +107,10 @@ def _split(x, parts: int, axis: int):
   return jnp.split(x, parts, axis=axis) if parts > 1 else [x]
 
 
-def _ring_fwd(q, k, v, q_lens, kv_lens, axis_name, layout, config):
+def ring_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, *, axis_name, layout: str):
+  """(o, lse) of the ring over `axis_name`, with _ops.flash_fwd's arguments and results (this
+  device's slices in `layout`; q_lens and kv_lens global). Inside shard_map or a partitioned
+  lowering."""
   num = jax.lax.axis_size(axis_name)
   rank = jax.lax.axis_index(axis_name)
   q_ids = _chunk_ids(rank, num, layout)
@@ -149,7 +152,9 @@ def _block_bwd(config, relation, q, k, v, o, lse, d_o, q_lens, kv_lens):
                         q, k, v, o, lse, d_o, q_lens, kv_lens)
 
 
-def _ring_bwd(q, k, v, q_lens, kv_lens, o, lse, d_o, axis_name, layout, config):
+def ring_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelConfig, *, axis_name,
+             layout: str):
+  """(dq, dk, dv) of the ring over `axis_name`, with _ops.flash_bwd's arguments and results."""
   num = jax.lax.axis_size(axis_name)
   rank = jax.lax.axis_index(axis_name)
   q_ids = _chunk_ids(rank, num, layout)
@@ -184,19 +189,20 @@ def _ring_bwd(q, k, v, q_lens, kv_lens, o, lse, d_o, axis_name, layout, config):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _ring(q, k, v, q_lens, kv_lens, axis_name, layout, config):
-  return _ring_fwd(q, k, v, q_lens, kv_lens, axis_name, layout, config)
+def _ring(q, k, v, q_lens, kv_lens, config, axis_name, layout):
+  return ring_fwd(q, k, v, q_lens, kv_lens, config, axis_name=axis_name, layout=layout)
 
 
-def _ring_vjp_fwd(q, k, v, q_lens, kv_lens, axis_name, layout, config):
-  out, lse = _ring_fwd(q, k, v, q_lens, kv_lens, axis_name, layout, config)
+def _ring_vjp_fwd(q, k, v, q_lens, kv_lens, config, axis_name, layout):
+  out, lse = ring_fwd(q, k, v, q_lens, kv_lens, config, axis_name=axis_name, layout=layout)
   return (out, lse), (q, k, v, q_lens, kv_lens, out, lse)
 
 
-def _ring_vjp_bwd(axis_name, layout, config, residuals, cotangents):
+def _ring_vjp_bwd(config, axis_name, layout, residuals, cotangents):
   q, k, v, q_lens, kv_lens, out, lse = residuals
   d_out, _ = cotangents  # lse leaves under stop_gradient
-  dq, dk, dv = _ring_bwd(q, k, v, q_lens, kv_lens, out, lse, d_out, axis_name, layout, config)
+  dq, dk, dv = ring_bwd(q, k, v, out, lse, d_out, q_lens, kv_lens, config, axis_name=axis_name,
+                        layout=layout)
   return dq, dk, dv, None, None
 
 
@@ -215,15 +221,16 @@ def ring_attention(query, key, value, *, axis_name: str, layout: str = "contiguo
       `layout` ("contiguous" or "zigzag", see ``zigzag_indices``); rank 4.
     axis_name: the mesh axis the sequence is sharded over (P devices).
     query_seq_lengths, key_value_seq_lengths: global lengths ``(B,)``.
-    The other arguments are those of ``jax_flash.dot_product_attention``; with ``is_causal``
-    the global query and key positions must coincide (T == S). Local windows, bias and masks
-    are not supported here.
+    The other arguments are those of ``jax_flash.dot_product_attention``, on its kernels
+    (``implementation`` None, "cpu" or "cuda", checked and padded as there); with
+    ``is_causal`` the global query and key positions must coincide (T == S). Local windows,
+    bias and masks are not supported here.
 
   Returns:
     This device's slice of the output (and of the log-sum-exp, ``(B, T/P, N)`` float32, with
-    ``return_residual``).
+    ``return_residual``). Differentiable once, in reverse mode, as the kernels of
+    ``dot_product_attention`` are.
   """
-  from jax_flash import _attention  # the implementation choice lives there
   query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
   _validation.check_qkv(query, key, value)
   if query.ndim != 4:
@@ -237,7 +244,13 @@ def ring_attention(query, key, value, *, axis_name: str, layout: str = "contiguo
   if is_causal and query.shape[1] != key.shape[1]:
     raise ValueError("ring_attention with is_causal needs query and key slices of one length "
                      f"(global T == S); got query{query.shape}, key{key.shape}")
-  implementation = _attention.resolve_kernel(implementation, query)
+  masks = _dispatch.mask_forms(
+      is_causal=bool(is_causal), local_window=False,
+      seq_lengths=query_seq_lengths is not None or key_value_seq_lengths is not None)
+  implementation = _dispatch.select(
+      implementation, _dispatch.Call(query.shape, query.dtype, mask_forms=masks,
+                                     deterministic=deterministic, ring=True),
+      caller="jax_flash.ring_attention")
   batch, seq_q, _, head_dim = query.shape
   num = jax.lax.axis_size(axis_name)
   q_lens = _validation.check_seq_lengths("query_seq_lengths", query_seq_lengths, batch, seq_q * num)
@@ -247,8 +260,13 @@ def ring_attention(query, key, value, *, axis_name: str, layout: str = "contiguo
     q_lens = jnp.full((batch,), seq_q * num, jnp.int32)
   if kv_lens is None:
     kv_lens = jnp.full((batch,), key.shape[1] * num, jnp.int32)
-  query, scale = _ops.positive_scale(query, _validation.check_scale(scale, head_dim))
-  config = _ops.KernelConfig(implementation, scale, bool(is_causal), -1, -1, deterministic)
-  out, lse = _ring(query, key, value, q_lens, kv_lens, axis_name, layout, config)
+
+  def ring(q, k, v, q_lens, kv_lens, config):
+    return _ring(q, k, v, q_lens, kv_lens, config, axis_name, layout)
+
+  out, lse = _ops.call_kernels(
+      ring, query, key, value, q_lens, kv_lens, implementation=implementation,
+      scale=_validation.check_scale(scale, head_dim), is_causal=bool(is_causal),
+      deterministic=deterministic, caller="jax_flash.ring_attention")
   lse = jax.lax.stop_gradient(lse)
   return (out, jnp.swapaxes(lse, -1, -2)) if return_residual else out

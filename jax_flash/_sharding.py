@@ -29,7 +29,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_flash import _ops, _ring
+from jax_flash import _derivatives, _ops, _ring
 
 # Factors: b batch, t query positions, s key positions, n query heads, k kv heads, h head dim.
 # The head factors are independent: the partition callback below keeps them consistent (a
@@ -105,7 +105,8 @@ def _fwd_partition(config, mesh, arg_shapes, result_shape):
 
   def lower(q, k, v, q_lens, kv_lens):
     if plan.seq is not None:
-      return _ring._ring_fwd(q, k, v, q_lens, kv_lens, plan.seq, "contiguous", config)
+      return _ring.ring_fwd(q, k, v, q_lens, kv_lens, config, axis_name=plan.seq,
+                            layout="contiguous")
     return _fwd_impl(q, k, v, q_lens, kv_lens, config)
 
   return mesh, lower, (q_rows, lse), (q_rows, kv_rows, kv_rows, lens, lens)
@@ -126,8 +127,8 @@ def _bwd_partition(config, mesh, arg_shapes, result_shape):
 
   def lower(q, k, v, o, lse, d_o, q_lens, kv_lens):
     if plan.seq is not None:
-      dq, dk, dv = _ring._ring_bwd(q, k, v, q_lens, kv_lens, o, lse, d_o, plan.seq,
-                                   "contiguous", config)
+      dq, dk, dv = _ring.ring_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config,
+                                  axis_name=plan.seq, layout="contiguous")
     else:
       dq, dk, dv = _bwd_impl(q, k, v, o, lse, d_o, q_lens, kv_lens, config)
     if plan.q_heads is not None and plan.kv_heads is None:
@@ -169,7 +170,8 @@ def _unfold(axis_size: int, outputs):
 
 @functools.cache
 def _batched_op(partitioned, config: _ops.KernelConfig):
-  """partitioned(..., config) as a function of arrays only, with a vmap rule."""
+  """partitioned(..., config) as a function of arrays only, with a vmap rule (and, as every
+  kernel op, a JVP rule that refuses: see jax_flash._derivatives)."""
 
   @jax.custom_batching.custom_vmap
   def op(*args):
@@ -180,7 +182,7 @@ def _batched_op(partitioned, config: _ops.KernelConfig):
     outputs = op(*_fold_into_batch(axis_size, in_batched, args))
     return _unfold(axis_size, outputs), tuple(True for _ in outputs)
 
-  return op
+  return _derivatives.first_order_only(op)
 
 
 def flash_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig):

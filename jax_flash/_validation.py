@@ -1,5 +1,6 @@
-"""Trace-time checks of dot_product_attention's arguments; every message names the argument and
-the shapes involved."""
+"""Trace-time checks of the arguments themselves (shapes, dtypes, values), whichever
+implementation runs; every message names the argument and the shapes involved. What an
+implementation supports is checked in jax_flash._dispatch."""
 
 from __future__ import annotations
 
@@ -10,19 +11,22 @@ import jax.numpy as jnp
 import numpy as np
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-MAX_KERNEL_HEAD_DIM = 256  # cuda/ffi_shapes.h: kMaxHeadDim
-IMPLEMENTATIONS = (None, "cpu", "cuda", "xla", "blockwise")
 
 
-def check_qkv(query: jax.Array, key: jax.Array, value: jax.Array) -> None:
+def check_qkv(query: jax.Array, key: jax.Array, value: jax.Array, *,
+              any_batch_dims: bool = False) -> None:
+  """Shapes and dtypes of query, key and value, each error naming the three shapes: rank 4
+  (B, T|S, N|K, H) or rank 3, or with `any_batch_dims` any number of batch dims in front (the
+  caller checks those ranks), then the same batch dims, head dim, dtype; N a multiple of K."""
   shapes = f"query{query.shape}, key{key.shape}, value{value.shape}"
-  if query.ndim not in (3, 4) or key.ndim != query.ndim or value.ndim != query.ndim:
+  if not any_batch_dims and (query.ndim not in (3, 4) or key.ndim != query.ndim
+                             or value.ndim != query.ndim):
     raise ValueError(
         "query, key and value must all be rank 4 (B, T|S, N|K, H) or all rank 3 (T|S, N|K, H); "
         f"got {shapes}")
   if key.shape != value.shape:
     raise ValueError(f"key and value must have the same shape; got {shapes}")
-  if query.ndim == 4 and query.shape[0] != key.shape[0]:
+  if query.shape[:-3] != key.shape[:-3]:
     raise ValueError(f"query and key must have the same batch size; got {shapes}")
   if query.shape[-1] != key.shape[-1]:
     raise ValueError(f"query and key must have the same head dim H; got {shapes}")
@@ -100,6 +104,7 @@ def check_window(local_window_size, reach: int) -> tuple[int, int] | None:
 
 
 def check_scale(scale, head_dim: int) -> float:
+  """The logit scale as a Python float; 1 / sqrt(H) for None."""
   if scale is None:
     return 1.0 / float(np.sqrt(head_dim))
   try:
@@ -111,15 +116,3 @@ def check_scale(scale, head_dim: int) -> float:
   if not np.isfinite(value):
     raise ValueError(f"scale must be finite; got {value}")
   return value
-
-
-def check_implementation(implementation) -> None:
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}; got {implementation!r}")
-
-
-def check_kernel_head_dim(head_dim: int, implementation: str) -> None:
-  if head_dim > MAX_KERNEL_HEAD_DIM:
-    raise ValueError(
-        f"head dim H={head_dim} is larger than the {implementation!r} kernels support "
-        f"(H <= {MAX_KERNEL_HEAD_DIM}); use implementation='blockwise' (or 'xla') for larger heads")

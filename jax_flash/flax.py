@@ -33,14 +33,23 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax import nnx
+
+try:
+  import flax.linen as nn
+  from flax import nnx
+except ModuleNotFoundError as e:
+  if e.name is not None and e.name.split(".")[0] != "flax":
+    raise  # Flax is there but broken: its own error says more
+  raise ImportError(
+      "jax_flash.flax needs Flax, which jax_flash does not install by default: "
+      'pip install "jax_flash[examples]" (the extra with flax>=0.12.7), or pip install flax'
+  ) from e
 
 import jax_flash
-from jax_flash import _validation
-from jax_flash._attention import Implementation
+from jax_flash import _dispatch, _validation
+from jax_flash._dispatch import Implementation
 
 __all__ = [
     "AttentionFn",
@@ -51,8 +60,8 @@ __all__ = [
 ]
 
 _MASK_HELP = (
-    "jax_flash's kernels never build the attention matrix, so they take no `mask`/`bias` arrays "
-    "(implementation='blockwise', FlashAttention in XLA, takes both). Express the mask instead: causal self-attention is "
+    "Pass implementation='blockwise' (FlashAttention in XLA, which takes both arrays), or "
+    "express the mask in the kernels' terms: causal self-attention is "
     "`is_causal=True` (FlashMultiHeadAttention(is_causal=True), "
     "FlashMultiHeadDotProductAttention(is_causal=True), make_attention_fn(is_causal=True), or "
     "nnx.MultiHeadAttention's own `is_causal=True` call argument) instead of "
@@ -62,20 +71,27 @@ _MASK_HELP = (
     "`decode=True` cache also passes a mask: decoding is not supported yet.")
 
 
-def _fold_logit_array(name: str, x, batch_dims: tuple[int, ...]) -> jax.Array | None:
+def _fold_logit_array(name: str, x, batch_dims: tuple[int, ...],
+                      scores: tuple[int, int, int]) -> jax.Array | None:
   """A bias or mask broadcastable to (batch..., N, T, S), as jax_flash takes it: rank 4 with the
   batch dims folded into one (kept 1 where they all broadcast), a mask as bool (Flax's masks are
-  often float, nonzero meaning attend, as its make_attention_mask gives them)."""
+  often float, nonzero meaning attend, as its make_attention_mask gives them). `scores` is
+  (N, T, S); errors name the shape the caller passed."""
   if x is None:
     return None
   x = jnp.asarray(x)
+  given, want = x.shape, batch_dims + tuple(scores)
   if name == "mask":
     x = x.astype(bool)
-  rank = len(batch_dims) + 3
+  rank = len(want)
   if x.ndim > rank:
     raise ValueError(f"jax_flash.flax: {name} must have at most {rank} dims (batch..., N, T, "
-                     f"S) for a query with batch dims {batch_dims}; got {name}{x.shape}")
+                     f"S) = {want}; got {name}{given}")
   x = x.reshape((1,) * (rank - x.ndim) + x.shape)
+  if any(d not in (1, w) for d, w in zip(x.shape, want)):
+    raise ValueError(f"jax_flash.flax: {name} must be broadcastable to (batch..., N, T, S) = "
+                     f"{want} (each dim 1 or that size, leading dims 1 if left out); got "
+                     f"{name}{given}")
   if all(d == 1 for d in x.shape[:-3]):
     return x.reshape(1, *x.shape[-3:])
   return jnp.broadcast_to(x, batch_dims + x.shape[-3:]).reshape(-1, *x.shape[-3:])
@@ -138,9 +154,10 @@ def dot_product_attention(
     query: ``(batch..., T, N, H)``; any number of batch dims, including none.
     key: ``(batch..., S, K, H)`` with ``N % K == 0`` (grouped-query attention).
     value: shaped like ``key``.
-    bias: broadcastable to ``(batch..., N, T, S)``, added to the scaled logits; only with
-      ``implementation="blockwise"`` or ``"xla"`` (the kernels raise ``NotImplementedError``:
-      see the message for what to use).
+    bias: broadcastable to ``(batch..., N, T, S)``, added to the scaled logits; only on the
+      paths that take it, ``"blockwise"`` and ``"xla"`` (also ``None`` where it picks
+      ``"blockwise"``: float32 on a GPU); the kernels raise ``NotImplementedError`` (see the
+      message for what to use), by the same rule as :func:`jax_flash.dot_product_attention`.
     mask: bool, broadcastable like ``bias`` (True: attend); the same paths take it. On the
       kernels use ``is_causal``, the sequence lengths or ``local_window_size`` instead.
     broadcast_dropout: accepted for Flax; without dropout it has no effect.
@@ -175,13 +192,7 @@ def dot_product_attention(
   Returns:
     ``(batch..., T, N, H)`` in the computation dtype.
   """
-  if implementation not in ("blockwise", "xla"):
-    if bias is not None:
-      raise NotImplementedError(
-          f"jax_flash.flax: got a `bias` of shape {jnp.shape(bias)}. {_MASK_HELP}")
-    if mask is not None:
-      raise NotImplementedError(
-          f"jax_flash.flax: got a `mask` of shape {jnp.shape(mask)}. {_MASK_HELP}")
+  _dispatch.check_implementation(implementation)
   if dropout_rate and not deterministic:
     raise NotImplementedError(
         f"jax_flash.flax: attention dropout (dropout_rate={dropout_rate}, deterministic=False) "
@@ -207,14 +218,24 @@ def dot_product_attention(
     raise ValueError(
         "query, key and value must have the same batch dims; got "
         f"query{query.shape}, key{key.shape}, value{value.shape}")
+  _validation.check_qkv(query, key, value, any_batch_dims=True)
   q_lens = _flat_lengths("query_seq_lengths", query_seq_lengths, batch_dims)
   kv_lens = _flat_lengths("key_value_seq_lengths", key_value_seq_lengths, batch_dims)
 
   # jax_flash takes (B, T, N, H): fold every batch dim (or none) into one.
   batch = math.prod(batch_dims)
   query4, key4, value4 = (x.reshape(batch, *x.shape[-3:]) for x in (query, key, value))
-  bias4, mask4 = (_fold_logit_array(name, x, batch_dims)
+  scores = (query.shape[-2], query.shape[-3], key.shape[-3])  # (N, T, S)
+  bias4, mask4 = (_fold_logit_array(name, x, batch_dims, scores)
                   for name, x in (("bias", bias), ("mask", mask)))
+  # The core API asks the same again: asked here first, so that a bias or mask on the kernels
+  # is refused in Flax's terms, by the rule the core applies.
+  _dispatch.select(
+      implementation,
+      _dispatch.Call(query.shape, query.dtype,
+                     bias=None if bias is None else jnp.shape(bias),
+                     mask=None if mask is None else jnp.shape(mask)),
+      caller="jax_flash.flax.dot_product_attention", mask_advice=_MASK_HELP)
   out = jax_flash.dot_product_attention(
       query4, key4, value4, bias4, mask4, scale=scale, is_causal=is_causal,
       query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens, local_window_size=local_window_size,
@@ -273,7 +294,7 @@ def make_attention_fn(
     raise ValueError(f"is_causal must be a bool; got {is_causal!r}")
   if not isinstance(deterministic_backward, bool):
     raise ValueError(f"deterministic_backward must be a bool; got {deterministic_backward!r}")
-  _validation.check_implementation(implementation)
+  _dispatch.check_implementation(implementation)
   if isinstance(local_window_size, list):
     local_window_size = tuple(local_window_size)
   return AttentionFn(is_causal=is_causal, scale=scale, local_window_size=local_window_size,

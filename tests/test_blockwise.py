@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash import _attention, _blockwise, _registry
+from jax_flash import _blockwise, _dispatch, _registry
 from attention_testing import Case, check_against_references, run_jax_flash
 
 CASE = Case(batch=2, seq_q=70, seq_k=90, heads_q=4, heads_k=2, head_dim=40, is_causal=True,
@@ -72,12 +72,18 @@ def test_default_on_a_gpu(monkeypatch, dtype, want):
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   monkeypatch.setattr(_registry, "has_platform", lambda platform: platform in ("cpu", "cuda"))
   monkeypatch.setattr(_registry, "cuda_gpu_present", lambda: True)
-  assert _attention._resolve_implementation(None, dtype) == want
-  assert _attention._resolve_implementation("xla", dtype) == "xla"
+  call = _dispatch.Call((1, 8, 2, 16), jnp.dtype(dtype))
+  assert _dispatch.select(None, call) == want
+  assert _dispatch.select("xla", call) == "xla"
 
 
 def test_ring_attention_refuses_xla_paths():
   q = jnp.zeros((1, 8, 2, 16), jnp.float32)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("seq",))
+  spec = jax.sharding.PartitionSpec(None, "seq")
   for implementation in ("xla", "blockwise"):
+    ring = jax.shard_map(lambda q: jax_flash.ring_attention(
+        q, q, q, axis_name="seq", implementation=implementation), mesh=mesh, in_specs=spec,
+        out_specs=spec)
     with pytest.raises(ValueError, match="needs a kernel"):
-      _attention.resolve_kernel(implementation, q)
+      ring(q)

@@ -15,6 +15,7 @@ modules round the projections to the computation dtype, so both sides carry that
 from __future__ import annotations
 
 import inspect
+import re
 
 import jax
 import jax.numpy as jnp
@@ -418,6 +419,26 @@ def test_attention_fn_raises_for_what_it_cannot_honour(rng, kwargs, match):
     jflax.dot_product_attention(q, q, q, **kwargs)
   with pytest.raises(NotImplementedError, match=match):
     jflax.make_attention_fn(is_causal=True)(q, q, q, **kwargs)
+
+
+def test_attention_fn_errors_name_the_shapes_passed(rng):
+  """With batch dims (2, 3) jax_flash folds them into one before its kernels; its errors still
+  name the arrays as the caller passed them, never the folded rank-4 forms."""
+  q = random_array(rng, (2, 3, 9, 4, 16), F32)
+  k = random_array(rng, (2, 3, 11, 2, 16), F32)
+  for mask, want in ((jnp.ones((2, 3, 5, 9, 11), bool), "mask(2, 3, 5, 9, 11)"),
+                     (jnp.ones((3, 1, 1, 9, 11), bool), "mask(3, 1, 1, 9, 11)"),
+                     (jnp.ones((1, 2, 3, 1, 9, 11), bool), "mask(1, 2, 3, 1, 9, 11)")):
+    with pytest.raises(ValueError, match=re.escape(want)):
+      jflax.dot_product_attention(q, k, k, mask=mask, implementation="xla")
+  with pytest.raises(NotImplementedError, match=re.escape("got mask(9, 11)")):
+    jflax.dot_product_attention(q, k, k, mask=jnp.ones((9, 11), bool), implementation="cpu")
+  with pytest.raises(ValueError, match=re.escape("query(2, 3, 9, 4, 16), key(2, 3, 11, 3, 16)")):
+    k3 = random_array(rng, (2, 3, 11, 3, 16), F32)
+    jflax.dot_product_attention(q, k3, k3)
+  with pytest.raises(ValueError, match=re.escape("H=300 (query(2, 3, 9, 4, 300))")):
+    q300, k300 = (random_array(rng, (*x.shape[:-1], 300), F32) for x in (q, k))
+    jflax.dot_product_attention(q300, k300, k300, implementation="cpu")
 
 
 def test_nnx_modules_raise_for_what_they_cannot_honour(rng):

@@ -143,3 +143,49 @@ def test_ring_with_non_positive_scale(mesh, scale):
   for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
     # Rows past the query length: jax_flash's lse there is EMPTY_ROW_LSE, the same in both.
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("head_dim", [40, 111])
+def test_ring_takes_the_head_dims_dot_product_attention_takes(mesh, head_dim):
+  """Head dims that are no multiple of the kernels' tiles: the ring and the single-device call
+  run the same checks and the same padding (jax_flash._ops.call_kernels)."""
+  q, k, v, g = _inputs(8, seq=32, head_dim=head_dim)
+  lens = jnp.full((q.shape[0],), q.shape[1], jnp.int32)
+
+  def single(q, k, v, q_lens, kv_lens):
+    return jax_flash.dot_product_attention(q, k, v, is_causal=True, implementation="cpu",
+                                           return_residual=True)
+
+  want = jax.jit(_vjp_outputs, static_argnums=0)(single, q, k, v, g, lens, lens)
+  got = jax.jit(_vjp_outputs, static_argnums=0)(_ring_fn(mesh, "contiguous", is_causal=True),
+                                                q, k, v, g, lens, lens)
+  for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_ring_pads_the_head_dim_for_the_cuda_kernels(mesh, monkeypatch):
+  """On the CUDA kernels (simulated: traced, never run) the ring pads a head dim of 111 to 112
+  as dot_product_attention does, where it used to refuse it, and returns the caller's shape."""
+  from jax_flash import _registry
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(_registry, "has_platform", lambda platform: platform in ("cpu", "cuda"))
+  monkeypatch.setattr(_registry, "cuda_gpu_present", lambda: True)
+  monkeypatch.setattr(_registry, "CUDA_KERNEL_CONSTANTS",
+                      dict(head_dim_multiple=8, max_head_dim=256))
+  q, k, v, _ = _inputs(9, seq=32, head_dim=111)
+  q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+  spec = P(None, "seq", None, None)
+  ring = jax.shard_map(lambda q, k, v: jax_flash.ring_attention(q, k, v, axis_name="seq"),
+                       mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+  jaxpr = jax.make_jaxpr(ring)(q, k, v)
+  assert jaxpr.out_avals[0].shape == q.shape
+  assert "jax_flash_cuda_fwd" in str(jaxpr) and "bf16[2,8,4,112]" in str(jaxpr)
+
+
+def test_ring_second_derivatives_name_jax_flash(mesh):
+  q, k, v, g = _inputs(10, seq=32)
+  ring = _ring_fn(mesh, "contiguous", is_causal=True)
+  lens = jnp.full((q.shape[0],), q.shape[1], jnp.int32)
+  f = lambda q: jnp.sum(ring(q, k, v, lens, lens)[0] * g)
+  with pytest.raises(NotImplementedError, match="jax_flash.*second and higher derivatives"):
+    jax.grad(lambda q: jnp.sum(jax.grad(f)(q) ** 2))(q)

@@ -225,6 +225,56 @@ def test_higher_order_and_forward_mode_refuse_loudly(rng):
     jax.jvp(lambda q: attention(q, k, v), (q,), (q,))
 
 
+def test_second_derivatives_name_jax_flash(rng):
+  """A second derivative on the kernels raises at trace time (under jit too) with a message that
+  names jax_flash and what to do, not JAX's "Differentiation rule for 'custom_partitioning' not
+  implemented"; so does differentiating the backward pass alone (through the cotangent)."""
+  q, k, v, g = make_inputs(rng, lead=(1,), seq_q=5, seq_k=6, heads_q=2, heads_k=1, head_dim=8)
+  f = lambda q: loss(q, k, v, g, **OPTIONS)
+  grad_of_grad = jax.grad(lambda q: jnp.sum(jax.grad(f)(q) ** 2))
+  through_cotangent = jax.grad(lambda g: jnp.sum(grad(q, k, v, g)[0]))
+  message = "jax_flash.*second and higher derivatives.*implementation='blockwise'"
+  for second, x in ((grad_of_grad, q), (jax.hessian(f), q), (through_cotangent, g)):
+    for wrapped in (second, jax.jit(second)):
+      with pytest.raises(NotImplementedError, match=message):
+        wrapped(x)
+
+
+def test_second_derivatives_on_the_xla_paths():
+  """What the message above points to: the blockwise path has second derivatives, equal to the
+  plain reference's."""
+  rng = np.random.default_rng(3)
+  q, k, v, g = make_inputs(rng, lead=(1,), seq_q=5, seq_k=6, heads_q=2, heads_k=1, head_dim=8)
+
+  def grad_of_grad(implementation):
+    f = lambda q: loss(q, k, v, g, implementation=implementation, **OPTIONS)
+    return jax.grad(lambda q: jnp.sum(jax.grad(f)(q) ** 2))(q)
+
+  want = grad_of_grad("xla")
+  assert_close(grad_of_grad("blockwise"), want)
+  assert np.max(np.abs(np.asarray(want))) > 0
+
+
+@pytest.mark.parametrize("implementation", ["cpu", "blockwise"])
+def test_forward_mode_names_jax_flash_where_jax_lets_it(rng, implementation):
+  """Forward mode on a custom_vjp fails inside JAX. Evaluated eagerly (jax.jvp, jax.jacfwd on
+  concrete values) the error surfaces in jax_flash's call and is reworded; under jit JAX raises
+  its own message while compiling, outside jax_flash's code. Either way a TypeError, never
+  numbers; the plain reference ("xla") differentiates in forward mode."""
+  q, k, v, _ = make_inputs(rng, lead=(1,), seq_q=5, seq_k=6, heads_q=2, heads_k=1, head_dim=8)
+  f = lambda q: attention(q, k, v, implementation=implementation)
+  message = (f"jax_flash.dot_product_attention: forward-mode differentiation.*"
+             f"'{implementation}'.*jax.grad.*implementation='xla'")
+  with pytest.raises(TypeError, match=message):
+    jax.jvp(f, (q,), (q,))
+  with pytest.raises(TypeError, match=message):
+    jax.jacfwd(f)(q)
+  with pytest.raises(TypeError, match="forward-mode|custom_vjp"):
+    jax.jit(lambda q: jax.jvp(f, (q,), (q,)))(q)
+  out, tangent = jax.jvp(lambda q: attention(q, k, v, implementation="xla"), (q,), (q,))
+  assert tangent.shape == out.shape
+
+
 def test_deterministic_flag_on_cpu():
   """The CPU backward is always deterministic: the flag is accepted and changes nothing."""
   rng = np.random.default_rng(7)

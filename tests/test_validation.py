@@ -170,6 +170,19 @@ def test_head_dim_above_kernel_limit(rng):
   jax_flash.dot_product_attention(q, k, v, implementation="cpu")
 
 
+def test_errors_name_the_shapes_of_unbatched_inputs(rng):
+  """Rank-3 inputs gain a batch dim inside jax_flash; the messages keep the shapes as passed."""
+  q, k, v = arrays(rng, (5, 2, 257), (7, 1, 257))
+  with pytest.raises(ValueError, match=pattern("H=257 (query(5, 2, 257))")):
+    jax_flash.dot_product_attention(q, k, v, implementation="cpu")
+  q, k, v = arrays(rng, (8, 4, 16), (8, 4, 16))
+  with pytest.raises(NotImplementedError, match=pattern("got mask(8, 8)")):
+    jax_flash.dot_product_attention(q, k, v, mask=np.ones((8, 8), bool), implementation="cpu")
+  with pytest.raises(ValueError, match=pattern("broadcastable", "got bias(3, 8, 8)")):
+    jax_flash.dot_product_attention(q, k, v, np.zeros((3, 8, 8), np.float32),
+                                    implementation="xla")
+
+
 @pytest.mark.parametrize("implementation", ["cpu", None])
 def test_bias_and_mask_need_an_xla_path(rng, implementation):
   """The kernels take no bias or mask arrays: asking for them there (or with None, which picks a
@@ -179,7 +192,7 @@ def test_bias_and_mask_need_an_xla_path(rng, implementation):
                                                         "implementation='blockwise'")):
     jax_flash.dot_product_attention(q, k, v, jnp.zeros((2, 4, 8, 8)),
                                     implementation=implementation)
-  with pytest.raises(NotImplementedError, match=pattern("mask(1, 1, 8, 8)", "is_causal")):
+  with pytest.raises(NotImplementedError, match=pattern("got mask(8, 8)", "is_causal")):
     jax_flash.dot_product_attention(q, k, v, mask=jnp.ones((8, 8), bool),
                                     implementation=implementation)
 

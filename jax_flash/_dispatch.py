@@ -1,0 +1,195 @@
+"""Which implementation runs an attention call, and whether it can: the one place that decides.
+
+Every entry point (``dot_product_attention``, ``ring_attention``, the Flax functions and
+modules) describes its call as a :class:`Call` and asks :func:`select`, which
+
+1. resolves ``implementation=None`` for the default backend and the input dtype (``"cpu"`` on
+   the host; on NVIDIA GPUs ``"cuda"`` for bfloat16/float16 and ``"blockwise"`` for float32);
+2. checks that a forced ``"cuda"`` can run here (kernels built, a CUDA GPU visible);
+3. checks the call against what the chosen implementation states it supports
+   (:func:`capabilities`), and raises the one error that names the option, the shapes the
+   caller passed and what to use instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from jax_flash import _registry
+
+Implementation = Literal["cpu", "cuda", "xla", "blockwise"]
+IMPLEMENTATIONS = (None, "cpu", "cuda", "xla", "blockwise")
+
+# The mask forms every path takes as arguments (never as arrays).
+MASK_FORMS = frozenset({"causal", "seq_lengths", "local_window"})
+
+_FLOAT_DTYPES = frozenset(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
+_HALF_DTYPES = frozenset(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16))
+
+_KERNEL_MASK_ADVICE = (
+    "Express a mask as is_causal / query_seq_lengths / key_value_seq_lengths / "
+    "local_window_size, which the kernels take, or pass implementation='blockwise' "
+    "(FlashAttention in XLA, which takes both arrays) or 'xla'")
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+  """What one implementation supports, as it states it."""
+
+  name: str
+  kernel: bool  # a jax_flash kernel (a custom call), not plain XLA
+  dtypes: frozenset  # input dtypes it computes in
+  max_head_dim: int | None  # None: any head dim
+  head_dim_multiple: int  # head dims are zero-padded up to a multiple of this (1: no padding)
+  logit_arrays: bool  # takes jax.nn's `bias` and `mask` arrays
+  mask_forms: frozenset  # of MASK_FORMS: the masks it takes as arguments
+  deterministic_backward: bool  # honours deterministic=True (bit-identical gradients)
+  ring: bool  # runs the blocks of ring attention (ring_attention, sequence-sharded calls)
+
+
+def capabilities(name: str) -> Capabilities:
+  """The record of implementation `name` ("cpu", "cuda", "xla" or "blockwise"); the kernels'
+  limits come from the native modules (read at import by jax_flash._registry)."""
+  if name == "cpu":
+    return Capabilities(
+        name, kernel=True, dtypes=_FLOAT_DTYPES,
+        max_head_dim=_registry.KERNEL_CONSTANTS["max_head_dim"],
+        head_dim_multiple=1,  # the kernel aligns its own float32 tiles
+        logit_arrays=False, mask_forms=MASK_FORMS,
+        deterministic_backward=True,  # always: dQ partials are summed in a fixed order
+        ring=True)
+  if name == "cuda":
+    cuda = _registry.CUDA_KERNEL_CONSTANTS or {}  # empty where no CUDA kernels were built
+    return Capabilities(
+        name, kernel=True, dtypes=_HALF_DTYPES, max_head_dim=cuda.get("max_head_dim"),
+        head_dim_multiple=cuda.get("head_dim_multiple", 1), logit_arrays=False,
+        mask_forms=MASK_FORMS, deterministic_backward=True, ring=True)
+  if name in ("xla", "blockwise"):
+    return Capabilities(
+        name, kernel=False, dtypes=_FLOAT_DTYPES, max_head_dim=None, head_dim_multiple=1,
+        logit_arrays=True, mask_forms=MASK_FORMS,
+        deterministic_backward=True,  # XLA's products and scans: no atomics
+        ring=False)
+  raise ValueError(f"no implementation named {name!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """What one call asks of an implementation, with shapes as the caller passed them (for the
+  messages: a (T, S) mask is reported as (T, S), not as its rank-4 broadcast form)."""
+
+  query: tuple[int, ...]  # the query's shape; its last dim is the head dim
+  dtype: jnp.dtype
+  bias: tuple[int, ...] | None = None  # the bias's shape, None without one
+  mask: tuple[int, ...] | None = None
+  mask_forms: frozenset = frozenset()  # of MASK_FORMS
+  deterministic: bool = False
+  ring: bool = False  # the blocks of ring attention
+
+  @property
+  def head_dim(self) -> int:
+    return self.query[-1]
+
+
+def mask_forms(*, is_causal: bool, seq_lengths: bool, local_window: bool) -> frozenset:
+  """The MASK_FORMS a call uses."""
+  used = {"causal": is_causal, "seq_lengths": seq_lengths, "local_window": local_window}
+  return frozenset(form for form, on in used.items() if on)
+
+
+def check_implementation(implementation) -> None:
+  """A ValueError unless `implementation` is one of IMPLEMENTATIONS."""
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}; got {implementation!r}")
+
+
+def default_implementation(dtype) -> str:
+  """What implementation=None runs for inputs of `dtype` on the default backend."""
+  backend = jax.default_backend()
+  if backend == "cpu":
+    return "cpu"
+  if backend in ("gpu", "cuda") and _registry.has_platform("cuda") and _registry.cuda_gpu_present():
+    # The CUDA kernels take 16-bit inputs: float32 runs FlashAttention in XLA.
+    return "blockwise" if jnp.dtype(dtype) == jnp.float32 else "cuda"
+  raise NotImplementedError(
+      f"jax_flash has no kernel for the default backend {backend!r} in this build; pass "
+      "implementation='blockwise' for the linear-memory XLA path, 'xla' for the plain "
+      "reference (or 'cpu' to run on host devices)")
+
+
+def _check_cuda_runs() -> None:
+  """A ValueError unless the CUDA kernels were built and JAX sees a CUDA GPU."""
+  if not _registry.has_platform("cuda"):
+    raise ValueError(
+        "implementation='cuda' was requested but this jax_flash build has no CUDA kernels "
+        "(no CUDA compiler when it was built); use implementation='cpu' or 'xla'")
+  if not _registry.cuda_gpu_present():
+    raise ValueError(
+        "implementation='cuda' was requested but JAX sees no CUDA GPU; use "
+        "implementation='cpu' or 'xla'")
+
+
+def select(implementation: str | None, call: Call, *,
+           caller: str = "jax_flash.dot_product_attention",
+           mask_advice: str | None = None) -> str:
+  """The implementation that runs `call`: `implementation` itself, or for None the best one for
+  the default backend and the dtype; raises the one error that says why it cannot.
+
+  Args:
+    implementation: one of IMPLEMENTATIONS.
+    call: the normalised arguments.
+    caller: the public function named at the start of every message.
+    mask_advice: what to do instead of bias/mask arrays on the kernels (the Flax functions name
+      Flax's own ways); the default names jax_flash's arguments.
+
+  Raises:
+    ValueError: an unknown implementation, a forced "cuda" that cannot run here, a head dim past
+      a kernel's limit, an XLA path asked to run ring attention.
+    NotImplementedError: an option the implementation does not take (bias/mask arrays on the
+      kernels, float32 on the CUDA kernels), or no kernel for the default backend.
+  """
+  check_implementation(implementation)
+  if implementation == "cuda":
+    _check_cuda_runs()
+  name = implementation if implementation is not None else default_implementation(call.dtype)
+  can = capabilities(name)
+  picked = (f"implementation=None picks {name!r} here" if implementation is None else
+            f"implementation={name!r}")
+  if call.ring and not can.ring:
+    if implementation is not None:
+      raise ValueError(
+          f"{caller} needs a kernel: implementation must be None, 'cpu' or 'cuda'; got "
+          f"{name!r} (the plain-XLA paths have no ring form)")
+    raise NotImplementedError(
+        f"{caller} runs on jax_flash's kernels only, and {picked} for {call.dtype} inputs "
+        f"(query{call.query}): the CUDA kernels take bfloat16 or float16, so cast the inputs")
+  if (call.bias is not None or call.mask is not None) and not can.logit_arrays:
+    given = " and ".join(f"{n}{s}" for n, s in (("bias", call.bias), ("mask", call.mask))
+                         if s is not None)
+    raise NotImplementedError(
+        f"{caller}: the {name!r} kernels ({picked}) take no bias or mask arrays; got {given}. "
+        f"They never build the (T, S) scores. {mask_advice or _KERNEL_MASK_ADVICE}")
+  if can.max_head_dim is not None and call.head_dim > can.max_head_dim:
+    instead = ("ring attention has no path for larger heads" if call.ring else
+               "use implementation='blockwise' (or 'xla') for larger heads")
+    raise ValueError(
+        f"head dim H={call.head_dim} (query{call.query}) is larger than the {name!r} kernels "
+        f"support (H <= {can.max_head_dim}); {instead}")
+  if jnp.dtype(call.dtype) not in can.dtypes:
+    wanted = " or ".join(sorted(str(d) for d in can.dtypes))
+    instead = ("cast the inputs, or use implementation='cpu' on host devices" if call.ring else
+               "use implementation=None or 'blockwise' (FlashAttention in XLA at JAX's default "
+               "float32 matmul precision)")
+    raise NotImplementedError(
+        f"{caller}: jax_flash's {name!r} kernels take {wanted}; for {call.dtype} inputs "
+        f"(query{call.query}) {instead}")
+  missing = sorted(call.mask_forms - can.mask_forms)
+  if missing:
+    raise NotImplementedError(f"{caller}: {name!r} does not take {', '.join(missing)} masks")
+  if call.deterministic and not can.deterministic_backward:
+    raise NotImplementedError(f"{caller}: {name!r} has no deterministic backward pass")
+  return name
