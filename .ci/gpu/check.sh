@@ -4,6 +4,7 @@
 # tool's output folder) or ./gpu_out.
 #   usage: bash .ci/gpu/check.sh [pytest-args...]      (BENCH_ARGS="--quick" to shorten, BENCH=0
 #   to skip the benchmark, TESTS=0 to skip the tests, TEST_TIMEOUT=seconds to bound them)
+# tokamax joins the benchmark's peers where its wheels were carried in .whl/ (see below).
 # Opt-in steps for the end-to-end measurements (each several minutes):
 #   E2E=1   examples/train_lm.py --preset gpt2-small --compare jax_flash,xla,cudnn (issue 4)
 #   RING=1  examples/bench_ring.py: ring scaling and longest sequence, all visible GPUs (issue 5)
@@ -25,6 +26,17 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$
 JAX_FLASH_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install --no-build-isolation \
   --no-deps -e . >>"$out/build.log" 2>&1 || { tail -50 "$out/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"
+
+# tokamax, the optional benchmark peer (Python >= 3.12), from wheels carried in .whl/ (the GPU
+# machine has no network; ../shared/GPU.md says how to fetch them): installed into .tk/ with a
+# stand-in for the profiler it imports only for its own benchmarks.
+if ls .whl/tokamax-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target .tk .whl/*.whl >>"$out/build.log" 2>&1
+  mkdir -p .tk/xprof/cli && touch .tk/xprof/__init__.py .tk/xprof/cli/__init__.py
+  echo "get_kernel_stats_tool = None" >.tk/xprof/cli/tools.py
+  export PYTHONPATH="$PWD/.tk${PYTHONPATH:+:$PYTHONPATH}"
+  echo "tokamax: $(python3 -c 'import tokamax; print(tokamax.__version__)' 2>&1 | tail -1)"
+fi
 
 if [[ "${PROFILE:-0}" == 1 ]]; then
   echo "== profile (ncu)"

@@ -42,11 +42,7 @@ NB_MODULE(_native, m) {
   });
   m.def("cpu_dq_accum_elements",
         [](int64_t dq_splits, int64_t batch, int64_t seq_q, int64_t heads_q, int64_t head_dim) {
-          jax_flash::AttentionShape shape;
-          shape.batch = batch;
-          shape.seq_q = seq_q;
-          shape.heads_q = heads_q;
-          shape.head_dim = head_dim;
+          const jax_flash::AttentionShape shape{batch, seq_q, /*seq_k=*/0, heads_q, /*heads_k=*/0, head_dim};
           return jax_flash::cpu::dq_accum_elements(shape, dq_splits);
         },
         "Elements of the CPU backward's float32 dQ workspace (what its handler checks).");

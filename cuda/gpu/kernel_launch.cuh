@@ -1,8 +1,10 @@
 // The one way the family launchers start a kernel: its dynamic shared-memory limit raised first,
-// every CUDA error returned.
+// every CUDA error returned; and the two grids the kernels are launched on.
 #pragma once
 
 #include <cuda_runtime.h>
+
+#include "common/attention_params.h"
 
 namespace jax_flash::cuda {
 
@@ -15,6 +17,19 @@ cudaError_t launch_with_smem(void (*kernel)(Params), dim3 grid, int threads, int
     return e;
   kernel<<<grid, threads, smem_bytes, stream>>>(params);
   return cudaGetLastError();
+}
+
+// One CTA per (query block, query head, batch): the grid QueryBlockTask reads (the forward
+// kernels and the deterministic dQ kernel).
+template <typename Traits>
+dim3 query_block_grid(const AttentionShape& shape) {
+  return dim3((shape.seq_q + Traits::kBlockM - 1) / Traits::kBlockM, shape.heads_q, shape.batch);
+}
+
+// One CTA per (key block, kv head, batch): the grid KeyBlockTask reads (the main backward kernels).
+template <typename Traits>
+dim3 key_block_grid(const AttentionShape& shape) {
+  return dim3((shape.seq_k + Traits::kBlockN - 1) / Traits::kBlockN, shape.heads_k, shape.batch);
 }
 
 }  // namespace jax_flash::cuda

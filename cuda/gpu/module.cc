@@ -29,11 +29,7 @@ NB_MODULE(_native_cuda, m) {
   });
   m.def("dq_accum_elements",
         [](int64_t batch, int64_t seq_q, int64_t heads_q, int64_t head_dim, bool deterministic) {
-          jax_flash::AttentionShape shape;
-          shape.batch = batch;
-          shape.seq_q = seq_q;
-          shape.heads_q = heads_q;
-          shape.head_dim = head_dim;
+          const jax_flash::AttentionShape shape{batch, seq_q, /*seq_k=*/0, heads_q, /*heads_k=*/0, head_dim};
           return jax_flash::cuda::dq_accum_elements(shape, deterministic);
         },
         "Elements of the CUDA backward's float32 dQ workspace (what its handler checks).");

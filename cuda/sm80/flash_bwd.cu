@@ -10,8 +10,8 @@ namespace jax_flash::cuda {
 template <typename T, int kHeadDim>
 cudaError_t launch_bwd_main_sm80(const BwdParams& p, cudaStream_t stream) {
   using Traits = typename TileShapes<kHeadDim>::Sm80Bwd;
-  const dim3 grid((p.shape.seq_k + Traits::kBlockN - 1) / Traits::kBlockN, p.shape.heads_k, p.shape.batch);
-  return launch_with_smem(flash_bwd_kernel<Traits, T>, grid, Traits::kThreads, Traits::kSmemBytes, stream, p);
+  return launch_with_smem(flash_bwd_kernel<Traits, T>, key_block_grid<Traits>(p.shape), Traits::kThreads,
+                          Traits::kSmemBytes, stream, p);
 }
 
 template <typename T, int kHeadDim>
@@ -19,8 +19,8 @@ cudaError_t launch_bwd_dq_sm80(const BwdParams& p, cudaStream_t stream) {
   using Traits = typename TileShapes<kHeadDim>::Sm80BwdDq;
   // Q and dO, and two stages of K and of V.
   constexpr int kSmemBytes = 2 * (2 * Traits::QTile::kElements + 4 * Traits::KVTile::kElements);
-  const dim3 grid((p.shape.seq_q + Traits::kBlockM - 1) / Traits::kBlockM, p.shape.heads_q, p.shape.batch);
-  return launch_with_smem(flash_bwd_dq_kernel<Traits, T>, grid, Traits::kThreads, kSmemBytes, stream, p);
+  return launch_with_smem(flash_bwd_dq_kernel<Traits, T>, query_block_grid<Traits>(p.shape), Traits::kThreads,
+                          kSmemBytes, stream, p);
 }
 
 #define JF_INSTANTIATE(D)                                       \

@@ -9,8 +9,8 @@ namespace jax_flash::cuda {
 template <typename T, int kHeadDim>
 cudaError_t launch_fwd_sm80(const FwdParams& p, cudaStream_t stream) {
   using Traits = typename TileShapes<kHeadDim>::Sm80Fwd;
-  const dim3 grid((p.shape.seq_q + Traits::kBlockM - 1) / Traits::kBlockM, p.shape.heads_q, p.shape.batch);
-  return launch_with_smem(flash_fwd_kernel<Traits, T>, grid, Traits::kThreads, Traits::kSmemBytes, stream, p);
+  return launch_with_smem(flash_fwd_kernel<Traits, T>, query_block_grid<Traits>(p.shape), Traits::kThreads,
+                          Traits::kSmemBytes, stream, p);
 }
 
 #define JF_INSTANTIATE(D) JF_INSTANTIATE_LAUNCHER(launch_fwd_sm80, FwdParams, D)

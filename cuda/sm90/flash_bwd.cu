@@ -10,8 +10,8 @@ namespace jax_flash::cuda {
 template <typename T, int kHeadDim>
 cudaError_t launch_bwd_main_sm90(const BwdParams& p, cudaStream_t stream) {
   using Traits = typename TileShapes<kHeadDim>::Sm90Bwd;
-  const dim3 grid((p.shape.seq_k + Traits::kBlockN - 1) / Traits::kBlockN, p.shape.heads_k, p.shape.batch);
-  return launch_with_smem(flash_bwd_sm90_kernel<Traits, T>, grid, Traits::kThreads, Traits::kSmemBytes, stream, p);
+  return launch_with_smem(flash_bwd_sm90_kernel<Traits, T>, key_block_grid<Traits>(p.shape), Traits::kThreads,
+                          Traits::kSmemBytes, stream, p);
 }
 
 #define JF_INSTANTIATE(D) JF_INSTANTIATE_LAUNCHER(launch_bwd_main_sm90, BwdParams, D)
