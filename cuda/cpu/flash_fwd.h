@@ -28,23 +28,23 @@ inline void mask_row(float* s, int64_t j0, int64_t cols, int64_t padded_cols, Ke
 
 // Online softmax step for one row of base-2 scores s (padded_cols wide, masked entries -inf):
 // turns s into probabilities relative to the new running max and returns the factor by which
-// the row's earlier accumulators must be rescaled.
+// the row's earlier accumulators must be rescaled. A NaN score stays NaN in its probability and
+// the row's sum (so the output shows it, as jax.nn's does); a row that has met only -inf scores
+// so far keeps max -inf and takes its exponentials relative to 0 (0 for -inf, NaN for NaN).
 inline float softmax_row_update(float* s, int64_t padded_cols, float& row_max, float& row_sum) {
   Vec mx = splat(-INFINITY);
   for (int64_t c = 0; c < padded_cols; c += kLanes) mx = vmax(mx, load(s + c));
-  const float new_max = row_max > reduce_max(mx) ? row_max : reduce_max(mx);
-  if (new_max == -INFINITY) {  // nothing visible yet: keep the row empty
-    for (int64_t c = 0; c < padded_cols; c += kLanes) store(s + c, Vec{});
-    return 1.f;
-  }
-  const Vec m = splat(new_max);
+  const float tile_max = reduce_max(mx);
+  const float new_max = row_max > tile_max ? row_max : tile_max;
+  const Vec m = splat(new_max == -INFINITY ? 0.f : new_max);
   Vec sum = Vec{};
   for (int64_t c = 0; c < padded_cols; c += kLanes) {
     const Vec p = exp2_nonpositive(load(s + c) - m);
     store(s + c, p);
     sum += p;
   }
-  const float correction = __builtin_exp2f(row_max - new_max);  // row_max = -inf gives 0
+  // Nothing but -inf seen before: the accumulators hold 0 (or NaN, which 0 keeps).
+  const float correction = row_max == -INFINITY ? 0.f : __builtin_exp2f(row_max - new_max);
   row_sum = row_sum * correction + reduce_sum(sum);
   row_max = new_max;
   return correction;
@@ -125,8 +125,10 @@ struct FlashFwd {
       }
     }
 
+    // A row is empty when the masks leave it no key, never because of its values: a NaN sum (a
+    // NaN or inf in the inputs) gives a NaN output and lse, as jax.nn's does.
     for (int64_t r = 0; r < rows; ++r) {
-      if (r < live_rows && row_sum[r] > 0.f) {
+      if (r < live_rows && !key_range(p.mask, i0 + r, q_len, kv_len).empty()) {
         store_row(acc + r * dp, d, 1.f / row_sum[r], out + r * q_stride);
         lse[r] = (row_max[r] + __builtin_log2f(row_sum[r])) * kLn2;
       } else {  // padding row or nothing to attend to

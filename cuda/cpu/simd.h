@@ -35,11 +35,12 @@ inline float reduce_sum(Vec v) {
   return r;
 }
 inline Vec vmax(Vec a, Vec b) { return a > b ? a : b; }
-inline Vec vmin0(Vec a) { return a < 0.f ? a : Vec{}; }
+// min(a, 0), keeping a NaN NaN.
+inline Vec vmin0(Vec a) { return a > 0.f ? Vec{} : a; }
 
 // 2^x for x <= 0 (the softmax only needs that side), about 2 ulp: split x into integer n and
 // fraction f in [-0.5, 0.5], a degree-6 Taylor polynomial for 2^f, n added to the exponent bits.
-// Inputs below -126 (including -inf) give exactly 0.
+// Inputs below -126 (including -inf) give exactly 0; NaN gives NaN.
 inline Vec exp2_nonpositive(Vec x) {
   const Vec lo = splat(-126.f);
   const auto underflow = x < lo;
@@ -59,7 +60,7 @@ inline Vec exp2_nonpositive(Vec x) {
   bits += __builtin_convertvector(n, IVec) << 23;
   Vec r;
   std::memcpy(&r, &bits, sizeof(r));
-  return underflow ? splat(0.f) : r;
+  return underflow ? splat(0.f) : (x == x ? r : x);
 }
 
 }  // namespace jax_flash::cpu::JF_ISA

@@ -170,7 +170,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
 
   store_output(static_cast<T*>(p.o) + task.q_offset, task.q_stride, p.lse + task.stat_offset + m0, o, softmax,
-               p.scale, warp_m0, blk.rows, p.shape.head_dim, lane);
+               p.scale, warp_m0, blk.rows, p.shape.head_dim, p.mask, m0, task.q_len, task.kv_len,
+               lane);
 #endif  // JF_SM90A
 }
 
