@@ -1,9 +1,17 @@
 // From XLA FFI buffers and attributes to FwdParams / BwdParams, with errors that name the
 // operand and its shape. Shared by the CPU and CUDA handlers, which add only what is their own
 // (dtype limits, workspaces).
+//
+// The custom calls can be reached by name through jax.ffi.ffi_call with any operands, so nothing
+// here trusts the caller: every buffer's dtype and shape and every attribute's range is checked
+// before a pointer reaches a kernel. The bindings take every buffer as AnyBuffer and check dtypes
+// here: a typed Buffer<S32> would be checked by XLA too, but its error names only the operand's
+// position.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <string>
 
 #include "common/attention_params.h"
@@ -23,118 +31,191 @@ inline std::string shape_string(xla::ffi::Span<const int64_t> dims) {
   return s + (dims.size() == 1 ? ",)" : ")");
 }
 
+inline std::string dtype_string(xla::ffi::DataType dtype) {
+  using xla::ffi::DataType;
+  switch (dtype) {
+    case DataType::F32: return "float32";
+    case DataType::BF16: return "bfloat16";
+    case DataType::F16: return "float16";
+    case DataType::F64: return "float64";
+    case DataType::S8: return "int8";
+    case DataType::S16: return "int16";
+    case DataType::S32: return "int32";
+    case DataType::S64: return "int64";
+    case DataType::U8: return "uint8";
+    case DataType::U16: return "uint16";
+    case DataType::U32: return "uint32";
+    case DataType::U64: return "uint64";
+    case DataType::PRED: return "bool";
+    default: return "dtype #" + std::to_string(static_cast<int>(dtype));
+  }
+}
+
+// "k(2, 128, 4, 64) bfloat16": how an operand is named in every error.
+inline std::string describe(const char* name, const xla::ffi::AnyBuffer& buffer) {
+  return std::string(name) + shape_string(buffer.dimensions()) + " " + dtype_string(buffer.element_type());
+}
+
+inline xla::ffi::Error invalid(const std::string& message) {
+  return xla::ffi::Error::InvalidArgument("jax_flash: " + message);
+}
+
 inline int64_t leading_product(xla::ffi::Span<const int64_t> dims, size_t trailing) {
   int64_t n = 1;
   for (size_t i = 0; i + trailing < dims.size(); ++i) n *= dims[i];
   return n;
 }
 
-// q (..., T, N, H), k and v (..., S, K, H), q_lens and kv_lens with one entry per batch element;
-// every leading dimension is folded into the batch (that is how vmap reaches the kernel).
+inline xla::ffi::Error expect_dtype(const char* name, const xla::ffi::AnyBuffer& buffer,
+                                    xla::ffi::DataType dtype) {
+  if (buffer.element_type() != dtype)
+    return invalid(describe(name, buffer) + ": must be " + dtype_string(dtype));
+  return xla::ffi::Error::Success();
+}
+
+// A float32 buffer of exactly `expected` elements (lse, delta, workspaces); its layout is the
+// kernels', so only the count is checked.
+inline xla::ffi::Error expect_float32(const char* name, const xla::ffi::AnyBuffer& buffer, int64_t expected) {
+  JF_RETURN_IF_ERROR(expect_dtype(name, buffer, xla::ffi::DataType::F32));
+  if (static_cast<int64_t>(buffer.element_count()) != expected)
+    return invalid(describe(name, buffer) + ": has " + std::to_string(buffer.element_count()) +
+                   " elements, expected " + std::to_string(expected));
+  return xla::ffi::Error::Success();
+}
+
+// `buffer` must have the shape and dtype of `like` (outputs and cotangents).
+inline xla::ffi::Error expect_like(const char* name, const xla::ffi::AnyBuffer& buffer, const char* like_name,
+                                   const xla::ffi::AnyBuffer& like) {
+  if (buffer.element_type() != like.element_type() || !(buffer.dimensions() == like.dimensions()))
+    return invalid(describe(name, buffer) + ": must match the shape and dtype of " +
+                   describe(like_name, like));
+  return xla::ffi::Error::Success();
+}
+
+// q_lens / kv_lens: int32, one entry per batch element of q.
+inline xla::ffi::Error expect_lens(const char* name, const xla::ffi::AnyBuffer& lens,
+                                   const xla::ffi::AnyBuffer& q, int64_t batch) {
+  JF_RETURN_IF_ERROR(expect_dtype(name, lens, xla::ffi::DataType::S32));
+  if (static_cast<int64_t>(lens.element_count()) != batch)
+    return invalid(describe(name, lens) + ": needs one entry per batch element of " + describe("q", q) +
+                   " (" + std::to_string(batch) + ")");
+  return xla::ffi::Error::Success();
+}
+
+// q (..., T, N, H), k and v (..., S, K, H) with the same leading dimensions, N a multiple of K,
+// 1 <= H <= kMaxHeadDim; q_lens and kv_lens int32 with one entry per batch element. Every
+// leading dimension is folded into the batch (that is how vmap reaches the kernel).
 inline xla::ffi::Error attention_shape(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuffer& k,
-                                       const xla::ffi::AnyBuffer& v,
-                                       const xla::ffi::Buffer<xla::ffi::S32>& q_lens,
-                                       const xla::ffi::Buffer<xla::ffi::S32>& kv_lens,
-                                       AttentionShape& shape) {
-  using xla::ffi::Error;
+                                       const xla::ffi::AnyBuffer& v, const xla::ffi::AnyBuffer& q_lens,
+                                       const xla::ffi::AnyBuffer& kv_lens, AttentionShape& shape) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
-  if (qd.size() < 3 || kd.size() != qd.size())
-    return Error::InvalidArgument("jax_flash: q and k must have the same rank >= 3, got q" +
-                                  shape_string(qd) + " k" + shape_string(kd));
-  if (!(kd == vd))
-    return Error::InvalidArgument("jax_flash: k and v shapes differ: k" + shape_string(kd) +
-                                  " v" + shape_string(vd));
+  const std::string operands = describe("q", q) + ", " + describe("k", k) + ", " + describe("v", v);
+  if (qd.size() < 3 || kd.size() != qd.size() || vd.size() != qd.size())
+    return invalid("q, k and v must have one rank >= 3; got " + operands);
+  if (!(kd == vd)) return invalid("k and v shapes differ; got " + operands);
   const size_t r = qd.size();
+  for (size_t i = 0; i < r; ++i) {
+    if (qd[i] < 0 || kd[i] < 0) return invalid("negative dimension in " + operands);
+    if (i + 3 < r && qd[i] != kd[i])
+      return invalid("q and k/v need the same batch dimensions (all but the last 3); got " + operands);
+  }
   shape.batch = leading_product(qd, 3);
   shape.seq_q = qd[r - 3];
   shape.heads_q = qd[r - 2];
   shape.head_dim = qd[r - 1];
   shape.seq_k = kd[r - 3];
   shape.heads_k = kd[r - 2];
-  if (leading_product(kd, 3) != shape.batch || kd[r - 1] != shape.head_dim ||
-      shape.heads_k <= 0 || shape.heads_q % shape.heads_k != 0)
-    return Error::InvalidArgument(
-        "jax_flash: q" + shape_string(qd) + " and k" + shape_string(kd) +
-        " need equal batch and head dim, and query heads a multiple of key/value heads");
-  if (shape.head_dim > kMaxHeadDim)
-    return Error::InvalidArgument("jax_flash: head dim " + std::to_string(shape.head_dim) +
-                                  " is larger than the supported maximum of " +
-                                  std::to_string(kMaxHeadDim));
-  if (static_cast<int64_t>(q_lens.element_count()) != shape.batch ||
-      static_cast<int64_t>(kv_lens.element_count()) != shape.batch)
-    return Error::InvalidArgument("jax_flash: q_lens" + shape_string(q_lens.dimensions()) +
-                                  " and kv_lens" + shape_string(kv_lens.dimensions()) +
-                                  " need one entry per batch element (" +
-                                  std::to_string(shape.batch) + ")");
-  return Error::Success();
+  if (kd[r - 1] != shape.head_dim)
+    return invalid("q (..., T, N, H) and k/v (..., S, K, H) need the same head dim H; got " + operands);
+  if (shape.heads_k < 1 || shape.heads_q % shape.heads_k != 0)
+    return invalid("query heads N must be a multiple of key/value heads K >= 1; got " + operands);
+  if (shape.head_dim < 1 || shape.head_dim > kMaxHeadDim)
+    return invalid("head dim H=" + std::to_string(shape.head_dim) + " is outside the supported 1.." +
+                   std::to_string(kMaxHeadDim) + "; got " + operands);
+  JF_RETURN_IF_ERROR(expect_lens("q_lens", q_lens, q, shape.batch));
+  JF_RETURN_IF_ERROR(expect_lens("kv_lens", kv_lens, q, shape.batch));
+  return xla::ffi::Error::Success();
 }
 
-inline xla::ffi::Error attention_dtype(const xla::ffi::AnyBuffer& q, Dtype& dtype) {
+// q, k and v share one dtype of those the kernels take (float32, bfloat16, float16); a backend
+// that takes fewer checks that itself.
+inline xla::ffi::Error attention_dtype(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuffer& k,
+                                       const xla::ffi::AnyBuffer& v, Dtype& dtype) {
   switch (q.element_type()) {
     case xla::ffi::DataType::F32: dtype = Dtype::kFloat32; break;
     case xla::ffi::DataType::BF16: dtype = Dtype::kBFloat16; break;
     case xla::ffi::DataType::F16: dtype = Dtype::kFloat16; break;
     default:
-      return xla::ffi::Error::InvalidArgument(
-          "jax_flash: unsupported dtype; float32, bfloat16 and float16 are supported");
+      return invalid(describe("q", q) + ": unsupported dtype; float32, bfloat16 and float16 are supported");
+  }
+  if (k.element_type() != q.element_type() || v.element_type() != q.element_type())
+    return invalid("q, k and v must have one dtype; got " + describe("q", q) + ", " + describe("k", k) +
+                   ", " + describe("v", v));
+  return xla::ffi::Error::Success();
+}
+
+// The kernels compute in float32 and take a positive scale (the Python side makes it so: masked
+// scores are -inf, which a scale <= 0 turns into +inf or NaN), so the handler accepts a scale
+// that is positive and finite once rounded to float32 (not 1e39, not 1e-50).
+inline xla::ffi::Error attention_scale(double scale, float& out) {
+  out = static_cast<float>(scale);
+  if (!(std::isfinite(scale) && std::isfinite(out) && out > 0.f)) {
+    char text[32];
+    std::snprintf(text, sizeof(text), "%.9g", scale);
+    return invalid(std::string("scale must be positive and finite in float32; got ") + text);
   }
   return xla::ffi::Error::Success();
 }
 
-// `buffer` must have the shape and dtype of `like` (outputs and cotangents).
-inline xla::ffi::Error expect_like(const char* name, const xla::ffi::AnyBuffer& buffer,
-                                   const xla::ffi::AnyBuffer& like) {
-  if (buffer.element_type() != like.element_type() || !(buffer.dimensions() == like.dimensions()))
-    return xla::ffi::Error::InvalidArgument(std::string("jax_flash: ") + name + shape_string(buffer.dimensions()) +
-                                            " must match the shape and dtype of " +
-                                            shape_string(like.dimensions()));
+// A window side is -1 (unbounded) or >= 0. A side wider than T + S masks nothing more (every
+// query row is < T and every key < S), so it is clamped there: the mask arithmetic
+// (i + window_right + 1 and friends in common/mask.h) then never nears int64 overflow, and what
+// it computes for any row and key is unchanged.
+inline xla::ffi::Error attention_window(const char* name, int64_t window, const AttentionShape& shape,
+                                        int64_t& out) {
+  if (window < -1)
+    return invalid(std::string(name) + " must be -1 (unbounded) or >= 0; got " + std::to_string(window));
+  out = window < shape.seq_q + shape.seq_k ? window : shape.seq_q + shape.seq_k;
   return xla::ffi::Error::Success();
 }
 
-inline xla::ffi::Error expect_count(const char* name, size_t count, int64_t expected) {
-  if (static_cast<int64_t>(count) != expected)
-    return xla::ffi::Error::InvalidArgument(std::string("jax_flash: ") + name + " has " +
-                                            std::to_string(count) + " elements, expected " +
-                                            std::to_string(expected));
-  return xla::ffi::Error::Success();
-}
-
-// Checks the operands both passes take (q, k, v, o and the lengths) and fills the fields of
-// `params` they and the mask/scale attributes determine.
+// Checks the operands both passes take (q, k, v, o and the lengths) and the mask/scale
+// attributes, and fills the fields of `params` they determine.
 inline xla::ffi::Error set_attention_inputs(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuffer& k,
                                             const xla::ffi::AnyBuffer& v, const xla::ffi::AnyBuffer& o,
-                                            const xla::ffi::Buffer<xla::ffi::S32>& q_lens,
-                                            const xla::ffi::Buffer<xla::ffi::S32>& kv_lens, double scale,
-                                            bool is_causal, int64_t window_left, int64_t window_right,
+                                            const xla::ffi::AnyBuffer& q_lens,
+                                            const xla::ffi::AnyBuffer& kv_lens, double scale, bool is_causal,
+                                            int64_t window_left, int64_t window_right,
                                             AttentionParams& params) {
   JF_RETURN_IF_ERROR(attention_shape(q, k, v, q_lens, kv_lens, params.shape));
-  JF_RETURN_IF_ERROR(attention_dtype(q, params.dtype));
-  JF_RETURN_IF_ERROR(expect_like("o", o, q));
-  params.mask = {is_causal, window_left, window_right};
-  params.scale = static_cast<float>(scale);
+  JF_RETURN_IF_ERROR(attention_dtype(q, k, v, params.dtype));
+  JF_RETURN_IF_ERROR(expect_like("o", o, "q", q));
+  JF_RETURN_IF_ERROR(attention_scale(scale, params.scale));
+  params.mask.causal = is_causal;
+  JF_RETURN_IF_ERROR(attention_window("window_left", window_left, params.shape, params.mask.window_left));
+  JF_RETURN_IF_ERROR(attention_window("window_right", window_right, params.shape, params.mask.window_right));
   params.q = q.untyped_data();
   params.k = k.untyped_data();
   params.v = v.untyped_data();
-  params.q_lens = q_lens.typed_data();
-  params.kv_lens = kv_lens.typed_data();
+  params.q_lens = q_lens.typed_data<int32_t>();
+  params.kv_lens = kv_lens.typed_data<int32_t>();
   return xla::ffi::Error::Success();
 }
 
+// Rows of lse and delta: (batch, heads_q, seq_q).
+inline int64_t lse_elements(const AttentionShape& shape) { return shape.batch * shape.heads_q * shape.seq_q; }
+
 // Checks the forward's operands and fills every field of `params` they determine.
 inline xla::ffi::Error make_fwd_params(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuffer& k,
-                                       const xla::ffi::AnyBuffer& v,
-                                       const xla::ffi::Buffer<xla::ffi::S32>& q_lens,
-                                       const xla::ffi::Buffer<xla::ffi::S32>& kv_lens,
-                                       const xla::ffi::AnyBuffer& o,
-                                       const xla::ffi::Buffer<xla::ffi::F32>& lse, double scale,
-                                       bool is_causal, int64_t window_left, int64_t window_right,
-                                       FwdParams& params) {
+                                       const xla::ffi::AnyBuffer& v, const xla::ffi::AnyBuffer& q_lens,
+                                       const xla::ffi::AnyBuffer& kv_lens, const xla::ffi::AnyBuffer& o,
+                                       const xla::ffi::AnyBuffer& lse, double scale, bool is_causal,
+                                       int64_t window_left, int64_t window_right, FwdParams& params) {
   JF_RETURN_IF_ERROR(set_attention_inputs(q, k, v, o, q_lens, kv_lens, scale, is_causal, window_left,
                                           window_right, params));
-  const AttentionShape& sh = params.shape;
-  JF_RETURN_IF_ERROR(expect_count("lse", lse.element_count(), sh.batch * sh.heads_q * sh.seq_q));
+  JF_RETURN_IF_ERROR(expect_float32("lse", lse, lse_elements(params.shape)));
   params.o = o.untyped_data();
-  params.lse = lse.typed_data();
+  params.lse = lse.typed_data<float>();
   return xla::ffi::Error::Success();
 }
 
@@ -142,29 +223,25 @@ inline xla::ffi::Error make_fwd_params(const xla::ffi::AnyBuffer& q, const xla::
 // dQ accumulator, whose form is the backend's).
 inline xla::ffi::Error make_bwd_params(
     const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuffer& k, const xla::ffi::AnyBuffer& v,
-    const xla::ffi::AnyBuffer& o, const xla::ffi::Buffer<xla::ffi::F32>& lse,
-    const xla::ffi::AnyBuffer& d_o, const xla::ffi::Buffer<xla::ffi::S32>& q_lens,
-    const xla::ffi::Buffer<xla::ffi::S32>& kv_lens, const xla::ffi::AnyBuffer& dq,
-    const xla::ffi::AnyBuffer& dk, const xla::ffi::AnyBuffer& dv,
-    const xla::ffi::Buffer<xla::ffi::F32>& delta, double scale, bool is_causal,
-    int64_t window_left, int64_t window_right, BwdParams& params) {
+    const xla::ffi::AnyBuffer& o, const xla::ffi::AnyBuffer& lse, const xla::ffi::AnyBuffer& d_o,
+    const xla::ffi::AnyBuffer& q_lens, const xla::ffi::AnyBuffer& kv_lens, const xla::ffi::AnyBuffer& dq,
+    const xla::ffi::AnyBuffer& dk, const xla::ffi::AnyBuffer& dv, const xla::ffi::AnyBuffer& delta,
+    double scale, bool is_causal, int64_t window_left, int64_t window_right, BwdParams& params) {
   JF_RETURN_IF_ERROR(set_attention_inputs(q, k, v, o, q_lens, kv_lens, scale, is_causal, window_left,
                                           window_right, params));
-  JF_RETURN_IF_ERROR(expect_like("do", d_o, q));
-  JF_RETURN_IF_ERROR(expect_like("dq", dq, q));
-  JF_RETURN_IF_ERROR(expect_like("dk", dk, k));
-  JF_RETURN_IF_ERROR(expect_like("dv", dv, v));
-  const AttentionShape& sh = params.shape;
-  const int64_t rows = sh.batch * sh.heads_q * sh.seq_q;
-  JF_RETURN_IF_ERROR(expect_count("lse", lse.element_count(), rows));
-  JF_RETURN_IF_ERROR(expect_count("delta", delta.element_count(), rows));
+  JF_RETURN_IF_ERROR(expect_like("do", d_o, "q", q));
+  JF_RETURN_IF_ERROR(expect_like("dq", dq, "q", q));
+  JF_RETURN_IF_ERROR(expect_like("dk", dk, "k", k));
+  JF_RETURN_IF_ERROR(expect_like("dv", dv, "v", v));
+  JF_RETURN_IF_ERROR(expect_float32("lse", lse, lse_elements(params.shape)));
+  JF_RETURN_IF_ERROR(expect_float32("delta", delta, lse_elements(params.shape)));
   params.o = o.untyped_data();
   params.d_o = d_o.untyped_data();
-  params.lse = lse.typed_data();
+  params.lse = lse.typed_data<float>();
   params.dq = dq.untyped_data();
   params.dk = dk.untyped_data();
   params.dv = dv.untyped_data();
-  params.delta = delta.typed_data();
+  params.delta = delta.typed_data<float>();
   return xla::ffi::Error::Success();
 }
 
@@ -178,14 +255,14 @@ auto fwd_binding() {
       .template Arg<ffi::AnyBuffer>()           // q (..., T, N, H)
       .template Arg<ffi::AnyBuffer>()           // k (..., S, K, H)
       .template Arg<ffi::AnyBuffer>()           // v (..., S, K, H)
-      .template Arg<ffi::Buffer<ffi::S32>>()    // q_lens (...)
-      .template Arg<ffi::Buffer<ffi::S32>>()    // kv_lens (...)
+      .template Arg<ffi::AnyBuffer>()           // q_lens (...) int32
+      .template Arg<ffi::AnyBuffer>()           // kv_lens (...) int32
       .template Ret<ffi::AnyBuffer>()           // o (..., T, N, H)
-      .template Ret<ffi::Buffer<ffi::F32>>()    // lse (..., N, T)
-      .template Attr<double>("scale")
+      .template Ret<ffi::AnyBuffer>()           // lse (..., N, T) float32
+      .template Attr<double>("scale")           // > 0
       .template Attr<bool>("is_causal")
-      .template Attr<int64_t>("window_left")    // < 0: unbounded
-      .template Attr<int64_t>("window_right");  // < 0: unbounded
+      .template Attr<int64_t>("window_left")    // -1: unbounded
+      .template Attr<int64_t>("window_right");  // -1: unbounded
 }
 
 template <typename Ctx>
@@ -197,15 +274,15 @@ auto bwd_binding() {
       .template Arg<ffi::AnyBuffer>()           // k
       .template Arg<ffi::AnyBuffer>()           // v
       .template Arg<ffi::AnyBuffer>()           // o
-      .template Arg<ffi::Buffer<ffi::F32>>()    // lse (..., N, T)
+      .template Arg<ffi::AnyBuffer>()           // lse (..., N, T) float32
       .template Arg<ffi::AnyBuffer>()           // do, the output cotangent
-      .template Arg<ffi::Buffer<ffi::S32>>()    // q_lens
-      .template Arg<ffi::Buffer<ffi::S32>>()    // kv_lens
+      .template Arg<ffi::AnyBuffer>()           // q_lens int32
+      .template Arg<ffi::AnyBuffer>()           // kv_lens int32
       .template Ret<ffi::AnyBuffer>()           // dq
       .template Ret<ffi::AnyBuffer>()           // dk
       .template Ret<ffi::AnyBuffer>()           // dv
-      .template Ret<ffi::Buffer<ffi::F32>>()    // delta workspace (..., N, T)
-      .template Ret<ffi::Buffer<ffi::F32>>()    // dq_accum workspace (form per backend)
+      .template Ret<ffi::AnyBuffer>()           // delta workspace (..., N, T) float32
+      .template Ret<ffi::AnyBuffer>()           // dq_accum workspace float32 (form per backend)
       .template Attr<double>("scale")
       .template Attr<bool>("is_causal")
       .template Attr<int64_t>("window_left")

@@ -9,6 +9,8 @@
 namespace jax_flash {
 
 // Half-open range of keys that query row i may attend to; empty when begin >= end.
+// Windows here are -1 or at most seq_q + seq_k (the FFI handlers clamp wider ones, which mask
+// nothing more), so i + window + 1 and the like stay far from int64 overflow.
 struct KeyRange {
   int64_t begin;
   int64_t end;

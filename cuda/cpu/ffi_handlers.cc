@@ -57,10 +57,14 @@ struct PoolRunner {
   }
 };
 
+// dq_splits beyond this is a caller bug (the Python side asks for at most 8): each split is a
+// float32 copy of dQ, and the bound keeps the workspace size arithmetic far from overflow.
+constexpr int64_t kMaxDqSplits = 64;
+
 ffi::Error run_fwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                   ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
-                   ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse,
-                   double scale, bool is_causal, int64_t window_left, int64_t window_right) {
+                   ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens, ffi::Result<ffi::AnyBuffer> o,
+                   ffi::Result<ffi::AnyBuffer> lse, double scale, bool is_causal, int64_t window_left,
+                   int64_t window_right) {
   FwdParams params;
   JF_RETURN_IF_ERROR(make_fwd_params(q, k, v, q_lens, kv_lens, *o, *lse, scale, is_causal,
                                      window_left, window_right, params));
@@ -70,21 +74,20 @@ ffi::Error run_fwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
 }
 
 ffi::Error run_bwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                   ffi::AnyBuffer o, ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer d_o,
-                   ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
-                   ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                   ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::F32>> delta,
-                   ffi::Result<ffi::Buffer<ffi::F32>> dq_accum, double scale, bool is_causal,
-                   int64_t window_left, int64_t window_right, int64_t dq_splits,
-                   bool /*deterministic: the CPU backward always is*/) {
+                   ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer d_o, ffi::AnyBuffer q_lens,
+                   ffi::AnyBuffer kv_lens, ffi::Result<ffi::AnyBuffer> dq,
+                   ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                   ffi::Result<ffi::AnyBuffer> delta, ffi::Result<ffi::AnyBuffer> dq_accum,
+                   double scale, bool is_causal, int64_t window_left, int64_t window_right,
+                   int64_t dq_splits, bool /*deterministic: the CPU backward always is*/) {
   BwdParams params;
   JF_RETURN_IF_ERROR(make_bwd_params(q, k, v, o, lse, d_o, q_lens, kv_lens, *dq, *dk, *dv, *delta,
                                      scale, is_causal, window_left, window_right, params));
-  if (dq_splits < 1)
-    return ffi::Error::InvalidArgument("dq_splits must be >= 1, got " + std::to_string(dq_splits));
-  JF_RETURN_IF_ERROR(expect_count("dq_accum", dq_accum->element_count(),
-                                  cpu::dq_accum_elements(params.shape, dq_splits)));
-  params.dq_accum = dq_accum->typed_data();
+  if (dq_splits < 1 || dq_splits > kMaxDqSplits)
+    return invalid("dq_splits must be in [1, " + std::to_string(kMaxDqSplits) + "]; got " +
+                   std::to_string(dq_splits));
+  JF_RETURN_IF_ERROR(expect_float32("dq_accum", *dq_accum, cpu::dq_accum_elements(params.shape, dq_splits)));
+  params.dq_accum = dq_accum->typed_data<float>();
   params.dq_splits = dq_splits;
   PoolRunner runner{&pool};
   cpu::flash_bwd(params, {&PoolRunner::run, &runner});

@@ -27,18 +27,17 @@ ffi::Error check_cuda_inputs(const ffi::AnyBuffer& q, const AttentionShape& shap
   if (const std::string& error = cuda::kernel_override_error(); !error.empty())
     return ffi::Error::InvalidArgument(error);
   if (dtype == Dtype::kFloat32)
-    return ffi::Error::InvalidArgument("jax_flash: the CUDA kernels take bfloat16 or float16");
+    return invalid("the CUDA kernels take bfloat16 or float16; got " + describe("q", q));
   if (shape.head_dim % cuda::kHeadDimMultiple != 0)
-    return ffi::Error::InvalidArgument("jax_flash: the CUDA kernels need the head dim padded to a multiple of " +
-                                       std::to_string(cuda::kHeadDimMultiple) + ", got q" +
-                                       shape_string(q.dimensions()));
+    return invalid("the CUDA kernels need the head dim padded to a multiple of " +
+                   std::to_string(cuda::kHeadDimMultiple) + "; got " + describe("q", q));
   return ffi::Error::Success();
 }
 
 ffi::Error run_fwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                   ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
-                   ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse,
-                   double scale, bool is_causal, int64_t window_left, int64_t window_right) {
+                   ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens, ffi::Result<ffi::AnyBuffer> o,
+                   ffi::Result<ffi::AnyBuffer> lse, double scale, bool is_causal, int64_t window_left,
+                   int64_t window_right) {
   FwdParams params;
   JF_RETURN_IF_ERROR(make_fwd_params(q, k, v, q_lens, kv_lens, *o, *lse, scale, is_causal,
                                      window_left, window_right, params));
@@ -48,19 +47,19 @@ ffi::Error run_fwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
 }
 
 ffi::Error run_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                   ffi::AnyBuffer o, ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer d_o,
-                   ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
-                   ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                   ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::F32>> delta,
-                   ffi::Result<ffi::Buffer<ffi::F32>> dq_accum, double scale, bool is_causal,
-                   int64_t window_left, int64_t window_right, bool deterministic) {
+                   ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer d_o, ffi::AnyBuffer q_lens,
+                   ffi::AnyBuffer kv_lens, ffi::Result<ffi::AnyBuffer> dq,
+                   ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                   ffi::Result<ffi::AnyBuffer> delta, ffi::Result<ffi::AnyBuffer> dq_accum,
+                   double scale, bool is_causal, int64_t window_left, int64_t window_right,
+                   bool deterministic) {
   BwdParams params;
   JF_RETURN_IF_ERROR(make_bwd_params(q, k, v, o, lse, d_o, q_lens, kv_lens, *dq, *dk, *dv, *delta,
                                      scale, is_causal, window_left, window_right, params));
   JF_RETURN_IF_ERROR(check_cuda_inputs(q, params.shape, params.dtype));
-  JF_RETURN_IF_ERROR(expect_count("dq_accum", dq_accum->element_count(),
-                                  cuda::dq_accum_elements(params.shape, deterministic)));
-  params.dq_accum = deterministic ? nullptr : dq_accum->typed_data();
+  JF_RETURN_IF_ERROR(
+      expect_float32("dq_accum", *dq_accum, cuda::dq_accum_elements(params.shape, deterministic)));
+  params.dq_accum = deterministic ? nullptr : dq_accum->typed_data<float>();
   params.deterministic = deterministic;
   if (cudaError_t e = cuda::launch_flash_bwd(params, stream)) return cuda_error("backward launch", e);
   return ffi::Error::Success();

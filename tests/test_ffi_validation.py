@@ -1,0 +1,288 @@
+"""The CPU custom calls called by name, as anyone can through jax.ffi.ffi_call, with operands and
+attributes the Python API never passes: each must fail with an error that names the operand
+(never read or write past a buffer). The checks live in cuda/common/ffi_params.h, which the CUDA
+handlers share, so these tests cover those too (the CUDA handlers' own checks, 16-bit dtypes and a
+padded head dim, need a GPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flash
+from jax_flash import _registry
+
+INT64_MAX = np.iinfo(np.int64).max
+INT64_MIN = np.iinfo(np.int64).min
+
+# An FFI handler's error comes back from the compiled call as a runtime error, INVALID_ARGUMENT.
+FFI_ERROR = jax.errors.JaxRuntimeError
+
+
+def pattern(*fragments: str) -> str:
+  """A regex matching the literal fragments, in order, anywhere in the message."""
+  return "(?s)" + ".*".join(re.escape(f) for f in fragments)
+
+
+def spec(shape, dtype="float32") -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
+
+
+def array(rng, shape, dtype="float32") -> jax.Array:
+  dtype = jnp.dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.integer):
+    return jnp.asarray(rng.integers(0, 8, size=shape), dtype)
+  return jnp.asarray(rng.standard_normal(shape), dtype)
+
+
+@dataclasses.dataclass
+class Call:
+  """One direct call of jax_flash_cpu_fwd or jax_flash_cpu_bwd: operand shapes and dtypes, the
+  specs of the outputs and the attributes, valid as built by `valid_fwd` / `valid_bwd`, then
+  spoiled one field at a time by a test."""
+
+  target: str
+  shapes: dict  # operand name -> (shape, dtype), in the binding's order
+  outputs: dict  # output name -> (shape, dtype), in the binding's order
+  attributes: dict
+
+  def run(self, rng):
+    operands = [array(rng, s, d) for s, d in self.shapes.values()]
+    call = jax.ffi.ffi_call(self.target, tuple(spec(s, d) for s, d in self.outputs.values()))
+    return jax.block_until_ready(jax.jit(lambda *a: call(*a, **self.attributes))(*operands))
+
+
+B, T, S, N, K, H = 2, 5, 7, 4, 2, 8
+Q, KV, ROWS = (B, T, N, H), (B, S, K, H), (B, N, T)
+
+
+def attributes(**overrides) -> dict:
+  base = dict(scale=0.5, is_causal=False, window_left=np.int64(-1), window_right=np.int64(-1))
+  return {**base, **overrides}
+
+
+def valid_fwd() -> Call:
+  return Call("jax_flash_cpu_fwd",
+              dict(q=(Q, "float32"), k=(KV, "float32"), v=(KV, "float32"), q_lens=((B,), "int32"),
+                   kv_lens=((B,), "int32")),
+              dict(o=(Q, "float32"), lse=(ROWS, "float32")), attributes())
+
+
+def dq_accum_elements(splits: int, shape=Q) -> int:
+  *batch, t, n, h = shape
+  return _registry.cpu_dq_accum_elements(splits, int(np.prod(batch)), t, n, h)
+
+
+def valid_bwd(splits: int = 2) -> Call:
+  return Call("jax_flash_cpu_bwd",
+              dict(q=(Q, "float32"), k=(KV, "float32"), v=(KV, "float32"), o=(Q, "float32"),
+                   lse=(ROWS, "float32"), do=(Q, "float32"), q_lens=((B,), "int32"),
+                   kv_lens=((B,), "int32")),
+              dict(dq=(Q, "float32"), dk=(KV, "float32"), dv=(KV, "float32"),
+                   delta=(ROWS, "float32"), dq_accum=((dq_accum_elements(splits),), "float32")),
+              attributes(dq_splits=np.int64(splits), deterministic=False))
+
+
+def with_dtype(call: Call, dtype: str, *names: str) -> Call:
+  """`names` given `dtype`, those of them the call has."""
+  for name in names:
+    for table in (call.shapes, call.outputs):
+      if name in table:
+        table[name] = (table[name][0], dtype)
+  return call
+
+
+def with_shape(call: Call, name: str, shape) -> Call:
+  table = call.shapes if name in call.shapes else call.outputs
+  table[name] = (tuple(shape), table[name][1])
+  return call
+
+
+def with_shapes(call: Call, q_shape, kv_shape) -> Call:
+  """q, k, v and everything shaped like them (outputs, cotangents) reshaped together."""
+  for name in ("q", "o", "do", "dq"):
+    for table in (call.shapes, call.outputs):
+      if name in table:
+        table[name] = (tuple(q_shape), table[name][1])
+  for name in ("k", "v", "dk", "dv"):
+    for table in (call.shapes, call.outputs):
+      if name in table:
+        table[name] = (tuple(kv_shape), table[name][1])
+  return call
+
+
+def with_attributes(call: Call, **overrides) -> Call:
+  call.attributes.update(overrides)
+  return call
+
+
+# Errors both passes share (the checks of cuda/common/ffi_params.h): (id, spoil, fragments).
+COMMON_ERRORS = [
+    ("k_bf16", lambda c: with_dtype(c, "bfloat16", "k", "v"),
+     ("one dtype", "q(2, 5, 4, 8) float32", "k(2, 7, 2, 8) bfloat16")),
+    ("v_f16", lambda c: with_dtype(c, "float16", "v"), ("one dtype", "v(2, 7, 2, 8) float16")),
+    ("k_f32_q_bf16", lambda c: with_dtype(c, "bfloat16", "q", "o", "do", "dq"),
+     ("one dtype", "q(2, 5, 4, 8) bfloat16", "k(2, 7, 2, 8) float32")),
+    ("int_inputs", lambda c: with_dtype(c, "int32", "q", "k", "v"),
+     ("q(2, 5, 4, 8) int32", "unsupported dtype")),
+    ("o_shape", lambda c: with_shape(c, "o", (B, T, N, H + 1)),
+     ("o(2, 5, 4, 9) float32", "must match", "q(2, 5, 4, 8)")),
+    ("o_dtype", lambda c: with_dtype(c, "bfloat16", "o"), ("o(2, 5, 4, 8) bfloat16", "must match")),
+    ("lse_short", lambda c: with_shape(c, "lse", (B, N, T - 1)),
+     ("lse(2, 4, 4) float32", "32 elements, expected 40")),
+    ("lse_transposed_long", lambda c: with_shape(c, "lse", (B, N, T, 2)), ("lse(2, 4, 5, 2)",)),
+    ("lse_bf16", lambda c: with_dtype(c, "bfloat16", "lse"), ("lse(2, 4, 5) bfloat16", "float32")),
+    ("q_lens_short", lambda c: with_shape(c, "q_lens", (B - 1,)),
+     ("q_lens(1,) int32", "one entry per batch element", "(2)")),
+    ("kv_lens_long", lambda c: with_shape(c, "kv_lens", (B, 2)), ("kv_lens(2, 2) int32",)),
+    ("q_lens_float", lambda c: with_dtype(c, "float32", "q_lens"), ("q_lens(2,) float32", "int32")),
+    ("kv_lens_int16", lambda c: with_dtype(c, "int16", "kv_lens"), ("kv_lens(2,) int16", "int32")),
+    ("head_dim_0", lambda c: with_shapes(c, (B, T, N, 0), (B, S, K, 0)), ("head dim H=0", "q(2, 5, 4, 0)")),
+    ("head_dim_300", lambda c: with_shapes(c, (B, T, N, 300), (B, S, K, 300)),
+     ("head dim H=300", "1..256", "q(2, 5, 4, 300)")),
+    ("head_dim_differs", lambda c: with_shapes(c, Q, (B, S, K, H * 2)),
+     ("same head dim", "q(2, 5, 4, 8)", "k(2, 7, 2, 16)")),
+    ("rank_mismatch", lambda c: with_shapes(c, Q, (S, K, H)),
+     ("one rank", "q(2, 5, 4, 8)", "k(7, 2, 8)")),
+    ("rank_2", lambda c: with_shapes(c, (T, H), (S, H)), ("rank >= 3", "q(5, 8)")),
+    ("v_rank", lambda c: with_shape(c, "v", (1,) + KV), ("one rank", "v(1, 2, 7, 2, 8)")),
+    ("batch_mismatch", lambda c: with_shapes(c, Q, (B + 1, S, K, H)),
+     ("batch dimensions", "q(2, 5, 4, 8)", "k(3, 7, 2, 8)")),
+    # Same batch size, different batch dims: (2, 3) against (3, 2).
+    ("batch_dims_permuted", lambda c: with_shapes(with_shape(with_shape(c, "q_lens", (6,)), "kv_lens", (6,)),
+                                                  (2, 3, T, N, H), (3, 2, S, K, H)),
+     ("batch dimensions", "q(2, 3, 5, 4, 8)", "k(3, 2, 7, 2, 8)")),
+    ("heads_not_multiple", lambda c: with_shapes(c, (B, T, 3, H), KV),
+     ("multiple of key/value heads", "q(2, 5, 3, 8)", "k(2, 7, 2, 8)")),
+    ("kv_heads_0", lambda c: with_shapes(c, Q, (B, S, 0, H)), ("K >= 1", "k(2, 7, 0, 8)")),
+    ("k_v_differ", lambda c: with_shape(c, "v", (B, S + 1, K, H)),
+     ("k and v shapes differ", "k(2, 7, 2, 8)", "v(2, 8, 2, 8)")),
+    ("scale_nan", lambda c: with_attributes(c, scale=float("nan")), ("scale", "nan")),
+    ("scale_inf", lambda c: with_attributes(c, scale=float("inf")), ("scale", "inf")),
+    ("scale_negative", lambda c: with_attributes(c, scale=-0.5), ("scale", "-0.5")),
+    ("scale_zero", lambda c: with_attributes(c, scale=0.0), ("scale", "got 0")),
+    ("scale_float32_inf", lambda c: with_attributes(c, scale=1e39), ("scale", "float32", "1e+39")),
+    ("scale_float32_zero", lambda c: with_attributes(c, scale=1e-50), ("scale", "float32", "1e-50")),
+    ("window_left_-2", lambda c: with_attributes(c, window_left=np.int64(-2)), ("window_left", "got -2")),
+    ("window_right_min", lambda c: with_attributes(c, window_right=np.int64(INT64_MIN)),
+     ("window_right", str(INT64_MIN))),
+]
+
+BWD_ERRORS = [
+    ("do_dtype", lambda c: with_dtype(c, "bfloat16", "do"), ("do(2, 5, 4, 8) bfloat16", "must match")),
+    ("do_shape", lambda c: with_shape(c, "do", (B, T + 1, N, H)), ("do(2, 6, 4, 8)", "must match")),
+    ("dq_shape", lambda c: with_shape(c, "dq", (B, T, N, H - 1)), ("dq(2, 5, 4, 7)", "must match")),
+    ("dk_dtype", lambda c: with_dtype(c, "bfloat16", "dk"), ("dk(2, 7, 2, 8) bfloat16", "must match", "k(")),
+    ("dv_shape", lambda c: with_shape(c, "dv", (B, S - 1, K, H)), ("dv(2, 6, 2, 8)", "must match", "v(")),
+    ("delta_short", lambda c: with_shape(c, "delta", (B, N)), ("delta(2, 4) float32", "expected 40")),
+    ("delta_bf16", lambda c: with_dtype(c, "bfloat16", "delta"), ("delta(2, 4, 5) bfloat16", "float32")),
+    ("dq_accum_short", lambda c: with_shape(c, "dq_accum", (dq_accum_elements(2) - 1,)),
+     ("dq_accum(", f"expected {dq_accum_elements(2)}")),
+    ("dq_accum_one_split_for_two", lambda c: with_shape(c, "dq_accum", (dq_accum_elements(1),)),
+     ("dq_accum(", f"expected {dq_accum_elements(2)}")),
+    ("dq_accum_bf16", lambda c: with_dtype(c, "bfloat16", "dq_accum"), ("dq_accum(", "bfloat16", "float32")),
+    ("dq_splits_0", lambda c: with_attributes(c, dq_splits=np.int64(0)), ("dq_splits", "got 0")),
+    ("dq_splits_negative", lambda c: with_attributes(c, dq_splits=np.int64(-3)), ("dq_splits", "got -3")),
+    ("dq_splits_65", lambda c: with_attributes(c, dq_splits=np.int64(65)), ("dq_splits", "[1, 64]; got 65")),
+    # A huge split count whose workspace size wraps around int64 must not pass the size check.
+    ("dq_splits_huge", lambda c: with_attributes(c, dq_splits=np.int64(1 << 62)), ("dq_splits", "[1, 64]")),
+]
+
+
+@pytest.mark.parametrize("spoil,fragments", [e[1:] for e in COMMON_ERRORS], ids=[e[0] for e in COMMON_ERRORS])
+@pytest.mark.parametrize("make", [valid_fwd, valid_bwd], ids=["fwd", "bwd"])
+def test_common_errors(rng, make, spoil, fragments):
+  call = spoil(make())
+  with pytest.raises(FFI_ERROR, match=pattern("INVALID_ARGUMENT", "jax_flash", *fragments)):
+    call.run(rng)
+
+
+@pytest.mark.parametrize("spoil,fragments", [e[1:] for e in BWD_ERRORS], ids=[e[0] for e in BWD_ERRORS])
+def test_bwd_errors(rng, spoil, fragments):
+  call = spoil(valid_bwd())
+  with pytest.raises(FFI_ERROR, match=pattern("INVALID_ARGUMENT", "jax_flash", *fragments)):
+    call.run(rng)
+
+
+@pytest.mark.parametrize("make", [valid_fwd, valid_bwd], ids=["fwd", "bwd"])
+def test_valid_calls_run(rng, make):
+  """The calls the error tests spoil are valid as built (so each error is the spoiled field's)."""
+  for out in make().run(rng):
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+
+
+def test_dq_splits_at_the_bound_runs(rng):
+  valid_bwd(splits=64).run(rng)
+
+
+# Windows at the edge: exactly T + S (the handler's clamp), past it, and up to INT64_MAX, where
+# i + window + 1 would overflow int64 unclamped. Each masks nothing a window of T + S does not.
+WIDE_WINDOWS = [T + S, T + S + 1, 1 << 40, INT64_MAX - 1, INT64_MAX]
+
+
+def _direct_fwd(q, k, v, q_lens, kv_lens, scale, causal, left, right):
+  *batch, t, n, _ = q.shape
+  call = jax.ffi.ffi_call("jax_flash_cpu_fwd", (spec(q.shape, q.dtype), spec((*batch, n, t))))
+  return call(q, k, v, q_lens, kv_lens, scale=float(scale), is_causal=causal, window_left=np.int64(left),
+              window_right=np.int64(right))
+
+
+def _inputs(rng, dtype="float32"):
+  q, k, v = (array(rng, s, dtype) for s in (Q, KV, KV))
+  q_lens = jnp.array([T, 3], jnp.int32)
+  kv_lens = jnp.array([S, 6], jnp.int32)
+  return q, k, v, q_lens, kv_lens
+
+
+def _close(a, b, atol=1e-5):
+  np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=atol, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", WIDE_WINDOWS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_wide_windows_match_the_api(rng, window, causal):
+  """A direct call with a window at or past the bound gives what jax_flash.dot_product_attention
+  gives with that window (which clamps it to T + S itself) and without one."""
+  q, k, v, q_lens, kv_lens = _inputs(rng)
+  o, lse = jax.jit(_direct_fwd, static_argnums=(5, 6, 7, 8))(q, k, v, q_lens, kv_lens, 0.5, causal, window,
+                                                             window)
+  api = dict(scale=0.5, is_causal=causal, query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens,
+             implementation="cpu", return_residual=True)
+  want, want_lse = jax_flash.dot_product_attention(q, k, v, local_window_size=(T + S, T + S), **api)
+  unbounded, _ = jax_flash.dot_product_attention(q, k, v, **api)
+  _close(o, want)
+  _close(o, unbounded)
+  _close(jnp.swapaxes(lse, -1, -2), want_lse)
+
+
+@pytest.mark.parametrize("left,right", [(0, 0), (2, 1), (T + S, 0), (0, INT64_MAX), (INT64_MAX, 3)])
+def test_windows_match_the_api(rng, left, right):
+  q, k, v, q_lens, kv_lens = _inputs(rng)
+  o, _ = jax.jit(_direct_fwd, static_argnums=(5, 6, 7, 8))(q, k, v, q_lens, kv_lens, 0.5, False, left, right)
+  want = jax_flash.dot_product_attention(q, k, v, scale=0.5, query_seq_lengths=q_lens,
+                                         key_value_seq_lengths=kv_lens, implementation="cpu",
+                                         local_window_size=(min(left, T + S), min(right, T + S)))
+  _close(o, want)
+
+
+@pytest.mark.parametrize("window", [T + S, INT64_MAX])
+def test_wide_window_backward_matches_unbounded(rng, window):
+  """The backward with a window at or past the bound: the gradients of an unbounded call."""
+  call = valid_bwd()
+  q, k, v, q_lens, kv_lens = _inputs(rng)
+  o, lse = _direct_fwd(q, k, v, q_lens, kv_lens, 0.5, False, -1, -1)
+  d_o = array(rng, Q)
+  outputs = tuple(spec(s, d) for s, d in call.outputs.values())
+  bwd = jax.ffi.ffi_call("jax_flash_cpu_bwd", outputs)
+
+  def grads(left, right):
+    attrs = {**call.attributes, "window_left": np.int64(left), "window_right": np.int64(right)}
+    return jax.jit(lambda *a: bwd(*a, **attrs))(q, k, v, o, lse, d_o, q_lens, kv_lens)[:3]
+
+  for got, want in zip(grads(window, window), grads(-1, -1)):
+    _close(got, want, atol=0)
