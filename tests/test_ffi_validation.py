@@ -162,12 +162,15 @@ COMMON_ERRORS = [
     ("kv_heads_0", lambda c: with_shapes(c, Q, (B, S, 0, H)), ("K >= 1", "k(2, 7, 0, 8)")),
     ("k_v_differ", lambda c: with_shape(c, "v", (B, S + 1, K, H)),
      ("k and v shapes differ", "k(2, 7, 2, 8)", "v(2, 8, 2, 8)")),
-    ("scale_nan", lambda c: with_attributes(c, scale=float("nan")), ("scale", "nan")),
-    ("scale_inf", lambda c: with_attributes(c, scale=float("inf")), ("scale", "inf")),
-    ("scale_negative", lambda c: with_attributes(c, scale=-0.5), ("scale", "-0.5")),
+    ("scale_nan", lambda c: with_attributes(c, scale=float("nan")), ("scale", "got nan")),
+    ("scale_inf", lambda c: with_attributes(c, scale=float("inf")), ("scale", "got inf")),
+    ("scale_negative", lambda c: with_attributes(c, scale=-0.5), ("scale", "got -0.5")),
     ("scale_zero", lambda c: with_attributes(c, scale=0.0), ("scale", "got 0")),
-    ("scale_float32_inf", lambda c: with_attributes(c, scale=1e39), ("scale", "float32", "1e+39")),
-    ("scale_float32_zero", lambda c: with_attributes(c, scale=1e-50), ("scale", "float32", "1e-50")),
+    ("scale_float32_inf", lambda c: with_attributes(c, scale=1e39), ("scale", "float32", "got 1e+39")),
+    # Finite in float32, but not once the kernels multiply it by log2(e).
+    ("scale_times_log2e_inf", lambda c: with_attributes(c, scale=3e38), ("scale", "log2(e)", "got 3e+38")),
+    ("scale_float32_zero", lambda c: with_attributes(c, scale=1e-50), ("scale", "got 1e-50")),
+    ("scale_subnormal", lambda c: with_attributes(c, scale=1e-44), ("scale", "normal", "got 1e-44")),
     ("window_left_-2", lambda c: with_attributes(c, window_left=np.int64(-2)), ("window_left", "got -2")),
     ("window_right_min", lambda c: with_attributes(c, window_right=np.int64(INT64_MIN)),
      ("window_right", str(INT64_MIN))),
@@ -218,6 +221,13 @@ def test_valid_calls_run(rng, make):
 
 def test_dq_splits_at_the_bound_runs(rng):
   valid_bwd(splits=64).run(rng)
+
+
+@pytest.mark.parametrize("scale", [np.finfo(np.float32).tiny, 2.3e38])
+@pytest.mark.parametrize("make", [valid_fwd, valid_bwd], ids=["fwd", "bwd"])
+def test_scales_at_the_bounds_run(rng, make, scale):
+  """The smallest normal float32 scale, and one just under FLT_MAX / log2(e), are taken."""
+  with_attributes(make(), scale=float(scale)).run(rng)
 
 
 # Windows at the edge: exactly T + S (the handler's clamp), past it, and up to INT64_MAX, where

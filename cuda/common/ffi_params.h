@@ -9,6 +9,7 @@
 // position.
 #pragma once
 
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -154,15 +155,19 @@ inline xla::ffi::Error attention_dtype(const xla::ffi::AnyBuffer& q, const xla::
   return xla::ffi::Error::Success();
 }
 
-// The kernels compute in float32 and take a positive scale (the Python side makes it so: masked
-// scores are -inf, which a scale <= 0 turns into +inf or NaN), so the handler accepts a scale
-// that is positive and finite once rounded to float32 (not 1e39, not 1e-50).
+// The scales the kernels take, as the float32 they compute with: positive (the Python side makes
+// them so; masked scores are -inf, which a scale <= 0 turns into +inf or NaN), normal (a
+// subnormal one is flushed to 0 on XLA's threads), and finite once multiplied by log2(e) (the
+// kernels use exp2). So 1e-50, 1e-44, 1e39 and 3e38 are refused; the Python side refuses the
+// large ones too, at trace time, by the same rule.
 inline xla::ffi::Error attention_scale(double scale, float& out) {
   out = static_cast<float>(scale);
-  if (!(std::isfinite(scale) && std::isfinite(out) && out > 0.f)) {
-    char text[32];
-    std::snprintf(text, sizeof(text), "%.9g", scale);
-    return invalid(std::string("scale must be positive and finite in float32; got ") + text);
+  if (!(out >= FLT_MIN && std::isfinite(out * 1.4426950408889634f))) {  // NaN fails too
+    char text[128];
+    std::snprintf(text, sizeof(text),
+                  "scale must be a positive normal float32 whose product with log2(e) is finite; got %.9g",
+                  scale);
+    return invalid(text);
   }
   return xla::ffi::Error::Success();
 }
