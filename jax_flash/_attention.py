@@ -22,8 +22,9 @@ def _flash_attention(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig):
 
 
 def _flash_attention_fwd(q, k, v, q_lens, kv_lens, config):
-  o, lse = _sharding.flash_fwd(q, k, v, q_lens, kv_lens, config)
-  return (o, lse), (q, k, v, o, lse, q_lens, kv_lens)
+  # The kernel writes o in float32; the caller gets it in q's dtype, the backward keeps it whole.
+  o32, lse = _sharding.flash_fwd(q, k, v, q_lens, kv_lens, _ops.for_backward(config))
+  return (o32.astype(q.dtype), lse), (q, k, v, o32, lse, q_lens, kv_lens)
 
 
 def _flash_attention_bwd(config, residuals, cotangents):

@@ -47,6 +47,10 @@ class KernelConfig:
   window_left: int  # -1: unbounded
   window_right: int  # -1: unbounded
   deterministic: bool = False  # backward: bit-identical gradients run after run
+  # forward: o in float32 for 16-bit inputs. A differentiated call keeps that o as the backward's
+  # residual, so delta = rowsum(dO * O) is formed from O at full precision, not from O rounded
+  # to 16 bits (that rounding cost dq/dk their accuracy on peaked softmaxes: issue 13).
+  o_float32: bool = False
 
   def attributes(self) -> dict:
     return dict(
@@ -67,11 +71,12 @@ def _lse_shape(q: jax.Array) -> tuple[int, ...]:
 
 
 def _flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig):
-  """Returns (o, lse) with o like q and lse (..., N, T) float32."""
+  """Returns (o, lse) with o like q (float32 with config.o_float32) and lse (..., N, T)
+  float32."""
   call = jax.ffi.ffi_call(
       _target(config, "fwd"),
       (
-          jax.ShapeDtypeStruct(q.shape, q.dtype),
+          jax.ShapeDtypeStruct(q.shape, jnp.float32 if config.o_float32 else q.dtype),
           jax.ShapeDtypeStruct(_lse_shape(q), jnp.float32),
       ),
       vmap_method="broadcast_all",
@@ -83,13 +88,19 @@ def _flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig):
 flash_fwd = _derivatives.first_order_only(_flash_fwd, nondiff_argnums=(5,))
 
 
+def for_backward(config: KernelConfig) -> KernelConfig:
+  """`config` for the forward of a differentiated call: its output o in float32 (the residual
+  the backward forms delta from); a no-op for float32 inputs, whose o already is."""
+  return dataclasses.replace(config, o_float32=True)
+
+
 def dq_splits(batch: int, heads_k: int, seq_k: int) -> int:
   """How many float32 dQ partials the CPU backward keeps so every core has key blocks to work
   on: one when batch x kv heads already covers the cores twice, never more than
   _MAX_DQ_SPLITS."""
   units = batch * heads_k
   cores = os.cpu_count() or 1
-  if units >= 2 * cores:
+  if units == 0 or units >= 2 * cores:  # nothing to split (an empty batch), or no need
     return 1
   block_k = _registry.KERNEL_CONSTANTS["cpu_block_k"]
   wanted = min(math.ceil(seq_k / block_k), math.ceil(2 * cores / units), _MAX_DQ_SPLITS)

@@ -13,6 +13,7 @@ visible, causal on its diagonal, or invisible (skipped) — the kernels need no 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -55,10 +56,8 @@ def _relation(q_id, k_id, is_causal: bool):
 
 
 def _configs(config: _ops.KernelConfig):
-  diagonal = _ops.KernelConfig(config.implementation, config.scale, True, -1, -1,
-                               config.deterministic)
-  full = _ops.KernelConfig(config.implementation, config.scale, False, -1, -1,
-                           config.deterministic)
+  diagonal = dataclasses.replace(config, is_causal=True, window_left=-1, window_right=-1)
+  full = dataclasses.replace(config, is_causal=False, window_left=-1, window_right=-1)
   return diagonal, full
 
 
@@ -131,7 +130,7 @@ def ring_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, *, axis_name, 
         outs[c], lses[c] = _merge(outs[c], lses[c], o_p, lse_p)
     if step + 1 < num:
       k, v = jax.lax.ppermute((k, v), axis_name, perm)
-  out = jnp.concatenate(outs, axis=1).astype(q.dtype)
+  out = jnp.concatenate(outs, axis=1).astype(jnp.float32 if config.o_float32 else q.dtype)
   return out, jnp.concatenate(lses, axis=2)
 
 
@@ -194,8 +193,10 @@ def _ring(q, k, v, q_lens, kv_lens, config, axis_name, layout):
 
 
 def _ring_vjp_fwd(q, k, v, q_lens, kv_lens, config, axis_name, layout):
-  out, lse = ring_fwd(q, k, v, q_lens, kv_lens, config, axis_name=axis_name, layout=layout)
-  return (out, lse), (q, k, v, q_lens, kv_lens, out, lse)
+  # The merged output in float32 for the backward (as _attention's forward keeps it).
+  out32, lse = ring_fwd(q, k, v, q_lens, kv_lens, _ops.for_backward(config), axis_name=axis_name,
+                        layout=layout)
+  return (out32.astype(q.dtype), lse), (q, k, v, q_lens, kv_lens, out32, lse)
 
 
 def _ring_vjp_bwd(config, axis_name, layout, residuals, cotangents):

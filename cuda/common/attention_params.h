@@ -49,6 +49,10 @@ struct AttentionParams {
   const void* v = nullptr;
   const int32_t* q_lens = nullptr;
   const int32_t* kv_lens = nullptr;
+  // o is float32 while the inputs are 16-bit: the forward's output kept at full precision when
+  // it is differentiated, so that the backward forms delta = rowsum(dO * O) from it and not from
+  // O rounded to 16 bits (issue 13: that rounding cost dQ/dK their accuracy on peaked softmaxes).
+  bool o_float32 = false;
 };
 
 struct FwdParams : AttentionParams {

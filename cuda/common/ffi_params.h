@@ -194,7 +194,12 @@ inline xla::ffi::Error set_attention_inputs(const xla::ffi::AnyBuffer& q, const 
                                             AttentionParams& params) {
   JF_RETURN_IF_ERROR(attention_shape(q, k, v, q_lens, kv_lens, params.shape));
   JF_RETURN_IF_ERROR(attention_dtype(q, k, v, params.dtype));
-  JF_RETURN_IF_ERROR(expect_like("o", o, "q", q));
+  // o has q's shape and dtype, or is float32 for 16-bit inputs: the forward's output kept at
+  // full precision for the backward (AttentionParams::o_float32).
+  params.o_float32 = o.element_type() == xla::ffi::DataType::F32 && q.element_type() != xla::ffi::DataType::F32;
+  if (!params.o_float32) JF_RETURN_IF_ERROR(expect_like("o", o, "q", q));
+  else if (!(o.dimensions() == q.dimensions()))
+    return invalid(describe("o", o) + ": must have the shape of " + describe("q", q));
   JF_RETURN_IF_ERROR(attention_scale(scale, params.scale));
   params.mask.causal = is_causal;
   JF_RETURN_IF_ERROR(attention_window("window_left", window_left, params.shape, params.mask.window_left));

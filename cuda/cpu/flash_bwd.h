@@ -24,14 +24,21 @@ struct FlashBwdDelta {
     const AttentionShape& sh = p.shape;
     const int64_t h = task % sh.heads_q, b = task / sh.heads_q, d = sh.head_dim;
     const int64_t stride = sh.heads_q * d;
-    const T* o = static_cast<const T*>(p.o) + b * sh.seq_q * stride + h * d;
-    const T* d_o = static_cast<const T*>(p.d_o) + b * sh.seq_q * stride + h * d;
+    const int64_t offset = b * sh.seq_q * stride + h * d;
+    const T* d_o = static_cast<const T*>(p.d_o) + offset;
     float* delta = p.delta + task * sh.seq_q;
-    for (int64_t i = 0; i < sh.seq_q; ++i) {
-      float sum = 0.f;
-      for (int64_t c = 0; c < d; ++c) sum += to_float(o[i * stride + c]) * to_float(d_o[i * stride + c]);
-      delta[i] = sum;
-    }
+    // O in float32 where the forward kept it so (AttentionParams::o_float32), else in T.
+    auto row_dot = [&](const auto* o) {
+      for (int64_t i = 0; i < sh.seq_q; ++i) {
+        float sum = 0.f;
+        for (int64_t c = 0; c < d; ++c) sum += to_float(o[i * stride + c]) * to_float(d_o[i * stride + c]);
+        delta[i] = sum;
+      }
+    };
+    if (p.o_float32)
+      row_dot(static_cast<const float*>(p.o) + offset);
+    else
+      row_dot(static_cast<const T*>(p.o) + offset);
     for (int64_t s = 0; s < p.dq_splits; ++s) {
       float* dq = p.dq_accum + ((s * sh.batch + b) * sh.seq_q * sh.heads_q + h) * dp;
       for (int64_t i = 0; i < sh.seq_q; ++i)

@@ -78,7 +78,7 @@ struct FlashFwd {
     const int64_t i0 = qb * kBlockQ;
     const int64_t rows = min64(kBlockQ, sh.seq_q - i0);
     const int64_t live_rows = max64(0, min64(rows, q_len - i0));
-    T* out = static_cast<T*>(p.o) + (b * sh.seq_q + i0) * q_stride + h * d;
+    const int64_t out_offset = (b * sh.seq_q + i0) * q_stride + h * d;
     float* lse = p.lse + (b * sh.heads_q + h) * sh.seq_q + i0;
 
     // Scratch: Q tile, output accumulator, K^T tile, V tile, scores, row statistics.
@@ -128,13 +128,16 @@ struct FlashFwd {
     // A row is empty when the masks leave it no key, never because of its values: a NaN sum (a
     // NaN or inf in the inputs) gives a NaN output and lse, as jax.nn's does.
     for (int64_t r = 0; r < rows; ++r) {
-      if (r < live_rows && !key_range(p.mask, i0 + r, q_len, kv_len).empty()) {
-        store_row(acc + r * dp, d, 1.f / row_sum[r], out + r * q_stride);
-        lse[r] = (row_max[r] + __builtin_log2f(row_sum[r])) * kLn2;
-      } else {  // padding row or nothing to attend to
-        store_zeros(d, out + r * q_stride);
-        lse[r] = kEmptyRowLse;
-      }
+      const bool empty = r >= live_rows || key_range(p.mask, i0 + r, q_len, kv_len).empty();
+      const float inv = empty ? 0.f : 1.f / row_sum[r];
+      const int64_t out_row = out_offset + r * q_stride;
+      if (p.o_float32)
+        empty ? store_zeros(d, static_cast<float*>(p.o) + out_row)
+              : store_row(acc + r * dp, d, inv, static_cast<float*>(p.o) + out_row);
+      else
+        empty ? store_zeros(d, static_cast<T*>(p.o) + out_row)
+              : store_row(acc + r * dp, d, inv, static_cast<T*>(p.o) + out_row);
+      lse[r] = empty ? kEmptyRowLse : (row_max[r] + __builtin_log2f(row_sum[r])) * kLn2;
     }
   }
 };

@@ -17,7 +17,7 @@ __host__ __device__ constexpr int prepare_threads_per_row(int64_t head_dim) {
 }
 
 // delta = dO . O per (batch, query row, head), and the row's dQ accumulator zeroed (when there
-// is one). kThreadsPerRow threads a row (prepare_threads_per_row), each 16 bytes of O and dO at
+// is one). kThreadsPerRow threads a row (prepare_threads_per_row), each 8 elements of O and dO at
 // a time: at head dim 64 a warp takes 4 rows, so every lane loads.
 template <typename T, int kThreadsPerRow>
 __global__ void flash_bwd_prepare_kernel(const __grid_constant__ BwdParams p) {
@@ -25,17 +25,24 @@ __global__ void flash_bwd_prepare_kernel(const __grid_constant__ BwdParams p) {
   const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kThreadsPerRow;
   const int lane_in_row = threadIdx.x % kThreadsPerRow;
   const bool live = row < sh.batch * sh.seq_q * sh.heads_q;  // no early return: the shuffles need every lane
-  const T* o = static_cast<const T*>(p.o) + row * sh.head_dim;
   const T* d_o = static_cast<const T*>(p.d_o) + row * sh.head_dim;
   float* dq = p.deterministic ? nullptr : p.dq_accum + row * sh.head_dim;
   float sum = 0.f;
   for (int c = lane_in_row * 8; live && c < sh.head_dim; c += kThreadsPerRow * 8) {
-    const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
     const uint4 dv = *reinterpret_cast<const uint4*>(d_o + c);
-    const T* oe = reinterpret_cast<const T*>(&ov);
     const T* de = reinterpret_cast<const T*>(&dv);
+    alignas(16) float oe[8];  // O in float32 where the forward kept it so (AttentionParams::o_float32)
+    if (p.o_float32) {
+      const float* o = static_cast<const float*>(p.o) + row * sh.head_dim + c;
+      *reinterpret_cast<float4*>(oe) = *reinterpret_cast<const float4*>(o);
+      *reinterpret_cast<float4*>(oe + 4) = *reinterpret_cast<const float4*>(o + 4);
+    } else {
+      const uint4 ov = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.o) + row * sh.head_dim + c);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) sum += static_cast<float>(oe[e]) * static_cast<float>(de[e]);
+      for (int e = 0; e < 8; ++e) oe[e] = static_cast<float>(reinterpret_cast<const T*>(&ov)[e]);
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) sum += oe[e] * static_cast<float>(de[e]);
     if (dq != nullptr) {
       *reinterpret_cast<float4*>(dq + c) = make_float4(0.f, 0.f, 0.f, 0.f);
       *reinterpret_cast<float4*>(dq + c + 4) = make_float4(0.f, 0.f, 0.f, 0.f);

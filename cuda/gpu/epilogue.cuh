@@ -10,12 +10,15 @@
 
 namespace jax_flash::cuda {
 
-// Writes a warp's normalised O rows (from row0 of the block, whose first row is query m0; rows
-// past `rows` skipped, columns past head_dim skipped) and their log-sum-exp. A row is empty, and
-// gets 0 and kEmptyRowLse, when the masks leave it no key; never because of its values: a NaN
-// sum (a NaN or inf in the inputs) gives a NaN row and lse, as jax.nn does.
-template <int kMTiles, int kDTiles, typename T>
-__device__ __forceinline__ void store_output(T* out, int64_t row_stride, float* lse, const float (&o)[kMTiles][kDTiles][4],
+// Writes a warp's normalised O rows and their log-sum-exp: O at element `offset` of o (16-bit T,
+// or float32 when o_float32: the output kept for the backward, AttentionParams::o_float32), rows
+// from row0 of the block, whose first row is query m0 (rows past `rows` and columns past
+// head_dim skipped). A row is empty, and gets 0 and kEmptyRowLse, when the masks leave it no key;
+// never because of its values: a NaN sum (a NaN or inf in the inputs) gives a NaN row and lse,
+// as jax.nn does.
+template <typename T, int kMTiles, int kDTiles>
+__device__ __forceinline__ void store_output(void* o_base, bool o_float32, int64_t offset, int64_t row_stride,
+                                             float* lse, const float (&o)[kMTiles][kDTiles][4],
                                              const OnlineSoftmax<kMTiles>& softmax, float scale, int row0,
                                              int rows, int64_t head_dim, const MaskParams& mask, int64_t m0,
                                              int64_t q_len, int64_t kv_len, int lane) {
@@ -31,9 +34,14 @@ __device__ __forceinline__ void store_output(T* out, int64_t row_stride, float* 
 #pragma unroll
       for (int dt = 0; dt < kDTiles; ++dt) {
         const int col = dt * 8 + (lane % 4) * 2;
-        if (col < head_dim)
-          *reinterpret_cast<uint32_t*>(out + row * row_stride + col) =
-              empty ? 0u : MmaOp<T>::pack(o[mt][dt][2 * half] * inv, o[mt][dt][2 * half + 1] * inv);
+        if (col >= head_dim) continue;
+        const float x = o[mt][dt][2 * half] * inv, y = o[mt][dt][2 * half + 1] * inv;
+        const int64_t at = offset + row * row_stride + col;
+        if (o_float32)
+          *reinterpret_cast<float2*>(static_cast<float*>(o_base) + at) = empty ? make_float2(0.f, 0.f)
+                                                                               : make_float2(x, y);
+        else
+          *reinterpret_cast<uint32_t*>(static_cast<T*>(o_base) + at) = empty ? 0u : MmaOp<T>::pack(x, y);
       }
       if (lane % 4 == 0) lse[row] = empty ? kEmptyRowLse : softmax.max[mt][half] * scale + logf(sum);
     }

@@ -169,7 +169,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     fence_registers(o[0]);
   }
 
-  store_output(static_cast<T*>(p.o) + task.q_offset, task.q_stride, p.lse + task.stat_offset + m0, o, softmax,
+  store_output<T>(p.o, p.o_float32, task.q_offset, task.q_stride, p.lse + task.stat_offset + m0, o, softmax,
                p.scale, warp_m0, blk.rows, p.shape.head_dim, p.mask, m0, task.q_len, task.kv_len,
                lane);
 #endif  // JF_SM90A
