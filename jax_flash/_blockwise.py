@@ -25,7 +25,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_flash._reference import EMPTY_ROW_LSE, grouped_logit_array, key_mask
+from jax_flash._reference import (EMPTY_ROW_LSE, MASKED_SCORE, grouped_logit_array, key_mask,
+                                  masked_exp)
 
 # Keys per scan step. Scores of one step take batch * heads * T * KEY_BLOCK float32s.
 KEY_BLOCK = 512
@@ -86,7 +87,8 @@ def _scan_inputs(k: jax.Array, v: jax.Array, bias5, mask5, block: int):
 
 
 def _block_scores(q5, k_block, index, q_lens, kv_lens, bias_block, mask_block, config: _Config):
-  """Scaled scores (B, K, G, T, block) of key block `index` plus its bias, -inf where masked."""
+  """(scores, allowed) of key block `index`: its scaled scores (B, K, G, T, block) plus its bias,
+  and which of them the masks let through (the same shape)."""
   scores = jnp.einsum("btkgh,bskh->bkgts", q5, k_block) * config.scale
   if bias_block is not None:
     scores = scores + bias_block
@@ -95,11 +97,17 @@ def _block_scores(q5, k_block, index, q_lens, kv_lens, bias_block, mask_block, c
   allowed = allowed[:, None, None]
   if mask_block is not None:
     allowed = allowed & mask_block
-  return jnp.where(allowed, scores, -jnp.inf)
+  return scores, jnp.broadcast_to(allowed, scores.shape)
 
 
 def _forward(q, k, v, q_lens, kv_lens, bias, mask, config):
-  """(o (B, T, N, H) in q's dtype, lse (B, N, T) float32)."""
+  """(o (B, T, N, H) in q's dtype, lse (B, N, T) float32).
+
+  The online softmax carries, per row, whether the masks have let any key through yet (`seen`),
+  the running maximum of those keys' scores (MASKED_SCORE before the first: never -inf, so
+  finite inputs compute no inf), the running sum and the rescaled accumulator. A NaN or inf
+  score among the keys a row attends makes its maximum, and so everything after it, NaN, as in
+  jax.nn; a row the masks leave without keys is empty (0 output, EMPTY_ROW_LSE)."""
   batch, seq_q, heads_q, head_dim = q.shape
   heads_k = k.shape[2]
   q5 = _split_groups(q, heads_k)
@@ -107,25 +115,26 @@ def _forward(q, k, v, q_lens, kv_lens, bias, mask, config):
   stats_shape = (batch, heads_k, heads_q // heads_k, seq_q)
 
   def step(carry, xs):
-    row_max, row_sum, acc = carry
+    seen, row_max, row_sum, acc = carry
     index, k_block, v_block, bias_blocks, mask_blocks = xs
-    scores = _block_scores(q5, k_block, index, q_lens, kv_lens, _this_block(bias5, bias_blocks),
-                           _this_block(mask5, mask_blocks), config)
-    new_max = jnp.maximum(row_max, jnp.max(scores, axis=-1))
-    base = jnp.where(jnp.isfinite(new_max), new_max, 0.0)  # no key seen yet: exp(-inf) = 0
-    probs = jnp.exp(scores - base[..., None])
-    correction = jnp.exp(row_max - base)
+    scores, allowed = _block_scores(q5, k_block, index, q_lens, kv_lens,
+                                    _this_block(bias5, bias_blocks),
+                                    _this_block(mask5, mask_blocks), config)
+    now_seen = seen | jnp.any(allowed, axis=-1)
+    new_max = jnp.maximum(row_max, jnp.max(jnp.where(allowed, scores, MASKED_SCORE), axis=-1))
+    base = jnp.where(now_seen, new_max, 0.0)  # no key seen yet: every exponential is 0
+    probs = masked_exp(allowed, scores, base[..., None])
+    correction = masked_exp(seen, row_max, base)  # 0 until a key was seen
     row_sum = row_sum * correction + jnp.sum(probs, axis=-1)
     acc = acc * correction[..., None] + jnp.einsum("bkgts,bskh->bkgth", probs, v_block)
-    return (new_max, row_sum, acc), None
+    return (now_seen, new_max, row_sum, acc), None
 
-  init = (jnp.full(stats_shape, -jnp.inf), jnp.zeros(stats_shape),
-          jnp.zeros(stats_shape + (head_dim,)))
-  (row_max, row_sum, acc), _ = jax.lax.scan(step, init,
-                                            _scan_inputs(k, v, bias5, mask5, config.block))
-  has_keys = row_sum > 0
+  init = (jnp.zeros(stats_shape, bool), jnp.full(stats_shape, MASKED_SCORE, jnp.float32),
+          jnp.zeros(stats_shape), jnp.zeros(stats_shape + (head_dim,)))
+  (has_keys, row_max, row_sum, acc), _ = jax.lax.scan(
+      step, init, _scan_inputs(k, v, bias5, mask5, config.block))
   safe_sum = jnp.where(has_keys, row_sum, 1.0)
-  out = acc / safe_sum[..., None]
+  out = jnp.where(has_keys[..., None], acc / safe_sum[..., None], 0.0)
   out = jnp.moveaxis(out, 3, 1).reshape(batch, seq_q, heads_q, head_dim).astype(q.dtype)
   lse = jnp.where(has_keys, jnp.log(safe_sum) + row_max, EMPTY_ROW_LSE)
   return out, lse.reshape(batch, heads_q, seq_q)
@@ -136,11 +145,13 @@ def _backward(q, k, v, o, lse, d_o, q_lens, kv_lens, bias, mask, config):
   summed over each kv head's query heads, dbias over the dims the bias broadcasts along."""
   batch, seq_q, heads_q, head_dim = q.shape
   seq_k, heads_k = k.shape[1], k.shape[2]
-  q5, do5 = _split_groups(q, heads_k), _split_groups(d_o, heads_k)
-  delta = jnp.einsum("btkgh,btkgh->bkgt", do5, _split_groups(o, heads_k))
   lse = lse.reshape(batch, heads_k, heads_q // heads_k, seq_q)
-  # Rows that attend to nothing: lse +inf makes every probability exp(-inf) = 0.
-  lse = jnp.where(lse == EMPTY_ROW_LSE, jnp.inf, lse)
+  # Rows with no key to attend to (the forward gave them EMPTY_ROW_LSE, as the kernels decide
+  # it): their q is zeroed and their dq is 0, whatever the masked keys and values hold.
+  rows_have_keys = jnp.moveaxis(lse != EMPTY_ROW_LSE, 3, 1)[..., None]  # (B, T, K, G, 1)
+  q5 = jnp.where(rows_have_keys, _split_groups(q, heads_k), 0.0)
+  do5 = _split_groups(d_o, heads_k)
+  delta = jnp.einsum("btkgh,btkgh->bkgt", do5, _split_groups(o, heads_k))
   bias5, mask5 = _grouped(bias, heads_k), _grouped(mask, heads_k)
 
   def bias_gradient(d_logits):
@@ -151,11 +162,13 @@ def _backward(q, k, v, o, lse, d_o, q_lens, kv_lens, bias, mask, config):
   def step(carry, xs):
     dq, dbias_sum = carry
     index, k_block, v_block, bias_blocks, mask_blocks = xs
-    scores = _block_scores(q5, k_block, index, q_lens, kv_lens, _this_block(bias5, bias_blocks),
-                           _this_block(mask5, mask_blocks), config)
-    probs = jnp.exp(scores - lse[..., None])
+    scores, allowed = _block_scores(q5, k_block, index, q_lens, kv_lens,
+                                    _this_block(bias5, bias_blocks),
+                                    _this_block(mask5, mask_blocks), config)
+    # 0 where masked; a row with no key (lse EMPTY_ROW_LSE) has nothing allowed.
+    probs = masked_exp(allowed, scores, lse[..., None])
     d_probs = jnp.einsum("btkgh,bskh->bkgts", do5, v_block)
-    d_logits = probs * (d_probs - delta[..., None])
+    d_logits = jnp.where(allowed, probs * (d_probs - delta[..., None]), 0.0)  # masked: none
     d_scores = d_logits * config.scale
     dq = dq + jnp.einsum("bkgts,bskh->btkgh", d_scores, k_block)
     dk_block = jnp.einsum("bkgts,btkgh->bskh", d_scores, q5)
@@ -183,6 +196,7 @@ def _backward(q, k, v, o, lse, d_o, q_lens, kv_lens, bias, mask, config):
       dbias = jnp.moveaxis(dbias_blocks, 0, 4)
       dbias = dbias.reshape(*dbias.shape[:4], -1)[..., :seq_k]
     dbias = dbias.reshape(bias.shape).astype(bias.dtype)
+  dq = jnp.where(rows_have_keys, dq, 0.0)
   return dq.reshape(q.shape).astype(q.dtype), unblock(dk, k), unblock(dv, v), dbias
 
 
@@ -212,7 +226,7 @@ def blockwise_attention(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bo
   (B, N, T) float32, differentiable in q, k, v and the bias with a recomputing backward pass.
   `bias` (added to the scaled scores) and `mask` (True: attend) are rank 4, broadcastable to
   (B, N, T, S); each scan step takes their slice for its key block."""
-  if k.shape[1] == 0 or q.shape[1] == 0:  # no blocks to scan: every row is empty
+  if k.shape[1] == 0 or q.size == 0:  # no blocks to scan, or no rows (B, T or N is 0)
     lse = jnp.full((q.shape[0], q.shape[2], q.shape[1]), EMPTY_ROW_LSE, jnp.float32)
     return jnp.zeros_like(q), lse
   config = _Config(float(scale), bool(is_causal), int(window_left), int(window_right),

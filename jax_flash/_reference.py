@@ -10,11 +10,24 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_flash import _registry
 
 # The lse of a row with no key to attend to, as the kernels write it (the most negative float32).
 EMPTY_ROW_LSE: float = _registry.KERNEL_CONSTANTS["empty_row_lse"]
+
+# What the plain-XLA paths take a masked score for when they look for a row's maximum, and where
+# that maximum starts: below every finite score, and finite (a -inf would trip jax.debug_infs,
+# though it never reaches a result). A row with no unmasked score is empty; its maximum is unused.
+MASKED_SCORE: float = -float(np.finfo(np.float32).max)
+
+
+def masked_exp(allowed: jax.Array, x: jax.Array, shift: jax.Array) -> jax.Array:
+  """exp(x - shift) where `allowed`, exactly 0 elsewhere. A masked position computes exp(0)
+  and is dropped, so neither its x (any value, NaN or inf included) nor an overflow of
+  x - shift reaches the result, its derivatives or jax.debug_infs."""
+  return jnp.where(allowed, jnp.exp(jnp.where(allowed, x, shift) - shift), 0.0)
 
 
 def key_mask(seq_q: int, seq_k: int, q_lens, kv_lens, is_causal: bool,
@@ -46,32 +59,40 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bo
 
   Computed in float32 whatever the input dtype (inputs are upcast first). `bias` (added to the
   scaled scores) and `mask` (True: attend) are rank 4, broadcastable to (B, N, T, S).
+
+  A row is empty (0 output, EMPTY_ROW_LSE) when the masks leave it no key, and only then: a NaN
+  or inf among the scores it attends makes it NaN, as in jax.nn. Masked scores are replaced by
+  the finite MASKED_SCORE, never -inf, so finite inputs give no inf anywhere (under
+  jax.debug_infs too).
   """
   batch, seq_q, heads_q, head_dim = q.shape
   seq_k, heads_k = k.shape[1], k.shape[2]
-  if seq_k == 0:  # nothing to attend to anywhere (and max over no keys is undefined)
+  if seq_k == 0 or q.size == 0:  # nothing to attend to anywhere, or no output
     lse = jnp.full((batch, heads_q, seq_q), EMPTY_ROW_LSE, jnp.float32)
     return jnp.zeros_like(q), lse
   group = heads_q // heads_k
+  allowed = key_mask(seq_q, seq_k, q_lens, kv_lens, is_causal, window_left, window_right)
+  allowed = allowed[:, None, None, :, :]
+  if mask is not None:
+    allowed = allowed & grouped_logit_array(mask, heads_k)
+  has_keys = jnp.any(allowed, axis=-1, keepdims=True)  # (B, K|1, G|1, T, 1)
+  rows_have_keys = jnp.moveaxis(has_keys, 3, 1)  # laid out like q and out: (B, T, K|1, G|1, 1)
   qf = q.astype(jnp.float32).reshape(batch, seq_q, heads_k, group, head_dim)
+  # An empty row's q is never used: zeroed, so that nothing in it (a NaN) reaches a gradient.
+  qf = jnp.where(rows_have_keys, qf, 0.0)
   kf = k.astype(jnp.float32)
   vf = v.astype(jnp.float32)
   scores = jnp.einsum("btkgh,bskh->bkgts", qf, kf, precision="highest") * scale
   if bias is not None:
     scores = scores + grouped_logit_array(bias.astype(jnp.float32), heads_k)
-  allowed = key_mask(seq_q, seq_k, q_lens, kv_lens, is_causal, window_left, window_right)
-  allowed = allowed[:, None, None, :, :]
-  if mask is not None:
-    allowed = allowed & grouped_logit_array(mask, heads_k)
-  scores = jnp.where(allowed, scores, -jnp.inf)
-  row_max = jnp.max(scores, axis=-1, keepdims=True)
-  has_keys = jnp.isfinite(row_max)
+  row_max = jnp.max(jnp.where(allowed, scores, MASKED_SCORE), axis=-1, keepdims=True)
   row_max = jnp.where(has_keys, row_max, 0.0)
-  probs = jnp.exp(scores - jax.lax.stop_gradient(row_max))
+  probs = masked_exp(allowed, scores, jax.lax.stop_gradient(row_max))
   row_sum = jnp.sum(probs, axis=-1, keepdims=True)
   safe_sum = jnp.where(has_keys, row_sum, 1.0)
   probs = probs / safe_sum
   out = jnp.einsum("bkgts,bskh->btkgh", probs, vf, precision="highest")
+  out = jnp.where(rows_have_keys, out, 0.0)  # 0 even where a masked value is NaN
   out = out.reshape(batch, seq_q, heads_q, head_dim).astype(q.dtype)
   lse = jnp.where(has_keys, jnp.log(safe_sum) + row_max, EMPTY_ROW_LSE)[..., 0]
   lse = lse.reshape(batch, heads_q, seq_q)
