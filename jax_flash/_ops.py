@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_flash import _derivatives, _dispatch, _registry
+from jax_flash._reference import EMPTY_ROW_LSE
 
 # At most this many float32 dQ partials: the workspace stays a small multiple of dQ however many
 # cores the host has.
@@ -26,15 +27,20 @@ _MAX_DQ_SPLITS = 8
 
 
 def positive_scale(q: jax.Array, scale: float) -> tuple[jax.Array, float]:
-  """(q', scale') with scale' > 0 and the same logits scale' * q'.k as scale * q.k: the kernels
-  take positive scales only (the CUDA forward keeps row maxima of unscaled scores, and masks set
-  scores to -inf, which a negative or zero scale would turn into +inf or NaN). Applied outside
-  the kernels' custom VJPs, so JAX differentiates the sign flip (or the zeroing) itself."""
-  if scale > 0:
-    return q, scale
+  """(q', scale') with scale' a positive normal float32 and the same logits scale' * q'.k as
+  scale * q.k: the kernels take only those (the CUDA forward keeps row maxima of unscaled
+  scores, and masks set scores to -inf, which a negative or zero scale would turn into +inf or
+  NaN; a subnormal scale is flushed to 0 on XLA's threads, and the handlers refuse it). Applied
+  outside the kernels' custom VJPs, so JAX differentiates the sign flip (or the zeroing)
+  itself."""
+  if abs(np.float32(scale)) < np.finfo(np.float32).tiny:
+    # Every logit is 0, as it is (or rounds to) in jax.nn's float32 logits: uniform attention
+    # over the visible keys. q * 0, not zeros, so that a NaN or inf in q stays NaN, as 0 * NaN
+    # is in jax.nn.
+    return q * 0, 1.0
   if scale < 0:
     return -q, -scale
-  return jnp.zeros_like(q), 1.0  # every logit is 0: uniform attention over the visible keys
+  return q, scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +168,14 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
   """(out, lse) of `attention` with what every entry point does around the kernels: the scale
   made positive (positive_scale) and the head dim zero-padded as `implementation` needs
   (head_dim_padding), both outside the custom VJP so JAX differentiates them; the padding is
-  sliced off the output again. q, k, v are rank 4 (B, T|S, N|K, H)."""
+  sliced off the output again. q, k, v are rank 4 (B, T|S, N|K, H).
+
+  With nothing to compute (B, T or N is 0) or no key for any row (S is 0) no kernel runs: the
+  output is zeros (every row empty, lse EMPTY_ROW_LSE), as jax.nn's is, and so are the
+  gradients."""
+  if q.size == 0 or k.shape[1] == 0:
+    batch, seq_q, heads_q, _ = q.shape
+    return jnp.zeros_like(q), jnp.full((batch, heads_q, seq_q), EMPTY_ROW_LSE, jnp.float32)
   head_dim = q.shape[-1]
   q, scale = positive_scale(q, scale)
   pad = head_dim_padding(implementation, head_dim)

@@ -48,17 +48,21 @@ def check_qkv(query: jax.Array, key: jax.Array, value: jax.Array, *,
 
 
 def check_seq_lengths(name: str, lengths, batch: int, full: int) -> jax.Array | None:
-  """The lengths as int32; values past the sequence mean all of it (clipped in their own dtype
-  first, so no wide or unsigned length wraps around)."""
+  """The lengths as int32 (the dtype jax.nn takes, and the only one: a narrower integer would
+  wrap when compared with positions past its range, a wider one when cast); values past the
+  sequence mean all of it."""
   if lengths is None:
     return None
   lengths = jnp.asarray(lengths)
   if lengths.shape != (batch,):
     raise ValueError(f"{name} must have shape ({batch},) (one length per batch element); "
                      f"got {lengths.shape}")
-  if not jnp.issubdtype(lengths.dtype, jnp.integer):
-    raise ValueError(f"{name} must be an integer array (int32); got {lengths.dtype}")
-  return jnp.clip(lengths, 0, full).astype(jnp.int32)
+  if lengths.dtype != jnp.int32:
+    advice = (" (cast it with .astype(jnp.int32))"
+              if jnp.issubdtype(lengths.dtype, jnp.integer) else "")
+    raise ValueError(f"{name} must be an integer array of dtype int32, as jax.nn takes it; "
+                     f"got {lengths.dtype} ({name}{lengths.shape}){advice}")
+  return jnp.clip(lengths, 0, full)
 
 
 def check_logit_array(name: str, x, batch: int, heads: int, seq_q: int,
@@ -103,8 +107,21 @@ def check_window(local_window_size, reach: int) -> tuple[int, int] | None:
   return min(left, reach), min(right, reach)
 
 
+_LOG2E = np.float32(np.log2(np.e))
+
+
+def _scale_fits_float32(value: float) -> bool:
+  """Whether `value` is a finite float32 whose float32 product with log2(e) is finite: the
+  kernels take the scale as a float32 and form scale * log2(e) (exp2 in place of exp)."""
+  with np.errstate(over="ignore"):
+    scale32 = np.float32(abs(value))
+    return bool(np.isfinite(scale32) and np.isfinite(scale32 * _LOG2E))
+
+
 def check_scale(scale, head_dim: int) -> float:
-  """The logit scale as a Python float; 1 / sqrt(H) for None."""
+  """The logit scale as a Python float; 1 / sqrt(H) for None. Every path computes in float32 and
+  the kernels multiply the scale by log2(e): both must stay finite (1e39 is a finite double but
+  inf in float32, which would give NaN or zeros everywhere)."""
   if scale is None:
     return 1.0 / float(np.sqrt(head_dim))
   try:
@@ -115,4 +132,8 @@ def check_scale(scale, head_dim: int) -> float:
     raise ValueError(f"scale must be a real number; got {scale!r}") from e
   if not np.isfinite(value):
     raise ValueError(f"scale must be finite; got {value}")
+  if not _scale_fits_float32(value):
+    raise ValueError(
+        f"scale must be finite in float32, and so must scale * log2(e), which the kernels "
+        f"form (|scale| up to about 2.3587e38); got {value!r}")
   return value
