@@ -378,7 +378,7 @@ def test_clean_inputs_match_the_exact_reference(monkeypatch):
 # Poisoned outputs: every element of the kernels' outputs is written
 
 
-def _kernel_outputs_into_poisoned_buffers(implementation: str, dtype):
+def _kernel_outputs_into_poisoned_buffers(implementation: str, dtype, o_float32: bool):
   rng = np.random.default_rng(7)
   q = random_array(rng, (B, T, N, H), dtype)
   k = random_array(rng, (B, S, K, H), dtype)
@@ -386,7 +386,8 @@ def _kernel_outputs_into_poisoned_buffers(implementation: str, dtype):
   d_o = random_array(rng, (B, T, N, H), dtype)
   q_lens = jnp.asarray([T, 50], jnp.int32)
   kv_lens = jnp.asarray([S, 0], jnp.int32)  # batch 1: every row empty
-  config = _ops.KernelConfig(implementation, 0.25, True, -1, -1)
+  config = _ops.KernelConfig(implementation, 0.25, True, -1, -1, o_float32=o_float32)
+  o_dtype = jnp.float32 if o_float32 else dtype
 
   def forward(o_buffer, lse_buffer, q, k, v):
     del o_buffer, lse_buffer  # donated: XLA writes the results into their memory
@@ -396,7 +397,7 @@ def _kernel_outputs_into_poisoned_buffers(implementation: str, dtype):
     del dq_buffer, dk_buffer, dv_buffer
     return _ops.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config)
 
-  buffers = [jnp.full(q.shape, jnp.nan, dtype), jnp.full((B, N, T), jnp.nan, jnp.float32)]
+  buffers = [jnp.full(q.shape, jnp.nan, o_dtype), jnp.full((B, N, T), jnp.nan, jnp.float32)]
   addresses = [x.unsafe_buffer_pointer() for x in buffers]
   o, lse = jax.jit(forward, donate_argnums=(0, 1), keep_unused=True)(*buffers, q, k, v)
   results = [o, lse]
@@ -411,11 +412,14 @@ def _kernel_outputs_into_poisoned_buffers(implementation: str, dtype):
   return results, reused
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cpu_kernels_write_every_output_element(dtype):
+@pytest.mark.parametrize("dtype,o_float32", [("float32", False), ("bfloat16", False),
+                                             ("bfloat16", True)],
+                         ids=["float32", "bfloat16", "bfloat16_o_float32"])
+def test_cpu_kernels_write_every_output_element(dtype, o_float32):
   """Outputs pre-filled with NaN are overwritten everywhere: rows past the query length, rows
-  of a batch element with no keys (0 and the empty-row lse), dk/dv of keys no row sees."""
-  results, reused = _kernel_outputs_into_poisoned_buffers("cpu", jnp.dtype(dtype))
+  of a batch element with no keys (0 and the empty-row lse), dk/dv of keys no row sees; o in
+  the input dtype, or in float32 as a differentiated call's forward writes it."""
+  results, reused = _kernel_outputs_into_poisoned_buffers("cpu", jnp.dtype(dtype), o_float32)
   if not all(reused):
     pytest.skip("XLA did not hand the donated buffers to the kernels here")
   for name, x in zip(NAMES, results):
@@ -424,8 +428,9 @@ def test_cpu_kernels_write_every_output_element(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_cuda_kernels_write_every_output_element(dtype):
-  results, reused = _kernel_outputs_into_poisoned_buffers("cuda", jnp.dtype(dtype))
+@pytest.mark.parametrize("o_float32", [False, True])
+def test_cuda_kernels_write_every_output_element(dtype, o_float32):
+  results, reused = _kernel_outputs_into_poisoned_buffers("cuda", jnp.dtype(dtype), o_float32)
   if not all(reused):
     pytest.skip("XLA did not hand the donated buffers to the kernels here")
   for name, x in zip(NAMES, results):
