@@ -101,7 +101,7 @@ def _block_scores(q5, k_block, index, q_lens, kv_lens, bias_block, mask_block, c
 
 
 def _forward(q, k, v, q_lens, kv_lens, bias, mask, config):
-  """(o (B, T, N, H) in q's dtype, lse (B, N, T) float32).
+  """(o (B, T, N, H) in float32, lse (B, N, T) float32): the caller casts o to q's dtype.
 
   The online softmax carries, per row, whether the masks have let any key through yet (`seen`),
   the running maximum of those keys' scores (MASKED_SCORE before the first: never -inf, so
@@ -135,7 +135,7 @@ def _forward(q, k, v, q_lens, kv_lens, bias, mask, config):
       step, init, _scan_inputs(k, v, bias5, mask5, config.block))
   safe_sum = jnp.where(has_keys, row_sum, 1.0)
   out = jnp.where(has_keys[..., None], acc / safe_sum[..., None], 0.0)
-  out = jnp.moveaxis(out, 3, 1).reshape(batch, seq_q, heads_q, head_dim).astype(q.dtype)
+  out = jnp.moveaxis(out, 3, 1).reshape(batch, seq_q, heads_q, head_dim)  # float32
   lse = jnp.where(has_keys, jnp.log(safe_sum) + row_max, EMPTY_ROW_LSE)
   return out, lse.reshape(batch, heads_q, seq_q)
 
@@ -202,12 +202,14 @@ def _backward(q, k, v, o, lse, d_o, q_lens, kv_lens, bias, mask, config):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _attention(q, k, v, q_lens, kv_lens, bias, mask, config):
-  return _forward(q, k, v, q_lens, kv_lens, bias, mask, config)
+  o32, lse = _forward(q, k, v, q_lens, kv_lens, bias, mask, config)
+  return o32.astype(q.dtype), lse
 
 
 def _attention_fwd(q, k, v, q_lens, kv_lens, bias, mask, config):
-  o, lse = _forward(q, k, v, q_lens, kv_lens, bias, mask, config)
-  return (o, lse), (q, k, v, o, lse, q_lens, kv_lens, bias, mask)
+  # The backward forms delta from the output in float32, not rounded to q's dtype (issue 13).
+  o32, lse = _forward(q, k, v, q_lens, kv_lens, bias, mask, config)
+  return (o32.astype(q.dtype), lse), (q, k, v, o32, lse, q_lens, kv_lens, bias, mask)
 
 
 def _attention_bwd(config, residuals, cotangents):

@@ -67,3 +67,20 @@ def test_delta_from_float32_output_meets_the_rule():
     misses_rounded += sum(e > a for e, a in zip(_max_errors(rounded, reference), allowed))
   # The same inputs with delta from O rounded to 16 bits: the misses this fix removes.
   assert misses_rounded > 0
+
+
+def test_blockwise_delta_from_float32_output_meets_the_rule():
+  """The blockwise path keeps its float32 output for the backward the same way: on the peaked
+  bf16 softmaxes above its dq and dk meet the 2x-jax.nn rule."""
+  dtype, scale = jnp.bfloat16, 2.0
+  for seed in range(3):
+    q, k, v, d_o = _peaked_inputs(seed, dtype)
+    attention = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=scale)
+    _, vjp32 = jax.vjp(attention, *(x.astype(jnp.float32) for x in (q, k, v)))
+    reference = vjp32(d_o.astype(jnp.float32))[:2]
+    _, vjp_low = jax.vjp(attention, q, k, v)
+    allowed = [2 * e + 1e-5 for e in _max_errors(vjp_low(d_o)[:2], reference)]
+    _, vjp = jax.vjp(lambda q, k, v: jax_flash.dot_product_attention(
+        q, k, v, scale=scale, implementation="blockwise"), q, k, v)
+    for error, limit in zip(_max_errors(vjp(d_o)[:2], reference), allowed):
+      assert error <= limit, (seed, error, limit)
