@@ -4,6 +4,7 @@
 # tool's output folder) or ./gpu_out.
 #   usage: bash .ci/gpu/check.sh [pytest-args...]      (BENCH_ARGS="--quick" to shorten, BENCH=0
 #   to skip the benchmark, TESTS=0 to skip the tests, TEST_TIMEOUT=seconds to bound them)
+#   SANITIZE=1  compute-sanitizer memcheck and racecheck on .ci/gpu/sanitize_cases.py's odd shapes
 # tokamax joins the benchmark's peers where its wheels were carried in .whl/ (see below).
 # Opt-in steps for the end-to-end measurements (each several minutes):
 #   E2E=1   examples/train_lm.py --preset gpt2-small --compare jax_flash,xla,cudnn (issue 4)
@@ -55,6 +56,19 @@ if [[ "${PROFILE:-0}" == 1 ]]; then
       "$out/$name.txt"
   done
   echo "profile: $(( $(date +%s) - start )) s"
+fi
+
+if [[ "${SANITIZE:-0}" == 1 ]]; then
+  # compute-sanitizer on small odd shapes (.ci/gpu/sanitize_cases.py): memcheck and racecheck;
+  # SANITIZE_TOOLS overrides the list. A tool's findings end its log with an ERROR SUMMARY.
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
+    echo "== compute-sanitizer $tool"
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" timeout "${SANITIZE_TIMEOUT:-240}" \
+      /usr/local/cuda/bin/compute-sanitizer --tool "$tool" --target-processes all \
+      python3 .ci/gpu/sanitize_cases.py >"$out/sanitize_$tool.log" 2>&1
+    grep -E "^case|ERROR SUMMARY|RACECHECK SUMMARY" "$out/sanitize_$tool.log" | tail -8
+  done
+  echo "sanitizer: $(( $(date +%s) - start )) s"
 fi
 
 tests_rc=0

@@ -1,0 +1,47 @@
+"""Small odd-shaped attention calls for compute-sanitizer (memcheck, racecheck, initcheck): every
+CUDA kernel family and pass on shapes that hit tile edges, T != S, head dims 40/96/256, lengths,
+windows, GQA, deterministic, and the differentiated forward that writes o in float32.
+
+  compute-sanitizer --tool memcheck python3 .ci/gpu/sanitize_cases.py
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+import jax_flash
+
+CASES = [
+    # (batch, T, S, heads_q, heads_k, head_dim, causal, window, lengths, deterministic)
+    (1, 17, 33, 2, 1, 40, False, None, False, False),
+    (2, 65, 31, 4, 2, 96, True, None, True, False),
+    (1, 33, 33, 2, 2, 256, True, (5, 3), False, False),
+    (1, 129, 70, 2, 1, 128, False, (16, 0), True, True),
+    (2, 7, 130, 2, 2, 64, False, None, True, False),
+]
+
+
+def main() -> None:
+  for i, (b, t, s, n, kh, h, causal, window, lengths, det) in enumerate(CASES):
+    ks = jax.random.split(jax.random.key(i), 4)
+    q = jax.random.normal(ks[0], (b, t, n, h), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (b, s, kh, h), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (b, s, kh, h), jnp.bfloat16)
+    d_o = jax.random.normal(ks[3], (b, t, n, h), jnp.bfloat16)
+    kwargs = dict(is_causal=causal, local_window_size=window, implementation="cuda",
+                  deterministic=det)
+    if lengths:
+      kwargs["query_seq_lengths"] = jnp.array([max(1, t - 3)] * b, jnp.int32)
+      kwargs["key_value_seq_lengths"] = jnp.array([max(1, s // 2)] * b, jnp.int32)
+    out, vjp = jax.vjp(lambda q, k, v: jax_flash.dot_product_attention(q, k, v, **kwargs), q, k, v)
+    grads = vjp(d_o)
+    plain = jax_flash.dot_product_attention(q, k, v, **kwargs)
+    jax.block_until_ready((out, grads, plain))
+    finite = all(bool(jnp.isfinite(x.astype(jnp.float32)).all()) for x in (out, plain, *grads))
+    print(f"case {i}: B{b} T{t} S{s} N{n}/{kh} H{h} causal={causal} window={window} "
+          f"lengths={lengths} deterministic={det}: finite={finite}")
+
+
+if __name__ == "__main__":
+  main()
