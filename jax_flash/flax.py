@@ -19,7 +19,8 @@ What FlashAttention cannot honour raises at trace time, never silently: an atten
 ``bias`` on the kernels (no attention matrix exists to mask; use ``is_causal`` and the sequence
 lengths, or ``implementation="blockwise"``, FlashAttention in XLA, which takes both), active
 dropout, sowing the attention weights (``sow_weights=True`` / ``module=``), Flax's
-autoregressive ``decode`` cache (it works through a mask), and AQT's replacement einsums.
+autoregressive ``decode`` cache (it works through a mask), and AQT's replacement einsums or a
+replacement ``einsum_dot_general``. Flax's ``promote_dtype`` hook is honoured.
 
 Names that mean something else in Flax: Flax's ``deterministic`` means "no dropout";
 jax_flash's bit-reproducible backward pass is ``deterministic_backward`` here.
@@ -134,8 +135,10 @@ def dot_product_attention(
     module: Any = None,
     *,
     force_fp32_for_softmax: bool = False,
+    einsum_dot_general: Callable[..., jax.Array] | None = None,
     qk_attn_weights_einsum: Callable[..., jax.Array] | None = None,
     attn_weights_value_einsum: Callable[..., jax.Array] | None = None,
+    promote_dtype: Callable[..., Any] | None = None,
     is_causal: bool = False,
     scale: float | None = None,
     query_seq_lengths: jax.Array | None = None,
@@ -148,7 +151,9 @@ def dot_product_attention(
 
   Pass it as ``attention_fn`` to ``nnx.MultiHeadAttention`` or ``nn.MultiHeadDotProductAttention``
   (or call it directly). Positional arguments follow Flax's order up to ``module``; the rest are
-  keyword-only.
+  keyword-only. It takes every argument of Linen's and of NNX's ``dot_product_attention``
+  (``einsum_dot_general`` and the AQT einsums from Linen's, ``promote_dtype`` and
+  ``is_causal`` from NNX's), so it can replace either inside a ``functools.partial``.
 
   Args:
     query: ``(batch..., T, N, H)``; any number of batch dims, including none.
@@ -175,8 +180,14 @@ def dot_product_attention(
     module: Flax passes the module here to sow the attention weights (``sow_weights=True``);
       FlashAttention never materialises them, so a module raises ``NotImplementedError``.
     force_fp32_for_softmax: honoured whatever its value: the softmax is always float32.
+    einsum_dot_general: Linen's replacement for the ``dot_general`` of the attention's two
+      products; ``None`` or ``jax.lax.dot_general`` (what Linen uses for ``None``) has no
+      effect, anything else raises ``NotImplementedError``: the products are the kernels'.
     qk_attn_weights_einsum: AQT's replacement einsum; must be None (raises otherwise).
     attn_weights_value_einsum: AQT's replacement einsum; must be None (raises otherwise).
+    promote_dtype: NNX's hook that casts ``(query, key, value)`` to one dtype, called as NNX
+      calls it, ``promote_dtype((query, key, value), dtype=dtype)``; ``None`` casts as Flax's
+      default does (to ``dtype``, or to the inputs' common inexact dtype).
     is_causal: query ``i`` attends keys ``j <= i`` (top-left aligned, as jax.nn).
     scale: logit scale, ``1 / sqrt(H)`` by default (as Flax).
     query_seq_lengths: int array shaped like the batch dims; output rows at or past the
@@ -206,9 +217,16 @@ def dot_product_attention(
         "jax_flash.flax: qk_attn_weights_einsum / attn_weights_value_einsum (e.g. AQT's "
         "quantised einsums, from qk_attn_weights_einsum_cls / attn_weights_value_einsum_cls) "
         "cannot replace the products inside the FlashAttention kernels")
+  if einsum_dot_general is not None and einsum_dot_general is not jax.lax.dot_general:
+    raise NotImplementedError(
+        f"jax_flash.flax: einsum_dot_general={einsum_dot_general!r} cannot replace the "
+        "products inside the FlashAttention kernels; pass None (or jax.lax.dot_general)")
   del broadcast_dropout, dropout_rng, precision, force_fp32_for_softmax  # see the docstring
 
-  query, key, value = _promote(query, key, value, dtype)
+  if promote_dtype is None:
+    query, key, value = _promote(query, key, value, dtype)
+  else:
+    query, key, value = (jnp.asarray(x) for x in promote_dtype((query, key, value), dtype=dtype))
   if not query.ndim == key.ndim == value.ndim >= 3:
     raise ValueError(
         "query, key and value must all have shape (batch..., length, heads, head_dim) with the "
@@ -263,13 +281,14 @@ class AttentionFn:
   def __call__(self, query, key, value, bias=None, mask=None, broadcast_dropout=True,
                dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
                precision=None, module=None, *, force_fp32_for_softmax=False,
-               qk_attn_weights_einsum=None, attn_weights_value_einsum=None, is_causal=False,
+               einsum_dot_general=None, qk_attn_weights_einsum=None,
+               attn_weights_value_einsum=None, promote_dtype=None, is_causal=False,
                query_seq_lengths=None, key_value_seq_lengths=None) -> jax.Array:
     return dot_product_attention(
         query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
         deterministic, dtype, precision, module, force_fp32_for_softmax=force_fp32_for_softmax,
-        qk_attn_weights_einsum=qk_attn_weights_einsum,
-        attn_weights_value_einsum=attn_weights_value_einsum,
+        einsum_dot_general=einsum_dot_general, qk_attn_weights_einsum=qk_attn_weights_einsum,
+        attn_weights_value_einsum=attn_weights_value_einsum, promote_dtype=promote_dtype,
         is_causal=self.is_causal or bool(is_causal), scale=self.scale,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=self.local_window_size, implementation=self.implementation,

@@ -14,6 +14,7 @@ modules round the projections to the computation dtype, so both sides carry that
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 
@@ -400,6 +401,102 @@ def test_attention_fn_options_that_cannot_matter_are_accepted(rng):
       q, q, q, dropout_rate=0.1, deterministic=True, dropout_rng=jax.random.key(0),
       broadcast_dropout=False, precision=jax.lax.Precision.HIGHEST, force_fp32_for_softmax=True)
   np.testing.assert_array_equal(got, want)
+
+
+def _to_bfloat16(arrays, /, *, dtype=None):
+  """A promote_dtype in NNX's calling convention that ignores `dtype`: everything to bfloat16."""
+  del dtype
+  return tuple(jnp.asarray(x, jnp.bfloat16) for x in arrays)
+
+
+def test_attention_fn_takes_the_arguments_of_flax_attention_functions(rng):
+  """Every parameter of Linen's and NNX's dot_product_attention is one of ours, so either can be
+  swapped for ours inside a functools.partial (before: a TypeError for einsum_dot_general and
+  promote_dtype)."""
+  for flax_fn in (nn.dot_product_attention, nnx.dot_product_attention):
+    for fn in (jflax.dot_product_attention, jflax.make_attention_fn()):
+      missing = set(inspect.signature(flax_fn).parameters) - set(inspect.signature(fn).parameters)
+      assert not missing, (flax_fn.__module__, missing)
+
+
+def test_einsum_dot_general_and_promote_dtype_defaults_change_nothing(rng):
+  q = random_array(rng, (2, 9, 4, 16), F32)
+  k = random_array(rng, (2, 9, 2, 16), jnp.bfloat16)
+  want = jflax.dot_product_attention(q, k, k, is_causal=True)
+  nnx_promote = inspect.signature(nnx.dot_product_attention).parameters["promote_dtype"].default
+  for fn in (jflax.dot_product_attention, jflax.make_attention_fn()):
+    for extra in (dict(einsum_dot_general=None), dict(einsum_dot_general=jax.lax.dot_general),
+                  dict(promote_dtype=None), dict(promote_dtype=nnx_promote)):
+      got = fn(q, k, k, is_causal=True, **extra)
+      assert got.dtype == want.dtype, extra
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(extra))
+
+
+def test_promote_dtype_is_called_as_nnx_calls_it(rng):
+  """A promote_dtype of one's own casts the inputs as it does in nnx.dot_product_attention."""
+  q = random_array(rng, (2, 9, 4, 16), F32)
+  want = jflax.dot_product_attention(q.astype(jnp.bfloat16), q.astype(jnp.bfloat16),
+                                     q.astype(jnp.bfloat16))
+  for fn in (jflax.dot_product_attention, jflax.make_attention_fn()):
+    got = fn(q, q, q, promote_dtype=_to_bfloat16)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, F32), np.asarray(want, F32))
+  stock = nnx.dot_product_attention(q, q, q, promote_dtype=_to_bfloat16)
+  assert stock.dtype == jnp.bfloat16
+  # FlashAttention's rule: against float32, within twice the stock bfloat16 error
+  assert_within_rule("out", np.asarray(got, F32), np.asarray(nnx.dot_product_attention(q, q, q)),
+                     np.asarray(stock, F32))
+
+
+def test_einsum_dot_general_overrides_are_refused(rng):
+  q = random_array(rng, (2, 9, 4, 16), F32)
+
+  def my_dot_general(*args, **kwargs):
+    return jax.lax.dot_general(*args, **kwargs)
+
+  for fn in (jflax.dot_product_attention, jflax.make_attention_fn()):
+    with pytest.raises(NotImplementedError, match="einsum_dot_general=.*my_dot_general"):
+      fn(q, q, q, einsum_dot_general=my_dot_general)
+
+
+def test_flax_arguments_through_stock_modules(rng):
+  """Stock modules with our function in a functools.partial carrying the Flax arguments, as one
+  carries them for Flax's own functions: the same results as Flax's functions so configured."""
+  xq, xkv, _ = inputs(rng)
+  dot_general = dict(einsum_dot_general=jax.lax.dot_general)
+  linen_stock = nn.MultiHeadDotProductAttention(
+      HEADS, attention_fn=functools.partial(nn.dot_product_attention, **dot_general))
+  variables = linen_stock.init(jax.random.key(0), xq, xkv)
+  linen_flash = nn.MultiHeadDotProductAttention(
+      HEADS, attention_fn=functools.partial(jflax.dot_product_attention, **dot_general))
+  assert_close(jax.jit(linen_flash.apply)(variables, xq, xkv),
+               linen_stock.apply(variables, xq, xkv), "linen einsum_dot_general")
+
+  nnx_promote = inspect.signature(nnx.dot_product_attention).parameters["promote_dtype"].default
+  for promote in (nnx_promote, _to_bfloat16):
+    stock = nnx_mha(nnx.MultiHeadAttention, attention_fn=functools.partial(
+        nnx.dot_product_attention, promote_dtype=promote))
+    flash = nnx_mha(nnx.MultiHeadAttention, attention_fn=functools.partial(
+        jflax.dot_product_attention, promote_dtype=promote))
+    nnx.update(flash, nnx.state(stock))
+    want, got = stock(xq, xkv), flash(xq, xkv)
+    assert got.dtype == want.dtype
+    if promote is nnx_promote:
+      assert_close(got, want, "nnx promote_dtype")
+    else:  # both attentions in bfloat16: the FlashAttention rule against the float32 stock
+      stock32 = nnx_mha(nnx.MultiHeadAttention)
+      nnx.update(stock32, nnx.state(stock))
+      assert_within_rule("nnx promote_dtype bfloat16", np.asarray(got, F32),
+                         np.asarray(stock32(xq, xkv)), np.asarray(want, F32))
+
+  def my_dot_general(*args, **kwargs):
+    return jax.lax.dot_general(*args, **kwargs)
+
+  refusing = nn.MultiHeadDotProductAttention(
+      HEADS, attention_fn=functools.partial(jflax.dot_product_attention,
+                                            einsum_dot_general=my_dot_general))
+  with pytest.raises(NotImplementedError, match="einsum_dot_general"):
+    refusing.apply(variables, xq, xkv)
 
 
 # ---------------------------------------------------------------------------------------------
