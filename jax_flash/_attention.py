@@ -70,9 +70,12 @@ def dot_product_attention(
     mask: bool, ``True`` where a query may attend a key, broadcastable like ``bias``; the same
       paths take it. Causal, padding and window masks go through ``is_causal``, the sequence
       lengths and ``local_window_size`` instead, which every path takes.
-    scale: logit scale; ``1 / sqrt(H)`` by default.
+    scale: logit scale; ``1 / sqrt(H)`` by default. Any sign; it must be finite as a float32,
+      and so must its product with log2(e) (``|scale|`` up to about 2.3587e38), or a
+      ``ValueError`` names it.
     is_causal: query ``i`` attends keys ``j <= i`` (top-left aligned, as jax.nn).
-    query_seq_lengths: ``(B,)`` int32; output rows at or past the length are zero.
+    query_seq_lengths: ``(B,)`` int32 (as jax.nn, other dtypes raise ``ValueError``); output
+      rows at or past the length are zero.
     key_value_seq_lengths: ``(B,)`` int32; keys at or past the length are ignored.
     local_window_size: ``w`` or ``(left, right)``: query ``i`` attends keys
       ``i - left <= j <= i + right``.
@@ -90,7 +93,9 @@ def dot_product_attention(
   Returns:
     The attention output, shaped and typed like ``query``; with ``return_residual``, the pair
     ``(output, lse)``. A query row with no key to attend to gives zeros (and a log-sum-exp of
-    the most negative float32), never NaN.
+    the most negative float32), never NaN, whatever the inputs hold; a NaN or inf among what a
+    row attends to (or scores that overflow float32) gives NaN there, as in jax.nn. Empty
+    inputs (B, T, S or N of 0) give empty or zero results and gradients, as jax.nn's.
 
   Differentiation: reverse mode (``jax.grad``, ``jax.vjp``, ``jax.jacrev``) on every path. On
   the kernels ("cpu", "cuda") once only: a second derivative (``jax.grad`` of ``jax.grad``,
