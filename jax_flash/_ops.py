@@ -95,9 +95,13 @@ flash_fwd = _derivatives.first_order_only(_flash_fwd, nondiff_argnums=(5,))
 
 
 def for_backward(config: KernelConfig) -> KernelConfig:
-  """`config` for the forward of a differentiated call: its output o in float32 (the residual
-  the backward forms delta from); a no-op for float32 inputs, whose o already is."""
-  return dataclasses.replace(config, o_float32=True)
+  """`config` for the forward of a differentiated call: on the CPU kernel its output o in
+  float32 (the residual the backward forms delta from; a no-op for float32 inputs). The CUDA
+  kernels keep o in 16 bits: their forward forms O from P rounded to 16 bits for the P V
+  product, so a float32 O is no more consistent with the backward's float32 P than a rounded
+  one, and it doubled the compiled temp memory of fwd+bwd on the H200 (257 against 130 MiB at
+  seq 4096, head dim 128): a consistent delta there needs its own design (issue 13)."""
+  return dataclasses.replace(config, o_float32=config.implementation == "cpu")
 
 
 def dq_splits(batch: int, heads_k: int, seq_k: int) -> int:
