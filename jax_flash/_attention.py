@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_flash import _derivatives, _dispatch, _ops, _sharding, _validation
+from jax_flash import _context_parallel, _derivatives, _dispatch, _ops, _sharding, _validation
 from jax_flash._blockwise import blockwise_attention
 from jax_flash._dispatch import Implementation
 from jax_flash._reference import attention_reference
@@ -52,6 +52,7 @@ def dot_product_attention(
     implementation: Implementation | None = None,
     return_residual: bool = False,
     deterministic: bool = False,
+    context_parallel: str | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Scaled dot-product attention computed by FlashAttention kernels.
 
@@ -89,6 +90,16 @@ def dot_product_attention(
     deterministic: make the backward pass bit-identical run after run. The CUDA backward
       otherwise adds dQ with float32 atomics, whose order varies; deterministic mode computes
       dQ in a separate pass instead (slower). The CPU backward is always deterministic.
+    context_parallel: under ``jax.jit`` with the sequence axis of the query sharded over a
+      mesh axis, how the kernels run over it: ``"ring"``, ``"all_to_all"`` or
+      ``"all_gather"`` (see ``jax_flash.context_parallel_attention``), optionally with the
+      layout they compute in, ``"ring:zigzag"``, ``"ring:contiguous"``,
+      ``"all_gather:zigzag"``, ``"all_gather:contiguous"`` (zigzag balances causal work; the
+      op moves the slices itself, the caller's arrays keep their layout). ``None`` chooses
+      (the README's rule, provisional until measured on GPUs). Only the kernels ("cpu",
+      "cuda") take a value; a strategy that cannot run the call raises when the call is
+      compiled (the shardings are known only then; JAX hands the ``ValueError`` on as a
+      ``JaxRuntimeError`` with its message). No effect without a sharded sequence.
 
   Returns:
     The attention output, shaped and typed like ``query``; with ``return_residual``, the pair
@@ -106,6 +117,7 @@ def dot_product_attention(
   while compiling, outside any jax_flash code.
   """
   _dispatch.check_implementation(implementation)
+  _context_parallel.check_request(context_parallel)
   if not isinstance(deterministic, bool):
     raise ValueError(f"deterministic must be a bool; got {deterministic!r}")
   query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
@@ -131,6 +143,10 @@ def dot_product_attention(
   bias = _validation.check_logit_array("bias", bias, batch, heads_q, seq_q, seq_k)
   mask = _validation.check_logit_array("mask", mask, batch, heads_q, seq_q, seq_k)
   implementation = _dispatch.select(implementation, call)
+  if context_parallel is not None and implementation in _XLA_PATHS:
+    raise ValueError(f"context_parallel={context_parallel!r} applies to the kernels "
+                     f"(implementation 'cpu' or 'cuda'); implementation={implementation!r} is "
+                     "plain XLA, which XLA partitions itself")
 
   if q_lens is None:
     q_lens = jnp.full((batch,), seq_q, jnp.int32)
@@ -146,7 +162,8 @@ def dot_product_attention(
     out, lse = _ops.call_kernels(
         _flash_attention, query, key, value, q_lens, kv_lens, implementation=implementation,
         scale=scale, is_causal=bool(is_causal), window_left=window_left,
-        window_right=window_right, deterministic=deterministic)
+        window_right=window_right, deterministic=deterministic,
+        context_parallel=context_parallel)
   lse = jax.lax.stop_gradient(lse)
 
   if unbatched:

@@ -57,6 +57,9 @@ class KernelConfig:
   # residual, so delta = rowsum(dO * O) is formed from O at full precision, not from O rounded
   # to 16 bits (that rounding cost dq/dk their accuracy on peaked softmaxes: issue 13).
   o_float32: bool = False
+  # A sequence-sharded call under jax.jit: the strategy asked for (None: the automatic choice;
+  # see jax_flash._context_parallel). Not a kernel attribute.
+  context_parallel: str | None = None
 
   def attributes(self) -> dict:
     return dict(
@@ -167,7 +170,7 @@ KernelAttention = Callable[..., tuple[jax.Array, jax.Array]]
 def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.Array,
                  q_lens: jax.Array, kv_lens: jax.Array, *, implementation: str, scale: float,
                  is_causal: bool, window_left: int = -1, window_right: int = -1,
-                 deterministic: bool = False,
+                 deterministic: bool = False, context_parallel: str | None = None,
                  caller: str = "jax_flash.dot_product_attention") -> tuple[jax.Array, jax.Array]:
   """(out, lse) of `attention` with what every entry point does around the kernels: the scale
   made positive (positive_scale) and the head dim zero-padded as `implementation` needs
@@ -187,7 +190,7 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
     widths = [(0, 0)] * 3 + [(0, pad)]
     q, k, v = (jnp.pad(x, widths) for x in (q, k, v))
   config = KernelConfig(implementation, scale, bool(is_causal), window_left, window_right,
-                        deterministic)
+                        deterministic, context_parallel=context_parallel)
   with _derivatives.explain_forward_mode(caller, implementation):
     out, lse = attention(q, k, v, q_lens, kv_lens, config)
   return out[..., :head_dim], lse

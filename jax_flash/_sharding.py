@@ -4,8 +4,9 @@ A bare custom call does not partition: XLA would gather its operands onto every 
 kernel call here is wrapped, innermost first, in
   * ``custom_partitioning`` with a Shardy sharding rule (and the GSPMD callbacks for partitioners
     without Shardy): batch and head axes shard with no communication at all; a sharded sequence
-    axis runs ring attention over it (jax_flash._ring, contiguous layout: K/V blocks move by
-    collective-permute only); the head dim is kept whole;
+    axis runs a context-parallel strategy over it (jax_flash._context_parallel: the ring, the
+    all-to-all over heads or the all-gather of K/V, by the call's ``context_parallel`` or the
+    automatic choice, causal work balanced by the zig-zag layout); the head dim is kept whole;
   * ``custom_vmap``, whose rule folds a mapped axis into the batch axis (custom_partitioning has
     no batching rule of its own).
 
@@ -29,7 +30,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_flash import _derivatives, _ops, _ring
+from jax_flash import _context_parallel, _derivatives, _ops
 
 # Factors: b batch, t query positions, s key positions, n query heads, k kv heads, h head dim.
 # The head factors are independent: the partition callback below keeps them consistent (a
@@ -59,32 +60,39 @@ class _Plan:
   batch: object
   q_heads: object
   kv_heads: object
-  seq: object  # query and key positions: ring attention over these axes
+  seq: object  # query and key positions: a context-parallel strategy over these axes
+  strategy: _context_parallel.Strategy | None = None  # how, where seq is not None
+
+
+def _heads_plan(mesh, q_shape, k_shape, heads) -> tuple[object, object]:
+  """The kv heads shard with the query heads when they split evenly, one kv head (MQA) is
+  replicated, otherwise all heads stay whole."""
+  if heads is None or q_shape[2] % _axis_size(mesh, heads):
+    return None, None
+  if k_shape[2] % _axis_size(mesh, heads) == 0:
+    return heads, heads
+  if k_shape[2] == 1:
+    return heads, None
+  return None, None
 
 
 def _plan(mesh, arg_shapes, config: _ops.KernelConfig) -> _Plan:
-  """Read off the query's sharding: batch as it is; the kv heads shard with the query heads
-  when they split evenly, one kv head (MQA) is replicated, otherwise all heads stay whole; a
-  sharded sequence runs the ring when its blocks are chunk-aligned (no window; causal only with
-  equal query and key lengths), and is gathered otherwise."""
+  """Read off the query's sharding: batch as it is; heads by _heads_plan; a sharded sequence
+  runs the strategy _context_parallel.choose picks for the call (or the one it asks for), and
+  is gathered where none can run."""
   q, k = arg_shapes[0], arg_shapes[1]
   batch = _spec_entry(q.sharding, 0)
   seq = _spec_entry(q.sharding, 1)
-  heads = _spec_entry(q.sharding, 2)
   if q.shape[0] % _axis_size(mesh, batch):
     batch = None
+  q_heads, kv_heads = _heads_plan(mesh, q.shape, k.shape, _spec_entry(q.sharding, 2))
+  strategy = None
   if seq is not None:
-    ring_ok = (config.window_left < 0 and config.window_right < 0 and
-               not (config.is_causal and q.shape[1] != k.shape[1]) and
-               q.shape[1] % _axis_size(mesh, seq) == 0 and k.shape[1] % _axis_size(mesh, seq) == 0)
-    seq = seq if ring_ok else None
-  if heads is None or q.shape[2] % _axis_size(mesh, heads):
-    return _Plan(batch, None, None, seq)
-  if k.shape[2] % _axis_size(mesh, heads) == 0:
-    return _Plan(batch, heads, heads, seq)
-  if k.shape[2] == 1:
-    return _Plan(batch, heads, None, seq)
-  return _Plan(batch, None, None, seq)
+    strategy = _context_parallel.choose(
+        config.context_parallel, num=_axis_size(mesh, seq), seq_q=q.shape[1], seq_k=k.shape[1],
+        heads_q=q.shape[2] // _axis_size(mesh, q_heads), config=config)
+    seq = seq if strategy is not None else None
+  return _Plan(batch, q_heads, kv_heads, seq, strategy)
 
 
 def _shardings(mesh, plan: _Plan):
@@ -105,8 +113,8 @@ def _fwd_partition(config, mesh, arg_shapes, result_shape):
 
   def lower(q, k, v, q_lens, kv_lens):
     if plan.seq is not None:
-      return _ring.ring_fwd(q, k, v, q_lens, kv_lens, config, axis_name=plan.seq,
-                            layout="contiguous")
+      return _context_parallel.sharded_fwd(plan.strategy, q, k, v, q_lens, kv_lens, config,
+                                           axis_name=plan.seq)
     return _fwd_impl(q, k, v, q_lens, kv_lens, config)
 
   return mesh, lower, (q_rows, lse), (q_rows, kv_rows, kv_rows, lens, lens)
@@ -127,8 +135,8 @@ def _bwd_partition(config, mesh, arg_shapes, result_shape):
 
   def lower(q, k, v, o, lse, d_o, q_lens, kv_lens):
     if plan.seq is not None:
-      dq, dk, dv = _ring.ring_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config,
-                                  axis_name=plan.seq, layout="contiguous")
+      dq, dk, dv = _context_parallel.sharded_bwd(plan.strategy, q, k, v, o, lse, d_o, q_lens,
+                                                 kv_lens, config, axis_name=plan.seq)
     else:
       dq, dk, dv = _bwd_impl(q, k, v, o, lse, d_o, q_lens, kv_lens, config)
     if plan.q_heads is not None and plan.kv_heads is None:

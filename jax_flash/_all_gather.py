@@ -1,0 +1,167 @@
+"""Context parallelism by all-gather of K/V.
+
+Each device keeps its query slice and gathers the keys and values of the whole sequence (one
+all-gather each); the backward pass gathers them again and returns dK/dV to their owners by a
+reduce-scatter.
+
+The kernels mask by positions local to their operands: a query slice starting at global row
+``off`` has its causal and window masks shifted by ``off``. The kernels take no position
+offset, but a window does the same work: with keys cut to the static range [ks, ke) the query
+can see, global ``j <= i + off + right`` is local ``j' <= i' + (off - ks) + right`` and global
+``j >= i + off - left`` is local ``j' >= i' - (left - (off - ks))``, both bounds >= 0 (ks is
+off - left, or 0 when that is negative). The offset is static per device: a ``lax.switch`` over
+the device index picks one kernel call per possible slice (P of them, each with its own
+constants), so the kernels see only what their slice attends to (causal: the keys up to the
+slice's end, a window: the window's span).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jax_flash import _ops
+from jax_flash._chunks import from_layout_order, to_layout_order
+from jax_flash._reference import EMPTY_ROW_LSE
+from jax_flash._ring import _varying_like
+
+_UNBOUNDED = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slice:
+  """What the query rows [off, off + rows) attend to: keys [start, stop) under `config`."""
+  start: int
+  stop: int
+  config: _ops.KernelConfig
+
+
+def _slice_plan(config: _ops.KernelConfig, off: int, rows: int, seq_k: int) -> _Slice:
+  """The key range and kernel constants of the query rows [off, off + rows)."""
+  left = config.window_left  # -1: unbounded
+  right = config.window_right
+  if config.is_causal:
+    right = 0
+  start = 0 if left < 0 else max(0, off - left)
+  stop = seq_k if right < 0 else min(seq_k, off + rows + right)
+  shift = off - start
+  local = dataclasses.replace(
+      config, is_causal=False,
+      window_left=_UNBOUNDED if left < 0 else left - shift,
+      window_right=_UNBOUNDED if right < 0 else shift + right)
+  return _Slice(start, max(start, stop), local)
+
+
+def _chunk_ids(num: int, layout: str):
+  """Which chunks (of P or 2P) a device's query rows are, as functions of its rank (a Python
+  int or the traced axis index)."""
+  if layout == "contiguous":
+    return [lambda r: r]
+  return [lambda r: r, lambda r: 2 * num - 1 - r]
+
+
+def _gather_kv(k, v, axis_name, layout: str, num: int):
+  k = jax.lax.all_gather(k, axis_name, axis=1, tiled=True)
+  v = jax.lax.all_gather(v, axis_name, axis=1, tiled=True)
+  return from_layout_order(k, 1, num, layout), from_layout_order(v, 1, num, layout)
+
+
+def _local_kv_lens(kv_lens, plan: _Slice):
+  return jnp.clip(kv_lens - plan.start, 0, plan.stop - plan.start).astype(jnp.int32)
+
+
+def _slice_fwd(plan: _Slice, q, k, v, q_lens, kv_lens):
+  """(o float32, lse) of one query slice (q_lens local to it) against the gathered K/V."""
+  if plan.stop == plan.start:  # nothing visible: every row empty
+    batch, rows, heads, _ = q.shape
+    return (_varying_like(jnp.zeros(q.shape, jnp.float32), q),
+            _varying_like(jnp.full((batch, heads, rows), EMPTY_ROW_LSE, jnp.float32), q))
+  o, lse = _ops.flash_fwd(q, k[:, plan.start:plan.stop], v[:, plan.start:plan.stop], q_lens,
+                          _local_kv_lens(kv_lens, plan), plan.config)
+  return _varying_like(o.astype(jnp.float32), q), _varying_like(lse, q)
+
+
+def _slice_bwd(plan: _Slice, q, k, v, o, lse, d_o, q_lens, kv_lens):
+  """(dq, dk float32, dv float32) of _slice_fwd, dK/dV over the whole gathered sequence."""
+  dk = jnp.zeros(k.shape, jnp.float32)
+  dv = jnp.zeros(v.shape, jnp.float32)
+  if plan.stop == plan.start:
+    return (_varying_like(jnp.zeros(q.shape, q.dtype), q), _varying_like(dk, k),
+            _varying_like(dv, v))
+  dq, dk_part, dv_part = _ops.flash_bwd(
+      q, k[:, plan.start:plan.stop], v[:, plan.start:plan.stop], o, lse, d_o, q_lens,
+      _local_kv_lens(kv_lens, plan), plan.config)
+  dk = dk.at[:, plan.start:plan.stop].set(dk_part.astype(jnp.float32))
+  dv = dv.at[:, plan.start:plan.stop].set(dv_part.astype(jnp.float32))
+  return _varying_like(dq, q), _varying_like(dk, k), _varying_like(dv, v)
+
+
+def _by_rank(rank, plans: list[_Slice], fn, *args):
+  """fn(plan of this rank, *args): one call where every rank has the same plan, else a
+  lax.switch over the ranks."""
+  if all(p == plans[0] for p in plans):
+    return fn(plans[0], *args)
+  branches = [lambda *a, p=p: fn(p, *a) for p in plans]
+  return jax.lax.switch(rank, branches, *args)
+
+
+def _split_rows(x, parts: int, axis: int):
+  return jnp.split(x, parts, axis=axis) if parts > 1 else [x]
+
+
+def _slices(config, num: int, layout: str, rows: int, seq_k: int, rank, q_lens):
+  """For each of this device's query chunks: (its plan for every rank, its local q_lens)."""
+  out = []
+  for chunk in _chunk_ids(num, layout):
+    plans = [_slice_plan(config, chunk(r) * rows, rows, seq_k) for r in range(num)]
+    local_q_lens = jnp.clip(q_lens - chunk(rank) * rows, 0, rows).astype(jnp.int32)
+    out.append((plans, local_q_lens))
+  return out
+
+
+def all_gather_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, *, axis_name,
+                   layout: str, kv_layout: str | None = None):
+  """(o, lse) over a sequence sharded along `axis_name`, with _ops.flash_fwd's arguments and
+  results (this device's query slices in `layout`, its K/V slices in `kv_layout`, by default
+  the same; q_lens and kv_lens global). Inside shard_map or a partitioned lowering."""
+  num = jax.lax.axis_size(axis_name)
+  rank = jax.lax.axis_index(axis_name)
+  k, v = _gather_kv(k, v, axis_name, kv_layout or layout, num)
+  parts = 1 if layout == "contiguous" else 2
+  rows = q.shape[1] // parts
+  outs, lses = [], []
+  for q_c, (plans, q_lens_c) in zip(_split_rows(q, parts, 1),
+                                    _slices(config, num, layout, rows, k.shape[1], rank, q_lens)):
+    o, lse = _by_rank(rank, plans, _slice_fwd, q_c, k, v, q_lens_c, kv_lens)
+    outs.append(o)
+    lses.append(lse)
+  out = jnp.concatenate(outs, axis=1).astype(jnp.float32 if config.o_float32 else q.dtype)
+  return out, jnp.concatenate(lses, axis=2)
+
+
+def all_gather_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelConfig, *,
+                   axis_name, layout: str, kv_layout: str | None = None):
+  """(dq, dk, dv) of all_gather_fwd, with _ops.flash_bwd's arguments and results."""
+  num = jax.lax.axis_size(axis_name)
+  rank = jax.lax.axis_index(axis_name)
+  kv_layout = kv_layout or layout
+  k_all, v_all = _gather_kv(k, v, axis_name, kv_layout, num)
+  parts = 1 if layout == "contiguous" else 2
+  rows = q.shape[1] // parts
+  dqs = []
+  dk = jnp.zeros(k_all.shape, jnp.float32)
+  dv = jnp.zeros(v_all.shape, jnp.float32)
+  chunks = zip(_split_rows(q, parts, 1), _split_rows(o, parts, 1), _split_rows(lse, parts, 2),
+               _split_rows(d_o, parts, 1),
+               _slices(config, num, layout, rows, k_all.shape[1], rank, q_lens))
+  for q_c, o_c, lse_c, do_c, (plans, q_lens_c) in chunks:
+    dq_c, dk_c, dv_c = _by_rank(rank, plans, _slice_bwd, q_c, k_all, v_all, o_c, lse_c, do_c,
+                                q_lens_c, kv_lens)
+    dqs.append(dq_c)
+    dk, dv = dk + dk_c, dv + dv_c
+  # Back into the layout the devices hold the sequence in, then each device's slice summed.
+  dk, dv = (jax.lax.psum_scatter(to_layout_order(x, 1, num, kv_layout), axis_name,
+                                 scatter_dimension=1, tiled=True) for x in (dk, dv))
+  return jnp.concatenate(dqs, axis=1).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)

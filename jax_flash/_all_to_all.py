@@ -1,0 +1,91 @@
+"""Context parallelism by all-to-all over heads (DeepSpeed-Ulysses, Jacobs et al. 2023,
+arXiv:2309.14509).
+
+Each device holds a slice of the sequence of every head. One all-to-all turns that into the
+whole sequence of a slice of the heads; the kernel then runs unchanged over the whole sequence
+(every mask, window and length as on one device, and causal work equal on every device); a
+second all-to-all turns the output back into sequence slices. The backward pass does the same
+with q, k, v, o, dO and the log-sum-exp, and returns dQ, dK, dV by all-to-all.
+
+Heads: the query heads must split over the axis. Key/value heads that do not (GQA with fewer kv
+heads than devices) are repeated, each r times with r the smallest factor making them split;
+their gradients are summed back over the copies.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jax_flash import _ops
+from jax_flash._chunks import from_layout_order, to_layout_order
+
+
+def kv_repeats(heads_q: int, heads_k: int, num: int) -> int:
+  """How many copies of each kv head make them split over `num` devices with the query heads
+  (1: none needed). heads_q % num == 0 is the caller's to check."""
+  return num // math.gcd(heads_k, num)
+
+
+def _to_heads(x, axis_name, layout: str, num: int):
+  """(B, L/P, heads, H) sequence slices -> (B, L, heads/P, H), the sequence in natural order."""
+  x = jax.lax.all_to_all(x, axis_name, split_axis=2, concat_axis=1, tiled=True)
+  return from_layout_order(x, 1, num, layout)
+
+
+def _to_sequence(x, axis_name, layout: str, num: int):
+  """The inverse of _to_heads."""
+  x = to_layout_order(x, 1, num, layout)
+  return jax.lax.all_to_all(x, axis_name, split_axis=1, concat_axis=2, tiled=True)
+
+
+def _lse_to_heads(lse, axis_name, layout: str, num: int):
+  """(B, N, T/P) -> (B, N/P, T)."""
+  lse = jax.lax.all_to_all(lse, axis_name, split_axis=1, concat_axis=2, tiled=True)
+  return from_layout_order(lse, 2, num, layout)
+
+
+def _lse_to_sequence(lse, axis_name, layout: str, num: int):
+  lse = to_layout_order(lse, 2, num, layout)
+  return jax.lax.all_to_all(lse, axis_name, split_axis=2, concat_axis=1, tiled=True)
+
+
+def _repeat_kv(k, v, repeats: int):
+  if repeats == 1:
+    return k, v
+  return jnp.repeat(k, repeats, axis=2), jnp.repeat(v, repeats, axis=2)
+
+
+def _sum_kv_copies(dk, repeats: int):
+  if repeats == 1:
+    return dk
+  batch, seq, heads, head_dim = dk.shape
+  summed = dk.astype(jnp.float32).reshape(batch, seq, heads // repeats, repeats, head_dim).sum(3)
+  return summed.astype(dk.dtype)
+
+
+def all_to_all_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, *, axis_name,
+                   layout: str):
+  """(o, lse) over a sequence sharded along `axis_name`, with _ops.flash_fwd's arguments and
+  results (this device's slices in `layout`; q_lens and kv_lens global). Inside shard_map or a
+  partitioned lowering; the local query heads must split over the axis."""
+  num = jax.lax.axis_size(axis_name)
+  k, v = _repeat_kv(k, v, kv_repeats(q.shape[2], k.shape[2], num))
+  q, k, v = (_to_heads(x, axis_name, layout, num) for x in (q, k, v))
+  o, lse = _ops.flash_fwd(q, k, v, q_lens, kv_lens, config)
+  return _to_sequence(o, axis_name, layout, num), _lse_to_sequence(lse, axis_name, layout, num)
+
+
+def all_to_all_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelConfig, *,
+                   axis_name, layout: str):
+  """(dq, dk, dv) of all_to_all_fwd, with _ops.flash_bwd's arguments and results."""
+  num = jax.lax.axis_size(axis_name)
+  repeats = kv_repeats(q.shape[2], k.shape[2], num)
+  k, v = _repeat_kv(k, v, repeats)
+  q, k, v, o, d_o = (_to_heads(x, axis_name, layout, num) for x in (q, k, v, o, d_o))
+  lse = _lse_to_heads(lse, axis_name, layout, num)
+  dq, dk, dv = _ops.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config)
+  dq, dk, dv = (_to_sequence(x, axis_name, layout, num) for x in (dq, dk, dv))
+  return dq, _sum_kv_copies(dk, repeats), _sum_kv_copies(dv, repeats)

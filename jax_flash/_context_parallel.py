@@ -1,0 +1,290 @@
+"""Context parallelism: which strategy runs attention over a sharded sequence, and running it.
+
+Three strategies, each over one mesh axis (or a tuple of axes) of P devices:
+
+* ``"ring"`` (jax_flash._ring): K/V blocks travel around the devices by collective-permute,
+  partial results merge through their log-sum-exps. Memory per device O(L/P); communication
+  2(P-1) K/V slices forward, twice that backward, overlappable with compute. No local windows;
+  causal only with T == S.
+* ``"all_to_all"`` (jax_flash._all_to_all, DeepSpeed-Ulysses): sequence slices of every head
+  become the whole sequence of a slice of the heads; the kernel runs unchanged. Communication:
+  q, k, v and o once each by all-to-all, whatever P. Needs the query heads on each device to
+  split over P (kv heads are repeated as needed). Takes every mask.
+* ``"all_gather"`` (jax_flash._all_gather): each device keeps its queries and gathers K/V.
+  Memory per device O(S) for K/V. Takes every mask and T != S.
+
+Under ``jax.jit`` the caller's sequence is contiguous (device r holds rows [rL, (r+1)L)). Under
+a causal mask that gives device P-1 about P times the work of device 0; the zig-zag layout
+balances it, and the partitioned op moves the slices into it and back itself (two
+collective-permutes of half a slice each per operand, :mod:`jax_flash._chunks`): the user's
+data layout is unchanged. Inside ``jax.shard_map`` (``context_parallel_attention``) the caller
+chooses the layout and holds the data in it; nothing is moved.
+
+The automatic choice (``context_parallel=None``) is provisional, a rule from what each strategy
+can run and from the one measurement made so far (the ring on two H200s, README); it is to be
+revisited with measurements of all three on GPUs:
+
+1. ``"ring"`` where it can run (no window; causal only with T == S), balanced by the zig-zag
+   layout when causal (and the sequence splits into 2P chunks): the smallest memory, and its
+   communication overlaps compute;
+2. else ``"all_to_all"`` where the heads split over the axis: every mask, work balanced;
+3. else ``"all_gather"`` (causal without a window balanced by zig-zag queries);
+4. else (the sequence does not split over the axis) no strategy: the sequence is gathered and
+   the op runs on it whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jax_flash import _all_gather, _all_to_all, _dispatch, _ops, _ring, _validation
+from jax_flash._chunks import contiguous_to_zigzag, zigzag_to_contiguous
+
+STRATEGIES = ("ring", "all_to_all", "all_gather")
+# What dot_product_attention's `context_parallel` takes (None: the automatic choice).
+REQUESTS = ("ring", "ring:contiguous", "ring:zigzag", "all_to_all", "all_gather",
+            "all_gather:contiguous", "all_gather:zigzag")
+
+
+def check_request(context_parallel) -> None:
+  """Raises ValueError unless `context_parallel` is None or one of REQUESTS."""
+  if context_parallel is not None and context_parallel not in REQUESTS:
+    raise ValueError(f"context_parallel must be None (automatic) or one of {REQUESTS}; got "
+                     f"{context_parallel!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+  """How a sequence-sharded call runs: `name` of STRATEGIES, computing in `layout`; with
+  `relayout` the caller's contiguous slices are moved into it (and the results back)."""
+  name: str
+  layout: str = "contiguous"
+  relayout: bool = False
+
+
+def _why_not(name: str, *, num: int, seq_q: int, seq_k: int, heads_q: int,
+             config: _ops.KernelConfig) -> str | None:
+  """Why strategy `name` cannot run this call over `num` devices (None: it can)."""
+  if seq_q % num or seq_k % num:
+    return (f"the query and key lengths ({seq_q}, {seq_k}) must split over the {num} devices "
+            "of the sequence axis")
+  windowed = config.window_left >= 0 or config.window_right >= 0
+  if name == "ring":
+    if windowed:
+      return "the ring takes no local window (use 'all_to_all' or 'all_gather')"
+    if config.is_causal and seq_q != seq_k:
+      return (f"the causal ring needs equal query and key lengths; got T={seq_q}, S={seq_k} "
+              "(use 'all_to_all' or 'all_gather')")
+  if name == "all_to_all" and heads_q % num:
+    return (f"all_to_all needs the query heads on each device ({heads_q}) to split over the "
+            f"{num} devices of the sequence axis")
+  return None
+
+
+def _zigzag_fits(name: str, num: int, seq_q: int, seq_k: int) -> bool:
+  if num < 2 or seq_q % (2 * num):
+    return False
+  return name == "all_gather" or seq_k % (2 * num) == 0
+
+
+def choose(request: str | None, *, num: int, seq_q: int, seq_k: int, heads_q: int,
+           config: _ops.KernelConfig) -> Strategy | None:
+  """The strategy of a call partitioned under jax.jit (see the module docstring for the
+  automatic rule). `heads_q` are the query heads on each device of the sequence axis. A
+  requested strategy that cannot run raises ValueError; the automatic choice returns None
+  when none can (the caller then gathers the sequence)."""
+  check_request(request)
+  facts = dict(num=num, seq_q=seq_q, seq_k=seq_k, heads_q=heads_q, config=config)
+  if request is None:
+    names = [n for n in STRATEGIES if _why_not(n, **facts) is None]
+    if not names:
+      return None
+    name, layout = names[0], None
+  else:
+    name, _, layout = request.partition(":")
+    problem = _why_not(name, **facts)
+    if problem:
+      raise ValueError(f"context_parallel={request!r} cannot run this call: {problem}")
+    layout = layout or None
+  if name == "all_to_all":
+    return Strategy(name)
+  if layout is None:  # balance causal work where the sequence splits into 2P chunks
+    balanced = config.is_causal and config.window_left < 0
+    layout = "zigzag" if balanced and _zigzag_fits(name, num, seq_q, seq_k) else "contiguous"
+  elif layout == "zigzag" and not _zigzag_fits(name, num, seq_q, seq_k):
+    raise ValueError(f"context_parallel={request!r} needs the sequence lengths (T={seq_q}, "
+                     f"S={seq_k}) to be multiples of 2 x {num} devices")
+  return Strategy(name, layout, relayout=layout == "zigzag")
+
+
+_FORWARD = {"ring": _ring.ring_fwd, "all_to_all": _all_to_all.all_to_all_fwd,
+            "all_gather": _all_gather.all_gather_fwd}
+_BACKWARD = {"ring": _ring.ring_bwd, "all_to_all": _all_to_all.all_to_all_bwd,
+             "all_gather": _all_gather.all_gather_bwd}
+
+
+def _moved(strategy: Strategy, kv: bool) -> bool:
+  """Whether the relayout moves these operands: queries always, K/V for the ring only (the
+  all-gather gathers K/V in whatever layout they are)."""
+  return strategy.relayout and (not kv or strategy.name == "ring")
+
+
+def _kv_layout(strategy: Strategy) -> str:
+  """The layout K/V are in when the strategy runs (the caller's where they were not moved)."""
+  return "contiguous" if strategy.relayout and not _moved(strategy, kv=True) else strategy.layout
+
+
+def _run_fwd(strategy: Strategy, q, k, v, q_lens, kv_lens, config, axis_name):
+  if strategy.name == "all_gather":
+    return _all_gather.all_gather_fwd(q, k, v, q_lens, kv_lens, config, axis_name=axis_name,
+                                      layout=strategy.layout, kv_layout=_kv_layout(strategy))
+  return _FORWARD[strategy.name](q, k, v, q_lens, kv_lens, config, axis_name=axis_name,
+                                 layout=strategy.layout)
+
+
+def _run_bwd(strategy: Strategy, q, k, v, o, lse, d_o, q_lens, kv_lens, config, axis_name):
+  if strategy.name == "all_gather":
+    return _all_gather.all_gather_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config,
+                                      axis_name=axis_name, layout=strategy.layout,
+                                      kv_layout=_kv_layout(strategy))
+  return _BACKWARD[strategy.name](q, k, v, o, lse, d_o, q_lens, kv_lens, config,
+                                  axis_name=axis_name, layout=strategy.layout)
+
+
+def sharded_fwd(strategy: Strategy, q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, *,
+                axis_name):
+  """(o, lse) of `strategy` over contiguous slices (a partitioned lowering's operands): moved
+  into the strategy's layout and back where it asks for that."""
+  if _moved(strategy, kv=True):
+    q, k, v = contiguous_to_zigzag((q, k, v), axis_name, (1, 1, 1))
+  elif _moved(strategy, kv=False):
+    (q,) = contiguous_to_zigzag((q,), axis_name, (1,))
+  o, lse = _run_fwd(strategy, q, k, v, q_lens, kv_lens, config, axis_name)
+  if strategy.relayout:
+    o, lse = zigzag_to_contiguous((o, lse), axis_name, (1, 2))
+  return o, lse
+
+
+def sharded_bwd(strategy: Strategy, q, k, v, o, lse, d_o, q_lens, kv_lens,
+                config: _ops.KernelConfig, *, axis_name):
+  """(dq, dk, dv) of sharded_fwd."""
+  if strategy.relayout:
+    q, o, d_o, lse = contiguous_to_zigzag((q, o, d_o, lse), axis_name, (1, 1, 1, 2))
+  if _moved(strategy, kv=True):
+    k, v = contiguous_to_zigzag((k, v), axis_name, (1, 1))
+  dq, dk, dv = _run_bwd(strategy, q, k, v, o, lse, d_o, q_lens, kv_lens, config, axis_name)
+  if _moved(strategy, kv=True):
+    dq, dk, dv = zigzag_to_contiguous((dq, dk, dv), axis_name, (1, 1, 1))
+  elif strategy.relayout:
+    (dq,) = zigzag_to_contiguous((dq,), axis_name, (1,))
+  return dq, dk, dv
+
+
+# ---- inside shard_map ---------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _attention(q, k, v, q_lens, kv_lens, config, strategy, axis_name):
+  return _run_fwd(strategy, q, k, v, q_lens, kv_lens, config, axis_name)
+
+
+def _attention_fwd(q, k, v, q_lens, kv_lens, config, strategy, axis_name):
+  # The output in float32 for the backward, as dot_product_attention's forward keeps it.
+  out32, lse = _run_fwd(strategy, q, k, v, q_lens, kv_lens, _ops.for_backward(config),
+                        axis_name)
+  return (out32.astype(q.dtype), lse), (q, k, v, q_lens, kv_lens, out32, lse)
+
+
+def _attention_bwd(config, strategy, axis_name, residuals, cotangents):
+  q, k, v, q_lens, kv_lens, out, lse = residuals
+  d_out, _ = cotangents  # lse leaves under stop_gradient
+  dq, dk, dv = _run_bwd(strategy, q, k, v, out, lse, d_out, q_lens, kv_lens, config, axis_name)
+  return dq, dk, dv, None, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def context_parallel_attention(
+    query: jax.Array, key: jax.Array, value: jax.Array, *, axis_name, strategy: str = "ring",
+    layout: str = "contiguous", scale: float | None = None, is_causal: bool = False,
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: str | None = None, deterministic: bool = False,
+    return_residual: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+  """Attention over a sequence sharded along `axis_name`, for use inside ``jax.shard_map``.
+
+  Args:
+    query, key, value: this device's slices, ``(B, T/P, N, H)`` and ``(B, S/P, K, H)``, held
+      in `layout`; rank 4.
+    axis_name: the mesh axis (or tuple of axes) the sequence is sharded over (P devices).
+    strategy: ``"ring"`` (K/V blocks passed around by collective-permute; no local window,
+      causal only with T == S), ``"all_to_all"`` (DeepSpeed-Ulysses: all-to-all to head
+      slices of the whole sequence and back; the N query heads on this device must split over
+      P; kv heads that do not are repeated) or ``"all_gather"`` (K/V gathered, queries kept).
+    layout: ``"contiguous"`` (device r holds rows [rL, (r+1)L)) or ``"zigzag"`` (chunks r and
+      2P-1-r of 2P: equal causal work on every device; see ``jax_flash.zigzag_indices``).
+    query_seq_lengths, key_value_seq_lengths: global lengths ``(B,)`` int32.
+    local_window_size: as in ``dot_product_attention``, global positions; not with "ring".
+    The other arguments are those of ``jax_flash.dot_product_attention`` on its kernels
+    (``implementation`` None, "cpu" or "cuda").
+
+  Returns:
+    This device's slice of the output (and of the log-sum-exp, ``(B, T/P, N)`` float32, with
+    ``return_residual``), in `layout`. Differentiable once, in reverse mode.
+  """
+  query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+  _validation.check_qkv(query, key, value)
+  if query.ndim != 4:
+    raise ValueError("context_parallel_attention takes rank-4 slices (B, T, N, H); got "
+                     f"query{query.shape}")
+  if strategy not in STRATEGIES:
+    raise ValueError(f"strategy must be one of {STRATEGIES}; got {strategy!r}")
+  if layout not in _ring.LAYOUTS:
+    raise ValueError(f"layout must be one of {_ring.LAYOUTS}; got {layout!r}")
+  batch, rows_q, heads_q, head_dim = query.shape
+  rows_k = key.shape[1]
+  num = jax.lax.axis_size(axis_name)
+  parts = 1 if layout == "contiguous" else 2
+  if rows_q % parts or rows_k % parts:
+    raise ValueError(f"the zigzag layout holds two chunks per device: query{query.shape} and "
+                     f"key{key.shape} need even sequence slices")
+  seq_q, seq_k = rows_q * num, rows_k * num
+  window = _validation.check_window(local_window_size, seq_q + seq_k)
+  window_left, window_right = window if window is not None else (-1, -1)
+  probe = _ops.KernelConfig("cpu", 1.0, bool(is_causal), window_left, window_right)
+  problem = _why_not(strategy, num=num, seq_q=seq_q, seq_k=seq_k, heads_q=heads_q, config=probe)
+  if problem:
+    raise ValueError(f"strategy={strategy!r} cannot run query{query.shape}, key{key.shape} "
+                     f"over {num} devices: {problem}")
+  masks = _dispatch.mask_forms(
+      is_causal=bool(is_causal), local_window=window is not None,
+      seq_lengths=query_seq_lengths is not None or key_value_seq_lengths is not None)
+  caller = "jax_flash.context_parallel_attention"
+  implementation = _dispatch.select(
+      implementation, _dispatch.Call(query.shape, query.dtype, mask_forms=masks,
+                                     deterministic=deterministic, ring=True), caller=caller)
+  q_lens = _validation.check_seq_lengths("query_seq_lengths", query_seq_lengths, batch, seq_q)
+  kv_lens = _validation.check_seq_lengths("key_value_seq_lengths", key_value_seq_lengths, batch,
+                                          seq_k)
+  if q_lens is None:
+    q_lens = jnp.full((batch,), seq_q, jnp.int32)
+  if kv_lens is None:
+    kv_lens = jnp.full((batch,), seq_k, jnp.int32)
+  plan = Strategy(strategy, layout)
+
+  def attention(q, k, v, q_lens, kv_lens, config):
+    return _attention(q, k, v, q_lens, kv_lens, config, plan, axis_name)
+
+  out, lse = _ops.call_kernels(
+      attention, query, key, value, q_lens, kv_lens, implementation=implementation,
+      scale=_validation.check_scale(scale, head_dim), is_causal=bool(is_causal),
+      window_left=window_left, window_right=window_right, deterministic=deterministic,
+      caller=caller)
+  lse = jax.lax.stop_gradient(lse)
+  return (out, jnp.swapaxes(lse, -1, -2)) if return_residual else out
