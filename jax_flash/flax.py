@@ -13,14 +13,18 @@ Flax is an optional dependency (``pip install -e ".[examples]"``); import this m
   are Flax's modules with FlashAttention inside: the same constructor arguments and the same
   parameter tree, so parameters move between the stock and the flash module either way; plus
   ``is_causal``, ``num_kv_heads`` (grouped-query attention), ``implementation`` and per-call
-  ``query_seq_lengths`` / ``key_value_seq_lengths`` (padding).
+  ``query_seq_lengths`` / ``key_value_seq_lengths`` (padding). ``decode=True`` keeps Flax's
+  autoregressive cache (collection "cache": ``cached_key``, ``cached_value``, ``cache_index``,
+  as the stock modules make it, so a cache moves between them too) and attends over its valid
+  prefix with the kernels (``_flax_cache.py``).
 
 What FlashAttention cannot honour raises at trace time, never silently: an attention ``mask`` or
 ``bias`` on the kernels (no attention matrix exists to mask; use ``is_causal`` and the sequence
 lengths, or ``implementation="blockwise"``, FlashAttention in XLA, which takes both), active
-dropout, sowing the attention weights (``sow_weights=True`` / ``module=``), Flax's
-autoregressive ``decode`` cache (it works through a mask), and AQT's replacement einsums or a
-replacement ``einsum_dot_general``. Flax's ``promote_dtype`` hook is honoured.
+dropout, sowing the attention weights (``sow_weights=True`` / ``module=``), the stock modules'
+``decode=True`` with this ``attention_fn`` on the kernels (the stock module passes the cache's
+valid prefix as a mask; the Flash modules pass it as a length), and AQT's replacement einsums
+or a replacement ``einsum_dot_general``. Flax's ``promote_dtype`` hook is honoured.
 
 Names that mean something else in Flax: Flax's ``deterministic`` means "no dropout";
 jax_flash's bit-reproducible backward pass is ``deterministic_backward`` here.
@@ -49,7 +53,7 @@ except ModuleNotFoundError as e:
   ) from e
 
 import jax_flash
-from jax_flash import _dispatch, _validation
+from jax_flash import _dispatch, _flax_cache, _validation
 from jax_flash._dispatch import Implementation
 
 __all__ = [
@@ -68,8 +72,9 @@ _MASK_HELP = (
     "nnx.MultiHeadAttention's own `is_causal=True` call argument) instead of "
     "nn.make_causal_mask / nnx.make_causal_mask; padding is `query_seq_lengths` / "
     "`key_value_seq_lengths` (call arguments of the Flash modules and of "
-    "jax_flash.flax.dot_product_attention); sliding windows are `local_window_size`. Flax's "
-    "`decode=True` cache also passes a mask: decoding is not supported yet.")
+    "jax_flash.flax.dot_product_attention); sliding windows are `local_window_size`. The stock "
+    "modules' `decode=True` cache also passes a mask: decode with FlashMultiHeadAttention / "
+    "FlashMultiHeadDotProductAttention(decode=True), which pass the cache's length instead.")
 
 
 def _fold_logit_array(name: str, x, batch_dims: tuple[int, ...],
@@ -321,6 +326,18 @@ def make_attention_fn(
                      deterministic_backward=deterministic_backward)
 
 
+def _decoding(attention_fn: AttentionFn, owner: str) -> AttentionFn:
+  """`attention_fn` for a decode call: the cache's valid length (key_value_seq_lengths) is
+  what keeps the query from later positions, so the module's is_causal is dropped (top-left
+  aligned, it would let the one query see key 0 only). A local window is relative to the
+  query's position, which the kernels do not know in a decode call: refused."""
+  if attention_fn.local_window_size is not None:
+    raise NotImplementedError(
+        f"{owner}: local_window_size={attention_fn.local_window_size!r} with decode=True is not "
+        "supported yet (the window would be placed at position 0, not at cache_index)")
+  return dataclasses.replace(attention_fn, is_causal=False)
+
+
 # ---------------------------------------------------------------------------------------------
 # NNX
 
@@ -352,9 +369,18 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
     deterministic_backward: bit-reproducible backward pass (see jax_flash).
 
   ``attention_fn`` cannot be given (the module sets it). ``dropout_rate > 0`` is accepted for
-  evaluation (``deterministic=True``) but raises when dropout would apply; ``decode`` and
-  ``sow_weights`` raise ``NotImplementedError``; unlike the stock module, ``decode`` may be left
-  unset (it means False).
+  evaluation (``deterministic=True``) but raises when dropout would apply; ``sow_weights``
+  raises ``NotImplementedError``; unlike the stock module, ``decode`` may be left unset (it
+  means False).
+
+  ``decode=True`` works as in the stock module: ``init_cache(input_shape, dtype)`` (or
+  ``nnx.view(module, decode=True, batch_size=..., max_length=...)``) makes the ``nnx.Cache``
+  variables ``cached_key``, ``cached_value`` ``(batch..., max_length, num_kv_heads, head_dim)``
+  and ``cache_index``; each call then takes one position ``(batch..., 1, in_features)``, writes
+  its key and value at ``cache_index`` and attends to positions ``0 .. cache_index`` (so
+  ``is_causal`` is implied; ``local_window_size`` raises). Past ``max_length`` it does what the
+  stock module does: no error, the last slot is overwritten. The cache is written only when the
+  call succeeds.
   """
 
   def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
@@ -386,13 +412,12 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
     ``is_causal=True`` makes this call causal (or-ed with the constructor's ``is_causal``).
     ``query_seq_lengths`` / ``key_value_seq_lengths``: int arrays shaped like the batch dims of
     the inputs; keys past a length are ignored, output rows past a length are zero before the
-    output projection (so they equal its bias). ``rngs`` is accepted for Flax's signature; with
-    dropout unsupported it is never used.
+    output projection (so they equal its bias); in a decode call the key lengths narrow the
+    cache's valid prefix further. ``rngs`` is accepted for Flax's signature; with dropout
+    unsupported it is never used.
     """
     del rngs
-    if decode or (decode is None and self.decode):
-      raise NotImplementedError(
-          "FlashMultiHeadAttention: decode (Flax's autoregressive cache) is not supported yet")
+    decode = bool(self.decode) if decode is None else decode
     inputs_k, inputs_v = _keys_and_values(inputs_q, inputs_k, inputs_v, "nnx.MultiHeadAttention")
     if inputs_q.shape[-1] != self.in_features:
       raise ValueError(f"Incompatible input dimension, got {inputs_q.shape[-1]} but module "
@@ -404,6 +429,18 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
     if self.normalize_qk:
       query, key = self.query_ln(query), self.key_ln(key)
 
+    attention_fn, step = self.attention_fn, None
+    if decode:
+      if self.cached_key is None or self.cached_value is None or self.cache_index is None:
+        raise ValueError("FlashMultiHeadAttention: Autoregressive cache not initialized, call "
+                         "``init_cache`` first (decode=True)")
+      step = _flax_cache.write_and_attend(
+          "FlashMultiHeadAttention", key, value, self.cached_key[...], self.cached_value[...],
+          self.cache_index[...], key_value_seq_lengths)
+      key, value = step.cached_key, step.cached_value
+      key_value_seq_lengths, is_causal = step.key_value_seq_lengths, False
+      attention_fn = _decoding(attention_fn, "FlashMultiHeadAttention")
+
     if self.dropout_rate > 0.0:
       deterministic = deterministic if deterministic is not None else self.deterministic
       if deterministic is None:
@@ -411,12 +448,16 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
                          "as either a __call__ argument, class attribute, or nnx.view")
     else:
       deterministic = True
-    x = self.attention_fn(
+    x = attention_fn(
         query, key, value, mask=mask, dropout_rate=self.dropout_rate,
         broadcast_dropout=self.broadcast_dropout, deterministic=deterministic,
         dtype=self.dtype, precision=self.precision, module=self if sow_weights else None,
         is_causal=is_causal, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths)
+    if step is not None:  # the cache changes only once the call has succeeded
+      self.cached_key[...] = step.cached_key
+      self.cached_value[...] = step.cached_value
+      self.cache_index[...] = step.cache_index
     return self.out(x, out_sharding=out_sharding)
 
 
@@ -445,9 +486,19 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
     deterministic_backward: bit-reproducible backward pass (see jax_flash).
 
   ``attention_fn`` must stay unset. ``dropout_rate > 0`` works for evaluation
-  (``deterministic=True``) and raises when dropout would apply; ``decode``, ``sow_weights`` and
-  the ``*_einsum_cls`` attributes raise ``NotImplementedError``; the deprecated ``inputs_kv``
-  call argument is not taken (use ``inputs_k``).
+  (``deterministic=True``) and raises when dropout would apply; ``sow_weights`` and the
+  ``*_einsum_cls`` attributes raise ``NotImplementedError``; the deprecated ``inputs_kv`` call
+  argument is not taken (use ``inputs_k``).
+
+  ``decode=True`` works as in the stock module: the first call (``init``, with the full-length
+  input) makes the "cache" collection ``cached_key``, ``cached_value`` (shaped and typed like
+  that call's keys: ``(batch..., max_length, num_kv_heads, head_dim)``) and ``cache_index``
+  (int32 0) and attends as without decode; each later call (``apply(..., mutable=["cache"])``)
+  takes one position, writes its key and value at ``cache_index`` and attends to positions
+  ``0 .. cache_index`` (so ``is_causal`` is implied; ``local_window_size`` raises). Past
+  ``max_length`` it does what the stock module does: no error, the last slot is overwritten.
+  Unlike the stock module, which checks the query only, the key is checked against the cache
+  too.
   """
 
   num_kv_heads: int | None = None
@@ -464,14 +515,12 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
                key_value_seq_lengths: jax.Array | None = None) -> jax.Array:
     """``nn.MultiHeadDotProductAttention.__call__`` plus padding lengths: int arrays shaped
     like the batch dims of the inputs; keys past a length are ignored, output rows past a length
-    are zero before the output projection (so they equal its bias)."""
+    are zero before the output projection (so they equal its bias); in a decode call the key
+    lengths narrow the cache's valid prefix further."""
     del dropout_rng  # dropout is not supported: never drawn
     if self.attention_fn is not nn.dot_product_attention:
       raise ValueError("FlashMultiHeadDotProductAttention computes attention with jax_flash; "
                        "for another attention_fn use nn.MultiHeadDotProductAttention")
-    if self.decode:
-      raise NotImplementedError("FlashMultiHeadDotProductAttention: decode (Flax's "
-                                "autoregressive cache) is not supported yet")
     num_kv_heads = self.num_heads if self.num_kv_heads is None else self.num_kv_heads
     if num_kv_heads < 1 or self.num_heads % num_kv_heads != 0:
       raise ValueError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads "
@@ -503,6 +552,27 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
                                      param_dtype=self.param_dtype)
       query = layer_norm(name="query_ln")(query)
       key = layer_norm(name="key_ln")(key)
+
+    # Flax's cache: created (zeros, shaped like this call's keys) by the first call, which
+    # attends as without decode; every later call writes one position and attends to the prefix.
+    if self.decode:
+      initialized = self.has_variable("cache", "cached_key")
+      cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
+      cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
+      cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+      if initialized:
+        owner = "FlashMultiHeadDotProductAttention"
+        # Flax checks the query against the cache (its heads are the query's there).
+        _flax_cache.check_new_entry(owner, "query", query,
+                                    (*cached_key.value.shape[:-2], self.num_heads, head_dim))
+        step = _flax_cache.write_and_attend(owner, key, value, cached_key.value,
+                                            cached_value.value, cache_index.value,
+                                            key_value_seq_lengths)
+        cached_key.value = key = step.cached_key
+        cached_value.value = value = step.cached_value
+        cache_index.value = step.cache_index
+        key_value_seq_lengths = step.key_value_seq_lengths
+        attention_fn = _decoding(attention_fn, owner)
 
     if self.dropout_rate > 0.0:
       deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)

@@ -545,7 +545,7 @@ def test_nnx_modules_raise_for_what_they_cannot_honour(rng):
     flash(xq, mask=causal_mask(xq))
   with pytest.raises(NotImplementedError, match="sow"):
     flash(xq, sow_weights=True)
-  with pytest.raises(NotImplementedError, match="decode"):
+  with pytest.raises(ValueError, match="init_cache"):  # decoding: test_flax_decode.py
     flash(xq, decode=True)
   with pytest.raises(ValueError, match="attention_fn"):
     nnx_mha(jflax.FlashMultiHeadAttention, attention_fn=nnx.dot_product_attention)
@@ -574,8 +574,6 @@ def test_linen_modules_raise_for_what_they_cannot_honour(rng):
   with pytest.raises(NotImplementedError, match="dropout"):
     flash.clone(dropout_rate=0.1).apply(variables, xq, deterministic=False,
                                         rngs={"dropout": jax.random.key(1)})
-  with pytest.raises(NotImplementedError, match="decode"):
-    flash.clone(decode=True).apply(variables, xq)
   with pytest.raises(NotImplementedError, match="einsum"):
     flash.clone(qk_attn_weights_einsum_cls=lambda: jnp.einsum,
                 attn_weights_value_einsum_cls=lambda: jnp.einsum).apply(variables, xq)

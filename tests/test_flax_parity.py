@@ -8,7 +8,7 @@ stock module is compared with itself (dropout off, key/value defaults, Linen vs 
 module is compared with the stock one too, within float32 round-off.
 
 What jax_flash.flax does not do is asserted as such (README, "Flax"): dropout that would apply,
-sowing the attention weights, the decode cache, AQT einsums raise NotImplementedError; complex
+sowing the attention weights, AQT einsums raise NotImplementedError; complex
 and float64 inputs a ValueError; a row whose every key is masked gives 0 where Flax gives the
 mean of the values.
 """
@@ -138,22 +138,25 @@ def test_linen_causal_mask_is_is_causal():
 
 
 @pytest.mark.parametrize("spatial_shape", [(5,), (6, 5)])
-def test_linen_decoding_is_refused(spatial_shape):
-  """test_decoding / test_autoregressive_decode_with_x64: the decode cache is not supported yet.
-  Without it, causal attention over the whole sequence is the stock module's with a causal mask
-  (one spatial dim; Flax's 2-d case attends over the flattened positions, which needs a mask)."""
+def test_linen_decoding(spatial_shape):
+  """test_decoding: the decode module fed one position at a time under lax.scan gives the stock
+  module's causal forward (one or two batch dims; decoding runs along the last spatial dim).
+  The cache itself against the stock one: test_flax_decode.py."""
   x = jax.random.normal(jax.random.key(0), (2, *spatial_shape, 12))
   decode = jflax.FlashMultiHeadDotProductAttention(num_heads=3, qkv_features=12, decode=True)
-  with pytest.raises(NotImplementedError, match="decode"):
-    decode.init(jax.random.key(1), x)
-  if len(spatial_shape) == 1:
-    stock = nn.MultiHeadDotProductAttention(num_heads=3, qkv_features=12,
-                                            precision=jax.lax.Precision.HIGHEST)
-    variables = stock.init(jax.random.key(1), x)
-    want = stock.apply(variables, x, mask=nn.make_causal_mask(jnp.ones(x.shape[:-1])))
-    flash = jflax.FlashMultiHeadDotProductAttention(num_heads=3, qkv_features=12,
-                                                    is_causal=True)
-    assert_close(flash.apply(variables, x), want)
+  variables = decode.init(jax.random.key(1), x)
+  params, cache = variables["params"], variables["cache"]
+  stock = nn.MultiHeadDotProductAttention(num_heads=3, qkv_features=12,
+                                          precision=jax.lax.Precision.HIGHEST)
+  want = stock.apply({"params": params}, x, mask=nn.make_causal_mask(jnp.ones(x.shape[:-1])))
+
+  def body(cache, xt):
+    y, mutated = decode.apply({"params": params, "cache": cache}, xt[..., None, :],
+                              mutable=["cache"])
+    return mutated["cache"], y[..., 0, :]
+
+  _, ys = jax.lax.scan(body, cache, jnp.moveaxis(x, -2, 0))
+  assert_close(jnp.moveaxis(ys, 0, -2), want)
 
 
 def test_linen_autoregressive_receptive_field():
@@ -261,8 +264,8 @@ def test_nnx_basic():
   assert_close(y, stock(x, decode=False))
 
 
-def test_nnx_sow_attention_weights_and_decode_are_refused():
-  """test_multihead_sow_attention_weights, test_autoregressive_decode_with_x64."""
+def test_nnx_sow_attention_weights_is_refused():
+  """test_multihead_sow_attention_weights."""
   flash = jflax.FlashMultiHeadAttention(num_heads=8, in_features=8, decode=False,
                                         rngs=nnx.Rngs(0), **{
                                             "kernel_init": nnx.initializers.ones_init(),
@@ -270,10 +273,21 @@ def test_nnx_sow_attention_weights_and_decode_are_refused():
   x = jnp.ones((4, 6, 8))
   with pytest.raises(NotImplementedError, match="sow"):
     flash(x, sow_weights=True)
-  decoding = jflax.FlashMultiHeadAttention(num_heads=2, in_features=4, qkv_features=4,
+
+
+def test_nnx_autoregressive_decode_with_x64():
+  """test_autoregressive_decode_with_x64: the cache's int32 index under x64 (float32 inputs:
+  the kernels take no float64)."""
+  with jax.enable_x64(True):
+    x = jnp.ones((1, 4, 4), jnp.float32)
+    module = jflax.FlashMultiHeadAttention(in_features=4, num_heads=2, qkv_features=4,
                                            decode=True, rngs=nnx.Rngs(0))
-  with pytest.raises(NotImplementedError, match="decode"):
-    decoding(jnp.ones((1, 1, 4)))
+    module.init_cache(x.shape, dtype=x.dtype)
+    assert module.cached_key.shape == module.cached_value.shape == (1, 4, 2, 2)
+    y1 = module(x[:, :1, :])
+    y2 = module(x[:, 1:2, :])
+    assert y1.shape == y2.shape == (1, 1, 4)
+    assert module.cache_index[...] == 2 and module.cache_index.dtype == jnp.int32
 
 
 @pytest.mark.parametrize("keep_rngs", [True, False])
@@ -326,8 +340,9 @@ def test_nnx_causal_mask_equivalence(use_padding, is_cross_attention):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16], ids=["float32", "float16"])
 @pytest.mark.parametrize("normalize_qk", [True, False])
 def test_nnx_linen_consistency(use_bias, dtype, normalize_qk):
-  """TestLinenConsistency (decode=False; decode is refused): the flash NNX and Linen modules
-  with the same parameters give the same output, and the stock modules' where they can run."""
+  """TestLinenConsistency (decode=False; decoding: test_flax_decode.py): the flash NNX and
+  Linen modules with the same parameters give the same output, and the stock modules' where
+  they can run."""
   kwargs = dict(num_heads=2, qkv_features=6, out_features=6, use_bias=use_bias, dtype=dtype,
                 param_dtype=jnp.float32, precision=jax.lax.Precision.HIGHEST,
                 normalize_qk=normalize_qk)
