@@ -218,6 +218,16 @@ def test_mma_sync_kernels_on_hopper():
       "(test_cuda_matches_reference or test_deterministic_matches_reference) and (h64 or h128)")
 
 
+@pytest.mark.parametrize("family", ["sm90ws", "sm90ws_serial"])
+def test_warp_specialised_forward_on_hopper(family):
+  """The experimental warp-specialised TMA forward (ping-pong or not) passes every reference
+  case (it runs those of head dims 33..128: padded head dims, T != S, GQA, masks, lengths), the
+  CUDA-graph capture and the training step."""
+  _run_cuda_tests_on_hopper_with(
+      {"JAX_FLASH_CUDA_FORWARD": family},
+      "test_cuda_matches_reference or test_command_buffer_capture or test_jit_training_step_reduces_loss")
+
+
 def test_unknown_kernel_choice_is_an_error():
   """A misspelt override is reported by name, not ignored."""
   result = _run_in_subprocess({"JAX_FLASH_CUDA_FORWARD": "sm90-pipelind"}, "-k",

@@ -18,22 +18,25 @@ struct Overrides {
   std::string error;
 };
 
-// The family `variable` names, if set; a value that names none is appended to `error`.
-std::optional<KernelFamily> read_override(const char* variable, std::string& error) {
+// The family `variable` names, if set (forward: whether the warp-specialised forward
+// families are allowed); a value that names none is appended to `error`.
+std::optional<KernelFamily> read_override(const char* variable, bool forward, std::string& error) {
   const char* value = std::getenv(variable);
   if (value == nullptr || *value == '\0') return std::nullopt;
   const std::string v = value;
   if (v == "sm80") return KernelFamily::kSm80;
   if (v == "sm90") return KernelFamily::kSm90;
-  error += std::string(error.empty() ? "" : "; ") + "jax_flash: " + variable + "=" + v +
-           " is not one of sm80, sm90";
+  if (forward && v == "sm90ws") return KernelFamily::kSm90Ws;
+  if (forward && v == "sm90ws_serial") return KernelFamily::kSm90WsSerial;
+  error += std::string(error.empty() ? "" : "; ") + "jax_flash: " + variable + "=" + v + " is not one of " +
+           (forward ? "sm80, sm90, sm90ws, sm90ws_serial" : "sm80, sm90");
   return std::nullopt;
 }
 
 Overrides read_overrides() {
   Overrides o;
-  o.forward = read_override(kForwardVariable, o.error);
-  o.backward = read_override(kBackwardVariable, o.error);
+  o.forward = read_override(kForwardVariable, true, o.error);
+  o.backward = read_override(kBackwardVariable, false, o.error);
   return o;
 }
 

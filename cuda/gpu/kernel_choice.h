@@ -2,8 +2,10 @@
 // family, wherever gpu/tile_shapes.cuh has a wgmma kernel for the head dim; the mma.sync (sm80)
 // family everywhere else. Two environment variables, read once per process, override the choice
 // for experiments and comparisons:
-//   JAX_FLASH_CUDA_FORWARD  = sm80 | sm90                    (default on Hopper: sm90)
-//   JAX_FLASH_CUDA_BACKWARD = sm80 | sm90                    (default on Hopper: sm90)
+//   JAX_FLASH_CUDA_FORWARD  = sm80 | sm90 | sm90ws | sm90ws_serial   (default on Hopper: sm90)
+//   JAX_FLASH_CUDA_BACKWARD = sm80 | sm90                             (default on Hopper: sm90)
+// sm90ws is the warp-specialised TMA forward with ping-pong consumers, sm90ws_serial the same
+// without ping-pong (experimental, forward only).
 // A Hopper choice only applies on Hopper, and only where a Hopper kernel exists.
 #pragma once
 
@@ -11,8 +13,9 @@
 
 namespace jax_flash::cuda {
 
-// The kernel family of a pass: mma.sync (sm80) or wgmma (sm90).
-enum class KernelFamily { kSm80, kSm90 };
+// The kernel family of a pass: mma.sync (sm80), wgmma (sm90), or the warp-specialised wgmma
+// forward with or without ping-pong (sm90ws, sm90ws_serial).
+enum class KernelFamily { kSm80, kSm90, kSm90Ws, kSm90WsSerial };
 
 // Empty when the variables are unset or hold a known value; else a message naming the variable,
 // its value and the values it takes (the FFI handlers return it as an error).

@@ -48,8 +48,11 @@ cudaError_t launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
   return dispatch_dtype_head_dim(p.dtype, p.shape.head_dim, [&](auto type, auto head_dim) -> cudaError_t {
     using T = typename decltype(type)::type;
     constexpr int kD = decltype(head_dim)::value;
-    if constexpr (TileShapes<kD>::kHasSm90)
+    if constexpr (TileShapes<kD>::kHasSm90) {
       if (family == KernelFamily::kSm90) return launch_fwd_sm90<T, kD>(p, stream);
+      if (family == KernelFamily::kSm90Ws) return launch_fwd_sm90_ws<T, kD, true>(p, stream);
+      if (family == KernelFamily::kSm90WsSerial) return launch_fwd_sm90_ws<T, kD, false>(p, stream);
+    }
     return launch_fwd_sm80<T, kD>(p, stream);
   });
 }
@@ -71,8 +74,8 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
     if (sh.seq_k > 0) {  // with no keys, dK and dV are empty and dQ stays 0
       cudaError_t e = cudaSuccess;
       if constexpr (TileShapes<kD>::kHasSm90)
-        e = family == KernelFamily::kSm90 ? launch_bwd_main_sm90<T, kD>(p, stream)
-                                          : launch_bwd_main_sm80<T, kD>(p, stream);
+        e = family == KernelFamily::kSm80 ? launch_bwd_main_sm80<T, kD>(p, stream)
+                                          : launch_bwd_main_sm90<T, kD>(p, stream);
       else
         e = launch_bwd_main_sm80<T, kD>(p, stream);
       if (e != cudaSuccess) return e;

@@ -34,6 +34,10 @@ struct TileShapes {
 #undef JF_IS_HEAD_DIM
   // wgmma forward: 2 warpgroups x 64 query rows, key blocks of 128.
   using Sm90Fwd = Sm90FwdTraits<kHeadDim, 128>;
+  // Warp-specialised wgmma forward: a TMA producer warpgroup and 2 consumer warpgroups x 64 query
+  // rows, key blocks of 128 in 2 stages.
+  template <bool kPingPong>
+  using Sm90FwdWs = Sm90FwdWsTraits<kHeadDim, 128, 2, kPingPong>;
   // wgmma backward: 2 warpgroups x 64 keys, query blocks of 64.
   using Sm90Bwd = Sm90BwdTraits<kHeadDim>;
 };

@@ -18,8 +18,8 @@
 #include "gpu/fragments.cuh"
 #include "gpu/mask.cuh"
 #include "gpu/softmax.cuh"
+#include "sm90/fwd_gemms.cuh"
 #include "sm90/traits.cuh"
-#include "sm90/wgmma.cuh"
 
 namespace jax_flash::cuda {
 
@@ -39,35 +39,6 @@ struct Sm90FwdSmem {
   __device__ uint32_t k_address(int stage) const { return smem_address(k + stage * Traits::KVTile::kElements); }
   __device__ uint32_t v_address(int stage) const { return smem_address(v + stage * Traits::KVTile::kElements); }
 };
-
-// S = Q K^T for the warpgroup's 64 query rows (from row q_row0 of the Q tile) against the K tile
-// at k_address: issued and committed as one wgmma group, not waited for.
-template <typename Traits, typename T>
-__device__ __forceinline__ void issue_scores(float (&s)[1][Traits::kBlockN / 8][4], uint32_t q_address, int q_row0,
-                                             uint32_t k_address) {
-  fence_registers(s[0]);
-  wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk)
-    Wgmma<T, Traits::kBlockN>::ss(s[0], Traits::QTile::k_major(q_address, q_row0, kk),
-                                  Traits::KVTile::k_major(k_address, 0, kk), kk > 0);
-  wgmma_commit();
-}
-
-// O += P V for the warpgroup: P from registers, V (N-major) at v_address; one wgmma group, not
-// waited for.
-template <typename Traits, typename T>
-__device__ __forceinline__ void issue_output(float (&o)[1][Traits::kHeadDim / 8][4],
-                                             uint32_t (&pa)[Traits::kBlockN / 16][1][4], uint32_t v_address) {
-  fence_registers(o[0]);
-#pragma unroll
-  for (int kk = 0; kk < Traits::kBlockN / 16; ++kk) fence_registers(pa[kk]);
-  wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < Traits::kBlockN / 16; ++kk)
-    Wgmma<T, Traits::kHeadDim>::rs_b_transposed(o[0], pa[kk][0], Traits::KVTile::n_major(v_address, kk), true);
-  wgmma_commit();
-}
 
 // The Hopper forward: 2 warpgroups x 64 query rows against key/value blocks of kBlockN, each
 // warpgroup's softmax overlapped with its P V product (FlashAttention-3's intra-warpgroup

@@ -21,6 +21,32 @@ struct Sm90FwdTraits {
   static_assert(kBlockN == 64 || kBlockN == 128, "wgmma shapes are instantiated for N = 64, 128");
 };
 
+// The warp-specialised forward (sm90/flash_fwd_ws_kernel.cuh): a producer warpgroup (TMA) and
+// kConsumers consumer warpgroups of 64 query rows each, kStages stages of K and of V.
+template <int kHeadDim_, int kBlockN_, int kStages_, bool kPingPong_>
+struct Sm90FwdWsTraits {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kConsumers = 2;
+  static constexpr int kBlockM = 64 * kConsumers;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  // Consumer warpgroups alternate their products (one's softmax under the other's GEMMs).
+  static constexpr bool kPingPong = kPingPong_;
+  static constexpr int kThreads = 128 * (1 + kConsumers);
+  static constexpr int kConsumerWarps = 4 * kConsumers;
+  // setmaxnreg split of the 64K registers: the producer needs few.
+  static constexpr int kProducerRegisters = 40;
+  static constexpr int kConsumerRegisters = 232;
+  static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumers <= 65536, "register file");
+  using QTile = GmmaTile<kBlockM, kHeadDim>;
+  using KVTile = GmmaTile<kBlockN, kHeadDim>;
+  // Q, kStages stages of K and of V, and 1 KiB to align the base.
+  static constexpr int kSmemBytes = 2 * (QTile::kElements + 2 * kStages * KVTile::kElements) + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory");
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "wgmma shapes are instantiated for N = 64, 128");
+  static_assert(kBlockN == 64 || kBlockN == 128, "wgmma shapes are instantiated for N = 64, 128");
+};
+
 template <int kHeadDim_>
 struct Sm90BwdTraits {
   static constexpr int kHeadDim = kHeadDim_;

@@ -1,0 +1,228 @@
+// FlashAttention forward for Hopper (sm_90a), warp-specialised (FlashAttention-3's design):
+//
+//   warpgroup 0, the producer: gives most of its registers back (setmaxnreg) and one thread
+//     issues TMA loads: the CTA's Q tile once, then K and V blocks (last block first) into a
+//     ring of kStages stages, each stage guarded by a "full" mbarrier (completed by the copy's
+//     bytes) and an "empty" one (completed when every consumer warp has released it);
+//   warpgroups 1.., the consumers: 64 query rows each, take the registers; per key block
+//     S = Q K^T (wgmma SS), masks and the online softmax in registers (gpu/softmax.cuh), then
+//     O += P V with P from registers (wgmma RS). Within a warpgroup the next block's S is issued
+//     with this block's P V, and the softmax of the next block runs while P V is on the tensor
+//     cores; with kPingPong the two consumer warpgroups also take turns to issue their products
+//     (named barriers), so that one's softmax runs under the other's GEMMs.
+//
+// The epilogue (normalisation, lse, empty rows) is gpu/epilogue.cuh's, from registers.
+#pragma once
+
+#include <cuda.h>
+
+#include "common/attention_params.h"
+#include "gpu/block_geometry.cuh"
+#include "gpu/epilogue.cuh"
+#include "gpu/fragments.cuh"
+#include "gpu/mask.cuh"
+#include "gpu/softmax.cuh"
+#include "sm90/barrier.cuh"
+#include "sm90/fwd_gemms.cuh"
+#include "sm90/tma.cuh"
+#include "sm90/traits.cuh"
+#include "sm90/wgmma.cuh"
+
+namespace jax_flash::cuda {
+
+// The forward's parameters with the TMA descriptors of q, k and v (sm90/tensor_map.h).
+struct FwdTmaParams {
+  FwdParams p;
+  CUtensorMap q, k, v;
+};
+
+// Shared memory of a warp-specialised forward CTA, from a 1 KiB boundary: Q, kStages stages of
+// K, kStages of V.
+template <typename Traits, typename T>
+struct Sm90FwdWsSmem {
+  T* q;
+  T* k;
+  T* v;
+  __device__ explicit Sm90FwdWsSmem(unsigned char* raw) {
+    const uint32_t address = smem_address(raw);
+    q = reinterpret_cast<T*>(raw + (((address + 1023) & ~1023u) - address));
+    k = q + Traits::QTile::kElements;
+    v = k + Traits::kStages * Traits::KVTile::kElements;
+  }
+  __device__ T* k_stage(int stage) const { return k + stage * Traits::KVTile::kElements; }
+  __device__ T* v_stage(int stage) const { return v + stage * Traits::KVTile::kElements; }
+};
+
+// The stage ring's barriers: Q's, then full and empty barriers of each K and V stage.
+template <int kStages>
+struct FwdWsBarriers {
+  uint64_t q_full, k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
+};
+
+template <typename Traits, typename T>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdTmaParams params) {
+#if JF_SM90A
+  constexpr int kBM = Traits::kBlockM, kBN = Traits::kBlockN, kD = Traits::kHeadDim;
+  constexpr int kStages = Traits::kStages;
+  using QTile = typename Traits::QTile;
+  using KVTile = typename Traits::KVTile;
+  const FwdParams& p = params.p;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  __shared__ FwdWsBarriers<kStages> bars;
+  const Sm90FwdWsSmem<Traits, T> smem(smem_raw);
+
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (threadIdx.x == 0) {
+    Mbarrier(&bars.q_full).init(1);
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      Mbarrier(&bars.k_full[s]).init(1);
+      Mbarrier(&bars.v_full[s]).init(1);
+      Mbarrier(&bars.k_empty[s]).init(Traits::kConsumerWarps);
+      Mbarrier(&bars.v_empty[s]).init(Traits::kConsumerWarps);
+    }
+    Mbarrier::fence_init();
+  }
+  __syncthreads();
+
+  const QueryBlockTask<kBM, kBN> task(p);
+  const QueryBlock<kBM, kBN>& blk = task.blk;
+  const int count = blk.n_last - blk.n_first + 1;  // key blocks, visited last first
+
+  if (warp < 4) {
+    // ---- Producer warpgroup: warp 0 loads, the others leave.
+    release_registers<Traits::kProducerRegisters>();
+    if (warp != 0 || count <= 0) return;
+    if (lane == 0) {
+      prefetch_tensor_map(params.q);
+      prefetch_tensor_map(params.k);
+      prefetch_tensor_map(params.v);
+      const Mbarrier q_full(&bars.q_full);
+      q_full.arrive_expect_bytes(QTile::kElements * sizeof(T));
+      tma_load_tile<QTile>(smem.q, params.q, task.h, blk.m0, task.b, q_full);
+    }
+    for (int i = 0; i < count; ++i) {
+      const int stage = i % kStages, phase = (i / kStages) & 1;
+      const int64_t n0 = static_cast<int64_t>(blk.n_last - i) * kBN;
+      if (lane == 0) {
+        Mbarrier(&bars.k_empty[stage]).wait(phase ^ 1);
+        const Mbarrier k_full(&bars.k_full[stage]);
+        k_full.arrive_expect_bytes(KVTile::kElements * sizeof(T));
+        tma_load_tile<KVTile>(smem.k_stage(stage), params.k, task.hk, n0, task.b, k_full);
+      }
+      // V rows in [kv_len, seq_k) hold the array's data past this batch element's length, which
+      // the masks give probability 0 but which P V would still multiply (0 * NaN is NaN): a block
+      // holding such rows is copied by the warp with zero fill instead of TMA (only with lengths).
+      const Mbarrier v_empty(&bars.v_empty[stage]), v_full(&bars.v_full[stage]);
+      if (n0 + kBN <= task.kv_len || task.kv_len == p.shape.seq_k) {
+        if (lane == 0) {
+          v_empty.wait(phase ^ 1);
+          v_full.arrive_expect_bytes(KVTile::kElements * sizeof(T));
+          tma_load_tile<KVTile>(smem.v_stage(stage), params.v, task.hk, n0, task.b, v_full);
+        }
+      } else {
+        v_empty.wait(phase ^ 1);
+        const int live = static_cast<int>(task.kv_len - n0);
+        const T* src = static_cast<const T*>(p.v) + task.kv_offset + n0 * task.kv_stride;
+        T* tile = smem.v_stage(stage);
+#pragma unroll 1
+        for (int index = lane; index < KVTile::kRows * KVTile::kChunks; index += 32) {
+          const int r = index / KVTile::kChunks, c = index % KVTile::kChunks;
+          const bool valid = r < live && c < task.chunks;
+          cp_async_16(tile + KVTile::offset(r, c), valid ? src + r * task.kv_stride + c * 8 : src, valid);
+        }
+        cp_async_commit();
+        cp_async_wait<0>();
+        fence_proxy_async();
+        __syncwarp();
+        if (lane == 0) v_full.arrive();
+      }
+    }
+    return;
+  }
+
+  // ---- Consumer warpgroups.
+  claim_registers<Traits::kConsumerRegisters>();
+  const int group = warp / 4 - 1;
+  const int warp_m0 = group * 64 + warp % 4 * 16;  // this warp's first row in the block
+  const int64_t m0 = blk.m0;
+  OnlineSoftmax<1> softmax;
+  float o[1][kD / 8][4] = {};
+  const float scale_log2 = p.scale * kLog2e;
+
+  if (count > 0) {
+    constexpr int kTurnThreads = 128 * Traits::kConsumers;
+    // Ping-pong: warpgroup g issues its products after barrier 1 + g completes and then lets
+    // the other go (both warpgroups' threads count on each barrier).
+    auto wait_turn = [&] {
+      if constexpr (Traits::kPingPong) named_barrier_sync(1 + group, kTurnThreads);
+    };
+    auto pass_turn = [&] {
+      if constexpr (Traits::kPingPong) named_barrier_arrive(2 - group, kTurnThreads);
+    };
+    // A consumer warp is done with a stage: one arrival a warp.
+    auto release = [&](uint64_t* bar) {
+      if (lane == 0) Mbarrier(bar).arrive();
+    };
+    auto mask_block = [&](float (&s)[1][kBN / 8][4], int i) {
+      const int64_t n0 = static_cast<int64_t>(blk.n_last - i) * kBN;
+      if (blk.needs_mask(n0)) mask_scores(s, p.mask, m0 + warp_m0, n0, task.q_len, task.kv_len, lane);
+    };
+    const uint32_t q_address = smem_address(smem.q);
+    if constexpr (Traits::kPingPong)
+      if (group == 1) named_barrier_arrive(1, kTurnThreads);  // warpgroup 0 goes first
+
+    Mbarrier(&bars.q_full).wait(0);
+    Mbarrier(&bars.k_full[0]).wait(0);
+    float s[1][kBN / 8][4];
+    issue_scores<Traits, T>(s, q_address, group * 64, smem_address(smem.k_stage(0)));
+    wgmma_wait<0>();
+    fence_registers(s[0]);
+    release(&bars.k_empty[0]);
+    mask_block(s, 0);
+    if (softmax.must_rescale(s, scale_log2)) softmax.rescale(o, scale_log2);
+    softmax.exponentiate(s, scale_log2);
+    uint32_t pa[kBN / 16][1][4];
+    accumulator_to_a<T>(pa, s);
+
+    for (int i = 0; i + 1 < count; ++i) {
+      const int stage = i % kStages, next = (i + 1) % kStages;
+      Mbarrier(&bars.k_full[next]).wait(((i + 1) / kStages) & 1);
+      wait_turn();
+      // S(i + 1) and then P(i) V(i); waiting for all but the newest group waits for S(i + 1)
+      // only, so the softmax of block i + 1 runs while P(i) V(i) is on the tensor cores.
+      issue_scores<Traits, T>(s, q_address, group * 64, smem_address(smem.k_stage(next)));
+      Mbarrier(&bars.v_full[stage]).wait((i / kStages) & 1);
+      issue_output<Traits, T>(o, pa, smem_address(smem.v_stage(stage)));
+      pass_turn();
+      wgmma_wait<1>();
+      fence_registers(s[0]);
+      release(&bars.k_empty[next]);
+      mask_block(s, i + 1);
+      const bool moved = softmax.must_rescale(s, scale_log2);
+      if (moved) softmax.move_reference(scale_log2);
+      softmax.exponentiate(s, scale_log2);
+      wgmma_wait<0>();  // P(i) V(i) is in: O and P(i)'s registers and V stage are free
+      fence_registers(o[0]);
+      release(&bars.v_empty[stage]);
+      if (moved) softmax.rescale_output(o);
+      accumulator_to_a<T>(pa, s);
+    }
+    // Warpgroup 1's last pass_turn (or its first arrival) is still to be taken.
+    if constexpr (Traits::kPingPong)
+      if (group == 0) named_barrier_sync(1, kTurnThreads);
+    const int last = (count - 1) % kStages;
+    Mbarrier(&bars.v_full[last]).wait(((count - 1) / kStages) & 1);
+    issue_output<Traits, T>(o, pa, smem_address(smem.v_stage(last)));
+    wgmma_wait<0>();
+    fence_registers(o[0]);
+    release(&bars.v_empty[last]);
+  }
+
+  store_output<T>(p.o, p.o_float32, task.q_offset, task.q_stride, p.lse + task.stat_offset + m0, o, softmax,
+                  p.scale, warp_m0, blk.rows, p.shape.head_dim, p.mask, m0, task.q_len, task.kv_len, lane);
+#endif  // JF_SM90A
+}
+
+}  // namespace jax_flash::cuda

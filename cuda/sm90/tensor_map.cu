@@ -1,0 +1,46 @@
+// make_head_tensor_map: cuTensorMapEncodeTiled, reached through the runtime's driver entry point
+// (the extension links the CUDA runtime statically and not libcuda).
+#include "sm90/tensor_map.h"
+
+#include <cudaTypedefs.h>
+
+namespace jax_flash::cuda {
+namespace {
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_function() {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* function = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &function, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess)
+      function = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(function);
+  }();
+  return encode;
+}
+
+}  // namespace
+
+cudaError_t make_head_tensor_map(CUtensorMap* map, const void* base, Dtype dtype, int64_t batch, int64_t seq,
+                                 int64_t heads, int64_t head_dim, int rows) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = encode_function();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  if (dtype != Dtype::kBFloat16 && dtype != Dtype::kFloat16) return cudaErrorInvalidValue;
+  constexpr int64_t kBytes = 2;
+  // Innermost first: head_dim, heads, seq, batch; strides (bytes) of all but the first.
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(heads),
+                              static_cast<cuuint64_t>(seq), static_cast<cuuint64_t>(batch)};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(head_dim * kBytes),
+                                 static_cast<cuuint64_t>(heads * head_dim * kBytes),
+                                 static_cast<cuuint64_t>(seq * heads * head_dim * kBytes)};
+  const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(rows), 1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  const CUresult r = encode(map, dtype == Dtype::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                            4, const_cast<void*>(base), dims, strides, box, element_strides,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+}  // namespace jax_flash::cuda

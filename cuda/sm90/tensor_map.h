@@ -1,0 +1,22 @@
+// TMA descriptors (CUtensorMap) of the attention arrays, made on the host at launch time and
+// passed to the kernels as __grid_constant__ parameters (safe under CUDA-graph capture: they
+// are copied into the launch like any parameter).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/attention_params.h"
+
+namespace jax_flash::cuda {
+
+// The descriptor of a (batch, seq, heads, head_dim) array of 16-bit `dtype` at `base`, read in
+// boxes of `rows` sequence rows x 64 head-dim columns of one head of one batch element, written
+// to shared memory with the 128-byte swizzle (sm90/gmma_tile.cuh's layout: a box is one
+// 64-column block of a GmmaTile). Reads past seq or head_dim give zeros.
+cudaError_t make_head_tensor_map(CUtensorMap* map, const void* base, Dtype dtype, int64_t batch, int64_t seq,
+                                 int64_t heads, int64_t head_dim, int rows);
+
+}  // namespace jax_flash::cuda

@@ -1,0 +1,39 @@
+// TMA (cp.async.bulk.tensor) loads of the boxes sm90/tensor_map.h describes, completing on an
+// mbarrier by their byte count. Only meaningful in code compiled for sm_90a.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "gpu/ptx.cuh"
+#include "sm90/barrier.cuh"
+
+namespace jax_flash::cuda {
+
+// Fetches a descriptor (a kernel parameter) ahead of its first use.
+__device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap& map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&map)) : "memory");
+}
+
+// The box of `map` at (column, head, row, batch) into shared memory at smem_dst; its bytes count
+// towards `bar`'s current phase.
+__device__ __forceinline__ void tma_load_box(void* smem_dst, const CUtensorMap& map, int column, int head, int row,
+                                             int batch, const Mbarrier& bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+      "[%6];\n" ::"r"(smem_address(smem_dst)),
+      "l"(reinterpret_cast<uint64_t>(&map)), "r"(column), "r"(head), "r"(row), "r"(batch), "r"(bar.address)
+      : "memory");
+}
+
+// Rows [row, row + Tile::kRows) of one head of `map` into a GmmaTile (one box a 64-column block).
+template <typename Tile, typename T>
+__device__ __forceinline__ void tma_load_tile(T* tile, const CUtensorMap& map, int head, int64_t row, int batch,
+                                              const Mbarrier& bar) {
+#pragma unroll
+  for (int block = 0; block < Tile::kCols / 64; ++block)
+    tma_load_box(tile + block * Tile::kRows * 64, map, block * 64, head, static_cast<int>(row), batch, bar);
+}
+
+}  // namespace jax_flash::cuda
