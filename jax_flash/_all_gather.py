@@ -164,4 +164,5 @@ def all_gather_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelCon
   # Back into the layout the devices hold the sequence in, then each device's slice summed.
   dk, dv = (jax.lax.psum_scatter(to_layout_order(x, 1, num, kv_layout), axis_name,
                                  scatter_dimension=1, tiled=True) for x in (dk, dv))
-  return jnp.concatenate(dqs, axis=1).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+  return (_varying_like(jnp.concatenate(dqs, axis=1).astype(q.dtype), q),
+          _varying_like(dk.astype(k.dtype), k), _varying_like(dv.astype(v.dtype), v))

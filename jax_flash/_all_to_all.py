@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from jax_flash import _ops
 from jax_flash._chunks import from_layout_order, to_layout_order
+from jax_flash._ring import _varying_like
 
 
 def kv_repeats(heads_q: int, heads_k: int, num: int) -> int:
@@ -72,10 +73,13 @@ def all_to_all_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, *, axis_
   results (this device's slices in `layout`; q_lens and kv_lens global). Inside shard_map or a
   partitioned lowering; the local query heads must split over the axis."""
   num = jax.lax.axis_size(axis_name)
+  like = q
   k, v = _repeat_kv(k, v, kv_repeats(q.shape[2], k.shape[2], num))
   q, k, v = (_to_heads(x, axis_name, layout, num) for x in (q, k, v))
   o, lse = _ops.flash_fwd(q, k, v, q_lens, kv_lens, config)
-  return _to_sequence(o, axis_name, layout, num), _lse_to_sequence(lse, axis_name, layout, num)
+  # Typed as varying where q was (inside shard_map, over the mesh's other axes too).
+  return (_varying_like(_to_sequence(o, axis_name, layout, num), like),
+          _varying_like(_lse_to_sequence(lse, axis_name, layout, num), like))
 
 
 def all_to_all_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelConfig, *,
@@ -83,9 +87,11 @@ def all_to_all_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelCon
   """(dq, dk, dv) of all_to_all_fwd, with _ops.flash_bwd's arguments and results."""
   num = jax.lax.axis_size(axis_name)
   repeats = kv_repeats(q.shape[2], k.shape[2], num)
+  q_in, k_in, v_in = q, k, v
   k, v = _repeat_kv(k, v, repeats)
   q, k, v, o, d_o = (_to_heads(x, axis_name, layout, num) for x in (q, k, v, o, d_o))
   lse = _lse_to_heads(lse, axis_name, layout, num)
   dq, dk, dv = _ops.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config)
   dq, dk, dv = (_to_sequence(x, axis_name, layout, num) for x in (dq, dk, dv))
-  return dq, _sum_kv_copies(dk, repeats), _sum_kv_copies(dv, repeats)
+  return (_varying_like(dq, q_in), _varying_like(_sum_kv_copies(dk, repeats), k_in),
+          _varying_like(_sum_kv_copies(dv, repeats), v_in))

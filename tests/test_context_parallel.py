@@ -232,3 +232,24 @@ def test_jit_strategies_under_gspmd(mesh, context_parallel):
   finally:
     jax.config.update("jax_use_shardy_partitioner", previous)
   _assert_close(got, _single(q, k, v, g, is_causal=True))
+
+
+@pytest.mark.parametrize("strategy", ["all_to_all", "all_gather"])
+def test_shard_map_gradients_on_a_mesh_with_other_axes(strategy):
+  """Inputs that also vary over a data axis: the VJP's cotangents must carry the same types
+  (shard_map's default check_vma=True)."""
+  if len(jax.devices()) < 4:
+    pytest.skip("needs 4 devices")
+  mesh2d = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "seq"))
+  spec = P("data", "seq", None, None)
+  sharded = jax.shard_map(lambda q, k, v: jax_flash.context_parallel_attention(
+      q, k, v, axis_name="seq", strategy=strategy, is_causal=True, implementation="cpu"),
+      mesh=mesh2d, in_specs=(spec,) * 3, out_specs=spec)
+  q, k, v, g = _inputs(41)
+  loss = lambda attention: lambda q, k, v: jnp.sum(attention(q, k, v) * g)
+  got = jax.jit(jax.grad(loss(sharded), argnums=(0, 1, 2)))(q, k, v)
+  single = lambda q, k, v: jax_flash.dot_product_attention(q, k, v, is_causal=True,
+                                                           implementation="cpu")
+  want = jax.grad(loss(single), argnums=(0, 1, 2))(q, k, v)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), **TOLERANCE)
