@@ -7,6 +7,21 @@
     python examples/train_lm_sharded.py --devices 4 --mesh 1,2,2 --layout contiguous
     python examples/train_lm_sharded.py                       # on a GPU host: all its GPUs, bf16
 
+Several processes (one per host, or one per GPU), under ``jax.distributed``: every process runs
+the same command with its own ``--process-id`` (or ``JAX_PROCESS_ID``), and ``--devices`` and
+``--mesh`` are global; on the CPU each process simulates ``--devices / --num-processes``
+devices and the processes talk through Gloo. Two processes on one machine:
+
+    python examples/train_lm_sharded.py --coordinator-address localhost:12345 \
+        --num-processes 2 --process-id 0 &
+    python examples/train_lm_sharded.py --coordinator-address localhost:12345 \
+        --num-processes 2 --process-id 1
+
+Under SLURM or Open MPI, ``--distributed`` alone lets ``jax.distributed.initialize`` read the
+coordinator, the process count and id from the cluster's environment. The losses are those of
+one process with the same ``--devices`` and ``--mesh`` (the batches are built identically on
+every process; each process places only its devices' slices).
+
 The mesh has three axes, ``("data", "tensor", "seq")``:
 
 * ``data``: the batch is split over it (parameters replicated along it; gradients are summed).
@@ -15,8 +30,10 @@ The mesh has three axes, ``("data", "tensor", "seq")``:
   column-parallel and its down projection row-parallel; the byte embedding (tied to the output
   layer) is vocabulary-parallel. Each device runs attention on its own heads.
 * ``seq``: the sequence is split over it (context parallelism). Everything but attention is
-  position-wise; attention is ``jax_flash.ring_attention`` inside ``jax.shard_map``: keys and
-  values travel around the ring of the ``seq`` devices. With the (default) ``zigzag`` layout each
+  position-wise; attention is ``jax_flash.context_parallel_attention`` inside ``jax.shard_map``:
+  by default (``--context-parallel ring``) keys and values travel around the ring of the ``seq``
+  devices; ``all_to_all`` turns the sequence slices into head slices of the whole sequence and
+  back (DeepSpeed-Ulysses), ``all_gather`` gathers K/V. With the (default) ``zigzag`` layout each
   device holds chunks ``r`` and ``2P-1-r`` of the sequence, so under the causal mask every device
   has the same work: the tokens of every batch are permuted into that order once, when the batch
   is built (targets and rotary positions with them; the mean loss does not depend on the order).
@@ -69,7 +86,23 @@ def build_parser() -> argparse.ArgumentParser:
                  help="data,tensor,seq axis sizes, product = --devices (default: the device count "
                       "factored over the three axes, e.g. 2,2,2 for 8)")
   g.add_argument("--layout", choices=("zigzag", "contiguous"), default="zigzag",
-                 help="ring attention's sequence layout over the seq axis")
+                 help="the sequence layout over the seq axis")
+  g.add_argument("--context-parallel", choices=("ring", "all_to_all", "all_gather"),
+                 default="ring",
+                 help="how attention runs over the seq axis (jax_flash.context_parallel_attention"
+                      "'s strategy): K/V around a ring, all-to-all to head slices "
+                      "(DeepSpeed-Ulysses), or K/V gathered")
+  g.add_argument("--coordinator-address", default=os.environ.get("JAX_COORDINATOR_ADDRESS"),
+                 help="host:port of process 0's coordinator: run under jax.distributed "
+                      "(default: $JAX_COORDINATOR_ADDRESS)")
+  g.add_argument("--num-processes", type=int, default=_env_int("JAX_NUM_PROCESSES"),
+                 help="processes in the run (default: $JAX_NUM_PROCESSES, or the cluster's)")
+  g.add_argument("--process-id", type=int, default=_env_int("JAX_PROCESS_ID"),
+                 help="this process's index, 0..num-processes-1 (default: $JAX_PROCESS_ID, or "
+                      "the cluster's)")
+  g.add_argument("--distributed", action="store_true",
+                 help="call jax.distributed.initialize even without the three flags above "
+                      "(it reads SLURM's, Open MPI's or other clusters' variables)")
   g.add_argument("--dump-collectives", action="store_true",
                  help="list the collectives of the compiled training step (kind, mesh axes, "
                       "count, bytes) and write its HLO text to the temp folder")
@@ -111,14 +144,37 @@ def build_parser() -> argparse.ArgumentParser:
                  help="a text file or folder (*.py read recursively); default: the stdlib source")
   t.add_argument("--max-data-bytes", type=int, default=4_000_000,
                  help="read at most this much text")
+  t.add_argument("--metrics-out", default=None,
+                 help="write every step's loss and the validation losses (full precision) to "
+                      "this JSON file (process 0)")
   return p
+
+
+def _env_int(name: str) -> int | None:
+  value = os.environ.get(name)
+  return int(value) if value else None
+
+
+def multi_process(args: argparse.Namespace) -> bool:
+  return bool(args.distributed or args.coordinator_address or
+              (args.num_processes or 1) > 1)
+
+
+def local_cpu_devices(args: argparse.Namespace) -> int:
+  """Simulated CPU devices in this process: --devices split over the processes."""
+  total = args.devices or DEFAULT_CPU_DEVICES
+  processes = args.num_processes or 1
+  if total % processes:
+    raise SystemExit(f"error: --devices {total} does not split over {processes} processes")
+  return total // processes
 
 
 if __name__ == "__main__":
   ARGS = build_parser().parse_args()
-  force_host_device_count(ARGS.devices or DEFAULT_CPU_DEVICES)
+  force_host_device_count(local_cpu_devices(ARGS))
 
 import dataclasses  # noqa: E402
+import json  # noqa: E402
 import math  # noqa: E402
 import time  # noqa: E402
 from collections import Counter  # noqa: E402
@@ -135,6 +191,30 @@ from lm.collectives import dump_collectives  # noqa: E402
 from lm.data import STDLIB_DIR, read_bytes  # noqa: E402
 from lm.model import VOCAB_SIZE, rope  # noqa: E402
 from lm.training import make_optimizer  # noqa: E402
+
+
+def start_processes(args: argparse.Namespace) -> None:
+  """jax.distributed.initialize with what the flags (or the environment) give; None lets it
+  detect a cluster. On the CPU the processes' collectives go through Gloo (jaxlib's CPU
+  backend has no cross-process collectives otherwise). Call before anything touches a
+  device."""
+  if not multi_process(args):
+    return
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU backend only
+  jax.distributed.initialize(coordinator_address=args.coordinator_address,
+                             num_processes=args.num_processes, process_id=args.process_id)
+
+
+def log(*args, **kwargs) -> None:
+  """print, on process 0 only."""
+  if jax.process_index() == 0:
+    print(*args, **kwargs)
+
+
+def global_array(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
+  """A global array from the same host array on every process: each process places its own
+  devices' slices."""
+  return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 ROPE_BASE = 10_000.0
 
@@ -208,6 +288,7 @@ class Config:
   grad_clip: float
   seed: int
   layout: str
+  context_parallel: str = "ring"
 
   @property
   def head_dim(self) -> int:
@@ -230,6 +311,9 @@ def validate(config: Config, mesh_shape: tuple[int, int, int]) -> None:
     problems.append(f"--batch-size {config.batch_size} does not split over data={data}")
   if config.heads % tensor:
     problems.append(f"--heads {config.heads} does not split over tensor={tensor}")
+  elif config.context_parallel == "all_to_all" and (config.heads // tensor) % seq:
+    problems.append(f"--context-parallel all_to_all needs the {config.heads // tensor} heads "
+                    f"of each tensor slice to split over seq={seq}")
   if config.hidden % tensor or VOCAB_SIZE % tensor:
     problems.append(f"the MLP hidden size {config.hidden} and the vocabulary {VOCAB_SIZE} must "
                     f"split over tensor={tensor}")
@@ -338,8 +422,9 @@ class Model:
     self.seq_parallel = mesh.shape["seq"] > 1
     if self.seq_parallel:
       def local(q, k, v):  # this device's (B/data, T/seq, N/tensor, H) slices
-        return jax_flash.ring_attention(q, k, v, axis_name="seq", layout=config.layout,
-                                        is_causal=True, implementation=None)
+        return jax_flash.context_parallel_attention(
+            q, k, v, axis_name="seq", strategy=config.context_parallel, layout=config.layout,
+            is_causal=True, implementation=None)
       self._ring = jax.shard_map(local, mesh=mesh, in_specs=(HEADS_SPEC,) * 3,
                                  out_specs=HEADS_SPEC)
 
@@ -432,26 +517,26 @@ def spec_str(spec: P) -> str:
 
 
 def print_shardings(config: Config, mesh, params) -> None:
-  print("parameter shardings (global shape -> per-device shard; '-' = not split):")
+  log("parameter shardings (global shape -> per-device shard; '-' = not split):")
   flat, _ = jax.tree_util.tree_flatten_with_path(params)
   for path, x in flat:
     name = jax.tree_util.keystr(path)
     if "['blocks'][" in name and not name.startswith("['blocks'][0]"):
       continue  # the other blocks are laid out like block 0
     shard = x.sharding.shard_shape(x.shape)
-    print(f"  {name:32s} {str(x.shape):16s} {spec_str(x.sharding.spec):22s} -> {shard}")
+    log(f"  {name:32s} {str(x.shape):16s} {spec_str(x.sharding.spec):22s} -> {shard}")
   if config.layers > 1:
-    print(f"  (blocks 1..{config.layers - 1} like block 0)")
+    log(f"  (blocks 1..{config.layers - 1} like block 0)")
   b, t, d, n, h, f = (config.batch_size, config.seq_len, config.width, config.heads,
                       config.head_dim, config.hidden)
-  print("activation shardings (pinned with with_sharding_constraint):")
+  log("activation shardings (pinned with with_sharding_constraint):")
   for what, shape, spec in [("tokens, targets", (b, t), TOKENS_SPEC),
                             ("residual stream x", (b, t, d), X_SPEC),
                             ("q, k, v, attention out", (b, t, n, h), HEADS_SPEC),
                             ("MLP hidden", (b, t, f), HIDDEN_SPEC),
                             ("logits", (b, t, VOCAB_SIZE), LOGITS_SPEC)]:
     shard = NamedSharding(mesh, spec).shard_shape(shape)
-    print(f"  {what:32s} {str(shape):16s} {spec_str(spec):22s} -> {shard}")
+    log(f"  {what:32s} {str(shape):16s} {spec_str(spec):22s} -> {shard}")
 
 
 def print_memory(mesh, state, compiled, label: str) -> None:
@@ -461,8 +546,10 @@ def print_memory(mesh, state, compiled, label: str) -> None:
   for x in jax.tree.leaves(state):
     for s in x.addressable_shards:
       held[s.device] += s.data.nbytes
-  print(f"per-device memory ({label}):")
-  for d in mesh.devices.flat:
+  local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+  others = "" if len(local) == mesh.devices.size else f", those of process {jax.process_index()}"
+  log(f"per-device memory ({label}{others}):")
+  for d in local:
     stats = d.memory_stats() or {}
     extra = ""
     if "bytes_in_use" in stats:
@@ -471,17 +558,17 @@ def print_memory(mesh, state, compiled, label: str) -> None:
                + (f" of {mib(stats['bytes_limit'])}" if "bytes_limit" in stats else ""))
     coords = dict(zip(mesh.axis_names, np.argwhere(mesh.devices == d)[0]))
     where = ",".join(f"{a}={int(i)}" for a, i in coords.items())
-    print(f"  {str(d):18s} [{where}] params+optimizer {mib(held[d])}{extra}")
-  if not any(d.memory_stats() for d in mesh.devices.flat):
-    print("  (the devices report no allocator statistics here: see XLA's figures below)")
+    log(f"  {str(d):18s} [{where}] params+optimizer {mib(held[d])}{extra}")
+  if not any(d.memory_stats() for d in local):
+    log("  (the devices report no allocator statistics here: see XLA's figures below)")
   try:
     a = compiled.memory_analysis()
-    print(f"  XLA's compiled train step, per device: arguments {mib(a.argument_size_in_bytes)}, "
-          f"outputs {mib(a.output_size_in_bytes)} (aliased to donated inputs "
-          f"{mib(a.alias_size_in_bytes)}), temporaries {mib(a.temp_size_in_bytes)}, "
-          f"code {mib(a.generated_code_size_in_bytes)}")
+    log(f"  XLA's compiled train step, per device: arguments {mib(a.argument_size_in_bytes)}, "
+        f"outputs {mib(a.output_size_in_bytes)} (aliased to donated inputs "
+        f"{mib(a.alias_size_in_bytes)}), temporaries {mib(a.temp_size_in_bytes)}, "
+        f"code {mib(a.generated_code_size_in_bytes)}")
   except Exception as e:  # not every backend reports it
-    print(f"  (no compiled memory analysis: {type(e).__name__})")
+    log(f"  (no compiled memory analysis: {type(e).__name__})")
 
 
 # ---- main ---------------------------------------------------------------------------------------
@@ -489,13 +576,15 @@ def print_memory(mesh, state, compiled, label: str) -> None:
 
 def main(args: argparse.Namespace) -> None:
   wall = time.perf_counter()
+  start_processes(args)
   devices = pick_devices(args.devices)
   mesh_shape = parse_mesh(args.mesh, len(devices))
   backend = jax.default_backend()
   dtype = args.dtype if args.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16")
   config = Config(args.layers, args.width, args.heads, args.mlp_ratio, args.positions, dtype,
                   args.seq_len, args.batch_size, args.steps, args.learning_rate,
-                  args.warmup_steps, args.weight_decay, args.grad_clip, args.seed, args.layout)
+                  args.warmup_steps, args.weight_decay, args.grad_clip, args.seed, args.layout,
+                  args.context_parallel)
   validate(config, mesh_shape)
   mesh = jax.make_mesh(mesh_shape, AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
 
@@ -505,20 +594,23 @@ def main(args: argparse.Namespace) -> None:
   else:
     order = np.arange(config.seq_len)
   isa = f" (CPU kernel {jax_flash.cpu_kernel_isa()})" if backend == "cpu" else ""
-  print(f"backend: {backend}, {len(devices)} x {devices[0].device_kind}{isa}; "
-        f"jax {jax.__version__}")
-  print(f"mesh: {dict(mesh.shape)}")
-  print("  device ids by (data, tensor, seq):\n  "
-        + np.array2string(np.vectorize(lambda d: d.id)(mesh.devices), prefix="  "))
-  attention = (f"jax_flash.ring_attention over 'seq' ({seq} devices, {config.layout} layout) "
-               f"in shard_map" if seq > 1 else
+  log(f"backend: {backend}, {len(devices)} x {devices[0].device_kind}{isa}; "
+      f"jax {jax.__version__}")
+  if jax.process_count() > 1:
+    log(f"processes: {jax.process_count()} (jax.distributed), {jax.local_device_count()} "
+        f"devices each")
+  log(f"mesh: {dict(mesh.shape)}")
+  log("  device ids by (data, tensor, seq):\n  "
+      + np.array2string(np.vectorize(lambda d: d.id)(mesh.devices), prefix="  "))
+  attention = (f"jax_flash.context_parallel_attention, strategy {config.context_parallel!r}, "
+               f"over 'seq' ({seq} devices, {config.layout} layout) in shard_map" if seq > 1 else
                "jax_flash.dot_product_attention (partitioned over batch and heads)")
-  print(f"attention: {attention}; activations {dtype}")
+  log(f"attention: {attention}; activations {dtype}")
 
   raw = read_bytes(args.data, "*.py", args.max_data_bytes)
   batches = Batches(config, raw, order)
-  print(f"data: {len(batches.train):,} train / {len(batches.val):,} validation bytes from "
-        f"{args.data or STDLIB_DIR + ' (*.py)'}")
+  log(f"data: {len(batches.train):,} train / {len(batches.val):,} validation bytes from "
+      f"{args.data or STDLIB_DIR + ' (*.py)'}")
 
   tx, schedule = make_optimizer(config)
   shardings = state_shardings(config, mesh, tx)
@@ -526,9 +618,9 @@ def main(args: argparse.Namespace) -> None:
       jax.random.key(config.seed))
   state = (params, jax.jit(tx.init, out_shardings=shardings[1])(params))
   n_params = sum(x.size for x in jax.tree.leaves(params))
-  print(f"model: {n_params:,} parameters; {config.layers} layers, width {config.width}, "
-        f"{config.heads} heads of {config.head_dim}, MLP {config.hidden}, {config.positions} "
-        f"positions; batch {config.batch_size} x {config.seq_len} tokens")
+  log(f"model: {n_params:,} parameters; {config.layers} layers, width {config.width}, "
+      f"{config.heads} heads of {config.head_dim}, MLP {config.hidden}, {config.positions} "
+      f"positions; batch {config.batch_size} x {config.seq_len} tokens")
   print_shardings(config, mesh, params)
 
   model = Model(config, mesh, order)
@@ -536,19 +628,19 @@ def main(args: argparse.Namespace) -> None:
   start = time.perf_counter()
   example = jax.ShapeDtypeStruct((config.batch_size, config.seq_len), jnp.int32)
   compiled = train_step.lower(state, example, example).compile()
-  print(f"train step compiled in {time.perf_counter() - start:.1f}s")
+  log(f"train step compiled in {time.perf_counter() - start:.1f}s")
   print_memory(mesh, state, compiled, "before training")
-  if args.dump_collectives:
+  if args.dump_collectives and jax.process_index() == 0:
     name = f"train_lm_sharded_step_{'x'.join(map(str, mesh_shape))}.hlo.txt"
     dump_collectives(compiled, mesh, os.path.join(tempfile.gettempdir(), name))
 
   token_sharding = NamedSharding(mesh, TOKENS_SPEC)
-  put = lambda a: jax.device_put(a, token_sharding)
+  put = lambda a: global_array(a, token_sharding)
   val = [(put(x), put(y)) for x, y in batches.val_batches(args.eval_batches)]
   # One batch at a time (float() waits): see wait_each_step below.
   evaluate = lambda params: float(np.mean([float(eval_step(params, x, y)) for x, y in val]))
-  print(f"validation loss before training: {evaluate(state[0]):.3f} "
-        f"(uniform over bytes: {math.log(VOCAB_SIZE):.3f})")
+  log(f"validation loss before training: {evaluate(state[0]):.3f} "
+      f"(uniform over bytes: {math.log(VOCAB_SIZE):.3f})")
 
   tokens_per_step = config.batch_size * config.seq_len
   # On the simulated CPU devices, XLA (jaxlib 0.10.2, 2 cores) can deadlock in a collective's
@@ -572,23 +664,27 @@ def main(args: argparse.Namespace) -> None:
     if step > len(values):  # the first interval (warm-up) is left out of the average
       rates.append((len(values) * tokens_per_step, elapsed))
     train_seconds += elapsed
-    print(f"step {step:4d} | loss {np.mean(values):.3f} | {rate:8,.0f} tokens/s | "
-          f"lr {float(schedule(step)):.2e}", flush=True)
+    log(f"step {step:4d} | loss {np.mean(values):.3f} | {rate:8,.0f} tokens/s | "
+        f"lr {float(schedule(step)):.2e}", flush=True)
     pending.clear()
     t0 = time.perf_counter()
 
-  if any(d.memory_stats() for d in mesh.devices.flat):  # the allocators' peaks (GPUs)
+  if any(d.memory_stats() for d in jax.local_devices()):  # the allocators' peaks (GPUs)
     print_memory(mesh, state, compiled, "after training")
   val_loss = evaluate(state[0])
   tokens_per_s = (sum(t for t, _ in rates) / sum(s for _, s in rates) if rates
                   else len(losses) * tokens_per_step / train_seconds)
   first, last = np.mean(losses[:args.log_every]), np.mean(losses[-args.log_every:])
-  print(f"loss {losses[0]:.3f} (first step) -> {last:.3f} (mean of the last {args.log_every}); "
-        f"first {args.log_every} steps' mean {first:.3f}")
-  print(f"final validation loss {val_loss:.3f} ({val_loss / math.log(2):.2f} bits/byte)")
-  print(f"throughput {tokens_per_s:,.0f} tokens/s over mesh {dict(mesh.shape)} "
-        f"({tokens_per_s / len(devices):,.0f} per device); trained {train_seconds:.0f}s, "
-        f"{time.perf_counter() - wall:.0f}s in all")
+  log(f"loss {losses[0]:.3f} (first step) -> {last:.3f} (mean of the last {args.log_every}); "
+      f"first {args.log_every} steps' mean {first:.3f}")
+  log(f"final validation loss {val_loss:.3f} ({val_loss / math.log(2):.2f} bits/byte)")
+  log(f"throughput {tokens_per_s:,.0f} tokens/s over mesh {dict(mesh.shape)} "
+      f"({tokens_per_s / len(devices):,.0f} per device); trained {train_seconds:.0f}s, "
+      f"{time.perf_counter() - wall:.0f}s in all")
+  if args.metrics_out and jax.process_index() == 0:
+    with open(args.metrics_out, "w") as f:
+      json.dump({"losses": losses, "final_val_loss": val_loss, "mesh": dict(mesh.shape),
+                 "processes": jax.process_count()}, f)
 
 
 if __name__ == "__main__":
