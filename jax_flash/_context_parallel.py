@@ -14,7 +14,8 @@ Three strategies, each over one mesh axis (or a tuple of axes) of P devices:
   Memory per device O(S) for K/V. Takes every mask and T != S.
 
 Under ``jax.jit`` the caller's sequence is contiguous (device r holds rows [rL, (r+1)L)). Under
-a causal mask that gives device P-1 about P times the work of device 0; the zig-zag layout
+a causal mask that gives device r the work of r + 1/2 blocks (2P-1 times device 0's on device
+P-1); the zig-zag layout
 balances it, and the partitioned op moves the slices into it and back itself (two
 collective-permutes of half a slice each per operand, :mod:`jax_flash._chunks`): the user's
 data layout is unchanged. Inside ``jax.shard_map`` (``context_parallel_attention``) the caller
