@@ -5,6 +5,7 @@
     python examples/train_lm.py --compare jax_flash,xla  # both, same seed and data; plot, table
     python examples/train_lm.py --kv-heads 1 --positions learned --data README.md
     python examples/train_lm.py --checkpoint-dir /tmp/ckpt --stop-after 300   # then add --resume
+    python examples/generate.py --checkpoint-dir /tmp/ckpt   # text from a checkpoint, KV cache
     python examples/train_lm.py --preset gpt2-small --compare jax_flash,xla,cudnn   # on a GPU
 
 The model is a decoder-only transformer in Flax NNX: byte embeddings (tied to the output layer),

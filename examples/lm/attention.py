@@ -23,6 +23,15 @@ def attention_fn(config: Config) -> Callable[..., jax.Array]:
                            implementation=config.attention)
 
 
+def cached_attention_fn(config: Config) -> Callable[..., jax.Array]:
+  """The attention of a decode step: (q, k, v, key_value_seq_lengths=...) -> output, where each
+  sequence's query attends to its cached keys before its length (no causal mask: the query is
+  the newest position)."""
+  if config.attention == "jax_flash":
+    return jax_flash.dot_product_attention
+  return functools.partial(jax.nn.dot_product_attention, implementation=config.attention)
+
+
 def check_attention_backend(config: Config) -> None:
   """Fails early, with a message saying what to do, where the chosen attention cannot run."""
   backend = jax.default_backend()
