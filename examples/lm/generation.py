@@ -119,8 +119,9 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, prompts: list[bytes], new
   max_len = batch.shape[1] + new_tokens - 1  # the last byte is sampled, never fed back
   if max_len > max_positions:
     raise ValueError(
-        f"the longest prompt ({batch.shape[1]} bytes) + {new_tokens} new bytes need "
-        f"{max_len + 1} positions; the model was trained on {max_positions}")
+        f"the longest prompt ({batch.shape[1]} bytes) + {new_tokens} new bytes need {max_len} "
+        f"positions (the last new byte is not fed back); the model was trained on "
+        f"{max_positions}")
   first_key, loop_key = jax.random.split(key)
   start = time.perf_counter()
   prefill_args = (graphdef, state, batch, lengths, first_key, max_len, sampling)
