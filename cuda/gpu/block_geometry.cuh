@@ -65,17 +65,24 @@ struct QueryBlockTask {
   QueryBlock<kBlockM, kBlockN> blk;
   int64_t q_offset, kv_offset, stat_offset;
 
+  // The CTA's task on query_block_grid.
   template <typename Params>
   __device__ explicit QueryBlockTask(const Params& p)
-      : b(blockIdx.z),
-        h(blockIdx.y),
-        hk(static_cast<int>(blockIdx.y / (p.shape.heads_q / p.shape.heads_k))),
-        q_len(clamp_len(p.q_lens, blockIdx.z, p.shape.seq_q)),
-        kv_len(clamp_len(p.kv_lens, blockIdx.z, p.shape.seq_k)),
+      : QueryBlockTask(p, static_cast<int>(gridDim.x - 1 - blockIdx.x), static_cast<int>(blockIdx.y),
+                       static_cast<int>(blockIdx.z)) {}
+
+  // Query block m_block of head h of batch element b.
+  template <typename Params>
+  __device__ QueryBlockTask(const Params& p, int m_block, int head, int batch)
+      : b(batch),
+        h(head),
+        hk(static_cast<int>(head / (p.shape.heads_q / p.shape.heads_k))),
+        q_len(clamp_len(p.q_lens, batch, p.shape.seq_q)),
+        kv_len(clamp_len(p.kv_lens, batch, p.shape.seq_k)),
         q_stride(p.shape.heads_q * p.shape.head_dim),
         kv_stride(p.shape.heads_k * p.shape.head_dim),
         chunks(static_cast<int>(p.shape.head_dim / 8)),
-        blk(p.mask, gridDim.x - 1 - blockIdx.x, p.shape.seq_q, q_len, kv_len),
+        blk(p.mask, m_block, p.shape.seq_q, q_len, kv_len),
         q_offset((b * p.shape.seq_q + blk.m0) * q_stride + h * p.shape.head_dim),
         kv_offset(b * p.shape.seq_k * kv_stride + hk * p.shape.head_dim),
         stat_offset((static_cast<int64_t>(b) * p.shape.heads_q + h) * p.shape.seq_q) {}

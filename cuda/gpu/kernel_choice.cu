@@ -27,9 +27,9 @@ std::optional<KernelFamily> read_override(const char* variable, bool forward, st
   if (v == "sm80") return KernelFamily::kSm80;
   if (v == "sm90") return KernelFamily::kSm90;
   if (forward && v == "sm90ws") return KernelFamily::kSm90Ws;
-  if (forward && v == "sm90ws_serial") return KernelFamily::kSm90WsSerial;
+  if (forward && v == "sm90ws_grid") return KernelFamily::kSm90WsGrid;
   error += std::string(error.empty() ? "" : "; ") + "jax_flash: " + variable + "=" + v + " is not one of " +
-           (forward ? "sm80, sm90, sm90ws, sm90ws_serial" : "sm80, sm90");
+           (forward ? "sm80, sm90, sm90ws, sm90ws_grid" : "sm80, sm90");
   return std::nullopt;
 }
 
@@ -45,30 +45,35 @@ const Overrides& overrides() {
   return o;
 }
 
-// wgmma on Hopper unless overridden; else mma.sync.
-KernelFamily choose(std::optional<KernelFamily> override_family) {
-  return device_compute_major() == 9 ? override_family.value_or(KernelFamily::kSm90) : KernelFamily::kSm80;
+// A device attribute of the current device, asked once per device (no stream work, so safe
+// while XLA captures a CUDA graph); 0 if CUDA cannot say.
+template <cudaDeviceAttr kAttribute>
+int device_attribute() {
+  constexpr int kMaxDevices = 64;
+  static int values[kMaxDevices] = {};  // 0: not asked yet
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return 0;
+  if (values[device] == 0) {
+    int value = 0;
+    if (cudaDeviceGetAttribute(&value, kAttribute, device) != cudaSuccess) return 0;
+    values[device] = value;
+  }
+  return values[device];
+}
+
+// On Hopper the pass's Hopper family (`hopper`) unless overridden; else mma.sync.
+KernelFamily choose(std::optional<KernelFamily> override_family, KernelFamily hopper) {
+  return device_compute_major() == 9 ? override_family.value_or(hopper) : KernelFamily::kSm80;
 }
 
 }  // namespace
 
 const std::string& kernel_override_error() { return overrides().error; }
 
-int device_compute_major() {
-  // Asked once per device (no stream work, so safe while XLA captures a CUDA graph).
-  constexpr int kMaxDevices = 64;
-  static int majors[kMaxDevices] = {};  // 0: not asked yet
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return 0;
-  if (majors[device] == 0) {
-    int major = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return 0;
-    majors[device] = major;
-  }
-  return majors[device];
-}
+int device_compute_major() { return device_attribute<cudaDevAttrComputeCapabilityMajor>(); }
+int device_sm_count() { return device_attribute<cudaDevAttrMultiProcessorCount>(); }
 
-KernelFamily forward_family() { return choose(overrides().forward); }
-KernelFamily backward_family() { return choose(overrides().backward); }
+KernelFamily forward_family() { return choose(overrides().forward, KernelFamily::kSm90Ws); }
+KernelFamily backward_family() { return choose(overrides().backward, KernelFamily::kSm90); }
 
 }  // namespace jax_flash::cuda

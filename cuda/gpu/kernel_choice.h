@@ -2,10 +2,10 @@
 // family, wherever gpu/tile_shapes.cuh has a wgmma kernel for the head dim; the mma.sync (sm80)
 // family everywhere else. Two environment variables, read once per process, override the choice
 // for experiments and comparisons:
-//   JAX_FLASH_CUDA_FORWARD  = sm80 | sm90 | sm90ws | sm90ws_serial   (default on Hopper: sm90)
-//   JAX_FLASH_CUDA_BACKWARD = sm80 | sm90                             (default on Hopper: sm90)
-// sm90ws is the warp-specialised TMA forward with ping-pong consumers, sm90ws_serial the same
-// without ping-pong (experimental, forward only).
+//   JAX_FLASH_CUDA_FORWARD  = sm80 | sm90 | sm90ws | sm90ws_grid   (default on Hopper: sm90ws)
+//   JAX_FLASH_CUDA_BACKWARD = sm80 | sm90                           (default on Hopper: sm90)
+// sm90ws is the warp-specialised TMA forward on a persistent grid, sm90ws_grid the same kernel
+// with a CTA per tile; sm90 the first wgmma forward (all threads load and compute).
 // A Hopper choice only applies on Hopper, and only where a Hopper kernel exists.
 #pragma once
 
@@ -14,8 +14,8 @@
 namespace jax_flash::cuda {
 
 // The kernel family of a pass: mma.sync (sm80), wgmma (sm90), or the warp-specialised wgmma
-// forward with or without ping-pong (sm90ws, sm90ws_serial).
-enum class KernelFamily { kSm80, kSm90, kSm90Ws, kSm90WsSerial };
+// forward on a persistent grid or a CTA per tile (sm90ws, sm90ws_grid).
+enum class KernelFamily { kSm80, kSm90, kSm90Ws, kSm90WsGrid };
 
 // Empty when the variables are unset or hold a known value; else a message naming the variable,
 // its value and the values it takes (the FFI handlers return it as an error).
@@ -28,5 +28,7 @@ KernelFamily backward_family();
 
 // Compute capability major of the current device (0 if CUDA cannot say).
 int device_compute_major();
+// Streaming multiprocessors of the current device (0 if CUDA cannot say).
+int device_sm_count();
 
 }  // namespace jax_flash::cuda

@@ -48,11 +48,12 @@ cudaError_t launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
   return dispatch_dtype_head_dim(p.dtype, p.shape.head_dim, [&](auto type, auto head_dim) -> cudaError_t {
     using T = typename decltype(type)::type;
     constexpr int kD = decltype(head_dim)::value;
-    if constexpr (TileShapes<kD>::kHasSm90) {
-      if (family == KernelFamily::kSm90) return launch_fwd_sm90<T, kD>(p, stream);
-      if (family == KernelFamily::kSm90Ws) return launch_fwd_sm90_ws<T, kD, true>(p, stream);
-      if (family == KernelFamily::kSm90WsSerial) return launch_fwd_sm90_ws<T, kD, false>(p, stream);
+    if constexpr (TileShapes<kD>::kHasSm90WsFwd) {
+      if (family == KernelFamily::kSm90Ws) return launch_fwd_sm90_ws<T, kD>(p, true, stream);
+      if (family == KernelFamily::kSm90WsGrid) return launch_fwd_sm90_ws<T, kD>(p, false, stream);
     }
+    if constexpr (TileShapes<kD>::kHasSm90)
+      if (family == KernelFamily::kSm90) return launch_fwd_sm90<T, kD>(p, stream);
     return launch_fwd_sm80<T, kD>(p, stream);
   });
 }

@@ -13,6 +13,7 @@ namespace jax_flash::cuda {
 // launchers' instantiations are both generated from them.
 #define JF_SM80_HEAD_DIMS(X) X(32) X(64) X(128) X(192) X(256)
 #define JF_SM90_HEAD_DIMS(X) X(64) X(128)
+#define JF_SM90_WS_FWD_HEAD_DIMS(X) X(64) X(128) X(192) X(256)
 
 template <int kHeadDim>
 struct TileShapes {
@@ -31,13 +32,13 @@ struct TileShapes {
 
 #define JF_IS_HEAD_DIM(D) || kHeadDim == D
   static constexpr bool kHasSm90 = false JF_SM90_HEAD_DIMS(JF_IS_HEAD_DIM);
+  static constexpr bool kHasSm90WsFwd = false JF_SM90_WS_FWD_HEAD_DIMS(JF_IS_HEAD_DIM);
 #undef JF_IS_HEAD_DIM
   // wgmma forward: 2 warpgroups x 64 query rows, key blocks of 128.
   using Sm90Fwd = Sm90FwdTraits<kHeadDim, 128>;
   // Warp-specialised wgmma forward: a TMA producer warpgroup and 2 consumer warpgroups x 64 query
-  // rows, key blocks of 128 in 2 stages.
-  template <bool kPingPong>
-  using Sm90FwdWs = Sm90FwdWsTraits<kHeadDim, 128, 2, kPingPong>;
+  // rows, key blocks of 128 in 2 stages (of 64 past head dim 128: shared memory).
+  using Sm90FwdWs = Sm90FwdWsTraits<kHeadDim, (kHeadDim <= 128 ? 128 : 64), 2, true>;
   // wgmma backward: 2 warpgroups x 64 keys, query blocks of 64.
   using Sm90Bwd = Sm90BwdTraits<kHeadDim>;
 };

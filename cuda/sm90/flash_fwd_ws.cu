@@ -1,19 +1,27 @@
 // Launcher of the warp-specialised wgmma forward (TMA descriptors made here, per call), for the
-// head dims of gpu/tile_shapes.cuh.
+// head dims of gpu/tile_shapes.cuh: a persistent grid (a CTA per SM) or a CTA per tile.
+#include <algorithm>
+#include <cstdint>
+
+#include "gpu/kernel_choice.h"
 #include "gpu/kernel_launch.cuh"
 #include "gpu/launch.h"
 #include "gpu/tile_shapes.cuh"
 #include "sm90/flash_fwd_ws_kernel.cuh"
 #include "sm90/tensor_map.h"
+#include "sm90/tile_scheduler.cuh"
 
 namespace jax_flash::cuda {
 
-template <typename T, int kHeadDim, bool kPingPong>
-cudaError_t launch_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
-  using Traits = typename TileShapes<kHeadDim>::template Sm90FwdWs<kPingPong>;
+template <typename T, int kHeadDim>
+cudaError_t launch_fwd_sm90_ws(const FwdParams& p, bool persistent, cudaStream_t stream) {
+  using Traits = typename TileShapes<kHeadDim>::Sm90FwdWs;
   const AttentionShape& s = p.shape;
+  const int64_t tiles = (s.seq_q + Traits::kBlockM - 1) / Traits::kBlockM * s.heads_q * s.batch;
+  if (tiles > INT32_MAX) return cudaErrorInvalidConfiguration;  // the scheduler counts in int
   FwdTmaParams params;
   params.p = p;
+  params.persistent = persistent;
   if (cudaError_t e = make_head_tensor_map(&params.q, p.q, p.dtype, s.batch, s.seq_q, s.heads_q, s.head_dim,
                                            Traits::kBlockM))
     return e;
@@ -23,16 +31,16 @@ cudaError_t launch_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
   if (cudaError_t e = make_head_tensor_map(&params.v, p.v, p.dtype, s.batch, s.seq_k, s.heads_k, s.head_dim,
                                            Traits::kBlockN))
     return e;
-  return launch_with_smem(flash_fwd_sm90_ws_kernel<Traits, T>, query_block_grid<Traits>(s), Traits::kThreads,
+  // A persistent CTA takes tiles two at a time.
+  const int64_t ctas = persistent ? std::min<int64_t>((tiles + 1) / 2, std::max(1, device_sm_count())) : tiles;
+  return launch_with_smem(flash_fwd_sm90_ws_kernel<Traits, T>, dim3(static_cast<unsigned>(ctas)), Traits::kThreads,
                           Traits::kSmemBytes, stream, params);
 }
 
-#define JF_INSTANTIATE(D)                                                                  \
-  template cudaError_t launch_fwd_sm90_ws<__nv_bfloat16, D, true>(const FwdParams&, cudaStream_t);  \
-  template cudaError_t launch_fwd_sm90_ws<__half, D, true>(const FwdParams&, cudaStream_t);         \
-  template cudaError_t launch_fwd_sm90_ws<__nv_bfloat16, D, false>(const FwdParams&, cudaStream_t); \
-  template cudaError_t launch_fwd_sm90_ws<__half, D, false>(const FwdParams&, cudaStream_t);
-JF_SM90_HEAD_DIMS(JF_INSTANTIATE)
+#define JF_INSTANTIATE(D)                                                                      \
+  template cudaError_t launch_fwd_sm90_ws<__nv_bfloat16, D>(const FwdParams&, bool, cudaStream_t); \
+  template cudaError_t launch_fwd_sm90_ws<__half, D>(const FwdParams&, bool, cudaStream_t);
+JF_SM90_WS_FWD_HEAD_DIMS(JF_INSTANTIATE)
 #undef JF_INSTANTIATE
 
 }  // namespace jax_flash::cuda

@@ -1,9 +1,9 @@
 // FlashAttention forward for Hopper (sm_90a), warp-specialised (FlashAttention-3's design):
 //
 //   warpgroup 0, the producer: gives most of its registers back (setmaxnreg) and one thread
-//     issues TMA loads: the CTA's Q tile once, then K and V blocks (last block first) into a
-//     ring of kStages stages, each stage guarded by a "full" mbarrier (completed by the copy's
-//     bytes) and an "empty" one (completed when every consumer warp has released it);
+//     issues TMA loads: a tile's Q, then its K and V blocks (last block first) into a ring of
+//     kStages stages, each buffer guarded by a "full" mbarrier (completed by the copy's bytes)
+//     and an "empty" one (completed when every consumer warp has released it);
 //   warpgroups 1.., the consumers: 64 query rows each, take the registers; per key block
 //     S = Q K^T (wgmma SS), masks and the online softmax in registers (gpu/softmax.cuh), then
 //     O += P V with P from registers (wgmma RS). Within a warpgroup the next block's S is issued
@@ -11,7 +11,9 @@
 //     cores; with kPingPong the two consumer warpgroups also take turns to issue their products
 //     (named barriers), so that one's softmax runs under the other's GEMMs.
 //
-// The epilogue (normalisation, lse, empty rows) is gpu/epilogue.cuh's, from registers.
+// The epilogue (normalisation, lse, empty rows) is gpu/epilogue.cuh's, from registers. The CTA
+// computes the tiles sm90/tile_scheduler.cuh gives it: with a persistent grid, the producer
+// loads the next tile while the consumers finish the last.
 #pragma once
 
 #include <cuda.h>
@@ -24,6 +26,7 @@
 #include "gpu/softmax.cuh"
 #include "sm90/barrier.cuh"
 #include "sm90/fwd_gemms.cuh"
+#include "sm90/tile_scheduler.cuh"
 #include "sm90/tma.cuh"
 #include "sm90/traits.cuh"
 #include "sm90/wgmma.cuh"
@@ -34,6 +37,7 @@ namespace jax_flash::cuda {
 struct FwdTmaParams {
   FwdParams p;
   CUtensorMap q, k, v;
+  bool persistent;  // the grid is persistent (sm90/tile_scheduler.cuh)
 };
 
 // Shared memory of a warp-specialised forward CTA, from a 1 KiB boundary: Q, kStages stages of
@@ -53,10 +57,10 @@ struct Sm90FwdWsSmem {
   __device__ T* v_stage(int stage) const { return v + stage * Traits::KVTile::kElements; }
 };
 
-// The stage ring's barriers: Q's, then full and empty barriers of each K and V stage.
+// The barriers: Q's buffer's, then the full and empty barriers of each K and V stage.
 template <int kStages>
 struct FwdWsBarriers {
-  uint64_t q_full, k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
+  uint64_t q_full, q_empty, k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
 };
 
 template <typename Traits, typename T>
@@ -75,6 +79,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   if (threadIdx.x == 0) {
     Mbarrier(&bars.q_full).init(1);
+    Mbarrier(&bars.q_empty).init(Traits::kConsumerWarps);
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
       Mbarrier(&bars.k_full[s]).init(1);
@@ -86,57 +91,76 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
   __syncthreads();
 
-  const QueryBlockTask<kBM, kBN> task(p);
-  const QueryBlock<kBM, kBN>& blk = task.blk;
-  const int count = blk.n_last - blk.n_first + 1;  // key blocks, visited last first
+  const QueryTileScheduler<kBM> scheduler(p.shape, params.persistent);
+  // Both roles walk the same tiles; key blocks run through the stage ring in one sequence over
+  // all of them (block `ring` of the sequence uses stage ring % kStages, in its
+  // (ring / kStages)-th round), and Q's buffer is filled once per tile with keys.
+  auto task_of = [&](int t) {
+    const auto tile = scheduler.tile(t);
+    return QueryBlockTask<kBM, kBN>(p, tile.m_block, tile.head, tile.batch);
+  };
 
   if (warp < 4) {
     // ---- Producer warpgroup: warp 0 loads, the others leave.
     release_registers<Traits::kProducerRegisters>();
-    if (warp != 0 || count <= 0) return;
+    if (warp != 0) return;
     if (lane == 0) {
       prefetch_tensor_map(params.q);
       prefetch_tensor_map(params.k);
       prefetch_tensor_map(params.v);
-      const Mbarrier q_full(&bars.q_full);
-      q_full.arrive_expect_bytes(QTile::kElements * sizeof(T));
-      tma_load_tile<QTile>(smem.q, params.q, task.h, blk.m0, task.b, q_full);
     }
-    for (int i = 0; i < count; ++i) {
-      const int stage = i % kStages, phase = (i / kStages) & 1;
-      const int64_t n0 = static_cast<int64_t>(blk.n_last - i) * kBN;
+    int ring = 0, q_round = 0;
+    for (int t = scheduler.first(); t < scheduler.total; t = scheduler.next(t)) {
+      const QueryBlockTask<kBM, kBN> task = task_of(t);
+      const QueryBlock<kBM, kBN>& blk = task.blk;
+      const int count = blk.n_last - blk.n_first + 1;  // key blocks, visited last first
+      if (count <= 0) continue;
       if (lane == 0) {
-        Mbarrier(&bars.k_empty[stage]).wait(phase ^ 1);
-        const Mbarrier k_full(&bars.k_full[stage]);
-        k_full.arrive_expect_bytes(KVTile::kElements * sizeof(T));
-        tma_load_tile<KVTile>(smem.k_stage(stage), params.k, task.hk, n0, task.b, k_full);
+        Mbarrier(&bars.q_empty).wait((q_round & 1) ^ 1);
+        const Mbarrier q_full(&bars.q_full);
+        q_full.arrive_expect_bytes(QTile::kElements * sizeof(T));
+        tma_load_tile<QTile>(smem.q, params.q, task.h, blk.m0, task.b, q_full);
       }
-      // V rows in [kv_len, seq_k) hold the array's data past this batch element's length, which
-      // the masks give probability 0 but which P V would still multiply (0 * NaN is NaN): a block
-      // holding such rows is copied by the warp with zero fill instead of TMA (only with lengths).
-      const Mbarrier v_empty(&bars.v_empty[stage]), v_full(&bars.v_full[stage]);
-      if (n0 + kBN <= task.kv_len || task.kv_len == p.shape.seq_k) {
+      ++q_round;
+      for (int i = 0; i < count; ++i, ++ring) {
+        const int stage = ring % kStages, phase = (ring / kStages) & 1;
+        const int64_t n0 = static_cast<int64_t>(blk.n_last - i) * kBN;
         if (lane == 0) {
+          Mbarrier(&bars.k_empty[stage]).wait(phase ^ 1);
+          const Mbarrier k_full(&bars.k_full[stage]);
+          k_full.arrive_expect_bytes(KVTile::kElements * sizeof(T));
+          tma_load_tile<KVTile>(smem.k_stage(stage), params.k, task.hk, n0, task.b, k_full);
+        }
+        // V rows in [kv_len, seq_k) hold the array's data past this batch element's length,
+        // which the masks give probability 0 but which P V would still multiply (0 * NaN is
+        // NaN): a block holding such rows is copied by the warp with zero fill instead of TMA.
+        const Mbarrier v_empty(&bars.v_empty[stage]), v_full(&bars.v_full[stage]);
+        if (n0 + kBN <= task.kv_len || task.kv_len == p.shape.seq_k) {
+          if (lane == 0) {
+            v_empty.wait(phase ^ 1);
+            v_full.arrive_expect_bytes(KVTile::kElements * sizeof(T));
+            tma_load_tile<KVTile>(smem.v_stage(stage), params.v, task.hk, n0, task.b, v_full);
+          }
+        } else {
           v_empty.wait(phase ^ 1);
-          v_full.arrive_expect_bytes(KVTile::kElements * sizeof(T));
-          tma_load_tile<KVTile>(smem.v_stage(stage), params.v, task.hk, n0, task.b, v_full);
-        }
-      } else {
-        v_empty.wait(phase ^ 1);
-        const int live = static_cast<int>(task.kv_len - n0);
-        const T* src = static_cast<const T*>(p.v) + task.kv_offset + n0 * task.kv_stride;
-        T* tile = smem.v_stage(stage);
+          const int live = static_cast<int>(task.kv_len - n0);
+          const T* src = static_cast<const T*>(p.v) + task.kv_offset + n0 * task.kv_stride;
+          T* tile = smem.v_stage(stage);
 #pragma unroll 1
-        for (int index = lane; index < KVTile::kRows * KVTile::kChunks; index += 32) {
-          const int r = index / KVTile::kChunks, c = index % KVTile::kChunks;
-          const bool valid = r < live && c < task.chunks;
-          cp_async_16(tile + KVTile::offset(r, c), valid ? src + r * task.kv_stride + c * 8 : src, valid);
+          for (int index = lane; index < KVTile::kRows * KVTile::kChunks; index += 32) {
+            const int r = index / KVTile::kChunks, c = index % KVTile::kChunks;
+            const bool valid = r < live && c < task.chunks;
+            cp_async_16(tile + KVTile::offset(r, c), valid ? src + r * task.kv_stride + c * 8 : src, valid);
+          }
+          cp_async_commit();
+          cp_async_wait<0>();
+          fence_proxy_async();
+          __syncwarp();
+          if (lane == 0) v_full.arrive();
         }
-        cp_async_commit();
-        cp_async_wait<0>();
-        fence_proxy_async();
+        // The warp's lanes stay in step: a lane running ahead would wait on an empty barrier
+        // two phases early, which its parity cannot tell from the right one.
         __syncwarp();
-        if (lane == 0) v_full.arrive();
       }
     }
     return;
@@ -146,82 +170,95 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   claim_registers<Traits::kConsumerRegisters>();
   const int group = warp / 4 - 1;
   const int warp_m0 = group * 64 + warp % 4 * 16;  // this warp's first row in the block
-  const int64_t m0 = blk.m0;
-  OnlineSoftmax<1> softmax;
-  float o[1][kD / 8][4] = {};
   const float scale_log2 = p.scale * kLog2e;
+  const uint32_t q_address = smem_address(smem.q);
+  constexpr int kTurnThreads = 128 * Traits::kConsumers;
+  // Ping-pong: warpgroup g issues its products after barrier 1 + g completes and then lets the
+  // other go (both warpgroups' threads count on each barrier).
+  auto wait_turn = [&] {
+    if constexpr (Traits::kPingPong) named_barrier_sync(1 + group, kTurnThreads);
+  };
+  auto pass_turn = [&] {
+    if constexpr (Traits::kPingPong) named_barrier_arrive(2 - group, kTurnThreads);
+  };
+  // A consumer warp is done with a buffer: one arrival a warp.
+  auto release = [&](uint64_t* bar) {
+    if (lane == 0) Mbarrier(bar).arrive();
+  };
 
-  if (count > 0) {
-    constexpr int kTurnThreads = 128 * Traits::kConsumers;
-    // Ping-pong: warpgroup g issues its products after barrier 1 + g completes and then lets
-    // the other go (both warpgroups' threads count on each barrier).
-    auto wait_turn = [&] {
-      if constexpr (Traits::kPingPong) named_barrier_sync(1 + group, kTurnThreads);
-    };
-    auto pass_turn = [&] {
-      if constexpr (Traits::kPingPong) named_barrier_arrive(2 - group, kTurnThreads);
-    };
-    // A consumer warp is done with a stage: one arrival a warp.
-    auto release = [&](uint64_t* bar) {
-      if (lane == 0) Mbarrier(bar).arrive();
-    };
-    auto mask_block = [&](float (&s)[1][kBN / 8][4], int i) {
-      const int64_t n0 = static_cast<int64_t>(blk.n_last - i) * kBN;
-      if (blk.needs_mask(n0)) mask_scores(s, p.mask, m0 + warp_m0, n0, task.q_len, task.kv_len, lane);
-    };
-    const uint32_t q_address = smem_address(smem.q);
-    if constexpr (Traits::kPingPong)
-      if (group == 1) named_barrier_arrive(1, kTurnThreads);  // warpgroup 0 goes first
+  int ring = 0, q_round = 0;
+  for (int t = scheduler.first(); t < scheduler.total; t = scheduler.next(t)) {
+    const QueryBlockTask<kBM, kBN> task = task_of(t);
+    const QueryBlock<kBM, kBN>& blk = task.blk;
+    const int count = blk.n_last - blk.n_first + 1;
+    const int64_t m0 = blk.m0;
+    OnlineSoftmax<1> softmax;
+    float o[1][kD / 8][4] = {};
 
-    Mbarrier(&bars.q_full).wait(0);
-    Mbarrier(&bars.k_full[0]).wait(0);
-    float s[1][kBN / 8][4];
-    issue_scores<Traits, T>(s, q_address, group * 64, smem_address(smem.k_stage(0)));
-    wgmma_wait<0>();
-    fence_registers(s[0]);
-    release(&bars.k_empty[0]);
-    mask_block(s, 0);
-    if (softmax.must_rescale(s, scale_log2)) softmax.rescale(o, scale_log2);
-    softmax.exponentiate(s, scale_log2);
-    uint32_t pa[kBN / 16][1][4];
-    accumulator_to_a<T>(pa, s);
+    if (count > 0) {
+      auto stage_of = [&](int i) { return (ring + i) % kStages; };
+      auto phase_of = [&](int i) { return ((ring + i) / kStages) & 1; };
+      auto mask_block = [&](float (&s)[1][kBN / 8][4], int i) {
+        const int64_t n0 = static_cast<int64_t>(blk.n_last - i) * kBN;
+        if (blk.needs_mask(n0)) mask_scores(s, p.mask, m0 + warp_m0, n0, task.q_len, task.kv_len, lane);
+      };
+      if constexpr (Traits::kPingPong)
+        if (group == 1) named_barrier_arrive(1, kTurnThreads);  // warpgroup 0 goes first
 
-    for (int i = 0; i + 1 < count; ++i) {
-      const int stage = i % kStages, next = (i + 1) % kStages;
-      Mbarrier(&bars.k_full[next]).wait(((i + 1) / kStages) & 1);
-      wait_turn();
-      // S(i + 1) and then P(i) V(i); waiting for all but the newest group waits for S(i + 1)
-      // only, so the softmax of block i + 1 runs while P(i) V(i) is on the tensor cores.
-      issue_scores<Traits, T>(s, q_address, group * 64, smem_address(smem.k_stage(next)));
-      Mbarrier(&bars.v_full[stage]).wait((i / kStages) & 1);
-      issue_output<Traits, T>(o, pa, smem_address(smem.v_stage(stage)));
-      pass_turn();
-      wgmma_wait<1>();
+      Mbarrier(&bars.q_full).wait(q_round & 1);
+      Mbarrier(&bars.k_full[stage_of(0)]).wait(phase_of(0));
+      float s[1][kBN / 8][4];
+      issue_scores<Traits, T>(s, q_address, group * 64, smem_address(smem.k_stage(stage_of(0))));
+      wgmma_wait<0>();
       fence_registers(s[0]);
-      release(&bars.k_empty[next]);
-      mask_block(s, i + 1);
-      const bool moved = softmax.must_rescale(s, scale_log2);
-      if (moved) softmax.move_reference(scale_log2);
+      release(&bars.k_empty[stage_of(0)]);
+      if (count == 1) release(&bars.q_empty);
+      mask_block(s, 0);
+      if (softmax.must_rescale(s, scale_log2)) softmax.rescale(o, scale_log2);
       softmax.exponentiate(s, scale_log2);
-      wgmma_wait<0>();  // P(i) V(i) is in: O and P(i)'s registers and V stage are free
-      fence_registers(o[0]);
-      release(&bars.v_empty[stage]);
-      if (moved) softmax.rescale_output(o);
+      uint32_t pa[kBN / 16][1][4];
       accumulator_to_a<T>(pa, s);
-    }
-    // Warpgroup 1's last pass_turn (or its first arrival) is still to be taken.
-    if constexpr (Traits::kPingPong)
-      if (group == 0) named_barrier_sync(1, kTurnThreads);
-    const int last = (count - 1) % kStages;
-    Mbarrier(&bars.v_full[last]).wait(((count - 1) / kStages) & 1);
-    issue_output<Traits, T>(o, pa, smem_address(smem.v_stage(last)));
-    wgmma_wait<0>();
-    fence_registers(o[0]);
-    release(&bars.v_empty[last]);
-  }
 
-  store_output<T>(p.o, p.o_float32, task.q_offset, task.q_stride, p.lse + task.stat_offset + m0, o, softmax,
-                  p.scale, warp_m0, blk.rows, p.shape.head_dim, p.mask, m0, task.q_len, task.kv_len, lane);
+      for (int i = 0; i + 1 < count; ++i) {
+        const int stage = stage_of(i), next = stage_of(i + 1);
+        Mbarrier(&bars.k_full[next]).wait(phase_of(i + 1));
+        wait_turn();
+        // S(i + 1) and then P(i) V(i); waiting for all but the newest group waits for S(i + 1)
+        // only, so the softmax of block i + 1 runs while P(i) V(i) is on the tensor cores.
+        issue_scores<Traits, T>(s, q_address, group * 64, smem_address(smem.k_stage(next)));
+        Mbarrier(&bars.v_full[stage]).wait(phase_of(i));
+        issue_output<Traits, T>(o, pa, smem_address(smem.v_stage(stage)));
+        pass_turn();
+        wgmma_wait<1>();
+        fence_registers(s[0]);
+        release(&bars.k_empty[next]);
+        if (i + 2 == count) release(&bars.q_empty);  // the tile's last S is in
+        mask_block(s, i + 1);
+        const bool moved = softmax.must_rescale(s, scale_log2);
+        if (moved) softmax.move_reference(scale_log2);
+        softmax.exponentiate(s, scale_log2);
+        wgmma_wait<0>();  // P(i) V(i) is in: O and P(i)'s registers and V stage are free
+        fence_registers(o[0]);
+        release(&bars.v_empty[stage]);
+        if (moved) softmax.rescale_output(o);
+        accumulator_to_a<T>(pa, s);
+      }
+      // Warpgroup 1's last pass_turn (or its first arrival) is still to be taken.
+      if constexpr (Traits::kPingPong)
+        if (group == 0) named_barrier_sync(1, kTurnThreads);
+      const int last = stage_of(count - 1);
+      Mbarrier(&bars.v_full[last]).wait(phase_of(count - 1));
+      issue_output<Traits, T>(o, pa, smem_address(smem.v_stage(last)));
+      wgmma_wait<0>();
+      fence_registers(o[0]);
+      release(&bars.v_empty[last]);
+      ring += count;
+      ++q_round;
+    }
+
+    store_output<T>(p.o, p.o_float32, task.q_offset, task.q_stride, p.lse + task.stat_offset + m0, o, softmax,
+                    p.scale, warp_m0, blk.rows, p.shape.head_dim, p.mask, m0, task.q_len, task.kv_len, lane);
+  }
 #endif  // JF_SM90A
 }
 

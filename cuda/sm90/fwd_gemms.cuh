@@ -23,17 +23,29 @@ __device__ __forceinline__ void issue_scores(float (&s)[1][Traits::kBlockN / 8][
 }
 
 // O += P V for the warpgroup: P from registers, V (N-major) at v_address; one wgmma group, not
-// waited for.
+// waited for. Head dims past 128 are done as products of N = 128 (and a last one of 64) over the
+// column blocks of V and O.
 template <typename Traits, typename T>
 __device__ __forceinline__ void issue_output(float (&o)[1][Traits::kHeadDim / 8][4],
                                              uint32_t (&pa)[Traits::kBlockN / 16][1][4], uint32_t v_address) {
+  constexpr int kD = Traits::kHeadDim;
+  constexpr int kN = kD < 128 ? kD : 128;  // columns of each product
+  static_assert(kD % 64 == 0, "whole 64-column blocks");
   fence_registers(o[0]);
 #pragma unroll
   for (int kk = 0; kk < Traits::kBlockN / 16; ++kk) fence_registers(pa[kk]);
   wgmma_fence();
 #pragma unroll
-  for (int kk = 0; kk < Traits::kBlockN / 16; ++kk)
-    Wgmma<T, Traits::kHeadDim>::rs_b_transposed(o[0], pa[kk][0], Traits::KVTile::n_major(v_address, kk), true);
+  for (int kk = 0; kk < Traits::kBlockN / 16; ++kk) {
+    const uint64_t v_desc = Traits::KVTile::n_major(v_address, kk);
+#pragma unroll
+    for (int col = 0; col + kN <= kD; col += kN)
+      Wgmma<T, kN>::rs_b_transposed(*reinterpret_cast<float(*)[kN / 8][4]>(&o[0][col / 8]), pa[kk][0],
+                                    v_desc + ((col / 64 * Traits::KVTile::kBlockBytes) >> 4), true);
+    if constexpr (kD % kN != 0)
+      Wgmma<T, 64>::rs_b_transposed(*reinterpret_cast<float(*)[8][4]>(&o[0][(kD - 64) / 8]), pa[kk][0],
+                                    v_desc + (((kD - 64) / 64 * Traits::KVTile::kBlockBytes) >> 4), true);
+  }
   wgmma_commit();
 }
 

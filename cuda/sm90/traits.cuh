@@ -35,15 +35,15 @@ struct Sm90FwdWsTraits {
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kConsumerWarps = 4 * kConsumers;
   // setmaxnreg split of the 64K registers: the producer needs few.
-  static constexpr int kProducerRegisters = 40;
-  static constexpr int kConsumerRegisters = 232;
+  static constexpr int kProducerRegisters = 56;
+  static constexpr int kConsumerRegisters = 224;
   static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumers <= 65536, "register file");
   using QTile = GmmaTile<kBlockM, kHeadDim>;
   using KVTile = GmmaTile<kBlockN, kHeadDim>;
   // Q, kStages stages of K and of V, and 1 KiB to align the base.
   static constexpr int kSmemBytes = 2 * (QTile::kElements + 2 * kStages * KVTile::kElements) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
-  static_assert(kHeadDim == 64 || kHeadDim == 128, "wgmma shapes are instantiated for N = 64, 128");
+  static_assert(kHeadDim % 64 == 0, "P V is done in products of N = 128 and 64");
   static_assert(kBlockN == 64 || kBlockN == 128, "wgmma shapes are instantiated for N = 64, 128");
 };
 
