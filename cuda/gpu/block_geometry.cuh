@@ -152,6 +152,32 @@ struct KeyBlockTask {
   }
 };
 
+// Warms L2 with the K and V tiles of the key-block CTA that should start on this SM about a
+// wave after this one (one CTA an SM, CTAs started in the grid order of key_block_grid): its
+// prologue, which has nothing to overlap its loads with, then waits on L2 rather than DRAM.
+// kThreads threads (this one `tid`) share the tile's 128-byte lines.
+template <int kBlockN, int kHeadDim, int kThreads, typename T>
+__device__ __forceinline__ void prefetch_next_wave_keys(const BwdParams& p, int tid) {
+  const AttentionShape& sh = p.shape;
+  const int64_t later =
+      blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + gridDim.y * blockIdx.z) + sm_id_bound();
+  const int64_t later_n0 = later % gridDim.x * kBlockN;
+  const int64_t later_hk = later / gridDim.x % gridDim.y, later_b = later / gridDim.x / gridDim.y;
+  constexpr int kLinesPerRow = kHeadDim / 64;  // a row is kHeadDim 16-bit elements
+  const int64_t kv_stride = sh.heads_k * sh.head_dim;
+  constexpr int kLines = kBlockN * kLinesPerRow;
+#pragma unroll
+  for (int pass = 0; pass < (kLines + kThreads - 1) / kThreads; ++pass) {
+    const int index = tid + pass * kThreads;
+    const int row = index / kLinesPerRow, line = index % kLinesPerRow;
+    if (later_b < sh.batch && index < kLines && later_n0 + row < sh.seq_k && line * 64 < sh.head_dim) {
+      const int64_t offset = (later_b * sh.seq_k + later_n0 + row) * kv_stride + later_hk * sh.head_dim + line * 64;
+      prefetch_l2(static_cast<const T*>(p.k) + offset);
+      prefetch_l2(static_cast<const T*>(p.v) + offset);
+    }
+  }
+}
+
 // The query blocks of kBlockM rows a warpgroup's keys [key0, key_end) take part in: `live` those
 // whose rows see some of the keys (outside them the warpgroup's scores are all masked), `whole`
 // those whose rows all see every key (inside them no mask is needed; empty unless 64 keys live).

@@ -18,18 +18,18 @@ struct Overrides {
   std::string error;
 };
 
-// The family `variable` names, if set (forward: whether the warp-specialised forward
-// families are allowed); a value that names none is appended to `error`.
+// The family `variable` names, if set (forward: whether the forward-only families are
+// allowed); a value that names none is appended to `error`.
 std::optional<KernelFamily> read_override(const char* variable, bool forward, std::string& error) {
   const char* value = std::getenv(variable);
   if (value == nullptr || *value == '\0') return std::nullopt;
   const std::string v = value;
   if (v == "sm80") return KernelFamily::kSm80;
   if (v == "sm90") return KernelFamily::kSm90;
-  if (forward && v == "sm90ws") return KernelFamily::kSm90Ws;
+  if (v == "sm90ws") return KernelFamily::kSm90Ws;
   if (forward && v == "sm90ws_grid") return KernelFamily::kSm90WsGrid;
   error += std::string(error.empty() ? "" : "; ") + "jax_flash: " + variable + "=" + v + " is not one of " +
-           (forward ? "sm80, sm90, sm90ws, sm90ws_grid" : "sm80, sm90");
+           (forward ? "sm80, sm90, sm90ws, sm90ws_grid" : "sm80, sm90, sm90ws");
   return std::nullopt;
 }
 

@@ -3,9 +3,11 @@
 // family everywhere else. Two environment variables, read once per process, override the choice
 // for experiments and comparisons:
 //   JAX_FLASH_CUDA_FORWARD  = sm80 | sm90 | sm90ws | sm90ws_grid   (default on Hopper: sm90ws)
-//   JAX_FLASH_CUDA_BACKWARD = sm80 | sm90                           (default on Hopper: sm90)
+//   JAX_FLASH_CUDA_BACKWARD = sm80 | sm90 | sm90ws                  (default on Hopper: sm90)
 // sm90ws is the warp-specialised TMA forward on a persistent grid, sm90ws_grid the same kernel
-// with a CTA per tile; sm90 the first wgmma forward (all threads load and compute).
+// with a CTA per tile; sm90 the first wgmma forward (all threads load and compute). For the
+// backward, sm90ws is the sm90 main kernel with its loads moved to a TMA producer warpgroup
+// (experimental: not yet run on a GPU).
 // A Hopper choice only applies on Hopper, and only where a Hopper kernel exists.
 #pragma once
 

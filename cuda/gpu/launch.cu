@@ -75,8 +75,9 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
     if (sh.seq_k > 0) {  // with no keys, dK and dV are empty and dQ stays 0
       cudaError_t e = cudaSuccess;
       if constexpr (TileShapes<kD>::kHasSm90)
-        e = family == KernelFamily::kSm80 ? launch_bwd_main_sm80<T, kD>(p, stream)
-                                          : launch_bwd_main_sm90<T, kD>(p, stream);
+        e = family == KernelFamily::kSm80   ? launch_bwd_main_sm80<T, kD>(p, stream)
+            : family == KernelFamily::kSm90Ws ? launch_bwd_main_sm90_ws<T, kD>(p, stream)
+                                              : launch_bwd_main_sm90<T, kD>(p, stream);
       else
         e = launch_bwd_main_sm80<T, kD>(p, stream);
       if (e != cudaSuccess) return e;

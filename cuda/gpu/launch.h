@@ -41,6 +41,8 @@ template <typename T, int kHeadDim>
 cudaError_t launch_bwd_main_sm80(const BwdParams& params, cudaStream_t stream);
 template <typename T, int kHeadDim>
 cudaError_t launch_bwd_main_sm90(const BwdParams& params, cudaStream_t stream);
+template <typename T, int kHeadDim>
+cudaError_t launch_bwd_main_sm90_ws(const BwdParams& params, cudaStream_t stream);
 // The deterministic mode's dQ kernel (mma.sync on every GPU).
 template <typename T, int kHeadDim>
 cudaError_t launch_bwd_dq_sm80(const BwdParams& params, cudaStream_t stream);

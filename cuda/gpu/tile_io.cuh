@@ -39,6 +39,19 @@ __device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64_t row_st
   }
 }
 
+// load_tile for one warp with few registers (a warp-specialised kernel's producer): the same
+// copies, zero fill included, in a loop kept rolled. The caller waits for them (cp_async_wait).
+template <typename Tile, typename T>
+__device__ __forceinline__ void warp_load_tile(T* smem, const T* gmem, int64_t row_stride, int rows, int chunks,
+                                               int lane) {
+#pragma unroll 1
+  for (int index = lane; index < Tile::kRows * Tile::kChunks; index += 32) {
+    const int r = index / Tile::kChunks, c = index % Tile::kChunks;
+    const bool valid = r < rows && c < chunks;
+    cp_async_16(smem + Tile::offset(r, c), valid ? gmem + r * row_stride + c * 8 : gmem, valid);
+  }
+}
+
 // The reverse of load_tile: rows [0, rows) x chunks [0, chunks) of a swizzled shared tile to a
 // global tile, 16 bytes a thread at a time (a warp writes whole rows).
 template <typename Tile, int kThreads, typename T>

@@ -41,6 +41,8 @@ struct TileShapes {
   using Sm90FwdWs = Sm90FwdWsTraits<kHeadDim, (kHeadDim <= 128 ? 128 : 64), 2, true>;
   // wgmma backward: 2 warpgroups x 64 keys, query blocks of 64.
   using Sm90Bwd = Sm90BwdTraits<kHeadDim>;
+  // Warp-specialised wgmma backward: the same tiles, a TMA producer warpgroup beside them.
+  using Sm90BwdWs = Sm90BwdWsTraits<kHeadDim>;
 };
 
 // Explicit instantiations of a launcher template<T, kHeadDim> for both 16-bit dtypes.

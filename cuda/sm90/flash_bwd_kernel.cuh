@@ -109,24 +109,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     store_statistics(load_visit(task.first_visit(), 0), 0);
     cp_async_commit();
   }
-  // Warm L2 with the K and V tiles of the CTA that should start on this SM about a wave after
-  // this one (one CTA an SM, CTAs started in grid order): its prologue, which has nothing to
-  // overlap its loads with, then waits on L2 rather than DRAM.
-  {
-    const int64_t later = blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + gridDim.y * blockIdx.z) +
-                          sm_id_bound();
-    const int64_t later_n0 = later % gridDim.x * kBN;
-    const int64_t later_hk = later / gridDim.x % gridDim.y, later_b = later / gridDim.x / gridDim.y;
-    // A K or V tile row is kD 16-bit elements: kD / 64 lines of 128 bytes, a line a thread.
-    constexpr int kLinesPerRow = kD / 64;
-    const int row = tid / kLinesPerRow, line = tid % kLinesPerRow;
-    static_assert(kThreads == kBN * kLinesPerRow || kThreads == 2 * kBN * kLinesPerRow, "a line a thread");
-    if (later_b < sh.batch && row < kBN && later_n0 + row < sh.seq_k && line * 64 < sh.head_dim) {
-      const int64_t offset = (later_b * sh.seq_k + later_n0 + row) * kv_stride + later_hk * sh.head_dim + line * 64;
-      prefetch_l2(static_cast<const T*>(p.k) + offset);
-      prefetch_l2(static_cast<const T*>(p.v) + offset);
-    }
-  }
+  prefetch_next_wave_keys<kBN, kD, kThreads, T>(p, tid);
 
   Visit visit = task.first_visit();
   for (int it = 0, stage = 0; it < iterations; ++it, stage ^= 1, visit = task.next_visit(visit)) {

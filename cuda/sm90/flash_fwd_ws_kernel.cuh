@@ -24,6 +24,7 @@
 #include "gpu/fragments.cuh"
 #include "gpu/mask.cuh"
 #include "gpu/softmax.cuh"
+#include "gpu/tile_io.cuh"
 #include "sm90/barrier.cuh"
 #include "sm90/fwd_gemms.cuh"
 #include "sm90/tile_scheduler.cuh"
@@ -143,15 +144,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           }
         } else {
           v_empty.wait(phase ^ 1);
-          const int live = static_cast<int>(task.kv_len - n0);
-          const T* src = static_cast<const T*>(p.v) + task.kv_offset + n0 * task.kv_stride;
-          T* tile = smem.v_stage(stage);
-#pragma unroll 1
-          for (int index = lane; index < KVTile::kRows * KVTile::kChunks; index += 32) {
-            const int r = index / KVTile::kChunks, c = index % KVTile::kChunks;
-            const bool valid = r < live && c < task.chunks;
-            cp_async_16(tile + KVTile::offset(r, c), valid ? src + r * task.kv_stride + c * 8 : src, valid);
-          }
+          warp_load_tile<KVTile>(smem.v_stage(stage), static_cast<const T*>(p.v) + task.kv_offset + n0 * task.kv_stride,
+                                 task.kv_stride, static_cast<int>(task.kv_len - n0), task.chunks, lane);
           cp_async_commit();
           cp_async_wait<0>();
           fence_proxy_async();

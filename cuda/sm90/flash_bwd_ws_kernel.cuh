@@ -1,0 +1,330 @@
+// FlashAttention backward main kernel for Hopper (sm_90a), warp-specialised: the math of
+// sm90/flash_bwd_kernel.cuh (one CTA per key block of 128 keys of one (batch, kv head), computed
+// transposed, dK and dV in registers over every query block of every query head of the group,
+// dQ added to the float32 accumulator with atomics) with its loads moved to a producer:
+//
+//   warpgroup 0, the producer: gives most of its registers back; its first warp loads K and V
+//     once, then per visit (query block of a head) Q and dO by TMA into one of kStages stages
+//     and the rows' lse (log2 units) and delta with plain loads, all 32 lanes arriving on the
+//     stage's full barrier (lane 0 with the copies' bytes). Tiles with rows past the valid
+//     lengths (only with lengths) are copied by the warp with zero fill instead: the array's
+//     data there would meet probability 0 in the products, and 0 * NaN is NaN.
+//   warpgroups 1-2, the consumers (64 keys each): per visit S^T = K Q^T and dP^T = V dO^T (SS),
+//     P^T and dS^T in registers, dS^T to one of two shared buffers, the two warpgroups meet on
+//     a named barrier, then dV += P^T dO (RS), dK += dS^T Q and dQ = dS K (SS); each consumer
+//     warp releases the stage once its products are in.
+//
+// The prepare and convert kernels around it are the sm90 backward's (gpu/launch.cu).
+#pragma once
+
+#include <cuda.h>
+
+#include "common/attention_params.h"
+#include "gpu/block_geometry.cuh"
+#include "gpu/fragments.cuh"
+#include "gpu/mask.cuh"
+#include "gpu/ptx.cuh"
+#include "gpu/smem_tile.cuh"
+#include "gpu/softmax.cuh"
+#include "gpu/tile_io.cuh"
+#include "sm90/barrier.cuh"
+#include "sm90/tma.cuh"
+#include "sm90/traits.cuh"
+#include "sm90/wgmma.cuh"
+
+namespace jax_flash::cuda {
+
+// The backward's parameters with the TMA descriptors of q, k, v and dO (sm90/tensor_map.h).
+struct BwdTmaParams {
+  BwdParams p;
+  CUtensorMap q, k, v, d_o;
+};
+
+// Shared memory of a warp-specialised backward CTA, from a 1 KiB boundary.
+template <typename Traits, typename T>
+struct Sm90BwdWsSmem {
+  T* k;
+  T* v;
+  T* q;      // kStages
+  T* d_o;    // kStages
+  T* ds;     // two dS^T buffers
+  float* lse2;   // kStages x kBlockM
+  float* delta;  // kStages x kBlockM
+  __device__ explicit Sm90BwdWsSmem(unsigned char* raw) {
+    const uint32_t address = smem_address(raw);
+    k = reinterpret_cast<T*>(raw + (((address + 1023) & ~1023u) - address));
+    v = k + Traits::KVTile::kElements;
+    q = v + Traits::KVTile::kElements;
+    d_o = q + Traits::kStages * Traits::QTile::kElements;
+    ds = d_o + Traits::kStages * Traits::QTile::kElements;
+    lse2 = reinterpret_cast<float*>(ds + 2 * Traits::DsTile::kElements);
+    delta = lse2 + Traits::kStages * Traits::kBlockM;
+  }
+  __device__ T* q_stage(int stage) const { return q + stage * Traits::QTile::kElements; }
+  __device__ T* d_o_stage(int stage) const { return d_o + stage * Traits::QTile::kElements; }
+  __device__ T* ds_buffer(int i) const { return ds + i * Traits::DsTile::kElements; }
+};
+
+template <int kStages>
+struct BwdWsBarriers {
+  uint64_t kv_full, full[kStages], empty[kStages];
+};
+
+template <typename Traits, typename T>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams params) {
+#if JF_SM90A
+  constexpr int kBM = Traits::kBlockM, kBN = Traits::kBlockN, kD = Traits::kHeadDim;
+  constexpr int kStages = Traits::kStages;
+  constexpr int kConsumerThreads = 128 * Traits::kConsumers;
+  using KVTile = typename Traits::KVTile;
+  using QTile = typename Traits::QTile;
+  using DsTile = typename Traits::DsTile;
+  const BwdParams& p = params.p;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  __shared__ BwdWsBarriers<kStages> bars;
+  const Sm90BwdWsSmem<Traits, T> smem(smem_raw);
+
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (threadIdx.x == 0) {
+    Mbarrier(&bars.kv_full).init(32);
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      Mbarrier(&bars.full[s]).init(32);
+      Mbarrier(&bars.empty[s]).init(Traits::kConsumerWarps);
+    }
+    Mbarrier::fence_init();
+  }
+  __syncthreads();
+
+  const AttentionShape& sh = p.shape;
+  const KeyBlockTask<kBM, kBN> task(p);
+  using Visit = typename KeyBlockTask<kBM, kBN>::Visit;
+  const int iterations = task.iterations;
+
+  if (warp < 4) {
+    // ---- Producer warpgroup: warp 0 loads, the others leave.
+    release_registers<Traits::kProducerRegisters>();
+    if (warp != 0) return;
+    prefetch_next_wave_keys<kBN, kD, 32, T>(p, lane);
+    if (iterations == 0) return;
+    const Mbarrier kv_full(&bars.kv_full);
+    if (task.live_keys == kBN || task.kv_len == sh.seq_k) {
+      if (lane == 0) {
+        prefetch_tensor_map(params.q);
+        prefetch_tensor_map(params.d_o);
+        kv_full.arrive_expect_bytes(2 * KVTile::kElements * sizeof(T));
+        tma_load_tile<KVTile>(smem.k, params.k, task.hk, task.n0, task.b, kv_full);
+        tma_load_tile<KVTile>(smem.v, params.v, task.hk, task.n0, task.b, kv_full);
+      } else {
+        kv_full.arrive();
+      }
+    } else {  // keys past kv_len in the block: zero-filled
+      warp_load_tile<KVTile>(smem.k, static_cast<const T*>(p.k) + task.kv_offset, task.kv_stride, task.live_keys,
+                             task.chunks, lane);
+      warp_load_tile<KVTile>(smem.v, static_cast<const T*>(p.v) + task.kv_offset, task.kv_stride, task.live_keys,
+                             task.chunks, lane);
+      cp_async_commit();
+      cp_async_wait<0>();
+      fence_proxy_async();
+      kv_full.arrive();
+    }
+    Visit visit = task.first_visit();
+    for (int it = 0; it < iterations; ++it, visit = task.next_visit(visit)) {
+      const int stage = it % kStages, phase = (it / kStages) & 1;
+      const Mbarrier full(&bars.full[stage]);
+      Mbarrier(&bars.empty[stage]).wait(phase ^ 1);
+      const int64_t m0 = static_cast<int64_t>(visit.mb) * kBM;
+      const int rows = task.rows(visit);
+      // The rows' lse in log2 units (+inf for rows that attend to nothing or are past q_len,
+      // so that their P is 0) and delta.
+#pragma unroll
+      for (int r = lane; r < kBM; r += 32) {
+        float lse = kEmptyRowLse, delta = 0.f;
+        if (r < rows) {
+          const int64_t stat = (static_cast<int64_t>(task.b) * sh.heads_q + visit.h) * sh.seq_q + m0 + r;
+          lse = p.lse[stat];
+          delta = p.delta[stat];
+        }
+        smem.lse2[stage * kBM + r] = lse == kEmptyRowLse ? INFINITY : lse * kLog2e;
+        smem.delta[stage * kBM + r] = delta;
+      }
+      if (rows == kBM || task.q_len == sh.seq_q) {
+        if (lane == 0) {
+          full.arrive_expect_bytes(2 * QTile::kElements * sizeof(T));
+          tma_load_tile<QTile>(smem.q_stage(stage), params.q, visit.h, m0, task.b, full);
+          tma_load_tile<QTile>(smem.d_o_stage(stage), params.d_o, visit.h, m0, task.b, full);
+        } else {
+          full.arrive();
+        }
+      } else {  // rows past q_len in the block: zero-filled
+        const int64_t offset = task.q_batch_offset + m0 * task.q_stride + visit.h * sh.head_dim;
+        warp_load_tile<QTile>(smem.q_stage(stage), static_cast<const T*>(p.q) + offset, task.q_stride, rows,
+                              task.chunks, lane);
+        warp_load_tile<QTile>(smem.d_o_stage(stage), static_cast<const T*>(p.d_o) + offset, task.q_stride, rows,
+                              task.chunks, lane);
+        cp_async_commit();
+        cp_async_wait<0>();
+        fence_proxy_async();
+        full.arrive();
+      }
+      // The lanes stay in step (parity waits are only safe one phase behind).
+      __syncwarp();
+    }
+    return;
+  }
+
+  // ---- Consumer warpgroups.
+  claim_registers<Traits::kConsumerRegisters>();
+  const int ctid = threadIdx.x - 128;                // 0 .. kConsumerThreads - 1
+  const int group = warp / 4 - 1;                    // warpgroup: keys 64 group ..
+  const int warp_key0 = group * 64 + warp % 4 * 16;  // this warp's 16 keys in the block
+  const int64_t q_len = task.q_len, kv_len = task.kv_len, q_stride = task.q_stride;
+  const int64_t n0 = task.n0;
+  float dk[1][kD / 8][4] = {};
+  float dv[1][kD / 8][4] = {};
+  const float scale_log2 = p.scale * kLog2e;
+  const uint32_t k_address = smem_address(smem.k), v_address = smem_address(smem.v);
+  // The two consumer warpgroups meet on named barrier 1 (id 0 is __syncthreads').
+  auto consumers_sync = [] { named_barrier_sync(1, kConsumerThreads); };
+
+  // The query blocks this warpgroup's keys take part in (the others skip their products).
+  const int64_t group_key0 = n0 + group * 64;
+  const KeyGroupBlocks group_blocks =
+      KeyGroupBlocks::of<kBM>(p.mask, group_key0, min64(group_key0 + 64, n0 + task.live_keys), q_len, kv_len);
+
+  if (iterations > 0) Mbarrier(&bars.kv_full).wait(0);
+  Visit visit = task.first_visit();
+  for (int it = 0; it < iterations; ++it, visit = task.next_visit(visit)) {
+    const int stage = it % kStages;
+    Mbarrier(&bars.full[stage]).wait((it / kStages) & 1);
+    const int64_t m0 = static_cast<int64_t>(visit.mb) * kBM;
+    const uint32_t q_address = smem_address(smem.q_stage(stage));
+    const uint32_t do_address = smem_address(smem.d_o_stage(stage));
+    T* ds = smem.ds_buffer(it % 2);
+    const uint32_t ds_address = smem_address(ds);
+
+    // S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys, then P^T and dS^T (masked
+    // where some query of the block does not see some key). A warpgroup none of whose keys the
+    // block's queries see has P^T = dS^T = 0: it skips the products and stores a zero dS^T.
+    float st[1][kBM / 8][4], dpt[1][kBM / 8][4];
+    const bool group_live = group_blocks.live(visit.mb);
+    if (group_live) {
+      fence_registers(st[0]);
+      fence_registers(dpt[0]);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk)
+        Wgmma<T, kBM>::ss(st[0], KVTile::k_major(k_address, group * 64, kk), QTile::k_major(q_address, 0, kk),
+                          kk > 0);
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk)
+        Wgmma<T, kBM>::ss(dpt[0], KVTile::k_major(v_address, group * 64, kk), QTile::k_major(do_address, 0, kk),
+                          kk > 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_registers(st[0]);
+      fence_registers(dpt[0]);
+
+      if (!group_blocks.whole(visit.mb))
+        mask_transposed_scores(st, p.mask, n0 + warp_key0, m0, q_len, kv_len, lane);
+      const float* lse2 = smem.lse2 + stage * kBM;
+      const float* delta = smem.delta + stage * kBM;
+#pragma unroll
+      for (int nt = 0; nt < kBM / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int query = nt * 8 + (lane % 4) * 2 + e % 2;
+          const float prob = fast_exp2(st[0][nt][e] * scale_log2 - lse2[query]);
+          st[0][nt][e] = prob;
+          dpt[0][nt][e] = p.scale * prob * (dpt[0][nt][e] - delta[query]);
+        }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < kBM / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dpt[0][nt][e] = 0.f;
+    }
+
+    // dS^T to this visit's buffer (the other buffer may still be read by the other warpgroup's
+    // dQ of the last visit; this one's last reader, two visits ago, finished before that
+    // warpgroup reached the barrier below last time). SmemTile<kBN, 64> stores as DsTile lays
+    // out (one 64-column block, chunk ^ row).
+    store_accumulator<SmemTile<kBN, kBM>>(ds, dpt, warp_key0, 0, lane);
+    fence_proxy_async();
+    consumers_sync();  // both warpgroups' dS^T are in
+
+    // dV += P^T dO (P^T from registers) and dK += dS^T Q (dS^T from shared memory) for this
+    // warpgroup's keys if the block sees them, and dQ = dS K (warpgroup g: head-dim columns
+    // 64 g .. 64 g + 63, all of them for head dim 64 in warpgroup 0).
+    const bool dq_here = !p.deterministic && group * 64 < kD;
+    float dq[1][8][4];
+    fence_registers(dv[0]);
+    fence_registers(dk[0]);
+    fence_registers(dq[0]);
+    if (group_live) {
+      uint32_t pt[kBM / 16][1][4];
+      accumulator_to_a<T>(pt, st);
+#pragma unroll
+      for (int kk = 0; kk < kBM / 16; ++kk) fence_registers(pt[kk]);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBM / 16; ++kk)
+        Wgmma<T, kD>::rs_b_transposed(dv[0], pt[kk][0], QTile::n_major(do_address, kk), true);
+#pragma unroll
+      for (int kk = 0; kk < kBM / 16; ++kk)
+        Wgmma<T, kD>::ss_b_transposed(dk[0], DsTile::k_major(ds_address, group * 64, kk),
+                                      QTile::n_major(q_address, kk), true);
+      wgmma_commit();
+      // At head dim 128 the registers do not hold dK, dV and dQ in flight at once.
+      if constexpr (kD > 64) wgmma_wait<0>();
+    }
+    if (dq_here) {
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBN / 16; ++kk)
+        Wgmma<T, 64>::ss_transposed(dq[0], DsTile::n_major(ds_address, kk),
+                                    KVTile::n_major(k_address + group * KVTile::kBlockBytes, kk), kk > 0);
+      wgmma_commit();
+    }
+    wgmma_wait<0>();
+    fence_registers(dv[0]);
+    fence_registers(dk[0]);
+    fence_registers(dq[0]);
+    // Q, dO, lse and delta of the stage are no longer read by this warp.
+    if (lane == 0) Mbarrier(&bars.empty[stage]).arrive();
+
+    // dQ added to the float32 accumulator.
+    if (dq_here) {
+      const int lane_row = warp % 4 * 16 + lane / 4, lane_col = group * 64 + (lane % 4) * 2;
+      float* dq_block =
+          p.dq_accum + (task.b * sh.seq_q + m0 + lane_row) * q_stride + visit.h * sh.head_dim + lane_col;
+      const int live_rows = static_cast<int>(min64(kBM, q_len - m0)) - lane_row;
+      const int live_cols = static_cast<int>(sh.head_dim) - lane_col;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        if (half * 8 >= live_rows) continue;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+          if (nt * 8 < live_cols)
+            atomic_add_pair(dq_block + half * 8 * q_stride + nt * 8, dq[0][nt][2 * half], dq[0][nt][2 * half + 1]);
+      }
+    }
+  }
+
+  // dK and dV rows of this block (zeros where no query sees the key), through shared memory (K
+  // and V are no longer read once both warpgroups are here) so that the stores are whole rows.
+  using OutTile = SmemTile<kBN, kD>;
+  static_assert(OutTile::kElements == KVTile::kElements, "dK and dV staged where K and V were");
+  consumers_sync();
+  store_accumulator<OutTile>(smem.k, dk, warp_key0, 0, lane);
+  store_accumulator<OutTile>(smem.v, dv, warp_key0, 0, lane);
+  consumers_sync();
+  store_tile<OutTile, kConsumerThreads>(static_cast<T*>(p.dk) + task.kv_offset, task.kv_stride, smem.k, task.keys,
+                                        task.chunks, ctid);
+  store_tile<OutTile, kConsumerThreads>(static_cast<T*>(p.dv) + task.kv_offset, task.kv_stride, smem.v, task.keys,
+                                        task.chunks, ctid);
+#endif  // JF_SM90A
+}
+
+}  // namespace jax_flash::cuda
