@@ -24,6 +24,7 @@
 #include "gpu/smem_tile.cuh"
 #include "gpu/softmax.cuh"
 #include "gpu/tile_io.cuh"
+#include "sm90/bwd_steps.cuh"
 #include "sm90/traits.cuh"
 #include "sm90/wgmma.cuh"
 
@@ -130,18 +131,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const bool group_live = group_blocks.live(visit.mb);
     RowStatistics next_stats{};
     if (group_live) {
-      fence_registers(st[0]);
-      fence_registers(dpt[0]);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk)
-        Wgmma<T, kBM>::ss(st[0], KVTile::k_major(k_address, group * 64, kk), QTile::k_major(q_address, 0, kk),
-                          kk > 0);
-#pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk)
-        Wgmma<T, kBM>::ss(dpt[0], KVTile::k_major(v_address, group * 64, kk), QTile::k_major(do_address, 0, kk),
-                          kk > 0);
-      wgmma_commit();
+      issue_transposed_scores<Traits, T>(st, dpt, k_address, v_address, q_address, do_address, group);
       // The next visit's loads are issued under the products.
       if (has_next) {
         next_stats = load_visit(task.next_visit(visit), stage ^ 1);
@@ -153,17 +143,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
       if (!group_blocks.whole(visit.mb))
         mask_transposed_scores(st, p.mask, n0 + warp_key0, m0, q_len, kv_len, lane);
-      const float* lse2 = s_lse2 + stage * kBM;
-      const float* delta = s_delta + stage * kBM;
-#pragma unroll
-      for (int nt = 0; nt < kBM / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int query = nt * 8 + (lane % 4) * 2 + e % 2;
-          const float prob = fast_exp2(st[0][nt][e] * scale_log2 - lse2[query]);
-          st[0][nt][e] = prob;
-          dpt[0][nt][e] = p.scale * prob * (dpt[0][nt][e] - delta[query]);
-        }
+      probabilities_and_ds<kBM>(st, dpt, s_lse2 + stage * kBM, s_delta + stage * kBM, scale_log2, p.scale, lane);
     } else {
       if (has_next) {
         next_stats = load_visit(task.next_visit(visit), stage ^ 1);
@@ -184,72 +164,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     fence_proxy_async();
     __syncthreads();  // every warp's dS^T is in shared memory
 
-    // dV += P^T dO (P^T from registers) and dK += dS^T Q (dS^T from shared memory, which keeps
-    // registers free for dQ) for this warpgroup's keys if the block sees them, and dQ = dS K
-    // (warpgroup g: head-dim columns 64 g .. 64 g + 63, all of them for head dim 64 in
-    // warpgroup 0), issued back to back and waited for once.
+    // dV, dK and this warpgroup's part of dQ, issued back to back and waited for once; dQ added
+    // to the float32 accumulator.
     const bool dq_here = !p.deterministic && group * 64 < kD;
     float dq[1][8][4];
-    fence_registers(dv[0]);
-    fence_registers(dk[0]);
-    fence_registers(dq[0]);
-    if (group_live) {
-      uint32_t pt[kBM / 16][1][4];
-      accumulator_to_a<T>(pt, st);
-#pragma unroll
-      for (int kk = 0; kk < kBM / 16; ++kk) fence_registers(pt[kk]);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBM / 16; ++kk)
-        Wgmma<T, kD>::rs_b_transposed(dv[0], pt[kk][0], QTile::n_major(do_address, kk), true);
-#pragma unroll
-      for (int kk = 0; kk < kBM / 16; ++kk)
-        Wgmma<T, kD>::ss_b_transposed(dk[0], DsTile::k_major(ds_address, group * 64, kk),
-                                      QTile::n_major(q_address, kk), true);
-      wgmma_commit();
-      // At head dim 128 the registers do not hold dK, dV and dQ in flight at once.
-      if constexpr (kD > 64) wgmma_wait<0>();
-    }
-    if (dq_here) {
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBN / 16; ++kk)
-        Wgmma<T, 64>::ss_transposed(dq[0], DsTile::n_major(ds_address, kk),
-                                    KVTile::n_major(k_address + group * KVTile::kBlockBytes, kk), kk > 0);
-      wgmma_commit();
-    }
-    wgmma_wait<0>();
-    fence_registers(dv[0]);
-    fence_registers(dk[0]);
-    fence_registers(dq[0]);
-
-    // dQ added to the float32 accumulator.
-    if (dq_here) {
-      const int lane_row = warp % 4 * 16 + lane / 4, lane_col = group * 64 + (lane % 4) * 2;
-      float* dq_block = p.dq_accum + (b * sh.seq_q + m0 + lane_row) * q_stride + visit.h * sh.head_dim + lane_col;
-      const int live_rows = static_cast<int>(min64(kBM, q_len - m0)) - lane_row;
-      const int live_cols = static_cast<int>(sh.head_dim) - lane_col;
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        if (half * 8 >= live_rows) continue;
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-          if (nt * 8 < live_cols)
-            atomic_add_pair(dq_block + half * 8 * q_stride + nt * 8, dq[0][nt][2 * half], dq[0][nt][2 * half + 1]);
-      }
-    }
+    accumulate_gradients<Traits, T>(dk, dv, dq, st, q_address, do_address, ds_address, k_address, group, group_live,
+                                    dq_here);
+    if (dq_here) add_dq(p, task, dq, m0, visit.h, group, warp, lane);
   }
 
-  // dK and dV rows of this block (zeros where no query sees the key), through shared memory (K
-  // and V are no longer read once every warp is here) so that the stores are whole rows.
-  using OutTile = SmemTile<kBN, kD>;
-  static_assert(OutTile::kElements == KVTile::kElements, "dK and dV staged where K and V were");
-  __syncthreads();
-  store_accumulator<OutTile>(s_k, dk, warp_key0, 0, lane);
-  store_accumulator<OutTile>(s_v, dv, warp_key0, 0, lane);
-  __syncthreads();
-  store_tile<OutTile, kThreads>(static_cast<T*>(p.dk) + task.kv_offset, kv_stride, s_k, task.keys, task.chunks, tid);
-  store_tile<OutTile, kThreads>(static_cast<T*>(p.dv) + task.kv_offset, kv_stride, s_v, task.keys, task.chunks, tid);
+  store_dk_dv<Traits, kThreads>(p, task, dk, dv, s_k, s_v, warp_key0, lane, tid, [] { __syncthreads(); });
 #endif  // JF_SM90A
 }
 

@@ -15,17 +15,10 @@ cudaError_t launch_bwd_main_sm90_ws(const BwdParams& p, cudaStream_t stream) {
   const AttentionShape& s = p.shape;
   BwdTmaParams params;
   params.p = p;
-  if (cudaError_t e = make_head_tensor_map(&params.q, p.q, p.dtype, s.batch, s.seq_q, s.heads_q, s.head_dim,
-                                           Traits::kBlockM))
+  if (cudaError_t e = make_qkv_tensor_maps(p, Traits::kBlockM, Traits::kBlockN, &params.q, &params.k, &params.v))
     return e;
   if (cudaError_t e = make_head_tensor_map(&params.d_o, p.d_o, p.dtype, s.batch, s.seq_q, s.heads_q, s.head_dim,
                                            Traits::kBlockM))
-    return e;
-  if (cudaError_t e = make_head_tensor_map(&params.k, p.k, p.dtype, s.batch, s.seq_k, s.heads_k, s.head_dim,
-                                           Traits::kBlockN))
-    return e;
-  if (cudaError_t e = make_head_tensor_map(&params.v, p.v, p.dtype, s.batch, s.seq_k, s.heads_k, s.head_dim,
-                                           Traits::kBlockN))
     return e;
   return launch_with_smem(flash_bwd_sm90_ws_kernel<Traits, T>, key_block_grid<Traits>(s), Traits::kThreads,
                           Traits::kSmemBytes, stream, params);

@@ -22,14 +22,7 @@ cudaError_t launch_fwd_sm90_ws(const FwdParams& p, bool persistent, cudaStream_t
   FwdTmaParams params;
   params.p = p;
   params.persistent = persistent;
-  if (cudaError_t e = make_head_tensor_map(&params.q, p.q, p.dtype, s.batch, s.seq_q, s.heads_q, s.head_dim,
-                                           Traits::kBlockM))
-    return e;
-  if (cudaError_t e = make_head_tensor_map(&params.k, p.k, p.dtype, s.batch, s.seq_k, s.heads_k, s.head_dim,
-                                           Traits::kBlockN))
-    return e;
-  if (cudaError_t e = make_head_tensor_map(&params.v, p.v, p.dtype, s.batch, s.seq_k, s.heads_k, s.head_dim,
-                                           Traits::kBlockN))
+  if (cudaError_t e = make_qkv_tensor_maps(p, Traits::kBlockM, Traits::kBlockN, &params.q, &params.k, &params.v))
     return e;
   // A persistent CTA takes tiles two at a time.
   const int64_t ctas = persistent ? std::min<int64_t>((tiles + 1) / 2, std::max(1, device_sm_count())) : tiles;

@@ -43,4 +43,12 @@ cudaError_t make_head_tensor_map(CUtensorMap* map, const void* base, Dtype dtype
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
+cudaError_t make_qkv_tensor_maps(const AttentionParams& p, int q_rows, int kv_rows, CUtensorMap* q, CUtensorMap* k,
+                                 CUtensorMap* v) {
+  const AttentionShape& s = p.shape;
+  if (cudaError_t e = make_head_tensor_map(q, p.q, p.dtype, s.batch, s.seq_q, s.heads_q, s.head_dim, q_rows)) return e;
+  if (cudaError_t e = make_head_tensor_map(k, p.k, p.dtype, s.batch, s.seq_k, s.heads_k, s.head_dim, kv_rows)) return e;
+  return make_head_tensor_map(v, p.v, p.dtype, s.batch, s.seq_k, s.heads_k, s.head_dim, kv_rows);
+}
+
 }  // namespace jax_flash::cuda

@@ -19,4 +19,8 @@ namespace jax_flash::cuda {
 cudaError_t make_head_tensor_map(CUtensorMap* map, const void* base, Dtype dtype, int64_t batch, int64_t seq,
                                  int64_t heads, int64_t head_dim, int rows);
 
+// The descriptors of q (boxes of q_rows rows), k and v (kv_rows rows) of a pass.
+cudaError_t make_qkv_tensor_maps(const AttentionParams& p, int q_rows, int kv_rows, CUtensorMap* q, CUtensorMap* k,
+                                 CUtensorMap* v);
+
 }  // namespace jax_flash::cuda

@@ -1,0 +1,148 @@
+// The steps of the Hopper backward's visit of one query block by a key block (both sm90 main
+// kernels: flash_bwd_kernel.cuh and the warp-specialised flash_bwd_ws_kernel.cuh), computed
+// transposed so that each warpgroup's rows are its 64 keys (FlashAttention-3's layout).
+#pragma once
+
+#include <cstdint>
+
+#include "common/attention_params.h"
+#include "gpu/block_geometry.cuh"
+#include "gpu/fragments.cuh"
+#include "gpu/ptx.cuh"
+#include "gpu/smem_tile.cuh"
+#include "gpu/tile_io.cuh"
+#include "sm90/wgmma.cuh"
+
+namespace jax_flash::cuda {
+
+// S^T = K Q^T and dP^T = V dO^T for warpgroup `group`'s 64 keys (SS wgmma): issued and committed
+// as one group, not waited for.
+template <typename Traits, typename T>
+__device__ __forceinline__ void issue_transposed_scores(float (&st)[1][Traits::kBlockM / 8][4],
+                                                  float (&dpt)[1][Traits::kBlockM / 8][4], uint32_t k_address,
+                                                  uint32_t v_address, uint32_t q_address, uint32_t do_address,
+                                                  int group) {
+  using KVTile = typename Traits::KVTile;
+  using QTile = typename Traits::QTile;
+  fence_registers(st[0]);
+  fence_registers(dpt[0]);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk)
+    Wgmma<T, Traits::kBlockM>::ss(st[0], KVTile::k_major(k_address, group * 64, kk),
+                                  QTile::k_major(q_address, 0, kk), kk > 0);
+#pragma unroll
+  for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk)
+    Wgmma<T, Traits::kBlockM>::ss(dpt[0], KVTile::k_major(v_address, group * 64, kk),
+                                  QTile::k_major(do_address, 0, kk), kk > 0);
+  wgmma_commit();
+}
+
+// st <- P^T = exp2(S^T scale log2e - lse log2e) and dpt <- dS^T = scale P^T (dP^T - delta), with
+// the block's rows' lse (log2 units) and delta (column c of a thread's fragments is query
+// 8 nt + 2 (lane % 4) + c % 2).
+template <int kBlockM>
+__device__ __forceinline__ void probabilities_and_ds(float (&st)[1][kBlockM / 8][4], float (&dpt)[1][kBlockM / 8][4],
+                                                     const float* lse2, const float* delta, float scale_log2,
+                                                     float scale, int lane) {
+#pragma unroll
+  for (int nt = 0; nt < kBlockM / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int query = nt * 8 + (lane % 4) * 2 + e % 2;
+      const float prob = fast_exp2(st[0][nt][e] * scale_log2 - lse2[query]);
+      st[0][nt][e] = prob;
+      dpt[0][nt][e] = scale * prob * (dpt[0][nt][e] - delta[query]);
+    }
+}
+
+// dV += P^T dO (P^T from registers) and dK += dS^T Q (dS^T from shared memory, which keeps
+// registers free for dQ) for the warpgroup's keys if the block sees them (group_live), and
+// dQ = dS K (warpgroup g: head-dim columns 64 g .. 64 g + 63, all of them for head dim 64 in
+// warpgroup 0) where dq_here; issued and waited for.
+template <typename Traits, typename T>
+__device__ __forceinline__ void accumulate_gradients(float (&dk)[1][Traits::kHeadDim / 8][4],
+                                                     float (&dv)[1][Traits::kHeadDim / 8][4], float (&dq)[1][8][4],
+                                                     const float (&pt_float)[1][Traits::kBlockM / 8][4],
+                                                     uint32_t q_address, uint32_t do_address, uint32_t ds_address,
+                                                     uint32_t k_address, int group, bool group_live, bool dq_here) {
+  constexpr int kBM = Traits::kBlockM, kBN = Traits::kBlockN, kD = Traits::kHeadDim;
+  using KVTile = typename Traits::KVTile;
+  using QTile = typename Traits::QTile;
+  using DsTile = typename Traits::DsTile;
+  fence_registers(dv[0]);
+  fence_registers(dk[0]);
+  fence_registers(dq[0]);
+  if (group_live) {
+    uint32_t pt[kBM / 16][1][4];
+    accumulator_to_a<T>(pt, pt_float);
+#pragma unroll
+    for (int kk = 0; kk < kBM / 16; ++kk) fence_registers(pt[kk]);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBM / 16; ++kk)
+      Wgmma<T, kD>::rs_b_transposed(dv[0], pt[kk][0], QTile::n_major(do_address, kk), true);
+#pragma unroll
+    for (int kk = 0; kk < kBM / 16; ++kk)
+      Wgmma<T, kD>::ss_b_transposed(dk[0], DsTile::k_major(ds_address, group * 64, kk),
+                                    QTile::n_major(q_address, kk), true);
+    wgmma_commit();
+    // At head dim 128 the registers do not hold dK, dV and dQ in flight at once.
+    if constexpr (kD > 64) wgmma_wait<0>();
+  }
+  if (dq_here) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBN / 16; ++kk)
+      Wgmma<T, 64>::ss_transposed(dq[0], DsTile::n_major(ds_address, kk),
+                                  KVTile::n_major(k_address + group * KVTile::kBlockBytes, kk), kk > 0);
+    wgmma_commit();
+  }
+  wgmma_wait<0>();
+  fence_registers(dv[0]);
+  fence_registers(dk[0]);
+  fence_registers(dq[0]);
+}
+
+// Adds a warp's part of dQ (rows 16 (warp % 4) .. of the query block from m0 of head h,
+// warpgroup `group`'s 64 columns) to the float32 accumulator.
+template <int kBlockM, int kBlockN>
+__device__ __forceinline__ void add_dq(const BwdParams& p, const KeyBlockTask<kBlockM, kBlockN>& task,
+                                       const float (&dq)[1][8][4], int64_t m0, int h, int group, int warp,
+                                       int lane) {
+  const AttentionShape& sh = p.shape;
+  const int lane_row = warp % 4 * 16 + lane / 4, lane_col = group * 64 + (lane % 4) * 2;
+  float* dq_block = p.dq_accum + (task.b * sh.seq_q + m0 + lane_row) * task.q_stride + h * sh.head_dim + lane_col;
+  const int live_rows = static_cast<int>(min64(kBlockM, task.q_len - m0)) - lane_row;
+  const int live_cols = static_cast<int>(sh.head_dim) - lane_col;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    if (half * 8 >= live_rows) continue;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+      if (nt * 8 < live_cols)
+        atomic_add_pair(dq_block + half * 8 * task.q_stride + nt * 8, dq[0][nt][2 * half], dq[0][nt][2 * half + 1]);
+  }
+}
+
+// dK and dV rows of the key block (zeros where no query sees the key), through shared memory
+// where K and V were, so that the stores are whole rows: kThreads threads (this one `tid`),
+// `sync` a barrier of all of them (K and V are no longer read once every warp is there).
+template <typename Traits, int kThreads, typename T, typename Sync>
+__device__ __forceinline__ void store_dk_dv(const BwdParams& p, const KeyBlockTask<Traits::kBlockM, Traits::kBlockN>& task,
+                                            const float (&dk)[1][Traits::kHeadDim / 8][4],
+                                            const float (&dv)[1][Traits::kHeadDim / 8][4], T* s_k, T* s_v,
+                                            int warp_key0, int lane, int tid, Sync sync) {
+  using OutTile = SmemTile<Traits::kBlockN, Traits::kHeadDim>;
+  static_assert(OutTile::kElements == Traits::KVTile::kElements, "dK and dV staged where K and V were");
+  sync();
+  store_accumulator<OutTile>(s_k, dk, warp_key0, 0, lane);
+  store_accumulator<OutTile>(s_v, dv, warp_key0, 0, lane);
+  sync();
+  store_tile<OutTile, kThreads>(static_cast<T*>(p.dk) + task.kv_offset, task.kv_stride, s_k, task.keys, task.chunks,
+                                tid);
+  store_tile<OutTile, kThreads>(static_cast<T*>(p.dv) + task.kv_offset, task.kv_stride, s_v, task.keys, task.chunks,
+                                tid);
+}
+
+}  // namespace jax_flash::cuda
