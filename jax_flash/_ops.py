@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash import _derivatives, _dispatch, _registry
+from jax_flash import _decode, _derivatives, _dispatch, _registry
 from jax_flash._reference import EMPTY_ROW_LSE
 
 # At most this many float32 dQ partials: the workspace stays a small multiple of dQ however many
@@ -60,6 +60,9 @@ class KernelConfig:
   # A sequence-sharded call under jax.jit: the strategy asked for (None: the automatic choice;
   # see jax_flash._context_parallel). Not a kernel attribute.
   context_parallel: str | None = None
+  # forward: 0 runs the tiled kernel; n >= 1 the CPU split-KV decode kernel with n key chunks
+  # (jax_flash._decode: chosen by call_kernels for T * (N / K) <= 64 query rows per kv head).
+  kv_splits: int = 0
 
   def attributes(self) -> dict:
     return dict(
@@ -82,6 +85,11 @@ def _lse_shape(q: jax.Array) -> tuple[int, ...]:
 def _flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig):
   """Returns (o, lse) with o like q (float32 with config.o_float32) and lse (..., N, T)
   float32."""
+  if config.kv_splits:
+    return _decode.decode_fwd(q, k, v, q_lens, kv_lens, scale=config.scale,
+                              is_causal=config.is_causal, window_left=config.window_left,
+                              window_right=config.window_right, splits=config.kv_splits,
+                              o_float32=config.o_float32)
   call = jax.ffi.ffi_call(
       _target(config, "fwd"),
       (
@@ -177,6 +185,9 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
   (head_dim_padding), both outside the custom VJP so JAX differentiates them; the padding is
   sliced off the output again. q, k, v are rank 4 (B, T|S, N|K, H).
 
+  On the "cpu" kernel a call with few query rows per kv head runs the split-KV decode kernel
+  (jax_flash._decode.kv_splits decides; KernelConfig.kv_splits records it).
+
   With nothing to compute (B, T or N is 0) or no key for any row (S is 0) no kernel runs: the
   output is zeros (every row empty, lse EMPTY_ROW_LSE), as jax.nn's is, and so are the
   gradients."""
@@ -189,8 +200,10 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
   if pad:  # zero columns change no score and give zero output columns
     widths = [(0, 0)] * 3 + [(0, pad)]
     q, k, v = (jnp.pad(x, widths) for x in (q, k, v))
+  batch, seq_q, heads_q, _ = q.shape
+  splits = _decode.kv_splits(implementation, batch, seq_q, heads_q, k.shape[2], k.shape[1])
   config = KernelConfig(implementation, scale, bool(is_causal), window_left, window_right,
-                        deterministic, context_parallel=context_parallel)
+                        deterministic, context_parallel=context_parallel, kv_splits=splits)
   with _derivatives.explain_forward_mode(caller, implementation):
     out, lse = attention(q, k, v, q_lens, kv_lens, config)
   return out[..., :head_dim], lse

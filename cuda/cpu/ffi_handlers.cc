@@ -9,7 +9,9 @@
 #include <mutex>
 #include <string>
 
+#include "cpu/decode.h"
 #include "cpu/kernels.h"
+#include "common/decode_ffi_params.h"
 #include "common/ffi_params.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -94,7 +96,38 @@ ffi::Error run_bwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   return ffi::Error::Success();
 }
 
+ffi::Error run_decode(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                      ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens, ffi::Result<ffi::AnyBuffer> o,
+                      ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> o_partial,
+                      ffi::Result<ffi::AnyBuffer> lse_partial, double scale, bool is_causal,
+                      int64_t window_left, int64_t window_right, int64_t num_splits) {
+  DecodeParams params;
+  JF_RETURN_IF_ERROR(make_decode_params(q, k, v, q_lens, kv_lens, *o, *lse, *o_partial, *lse_partial, scale,
+                                        is_causal, window_left, window_right, num_splits, params));
+  PoolRunner runner{&pool};
+  cpu::flash_decode(params, {&PoolRunner::run, &runner});
+  return ffi::Error::Success();
+}
+
+ffi::Error run_paged(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+                     ffi::AnyBuffer page_table, ffi::AnyBuffer kv_lens, ffi::Result<ffi::AnyBuffer> o,
+                     ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> o_partial,
+                     ffi::Result<ffi::AnyBuffer> lse_partial, double scale, bool is_causal,
+                     int64_t window_left, int64_t window_right, int64_t num_splits) {
+  DecodeParams params;
+  JF_RETURN_IF_ERROR(make_paged_params(q, k_pages, v_pages, page_table, kv_lens, *o, *lse, *o_partial,
+                                       *lse_partial, scale, is_causal, window_left, window_right, num_splits,
+                                       params));
+  PoolRunner runner{&pool};
+  cpu::flash_decode(params, {&PoolRunner::run, &runner});
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuFlashDecode, run_decode, decode_binding<ffi::ThreadPool>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuFlashPaged, run_paged, paged_binding<ffi::ThreadPool>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuFlashFwd, run_fwd, fwd_binding<ffi::ThreadPool>());
 

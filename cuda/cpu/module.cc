@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "common/attention_params.h"
+#include "common/decode_params.h"
 #include "common/mask.h"
 #include "cpu/ffi_handlers.h"
 #include "cpu/kernels.h"
@@ -26,6 +27,8 @@ NB_MODULE(_native, m) {
     nb::dict cpu;
     cpu["jax_flash_cpu_fwd"] = handler_capsule(jax_flash::kCpuFlashFwd);
     cpu["jax_flash_cpu_bwd"] = handler_capsule(jax_flash::kCpuFlashBwd);
+    cpu["jax_flash_cpu_decode"] = handler_capsule(jax_flash::kCpuFlashDecode);
+    cpu["jax_flash_cpu_paged"] = handler_capsule(jax_flash::kCpuFlashPaged);
     nb::dict out;
     out["cpu"] = cpu;
     return out;
@@ -38,6 +41,7 @@ NB_MODULE(_native, m) {
     c["cpu_block_q"] = jax_flash::cpu::kBlockQ;
     c["cpu_block_k"] = jax_flash::cpu::kBlockK;
     c["cpu_head_dim_align"] = jax_flash::cpu::kHeadDimAlign;
+    c["max_decode_splits"] = jax_flash::kMaxDecodeSplits;
     return c;
   });
   m.def("cpu_dq_accum_elements",
@@ -46,8 +50,17 @@ NB_MODULE(_native, m) {
           return jax_flash::cpu::dq_accum_elements(shape, dq_splits);
         },
         "Elements of the CPU backward's float32 dQ workspace (what its handler checks).");
+  m.def("decode_workspace_elements",
+        [](int64_t num_splits, int64_t batch, int64_t seq_q, int64_t heads_q, int64_t head_dim) {
+          const jax_flash::AttentionShape shape{batch, seq_q, /*seq_k=*/0, heads_q, /*heads_k=*/0, head_dim};
+          return nb::make_tuple(jax_flash::decode_o_partial_elements(shape, num_splits),
+                                jax_flash::decode_lse_partial_elements(shape, num_splits));
+        },
+        "Elements of the split-KV decode's float32 workspaces (o_partial, lse_partial).");
   m.def("cpu_kernel_isa", [] { return jax_flash::cpu::kernel_isa(); },
         "The instruction set of the CPU kernel variant this processor runs.");
+  m.def("cpu_fma_peak_gflops", [] { return jax_flash::cpu::fma_peak_gflops(); },
+        "One core's float32 FMA peak (GFLOP/s), measured now with the CPU kernel's vectors.");
   // For tests: the mask arithmetic every kernel (CPU and CUDA) walks tiles by, from
   // common/mask.h. Returns ([key_range(i) for i < rows], [query_range(j) for j < keys],
   // queries_seeing_keys(j0, j1)), each range a (begin, end) pair.

@@ -1,0 +1,100 @@
+"""Split-KV decoding (flash-decoding) on the CPU kernel: when it runs, how many key chunks it
+uses, and its custom call.
+
+A decode step attends a few query rows to a long key sequence. The tiled forward runs one task
+per (batch, query head, block of 64 query rows): with T = 1 that is one row per task, K/V read
+once per query head, and at small batch x heads too few tasks for the cores. The decode kernel
+(``cuda/cpu/flash_decode.h``) instead
+
+* packs the T x G query rows of the G = N / K query heads that share a kv head into one query
+  tile (pack-GQA), so each K/V tile is read once per group, not once per query head;
+* cuts each tile's key range into ``kv_splits`` chunks that run in parallel, each writing its
+  rows' partial output and lse into float32 workspaces (outputs of the custom call, so XLA sees
+  the memory), which a combine pass merges (lse = log sum exp lse_s, o = sum exp(lse_s - lse) o_s).
+
+The rule (:func:`kv_splits`), on the "cpu" kernel only: the decode kernel runs when every query
+row of a kv head fits one query tile, ``T * (N / K) <= 64`` (``cpu_block_q``); then with enough
+chunks that batch x kv heads x chunks covers the cores twice, chunks of at least 256 keys, at
+most 64 chunks. ``KernelConfig.kv_splits`` carries the choice (0: the tiled forward). It computes
+what the tiled forward computes (masks, lengths, empty rows, NaN propagation; o and lse are the
+backward's usual residuals), so the choice changes speed, not results beyond float32 rounding.
+On CUDA the tiled forward runs (a CUDA decode kernel is later work).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_flash import _registry
+
+# A chunk holds at least this many keys (4 key blocks): the combine's cost per chunk (one
+# row of partial output per query row) stays small beside the chunk's work.
+MIN_CHUNK_KEYS = 256
+# At most this many chunks: the workspace is kv_splits partial outputs.
+MAX_SPLITS = 64
+
+
+def block_q() -> int:
+  """Query rows per tile of the CPU kernels: the decode kernel runs when T * group fits one."""
+  return _registry.KERNEL_CONSTANTS["cpu_block_q"]
+
+
+def num_splits(batch: int, seq_q: int, heads_q: int, heads_k: int, seq_k: int,
+               cores: int | None = None) -> int:
+  """Key chunks for the decode kernel: enough that (batch x kv heads x row tiles) x chunks covers
+  the cores twice, each chunk at least MIN_CHUNK_KEYS keys, at most MAX_SPLITS."""
+  cores = cores or os.cpu_count() or 1
+  row_tiles = max(1, math.ceil(seq_q * (heads_q // max(heads_k, 1)) / block_q()))
+  units = batch * heads_k * row_tiles
+  if units == 0:
+    return 1
+  wanted = math.ceil(2 * cores / units)
+  return max(1, min(wanted, math.ceil(seq_k / MIN_CHUNK_KEYS), MAX_SPLITS))
+
+
+def kv_splits(implementation: str, batch: int, seq_q: int, heads_q: int, heads_k: int,
+              seq_k: int, cores: int | None = None) -> int:
+  """What dot_product_attention runs: 0 for the tiled forward, n >= 1 for the split-KV decode
+  kernel with n key chunks (see the module docstring for the rule)."""
+  if implementation != "cpu" or heads_k < 1 or seq_q * (heads_q // heads_k) > block_q():
+    return 0
+  return num_splits(batch, seq_q, heads_q, heads_k, seq_k, cores)
+
+
+def workspace_shapes(splits: int, batch: int, seq_q: int, heads_q: int,
+                     head_dim: int) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+  """The float32 workspaces (partial outputs, partial lse), flat, of the sizes the handlers
+  check (empty with one chunk)."""
+  o_elements, lse_elements = _registry._native.decode_workspace_elements(
+      splits, batch, seq_q, heads_q, head_dim)
+  return (jax.ShapeDtypeStruct((int(o_elements),), jnp.float32),
+          jax.ShapeDtypeStruct((int(lse_elements),), jnp.float32))
+
+
+def attributes(scale: float, is_causal: bool, window_left: int, window_right: int,
+               splits: int) -> dict:
+  return dict(scale=float(scale), is_causal=bool(is_causal),
+              window_left=np.int64(window_left), window_right=np.int64(window_right),
+              num_splits=np.int64(splits))
+
+
+def decode_fwd(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bool, window_left: int,
+               window_right: int, splits: int, o_float32: bool = False):
+  """(o, lse) of the contiguous decode kernel, with the tiled forward's arguments and results
+  (q (..., T, N, H), k/v (..., S, K, H); o like q, float32 with o_float32; lse (..., N, T))."""
+  *batch, seq_q, heads_q, head_dim = q.shape
+  workspaces = workspace_shapes(splits, math.prod(batch), seq_q, heads_q, head_dim)
+  call = jax.ffi.ffi_call(
+      "jax_flash_cpu_decode",
+      (jax.ShapeDtypeStruct(q.shape, jnp.float32 if o_float32 else q.dtype),
+       jax.ShapeDtypeStruct((*batch, heads_q, seq_q), jnp.float32),
+       *workspaces),
+      vmap_method="broadcast_all")
+  o, lse, _, _ = call(q, k, v, q_lens, kv_lens,
+                      **attributes(scale, is_causal, window_left, window_right, splits))
+  return o, lse
