@@ -347,27 +347,16 @@ def test_poisoned_inputs_in_ring_attention(mask, poison, monkeypatch):
   check_poisoned("ring_cpu", mask, poison, jnp.float32, monkeypatch)
 
 
-# Known on the H200 (examples/results/h200/gpu_tests_bf0f5ea.log): rows whose logits are finite
-# but ~1e19 come out NaN on the CUDA kernels, where the exact result is finite. Their softmax
-# forms exp2(s * c - max * c) with one FFMA, whose unrounded product leaves the argument up to
-# half an ulp of max * c above 0 (at 1e19, about 1e12): exp2 overflows. jax.nn subtracts two
-# rounded values. The fix (an argument clamped at 0, or the base split into two floats) costs an
-# instruction per score, to be measured with the Hopper kernels (issue 14).
-_CUDA_HUGE_LOGITS_SEEN_FAILING = {("bfloat16", "full"), ("bfloat16", "causal_lengths"),
-                                  ("bfloat16", "window"), ("float16", "full"),
-                                  ("float16", "causal_lengths")}
-
-
+# Rows whose logits are finite but ~1e19 (overflowing_q_and_k) came out NaN on the CUDA kernels
+# until the softmax formed exp2(s * c - max * c) from the rounded product for such rows (one FFMA
+# left the maximum's argument up to half an ulp of max * c, ~1e12, above 0) and the backward
+# clamped its argument at 0 (gpu/softmax.cuh, sm90/bwd_steps.cuh; the failures before:
+# examples/results/h200/gpu_tests_bf0f5ea.log). Every case is expected to pass.
 def _cuda_cases():
   for dtype in ("bfloat16", "float16"):
     for mask in MASKS:
       for poison in POISONS:
-        marks = []
-        if poison.name == "overflowing_q_and_k":
-          marks.append(pytest.mark.xfail(
-              strict=(dtype, mask) in _CUDA_HUGE_LOGITS_SEEN_FAILING,
-              reason="CUDA softmax: FFMA-formed exp2 argument overflows at ~1e19 logits"))
-        yield pytest.param(dtype, mask, poison, marks=marks, id=f"{dtype}-{mask}-{poison.name}")
+        yield pytest.param(dtype, mask, poison, id=f"{dtype}-{mask}-{poison.name}")
 
 
 @pytest.mark.gpu

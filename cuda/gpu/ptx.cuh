@@ -101,6 +101,13 @@ __device__ __forceinline__ void atomic_add_pair(float* p, float a, float b) {
 #endif
 }
 
+// min(x, y) that keeps a NaN (fminf returns the other operand).
+__device__ __forceinline__ float min_keeping_nan(float x, float y) {
+  float z;
+  asm("min.NaN.f32 %0, %1, %2;\n" : "=f"(z) : "f"(x), "f"(y));
+  return z;
+}
+
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));

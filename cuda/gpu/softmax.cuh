@@ -12,6 +12,12 @@ namespace jax_flash::cuda {
 inline constexpr float kLog2e = 1.4426950408889634f;
 // Lazy rescaling threshold of the forward's online softmax: probabilities stay <= 2^8.
 inline constexpr float kRescaleLog2 = 8.f;
+// Rows whose reference |max * scale log2e| reaches this exponentiate from rounded products: one
+// FFMA (s c - max c, s c unrounded) leaves the maximum's own argument up to half an ulp of max c
+// above its true value, 1e12 at 1e19 logits, and exp2 overflows; rounding s c first, as the
+// reference is rounded, makes the maximum's argument exactly 0. Below it the FFMA's error is
+// under 2^-8 (one instruction a score saved on every ordinary row).
+inline constexpr float kFusedExponentLimit = 65536.f;
 
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
@@ -76,7 +82,7 @@ struct OnlineSoftmax {
       for (int half = 0; half < 2; ++half) {
         // A row with nothing visible yet keeps max -inf: its correction is exp2(-inf) = 0.
         const float base = new_max[mt][half] == -INFINITY ? 0.f : new_max[mt][half] * scale_log2;
-        correction[mt][half] = fast_exp2(max[mt][half] * scale_log2 - base);
+        correction[mt][half] = fast_exp2(__fmul_rn(max[mt][half], scale_log2) - base);  // exact: see exponentiate
         max[mt][half] = new_max[mt][half];
         sum[mt][half] *= correction[mt][half];
       }
@@ -102,9 +108,25 @@ struct OnlineSoftmax {
     rescale_output(o);
   }
 
-  // s <- P = exp2(S scale log2e - reference), added to the sums.
+  // s <- P = exp2(S scale log2e - reference), added to the sums. A warp with some row past
+  // kFusedExponentLimit takes the rounded-product form (one vote a block, a uniform branch).
   template <int kNTiles>
   __device__ __forceinline__ void exponentiate(float (&s)[kMTiles][kNTiles][4], float scale_log2) {
+    bool huge = false;
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+        huge |= max[mt][half] != -INFINITY && fabsf(max[mt][half] * scale_log2) >= kFusedExponentLimit;
+    if (__any_sync(0xffffffffu, huge))
+      exponentiate_as<false>(s, scale_log2);
+    else
+      exponentiate_as<true>(s, scale_log2);
+  }
+
+  // exponentiate with the argument formed by one FFMA (kFused) or from the rounded product.
+  template <bool kFused, int kNTiles>
+  __device__ __forceinline__ void exponentiate_as(float (&s)[kMTiles][kNTiles][4], float scale_log2) {
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -116,7 +138,8 @@ struct OnlineSoftmax {
         for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
           for (int e = 2 * half; e < 2 * half + 2; ++e) {
-            s[mt][nt][e] = fast_exp2(s[mt][nt][e] * scale_log2 - base);
+            const float x = s[mt][nt][e];
+            s[mt][nt][e] = fast_exp2((kFused ? x * scale_log2 : __fmul_rn(x, scale_log2)) - base);
             block_sum += s[mt][nt][e];
           }
         sum[mt][half] += block_sum;

@@ -54,7 +54,8 @@ __device__ __forceinline__ void probabilities_and_ds(float (&s)[kMTiles][kNTiles
     for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float prob = fast_exp2(s[mt][nt][e] * scale_log2 - lse2[mt][e / 2]);
+        // <= 0 in exact arithmetic; clamped there (NaN kept) against rounding at huge logits.
+        const float prob = fast_exp2(min_keeping_nan(s[mt][nt][e] * scale_log2 - lse2[mt][e / 2], 0.f));
         s[mt][nt][e] = prob;
         dp[mt][nt][e] = scale * prob * (dp[mt][nt][e] - delta[mt][e / 2]);
       }

@@ -40,7 +40,8 @@ __device__ __forceinline__ void issue_transposed_scores(float (&st)[1][Traits::k
 
 // st <- P^T = exp2(S^T scale log2e - lse log2e) and dpt <- dS^T = scale P^T (dP^T - delta), with
 // the block's rows' lse (log2 units) and delta (column c of a thread's fragments is query
-// 8 nt + 2 (lane % 4) + c % 2).
+// 8 nt + 2 (lane % 4) + c % 2). The argument is <= 0 in exact arithmetic; it is clamped there
+// (NaN kept) because at logits near 1e19 rounding puts it far above 0 (gpu/softmax.cuh).
 template <int kBlockM>
 __device__ __forceinline__ void probabilities_and_ds(float (&st)[1][kBlockM / 8][4], float (&dpt)[1][kBlockM / 8][4],
                                                      const float* lse2, const float* delta, float scale_log2,
@@ -50,7 +51,7 @@ __device__ __forceinline__ void probabilities_and_ds(float (&st)[1][kBlockM / 8]
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int query = nt * 8 + (lane % 4) * 2 + e % 2;
-      const float prob = fast_exp2(st[0][nt][e] * scale_log2 - lse2[query]);
+      const float prob = fast_exp2(min_keeping_nan(st[0][nt][e] * scale_log2 - lse2[query], 0.f));
       st[0][nt][e] = prob;
       dpt[0][nt][e] = scale * prob * (dpt[0][nt][e] - delta[query]);
     }
