@@ -218,12 +218,12 @@ def test_mma_sync_kernels_on_hopper():
       "(test_cuda_matches_reference or test_deterministic_matches_reference) and (h64 or h128)")
 
 
-@pytest.mark.parametrize("family", ["sm90", "sm90ws_grid"])
+@pytest.mark.parametrize("family", ["sm90", "sm90ws_grid", "sm90ws_m192"])
 def test_other_hopper_forward_kernels(family):
   """The Hopper forward kernels the default (sm90ws: warp-specialised, persistent) does not run:
-  the first wgmma forward and the warp-specialised one on a CTA per tile pass every reference
-  case (those of head dims they have; sm80 runs the rest), the CUDA-graph capture and the
-  training step."""
+  the first wgmma forward, the warp-specialised one on a CTA per tile and with 192-row tiles at
+  head dim 64 (experimental) pass every reference case (those of head dims they have; sm80 runs
+  the rest), the CUDA-graph capture and the training step."""
   _run_cuda_tests_on_hopper_with(
       {"JAX_FLASH_CUDA_FORWARD": family},
       "test_cuda_matches_reference or test_command_buffer_capture or test_jit_training_step_reduces_loss")

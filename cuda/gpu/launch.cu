@@ -49,8 +49,9 @@ cudaError_t launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
     using T = typename decltype(type)::type;
     constexpr int kD = decltype(head_dim)::value;
     if constexpr (TileShapes<kD>::kHasSm90WsFwd) {
-      if (family == KernelFamily::kSm90Ws) return launch_fwd_sm90_ws<T, kD>(p, true, stream);
-      if (family == KernelFamily::kSm90WsGrid) return launch_fwd_sm90_ws<T, kD>(p, false, stream);
+      if (family == KernelFamily::kSm90Ws) return launch_fwd_sm90_ws<T, kD>(p, true, false, stream);
+      if (family == KernelFamily::kSm90WsGrid) return launch_fwd_sm90_ws<T, kD>(p, false, false, stream);
+      if (family == KernelFamily::kSm90WsWide) return launch_fwd_sm90_ws<T, kD>(p, true, true, stream);
     }
     if constexpr (TileShapes<kD>::kHasSm90)
       if (family == KernelFamily::kSm90) return launch_fwd_sm90<T, kD>(p, stream);

@@ -34,9 +34,9 @@ cudaError_t launch_fwd_sm80(const FwdParams& params, cudaStream_t stream);
 template <typename T, int kHeadDim>
 cudaError_t launch_fwd_sm90(const FwdParams& params, cudaStream_t stream);
 // The warp-specialised TMA forward (sm90/flash_fwd_ws_kernel.cuh), on a persistent grid or a CTA
-// per tile.
+// per tile; `wide`: TileShapes' Sm90FwdWsWide tiles (experimental).
 template <typename T, int kHeadDim>
-cudaError_t launch_fwd_sm90_ws(const FwdParams& params, bool persistent, cudaStream_t stream);
+cudaError_t launch_fwd_sm90_ws(const FwdParams& params, bool persistent, bool wide, cudaStream_t stream);
 template <typename T, int kHeadDim>
 cudaError_t launch_bwd_main_sm80(const BwdParams& params, cudaStream_t stream);
 template <typename T, int kHeadDim>

@@ -3,6 +3,8 @@
 // dim that holds them: gpu/launch.cu).
 #pragma once
 
+#include <type_traits>
+
 #include "gpu/launch.h"
 #include "sm80/traits.cuh"
 #include "sm90/traits.cuh"
@@ -39,6 +41,9 @@ struct TileShapes {
   // Warp-specialised wgmma forward: a TMA producer warpgroup and 2 consumer warpgroups x 64 query
   // rows, key blocks of 128 in 2 stages (of 64 past head dim 128: shared memory).
   using Sm90FwdWs = Sm90FwdWsTraits<kHeadDim, (kHeadDim <= 128 ? 128 : 64), 2, true>;
+  // Experimental (JAX_FLASH_CUDA_FORWARD=sm90ws_m192): at head dim 64, 3 consumer warpgroups x 64
+  // rows without ping-pong (FlashAttention-3's hd64 tile); the same as Sm90FwdWs elsewhere.
+  using Sm90FwdWsWide = std::conditional_t<kHeadDim == 64, Sm90FwdWsTraits<64, 128, 2, false, 3>, Sm90FwdWs>;
   // wgmma backward: 2 warpgroups x 64 keys, query blocks of 64.
   using Sm90Bwd = Sm90BwdTraits<kHeadDim>;
   // Warp-specialised wgmma backward: the same tiles, a TMA producer warpgroup beside them.

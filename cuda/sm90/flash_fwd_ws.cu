@@ -13,9 +13,10 @@
 
 namespace jax_flash::cuda {
 
-template <typename T, int kHeadDim>
-cudaError_t launch_fwd_sm90_ws(const FwdParams& p, bool persistent, cudaStream_t stream) {
-  using Traits = typename TileShapes<kHeadDim>::Sm90FwdWs;
+namespace {
+
+template <typename Traits, typename T>
+cudaError_t launch(const FwdParams& p, bool persistent, cudaStream_t stream) {
   const AttentionShape& s = p.shape;
   const int64_t tiles = (s.seq_q + Traits::kBlockM - 1) / Traits::kBlockM * s.heads_q * s.batch;
   if (tiles > INT32_MAX) return cudaErrorInvalidConfiguration;  // the scheduler counts in int
@@ -30,9 +31,17 @@ cudaError_t launch_fwd_sm90_ws(const FwdParams& p, bool persistent, cudaStream_t
                           Traits::kSmemBytes, stream, params);
 }
 
+}  // namespace
+
+template <typename T, int kHeadDim>
+cudaError_t launch_fwd_sm90_ws(const FwdParams& p, bool persistent, bool wide, cudaStream_t stream) {
+  if (wide) return launch<typename TileShapes<kHeadDim>::Sm90FwdWsWide, T>(p, persistent, stream);
+  return launch<typename TileShapes<kHeadDim>::Sm90FwdWs, T>(p, persistent, stream);
+}
+
 #define JF_INSTANTIATE(D)                                                                      \
-  template cudaError_t launch_fwd_sm90_ws<__nv_bfloat16, D>(const FwdParams&, bool, cudaStream_t); \
-  template cudaError_t launch_fwd_sm90_ws<__half, D>(const FwdParams&, bool, cudaStream_t);
+  template cudaError_t launch_fwd_sm90_ws<__nv_bfloat16, D>(const FwdParams&, bool, bool, cudaStream_t); \
+  template cudaError_t launch_fwd_sm90_ws<__half, D>(const FwdParams&, bool, bool, cudaStream_t);
 JF_SM90_WS_FWD_HEAD_DIMS(JF_INSTANTIATE)
 #undef JF_INSTANTIATE
 

@@ -23,21 +23,23 @@ struct Sm90FwdTraits {
 
 // The warp-specialised forward (sm90/flash_fwd_ws_kernel.cuh): a producer warpgroup (TMA) and
 // kConsumers consumer warpgroups of 64 query rows each, kStages stages of K and of V.
-template <int kHeadDim_, int kBlockN_, int kStages_, bool kPingPong_>
+template <int kHeadDim_, int kBlockN_, int kStages_, bool kPingPong_, int kConsumers_ = 2>
 struct Sm90FwdWsTraits {
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kConsumers = 2;
+  static constexpr int kConsumers = kConsumers_;
   static constexpr int kBlockM = 64 * kConsumers;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
-  // Consumer warpgroups alternate their products (one's softmax under the other's GEMMs).
+  // Two consumer warpgroups alternate their products (one's softmax under the other's GEMMs).
   static constexpr bool kPingPong = kPingPong_;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kConsumerWarps = 4 * kConsumers;
-  // setmaxnreg split of the 64K registers: the producer needs few.
-  static constexpr int kProducerRegisters = 56;
-  static constexpr int kConsumerRegisters = 224;
+  // setmaxnreg split of the 64K registers (multiples of 8): the producer needs few.
+  static constexpr int kProducerRegisters = kConsumers == 2 ? 56 : 24;
+  static constexpr int kConsumerRegisters = kConsumers == 2 ? 224 : 160;
   static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumers <= 65536, "register file");
+  static_assert(!kPingPong || kConsumers == 2, "ping-pong takes two consumer warpgroups");
+  static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups");
   using QTile = GmmaTile<kBlockM, kHeadDim>;
   using KVTile = GmmaTile<kBlockN, kHeadDim>;
   // Q, kStages stages of K and of V, and 1 KiB to align the base.
