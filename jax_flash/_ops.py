@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash import _decode, _derivatives, _dispatch, _registry
+from jax_flash import _decode, _derivatives, _dispatch, _registry, _split_kv
 from jax_flash._reference import EMPTY_ROW_LSE
 
 # At most this many float32 dQ partials: the workspace stays a small multiple of dQ however many
@@ -60,8 +60,10 @@ class KernelConfig:
   # A sequence-sharded call under jax.jit: the strategy asked for (None: the automatic choice;
   # see jax_flash._context_parallel). Not a kernel attribute.
   context_parallel: str | None = None
-  # forward: 0 runs the tiled kernel; n >= 1 the CPU split-KV decode kernel with n key chunks
-  # (jax_flash._decode: chosen by call_kernels for T * (N / K) <= 64 query rows per kv head).
+  # forward: 0 runs the tiled kernel; n >= 1 split-KV decoding with n key chunks: the CPU decode
+  # kernel (jax_flash._decode: chosen by call_kernels for T * (N / K) <= 64 query rows per kv
+  # head), or on CUDA pack-GQA and key chunks around the tiled forward (jax_flash._split_kv:
+  # calls without causal mask or window, T * (N / K) <= 128).
   kv_splits: int = 0
 
   def attributes(self) -> dict:
@@ -85,6 +87,11 @@ def _lse_shape(q: jax.Array) -> tuple[int, ...]:
 def _flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig):
   """Returns (o, lse) with o like q (float32 with config.o_float32) and lse (..., N, T)
   float32."""
+  if config.kv_splits and config.implementation == "cuda":
+    tiled = dataclasses.replace(config, kv_splits=0, o_float32=True)
+    return _split_kv.split_kv_forward(
+        lambda q, k, v, q_lens, kv_lens: _flash_fwd(q, k, v, q_lens, kv_lens, tiled), q, k, v,
+        q_lens, kv_lens, config.kv_splits)
   if config.kv_splits:
     return _decode.decode_fwd(q, k, v, q_lens, kv_lens, scale=config.scale,
                               is_causal=config.is_causal, window_left=config.window_left,
@@ -163,6 +170,30 @@ def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig):
 flash_bwd = _derivatives.first_order_only(_flash_bwd, nondiff_argnums=(8,))
 
 
+# "split" turns on the split-KV program for CUDA decode calls (experimental; default "tiled").
+_CUDA_DECODE_VARIABLE = "JAX_FLASH_CUDA_DECODE"
+
+
+def cuda_kv_splits(batch: int, seq_q: int, heads_q: int, heads_k: int, seq_k: int,
+                   is_causal: bool, window_left: int, window_right: int) -> int:
+  """KernelConfig.kv_splits on CUDA: 0 for the tiled forward, else the key chunks of the
+  split-KV program (jax_flash._split_kv), sized to fill the GPU's SMs twice. Experimental until
+  measured on a GPU: only with JAX_FLASH_CUDA_DECODE=split (read when a call is traced)."""
+  if os.environ.get(_CUDA_DECODE_VARIABLE, "tiled") != "split":
+    return 0
+  if not _split_kv.applies(seq_q, heads_q, heads_k, is_causal, window_left, window_right):
+    return 0
+  return _split_kv.num_splits(batch, heads_k, seq_k, _gpu_processors())
+
+
+def _gpu_processors() -> int:
+  """Streaming multiprocessors of the first GPU (132, an H100/H200's, if JAX does not say)."""
+  try:
+    return int(getattr(jax.devices("gpu")[0], "core_count", 132) or 132)
+  except RuntimeError:
+    return 132
+
+
 def head_dim_padding(implementation: str, head_dim: int) -> int:
   """How many zero columns the `implementation` kernels need appended to the head dim (the CUDA
   kernels read rows in 16-byte chunks: a multiple of 8 16-bit values)."""
@@ -201,7 +232,11 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
     widths = [(0, 0)] * 3 + [(0, pad)]
     q, k, v = (jnp.pad(x, widths) for x in (q, k, v))
   batch, seq_q, heads_q, _ = q.shape
-  splits = _decode.kv_splits(implementation, batch, seq_q, heads_q, k.shape[2], k.shape[1])
+  if implementation == "cuda":
+    splits = cuda_kv_splits(batch, seq_q, heads_q, k.shape[2], k.shape[1], bool(is_causal),
+                            window_left, window_right)
+  else:
+    splits = _decode.kv_splits(implementation, batch, seq_q, heads_q, k.shape[2], k.shape[1])
   config = KernelConfig(implementation, scale, bool(is_causal), window_left, window_right,
                         deterministic, context_parallel=context_parallel, kv_splits=splits)
   with _derivatives.explain_forward_mode(caller, implementation):

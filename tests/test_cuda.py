@@ -41,6 +41,11 @@ LARGE = [
       kv_lens=(700, 1, 350, 700, 129, 700, 64, 700)),
     C(batch=16, seq_q=512, seq_k=512, heads_q=8, heads_k=8, head_dim=128, dtype="float16",
       local_window_size=(100, 20)),
+    # decode steps: the split-KV program (pack-GQA, key chunks, the combine) around the forward
+    C(batch=4, seq_q=1, seq_k=8192, heads_q=32, heads_k=8, head_dim=128, dtype="bfloat16",
+      kv_lens=(8192, 5000, 1, 0)),
+    C(batch=2, seq_q=4, seq_k=3000, heads_q=16, heads_k=1, head_dim=64, dtype="float16",
+      q_lens=(4, 2), kv_lens=(3000, 2999)),
 ]
 CASES = [c for c in GRID if c.dtype != "float32"] + LARGE
 
@@ -238,6 +243,14 @@ def test_warp_specialised_backward_on_hopper():
       {"JAX_FLASH_CUDA_BACKWARD": "sm90ws"},
       "test_cuda_matches_reference or test_deterministic_matches_reference or test_command_buffer_capture "
       "or test_jit_training_step_reduces_loss")
+
+
+def test_split_kv_decoding_on_cuda():
+  """The experimental split-KV program around the CUDA forward (JAX_FLASH_CUDA_DECODE=split:
+  pack-GQA and key chunks for calls without causal mask or window) passes the reference cases,
+  the decode steps among them."""
+  result = _run_in_subprocess({"JAX_FLASH_CUDA_DECODE": "split"}, "-k", "test_cuda_matches_reference")
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
 def test_unknown_kernel_choice_is_an_error():
