@@ -6,12 +6,13 @@ tiled FlashAttention kernels registered as XLA FFI custom calls.
 
 from jax_flash._attention import dot_product_attention
 from jax_flash._context_parallel import context_parallel_attention
+from jax_flash._paged import paged_attention
 from jax_flash._registry import cpu_kernel_isa, has_platform
 from jax_flash._ring import ring_attention, zigzag_indices
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "dot_product_attention", "ring_attention", "context_parallel_attention", "zigzag_indices", "cpu_kernel_isa",
-    "has_platform", "__version__",
+    "dot_product_attention", "paged_attention", "ring_attention", "context_parallel_attention",
+    "zigzag_indices", "cpu_kernel_isa", "has_platform", "__version__",
 ]

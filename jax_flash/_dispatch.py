@@ -49,6 +49,7 @@ class Capabilities:
   mask_forms: frozenset  # of MASK_FORMS: the masks it takes as arguments
   deterministic_backward: bool  # honours deterministic=True (bit-identical gradients)
   ring: bool  # runs the blocks of ring attention (ring_attention, sequence-sharded calls)
+  paged: bool = False  # runs jax_flash.paged_attention (K/V read through a page table)
 
 
 def capabilities(name: str) -> Capabilities:
@@ -61,19 +62,20 @@ def capabilities(name: str) -> Capabilities:
         head_dim_multiple=1,  # the kernel aligns its own float32 tiles
         logit_arrays=False, mask_forms=MASK_FORMS,
         deterministic_backward=True,  # always: dQ partials are summed in a fixed order
-        ring=True)
+        ring=True, paged=True)
   if name == "cuda":
     cuda = _registry.CUDA_KERNEL_CONSTANTS or {}  # empty where no CUDA kernels were built
     return Capabilities(
         name, kernel=True, dtypes=_HALF_DTYPES, max_head_dim=cuda.get("max_head_dim"),
         head_dim_multiple=cuda.get("head_dim_multiple", 1), logit_arrays=False,
-        mask_forms=MASK_FORMS, deterministic_backward=True, ring=True)
+        mask_forms=MASK_FORMS, deterministic_backward=True, ring=True,
+        paged=False)  # no CUDA paged kernel yet: jax_flash.paged_attention raises
   if name in ("xla", "blockwise"):
     return Capabilities(
         name, kernel=False, dtypes=_FLOAT_DTYPES, max_head_dim=None, head_dim_multiple=1,
         logit_arrays=True, mask_forms=MASK_FORMS,
         deterministic_backward=True,  # XLA's products and scans: no atomics
-        ring=False)
+        ring=False, paged=name == "xla")  # "xla": the pages gathered, then the reference
   raise ValueError(f"no implementation named {name!r}")
 
 

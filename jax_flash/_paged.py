@@ -1,0 +1,238 @@
+"""jax_flash.paged_attention: decoding attention over a paged KV cache (vLLM / FlashAttention's
+``flash_attn_with_kvcache(block_table=...)`` layout), forward only."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_flash import _decode, _dispatch, _ops, _reference, _validation
+
+CALLER = "jax_flash.paged_attention"
+PAGED_IMPLEMENTATIONS = (None, "cpu", "xla", "cuda")
+
+
+def _check_pages(query, key_pages, value_pages, page_table, kv_lengths) -> None:
+  """Trace-time checks of the shapes and dtypes; every message names the argument and the
+  shapes passed."""
+  shapes = (f"query{query.shape}, key_pages{key_pages.shape}, value_pages{value_pages.shape}, "
+            f"page_table{page_table.shape}, kv_lengths{kv_lengths.shape}")
+  if query.ndim != 4:
+    raise ValueError(f"{CALLER}: query must be (B, T, N, H); got {shapes}")
+  if key_pages.ndim != 4:
+    raise ValueError(f"{CALLER}: key_pages must be (num_pages, page_size, K, H); got {shapes}")
+  if value_pages.shape != key_pages.shape:
+    raise ValueError(f"{CALLER}: value_pages must have the shape of key_pages; got {shapes}")
+  batch, _, heads_q, head_dim = query.shape
+  _, page_size, heads_k, page_head_dim = key_pages.shape
+  if page_size < 1:
+    raise ValueError(f"{CALLER}: page_size (key_pages.shape[1]) must be >= 1; got {shapes}")
+  if page_head_dim != head_dim:
+    raise ValueError(f"{CALLER}: query and key_pages need the same head dim H; got {shapes}")
+  if head_dim == 0:
+    raise ValueError(f"{CALLER}: the head dim H=0: query and pages need H >= 1; got {shapes}")
+  if heads_k == 0 or heads_q % heads_k:
+    raise ValueError(
+        f"{CALLER}: the number of query heads N={heads_q} must be a multiple of the number of "
+        f"key/value heads K={heads_k}; got {shapes}")
+  if page_table.ndim != 2 or page_table.shape[0] != batch:
+    raise ValueError(f"{CALLER}: page_table must be (B, pages_per_sequence) with B={batch} "
+                     f"(query's batch); got {shapes}")
+  if page_table.dtype != jnp.int32:
+    raise ValueError(f"{CALLER}: page_table must be int32; got {page_table.dtype} ({shapes})")
+  if page_table.shape[1] * page_size > np.iinfo(np.int32).max:
+    raise ValueError(f"{CALLER}: pages_per_sequence * page_size must fit int32 (the lengths "
+                     f"are int32); got {shapes}")
+  if kv_lengths.shape != (batch,):
+    raise ValueError(f"{CALLER}: kv_lengths must have shape ({batch},) (one length per "
+                     f"sequence); got {shapes}")
+  if kv_lengths.dtype != jnp.int32:
+    raise ValueError(f"{CALLER}: kv_lengths must be int32; got {kv_lengths.dtype} ({shapes})")
+  dtypes = {query.dtype, key_pages.dtype, value_pages.dtype}
+  if len(dtypes) != 1:
+    raise ValueError(f"{CALLER}: query, key_pages and value_pages must share one dtype; got "
+                     f"{query.dtype}, {key_pages.dtype}, {value_pages.dtype}")
+  if query.dtype not in _validation.SUPPORTED_DTYPES:
+    raise ValueError(f"{CALLER}: query and pages must be float32, bfloat16 or float16; got "
+                     f"{query.dtype}")
+
+
+def _select(implementation, query) -> str:
+  if implementation not in PAGED_IMPLEMENTATIONS:
+    raise ValueError(f"{CALLER}: implementation must be one of {PAGED_IMPLEMENTATIONS}; got "
+                     f"{implementation!r}")
+  name = implementation
+  if name is None:
+    name = "cpu" if jax.default_backend() == "cpu" else None
+  if name is None or not _dispatch.capabilities(name).paged:
+    raise NotImplementedError(
+        f"{CALLER}: paged KV caches have no {'CUDA' if name in (None, 'cuda') else repr(name)} "
+        f"kernel yet (query{query.shape}, default backend {jax.default_backend()!r}); pass "
+        "implementation='xla' (the pages gathered into a contiguous cache, plain XLA) or run "
+        "on host devices with implementation='cpu'")
+  can = _dispatch.capabilities(name)
+  if can.max_head_dim is not None and query.shape[-1] > can.max_head_dim:
+    raise ValueError(f"{CALLER}: head dim H={query.shape[-1]} (query{query.shape}) is larger "
+                     f"than the {name!r} kernel supports (H <= {can.max_head_dim}); use "
+                     "implementation='xla'")
+  return name
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _paged_kernel(q, key_pages, value_pages, page_table, kv_lengths, scale, is_causal,
+                  window_left, window_right, splits):
+  batch, seq_q, heads_q, head_dim = q.shape
+  workspaces = _decode.workspace_shapes(splits, batch, seq_q, heads_q, head_dim)
+  call = jax.ffi.ffi_call(
+      "jax_flash_cpu_paged",
+      (jax.ShapeDtypeStruct(q.shape, q.dtype),
+       jax.ShapeDtypeStruct((batch, heads_q, seq_q), jnp.float32), *workspaces),
+      # The pages are shared by the batch: a vmapped call runs once per mapped element.
+      vmap_method="sequential")
+  o, lse, _, _ = call(q, key_pages, value_pages, page_table, kv_lengths,
+                      **_decode.attributes(scale, is_causal, window_left, window_right, splits))
+  return o, lse
+
+
+def _refuse_differentiation(*args):
+  raise NotImplementedError(
+      f"{CALLER} is forward only (inference) on the 'cpu' kernel: it has no backward pass. "
+      "Differentiate jax_flash.dot_product_attention over a contiguous cache, or pass "
+      "implementation='xla' (plain XLA, differentiable)")
+
+
+_paged_kernel.defvjp(_refuse_differentiation, _refuse_differentiation)
+
+
+def _query_positions(seq_q: int, kv_lengths):
+  """(B, T): the position of each query row among its sequence's keys (the last T)."""
+  return kv_lengths[:, None] - seq_q + jnp.arange(seq_q)[None, :]
+
+
+def _paged_xla(q, key_pages, value_pages, page_table, kv_lengths, *, scale, is_causal,
+               window_left, window_right):
+  """The plain-XLA path: pages gathered into a contiguous (B, S, K, H) cache, the bottom-right
+  masks as a mask array, jax_flash's reference attention. A sequence whose length reaches a
+  page table entry outside [0, num_pages) gets NaN everywhere (XLA cannot raise at run time)."""
+  batch, seq_q, _, _ = q.shape
+  num_pages, page_size, heads_k, head_dim = key_pages.shape
+  pages_per_seq = page_table.shape[1]
+  seq_k = pages_per_seq * page_size
+  if num_pages == 0:  # nothing to gather from: every sequence that has a key is refused below
+    key_pages = value_pages = jnp.zeros((1, *key_pages.shape[1:]), key_pages.dtype)
+
+  def gather(pages):
+    x = jnp.take(pages, page_table, axis=0, mode="clip")  # (B, pages_per_seq, page_size, K, H)
+    return x.reshape(batch, seq_k, heads_k, head_dim)
+
+  k, v = gather(key_pages), gather(value_pages)
+  i = _query_positions(seq_q, kv_lengths)[:, :, None]  # (B, T, 1)
+  j = jnp.arange(seq_k)[None, None, :]
+  allowed = j < kv_lengths[:, None, None]
+  if is_causal:
+    allowed &= j <= i
+  if window_left >= 0:
+    allowed &= j >= i - window_left
+  if window_right >= 0:
+    allowed &= j <= i + window_right
+  q_lens = jnp.full((batch,), seq_q, jnp.int32)
+  out, lse = _reference.attention_reference(
+      q, k, v, q_lens, kv_lengths, scale=scale, is_causal=False, mask=allowed[:, None])
+  reached = jnp.arange(pages_per_seq)[None, :] * page_size < kv_lengths[:, None]
+  bad = jnp.any(reached & ((page_table < 0) | (page_table >= num_pages)), axis=1)  # (B,)
+  out = jnp.where(bad[:, None, None, None], jnp.nan, out)
+  lse = jnp.where(bad[:, None, None], jnp.nan, lse)
+  return out, lse
+
+
+def paged_attention(
+    query: jax.typing.ArrayLike,
+    key_pages: jax.typing.ArrayLike,
+    value_pages: jax.typing.ArrayLike,
+    page_table: jax.typing.ArrayLike,
+    kv_lengths: jax.typing.ArrayLike,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: str | None = None,
+    return_residual: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+  """Attention of new query tokens over a paged KV cache: forward only (inference).
+
+  The cache layout of vLLM and of FlashAttention's ``flash_attn_with_kvcache(block_table=...)``:
+  each sequence's keys and values live in fixed-size pages of one shared pool, listed in order
+  by its row of the page table. Key ``j`` of sequence ``b`` is row ``j % page_size`` of page
+  ``page_table[b, j // page_size]``.
+
+  Args:
+    query: ``(B, T, N, H)``: the T newest tokens of each sequence (T = 1 for a decode step, more
+      for speculative decoding or chunked prefill); float32, bfloat16 or float16.
+    key_pages: ``(num_pages, page_size, K, H)``, query's dtype, ``N % K == 0`` (GQA/MQA).
+    value_pages: like ``key_pages``.
+    page_table: ``(B, pages_per_sequence)`` int32: the pages of each sequence, in order.
+    kv_lengths: ``(B,)`` int32: how many keys each sequence has, the T query tokens' own
+      included (vLLM's ``seq_lens``); clamped to ``[0, pages_per_sequence * page_size]``. A
+      sequence of length 0 gives zeros (and the empty-row lse).
+    scale: logit scale, ``1 / sqrt(H)`` by default (as ``dot_product_attention``).
+    is_causal: query row ``t`` sits at position ``p = kv_lengths[b] - T + t`` (the queries are
+      the last T tokens: bottom-right aligned, as FlashAttention's kv-cache call and vLLM align
+      it, unlike ``dot_product_attention``'s top-left ``is_causal``) and attends keys
+      ``j <= p``. Rows whose position is negative (``kv_lengths[b] < T``) see no key.
+    local_window_size: ``w`` or ``(left, right)``: row at position ``p`` attends keys
+      ``p - left <= j <= p + right`` (positions as for ``is_causal``).
+    implementation: ``None`` (the "cpu" kernel on host devices), ``"cpu"``, or ``"xla"`` (the
+      pages gathered into a contiguous cache, then plain XLA; quadratic memory, any backend).
+      ``"cuda"`` (and ``None`` on a GPU) raises ``NotImplementedError``: no CUDA paged kernel
+      yet.
+    return_residual: also return the log-sum-exp of each row's logits, ``(B, T, N)`` float32.
+
+  Page table entries: the entries a sequence's length reaches (its first
+  ``ceil(kv_lengths[b] / page_size)``) must lie in ``[0, num_pages)``; the others are never
+  read and may hold anything (padding such as -1). On the "cpu" kernel a reached entry outside
+  that range is an error when the call runs (``XlaRuntimeError`` ``INVALID_ARGUMENT`` naming
+  the entry), raised before anything is read; the kernel also clamps every entry it reads into
+  range, so the native code never reads outside ``key_pages``/``value_pages``. On "xla" (which
+  cannot raise at run time) such a sequence's output and lse are NaN.
+
+  Returns:
+    ``(B, T, N, H)`` in query's dtype; with ``return_residual``, ``(out, lse)``.
+
+  The "cpu" kernel is the split-KV decode kernel of ``dot_product_attention`` (query heads of a
+  kv head packed, the key range cut into chunks run in parallel, see ``jax_flash._decode``),
+  reading K/V through the page table. It has no derivative: differentiating the call raises
+  ``NotImplementedError`` ("xla" differentiates). Under ``vmap`` it runs once per mapped element.
+  """
+  query, key_pages, value_pages = (jnp.asarray(x) for x in (query, key_pages, value_pages))
+  page_table, kv_lengths = jnp.asarray(page_table), jnp.asarray(kv_lengths)
+  _check_pages(query, key_pages, value_pages, page_table, kv_lengths)
+  implementation = _select(implementation, query)
+  batch, seq_q, heads_q, head_dim = query.shape
+  _, page_size, heads_k, _ = key_pages.shape
+  seq_k = page_table.shape[1] * page_size
+  window = _validation.check_window(local_window_size, seq_q + seq_k)
+  window_left, window_right = window if window is not None else (-1, -1)
+  scale = _validation.check_scale(scale, head_dim)
+  kv_lengths = jnp.clip(kv_lengths, 0, seq_k)
+
+  if query.size == 0 or seq_k == 0:  # no output, or no key for any row
+    out = jnp.zeros_like(query)
+    lse = jnp.full((batch, heads_q, seq_q), _reference.EMPTY_ROW_LSE, jnp.float32)
+  elif implementation == "xla":
+    out, lse = _paged_xla(query, key_pages, value_pages, page_table, kv_lengths, scale=scale,
+                          is_causal=bool(is_causal), window_left=window_left,
+                          window_right=window_right)
+  else:
+    q, kernel_scale = _ops.positive_scale(query, scale)
+    splits = _decode.num_splits(batch, seq_q, heads_q, heads_k, seq_k)
+    out, lse = _paged_kernel(q, key_pages, value_pages, page_table, kv_lengths,
+                             float(kernel_scale), bool(is_causal), window_left, window_right,
+                             splits)
+  lse = jax.lax.stop_gradient(lse)
+  if not return_residual:
+    return out
+  return out, jnp.swapaxes(lse, -1, -2)
