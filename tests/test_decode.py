@@ -252,3 +252,20 @@ def decode_cases(draw) -> Case:
 def test_random_decode_shapes(case):
   assert _uses_decode(case)
   check_against_references(case, run_jax_flash(case, "cpu"))
+
+
+def test_benchmark_decode_preset(tmp_path, capsys):
+  """python -m jax_flash.benchmark --preset decode: every case of the issue, contiguous and
+  paged, jax_flash and XLA measured (tiny here: --decode-reduce 64)."""
+  import json
+
+  from jax_flash import benchmark
+  from jax_flash.benchmark.cases import DECODE_SHAPES
+
+  assert benchmark.main(["--platform", "cpu", "--preset", "decode", "--decode-reduce", "64",
+                         "--reps", "1", "--out", str(tmp_path)]) == 0
+  records = json.loads((tmp_path / "results.json").read_text())["measurements"]
+  assert len(records) == 2 * 2 * len(DECODE_SHAPES)
+  assert all(r["status"] == "ok" for r in records), [r for r in records if r["status"] != "ok"]
+  table = capsys.readouterr().out
+  assert "B1 T1 32/8 S256 hd128 paged" in table and "B1 T512 32/8 S256 hd128 contiguous" in table

@@ -78,3 +78,74 @@ def gpu_cases(seqs: Sequence[int], head_dims: Sequence[int],
   return [Case(batch=max(1, GPU_TOKENS // seq), seq=seq, heads=max(1, GPU_HIDDEN // head_dim),
                head_dim=head_dim, dtype="bfloat16", causal=causal)
           for seq in seqs for head_dim in head_dims for causal in causal_modes]
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding (--preset decode): a few query rows against a KV cache, contiguous or paged.
+
+# The shapes of issue 15: (batch, query rows, query heads, kv heads, cache length, head dim).
+DECODE_SHAPES = (
+    (64, 1, 32, 8, 8192, 128),
+    (16, 1, 16, 16, 16384, 128),
+    (32, 4, 32, 8, 8192, 128),
+    (4, 512, 32, 8, 8192, 128),  # chunked prefill
+)
+DECODE_PAGE_SIZE = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCase:
+  """One decode step: query (B, T, N, H) over a cache of S keys per sequence, (B, S, K, H)
+  contiguous or in pages of `page_size` (a random page table). Every sequence holds S keys;
+  paged calls are causal (the T queries are the last T tokens), contiguous ones attend the
+  whole cache."""
+
+  batch: int
+  seq_q: int
+  heads_q: int
+  heads_k: int
+  seq_k: int
+  head_dim: int
+  dtype: str
+  paged: bool
+  page_size: int = DECODE_PAGE_SIZE
+
+  @property
+  def label(self) -> str:
+    return (f"B{self.batch} T{self.seq_q} {self.heads_q}/{self.heads_k} S{self.seq_k} "
+            f"hd{self.head_dim} {'paged' if self.paged else 'contiguous'}")
+
+  def kv_bytes(self) -> int:
+    """Bytes of K and V a step must read at least once: what bounds decoding (memory bandwidth)."""
+    return 2 * self.batch * self.seq_k * self.heads_k * self.head_dim * jnp.dtype(self.dtype).itemsize
+
+  def flops(self) -> float:
+    """4 B T S N H (Q K^T and P V; no causal halving: a step's queries see nearly every key)."""
+    return 4.0 * self.batch * self.seq_q * self.seq_k * self.heads_q * self.head_dim
+
+
+def decode_cases(dtype: str, reduce: int = 1) -> list[DecodeCase]:
+  """DECODE_SHAPES, contiguous and paged, with batch and cache length divided by `reduce` (at
+  least 1 sequence and 256 keys; the CPU runs them reduced)."""
+  return [DecodeCase(max(1, b // reduce), t, n, k, max(256, s // reduce), h, dtype, paged)
+          for b, t, n, k, s, h in DECODE_SHAPES for paged in (False, True)]
+
+
+def decode_inputs(case: DecodeCase, seed: int = 0) -> dict[str, np.ndarray]:
+  """query, key, value (contiguous) or query, key_pages, value_pages, page_table (a random
+  permutation of exactly the pages needed), and kv_lengths (S for every sequence)."""
+  rng = np.random.default_rng(seed)
+  dtype = jnp.dtype(case.dtype)
+
+  def normal(shape):
+    return rng.standard_normal(shape, np.float32).astype(dtype)
+
+  arrays = {"query": normal((case.batch, case.seq_q, case.heads_q, case.head_dim)),
+            "kv_lengths": np.full((case.batch,), case.seq_k, np.int32)}
+  if not case.paged:
+    kv = (case.batch, case.seq_k, case.heads_k, case.head_dim)
+    return {**arrays, "key": normal(kv), "value": normal(kv)}
+  per_seq = -(-case.seq_k // case.page_size)
+  pages = (case.batch * per_seq, case.page_size, case.heads_k, case.head_dim)
+  table = rng.permutation(case.batch * per_seq).reshape(case.batch, per_seq).astype(np.int32)
+  return {**arrays, "key_pages": normal(pages), "value_pages": normal(pages), "page_table": table}

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pathlib
 from collections.abc import Sequence
 
 import jax
 
-from jax_flash.benchmark.columns import HEAD_DIM_COLUMN
+import json
+
+from jax_flash.benchmark.cases import DecodeCase, decode_cases, decode_inputs
+from jax_flash.benchmark.columns import HEAD_DIM_COLUMN, peak_fraction_column
 from jax_flash.benchmark.provenance import environment
-from jax_flash.benchmark.measure import TIME_BUDGET_S, Measurement, failure_reason
+from jax_flash.benchmark.measure import (ACCELERATOR_CALLS_PER_STEP, TIME_BUDGET_S, Measurement,
+                                         compile_step, failure_reason, time_step)
 from jax_flash.benchmark.platforms import (PLATFORMS, Platform, no_devices,
                                            with_deterministic_flash)
 from jax_flash.benchmark.plot import write_plot
@@ -72,17 +77,29 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       help=f"timed repetitions after the warm-up ({_per_platform('warm_up_runs')} "
                            "runs); fewer for slow peers, so each spends about "
                            f"{TIME_BUDGET_S:g} s per pass of a case (default: 20)")
+  parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                      help="the inputs' dtype (default: cpu float32, gpu bfloat16)")
   parser.add_argument("--deterministic", action="store_true",
                       help="time jax_flash's deterministic backward (deterministic=True)")
   parser.add_argument("--skip", nargs="+", default=[], metavar="PEER",
                       help="peers not to run, for a shorter run (their cells read "
                            f"'unavailable'); jax_flash cannot be skipped ({_peer_names()})")
+  parser.add_argument("--preset", choices=("decode",),
+                      help="decode: the decoding shapes of issue 15 (B64 T1 32/8 S8192, B16 T1 "
+                           "16/16 S16384, B32 T4 32/8 S8192, B4 T512 32/8 S8192 chunked prefill; "
+                           "head dim 128), contiguous and paged, jax_flash beside XLA, forward "
+                           "only; --seqs, --head-dims, --causal and --skip do not apply")
+  parser.add_argument("--decode-reduce", type=int, metavar="N",
+                      help="with --preset decode: divide batch and cache length by N (default: "
+                           "8 on the cpu platform, 1 on gpu)")
   parser.add_argument("--out", type=pathlib.Path, metavar="DIR",
                       help="write results.json (measurements and environment), table.md and "
                            "plot.png here")
   args = parser.parse_args(argv)
   if args.reps < 1:
     parser.error("--reps must be at least 1")
+  if args.decode_reduce is not None and (args.preset != "decode" or args.decode_reduce < 1):
+    parser.error("--decode-reduce takes a positive integer, with --preset decode")
   # Flatten "--seqs 512,1024 2048" into one list.
   args.seqs = [n for group in args.seqs for n in group] if args.seqs else None
   args.head_dims = [n for group in args.head_dims for n in group] if args.head_dims else None
@@ -98,6 +115,27 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   return args
 
 
+def with_machine_fraction(platform: Platform, env: dict[str, object],
+                          dtype: str) -> tuple[Platform, str | None]:
+  """On the CPU: the platform with a column of jax_flash's share of the machine's measured
+  float32 FMA peak (all cores), and a caption naming the CPU and that peak; else unchanged."""
+  if platform.name != "cpu":
+    return platform, None
+  per_core = env.get("cpu_fma_peak_gflops_per_core")
+  cores = env.get("cpu_count") or 1
+  caption = (f"CPU: {env.get('cpu_model')} ({cores} cores, jax_flash kernel "
+             f"{env.get('cpu_kernel_isa')}); {dtype} inputs")
+  if not per_core:
+    return platform, caption + "; FMA peak not measured (this build has no micro-benchmark)"
+  total = float(per_core) * int(cores)
+  caption += (f"; float32 FMA peak {per_core:.1f} GFLOP/s per core, {total:.1f} on "
+              f"{cores} cores (measured by jax_flash's micro-benchmark)")
+  flash = platform.peers[0]
+  return (dataclasses.replace(platform, columns=(*platform.columns,
+                                                 peak_fraction_column(flash, total * 1e9))),
+          caption)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   """Runs the benchmark; returns the process exit status."""
   args = parse_args(argv)
@@ -108,27 +146,118 @@ def main(argv: Sequence[str] | None = None) -> int:
   if missing is not None:
     log(missing)
     return 2
+  if args.preset == "decode":
+    return run_decode(platform, args)
   seqs = args.seqs or (platform.quick_seqs if args.quick else platform.default_seqs)
   head_dims = args.head_dims or (
       platform.quick_head_dims if args.quick else platform.default_head_dims)
   causal_modes = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
   cases = platform.make_cases(seqs, head_dims, causal_modes)
+  if args.dtype is not None:
+    cases = [dataclasses.replace(case, dtype=args.dtype) for case in cases]
   env = environment(platform)
+  platform, caption = with_machine_fraction(platform, env, cases[0].dtype if cases else "")
   settings = dict(seqs=list(seqs), head_dims=list(head_dims), causal=args.causal,
                   reps=args.reps, warm_up_runs=platform.warm_up_runs,
                   time_budget_s=TIME_BUDGET_S, quick=args.quick, cases=len(cases),
-                  deterministic=args.deterministic, skip=list(args.skip))
+                  deterministic=args.deterministic, skip=list(args.skip),
+                  dtype=cases[0].dtype if cases else args.dtype)
   measurements: list[Measurement] = []
   for results in run(platform, cases, args.reps, args.skip):
     measurements.extend(results)
     if args.out is not None:
       reported = with_backward(measurements)
-      write_results(args.out, env, settings, reported, format_table(platform, reported))
-  print(format_table(platform, with_backward(measurements)))
+      write_results(args.out, env, settings, reported,
+                    format_table(platform, reported, caption))
+  print(format_table(platform, with_backward(measurements), caption))
   if args.out is not None:
     try:
       write_plot(args.out / "plot.png", platform, measurements,
                  f"{env['device_kind']}, {cases[0].dtype}: attention {platform.rate_unit}")
     except Exception as e:  # the plot only shows what results.json holds: warn, lose nothing
       log(f"jax_flash benchmark: warning: no plot written ({failure_reason(e)})")
+  return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# --preset decode
+
+
+def _decode_fns(case: DecodeCase, kernel: str) -> dict:
+  """The peers of a decode case, each a function of the case's input arrays (by name)."""
+  import jax_flash  # the benchmark's other modules import it as well
+
+  if case.paged:
+    def paged(implementation):
+      return lambda query, key_pages, value_pages, page_table, kv_lengths: (
+          jax_flash.paged_attention(query, key_pages, value_pages, page_table, kv_lengths,
+                                    is_causal=True, implementation=implementation))
+    return {"jax_flash": paged(kernel), "xla": paged("xla")}
+  return {
+      "jax_flash": lambda query, key, value, kv_lengths: jax_flash.dot_product_attention(
+          query, key, value, key_value_seq_lengths=kv_lengths, implementation=kernel),
+      "xla": lambda query, key, value, kv_lengths: jax.nn.dot_product_attention(
+          query, key, value, key_value_seq_lengths=kv_lengths, implementation="xla"),
+  }
+
+
+def _decode_row(case: DecodeCase, results: dict) -> str:
+  def ms(peer):
+    r = results[peer]
+    return f"{r['median_ms']:.3f}" if r["status"] == "ok" else r["status"]
+
+  def gbs(peer):
+    r = results[peer]
+    return f"{case.kv_bytes() / r['median_ms'] / 1e6:.1f}" if r["status"] == "ok" else "-"
+
+  ok = all(r["status"] == "ok" for r in results.values())
+  ratio = f"{results['xla']['median_ms'] / results['jax_flash']['median_ms']:.2f}" if ok else "-"
+  return f"| {case.label} | {ms('jax_flash')} | {ms('xla')} | {ratio} | {gbs('jax_flash')} | {gbs('xla')} |"
+
+
+def run_decode(platform: Platform, args: argparse.Namespace) -> int:
+  """The decode preset: each case's forward step for jax_flash and XLA, median ms and the K/V
+  bytes read per second; a table on stdout, results.json and table.md in --out."""
+  # TODO(issue 15, GPU): report each case against the GPU's copy-bandwidth roofline (K/V bytes
+  # over the measured device-to-device copy bandwidth) once the CUDA decode and paged kernels
+  # exist; on the CPU the GB/s column is only a comparison between peers.
+  missing = no_devices(platform.device_kind)
+  if missing is not None:
+    log(missing)
+    return 2
+  cpu = platform.name == "cpu"
+  reduce = args.decode_reduce or (8 if cpu else 1)
+  kernel = "cpu" if cpu else "cuda"
+  cases = decode_cases("float32" if cpu else "bfloat16", reduce)
+  device = jax.devices(platform.device_kind)[0]
+  calls = 1 if cpu else ACCELERATOR_CALLS_PER_STEP
+  header = ("| case | jax_flash ms | xla ms | xla / jax_flash | jax_flash K/V GB/s | "
+            "xla K/V GB/s |\n|---|---|---|---|---|---|")
+  lines, records = [header], []
+  for index, case in enumerate(cases, 1):
+    arrays = {name: jax.device_put(x, device) for name, x in decode_inputs(case).items()}
+    results = {}
+    for peer, fn in _decode_fns(case, kernel).items():
+      names = list(fn.__code__.co_varnames[:fn.__code__.co_argcount])
+      try:
+        compiled = compile_step(fn, [arrays[name] for name in names], calls)
+        times = [t / calls for t in time_step(compiled.step, platform.warm_up_runs, args.reps)]
+        times.sort()
+        results[peer] = dict(status="ok", median_ms=times[len(times) // 2] * 1e3,
+                             times_ms=[t * 1e3 for t in times], temp_bytes=compiled.temp_bytes)
+      except Exception as e:  # a peer that cannot run the case is a result, not a crash
+        results[peer] = dict(status="fails", reason=failure_reason(e))
+      records.append(dict(case=case.label, peer=peer, kv_bytes=case.kv_bytes(),
+                          flop=case.flops(), **results[peer]))
+    lines.append(_decode_row(case, results))
+    log(f"[{index}/{len(cases)}] {lines[-1]}")
+  table = "\n".join(lines)
+  print(table)
+  if args.out is not None:
+    args.out.mkdir(parents=True, exist_ok=True)
+    settings = dict(preset="decode", reduce=reduce, reps=args.reps, kernel=kernel)
+    (args.out / "results.json").write_text(json.dumps(
+        dict(environment=environment(platform), settings=settings, measurements=records),
+        indent=1, default=str))
+    (args.out / "table.md").write_text(table + "\n")
   return 0
