@@ -234,13 +234,14 @@ def test_other_hopper_forward_kernels(family):
       "test_cuda_matches_reference or test_command_buffer_capture or test_jit_training_step_reduces_loss")
 
 
-def test_warp_specialised_backward_on_hopper():
+@pytest.mark.parametrize("family", ["sm90ws", "sm90ws_bulkdq"])
+def test_warp_specialised_backward_on_hopper(family):
   """The experimental warp-specialised backward (JAX_FLASH_CUDA_BACKWARD=sm90ws: the sm90 main
-  kernel's math with TMA loads by a producer warpgroup) passes the reference cases (head dims
-  33..128; sm80 runs the rest), the deterministic cases, the CUDA-graph capture and the training
-  step."""
+  kernel's math with TMA loads by a producer warpgroup; sm90ws_bulkdq: dQ added by bulk
+  reductions from shared memory) passes the reference cases (head dims 33..128; sm80 runs the
+  rest), the deterministic cases, the CUDA-graph capture and the training step."""
   _run_cuda_tests_on_hopper_with(
-      {"JAX_FLASH_CUDA_BACKWARD": "sm90ws"},
+      {"JAX_FLASH_CUDA_BACKWARD": family},
       "test_cuda_matches_reference or test_deterministic_matches_reference or test_command_buffer_capture "
       "or test_jit_training_step_reduces_loss")
 

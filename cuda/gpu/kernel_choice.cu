@@ -27,10 +27,11 @@ std::optional<KernelFamily> read_override(const char* variable, bool forward, st
   if (v == "sm80") return KernelFamily::kSm80;
   if (v == "sm90") return KernelFamily::kSm90;
   if (v == "sm90ws") return KernelFamily::kSm90Ws;
+  if (!forward && v == "sm90ws_bulkdq") return KernelFamily::kSm90WsBulkDq;
   if (forward && v == "sm90ws_grid") return KernelFamily::kSm90WsGrid;
   if (forward && v == "sm90ws_m192") return KernelFamily::kSm90WsWide;
   error += std::string(error.empty() ? "" : "; ") + "jax_flash: " + variable + "=" + v + " is not one of " +
-           (forward ? "sm80, sm90, sm90ws, sm90ws_grid, sm90ws_m192" : "sm80, sm90, sm90ws");
+           (forward ? "sm80, sm90, sm90ws, sm90ws_grid, sm90ws_m192" : "sm80, sm90, sm90ws, sm90ws_bulkdq");
   return std::nullopt;
 }
 

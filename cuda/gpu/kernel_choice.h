@@ -4,13 +4,14 @@
 // for experiments and comparisons:
 //   JAX_FLASH_CUDA_FORWARD  = sm80 | sm90 | sm90ws | sm90ws_grid | sm90ws_m192
 //                                                                  (default on Hopper: sm90ws)
-//   JAX_FLASH_CUDA_BACKWARD = sm80 | sm90 | sm90ws                  (default on Hopper: sm90)
+//   JAX_FLASH_CUDA_BACKWARD = sm80 | sm90 | sm90ws | sm90ws_bulkdq  (default on Hopper: sm90)
 // sm90ws is the warp-specialised TMA forward on a persistent grid, sm90ws_grid the same kernel
 // with a CTA per tile; sm90ws_m192 the persistent one with 192-row tiles (3 consumer warpgroups)
 // at head dim 64 (experimental, not yet run on a GPU); sm90 the first wgmma forward (all
 // threads load and compute). For the
-// backward, sm90ws is the sm90 main kernel with its loads moved to a TMA producer warpgroup
-// (experimental: not yet run on a GPU).
+// backward, sm90ws is the sm90 main kernel with its loads moved to a TMA producer warpgroup,
+// sm90ws_bulkdq the same with dQ added by bulk reductions from shared memory (experimental: not
+// yet run on a GPU).
 // A Hopper choice only applies on Hopper, and only where a Hopper kernel exists.
 #pragma once
 
@@ -20,8 +21,8 @@ namespace jax_flash::cuda {
 
 // The kernel family of a pass: mma.sync (sm80), wgmma (sm90), or the warp-specialised wgmma
 // forward on a persistent grid, on a CTA per tile, or with wide tiles (sm90ws, sm90ws_grid,
-// sm90ws_m192).
-enum class KernelFamily { kSm80, kSm90, kSm90Ws, kSm90WsGrid, kSm90WsWide };
+// sm90ws_m192); for the backward sm90ws and sm90ws_bulkdq.
+enum class KernelFamily { kSm80, kSm90, kSm90Ws, kSm90WsGrid, kSm90WsWide, kSm90WsBulkDq };
 
 // Empty when the variables are unset or hold a known value; else a message naming the variable,
 // its value and the values it takes (the FFI handlers return it as an error).

@@ -77,7 +77,8 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
       cudaError_t e = cudaSuccess;
       if constexpr (TileShapes<kD>::kHasSm90)
         e = family == KernelFamily::kSm80   ? launch_bwd_main_sm80<T, kD>(p, stream)
-            : family == KernelFamily::kSm90Ws ? launch_bwd_main_sm90_ws<T, kD>(p, stream)
+            : family == KernelFamily::kSm90Ws ? launch_bwd_main_sm90_ws<T, kD>(p, false, stream)
+            : family == KernelFamily::kSm90WsBulkDq ? launch_bwd_main_sm90_ws<T, kD>(p, true, stream)
                                               : launch_bwd_main_sm90<T, kD>(p, stream);
       else
         e = launch_bwd_main_sm80<T, kD>(p, stream);

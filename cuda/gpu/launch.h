@@ -41,8 +41,9 @@ template <typename T, int kHeadDim>
 cudaError_t launch_bwd_main_sm80(const BwdParams& params, cudaStream_t stream);
 template <typename T, int kHeadDim>
 cudaError_t launch_bwd_main_sm90(const BwdParams& params, cudaStream_t stream);
+// The warp-specialised main backward; bulk_dq: dQ added by bulk reductions (experimental).
 template <typename T, int kHeadDim>
-cudaError_t launch_bwd_main_sm90_ws(const BwdParams& params, cudaStream_t stream);
+cudaError_t launch_bwd_main_sm90_ws(const BwdParams& params, bool bulk_dq, cudaStream_t stream);
 // The deterministic mode's dQ kernel (mma.sync on every GPU).
 template <typename T, int kHeadDim>
 cudaError_t launch_bwd_dq_sm80(const BwdParams& params, cudaStream_t stream);

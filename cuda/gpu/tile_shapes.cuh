@@ -48,6 +48,8 @@ struct TileShapes {
   using Sm90Bwd = Sm90BwdTraits<kHeadDim>;
   // Warp-specialised wgmma backward: the same tiles, a TMA producer warpgroup beside them.
   using Sm90BwdWs = Sm90BwdWsTraits<kHeadDim>;
+  // The same with dQ added by bulk reductions from a shared tile (experimental).
+  using Sm90BwdWsBulkDq = Sm90BwdWsTraits<kHeadDim, true>;
 };
 
 // Explicit instantiations of a launcher template<T, kHeadDim> for both 16-bit dtypes.

@@ -119,10 +119,10 @@ __device__ __forceinline__ void add_dq(const BwdParams& p, const KeyBlockTask<kB
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     if (half * 8 >= live_rows) continue;
+    float* row = dq_block + half * 8 * task.q_stride;
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
-      if (nt * 8 < live_cols)
-        atomic_add_pair(dq_block + half * 8 * task.q_stride + nt * 8, dq[0][nt][2 * half], dq[0][nt][2 * half + 1]);
+      if (nt * 8 < live_cols) atomic_add_pair(row + nt * 8, dq[0][nt][2 * half], dq[0][nt][2 * half + 1]);
   }
 }
 

@@ -9,9 +9,10 @@
 
 namespace jax_flash::cuda {
 
-template <typename T, int kHeadDim>
-cudaError_t launch_bwd_main_sm90_ws(const BwdParams& p, cudaStream_t stream) {
-  using Traits = typename TileShapes<kHeadDim>::Sm90BwdWs;
+namespace {
+
+template <typename Traits, typename T>
+cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
   const AttentionShape& s = p.shape;
   BwdTmaParams params;
   params.p = p;
@@ -20,11 +21,21 @@ cudaError_t launch_bwd_main_sm90_ws(const BwdParams& p, cudaStream_t stream) {
   if (cudaError_t e = make_head_tensor_map(&params.d_o, p.d_o, p.dtype, s.batch, s.seq_q, s.heads_q, s.head_dim,
                                            Traits::kBlockM))
     return e;
-  return launch_with_smem(flash_bwd_sm90_ws_kernel<Traits, T>, key_block_grid<Traits>(s), Traits::kThreads,
-                          Traits::kSmemBytes, stream, params);
+  auto kernel = p.deterministic ? flash_bwd_sm90_ws_kernel<Traits, T, true> : flash_bwd_sm90_ws_kernel<Traits, T, false>;
+  return launch_with_smem(kernel, key_block_grid<Traits>(s), Traits::kThreads, Traits::kSmemBytes, stream, params);
 }
 
-#define JF_INSTANTIATE(D) JF_INSTANTIATE_LAUNCHER(launch_bwd_main_sm90_ws, BwdParams, D)
+}  // namespace
+
+template <typename T, int kHeadDim>
+cudaError_t launch_bwd_main_sm90_ws(const BwdParams& p, bool bulk_dq, cudaStream_t stream) {
+  if (bulk_dq) return launch<typename TileShapes<kHeadDim>::Sm90BwdWsBulkDq, T>(p, stream);
+  return launch<typename TileShapes<kHeadDim>::Sm90BwdWs, T>(p, stream);
+}
+
+#define JF_INSTANTIATE(D)                                                                          \
+  template cudaError_t launch_bwd_main_sm90_ws<__nv_bfloat16, D>(const BwdParams&, bool, cudaStream_t); \
+  template cudaError_t launch_bwd_main_sm90_ws<__half, D>(const BwdParams&, bool, cudaStream_t);
 JF_SM90_HEAD_DIMS(JF_INSTANTIATE)
 #undef JF_INSTANTIATE
 

@@ -13,6 +13,10 @@
 //     P^T and dS^T in registers, dS^T to one of two shared buffers, the two warpgroups meet on
 //     a named barrier, then dV += P^T dO (RS), dK += dS^T Q and dQ = dS K (SS); each consumer
 //     warp releases the stage once its products are in.
+//   With Traits::kBulkDq the consumers leave dQ in a float32 shared tile instead of adding it
+//   with atomics, and the producer's second warp adds the tile's rows to the accumulator with
+//   bulk reductions (cp.reduce.async.bulk), FlashAttention-3's way of keeping the atomics and
+//   their addresses off the math warps.
 //
 // The prepare and convert kernels around it are the sm90 backward's (gpu/launch.cu).
 #pragma once
@@ -51,6 +55,7 @@ struct Sm90BwdWsSmem {
   T* ds;     // two dS^T buffers
   float* lse2;   // kStages x kBlockM
   float* delta;  // kStages x kBlockM
+  float* dq;     // kBlockM x kDqRowStride (kBulkDq)
   __device__ explicit Sm90BwdWsSmem(unsigned char* raw) {
     const uint32_t address = smem_address(raw);
     k = reinterpret_cast<T*>(raw + (((address + 1023) & ~1023u) - address));
@@ -60,6 +65,7 @@ struct Sm90BwdWsSmem {
     ds = d_o + Traits::kStages * Traits::QTile::kElements;
     lse2 = reinterpret_cast<float*>(ds + 2 * Traits::DsTile::kElements);
     delta = lse2 + Traits::kStages * Traits::kBlockM;
+    dq = delta + Traits::kStages * Traits::kBlockM;
   }
   __device__ T* q_stage(int stage) const { return q + stage * Traits::QTile::kElements; }
   __device__ T* d_o_stage(int stage) const { return d_o + stage * Traits::QTile::kElements; }
@@ -69,9 +75,13 @@ struct Sm90BwdWsSmem {
 template <int kStages>
 struct BwdWsBarriers {
   uint64_t kv_full, full[kStages], empty[kStages];
+  uint64_t dq_full, dq_empty;  // the dQ tile (Traits::kBulkDq)
 };
 
-template <typename Traits, typename T>
+// kDeterministic: p.deterministic as a constant (dQ is then left to its own kernel). Whether a
+// warpgroup computes dQ must be known to the compiler: behind a run-time branch ptxas serialises
+// the dQ product at head dim 128 (C7512, "insufficient register resources").
+template <typename Traits, typename T, bool kDeterministic>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams params) {
 #if JF_SM90A
@@ -94,6 +104,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       Mbarrier(&bars.full[s]).init(32);
       Mbarrier(&bars.empty[s]).init(Traits::kConsumerWarps);
     }
+    Mbarrier(&bars.dq_full).init(Traits::kDqWarps);
+    Mbarrier(&bars.dq_empty).init(32);
     Mbarrier::fence_init();
   }
   __syncthreads();
@@ -106,6 +118,25 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if (warp < 4) {
     // ---- Producer warpgroup: warp 0 loads, the others leave.
     release_registers<Traits::kProducerRegisters>();
+    if (Traits::kBulkDq && !kDeterministic && warp == 1) {
+      // The dQ writer: each visit's tile, row by row, added to the accumulator.
+      Visit visit = task.first_visit();
+      for (int it = 0; it < iterations; ++it, visit = task.next_visit(visit)) {
+        Mbarrier(&bars.dq_full).wait(it & 1);
+        const int64_t m0 = static_cast<int64_t>(visit.mb) * kBM;
+        const int rows = task.rows(visit);
+#pragma unroll
+        for (int r = lane; r < kBM; r += 32)
+          if (r < rows)
+            bulk_reduce_add(p.dq_accum + (task.b * sh.seq_q + m0 + r) * task.q_stride + visit.h * sh.head_dim,
+                            smem.dq + r * Traits::kDqRowStride, static_cast<uint32_t>(sh.head_dim * 4));
+        bulk_commit();
+        bulk_wait_read();
+        Mbarrier(&bars.dq_empty).arrive();
+        __syncwarp();
+      }
+      return;
+    }
     if (warp != 0) return;
     prefetch_next_wave_keys<kBN, kD, 32, T>(p, lane);
     if (iterations == 0) return;
@@ -237,12 +268,28 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
     // dV, dK and this warpgroup's part of dQ, waited for; then the stage is released (Q, dO, lse
     // and delta no longer read by this warp) and dQ added to the float32 accumulator.
-    const bool dq_here = !p.deterministic && group * 64 < kD;
+    const bool dq_here = !kDeterministic && (kD == 128 || group == 0);  // 64 columns a warpgroup
     float dq[1][8][4];
     accumulate_gradients<Traits, T>(dk, dv, dq, st, q_address, do_address, ds_address, k_address, group, group_live,
                                     dq_here);
     if (lane == 0) Mbarrier(&bars.empty[stage]).arrive();
-    if (dq_here) add_dq(p, task, dq, m0, visit.h, group, warp, lane);
+    if constexpr (Traits::kBulkDq) {
+      if (dq_here) {  // the tile, once the writer has read the last visit's
+        Mbarrier(&bars.dq_empty).wait((it & 1) ^ 1);
+        const int row = warp % 4 * 16 + lane / 4, col = group * 64 + (lane % 4) * 2;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+          for (int half = 0; half < 2; ++half)
+            *reinterpret_cast<float2*>(smem.dq + (row + 8 * half) * Traits::kDqRowStride + col + nt * 8) =
+                make_float2(dq[0][nt][2 * half], dq[0][nt][2 * half + 1]);
+        fence_proxy_async();  // the bulk reductions read through the async proxy
+        __syncwarp();
+        if (lane == 0) Mbarrier(&bars.dq_full).arrive();
+      }
+    } else if (dq_here) {
+      add_dq(p, task, dq, m0, visit.h, group, warp, lane);
+    }
   }
 
   store_dk_dv<Traits, kConsumerThreads>(p, task, dk, dv, smem.k, smem.v, warp_key0, lane, ctid, consumers_sync);

@@ -36,4 +36,15 @@ __device__ __forceinline__ void tma_load_tile(T* tile, const CUtensorMap& map, i
     tma_load_box(tile + block * Tile::kRows * 64, map, block * 64, head, static_cast<int>(row), batch, bar);
 }
 
+// Adds `bytes` (a multiple of 16) of float32 from shared memory to global memory (16-byte
+// aligned), asynchronously, in this thread's bulk group.
+__device__ __forceinline__ void bulk_reduce_add(float* global_dst, const float* smem_src, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(global_dst),
+               "r"(smem_address(smem_src)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Waits until this thread's bulk groups have read their shared-memory sources.
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+
 }  // namespace jax_flash::cuda

@@ -51,26 +51,33 @@ struct Sm90FwdWsTraits {
 
 // The warp-specialised backward (sm90/flash_bwd_ws_kernel.cuh): a producer warpgroup (TMA) and
 // 2 consumer warpgroups of 64 keys each, as Sm90BwdTraits; Q, dO (and their rows' lse, delta)
-// in kStages stages, dS^T double-buffered.
-template <int kHeadDim_>
+// in kStages stages, dS^T double-buffered. kBulkDq: the consumers leave each visit's dQ in a
+// float32 shared tile that the producer's second warp adds to the accumulator with bulk
+// reductions (else the consumers add it with atomics).
+template <int kHeadDim_, bool kBulkDq_ = false>
 struct Sm90BwdWsTraits {
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr bool kBulkDq = kBulkDq_;
   static constexpr int kBlockM = 64;   // query rows per visit
   static constexpr int kBlockN = 128;  // keys: 2 consumer warpgroups x 64
   static constexpr int kConsumers = 2;
   static constexpr int kStages = 2;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kConsumerWarps = 4 * kConsumers;
+  // Consumer warps that compute dQ: each warpgroup 64 of the head dim's columns.
+  static constexpr int kDqWarps = 4 * (kHeadDim / 64);
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
   static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumers <= 65536, "register file");
   using KVTile = GmmaTile<kBlockN, kHeadDim>;
   using QTile = GmmaTile<kBlockM, kHeadDim>;
   using DsTile = GmmaTile<kBlockN, kBlockM>;  // dS^T: [key][query]
+  // Row stride (floats) of the dQ tile: 16-byte rows for the bulk copies, 4 banks apart.
+  static constexpr int kDqRowStride = kHeadDim + 4;
   // K, V; kStages of Q and of dO; two dS^T; kStages of the block's lse (log2 units) and delta;
-  // 1 KiB to align the base.
+  // the dQ tile (kBulkDq); 1 KiB to align the base.
   static constexpr int kSmemBytes = 2 * (2 * KVTile::kElements + 2 * kStages * QTile::kElements + 2 * DsTile::kElements) +
-                                    2 * kStages * kBlockM * 4 + 1024;
+                                    2 * kStages * kBlockM * 4 + (kBulkDq ? kBlockM * kDqRowStride * 4 : 0) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
   static_assert(kHeadDim == 64 || kHeadDim == 128, "wgmma shapes are instantiated for N = 64, 128");
   static_assert(kBlockM == 64, "dS^T is stored through SmemTile, whose layout is DsTile's for 64 columns");
