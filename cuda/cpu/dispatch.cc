@@ -1,5 +1,6 @@
 // Picks the CPU kernel variant for the running processor, and provides the per-thread scratch
 // memory the kernels use (kept here, out of the per-ISA files; see kernels.h).
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -11,6 +12,8 @@
   namespace jax_flash::cpu::isa {                                      \
   void flash_fwd(const FwdParams& params, const TaskRunner& runner);   \
   void flash_bwd(const BwdParams& params, const TaskRunner& runner);   \
+  float fma_loop(int64_t iters);                                       \
+  int fma_loop_flops_per_iter();                                       \
   }
 JF_DECLARE_VARIANT(baseline)
 #if JF_HAVE_X86_VARIANTS
@@ -25,6 +28,8 @@ struct Variant {
   const char* name;
   void (*fwd)(const FwdParams&, const TaskRunner&);
   void (*bwd)(const BwdParams&, const TaskRunner&);
+  float (*fma_loop)(int64_t);
+  int (*fma_flops_per_iter)();
 };
 
 // The variants this CPU can run, best first.
@@ -34,12 +39,15 @@ int supported_variants(Variant* out) {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq"))
-    out[n++] = {"avx512", avx512::flash_fwd, avx512::flash_bwd};
+    out[n++] = {"avx512", avx512::flash_fwd, avx512::flash_bwd, avx512::fma_loop,
+                avx512::fma_loop_flops_per_iter};
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
       __builtin_cpu_supports("f16c"))
-    out[n++] = {"avx2", avx2::flash_fwd, avx2::flash_bwd};
+    out[n++] = {"avx2", avx2::flash_fwd, avx2::flash_bwd, avx2::fma_loop,
+                avx2::fma_loop_flops_per_iter};
 #endif
-  out[n++] = {"baseline", baseline::flash_fwd, baseline::flash_bwd};
+  out[n++] = {"baseline", baseline::flash_fwd, baseline::flash_bwd, baseline::fma_loop,
+              baseline::fma_loop_flops_per_iter};
   return n;
 }
 
@@ -80,5 +88,19 @@ float* thread_scratch(int64_t count) {
 void flash_fwd(const FwdParams& params, const TaskRunner& runner) { variant().fwd(params, runner); }
 void flash_bwd(const BwdParams& params, const TaskRunner& runner) { variant().bwd(params, runner); }
 const char* kernel_isa() { return variant().name; }
+
+double fma_peak_gflops(double seconds) {
+  using Clock = std::chrono::steady_clock;
+  const Variant& v = variant();
+  volatile float sink = v.fma_loop(1 << 12);  // warm up (and let the clock ramp)
+  // Grow the round count until one run lasts `seconds`, then report that run's rate.
+  for (int64_t iters = 1 << 14;; iters *= 2) {
+    const auto start = Clock::now();
+    sink = sink + v.fma_loop(iters);
+    const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+    if (elapsed >= seconds || iters >= (int64_t{1} << 40))
+      return static_cast<double>(iters) * v.fma_flops_per_iter() / elapsed * 1e-9;
+  }
+}
 
 }  // namespace jax_flash::cpu

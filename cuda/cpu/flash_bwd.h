@@ -65,9 +65,9 @@ struct FlashBwdMain {
     const float score_scale = p.scale * kLog2e;
     constexpr int64_t bq = kBlockQ, bk = kBlockK;
 
-    // Scratch tiles: K, K^T, V^T, dK, dV for the key block; Q, dO, P, dS, P^T or dS^T, lse, delta
-    // for the query block.
-    float* k_tile = thread_scratch(5 * bk * dp + 2 * bq * dp + 3 * bq * bk + 2 * bq);
+    // Scratch tiles: K, K^T, V^T, dK, dV for the key block; Q, dO, P, dS, lse, delta for the
+    // query block. P^T and dS^T are read from P and dS in place (gemm_at).
+    float* k_tile = thread_scratch(5 * bk * dp + 2 * bq * dp + 2 * bq * bk + 2 * bq);
     float* kt_tile = k_tile + bk * dp;
     float* vt_tile = kt_tile + dp * bk;
     float* dk_acc = vt_tile + dp * bk;
@@ -76,8 +76,7 @@ struct FlashBwdMain {
     float* do_tile = q_tile + bq * dp;
     float* probs = do_tile + bq * dp;
     float* dscores = probs + bq * bk;
-    float* transposed = dscores + bq * bk;
-    float* lse2 = transposed + bk * bq;
+    float* lse2 = dscores + bq * bk;
     float* delta = lse2 + bq;
 
     const T* k = static_cast<const T*>(p.k) + b * sh.seq_k * kv_stride + hk * d;
@@ -114,14 +113,16 @@ struct FlashBwdMain {
 
         for (int64_t i0 = first_row; i0 < end_row; i0 += bq) {
           const int64_t rows = min64(bq, end_row - i0);
-          load_rows(q + i0 * q_stride, q_stride, rows, d, q_tile, dp);
-          load_rows(d_o + i0 * q_stride, q_stride, rows, d, do_tile, dp);
+          // float32 Q and dO are read where they lie when the head dim needs no padding.
+          int64_t ldq, ldo;
+          const float* qs = rows_as_tile(q + i0 * q_stride, q_stride, rows, d, q_tile, dp, ldq);
+          const float* dos = rows_as_tile(d_o + i0 * q_stride, q_stride, rows, d, do_tile, dp, ldo);
           for (int64_t r = 0; r < rows; ++r) {
             lse2[r] = lse[i0 + r] * kLog2e;
             delta[r] = delta_h[i0 + r];
           }
           // P = exp2(S * scale * log2e - lse * log2e), masked.
-          gemm(rows, bk, dp, score_scale, q_tile, dp, kt_tile, bk, probs, bk, false);
+          gemm(rows, bk, dp, score_scale, qs, ldq, kt_tile, bk, probs, bk, false);
           const KeyRange first = key_range(p.mask, i0, q_len, kv_len);
           const KeyRange last = key_range(p.mask, i0 + rows - 1, q_len, kv_len);
           const bool whole = live_cols == bk && j0 >= last.begin && j0 + bk <= first.end;
@@ -132,10 +133,9 @@ struct FlashBwdMain {
             for (int64_t c = 0; c < bk; c += kLanes) store(s + c, exp2_nonpositive(vmin0(load(s + c) - l)));
           }
           // dV += P^T dO
-          transpose(probs, bk, rows, live_cols, transposed, bq);
-          gemm(live_cols, dp, rows, 1.f, transposed, bq, do_tile, dp, dv_acc, dp, true);
+          gemm_at(live_cols, dp, rows, 1.f, probs, bk, dos, ldo, dv_acc, dp, true);
           // dP = dO V^T, then dS = P * (dP - delta)
-          gemm(rows, bk, dp, 1.f, do_tile, dp, vt_tile, bk, dscores, bk, false);
+          gemm(rows, bk, dp, 1.f, dos, ldo, vt_tile, bk, dscores, bk, false);
           for (int64_t r = 0; r < rows; ++r) {
             const Vec dr = splat(delta[r]);
             for (int64_t c = 0; c < bk; c += kLanes) {
@@ -146,8 +146,7 @@ struct FlashBwdMain {
           // dQ += scale dS K (into this split's float32 accumulator)
           gemm(rows, dp, live_cols, p.scale, dscores, bk, k_tile, dp, dq + i0 * dq_stride, dq_stride, true);
           // dK += scale dS^T Q
-          transpose(dscores, bk, rows, live_cols, transposed, bq);
-          gemm(live_cols, dp, rows, p.scale, transposed, bq, q_tile, dp, dk_acc, dp, true);
+          gemm_at(live_cols, dp, rows, p.scale, dscores, bk, qs, ldq, dk_acc, dp, true);
         }
       }
       for (int64_t r = 0; r < cols; ++r) {

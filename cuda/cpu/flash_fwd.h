@@ -31,6 +31,7 @@ inline void mask_row(float* s, int64_t j0, int64_t cols, int64_t padded_cols, Ke
 // the row's earlier accumulators must be rescaled. A NaN score stays NaN in its probability and
 // the row's sum (so the output shows it, as jax.nn's does); a row that has met only -inf scores
 // so far keeps max -inf and takes its exponentials relative to 0 (0 for -inf, NaN for NaN).
+// (The forward uses the transposed form below; this one serves row-major callers.)
 inline float softmax_row_update(float* s, int64_t padded_cols, float& row_max, float& row_sum) {
   Vec mx = splat(-INFINITY);
   for (int64_t c = 0; c < padded_cols; c += kLanes) mx = vmax(mx, load(s + c));
@@ -47,6 +48,59 @@ inline float softmax_row_update(float* s, int64_t padded_cols, float& row_max, f
   const float correction = row_max == -INFINITY ? 0.f : __builtin_exp2f(row_max - new_max);
   row_sum = row_sum * correction + reduce_sum(sum);
   row_max = new_max;
+  return correction;
+}
+
+// The same on a column of transposed scores (key c of the column at s[c * ld]), keys [0, cols).
+inline void mask_column(float* s, int64_t ld, int64_t j0, int64_t cols, KeyRange keys) {
+  const float neg_inf = -INFINITY;
+  const int64_t lo = min64(max64(keys.begin - j0, 0), cols);
+  const int64_t hi = max64(min64(keys.end - j0, cols), lo);
+  for (int64_t c = 0; c < lo; ++c) s[c * ld] = neg_inf;
+  for (int64_t c = hi; c < cols; ++c) s[c * ld] = neg_inf;
+}
+
+// Online softmax step for kLanes query rows at once, on transposed base-2 scores: st[c * ld] is
+// the vector of the kLanes rows' scores for key c < cols (masked entries -inf). Turns the scores
+// into probabilities relative to the new running max and returns the factors by which the rows'
+// earlier accumulators must be rescaled. A NaN score stays NaN in its probability and the row's
+// sum (so the output shows it, as jax.nn's does); a row that has met only -inf scores so far keeps
+// max -inf and takes its exponentials relative to 0 (0 for -inf, NaN for NaN). Every reduction
+// runs across keys, lane by lane: no horizontal operation.
+inline Vec softmax_columns_update(float* st, int64_t ld, int64_t cols, float* row_max,
+                                  float* row_sum) {
+  const Vec neg_inf = splat(-INFINITY);
+  Vec mx0 = neg_inf, mx1 = neg_inf;
+  int64_t c = 0;
+  for (; c + 1 < cols; c += 2) {
+    mx0 = vmax(mx0, load(st + c * ld));
+    mx1 = vmax(mx1, load(st + (c + 1) * ld));
+  }
+  if (c < cols) mx0 = vmax(mx0, load(st + c * ld));
+  // vmax may drop a NaN met earlier in a chain (as the one-row form's does); a NaN score reaches
+  // the output through its probability anyway.
+  const Vec tile_max = vmax(mx0, mx1);
+  const Vec old_max = load(row_max);
+  const Vec new_max = old_max > tile_max ? old_max : tile_max;
+  const Vec m = new_max == neg_inf ? Vec{} : new_max;
+  Vec sum0 = Vec{}, sum1 = Vec{};
+  for (c = 0; c + 1 < cols; c += 2) {
+    const Vec p0 = exp2_nonpositive(load(st + c * ld) - m);
+    const Vec p1 = exp2_nonpositive(load(st + (c + 1) * ld) - m);
+    store(st + c * ld, p0);
+    store(st + (c + 1) * ld, p1);
+    sum0 += p0;
+    sum1 += p1;
+  }
+  if (c < cols) {
+    const Vec p0 = exp2_nonpositive(load(st + c * ld) - m);
+    store(st + c * ld, p0);
+    sum0 += p0;
+  }
+  // Nothing but -inf seen before: the accumulators hold 0 (or NaN, which 0 keeps).
+  const Vec correction = old_max == neg_inf ? Vec{} : exp2_nonpositive(old_max - new_max);
+  store(row_sum, load(row_sum) * correction + (sum0 + sum1));
+  store(row_max, new_max);
   return correction;
 }
 
@@ -81,20 +135,26 @@ struct FlashFwd {
     const int64_t out_offset = (b * sh.seq_q + i0) * q_stride + h * d;
     float* lse = p.lse + (b * sh.heads_q + h) * sh.seq_q + i0;
 
-    // Scratch: Q tile, output accumulator, K^T tile, V tile, scores, row statistics.
-    const int64_t kp = kBlockK;  // key tile width, a multiple of kLanes
-    float* q_tile = thread_scratch(2 * kBlockQ * dp + 2 * dp * kp + kBlockQ * kp + 2 * kBlockQ);
-    float* acc = q_tile + kBlockQ * dp;
-    float* kt_tile = acc + kBlockQ * dp;
-    float* v_tile = kt_tile + dp * kp;
-    float* scores = v_tile + kp * dp;
-    float* row_max = scores + kBlockQ * kp;
-    float* row_sum = row_max + kBlockQ;
+    // Scratch: Q^T tile, output accumulator, K tile, V tile, transposed scores, row statistics.
+    // Scores are formed transposed, S^T = K Q^T (keys x query rows): K is then read row by row
+    // as it lies (no transposed copy of every K tile; Q^T is made once per task) and the
+    // softmax's reductions over keys run down columns, kLanes query rows a vector.
+    const int64_t kp = kBlockK;           // key tile rows
+    const int64_t qp = kBlockQ;           // query columns of S^T, a multiple of kLanes
+    float* qt_tile = thread_scratch(2 * kBlockQ * dp + 2 * kp * dp + kp * qp + 3 * qp);
+    float* acc = qt_tile + dp * qp;
+    float* k_tile = acc + kBlockQ * dp;
+    float* v_tile = k_tile + kp * dp;
+    float* scores_t = v_tile + kp * dp;
+    float* row_max = scores_t + kp * qp;
+    float* row_sum = row_max + qp;
+    float* correction = row_sum + qp;
 
     if (live_rows > 0) {
       const T* q = static_cast<const T*>(p.q) + (b * sh.seq_q + i0) * q_stride + h * d;
-      load_rows(q, q_stride, live_rows, d, q_tile, dp);
-      for (int64_t r = 0; r < live_rows; ++r) {
+      const int64_t nq = round_up(live_rows, kLanes);  // query columns computed
+      load_rows_transposed(q, q_stride, live_rows, d, qt_tile, qp, dp);
+      for (int64_t r = 0; r < qp; ++r) {
         row_max[r] = -INFINITY;
         row_sum[r] = 0.f;
       }
@@ -107,21 +167,27 @@ struct FlashFwd {
       const float score_scale = p.scale * kLog2e;  // scores in base 2: exp2 instead of exp
       for (int64_t j0 = first.begin; j0 < last.end; j0 += kp) {
         const int64_t cols = min64(kp, last.end - j0);
-        load_rows_transposed(k + j0 * kv_stride, kv_stride, cols, d, kt_tile, kp, dp);
-        load_rows(v + j0 * kv_stride, kv_stride, cols, d, v_tile, dp);
-        gemm(live_rows, kp, dp, score_scale, q_tile, dp, kt_tile, kp, scores, kp, false);
-        // Masks apply only on tiles some row sees partly (the diagonal, window edges, padding).
-        const bool whole = cols == kp && j0 >= last.begin && j0 + cols <= first.end;
+        // float32 K and V are read where they lie when the head dim needs no padding.
+        int64_t ldk, ldv;
+        const float* kt = rows_as_tile(k + j0 * kv_stride, kv_stride, cols, d, k_tile, dp, ldk);
+        const float* vt = rows_as_tile(v + j0 * kv_stride, kv_stride, cols, d, v_tile, dp, ldv);
+        gemm(cols, nq, dp, score_scale, kt, ldk, qt_tile, qp, scores_t, qp, false);
+        // Masks apply only on tiles some row sees partly (the diagonal, window edges).
+        const bool whole = j0 >= last.begin && j0 + cols <= first.end;
+        if (!whole)
+          for (int64_t r = 0; r < live_rows; ++r)
+            mask_column(scores_t + r, qp, j0, cols, key_range(p.mask, i0 + r, q_len, kv_len));
+        for (int64_t r = 0; r < nq; r += kLanes)
+          store(correction + r,
+                softmax_columns_update(scores_t + r, qp, cols, row_max + r, row_sum + r));
         for (int64_t r = 0; r < live_rows; ++r) {
-          float* s = scores + r * kp;
-          if (!whole) mask_row(s, j0, cols, kp, key_range(p.mask, i0 + r, q_len, kv_len));
-          const float correction = softmax_row_update(s, kp, row_max[r], row_sum[r]);
-          if (correction != 1.f) {
-            const Vec cv = splat(correction);
+          if (correction[r] != 1.f) {
+            const Vec cv = splat(correction[r]);
             for (int64_t c = 0; c < dp; c += kLanes) store(acc + r * dp + c, load(acc + r * dp + c) * cv);
           }
         }
-        gemm(live_rows, dp, cols, 1.f, scores, kp, v_tile, dp, acc, dp, true);
+        // O += P V, P read from S^T in place.
+        gemm_at(live_rows, dp, cols, 1.f, scores_t, qp, vt, ldv, acc, dp, true);
       }
     }
 

@@ -46,4 +46,8 @@ void flash_bwd(const BwdParams& params, const TaskRunner& runner);
 // "avx512", "avx2" or "baseline": the kernel variant this CPU runs.
 const char* kernel_isa();
 
+// One core's float32 FMA peak in GFLOP/s with the running variant's vectors, measured on the
+// calling thread (independent FMA chains for about `seconds`): what the benchmark divides by.
+double fma_peak_gflops(double seconds = 0.05);
+
 }  // namespace jax_flash::cpu

@@ -25,6 +25,30 @@ struct Bwd {
   static void run(const BwdParams& p, const TaskRunner& r) { flash_bwd_typed<T>(p, r); }
 };
 
+// The FMA peak micro-benchmark's loop: kChains independent chains of vector FMAs (enough to
+// cover two FMA pipes' latency on every x86 core we know: 2 x 4 to 2 x 5 in flight), `iters`
+// rounds. Returns a value that depends on every chain so nothing is optimised away; the caller
+// counts iters * kChains * kLanes * 2 FLOPs.
+inline constexpr int kFmaChains = 12;
+float fma_loop(int64_t iters) {
+  Vec acc[kFmaChains];
+#pragma GCC unroll 16
+  for (int i = 0; i < kFmaChains; ++i) acc[i] = splat(1.f + i * 1e-3f);
+  const Vec m = splat(0.999999f), c = splat(1e-6f);
+  for (int64_t it = 0; it < iters; ++it) {
+#pragma GCC unroll 16
+    for (int i = 0; i < kFmaChains; ++i) {
+      acc[i] = acc[i] * m + c;
+      __asm__ volatile("" : "+x"(acc[i]));  // keep each chain a real FMA every round
+    }
+  }
+  Vec sum = Vec{};
+#pragma GCC unroll 16
+  for (int i = 0; i < kFmaChains; ++i) sum += acc[i];
+  return reduce_sum(sum);
+}
+int fma_loop_flops_per_iter() { return kFmaChains * kLanes * 2; }
+
 void flash_fwd(const FwdParams& params, const TaskRunner& runner) { run_typed<Fwd>(params, runner); }
 void flash_bwd(const BwdParams& params, const TaskRunner& runner) { run_typed<Bwd>(params, runner); }
 

@@ -47,6 +47,24 @@ inline void load_rows(const T* src, int64_t src_stride, int64_t rows, int64_t co
   }
 }
 
+// Rows [0, rows) of a strided array as a float32 tile the products can read: the array itself
+// (leading dimension src_stride) where it already is float32 and needs no padding (cols ==
+// padded_cols), else a padded copy in `scratch` (leading dimension padded_cols). `ld` is set to
+// the tile's leading dimension.
+template <typename T>
+inline const float* rows_as_tile(const T* src, int64_t src_stride, int64_t rows, int64_t cols,
+                                 float* scratch, int64_t padded_cols, int64_t& ld) {
+  if constexpr (sizeof(T) == sizeof(float)) {
+    if (cols == padded_cols) {
+      ld = src_stride;
+      return reinterpret_cast<const float*>(src);
+    }
+  }
+  load_rows(src, src_stride, rows, cols, scratch, padded_cols);
+  ld = padded_cols;
+  return scratch;
+}
+
 // dst[c][r] = src[r * src_stride + c]: the transpose, padded with zero rows up to padded_cols
 // and zero columns up to padded_rows.
 template <typename T>

@@ -70,3 +70,13 @@ def temp_column(peer: Peer) -> Column:
     return "-" if temp is None else f"{temp / MIB:.1f}"
 
   return Column(f"temp MiB {peer.label}", cell)
+
+
+def peak_fraction_column(peer: Peer, peak_flops_per_s: float) -> Column:
+  """The peer's FLOP rate as a share of a measured peak (FLOP/s) of the whole machine."""
+
+  def cell(row: Row) -> str:
+    m = row.results[peer.name]
+    return _ok_cell(m, lambda m: f"{100 * m.case.flops(m.pass_name) / m.median_s / peak_flops_per_s:.0f}%")
+
+  return Column(f"{peer.label} % FMA peak", cell)

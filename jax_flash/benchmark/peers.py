@@ -165,13 +165,15 @@ def _torch_unavailable() -> str | None:
 
 def _build_torch_cpu(case: Case, inputs: Inputs) -> dict[str, Prepare]:
   """Passes of PyTorch's CPU scaled_dot_product_attention, held to its flash kernel, on
-  (B, N, S, H) tensors with os.cpu_count() threads."""
+  (B, N, S, H) tensors of the case's dtype with os.cpu_count() threads."""
   import torch
   from torch.nn.attention import SDPBackend, sdpa_kernel
 
   torch.set_num_threads(os.cpu_count() or 1)
-  q, k, v, d_out = (torch.from_numpy(np.ascontiguousarray(x.swapaxes(1, 2)))
-                    for x in inputs.arrays())
+  # 16-bit inputs go through float32 (numpy's bfloat16 is not torch's): exact, same values.
+  dtype = getattr(torch, case.dtype)
+  q, k, v, d_out = (torch.from_numpy(np.ascontiguousarray(
+      x.swapaxes(1, 2).astype(np.float32))).to(dtype) for x in inputs.arrays())
   leaves = [t.clone().requires_grad_() for t in (q, k, v)]
   attention = functools.partial(
       torch.nn.functional.scaled_dot_product_attention, is_causal=case.causal)

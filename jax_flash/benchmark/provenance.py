@@ -32,6 +32,20 @@ def cpu_model() -> str | None:
                if line.startswith("model name")), None)
 
 
+def cpu_fma_peak_gflops_per_core() -> float | None:
+  """One core's float32 FMA peak, GFLOP/s, measured by the native micro-benchmark (the best of
+  a few short runs of independent FMA chains in the kernel's ISA variant); None where this
+  build has none."""
+  try:
+    from jax_flash import _native
+  except ImportError:
+    return None
+  measure = getattr(_native, "cpu_fma_peak_gflops", None)
+  if measure is None:
+    return None
+  return max(float(measure()) for _ in range(5))
+
+
 def accelerator_packages() -> dict[str, str]:
   """Versions of the installed JAX CUDA plugins and NVIDIA library wheels (cuDNN, cuBLAS...)."""
   versions = {}
@@ -59,6 +73,8 @@ def environment(platform: Platform) -> dict[str, object]:
       cpu_kernel_isa=jax_flash.cpu_kernel_isa(),
       cpu_model=cpu_model(),
       cpu_count=os.cpu_count(),
+      cpu_fma_peak_gflops_per_core=(cpu_fma_peak_gflops_per_core()
+                                    if platform.name == "cpu" else None),
       torch=package_version("torch"),
       tokamax=package_version("tokamax"),
   )

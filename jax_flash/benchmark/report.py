@@ -41,16 +41,18 @@ def with_backward(measurements: Sequence[Measurement]) -> list[Measurement]:
   return [*measurements, *derived]
 
 
-def format_table(platform: Platform, measurements: Sequence[Measurement]) -> str:
+def format_table(platform: Platform, measurements: Sequence[Measurement],
+                 caption: str | None = None) -> str:
   """A markdown table in the platform's columns, one row per case and pass, then one note per
-  distinct reason a peer did not run."""
+  distinct reason a peer did not run; `caption` (the machine, on the CPU) above it."""
   by_row: dict[tuple[Case, str], dict[str, Measurement]] = {}
   for m in measurements:
     by_row.setdefault((m.case, m.pass_name), {})[m.peer] = m
   rows = [Row(case, pass_name, by_row[(case, pass_name)])
           for case in dict.fromkeys(m.case for m in measurements) for pass_name in TABLE_PASSES
           if (case, pass_name) in by_row]
-  lines = ["| " + " | ".join(c.header for c in platform.columns) + " |",
+  lines = [caption, ""] if caption else []
+  lines += ["| " + " | ".join(c.header for c in platform.columns) + " |",
            "|" + "---|" * len(platform.columns)]
   lines += ["| " + " | ".join(c.cell(row) for c in platform.columns) + " |" for row in rows]
   return "\n".join(lines + _notes(measurements))
