@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import pathlib
 from collections.abc import Sequence
 
@@ -79,6 +80,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                            f"{TIME_BUDGET_S:g} s per pass of a case (default: 20)")
   parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                       help="the inputs' dtype (default: cpu float32, gpu bfloat16)")
+  parser.add_argument("--interleave", action="store_true",
+                      help="time each case's peers and passes in alternating rounds (one run "
+                           "of each per round) instead of one after another: on a machine "
+                           "shared with other work, load then falls on every peer alike")
   parser.add_argument("--deterministic", action="store_true",
                       help="time jax_flash's deterministic backward (deterministic=True)")
   parser.add_argument("--skip", nargs="+", default=[], metavar="PEER",
@@ -157,13 +162,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     cases = [dataclasses.replace(case, dtype=args.dtype) for case in cases]
   env = environment(platform)
   platform, caption = with_machine_fraction(platform, env, cases[0].dtype if cases else "")
+  if caption is not None:
+    caption += (f"; load average {os.getloadavg()[0]:.2f} at the start"
+                + ("; peers timed in alternating rounds (--interleave)" if args.interleave else ""))
   settings = dict(seqs=list(seqs), head_dims=list(head_dims), causal=args.causal,
                   reps=args.reps, warm_up_runs=platform.warm_up_runs,
                   time_budget_s=TIME_BUDGET_S, quick=args.quick, cases=len(cases),
                   deterministic=args.deterministic, skip=list(args.skip),
-                  dtype=cases[0].dtype if cases else args.dtype)
+                  dtype=cases[0].dtype if cases else args.dtype, interleave=args.interleave,
+                  load_average=list(os.getloadavg()))
   measurements: list[Measurement] = []
-  for results in run(platform, cases, args.reps, args.skip):
+  for results in run(platform, cases, args.reps, args.skip, interleave=args.interleave):
     measurements.extend(results)
     if args.out is not None:
       reported = with_backward(measurements)

@@ -99,7 +99,7 @@ def compile_step(fn: Callable[..., object], args: Sequence[jax.Array], calls: in
   return Compiled(step, None if analysis is None else analysis.temp_size_in_bytes, calls)
 
 
-def _run_timed(step: Step) -> float:
+def run_timed(step: Step) -> float:
   """Wall-clock seconds of one run of `step`."""
   start = time.perf_counter()
   step()
@@ -113,11 +113,11 @@ def time_step(step: Step, warm_up_runs: int, max_reps: int,
   Runs `max_reps` times, or fewer so that the repetitions take about `budget_s` judging by the
   last warm-up run (at least one); stops early after a run that alone took over `budget_s`.
   """
-  warm_up_s = [_run_timed(step) for _ in range(max(1, warm_up_runs))][-1]
+  warm_up_s = [run_timed(step) for _ in range(max(1, warm_up_runs))][-1]
   reps = max(1, min(max_reps, int(budget_s / max(warm_up_s, 1e-9))))
   times = []
   for _ in range(reps):
-    times.append(_run_timed(step))
+    times.append(run_timed(step))
     if times[-1] > budget_s:
       break
   return tuple(times)

@@ -51,7 +51,7 @@ CPU = Platform(
     peers=(FLASH_CPU, XLA_CPU, TORCH_CPU),
     warm_up_runs=1,
     rate_unit="GFLOP/s",
-    columns=(SEQ_COLUMN, CAUSAL_COLUMN, PASS_COLUMN, time_column(FLASH_CPU),
+    columns=(SEQ_COLUMN, HEAD_DIM_COLUMN, CAUSAL_COLUMN, PASS_COLUMN, time_column(FLASH_CPU),
              rate_column(FLASH_CPU, "GFLOP/s", header="GFLOP/s"),
              rate_column(XLA_CPU, "GFLOP/s"), rate_column(TORCH_CPU, "GFLOP/s"),
              ratio_column(FLASH_CPU, XLA_CPU), ratio_column(FLASH_CPU, TORCH_CPU),

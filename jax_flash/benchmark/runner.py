@@ -10,8 +10,9 @@ import sys
 from collections.abc import Iterator, Sequence
 
 from jax_flash.benchmark.cases import PASSES, Case, Inputs, make_inputs
-from jax_flash.benchmark.measure import (MIB, Measurement, Prepare, RateUnit, check_fits,
-                                         failure_reason, peak_bytes_in_use, time_step)
+from jax_flash.benchmark.measure import (MIB, TIME_BUDGET_S, Measurement, Prepare, RateUnit,
+                                         check_fits, failure_reason, peak_bytes_in_use,
+                                         run_timed, time_step)
 from jax_flash.benchmark.peers import Peer
 from jax_flash.benchmark.platforms import Platform
 
@@ -79,19 +80,75 @@ def _pass_progress(index: int, total: int, measurement: Measurement, unit: RateU
   return f"{where} {result}{memory}"
 
 
+def measure_case_interleaved(platform: Platform, peers: Sequence[Peer],
+                             unavailable: dict[str, str | None], case: Case, inputs: Inputs,
+                             reps: int) -> list[Measurement]:
+  """Every peer's passes of one case, timed in rounds: each round runs each (peer, pass) once,
+  so load from other processes on a shared machine falls on all of them alike (the ratios hold
+  where back-to-back timing would favour whoever ran in a quiet moment). Rounds: `reps`, or
+  fewer (at least 3) so that they take about TIME_BUDGET_S per (peer, pass), judging by the
+  warm-up round."""
+  results: dict[tuple[str, str], Measurement] = {}
+  ready = []  # (peer, pass, Compiled)
+  for peer in peers:
+    if unavailable[peer.name] is not None:
+      for p in PASSES:
+        results[(peer.name, p)] = Measurement(peer.name, case, p, "unavailable",
+                                              unavailable[peer.name])
+      continue
+    try:
+      prepares = peer.build(case, inputs)
+    except Exception as e:  # any failure of a peer is a result to report, not a crash
+      for p in PASSES:
+        results[(peer.name, p)] = Measurement(peer.name, case, p, "fails", failure_reason(e))
+      continue
+    for p in PASSES:
+      try:
+        compiled = prepares[p]()
+        check_fits(compiled.temp_bytes, platform.device_kind)
+        for _ in range(max(1, platform.warm_up_runs)):
+          warm_s = run_timed(compiled.step)
+        ready.append((peer, p, compiled, warm_s))
+      except Exception as e:  # as above
+        results[(peer.name, p)] = Measurement(peer.name, case, p, "fails", failure_reason(e))
+  round_s = sum(entry[3] for entry in ready)
+  rounds = max(min(reps, 3), min(reps, int(TIME_BUDGET_S * len(ready) / max(round_s, 1e-9))))
+  times: dict[tuple[str, str], list[float]] = {(peer.name, p): [] for peer, p, _, _ in ready}
+  for _ in range(rounds):
+    for peer, p, compiled, _ in ready:
+      times[(peer.name, p)].append(run_timed(compiled.step) / compiled.calls_per_step)
+  for peer, p, compiled, _ in ready:
+    results[(peer.name, p)] = Measurement(peer.name, case, p, "ok",
+                                          times_s=tuple(times[(peer.name, p)]),
+                                          temp_bytes=compiled.temp_bytes,
+                                          peak_bytes=peak_bytes_in_use(platform.device_kind))
+  return [results[(peer.name, p)] for peer in peers for p in PASSES]
+
+
 def run(platform: Platform, cases: Sequence[Case], reps: int,
-        skip: Sequence[str] = ()) -> Iterator[list[Measurement]]:
+        skip: Sequence[str] = (), interleave: bool = False) -> Iterator[list[Measurement]]:
   """Measures every peer on every case; yields each case's measurements once they are taken.
   Peers named in `skip` are recorded as skipped, not run.
 
   Prints progress to stderr: a line per case, or a line per peer and pass as each peer finishes,
-  as the platform says.
+  as the platform says. `interleave` times each case's peers and passes in alternating rounds
+  (measure_case_interleaved) instead of one after another.
   """
   unavailable = {peer.name: SKIPPED_REASON if peer.name in skip else peer.unavailable()
                  for peer in platform.peers}
   for index, case in enumerate(cases, 1):
     inputs = make_inputs(case)
     results: list[Measurement] = []
+    if interleave:
+      results = measure_case_interleaved(platform, platform.peers, unavailable, case, inputs,
+                                         reps)
+      if platform.progress == "pass":
+        for measurement in results:
+          log(_pass_progress(index, len(cases), measurement, platform.rate_unit))
+      else:
+        log(_case_progress(index, len(cases), case, results))
+      yield results
+      continue
     for peer in platform.peers:
       peer_results = measure_peer(platform, peer, unavailable[peer.name], case, inputs, reps)
       if platform.progress == "pass":
