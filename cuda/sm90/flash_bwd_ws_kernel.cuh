@@ -135,6 +135,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         Mbarrier(&bars.dq_empty).arrive();
         __syncwarp();
       }
+      bulk_wait_all();  // the last reductions complete before the warp exits
       return;
     }
     if (warp != 0) return;
