@@ -242,3 +242,22 @@ def test_zero_and_subnormal_scales(rng, scale, implementation):
   finite = np.isfinite(want)
   assert np.array_equal(np.isfinite(got), finite)
   np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5, atol=1e-6)
+
+
+# The kernels sum unnormalised weights times values and normalise once at the end (as
+# FlashAttention does); values near FLT_MAX / (weight bound x keys) overflow there where jax.nn,
+# normalising first, is finite. A known limit (README, issue 13); these fail until it is fixed.
+_UNNORMALISED = pytest.mark.xfail(strict=True, reason="unnormalised P V accumulator overflows "
+                                  "near FLT_MAX / keys (issue 13, item 4)")
+
+
+@pytest.mark.parametrize("implementation", [pytest.param("cpu", marks=_UNNORMALISED),
+                                            pytest.param("blockwise", marks=_UNNORMALISED), "xla"])
+def test_values_near_the_float32_limit(implementation):
+  q = jax.random.normal(jax.random.key(0), (1, 4, 2, 32), jnp.float32)
+  k = jax.random.normal(jax.random.key(1), (1, 96, 2, 32), jnp.float32) * 0.01
+  v = jnp.full((1, 96, 2, 32), 1e37, jnp.float32)
+  want = np.asarray(jax.nn.dot_product_attention(q, k, v))
+  got = np.asarray(jax_flash.dot_product_attention(q, k, v, implementation=implementation))
+  assert np.all(np.isfinite(got))
+  np.testing.assert_allclose(got, want, rtol=1e-5)
