@@ -114,8 +114,12 @@ def _forward(q, k, v, q_lens, kv_lens, bias, mask, config):
   bias5, mask5 = _grouped(bias, heads_k), _grouped(mask, heads_k)
   stats_shape = (batch, heads_k, heads_q // heads_k, seq_q)
 
+  # The accumulator is kept divided by 2^exponent, the power of two of the running sum (exact
+  # scalings): it stays within twice the values' range, so values near the float32 limit do not
+  # overflow it (an unnormalised sum of up to S weights times values would), and the result is
+  # what dividing the unscaled sum by the row sum gives.
   def step(carry, xs):
-    seen, row_max, row_sum, acc = carry
+    seen, row_max, row_sum, exponent, acc = carry
     index, k_block, v_block, bias_blocks, mask_blocks = xs
     scores, allowed = _block_scores(q5, k_block, index, q_lens, kv_lens,
                                     _this_block(bias5, bias_blocks),
@@ -126,15 +130,19 @@ def _forward(q, k, v, q_lens, kv_lens, bias, mask, config):
     probs = masked_exp(allowed, scores, base[..., None])
     correction = masked_exp(seen, row_max, base)  # 0 until a key was seen
     row_sum = row_sum * correction + jnp.sum(probs, axis=-1)
-    acc = acc * correction[..., None] + jnp.einsum("bkgts,bskh->bkgth", probs, v_block)
-    return (now_seen, new_max, row_sum, acc), None
+    new_exponent = jnp.frexp(row_sum)[1]  # 0 for a zero (or NaN) sum
+    acc = (jnp.ldexp(acc * correction[..., None], (exponent - new_exponent)[..., None]) +
+           jnp.einsum("bkgts,bskh->bkgth", jnp.ldexp(probs, -new_exponent[..., None]), v_block))
+    return (now_seen, new_max, row_sum, new_exponent, acc), None
 
   init = (jnp.zeros(stats_shape, bool), jnp.full(stats_shape, MASKED_SCORE, jnp.float32),
-          jnp.zeros(stats_shape), jnp.zeros(stats_shape + (head_dim,)))
-  (has_keys, row_max, row_sum, acc), _ = jax.lax.scan(
+          jnp.zeros(stats_shape), jnp.zeros(stats_shape, jnp.int32),
+          jnp.zeros(stats_shape + (head_dim,)))
+  (has_keys, row_max, row_sum, exponent, acc), _ = jax.lax.scan(
       step, init, _scan_inputs(k, v, bias5, mask5, config.block))
+  scaled_sum = jnp.where(has_keys, jnp.ldexp(row_sum, -exponent), 1.0)
+  out = jnp.where(has_keys[..., None], acc / scaled_sum[..., None], 0.0)
   safe_sum = jnp.where(has_keys, row_sum, 1.0)
-  out = jnp.where(has_keys[..., None], acc / safe_sum[..., None], 0.0)
   out = jnp.moveaxis(out, 3, 1).reshape(batch, seq_q, heads_q, head_dim)  # float32
   lse = jnp.where(has_keys, jnp.log(safe_sum) + row_max, EMPTY_ROW_LSE)
   return out, lse.reshape(batch, heads_q, seq_q)
