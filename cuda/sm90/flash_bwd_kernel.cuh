@@ -40,8 +40,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   using QTile = typename Traits::QTile;
   using DsTile = typename Traits::DsTile;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  const uint32_t raw_address = smem_address(smem_raw);
-  T* s_k = reinterpret_cast<T*>(smem_raw + (((raw_address + 1023) & ~1023u) - raw_address));
+  T* s_k = first_tile_boundary<T>(smem_raw);
   T* s_v = s_k + KVTile::kElements;
   T* s_q = s_v + KVTile::kElements;      // two stages
   T* s_do = s_q + 2 * QTile::kElements;  // two stages

@@ -57,8 +57,7 @@ struct Sm90BwdWsSmem {
   float* delta;  // kStages x kBlockM
   float* dq;     // kBlockM x kDqRowStride (kBulkDq)
   __device__ explicit Sm90BwdWsSmem(unsigned char* raw) {
-    const uint32_t address = smem_address(raw);
-    k = reinterpret_cast<T*>(raw + (((address + 1023) & ~1023u) - address));
+    k = first_tile_boundary<T>(raw);
     v = k + Traits::KVTile::kElements;
     q = v + Traits::KVTile::kElements;
     d_o = q + Traits::kStages * Traits::QTile::kElements;

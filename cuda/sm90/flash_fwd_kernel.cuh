@@ -31,8 +31,7 @@ struct Sm90FwdSmem {
   T* k;  // two stages
   T* v;  // two stages
   __device__ explicit Sm90FwdSmem(unsigned char* raw) {
-    const uint32_t address = smem_address(raw);
-    q = reinterpret_cast<T*>(raw + (((address + 1023) & ~1023u) - address));
+    q = first_tile_boundary<T>(raw);
     k = q + Traits::QTile::kElements;
     v = k + 2 * Traits::KVTile::kElements;
   }

@@ -49,8 +49,7 @@ struct Sm90FwdWsSmem {
   T* k;
   T* v;
   __device__ explicit Sm90FwdWsSmem(unsigned char* raw) {
-    const uint32_t address = smem_address(raw);
-    q = reinterpret_cast<T*>(raw + (((address + 1023) & ~1023u) - address));
+    q = first_tile_boundary<T>(raw);
     k = q + Traits::QTile::kElements;
     v = k + Traits::kStages * Traits::KVTile::kElements;
   }

@@ -4,9 +4,19 @@
 
 #include <cstdint>
 
+#include "gpu/ptx.cuh"
 #include "sm90/wgmma.cuh"
 
 namespace jax_flash::cuda {
+
+// The first 1 KiB boundary of the shared address space at or after `raw` (a kernel's dynamic
+// shared memory, allocated 1 KiB larger for it), as a T*: where a kernel's GmmaTiles start
+// (the swizzle pattern is anchored to 1 KiB boundaries).
+template <typename T>
+__device__ __forceinline__ T* first_tile_boundary(unsigned char* raw) {
+  const uint32_t address = smem_address(raw);
+  return reinterpret_cast<T*>(raw + (((address + 1023) & ~1023u) - address));
+}
 
 // A [kRows][kCols] tile of 16-bit elements as wgmma reads it with the 128-byte swizzle: column
 // blocks of 64 elements, each [kRows][64] with 128-byte rows whose 16-byte chunks are XOR-ed
