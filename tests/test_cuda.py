@@ -223,27 +223,29 @@ def test_mma_sync_kernels_on_hopper():
       "(test_cuda_matches_reference or test_deterministic_matches_reference) and (h64 or h128)")
 
 
-@pytest.mark.parametrize("family", ["sm90", "sm90ws_grid", "sm90ws_m192"])
-def test_other_hopper_forward_kernels(family):
-  """The Hopper forward kernels the default (sm90ws: warp-specialised, persistent) does not run:
-  the first wgmma forward, the warp-specialised one on a CTA per tile and with 192-row tiles at
-  head dim 64 (experimental) pass every reference case (those of head dims they have; sm80 runs
-  the rest), the CUDA-graph capture and the training step."""
+def test_forward_on_a_cta_per_tile_on_hopper():
+  """The default forward's kernel on a CTA per tile instead of its persistent grid
+  (JAX_FLASH_CUDA_FORWARD=sm90ws_grid) passes the reference cases of head dims 33..128, the
+  CUDA-graph capture and the training step."""
   _run_cuda_tests_on_hopper_with(
-      {"JAX_FLASH_CUDA_FORWARD": family},
-      "test_cuda_matches_reference or test_command_buffer_capture or test_jit_training_step_reduces_loss")
+      {"JAX_FLASH_CUDA_FORWARD": "sm90ws_grid"},
+      "(test_cuda_matches_reference and (h40 or h64 or h80 or h96 or h111 or h128)) "
+      "or test_command_buffer_capture or test_jit_training_step_reduces_loss")
 
 
-@pytest.mark.parametrize("family", ["sm90ws", "sm90ws_bulkdq"])
-def test_warp_specialised_backward_on_hopper(family):
-  """The experimental warp-specialised backward (JAX_FLASH_CUDA_BACKWARD=sm90ws: the sm90 main
-  kernel's math with TMA loads by a producer warpgroup; sm90ws_bulkdq: dQ added by bulk
-  reductions from shared memory) passes the reference cases (head dims 33..128; sm80 runs the
-  rest), the deterministic cases, the CUDA-graph capture and the training step."""
+# The default backward adds dQ by atomics at head dims 33..64 and by bulk reductions at 65..128
+# (TileShapes::kSm90BwdBulkDqByDefault); each override runs the way the default does not.
+@pytest.mark.parametrize("family, head_dims", [("sm90ws_atomicdq", "h80 or h96 or h111 or h128"),
+                                               ("sm90ws_bulkdq", "h40 or h64")])
+def test_backward_dq_by_the_other_way_on_hopper(family, head_dims):
+  """The warp-specialised backward with dQ added the way its default does not use at these head
+  dims (atomics from the math warps, or bulk reductions from a shared tile by the producer)
+  passes their reference and deterministic cases, the CUDA-graph capture and the training
+  step."""
   _run_cuda_tests_on_hopper_with(
       {"JAX_FLASH_CUDA_BACKWARD": family},
-      "test_cuda_matches_reference or test_deterministic_matches_reference or test_command_buffer_capture "
-      "or test_jit_training_step_reduces_loss")
+      f"((test_cuda_matches_reference or test_deterministic_matches_reference) and ({head_dims})) "
+      "or test_command_buffer_capture or test_jit_training_step_reduces_loss")
 
 
 def test_split_kv_decoding_on_cuda():

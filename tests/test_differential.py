@@ -126,8 +126,17 @@ def test_full_run_known_failure(implementation, key):
   _check_known_fixed("full", implementation, key)
 
 
+# The CUDA kernels' first run (H200, the kernels of ced2c1a, sm90 backward): 47 misses in
+# the first 300 configurations, dq/dk at 1.03-1.83x the bound (some explained by D from the
+# rounded O, some not): examples/results/h200/session9/differential_bulkdq_splitkv.log. Open in
+# issue 13 (item 2 on the CUDA kernels); strict, so the fix shows.
+_CUDA_MISSES_TODAY = pytest.mark.xfail(
+    strict=True, reason="issue 13 item 2 on CUDA: 16-bit dq/dk past the 2x-jax.nn rule")
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("run", ["quick", pytest.param("full", marks=[pytest.mark.slow, full_run])])
+@pytest.mark.parametrize("run", [pytest.param("quick", marks=_CUDA_MISSES_TODAY),
+                                 pytest.param("full", marks=[pytest.mark.slow, full_run, _CUDA_MISSES_TODAY])])
 def test_cuda(run):
   _check_no_unexpected(run, "cuda")
 

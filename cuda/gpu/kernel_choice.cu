@@ -25,13 +25,12 @@ std::optional<KernelFamily> read_override(const char* variable, bool forward, st
   if (value == nullptr || *value == '\0') return std::nullopt;
   const std::string v = value;
   if (v == "sm80") return KernelFamily::kSm80;
-  if (v == "sm90") return KernelFamily::kSm90;
   if (v == "sm90ws") return KernelFamily::kSm90Ws;
-  if (!forward && v == "sm90ws_bulkdq") return KernelFamily::kSm90WsBulkDq;
   if (forward && v == "sm90ws_grid") return KernelFamily::kSm90WsGrid;
-  if (forward && v == "sm90ws_m192") return KernelFamily::kSm90WsWide;
+  if (!forward && v == "sm90ws_atomicdq") return KernelFamily::kSm90WsAtomicDq;
+  if (!forward && v == "sm90ws_bulkdq") return KernelFamily::kSm90WsBulkDq;
   error += std::string(error.empty() ? "" : "; ") + "jax_flash: " + variable + "=" + v + " is not one of " +
-           (forward ? "sm80, sm90, sm90ws, sm90ws_grid, sm90ws_m192" : "sm80, sm90, sm90ws, sm90ws_bulkdq");
+           (forward ? "sm80, sm90ws, sm90ws_grid" : "sm80, sm90ws, sm90ws_atomicdq, sm90ws_bulkdq");
   return std::nullopt;
 }
 
@@ -76,6 +75,6 @@ int device_compute_major() { return device_attribute<cudaDevAttrComputeCapabilit
 int device_sm_count() { return device_attribute<cudaDevAttrMultiProcessorCount>(); }
 
 KernelFamily forward_family() { return choose(overrides().forward, KernelFamily::kSm90Ws); }
-KernelFamily backward_family() { return choose(overrides().backward, KernelFamily::kSm90); }
+KernelFamily backward_family() { return choose(overrides().backward, KernelFamily::kSm90Ws); }
 
 }  // namespace jax_flash::cuda

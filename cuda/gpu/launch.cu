@@ -48,13 +48,10 @@ cudaError_t launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
   return dispatch_dtype_head_dim(p.dtype, p.shape.head_dim, [&](auto type, auto head_dim) -> cudaError_t {
     using T = typename decltype(type)::type;
     constexpr int kD = decltype(head_dim)::value;
-    if constexpr (TileShapes<kD>::kHasSm90WsFwd) {
-      if (family == KernelFamily::kSm90Ws) return launch_fwd_sm90_ws<T, kD>(p, true, false, stream);
-      if (family == KernelFamily::kSm90WsGrid) return launch_fwd_sm90_ws<T, kD>(p, false, false, stream);
-      if (family == KernelFamily::kSm90WsWide) return launch_fwd_sm90_ws<T, kD>(p, true, true, stream);
+    if constexpr (TileShapes<kD>::kHasSm90Fwd) {
+      if (family == KernelFamily::kSm90Ws) return launch_fwd_sm90_ws<T, kD>(p, true, stream);
+      if (family == KernelFamily::kSm90WsGrid) return launch_fwd_sm90_ws<T, kD>(p, false, stream);
     }
-    if constexpr (TileShapes<kD>::kHasSm90)
-      if (family == KernelFamily::kSm90) return launch_fwd_sm90<T, kD>(p, stream);
     return launch_fwd_sm80<T, kD>(p, stream);
   });
 }
@@ -75,13 +72,15 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
 
     if (sh.seq_k > 0) {  // with no keys, dK and dV are empty and dQ stays 0
       cudaError_t e = cudaSuccess;
-      if constexpr (TileShapes<kD>::kHasSm90)
-        e = family == KernelFamily::kSm80   ? launch_bwd_main_sm80<T, kD>(p, stream)
-            : family == KernelFamily::kSm90Ws ? launch_bwd_main_sm90_ws<T, kD>(p, false, stream)
-            : family == KernelFamily::kSm90WsBulkDq ? launch_bwd_main_sm90_ws<T, kD>(p, true, stream)
-                                              : launch_bwd_main_sm90<T, kD>(p, stream);
-      else
+      if constexpr (TileShapes<kD>::kHasSm90Bwd) {
+        constexpr bool kBulkDqByDefault = TileShapes<kD>::kSm90BwdBulkDqByDefault;
+        e = family == KernelFamily::kSm90Ws          ? launch_bwd_main_sm90_ws<T, kD>(p, kBulkDqByDefault, stream)
+            : family == KernelFamily::kSm90WsAtomicDq ? launch_bwd_main_sm90_ws<T, kD>(p, false, stream)
+            : family == KernelFamily::kSm90WsBulkDq   ? launch_bwd_main_sm90_ws<T, kD>(p, true, stream)
+                                                      : launch_bwd_main_sm80<T, kD>(p, stream);
+      } else {
         e = launch_bwd_main_sm80<T, kD>(p, stream);
+      }
       if (e != cudaSuccess) return e;
     }
 

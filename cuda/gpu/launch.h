@@ -31,17 +31,14 @@ cudaError_t launch_flash_bwd(const BwdParams& params, cudaStream_t stream);
 // The family launchers, for a 16-bit dtype T and a compiled head dim.
 template <typename T, int kHeadDim>
 cudaError_t launch_fwd_sm80(const FwdParams& params, cudaStream_t stream);
-template <typename T, int kHeadDim>
-cudaError_t launch_fwd_sm90(const FwdParams& params, cudaStream_t stream);
 // The warp-specialised TMA forward (sm90/flash_fwd_ws_kernel.cuh), on a persistent grid or a CTA
-// per tile; `wide`: TileShapes' Sm90FwdWsWide tiles (experimental).
+// per tile.
 template <typename T, int kHeadDim>
-cudaError_t launch_fwd_sm90_ws(const FwdParams& params, bool persistent, bool wide, cudaStream_t stream);
+cudaError_t launch_fwd_sm90_ws(const FwdParams& params, bool persistent, cudaStream_t stream);
 template <typename T, int kHeadDim>
 cudaError_t launch_bwd_main_sm80(const BwdParams& params, cudaStream_t stream);
-template <typename T, int kHeadDim>
-cudaError_t launch_bwd_main_sm90(const BwdParams& params, cudaStream_t stream);
-// The warp-specialised main backward; bulk_dq: dQ added by bulk reductions (experimental).
+// The warp-specialised main backward (sm90/flash_bwd_ws_kernel.cuh); bulk_dq: dQ added by bulk
+// reductions from shared memory, else by atomics.
 template <typename T, int kHeadDim>
 cudaError_t launch_bwd_main_sm90_ws(const BwdParams& params, bool bulk_dq, cudaStream_t stream);
 // The deterministic mode's dQ kernel (mma.sync on every GPU).

@@ -14,8 +14,8 @@ namespace jax_flash::cuda {
 // The compiled head dims of each family, smallest first, as X-macros: the launch switch and the
 // launchers' instantiations are both generated from them.
 #define JF_SM80_HEAD_DIMS(X) X(32) X(64) X(128) X(192) X(256)
-#define JF_SM90_HEAD_DIMS(X) X(64) X(128)
-#define JF_SM90_WS_FWD_HEAD_DIMS(X) X(64) X(128) X(192) X(256)
+#define JF_SM90_FWD_HEAD_DIMS(X) X(64) X(128) X(192) X(256)
+#define JF_SM90_BWD_HEAD_DIMS(X) X(64) X(128)
 
 template <int kHeadDim>
 struct TileShapes {
@@ -33,23 +33,20 @@ struct TileShapes {
   using Sm80BwdDq = FwdTraits<kHeadDim, 64, (kHeadDim <= 128 ? 64 : 32), 4>;
 
 #define JF_IS_HEAD_DIM(D) || kHeadDim == D
-  static constexpr bool kHasSm90 = false JF_SM90_HEAD_DIMS(JF_IS_HEAD_DIM);
-  static constexpr bool kHasSm90WsFwd = false JF_SM90_WS_FWD_HEAD_DIMS(JF_IS_HEAD_DIM);
+  static constexpr bool kHasSm90Fwd = false JF_SM90_FWD_HEAD_DIMS(JF_IS_HEAD_DIM);
+  static constexpr bool kHasSm90Bwd = false JF_SM90_BWD_HEAD_DIMS(JF_IS_HEAD_DIM);
 #undef JF_IS_HEAD_DIM
-  // wgmma forward: 2 warpgroups x 64 query rows, key blocks of 128.
-  using Sm90Fwd = Sm90FwdTraits<kHeadDim, 128>;
   // Warp-specialised wgmma forward: a TMA producer warpgroup and 2 consumer warpgroups x 64 query
   // rows, key blocks of 128 in 2 stages (of 64 past head dim 128: shared memory).
-  using Sm90FwdWs = Sm90FwdWsTraits<kHeadDim, (kHeadDim <= 128 ? 128 : 64), 2, true>;
-  // Experimental (JAX_FLASH_CUDA_FORWARD=sm90ws_m192): at head dim 64, 3 consumer warpgroups x 64
-  // rows without ping-pong (FlashAttention-3's hd64 tile); the same as Sm90FwdWs elsewhere.
-  using Sm90FwdWsWide = std::conditional_t<kHeadDim == 64, Sm90FwdWsTraits<64, 128, 2, false, 3>, Sm90FwdWs>;
-  // wgmma backward: 2 warpgroups x 64 keys, query blocks of 64.
-  using Sm90Bwd = Sm90BwdTraits<kHeadDim>;
-  // Warp-specialised wgmma backward: the same tiles, a TMA producer warpgroup beside them.
+  using Sm90FwdWs = Sm90FwdWsTraits<kHeadDim, (kHeadDim <= 128 ? 128 : 64), 2>;
+  // Warp-specialised wgmma backward: a TMA producer warpgroup and 2 consumer warpgroups x 64 keys,
+  // query blocks of 64; dQ added by atomics, or by bulk reductions from a shared tile.
   using Sm90BwdWs = Sm90BwdWsTraits<kHeadDim>;
-  // The same with dQ added by bulk reductions from a shared tile (experimental).
   using Sm90BwdWsBulkDq = Sm90BwdWsTraits<kHeadDim, true>;
+  // The backward's dQ by default (JAX_FLASH_CUDA_BACKWARD=sm90ws), as measured on the H200
+  // (cuda/PERF_NOTES.md v6): bulk reductions at head dim 128 (+5-11% over atomics), atomics at 64
+  // (bulk reductions 25% slower there).
+  static constexpr bool kSm90BwdBulkDqByDefault = kHeadDim == 128;
 };
 
 // Explicit instantiations of a launcher template<T, kHeadDim> for both 16-bit dtypes.

@@ -1,6 +1,6 @@
-// The steps of the Hopper backward's visit of one query block by a key block (both sm90 main
-// kernels: flash_bwd_kernel.cuh and the warp-specialised flash_bwd_ws_kernel.cuh), computed
-// transposed so that each warpgroup's rows are its 64 keys (FlashAttention-3's layout).
+// The steps of the Hopper backward's visit of one query block by a key block
+// (sm90/flash_bwd_ws_kernel.cuh), computed transposed so that each warpgroup's rows are its 64
+// keys (FlashAttention-3's layout).
 #pragma once
 
 #include <cstdint>

@@ -36,7 +36,7 @@ cudaError_t launch_bwd_main_sm90_ws(const BwdParams& p, bool bulk_dq, cudaStream
 #define JF_INSTANTIATE(D)                                                                          \
   template cudaError_t launch_bwd_main_sm90_ws<__nv_bfloat16, D>(const BwdParams&, bool, cudaStream_t); \
   template cudaError_t launch_bwd_main_sm90_ws<__half, D>(const BwdParams&, bool, cudaStream_t);
-JF_SM90_HEAD_DIMS(JF_INSTANTIATE)
+JF_SM90_BWD_HEAD_DIMS(JF_INSTANTIATE)
 #undef JF_INSTANTIATE
 
 }  // namespace jax_flash::cuda

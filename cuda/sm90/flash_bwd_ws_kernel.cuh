@@ -1,7 +1,7 @@
-// FlashAttention backward main kernel for Hopper (sm_90a), warp-specialised: the math of
-// sm90/flash_bwd_kernel.cuh (one CTA per key block of 128 keys of one (batch, kv head), computed
-// transposed, dK and dV in registers over every query block of every query head of the group,
-// dQ added to the float32 accumulator with atomics) with its loads moved to a producer:
+// FlashAttention backward main kernel for Hopper (sm_90a), warp-specialised: one CTA per key
+// block of 128 keys of one (batch, kv head), computed transposed (the steps of
+// sm90/bwd_steps.cuh), dK and dV in registers over every query block of every query head of the
+// group, dQ added to the float32 accumulator; its loads are a producer warpgroup's:
 //
 //   warpgroup 0, the producer: gives most of its registers back; its first warp loads K and V
 //     once, then per visit (query block of a head) Q and dO by TMA into one of kStages stages
@@ -18,7 +18,7 @@
 //   bulk reductions (cp.reduce.async.bulk), FlashAttention-3's way of keeping the atomics and
 //   their addresses off the math warps.
 //
-// The prepare and convert kernels around it are the sm90 backward's (gpu/launch.cu).
+// The prepare and convert kernels around it are shared with the sm80 family (gpu/launch.cu).
 #pragma once
 
 #include <cuda.h>

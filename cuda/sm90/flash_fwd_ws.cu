@@ -34,15 +34,14 @@ cudaError_t launch(const FwdParams& p, bool persistent, cudaStream_t stream) {
 }  // namespace
 
 template <typename T, int kHeadDim>
-cudaError_t launch_fwd_sm90_ws(const FwdParams& p, bool persistent, bool wide, cudaStream_t stream) {
-  if (wide) return launch<typename TileShapes<kHeadDim>::Sm90FwdWsWide, T>(p, persistent, stream);
+cudaError_t launch_fwd_sm90_ws(const FwdParams& p, bool persistent, cudaStream_t stream) {
   return launch<typename TileShapes<kHeadDim>::Sm90FwdWs, T>(p, persistent, stream);
 }
 
-#define JF_INSTANTIATE(D)                                                                      \
-  template cudaError_t launch_fwd_sm90_ws<__nv_bfloat16, D>(const FwdParams&, bool, bool, cudaStream_t); \
-  template cudaError_t launch_fwd_sm90_ws<__half, D>(const FwdParams&, bool, bool, cudaStream_t);
-JF_SM90_WS_FWD_HEAD_DIMS(JF_INSTANTIATE)
+#define JF_INSTANTIATE(D)                                                                \
+  template cudaError_t launch_fwd_sm90_ws<__nv_bfloat16, D>(const FwdParams&, bool, cudaStream_t); \
+  template cudaError_t launch_fwd_sm90_ws<__half, D>(const FwdParams&, bool, cudaStream_t);
+JF_SM90_FWD_HEAD_DIMS(JF_INSTANTIATE)
 #undef JF_INSTANTIATE
 
 }  // namespace jax_flash::cuda

@@ -6,40 +6,23 @@
 
 namespace jax_flash::cuda {
 
-template <int kHeadDim_, int kBlockN_>
-struct Sm90FwdTraits {
-  static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = 128;  // 2 warpgroups x 64 rows
-  static constexpr int kBlockN = kBlockN_;
-  static constexpr int kWarpGroups = kBlockM / 64;
-  static constexpr int kThreads = 128 * kWarpGroups;
-  using QTile = GmmaTile<kBlockM, kHeadDim>;
-  using KVTile = GmmaTile<kBlockN, kHeadDim>;
-  // Q, two stages of K and of V, and 1 KiB to align the base.
-  static constexpr int kSmemBytes = 2 * (QTile::kElements + 4 * KVTile::kElements) + 1024;
-  static_assert(kHeadDim == 64 || kHeadDim == 128, "wgmma shapes are instantiated for N = 64, 128");
-  static_assert(kBlockN == 64 || kBlockN == 128, "wgmma shapes are instantiated for N = 64, 128");
-};
-
 // The warp-specialised forward (sm90/flash_fwd_ws_kernel.cuh): a producer warpgroup (TMA) and
-// kConsumers consumer warpgroups of 64 query rows each, kStages stages of K and of V.
-template <int kHeadDim_, int kBlockN_, int kStages_, bool kPingPong_, int kConsumers_ = 2>
+// 2 consumer warpgroups of 64 query rows each, kStages stages of K and of V.
+template <int kHeadDim_, int kBlockN_, int kStages_>
 struct Sm90FwdWsTraits {
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kConsumers = kConsumers_;
+  static constexpr int kConsumers = 2;
   static constexpr int kBlockM = 64 * kConsumers;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
   // Two consumer warpgroups alternate their products (one's softmax under the other's GEMMs).
-  static constexpr bool kPingPong = kPingPong_;
+  static constexpr bool kPingPong = true;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kConsumerWarps = 4 * kConsumers;
   // setmaxnreg split of the 64K registers (multiples of 8): the producer needs few.
-  static constexpr int kProducerRegisters = kConsumers == 2 ? 56 : 24;
-  static constexpr int kConsumerRegisters = kConsumers == 2 ? 224 : 160;
+  static constexpr int kProducerRegisters = 56;
+  static constexpr int kConsumerRegisters = 224;
   static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumers <= 65536, "register file");
-  static_assert(!kPingPong || kConsumers == 2, "ping-pong takes two consumer warpgroups");
-  static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups");
   using QTile = GmmaTile<kBlockM, kHeadDim>;
   using KVTile = GmmaTile<kBlockN, kHeadDim>;
   // Q, kStages stages of K and of V, and 1 KiB to align the base.
@@ -50,7 +33,7 @@ struct Sm90FwdWsTraits {
 };
 
 // The warp-specialised backward (sm90/flash_bwd_ws_kernel.cuh): a producer warpgroup (TMA) and
-// 2 consumer warpgroups of 64 keys each, as Sm90BwdTraits; Q, dO (and their rows' lse, delta)
+// 2 consumer warpgroups of 64 keys each; Q, dO (and their rows' lse, delta)
 // in kStages stages, dS^T double-buffered. kBulkDq: the consumers leave each visit's dQ in a
 // float32 shared tile that the producer's second warp adds to the accumulator with bulk
 // reductions (else the consumers add it with atomics).
@@ -79,23 +62,6 @@ struct Sm90BwdWsTraits {
   static constexpr int kSmemBytes = 2 * (2 * KVTile::kElements + 2 * kStages * QTile::kElements + 2 * DsTile::kElements) +
                                     2 * kStages * kBlockM * 4 + (kBulkDq ? kBlockM * kDqRowStride * 4 : 0) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
-  static_assert(kHeadDim == 64 || kHeadDim == 128, "wgmma shapes are instantiated for N = 64, 128");
-  static_assert(kBlockM == 64, "dS^T is stored through SmemTile, whose layout is DsTile's for 64 columns");
-};
-
-template <int kHeadDim_>
-struct Sm90BwdTraits {
-  static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = 64;   // query rows per iteration
-  static constexpr int kBlockN = 128;  // keys: 2 warpgroups x 64
-  static constexpr int kThreads = 256;
-  using KVTile = GmmaTile<kBlockN, kHeadDim>;
-  using QTile = GmmaTile<kBlockM, kHeadDim>;
-  using DsTile = GmmaTile<kBlockN, kBlockM>;  // dS^T: [key][query]
-  // K, V; two stages of Q and dO; dS^T; two stages of the block's lse (log2 units) and delta;
-  // 1 KiB to align the base.
-  static constexpr int kSmemBytes =
-      2 * (2 * KVTile::kElements + 4 * QTile::kElements + DsTile::kElements) + 2 * 2 * kBlockM * 4 + 1024;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "wgmma shapes are instantiated for N = 64, 128");
   static_assert(kBlockM == 64, "dS^T is stored through SmemTile, whose layout is DsTile's for 64 columns");
 };

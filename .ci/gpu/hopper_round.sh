@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# One GPU-machine call for Hopper kernel work after check.sh ran the suite: build, the tests named
+# in TESTS_K (a pytest -k expression over the GPU tests; none when empty), then the measurements
+# of issue 14/15 with a peer in every run, each step under its own time limit:
+#   - backward kernel choices (BWD_CHOICES, JAX_FLASH_CUDA_BACKWARD values or "default"): the
+#     benchmark (fwd+bwd, BENCH_ARGS) beside cuDNN (tokamax too in the default run);
+#   - forward kernel choices (FWD_CHOICES) through .ci/gpu/forward_variants.py (FWD_ARGS);
+#   - the decode preset with and without JAX_FLASH_CUDA_DECODE=split (DECODE=1).
+# Results go to $OUT (the device tool's output folder) or ./gpu_out.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+out="${OUT:-gpu_out}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+start=$(date +%s)
+elapsed() { echo "[$(( $(date +%s) - start )) s]"; }
+
+JAX_FLASH_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install --no-build-isolation \
+  --no-deps -e . >"$out/build.log" 2>&1 || { tail -50 "$out/build.log"; exit 1; }
+if ls .whl/tokamax-*.whl >/dev/null 2>&1; then  # as in check.sh
+  python3 -m pip install -q --no-index --no-deps --target .tk .whl/*.whl >>"$out/build.log" 2>&1
+  mkdir -p .tk/xprof/cli && touch .tk/xprof/__init__.py .tk/xprof/cli/__init__.py
+  echo "get_kernel_stats_tool = None" >.tk/xprof/cli/tools.py
+  export PYTHONPATH="$PWD/.tk${PYTHONPATH:+:$PYTHONPATH}"
+fi
+echo "== build $(elapsed)"
+
+if [[ -n "${TESTS_K:-}" ]]; then
+  XLA_FLAGS="--xla_gpu_autotune_level=0" timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -m gpu \
+    tests -k "$TESTS_K" -n "${TEST_WORKERS:-4}" --tb=short -p no:cacheprovider >"$out/tests.log" 2>&1
+  grep -E "passed|failed|FAILED|Error" "$out/tests.log" | tail -15
+  echo "== tests $(elapsed)"
+fi
+
+bench_args=${BENCH_ARGS:---seqs 4096 16384 --head-dims 64 128 --reps 5}
+for choice in ${BWD_CHOICES:-}; do
+  skip="xla pallas tokamax"
+  assignment=()
+  if [[ "$choice" == default ]]; then skip="xla pallas"; else assignment=("JAX_FLASH_CUDA_BACKWARD=$choice"); fi
+  # shellcheck disable=SC2086
+  env "${assignment[@]}" timeout "${BENCH_TIMEOUT:-120}" python3 -m jax_flash.benchmark --platform gpu \
+    $bench_args --skip $skip --out "$out/bwd_$choice" >"$out/bwd_$choice.log" 2>"$out/bwd_${choice}_progress.log"
+  echo "== backward $choice $(elapsed)"; cat "$out/bwd_$choice.log"
+done
+
+if [[ -n "${FWD_CHOICES:-}" ]]; then
+  # shellcheck disable=SC2086
+  timeout "${FWD_TIMEOUT:-120}" python3 .ci/gpu/forward_variants.py --variants $FWD_CHOICES \
+    ${FWD_ARGS:---head-dims 64 --seqs 1024 4096 16384 --reps 10} --out "$out/forward" 2>&1 | tail -20
+  echo "== forward $(elapsed)"
+fi
+
+if [[ "${DECODE:-0}" == 1 ]]; then
+  for split in off split; do
+    assignment=()
+    [[ "$split" == split ]] && assignment=("JAX_FLASH_CUDA_DECODE=split")
+    env "${assignment[@]}" timeout "${DECODE_TIMEOUT:-90}" python3 -m jax_flash.benchmark --platform gpu \
+      --preset decode --reps 5 --out "$out/decode_$split" >"$out/decode_$split.log" 2>&1
+    echo "== decode ($split) $(elapsed)"; tail -12 "$out/decode_$split.log"
+  done
+fi
