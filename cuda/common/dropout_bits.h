@@ -1,0 +1,56 @@
+// The random bits behind fused dropout (issue 17): Philox4x32-10 (Salmon et al., "Parallel random
+// numbers: as easy as 1, 2, 3", SC'11), a counter-based generator, so that any kernel (CPU or
+// CUDA, forward or backward) regenerates the keep decision of any score element from its
+// coordinates alone and nothing T x S is stored. jax_flash/_dropout.py computes the same bits in
+// JAX (the reference the kernels' tests compare against); tests/test_dropout_bits.py checks both
+// against the generator's published known-answer vectors and each other.
+//
+// One Philox call gives four 32-bit words; they cover the 2 x 2 score elements (rows r, r + 8;
+// columns c, c + 1; r % 16 < 8, c even) that one thread holds in an mma.sync or wgmma accumulator
+// fragment, so a GPU thread spends one call per fragment quad:
+//   counter = (c / 2, (r / 16) * 8 + r % 8, head, batch), key = the JAX key's two words,
+//   word index = 2 * ((r / 8) % 2) + c % 2.
+// An element is kept when its word is >= the threshold round(rate * 2^32) (keep probability
+// 1 - threshold / 2^32).
+#pragma once
+
+#include <cstdint>
+
+#include "common/attention_params.h"
+
+namespace jax_flash {
+
+struct PhiloxWords {
+  uint32_t w[4];
+};
+
+JF_HOST_DEVICE inline PhiloxWords philox4x32_10(PhiloxWords counter, uint32_t key0, uint32_t key1) {
+  constexpr uint32_t kMul0 = 0xD2511F53u, kMul1 = 0xCD9E8D57u;  // the round multipliers
+  constexpr uint32_t kBump0 = 0x9E3779B9u, kBump1 = 0xBB67AE85u;  // the key schedule's increments
+  for (int round = 0; round < 10; ++round) {
+    const uint64_t p0 = static_cast<uint64_t>(kMul0) * counter.w[0];
+    const uint64_t p1 = static_cast<uint64_t>(kMul1) * counter.w[2];
+    counter = {{static_cast<uint32_t>(p1 >> 32) ^ counter.w[1] ^ key0, static_cast<uint32_t>(p1),
+                static_cast<uint32_t>(p0 >> 32) ^ counter.w[3] ^ key1, static_cast<uint32_t>(p0)}};
+    key0 += kBump0;
+    key1 += kBump1;
+  }
+  return counter;
+}
+
+// The Philox counter of score element (row, column) of (batch, head), and the index of its word.
+JF_HOST_DEVICE inline PhiloxWords dropout_counter(int64_t batch, int64_t head, int64_t row, int64_t column) {
+  return {{static_cast<uint32_t>(column / 2), static_cast<uint32_t>((row / 16) * 8 + row % 8),
+           static_cast<uint32_t>(head), static_cast<uint32_t>(batch)}};
+}
+JF_HOST_DEVICE inline int dropout_word_index(int64_t row, int64_t column) {
+  return static_cast<int>(2 * ((row / 8) % 2) + column % 2);
+}
+
+// The keep threshold of a dropout rate in [0, 1): words below it drop their element.
+JF_HOST_DEVICE inline uint32_t dropout_threshold(double rate) {
+  const double t = rate * 4294967296.0;
+  return t >= 4294967295.0 ? 0xFFFFFFFFu : static_cast<uint32_t>(t + 0.5);
+}
+
+}  // namespace jax_flash

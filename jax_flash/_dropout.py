@@ -1,0 +1,74 @@
+"""The random bits of fused dropout, in JAX: the same Philox4x32-10 words and keep decisions as
+cuda/common/dropout_bits.h, which the kernels use (its header comment gives the layout: one call
+per 2 x 2 quad of score elements, rows r and r + 8, columns c and c + 1). The kernels' tests
+build their reference from keep_mask(), so a kernel and its reference drop the same elements."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+_MUL = (0xD2511F53, 0xCD9E8D57)
+_BUMP = (0x9E3779B9, 0xBB67AE85)
+
+
+def _mul_hi_lo(a: jax.Array, b: int) -> tuple[jax.Array, jax.Array]:
+  """The high and low words of the 64-bit product of uint32 `a` and the constant `b`, in uint32
+  arithmetic (JAX runs without 64-bit integers by default): 16-bit halves, carries added."""
+  a0, a1 = a & 0xFFFF, a >> 16
+  b0, b1 = jnp.uint32(b & 0xFFFF), jnp.uint32(b >> 16)
+  p00, p01, p10, p11 = a0 * b0, a0 * b1, a1 * b0, a1 * b1
+  middle = (p00 >> 16) + (p01 & 0xFFFF) + (p10 & 0xFFFF)
+  high = p11 + (p01 >> 16) + (p10 >> 16) + (middle >> 16)
+  return high, a * jnp.uint32(b)
+
+
+def philox4x32_10(counter: tuple[jax.Array, ...], key: tuple[jax.Array, jax.Array]) -> tuple:
+  """Philox4x32-10 of the four uint32 counter words (arrays broadcast together) under the two
+  key words: four uint32 arrays."""
+  c0, c1, c2, c3 = (jnp.asarray(c, jnp.uint32) for c in counter)
+  k0, k1 = (jnp.asarray(k, jnp.uint32) for k in key)
+  for _ in range(10):
+    hi0, lo0 = _mul_hi_lo(c0, _MUL[0])
+    hi1, lo1 = _mul_hi_lo(c2, _MUL[1])
+    c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    k0, k1 = k0 + jnp.uint32(_BUMP[0]), k1 + jnp.uint32(_BUMP[1])
+  return c0, c1, c2, c3
+
+
+def threshold(rate: float) -> int:
+  """Words below this drop their element (dropout_threshold in the header)."""
+  t = rate * 2.0**32
+  return 0xFFFFFFFF if t >= 0xFFFFFFFF else int(t + 0.5)
+
+
+def key_words(key: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The two uint32 words of a JAX PRNG key (new-style typed keys and raw uint32[2] keys);
+  other key implementations are rejected by name."""
+  data = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+  if data.shape != (2,) or data.dtype != jnp.uint32:
+    raise ValueError(f"dropout needs a single threefry PRNG key (two uint32 words); got key data of "
+                     f"shape {data.shape} and dtype {data.dtype}")
+  return data[0], data[1]
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def dropout_words(key: jax.Array, batch: int, heads: int, seq_q: int, seq_k: int) -> jax.Array:
+  """The Philox word of every score element: uint32 (batch, heads, seq_q, seq_k)."""
+  b = jnp.arange(batch, dtype=jnp.uint32)[:, None, None, None]
+  h = jnp.arange(heads, dtype=jnp.uint32)[None, :, None, None]
+  r = jnp.arange(seq_q, dtype=jnp.uint32)[None, None, :, None]
+  c = jnp.arange(seq_k, dtype=jnp.uint32)[None, None, None, :]
+  words = philox4x32_10((c // 2, (r // 16) * 8 + r % 8, h, b), key_words(key))
+  index = 2 * ((r // 8) % 2) + c % 2
+  return jnp.select([index == 0, index == 1, index == 2], words[:3], words[3])
+
+
+def keep_mask(key: jax.Array, rate: float, batch: int, heads: int, seq_q: int, seq_k: int) -> jax.Array:
+  """Which score elements fused dropout at `rate` keeps: bool (batch, heads, seq_q, seq_k), the
+  kernels' own decisions (kept elements are scaled by 1 / (1 - rate))."""
+  if not 0.0 <= rate < 1.0:
+    raise ValueError(f"dropout rate must be in [0, 1); got {rate}")
+  return dropout_words(key, batch, heads, seq_q, seq_k) >= jnp.uint32(threshold(rate))

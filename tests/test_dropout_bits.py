@@ -1,0 +1,89 @@
+"""The random bits of fused dropout (issue 17 item 4): Philox4x32-10 in JAX (jax_flash/_dropout.py)
+against the generator's published known-answer vectors, against the C++ header the kernels use
+(cuda/common/dropout_bits.h, compiled here into a small program), and the keep rate's statistics."""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+import subprocess
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_flash import _dropout
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# Random123's known-answer vectors for philox4x32 with 10 rounds: (counter, key) -> output.
+KNOWN_ANSWERS = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
+
+@pytest.mark.parametrize("counter, key, expected", KNOWN_ANSWERS)
+def test_philox_known_answers(counter, key, expected):
+  words = _dropout.philox4x32_10(tuple(jnp.uint32(c) for c in counter), tuple(jnp.uint32(k) for k in key))
+  assert tuple(int(w) for w in words) == expected
+
+
+def test_the_kernels_header_gives_the_same_words(tmp_path):
+  """Every element of a grid with odd sizes (rows past a 16-row group, odd columns)."""
+  compiler = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+  if compiler is None:
+    pytest.skip("no C++ compiler")
+  binary = tmp_path / "dropout_bits_check"
+  subprocess.run([compiler, "-std=c++17", "-O1", f"-I{ROOT / 'cuda'}",
+                  str(ROOT / "tests" / "cpp" / "dropout_bits_check.cc"), "-o", str(binary)], check=True)
+  key = jax.random.key(2024)
+  k0, k1 = (int(w) for w in _dropout.key_words(key))
+  shape = (2, 3, 37, 41)
+  out = subprocess.run([str(binary), str(k0), str(k1), *map(str, shape)], check=True,
+                       capture_output=True, text=True).stdout
+  native = np.array(out.split(), np.uint64).reshape(shape)
+  ours = np.asarray(_dropout.dropout_words(key, *shape), np.uint64)
+  np.testing.assert_array_equal(native, ours)
+
+
+def test_keep_rate_within_three_standard_errors():
+  """Over 10^7 elements the kept fraction is 1 - rate within 3 standard errors, for each rate."""
+  key = jax.random.key(7)
+  shape = (4, 8, 512, 640)  # 10,485,760 elements
+  count = np.prod(shape)
+  words = _dropout.dropout_words(key, *shape)
+  for rate in (0.1, 0.5, 0.9):
+    kept = float(jnp.mean(words >= jnp.uint32(_dropout.threshold(rate)), dtype=jnp.float32))
+    stderr = np.sqrt(rate * (1 - rate) / count)
+    assert abs(kept - (1 - rate)) < 3 * stderr, (rate, kept, stderr)
+
+
+def test_masks_are_deterministic_and_depend_on_the_key():
+  shape = (1, 2, 40, 24)
+  a = _dropout.keep_mask(jax.random.key(1), 0.5, *shape)
+  assert np.array_equal(a, _dropout.keep_mask(jax.random.key(1), 0.5, *shape))
+  assert not np.array_equal(a, _dropout.keep_mask(jax.random.key(2), 0.5, *shape))
+  # Neighbouring heads, batch elements and 16-row groups get different bits.
+  words = np.asarray(_dropout.dropout_words(jax.random.key(1), 2, 2, 32, 8))
+  assert not np.array_equal(words[0, 0], words[0, 1])
+  assert not np.array_equal(words[0, 0], words[1, 0])
+  assert not np.array_equal(words[0, 0, :16], words[0, 0, 16:])
+
+
+def test_rate_zero_keeps_everything_and_bad_rates_are_errors():
+  assert bool(_dropout.keep_mask(jax.random.key(0), 0.0, 1, 1, 16, 16).all())
+  for rate in (-0.1, 1.0, 1.5):
+    with pytest.raises(ValueError, match="dropout rate"):
+      _dropout.keep_mask(jax.random.key(0), rate, 1, 1, 4, 4)
+
+
+def test_raw_and_typed_keys_agree_and_other_keys_are_refused():
+  typed = jax.random.key(3)
+  raw = jax.random.key_data(typed)
+  assert np.array_equal(_dropout.dropout_words(typed, 1, 1, 8, 8), _dropout.dropout_words(raw, 1, 1, 8, 8))
+  with pytest.raises(ValueError, match="two uint32 words"):
+    _dropout.key_words(jnp.zeros((4,), jnp.uint32))
