@@ -73,11 +73,13 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
     if (sh.seq_k > 0) {  // with no keys, dK and dV are empty and dQ stays 0
       cudaError_t e = cudaSuccess;
       if constexpr (TileShapes<kD>::kHasSm90Bwd) {
-        constexpr bool kBulkDqByDefault = TileShapes<kD>::kSm90BwdBulkDqByDefault;
-        e = family == KernelFamily::kSm90Ws          ? launch_bwd_main_sm90_ws<T, kD>(p, kBulkDqByDefault, stream)
-            : family == KernelFamily::kSm90WsAtomicDq ? launch_bwd_main_sm90_ws<T, kD>(p, false, stream)
-            : family == KernelFamily::kSm90WsBulkDq   ? launch_bwd_main_sm90_ws<T, kD>(p, true, stream)
-                                                      : launch_bwd_main_sm80<T, kD>(p, stream);
+        constexpr DqMode kDefault = TileShapes<kD>::kSm90BwdBulkDqByDefault ? DqMode::kBulk : DqMode::kAtomics;
+        e = family == KernelFamily::kSm90Ws           ? launch_bwd_main_sm90_ws<T, kD>(p, kDefault, stream)
+            : family == KernelFamily::kSm90WsAtomicDq ? launch_bwd_main_sm90_ws<T, kD>(p, DqMode::kAtomics, stream)
+            : family == KernelFamily::kSm90WsBulkDq   ? launch_bwd_main_sm90_ws<T, kD>(p, DqMode::kBulk, stream)
+            : family == KernelFamily::kSm90WsSplitDq
+                ? launch_bwd_main_sm90_ws<T, kD>(p, kD == 64 ? DqMode::kSplitAtomics : kDefault, stream)
+                : launch_bwd_main_sm80<T, kD>(p, stream);
       } else {
         e = launch_bwd_main_sm80<T, kD>(p, stream);
       }

@@ -37,10 +37,12 @@ template <typename T, int kHeadDim>
 cudaError_t launch_fwd_sm90_ws(const FwdParams& params, bool persistent, cudaStream_t stream);
 template <typename T, int kHeadDim>
 cudaError_t launch_bwd_main_sm80(const BwdParams& params, cudaStream_t stream);
-// The warp-specialised main backward (sm90/flash_bwd_ws_kernel.cuh); bulk_dq: dQ added by bulk
-// reductions from shared memory, else by atomics.
+// How the warp-specialised main backward (sm90/flash_bwd_ws_kernel.cuh) adds dQ: atomics from
+// the math warps, bulk reductions from shared memory, or (head dim 64) atomics of each
+// warpgroup's own keys' part (sm90/traits.cuh, Sm90BwdWsTraits).
+enum class DqMode { kAtomics, kBulk, kSplitAtomics };
 template <typename T, int kHeadDim>
-cudaError_t launch_bwd_main_sm90_ws(const BwdParams& params, bool bulk_dq, cudaStream_t stream);
+cudaError_t launch_bwd_main_sm90_ws(const BwdParams& params, DqMode dq_mode, cudaStream_t stream);
 // The deterministic mode's dQ kernel (mma.sync on every GPU).
 template <typename T, int kHeadDim>
 cudaError_t launch_bwd_dq_sm80(const BwdParams& params, cudaStream_t stream);
