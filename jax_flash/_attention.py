@@ -16,22 +16,24 @@ from jax_flash._reference import attention_reference
 _XLA_PATHS = {"xla": attention_reference, "blockwise": blockwise_attention}
 
 
+# segment_ids: None or (q_ids (B, T), kv_ids (B, S)) int32; like the lengths, not differentiated.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash_attention(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig):
-  return _sharding.flash_fwd(q, k, v, q_lens, kv_lens, config)
+def _flash_attention(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=None):
+  return _sharding.flash_fwd(q, k, v, q_lens, kv_lens, config, segment_ids)
 
 
-def _flash_attention_fwd(q, k, v, q_lens, kv_lens, config):
+def _flash_attention_fwd(q, k, v, q_lens, kv_lens, config, segment_ids=None):
   # The kernel writes o in float32; the caller gets it in q's dtype, the backward keeps it whole.
-  o32, lse = _sharding.flash_fwd(q, k, v, q_lens, kv_lens, _ops.for_backward(config))
-  return (o32.astype(q.dtype), lse), (q, k, v, o32, lse, q_lens, kv_lens)
+  o32, lse = _sharding.flash_fwd(q, k, v, q_lens, kv_lens, _ops.for_backward(config),
+                                 segment_ids)
+  return (o32.astype(q.dtype), lse), (q, k, v, o32, lse, q_lens, kv_lens, segment_ids)
 
 
 def _flash_attention_bwd(config, residuals, cotangents):
-  q, k, v, o, lse, q_lens, kv_lens = residuals
+  q, k, v, o, lse, q_lens, kv_lens, segment_ids = residuals
   d_o, _ = cotangents  # lse leaves through stop_gradient: its cotangent is always zero
-  dq, dk, dv = _sharding.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config)
-  return dq, dk, dv, None, None
+  dq, dk, dv = _sharding.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config, segment_ids)
+  return dq, dk, dv, None, None, None
 
 
 _flash_attention.defvjp(_flash_attention_fwd, _flash_attention_bwd)
@@ -49,6 +51,8 @@ def dot_product_attention(
     query_seq_lengths: jax.typing.ArrayLike | None = None,
     key_value_seq_lengths: jax.typing.ArrayLike | None = None,
     local_window_size: int | tuple[int, int] | None = None,
+    q_segment_ids: jax.typing.ArrayLike | None = None,
+    kv_segment_ids: jax.typing.ArrayLike | None = None,
     implementation: Implementation | None = None,
     return_residual: bool = False,
     deterministic: bool = False,
@@ -80,6 +84,19 @@ def dot_product_attention(
     key_value_seq_lengths: ``(B,)`` int32; keys at or past the length are ignored.
     local_window_size: ``w`` or ``(left, right)``: query ``i`` attends keys
       ``i - left <= j <= i + right``.
+    q_segment_ids: ``(B, T)`` (``(T,)`` for rank-3 inputs) int32: packed documents. Query
+      ``i`` attends key ``j`` only where ``q_segment_ids[b, i] == kv_segment_ids[b, j]``, on
+      top of every other mask (causal, window, lengths: positions stay those of the packed
+      row). Give both or neither (one alone raises ``ValueError``); int32 only, as the
+      lengths (another dtype raises, naming the cast). Any int32 values, in any order; ids
+      sorted by position (documents laid end to end) let the "cpu" kernel skip every tile
+      whose documents cannot meet, so a row of many documents costs about what the documents
+      cost one by one. A row whose document has no visible key gives zeros (and lse the most
+      negative float32), as any row with no key. Taken by "cpu", "blockwise" and "xla"; the
+      CUDA kernels raise ``NotImplementedError`` (also where ``None`` picks them: pass
+      ``implementation="blockwise"`` on a GPU), and so does a call partitioned over its
+      sequence axis (context parallelism does not carry the ids yet). Not differentiated.
+    kv_segment_ids: ``(B, S)`` (``(S,)``) int32: the keys' document ids.
     implementation: ``None`` picks the path for the default backend: ``"cpu"`` on the host,
       ``"cuda"`` on NVIDIA GPUs for bfloat16/float16, ``"blockwise"`` there for float32.
       ``"cpu"``/``"cuda"`` force a kernel; ``"blockwise"`` is FlashAttention in plain XLA (key
@@ -133,8 +150,12 @@ def dot_product_attention(
       "key_value_seq_lengths", key_value_seq_lengths, batch, seq_k)
   window = _validation.check_window(local_window_size, seq_q + seq_k)
   scale = _validation.check_scale(scale, head_dim)
+  segment_ids = _validation.check_segment_ids(q_segment_ids, kv_segment_ids, batch, seq_q,
+                                              seq_k, unbatched)
   call = _dispatch.Call(
       query_shape, query.dtype,
+      segment_ids=None if segment_ids is None else (jnp.shape(q_segment_ids),
+                                                    jnp.shape(kv_segment_ids)),
       bias=None if bias is None else jnp.shape(bias),
       mask=None if mask is None else jnp.shape(mask),
       mask_forms=_dispatch.mask_forms(is_causal=bool(is_causal), local_window=window is not None,
@@ -157,13 +178,14 @@ def dot_product_attention(
     with _derivatives.explain_forward_mode("jax_flash.dot_product_attention", implementation):
       out, lse = _XLA_PATHS[implementation](
           query, key, value, q_lens, kv_lens, scale=scale, is_causal=bool(is_causal),
-          window_left=window_left, window_right=window_right, bias=bias, mask=mask)
+          window_left=window_left, window_right=window_right, bias=bias, mask=mask,
+          segment_ids=segment_ids)
   else:
     out, lse = _ops.call_kernels(
         _flash_attention, query, key, value, q_lens, kv_lens, implementation=implementation,
         scale=scale, is_causal=bool(is_causal), window_left=window_left,
         window_right=window_right, deterministic=deterministic,
-        context_parallel=context_parallel)
+        context_parallel=context_parallel, segment_ids=segment_ids)
   lse = jax.lax.stop_gradient(lse)
 
   if unbatched:

@@ -12,6 +12,10 @@ full float32 on the CPU), with float32 softmax statistics and accumulation. It i
 inputs. Semantics are the kernels': a row with no key to attend to gives 0 output, 0 gradient
 and lse ``EMPTY_ROW_LSE``.
 
+Segment ids (packed documents) are one more element mask: each scan step compares the rows' ids
+with its key block's. Every block is visited (a scan has a fixed trip count): unlike the CPU
+kernel this path does not skip the blocks of other documents.
+
 Unlike the kernels it also takes jax.nn's ``bias`` and ``mask`` arrays: each scan step adds and
 applies the slice of its key block (arrays with no key dim broadcast over every block), and the
 backward pass returns the bias's gradient, summed over the dims it broadcasts along.
@@ -79,28 +83,45 @@ def _this_block(whole5: jax.Array | None, blocks: jax.Array | None) -> jax.Array
   return blocks if blocks is not None else whole5
 
 
-def _scan_inputs(k: jax.Array, v: jax.Array, bias5, mask5, block: int):
-  """What both passes scan over: each key block's index, K block and V block, and its slices of
-  the grouped bias and mask where those have a key dim."""
+def _id_blocks(segment_ids, block: int):
+  """The key ids (B, S) as the scan sees them, (S / block, B, block) (padding keys are past
+  kv_lens, masked whatever their id); None without segment ids."""
+  if segment_ids is None:
+    return None
+  kv_ids = segment_ids[1]
+  batch, seq = kv_ids.shape
+  blocks = -(-seq // block)
+  kv_ids = jnp.pad(kv_ids, [(0, 0), (0, blocks * block - seq)])
+  return jnp.moveaxis(kv_ids.reshape(batch, blocks, block), 1, 0)
+
+
+def _scan_inputs(k: jax.Array, v: jax.Array, bias5, mask5, segment_ids, block: int):
+  """What both passes scan over: each key block's index, K block and V block, its slices of
+  the grouped bias and mask where those have a key dim, and its key segment ids."""
   return (jnp.arange(-(-k.shape[1] // block)), _key_blocks(k, block), _key_blocks(v, block),
-          _logit_blocks(bias5, block, 0.0), _logit_blocks(mask5, block, False))
+          _logit_blocks(bias5, block, 0.0), _logit_blocks(mask5, block, False),
+          _id_blocks(segment_ids, block))
 
 
-def _block_scores(q5, k_block, index, q_lens, kv_lens, bias_block, mask_block, config: _Config):
+def _block_scores(q5, k_block, index, q_lens, kv_lens, bias_block, mask_block, config: _Config,
+                  segment_ids=None, kv_ids_block=None):
   """(scores, allowed) of key block `index`: its scaled scores (B, K, G, T, block) plus its bias,
-  and which of them the masks let through (the same shape)."""
+  and which of them the masks let through (the same shape); with segment ids, the rows' ids
+  against the block's key ids `kv_ids_block` (B, block)."""
   scores = jnp.einsum("btkgh,bskh->bkgts", q5, k_block) * config.scale
   if bias_block is not None:
     scores = scores + bias_block
+  ids = None if segment_ids is None else (segment_ids[0], kv_ids_block)
   allowed = key_mask(q5.shape[1], config.block, q_lens, kv_lens, config.is_causal,
-                     config.window_left, config.window_right, key_offset=index * config.block)
+                     config.window_left, config.window_right, key_offset=index * config.block,
+                     segment_ids=ids)
   allowed = allowed[:, None, None]
   if mask_block is not None:
     allowed = allowed & mask_block
   return scores, jnp.broadcast_to(allowed, scores.shape)
 
 
-def _forward(q, k, v, q_lens, kv_lens, bias, mask, config):
+def _forward(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, config):
   """(o (B, T, N, H) in float32, lse (B, N, T) float32): the caller casts o to q's dtype.
 
   The online softmax carries, per row, whether the masks have let any key through yet (`seen`),
@@ -120,10 +141,11 @@ def _forward(q, k, v, q_lens, kv_lens, bias, mask, config):
   # what dividing the unscaled sum by the row sum gives.
   def step(carry, xs):
     seen, row_max, row_sum, exponent, acc = carry
-    index, k_block, v_block, bias_blocks, mask_blocks = xs
+    index, k_block, v_block, bias_blocks, mask_blocks, kv_ids_block = xs
     scores, allowed = _block_scores(q5, k_block, index, q_lens, kv_lens,
                                     _this_block(bias5, bias_blocks),
-                                    _this_block(mask5, mask_blocks), config)
+                                    _this_block(mask5, mask_blocks), config, segment_ids,
+                                    kv_ids_block)
     now_seen = seen | jnp.any(allowed, axis=-1)
     new_max = jnp.maximum(row_max, jnp.max(jnp.where(allowed, scores, MASKED_SCORE), axis=-1))
     base = jnp.where(now_seen, new_max, 0.0)  # no key seen yet: every exponential is 0
@@ -139,7 +161,7 @@ def _forward(q, k, v, q_lens, kv_lens, bias, mask, config):
           jnp.zeros(stats_shape), jnp.zeros(stats_shape, jnp.int32),
           jnp.zeros(stats_shape + (head_dim,)))
   (has_keys, row_max, row_sum, exponent, acc), _ = jax.lax.scan(
-      step, init, _scan_inputs(k, v, bias5, mask5, config.block))
+      step, init, _scan_inputs(k, v, bias5, mask5, segment_ids, config.block))
   scaled_sum = jnp.where(has_keys, jnp.ldexp(row_sum, -exponent), 1.0)
   out = jnp.where(has_keys[..., None], acc / scaled_sum[..., None], 0.0)
   safe_sum = jnp.where(has_keys, row_sum, 1.0)
@@ -148,7 +170,7 @@ def _forward(q, k, v, q_lens, kv_lens, bias, mask, config):
   return out, lse.reshape(batch, heads_q, seq_q)
 
 
-def _backward(q, k, v, o, lse, d_o, q_lens, kv_lens, bias, mask, config):
+def _backward(q, k, v, o, lse, d_o, q_lens, kv_lens, bias, mask, segment_ids, config):
   """(dq, dk, dv, dbias) in the dtypes of q, k, v and the bias (None without one); dK and dV
   summed over each kv head's query heads, dbias over the dims the bias broadcasts along."""
   batch, seq_q, heads_q, head_dim = q.shape
@@ -169,10 +191,11 @@ def _backward(q, k, v, o, lse, d_o, q_lens, kv_lens, bias, mask, config):
 
   def step(carry, xs):
     dq, dbias_sum = carry
-    index, k_block, v_block, bias_blocks, mask_blocks = xs
+    index, k_block, v_block, bias_blocks, mask_blocks, kv_ids_block = xs
     scores, allowed = _block_scores(q5, k_block, index, q_lens, kv_lens,
                                     _this_block(bias5, bias_blocks),
-                                    _this_block(mask5, mask_blocks), config)
+                                    _this_block(mask5, mask_blocks), config, segment_ids,
+                                    kv_ids_block)
     # 0 where masked; a row with no key (lse EMPTY_ROW_LSE) has nothing allowed.
     probs = masked_exp(allowed, scores, lse[..., None])
     d_probs = jnp.einsum("btkgh,bskh->bkgts", do5, v_block)
@@ -190,7 +213,8 @@ def _backward(q, k, v, o, lse, d_o, q_lens, kv_lens, bias, mask, config):
 
   dbias_init = None if bias5 is None else jnp.zeros(bias5.shape, jnp.float32)
   (dq, dbias_sum), (dk, dv, dbias_blocks) = jax.lax.scan(
-      step, (jnp.zeros_like(q5), dbias_init), _scan_inputs(k, v, bias5, mask5, config.block))
+      step, (jnp.zeros_like(q5), dbias_init),
+      _scan_inputs(k, v, bias5, mask5, segment_ids, config.block))
 
   def unblock(x, like):
     x = jnp.moveaxis(x, 0, 1).reshape(batch, -1, heads_k, head_dim)
@@ -208,34 +232,38 @@ def _backward(q, k, v, o, lse, d_o, q_lens, kv_lens, bias, mask, config):
   return dq.reshape(q.shape).astype(q.dtype), unblock(dk, k), unblock(dv, v), dbias
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _attention(q, k, v, q_lens, kv_lens, bias, mask, config):
-  o32, lse = _forward(q, k, v, q_lens, kv_lens, bias, mask, config)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _attention(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, config):
+  o32, lse = _forward(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, config)
   return o32.astype(q.dtype), lse
 
 
-def _attention_fwd(q, k, v, q_lens, kv_lens, bias, mask, config):
+def _attention_fwd(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, config):
   # The backward forms delta from the output in float32, not rounded to q's dtype (issue 13).
-  o32, lse = _forward(q, k, v, q_lens, kv_lens, bias, mask, config)
-  return (o32.astype(q.dtype), lse), (q, k, v, o32, lse, q_lens, kv_lens, bias, mask)
+  o32, lse = _forward(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, config)
+  return ((o32.astype(q.dtype), lse),
+          (q, k, v, o32, lse, q_lens, kv_lens, bias, mask, segment_ids))
 
 
 def _attention_bwd(config, residuals, cotangents):
-  q, k, v, o, lse, q_lens, kv_lens, bias, mask = residuals
+  q, k, v, o, lse, q_lens, kv_lens, bias, mask, segment_ids = residuals
   d_o, _ = cotangents  # lse leaves through stop_gradient
-  dq, dk, dv, dbias = _backward(q, k, v, o, lse, d_o, q_lens, kv_lens, bias, mask, config)
-  return dq, dk, dv, None, None, dbias, None
+  dq, dk, dv, dbias = _backward(q, k, v, o, lse, d_o, q_lens, kv_lens, bias, mask, segment_ids,
+                                config)
+  return dq, dk, dv, None, None, dbias, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def blockwise_attention(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bool,
-                        window_left: int = -1, window_right: int = -1, bias=None, mask=None):
+                        window_left: int = -1, window_right: int = -1, bias=None, mask=None,
+                        segment_ids=None):
   """Returns (o, lse) as ``attention_reference`` does: o (B, T, N, H) in q's dtype, lse
   (B, N, T) float32, differentiable in q, k, v and the bias with a recomputing backward pass.
   `bias` (added to the scaled scores) and `mask` (True: attend) are rank 4, broadcastable to
-  (B, N, T, S); each scan step takes their slice for its key block."""
+  (B, N, T, S); each scan step takes their slice for its key block. `segment_ids`: None or
+  (q_ids (B, T), kv_ids (B, S)) int32."""
   if k.shape[1] == 0 or q.size == 0:  # no blocks to scan, or no rows (B, T or N is 0)
     lse = jnp.full((q.shape[0], q.shape[2], q.shape[1]), EMPTY_ROW_LSE, jnp.float32)
     return jnp.zeros_like(q), lse
@@ -243,4 +271,4 @@ def blockwise_attention(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bo
                    min(KEY_BLOCK, k.shape[1]))
   if bias is not None:
     bias = bias.astype(jnp.float32)
-  return _attention(q, k, v, q_lens, kv_lens, bias, mask, config)
+  return _attention(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, config)

@@ -50,6 +50,7 @@ class Capabilities:
   deterministic_backward: bool  # honours deterministic=True (bit-identical gradients)
   ring: bool  # runs the blocks of ring attention (ring_attention, sequence-sharded calls)
   paged: bool = False  # runs jax_flash.paged_attention (K/V read through a page table)
+  segment_ids: bool = False  # takes q_segment_ids / kv_segment_ids (packed documents)
 
 
 def capabilities(name: str) -> Capabilities:
@@ -62,7 +63,7 @@ def capabilities(name: str) -> Capabilities:
         head_dim_multiple=1,  # the kernel aligns its own float32 tiles
         logit_arrays=False, mask_forms=MASK_FORMS,
         deterministic_backward=True,  # always: dQ partials are summed in a fixed order
-        ring=True, paged=True)
+        ring=True, paged=True, segment_ids=True)
   if name == "cuda":
     cuda = _registry.CUDA_KERNEL_CONSTANTS or {}  # empty where no CUDA kernels were built
     return Capabilities(
@@ -75,7 +76,8 @@ def capabilities(name: str) -> Capabilities:
         name, kernel=False, dtypes=_FLOAT_DTYPES, max_head_dim=None, head_dim_multiple=1,
         logit_arrays=True, mask_forms=MASK_FORMS,
         deterministic_backward=True,  # XLA's products and scans: no atomics
-        ring=False, paged=name == "xla")  # "xla": the pages gathered, then the reference
+        ring=False, paged=name == "xla",  # "xla": the pages gathered, then the reference
+        segment_ids=True)
   raise ValueError(f"no implementation named {name!r}")
 
 
@@ -91,6 +93,8 @@ class Call:
   mask_forms: frozenset = frozenset()  # of MASK_FORMS
   deterministic: bool = False
   ring: bool = False  # the blocks of ring attention
+  # The shapes of q_segment_ids and kv_segment_ids as passed, None without them.
+  segment_ids: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
   @property
   def head_dim(self) -> int:
@@ -175,6 +179,15 @@ def select(implementation: str | None, call: Call, *,
     raise NotImplementedError(
         f"{caller}: the {name!r} kernels ({picked}) take no bias or mask arrays; got {given}. "
         f"They never build the (T, S) scores. {mask_advice or _KERNEL_MASK_ADVICE}")
+  if call.segment_ids is not None and not can.segment_ids:
+    q_ids, kv_ids = call.segment_ids
+    takers = ", ".join(repr(n) for n in ("cpu", "blockwise", "xla")
+                       if capabilities(n).segment_ids)
+    raise NotImplementedError(
+        f"{caller}: the {name!r} kernels ({picked}) take no segment ids yet; got "
+        f"q_segment_ids{q_ids} and kv_segment_ids{kv_ids} with query{call.query}. "
+        f"Implementations {takers} take them: pass implementation='blockwise' on a GPU "
+        "(FlashAttention in XLA)")
   if can.max_head_dim is not None and call.head_dim > can.max_head_dim:
     instead = ("ring attention has no path for larger heads" if call.ring else
                "use implementation='blockwise' (or 'xla') for larger heads")

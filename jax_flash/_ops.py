@@ -3,7 +3,8 @@ what every entry point does around them (:func:`call_kernels`: a positive scale,
 padded as the kernels need).
 
 Kernel layouts: q, o, dq (..., T, N, H); k, v, dk, dv (..., S, K, H); lse (..., N, T) float32;
-q_lens, kv_lens (...,) int32. Leading dimensions are batch; vmap adds more (``broadcast_all``),
+q_lens, kv_lens (...,) int32; segment ids, where given, (..., T) and (..., S) int32 (the "cpu"
+kernel only). Leading dimensions are batch; vmap adds more (``broadcast_all``),
 and the kernels fold them all into one batch dimension.
 """
 
@@ -84,9 +85,25 @@ def _lse_shape(q: jax.Array) -> tuple[int, ...]:
   return (*batch, n, t)
 
 
-def _flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig):
+def _segment_operands(config: KernelConfig, segment_ids) -> tuple[tuple, dict]:
+  """The segment-id operands and attribute of a kernel call: the "cpu" passes always take two
+  int32 operands and the switch `segment_ids` ((0,) placeholders without ids); the "cuda" ones
+  take none, and no ids (jax_flash._dispatch refuses them there before a call is built)."""
+  if config.implementation != "cpu":
+    if segment_ids is not None:
+      raise NotImplementedError(f"the {config.implementation!r} kernels take no segment ids")
+    return (), {}
+  if segment_ids is None:
+    empty = jnp.zeros((0,), jnp.int32)
+    return (empty, empty), {"segment_ids": False}
+  return tuple(segment_ids), {"segment_ids": True}
+
+
+def _flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig, segment_ids=None):
   """Returns (o, lse) with o like q (float32 with config.o_float32) and lse (..., N, T)
-  float32."""
+  float32. `segment_ids`: None or (q_ids (..., T), kv_ids (..., S)) int32."""
+  if segment_ids is not None and config.kv_splits:
+    raise ValueError("split-KV decoding takes no segment ids (call_kernels sets kv_splits=0)")
   if config.kv_splits and config.implementation == "cuda":
     tiled = dataclasses.replace(config, kv_splits=0, o_float32=True)
     return _split_kv.split_kv_forward(
@@ -105,7 +122,8 @@ def _flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig):
       ),
       vmap_method="broadcast_all",
   )
-  return call(q, k, v, q_lens, kv_lens, **config.attributes())
+  ids, id_attributes = _segment_operands(config, segment_ids)
+  return call(q, k, v, q_lens, kv_lens, *ids, **config.attributes(), **id_attributes)
 
 
 # The kernel ops have one derivative, their custom VJP's: differentiating them raises.
@@ -135,7 +153,7 @@ def dq_splits(batch: int, heads_k: int, seq_k: int) -> int:
   return max(1, wanted)
 
 
-def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig):
+def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig, segment_ids=None):
   """Returns (dq, dk, dv); the kernel's workspaces come back as extra outputs and are dropped:
   delta (..., N, T) float32, and the float32 dQ accumulator, flat, of the size the native
   module gives (on the CPU one partial per dQ split; on CUDA one like q, none in deterministic
@@ -163,7 +181,9 @@ def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig):
       ),
       vmap_method="broadcast_all",
   )
-  dq, dk, dv, _, _ = call(q, k, v, o, lse, d_o, q_lens, kv_lens, **attributes)
+  ids, id_attributes = _segment_operands(config, segment_ids)
+  dq, dk, dv, _, _ = call(q, k, v, o, lse, d_o, q_lens, kv_lens, *ids, **attributes,
+                          **id_attributes)
   return dq, dk, dv
 
 
@@ -210,14 +230,18 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
                  q_lens: jax.Array, kv_lens: jax.Array, *, implementation: str, scale: float,
                  is_causal: bool, window_left: int = -1, window_right: int = -1,
                  deterministic: bool = False, context_parallel: str | None = None,
-                 caller: str = "jax_flash.dot_product_attention") -> tuple[jax.Array, jax.Array]:
+                 caller: str = "jax_flash.dot_product_attention",
+                 segment_ids: tuple[jax.Array, jax.Array] | None = None,
+                 ) -> tuple[jax.Array, jax.Array]:
   """(out, lse) of `attention` with what every entry point does around the kernels: the scale
   made positive (positive_scale) and the head dim zero-padded as `implementation` needs
   (head_dim_padding), both outside the custom VJP so JAX differentiates them; the padding is
   sliced off the output again. q, k, v are rank 4 (B, T|S, N|K, H).
 
   On the "cpu" kernel a call with few query rows per kv head runs the split-KV decode kernel
-  (jax_flash._decode.kv_splits decides; KernelConfig.kv_splits records it).
+  (jax_flash._decode.kv_splits decides; KernelConfig.kv_splits records it), except with
+  `segment_ids` ((B, T), (B, S) int32), which only the tiled kernel takes: `attention` is then
+  called with them as a seventh argument.
 
   With nothing to compute (B, T or N is 0) or no key for any row (S is 0) no kernel runs: the
   output is zeros (every row empty, lse EMPTY_ROW_LSE), as jax.nn's is, and so are the
@@ -237,8 +261,11 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
                             window_left, window_right)
   else:
     splits = _decode.kv_splits(implementation, batch, seq_q, heads_q, k.shape[2], k.shape[1])
+  if segment_ids is not None:
+    splits = 0
   config = KernelConfig(implementation, scale, bool(is_causal), window_left, window_right,
                         deterministic, context_parallel=context_parallel, kv_splits=splits)
   with _derivatives.explain_forward_mode(caller, implementation):
-    out, lse = attention(q, k, v, q_lens, kv_lens, config)
+    extra = () if segment_ids is None else (tuple(segment_ids),)
+    out, lse = attention(q, k, v, q_lens, kv_lens, config, *extra)
   return out[..., :head_dim], lse

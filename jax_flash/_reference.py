@@ -31,9 +31,10 @@ def masked_exp(allowed: jax.Array, x: jax.Array, shift: jax.Array) -> jax.Array:
 
 
 def key_mask(seq_q: int, seq_k: int, q_lens, kv_lens, is_causal: bool,
-             window_left: int, window_right: int, key_offset=0) -> jax.Array:
+             window_left: int, window_right: int, key_offset=0, segment_ids=None) -> jax.Array:
   """(B, T, S) bool: which keys each query row may attend to (window bounds < 0: unbounded),
-  for the S keys from position `key_offset` on."""
+  for the S keys from position `key_offset` on; with `segment_ids` (q_ids (B, T), kv_ids
+  (B, S) of those S keys) only keys of the row's own segment."""
   i = jnp.arange(seq_q)[None, :, None]
   j = key_offset + jnp.arange(seq_k)[None, None, :]
   mask = (i < q_lens[:, None, None]) & (j < kv_lens[:, None, None])
@@ -43,6 +44,9 @@ def key_mask(seq_q: int, seq_k: int, q_lens, kv_lens, is_causal: bool,
     mask &= j >= i - window_left
   if window_right >= 0:
     mask &= j <= i + window_right
+  if segment_ids is not None:
+    q_ids, kv_ids = segment_ids
+    mask &= q_ids[:, :, None] == kv_ids[:, None, :]
   return mask
 
 
@@ -54,11 +58,14 @@ def grouped_logit_array(x, heads_k: int):
 
 
 def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bool,
-                        window_left: int = -1, window_right: int = -1, bias=None, mask=None):
+                        window_left: int = -1, window_right: int = -1, bias=None, mask=None,
+                        segment_ids=None):
   """Returns (o, lse): o (B, T, N, H) in q's dtype, lse (B, N, T) float32.
 
   Computed in float32 whatever the input dtype (inputs are upcast first). `bias` (added to the
   scaled scores) and `mask` (True: attend) are rank 4, broadcastable to (B, N, T, S).
+  `segment_ids`: None or (q_ids (B, T), kv_ids (B, S)) int32; a query attends only keys of
+  its own id.
 
   A row is empty (0 output, EMPTY_ROW_LSE) when the masks leave it no key, and only then: a NaN
   or inf among the scores it attends makes it NaN, as in jax.nn. Masked scores are replaced by
@@ -71,7 +78,8 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bo
     lse = jnp.full((batch, heads_q, seq_q), EMPTY_ROW_LSE, jnp.float32)
     return jnp.zeros_like(q), lse
   group = heads_q // heads_k
-  allowed = key_mask(seq_q, seq_k, q_lens, kv_lens, is_causal, window_left, window_right)
+  allowed = key_mask(seq_q, seq_k, q_lens, kv_lens, is_causal, window_left, window_right,
+                     segment_ids=segment_ids)
   allowed = allowed[:, None, None, :, :]
   if mask is not None:
     allowed = allowed & grouped_logit_array(mask, heads_k)

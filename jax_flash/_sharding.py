@@ -16,6 +16,11 @@ replicated: no communication in the forward; the backward sums dK/dV over the he
 all-reduce of kv-sized arrays). When the axes divide the query heads but not K > 1 kv
 heads, the heads are kept whole instead (the op is replicated over those axes: correct, but
 without the head parallelism).
+
+Segment ids ((B, T) and (B, S), the "cpu" kernel's) have their own pair of partitioned ops:
+the ids shard with the batch (heads need nothing of them: still no communication). A sharded
+sequence with segment ids raises NotImplementedError: no context-parallel strategy carries the
+ids yet.
 """
 
 from __future__ import annotations
@@ -38,6 +43,10 @@ from jax_flash import _context_parallel, _derivatives, _ops
 _FWD_RULE = "b t n h, b s k h, b s k h, b, b -> b t n h, b n t"
 _BWD_RULE = ("b t n h, b s k h, b s k h, b t n h, b n t, b t n h, b, b "
              "-> b t n h, b s k h, b s k h")
+# With segment ids: q_ids (b t) and kv_ids (b s) after the lengths.
+_IDS_RULE = ", b t, b s"
+_FWD_IDS_RULE = _FWD_RULE.replace(" ->", _IDS_RULE + " ->")
+_BWD_IDS_RULE = _BWD_RULE.replace(" ->", _IDS_RULE + " ->")
 # Kept whole: the head dim.
 _WHOLE_FACTORS = ("h",)
 
@@ -76,13 +85,19 @@ def _heads_plan(mesh, q_shape, k_shape, heads) -> tuple[object, object]:
   return None, None
 
 
-def _plan(mesh, arg_shapes, config: _ops.KernelConfig) -> _Plan:
+def _plan(mesh, arg_shapes, config: _ops.KernelConfig, segment_ids: bool = False) -> _Plan:
   """Read off the query's sharding: batch as it is; heads by _heads_plan; a sharded sequence
   runs the strategy _context_parallel.choose picks for the call (or the one it asks for), and
-  is gathered where none can run."""
+  is gathered where none can run. With `segment_ids` a sharded sequence raises."""
   q, k = arg_shapes[0], arg_shapes[1]
   batch = _spec_entry(q.sharding, 0)
   seq = _spec_entry(q.sharding, 1)
+  if segment_ids and seq is not None and _axis_size(mesh, seq) > 1:
+    raise NotImplementedError(
+        f"jax_flash: q_segment_ids/kv_segment_ids with the query's sequence axis sharded over "
+        f"mesh axes {seq!r} (query{q.shape}): context parallelism (ring, all_to_all, "
+        "all_gather) does not take segment ids yet. Shard the batch or the heads instead, or "
+        "replicate the sequence axis")
   if q.shape[0] % _axis_size(mesh, batch):
     batch = None
   q_heads, kv_heads = _heads_plan(mesh, q.shape, k.shape, _spec_entry(q.sharding, 2))
@@ -103,62 +118,82 @@ def _shardings(mesh, plan: _Plan):
   return q_rows, kv_rows, lse, lens
 
 
-def _fwd_impl(q, k, v, q_lens, kv_lens, config):
-  return _ops.flash_fwd(q, k, v, q_lens, kv_lens, config)
+def _ids_shardings(mesh, plan: _Plan, arg_shapes, inputs: int) -> tuple:
+  """The segment ids' shardings (batch only: the sequence is never sharded with them), for the
+  operands past the first `inputs`: none without ids."""
+  return (NamedSharding(mesh, P(plan.batch, None)),) * (len(arg_shapes) - inputs)
+
+
+def _fwd_impl(q, k, v, q_lens, kv_lens, *ids_and_config):
+  *ids, config = ids_and_config
+  return _ops.flash_fwd(q, k, v, q_lens, kv_lens, config, tuple(ids) if ids else None)
 
 
 def _fwd_partition(config, mesh, arg_shapes, result_shape):
-  plan = _plan(mesh, arg_shapes, config)
+  plan = _plan(mesh, arg_shapes, config, segment_ids=len(arg_shapes) > 5)
   q_rows, kv_rows, lse, lens = _shardings(mesh, plan)
 
-  def lower(q, k, v, q_lens, kv_lens):
+  def lower(q, k, v, q_lens, kv_lens, *ids):
     if plan.seq is not None:
       return _context_parallel.sharded_fwd(plan.strategy, q, k, v, q_lens, kv_lens, config,
                                            axis_name=plan.seq)
-    return _fwd_impl(q, k, v, q_lens, kv_lens, config)
+    return _fwd_impl(q, k, v, q_lens, kv_lens, *ids, config)
 
-  return mesh, lower, (q_rows, lse), (q_rows, kv_rows, kv_rows, lens, lens)
+  return (mesh, lower, (q_rows, lse),
+          (q_rows, kv_rows, kv_rows, lens, lens, *_ids_shardings(mesh, plan, arg_shapes, 5)))
 
 
 def _fwd_infer(config, mesh, arg_shapes, result_shape):
-  q_rows, _, lse, _ = _shardings(mesh, _plan(mesh, arg_shapes, config))
+  plan = _plan(mesh, arg_shapes, config, segment_ids=len(arg_shapes) > 5)
+  q_rows, _, lse, _ = _shardings(mesh, plan)
   return q_rows, lse
 
 
-def _bwd_impl(q, k, v, o, lse, d_o, q_lens, kv_lens, config):
-  return _ops.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config)
+def _bwd_impl(q, k, v, o, lse, d_o, q_lens, kv_lens, *ids_and_config):
+  *ids, config = ids_and_config
+  return _ops.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config,
+                        tuple(ids) if ids else None)
 
 
 def _bwd_partition(config, mesh, arg_shapes, result_shape):
-  plan = _plan(mesh, arg_shapes, config)
+  plan = _plan(mesh, arg_shapes, config, segment_ids=len(arg_shapes) > 8)
   q_rows, kv_rows, lse, lens = _shardings(mesh, plan)
 
-  def lower(q, k, v, o, lse, d_o, q_lens, kv_lens):
+  def lower(q, k, v, o, lse, d_o, q_lens, kv_lens, *ids):
     if plan.seq is not None:
       dq, dk, dv = _context_parallel.sharded_bwd(plan.strategy, q, k, v, o, lse, d_o, q_lens,
                                                  kv_lens, config, axis_name=plan.seq)
     else:
-      dq, dk, dv = _bwd_impl(q, k, v, o, lse, d_o, q_lens, kv_lens, config)
+      dq, dk, dv = _bwd_impl(q, k, v, o, lse, d_o, q_lens, kv_lens, *ids, config)
     if plan.q_heads is not None and plan.kv_heads is None:
       # One kv head, query heads split: each device holds the dK/dV of its query heads only.
       dk, dv = jax.lax.psum((dk, dv), plan.q_heads)
     return dq, dk, dv
 
   return (mesh, lower, (q_rows, kv_rows, kv_rows),
-          (q_rows, kv_rows, kv_rows, q_rows, lse, q_rows, lens, lens))
+          (q_rows, kv_rows, kv_rows, q_rows, lse, q_rows, lens, lens,
+           *_ids_shardings(mesh, plan, arg_shapes, 8)))
 
 
 def _bwd_infer(config, mesh, arg_shapes, result_shape):
-  q_rows, kv_rows, _, _ = _shardings(mesh, _plan(mesh, arg_shapes, config))
+  plan = _plan(mesh, arg_shapes, config, segment_ids=len(arg_shapes) > 8)
+  q_rows, kv_rows, _, _ = _shardings(mesh, plan)
   return q_rows, kv_rows, kv_rows
 
 
-_partitioned_fwd = custom_partitioning(_fwd_impl, static_argnums=(5,))
-_partitioned_fwd.def_partition(partition=_fwd_partition, infer_sharding_from_operands=_fwd_infer,
-                               sharding_rule=_FWD_RULE, need_replication_factors=_WHOLE_FACTORS)
-_partitioned_bwd = custom_partitioning(_bwd_impl, static_argnums=(8,))
-_partitioned_bwd.def_partition(partition=_bwd_partition, infer_sharding_from_operands=_bwd_infer,
-                               sharding_rule=_BWD_RULE, need_replication_factors=_WHOLE_FACTORS)
+def _partitioned(impl, inputs: int, rule: str, partition, infer):
+  """`impl` under custom_partitioning, its config the static argument after `inputs` arrays."""
+  op = custom_partitioning(impl, static_argnums=(inputs,))
+  op.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule,
+                   need_replication_factors=_WHOLE_FACTORS)
+  return op
+
+
+_partitioned_fwd = _partitioned(_fwd_impl, 5, _FWD_RULE, _fwd_partition, _fwd_infer)
+_partitioned_bwd = _partitioned(_bwd_impl, 8, _BWD_RULE, _bwd_partition, _bwd_infer)
+# The same ops with segment ids (q_ids, kv_ids) after the lengths.
+_partitioned_fwd_ids = _partitioned(_fwd_impl, 7, _FWD_IDS_RULE, _fwd_partition, _fwd_infer)
+_partitioned_bwd_ids = _partitioned(_bwd_impl, 10, _BWD_IDS_RULE, _bwd_partition, _bwd_infer)
 
 
 def _fold_into_batch(axis_size: int, in_batched, args):
@@ -193,11 +228,18 @@ def _batched_op(partitioned, config: _ops.KernelConfig):
   return _derivatives.first_order_only(op)
 
 
-def flash_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig):
-  """(o, lse) of the forward kernel; q, k, v rank 4, lens rank 1; partitions and vmaps."""
-  return _batched_op(_partitioned_fwd, config)(q, k, v, q_lens, kv_lens)
+def flash_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=None):
+  """(o, lse) of the forward kernel; q, k, v rank 4, lens rank 1, segment_ids None or
+  (q_ids (B, T), kv_ids (B, S)); partitions and vmaps."""
+  if segment_ids is None:
+    return _batched_op(_partitioned_fwd, config)(q, k, v, q_lens, kv_lens)
+  return _batched_op(_partitioned_fwd_ids, config)(q, k, v, q_lens, kv_lens, *segment_ids)
 
 
-def flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelConfig):
+def flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelConfig,
+              segment_ids=None):
   """(dq, dk, dv) of the backward kernels; partitions and vmaps like flash_fwd."""
-  return _batched_op(_partitioned_bwd, config)(q, k, v, o, lse, d_o, q_lens, kv_lens)
+  if segment_ids is None:
+    return _batched_op(_partitioned_bwd, config)(q, k, v, o, lse, d_o, q_lens, kv_lens)
+  return _batched_op(_partitioned_bwd_ids, config)(q, k, v, o, lse, d_o, q_lens, kv_lens,
+                                                   *segment_ids)

@@ -65,6 +65,39 @@ def check_seq_lengths(name: str, lengths, batch: int, full: int) -> jax.Array | 
   return jnp.clip(lengths, 0, full)
 
 
+def check_segment_ids(q_segment_ids, kv_segment_ids, batch: int, seq_q: int, seq_k: int,
+                      unbatched: bool) -> tuple[jax.Array, jax.Array] | None:
+  """The segment ids as int32 arrays (B, T) and (B, S) (rank-3 calls pass (T,) and (S,), given
+  a leading batch of 1 here), or None when neither is given. Both or neither: one alone raises.
+  int32 only, as the sequence lengths: another integer dtype raises with the cast to make (a
+  wider one could wrap two ids into one when cast, so it is never cast silently)."""
+  if q_segment_ids is None and kv_segment_ids is None:
+    return None
+  if q_segment_ids is None or kv_segment_ids is None:
+    given, missing = (("q_segment_ids", "kv_segment_ids") if kv_segment_ids is None else
+                      ("kv_segment_ids", "q_segment_ids"))
+    raise ValueError(f"{given} was given without {missing}: pass both (a query attends a key "
+                     "only where their ids are equal; for self-attention over packed documents "
+                     "pass the same ids as both)")
+  out = []
+  for name, ids, seq in (("q_segment_ids", q_segment_ids, seq_q),
+                         ("kv_segment_ids", kv_segment_ids, seq_k)):
+    ids = jnp.asarray(ids)
+    axis = "T" if name[0] == "q" else "S"
+    want = (seq,) if unbatched else (batch, seq)
+    if ids.shape != want:
+      form = f"({axis},)" if unbatched else f"(B, {axis})"
+      raise ValueError(f"{name} must have shape {form} = {want} (one id per "
+                       f"{'query' if name[0] == 'q' else 'key'} position); got {name}{ids.shape}")
+    if ids.dtype != jnp.int32:
+      advice = (" (cast it with .astype(jnp.int32))"
+                if jnp.issubdtype(ids.dtype, jnp.integer) else "")
+      raise ValueError(f"{name} must be an integer array of dtype int32; got {ids.dtype} "
+                       f"({name}{ids.shape}){advice}")
+    out.append(ids[None] if unbatched else ids)
+  return out[0], out[1]
+
+
 def check_logit_array(name: str, x, batch: int, heads: int, seq_q: int,
                       seq_k: int) -> jax.Array | None:
   """`bias` or `mask` as a rank-4 array broadcastable to the scores (B, N, T, S), as jax.nn takes

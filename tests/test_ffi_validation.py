@@ -61,15 +61,20 @@ B, T, S, N, K, H = 2, 5, 7, 4, 2, 8
 Q, KV, ROWS = (B, T, N, H), (B, S, K, H), (B, N, T)
 
 
+# The CPU passes' segment-id operands without ids: int32 placeholders with no elements.
+NO_IDS = dict(q_segment_ids=((0,), "int32"), kv_segment_ids=((0,), "int32"))
+
+
 def attributes(**overrides) -> dict:
-  base = dict(scale=0.5, is_causal=False, window_left=np.int64(-1), window_right=np.int64(-1))
+  base = dict(scale=0.5, is_causal=False, window_left=np.int64(-1), window_right=np.int64(-1),
+              segment_ids=False)
   return {**base, **overrides}
 
 
 def valid_fwd() -> Call:
   return Call("jax_flash_cpu_fwd",
               dict(q=(Q, "float32"), k=(KV, "float32"), v=(KV, "float32"), q_lens=((B,), "int32"),
-                   kv_lens=((B,), "int32")),
+                   kv_lens=((B,), "int32"), **NO_IDS),
               dict(o=(Q, "float32"), lse=(ROWS, "float32")), attributes())
 
 
@@ -82,7 +87,7 @@ def valid_bwd(splits: int = 2) -> Call:
   return Call("jax_flash_cpu_bwd",
               dict(q=(Q, "float32"), k=(KV, "float32"), v=(KV, "float32"), o=(Q, "float32"),
                    lse=(ROWS, "float32"), do=(Q, "float32"), q_lens=((B,), "int32"),
-                   kv_lens=((B,), "int32")),
+                   kv_lens=((B,), "int32"), **NO_IDS),
               dict(dq=(Q, "float32"), dk=(KV, "float32"), dv=(KV, "float32"),
                    delta=(ROWS, "float32"), dq_accum=((dq_accum_elements(splits),), "float32")),
               attributes(dq_splits=np.int64(splits), deterministic=False))
@@ -119,6 +124,13 @@ def with_shapes(call: Call, q_shape, kv_shape) -> Call:
 def with_attributes(call: Call, **overrides) -> Call:
   call.attributes.update(overrides)
   return call
+
+
+def with_ids(call: Call, q_ids=(B, T), kv_ids=(B, S), dtype="int32") -> Call:
+  """Segment ids switched on, with operands of these shapes."""
+  call.shapes["q_segment_ids"] = (tuple(q_ids), dtype)
+  call.shapes["kv_segment_ids"] = (tuple(kv_ids), dtype)
+  return with_attributes(call, segment_ids=True)
 
 
 # Errors both passes share (the checks of cuda/common/ffi_params.h): (id, spoil, fragments).
@@ -174,6 +186,18 @@ COMMON_ERRORS = [
     ("window_left_-2", lambda c: with_attributes(c, window_left=np.int64(-2)), ("window_left", "got -2")),
     ("window_right_min", lambda c: with_attributes(c, window_right=np.int64(INT64_MIN)),
      ("window_right", str(INT64_MIN))),
+    # Segment ids: the switch and the operands must agree, int32, shaped like q and k's rows.
+    ("segment_ids_on_empty", lambda c: with_attributes(c, segment_ids=True),
+     ("q_segment_ids(0,) int32", "without its last two dims", "q(2, 5, 4, 8)")),
+    ("segment_ids_off_given", lambda c: with_attributes(with_ids(c), segment_ids=False),
+     ("segment_ids=false takes empty", "q_segment_ids(2, 5) int32", "kv_segment_ids(2, 7) int32")),
+    ("q_ids_transposed", lambda c: with_ids(c, q_ids=(T, B)), ("q_segment_ids(5, 2) int32", "q(2, 5, 4, 8)")),
+    ("kv_ids_long", lambda c: with_ids(c, kv_ids=(B, S + 1)),
+     ("kv_segment_ids(2, 8) int32", "one id per key row", "k(2, 7, 2, 8)")),
+    ("kv_ids_rank", lambda c: with_ids(c, kv_ids=(B, S, 1)), ("kv_segment_ids(2, 7, 1) int32",)),
+    ("q_ids_int16", lambda c: with_ids(c, dtype="int16"), ("q_segment_ids(2, 5) int16", "int32")),
+    ("kv_ids_float", lambda c: with_dtype(c, "float32", "kv_segment_ids"),
+     ("kv_segment_ids(0,) float32", "int32")),
 ]
 
 BWD_ERRORS = [
@@ -212,10 +236,13 @@ def test_bwd_errors(rng, spoil, fragments):
     call.run(rng)
 
 
+@pytest.mark.parametrize("ids", [False, True])
 @pytest.mark.parametrize("make", [valid_fwd, valid_bwd], ids=["fwd", "bwd"])
-def test_valid_calls_run(rng, make):
-  """The calls the error tests spoil are valid as built (so each error is the spoiled field's)."""
-  for out in make().run(rng):
+def test_valid_calls_run(rng, make, ids):
+  """The calls the error tests spoil are valid as built (so each error is the spoiled field's),
+  with segment ids too."""
+  call = with_ids(make()) if ids else make()
+  for out in call.run(rng):
     assert np.isfinite(np.asarray(out, np.float32)).all()
 
 
@@ -238,8 +265,9 @@ WIDE_WINDOWS = [T + S, T + S + 1, 1 << 40, INT64_MAX - 1, INT64_MAX]
 def _direct_fwd(q, k, v, q_lens, kv_lens, scale, causal, left, right):
   *batch, t, n, _ = q.shape
   call = jax.ffi.ffi_call("jax_flash_cpu_fwd", (spec(q.shape, q.dtype), spec((*batch, n, t))))
-  return call(q, k, v, q_lens, kv_lens, scale=float(scale), is_causal=causal, window_left=np.int64(left),
-              window_right=np.int64(right))
+  no_ids = jnp.zeros((0,), jnp.int32)
+  return call(q, k, v, q_lens, kv_lens, no_ids, no_ids, scale=float(scale), is_causal=causal,
+              window_left=np.int64(left), window_right=np.int64(right), segment_ids=False)
 
 
 def _inputs(rng, dtype="float32"):
@@ -292,7 +320,9 @@ def test_wide_window_backward_matches_unbounded(rng, window):
 
   def grads(left, right):
     attrs = {**call.attributes, "window_left": np.int64(left), "window_right": np.int64(right)}
-    return jax.jit(lambda *a: bwd(*a, **attrs))(q, k, v, o, lse, d_o, q_lens, kv_lens)[:3]
+    no_ids = jnp.zeros((0,), jnp.int32)
+    return jax.jit(lambda *a: bwd(*a, **attrs))(q, k, v, o, lse, d_o, q_lens, kv_lens, no_ids,
+                                                no_ids)[:3]
 
   for got, want in zip(grads(window, window), grads(-1, -1)):
     _close(got, want, atol=0)

@@ -5,6 +5,7 @@
 //   k, v, dk, dv : (batch, seq_k, heads_k, head_dim)
 //   lse, delta   : (batch, heads_q, seq_q), float32
 //   q_lens, kv_lens : (batch,), int32; valid query / key rows per batch element
+//   q_segment_ids, kv_segment_ids : (batch, seq_q), (batch, seq_k), int32, or absent
 // "batch" is every leading dimension folded together (vmap adds them).
 #pragma once
 
@@ -49,6 +50,11 @@ struct AttentionParams {
   const void* v = nullptr;
   const int32_t* q_lens = nullptr;
   const int32_t* kv_lens = nullptr;
+  // Segment ids (packed documents), or null for none: query row i of batch b attends key j only
+  // when q_segment_ids[b * seq_q + i] == kv_segment_ids[b * seq_k + j], on top of the masks
+  // above. Only the CPU kernel reads them (the CUDA handlers take no segment-id operands).
+  const int32_t* q_segment_ids = nullptr;
+  const int32_t* kv_segment_ids = nullptr;
   // o is float32 while the inputs are 16-bit: the forward's output kept at full precision when
   // it is differentiated, so that the backward forms delta = rowsum(dO * O) from it and not from
   // O rounded to 16 bits (issue 13: that rounding cost dQ/dK their accuracy on peaked softmaxes).

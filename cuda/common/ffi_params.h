@@ -255,6 +255,41 @@ inline xla::ffi::Error make_bwd_params(
   return xla::ffi::Error::Success();
 }
 
+// Segment ids (packed documents): with `segment_ids`, q_segment_ids (..., T) and kv_segment_ids
+// (..., S), int32, their leading dimensions those of q and k (vmap adds the same ones to all);
+// without, both hold no elements (the callers pass int32 (0,) placeholders). Call after the
+// attention inputs are set (it reads params.shape).
+inline xla::ffi::Error set_segment_ids(const xla::ffi::AnyBuffer& q_ids, const xla::ffi::AnyBuffer& kv_ids,
+                                       bool segment_ids, const xla::ffi::AnyBuffer& q,
+                                       const xla::ffi::AnyBuffer& k, AttentionParams& params) {
+  JF_RETURN_IF_ERROR(expect_dtype("q_segment_ids", q_ids, xla::ffi::DataType::S32));
+  JF_RETURN_IF_ERROR(expect_dtype("kv_segment_ids", kv_ids, xla::ffi::DataType::S32));
+  if (!segment_ids) {
+    if (q_ids.element_count() != 0 || kv_ids.element_count() != 0)
+      return invalid("segment_ids=false takes empty segment-id operands; got " + describe("q_segment_ids", q_ids) +
+                     ", " + describe("kv_segment_ids", kv_ids));
+    params.q_segment_ids = params.kv_segment_ids = nullptr;
+    return xla::ffi::Error::Success();
+  }
+  // (leading dims of x..., x's dim at `seq`): what the ids of x's rows must be shaped.
+  auto ids_match = [](const xla::ffi::AnyBuffer& ids, const xla::ffi::AnyBuffer& x) {
+    const auto id = ids.dimensions(), xd = x.dimensions();
+    if (id.size() + 2 != xd.size()) return false;
+    for (size_t i = 0; i < id.size(); ++i)
+      if (id[i] != xd[i]) return false;
+    return true;
+  };
+  if (!ids_match(q_ids, q))
+    return invalid(describe("q_segment_ids", q_ids) + ": must have the shape of q without its last two dims (" +
+                   "one id per query row), " + describe("q", q));
+  if (!ids_match(kv_ids, k))
+    return invalid(describe("kv_segment_ids", kv_ids) + ": must have the shape of k without its last two dims " +
+                   "(one id per key row), " + describe("k", k));
+  params.q_segment_ids = q_ids.typed_data<int32_t>();
+  params.kv_segment_ids = kv_ids.typed_data<int32_t>();
+  return xla::ffi::Error::Success();
+}
+
 // The FFI signatures of the two passes, shared by the CPU and CUDA handlers: `Ctx` is how the
 // backend runs (XLA's thread pool, or its CUDA stream); backend-specific attributes follow.
 template <typename Ctx>

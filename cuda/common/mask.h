@@ -60,4 +60,26 @@ JF_HOST_DEVICE static inline QueryRange queries_seeing_keys(const MaskParams& m,
   return {query_range(m, j0, q_len, kv_len).begin, query_range(m, last, q_len, kv_len).end};
 }
 
+// The span of segment ids [lo, hi] of a run of rows or keys. Two blocks whose spans are disjoint
+// share no id, so no query of one attends any key of the other: the kernels skip that tile. Ids
+// need not be sorted for this to be correct; sorted ids (packed documents) make the spans narrow,
+// so that only the tiles along the documents' diagonal blocks are visited.
+struct IdSpan {
+  int32_t lo;
+  int32_t hi;
+  JF_HOST_DEVICE bool meets(const IdSpan& o) const { return lo <= o.hi && o.lo <= hi; }
+  // Every row of one span and every key of the other share the one id: no element mask needed.
+  JF_HOST_DEVICE bool same_single_id(const IdSpan& o) const { return lo == hi && o.lo == o.hi && lo == o.lo; }
+};
+
+// The span of ids[0..n), n >= 1.
+JF_HOST_DEVICE static inline IdSpan id_span(const int32_t* ids, int64_t n) {
+  IdSpan s{ids[0], ids[0]};
+  for (int64_t x = 1; x < n; ++x) {
+    if (ids[x] < s.lo) s.lo = ids[x];
+    if (ids[x] > s.hi) s.hi = ids[x];
+  }
+  return s;
+}
+
 }  // namespace jax_flash

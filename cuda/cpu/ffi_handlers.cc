@@ -8,6 +8,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 
 #include "cpu/decode.h"
 #include "cpu/kernels.h"
@@ -66,10 +67,12 @@ constexpr int64_t kMaxDqSplits = 64;
 ffi::Error run_fwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens, ffi::Result<ffi::AnyBuffer> o,
                    ffi::Result<ffi::AnyBuffer> lse, double scale, bool is_causal, int64_t window_left,
-                   int64_t window_right) {
+                   int64_t window_right, ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
+                   bool segment_ids) {
   FwdParams params;
   JF_RETURN_IF_ERROR(make_fwd_params(q, k, v, q_lens, kv_lens, *o, *lse, scale, is_causal,
                                      window_left, window_right, params));
+  JF_RETURN_IF_ERROR(set_segment_ids(q_segment_ids, kv_segment_ids, segment_ids, q, k, params));
   PoolRunner runner{&pool};
   cpu::flash_fwd(params, {&PoolRunner::run, &runner});
   return ffi::Error::Success();
@@ -81,10 +84,12 @@ ffi::Error run_bwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                    ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                    ffi::Result<ffi::AnyBuffer> delta, ffi::Result<ffi::AnyBuffer> dq_accum,
                    double scale, bool is_causal, int64_t window_left, int64_t window_right,
+                   ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids, bool segment_ids,
                    int64_t dq_splits, bool /*deterministic: the CPU backward always is*/) {
   BwdParams params;
   JF_RETURN_IF_ERROR(make_bwd_params(q, k, v, o, lse, d_o, q_lens, kv_lens, *dq, *dk, *dv, *delta,
                                      scale, is_causal, window_left, window_right, params));
+  JF_RETURN_IF_ERROR(set_segment_ids(q_segment_ids, kv_segment_ids, segment_ids, q, k, params));
   if (dq_splits < 1 || dq_splits > kMaxDqSplits)
     return invalid("dq_splits must be in [1, " + std::to_string(kMaxDqSplits) + "]; got " +
                    std::to_string(dq_splits));
@@ -129,10 +134,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuFlashDecode, run_decode, decode_binding<ffi::T
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuFlashPaged, run_paged, paged_binding<ffi::ThreadPool>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuFlashFwd, run_fwd, fwd_binding<ffi::ThreadPool>());
+// The CPU passes take segment ids too (the CUDA ones do not): two more operands after the shared
+// ones (operands decode in order among operands, attributes by name) and their switch.
+template <typename Binding>
+auto with_segment_ids(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()  // q_segment_ids (..., T) int32, or (0,) without
+      .template Arg<ffi::AnyBuffer>()  // kv_segment_ids (..., S) int32, or (0,) without
+      .template Attr<bool>("segment_ids");
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuFlashFwd, run_fwd, with_segment_ids(fwd_binding<ffi::ThreadPool>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuFlashBwd, run_bwd,
-                              bwd_binding<ffi::ThreadPool>()
+                              with_segment_ids(bwd_binding<ffi::ThreadPool>())
                                   .Attr<int64_t>("dq_splits")
                                   .Attr<bool>("deterministic"));
 

@@ -47,6 +47,13 @@ struct FlashBwdDelta {
   }
 };
 
+// The segment-id mask on a row of scores: s[c] = -inf for the keys c < cols whose id kv_ids[c]
+// differs from the row's `id`.
+inline void mask_row_segment(float* s, int64_t cols, const int32_t* kv_ids, int32_t id) {
+  for (int64_t c = 0; c < cols; ++c)
+    if (kv_ids[c] != id) s[c] = -INFINITY;
+}
+
 template <typename T>
 struct FlashBwdMain {
   const BwdParams& p;
@@ -98,6 +105,11 @@ struct FlashBwdMain {
         }
         continue;
       }
+      // Segment ids of these keys and of the batch element's query rows (null without), and the
+      // keys' span: a query block whose ids cannot meet it is skipped.
+      const int32_t* kv_ids = p.kv_segment_ids ? p.kv_segment_ids + b * sh.seq_k + j0 : nullptr;
+      const int32_t* q_ids = p.q_segment_ids ? p.q_segment_ids + b * sh.seq_q : nullptr;
+      const IdSpan k_span = kv_ids ? id_span(kv_ids, live_cols) : IdSpan{0, 0};
       load_rows(k + j0 * kv_stride, kv_stride, live_cols, d, k_tile, dp);
       load_rows_transposed(k + j0 * kv_stride, kv_stride, live_cols, d, kt_tile, bk, dp);
       load_rows_transposed(v + j0 * kv_stride, kv_stride, live_cols, d, vt_tile, bk, dp);
@@ -113,12 +125,21 @@ struct FlashBwdMain {
 
         for (int64_t i0 = first_row; i0 < end_row; i0 += bq) {
           const int64_t rows = min64(bq, end_row - i0);
+          bool split_ids = false;
+          if (q_ids) {
+            const IdSpan q_span = id_span(q_ids + i0, rows);
+            if (!q_span.meets(k_span)) continue;
+            split_ids = !q_span.same_single_id(k_span);
+          }
           // float32 Q and dO are read where they lie when the head dim needs no padding.
           int64_t ldq, ldo;
           const float* qs = rows_as_tile(q + i0 * q_stride, q_stride, rows, d, q_tile, dp, ldq);
           const float* dos = rows_as_tile(d_o + i0 * q_stride, q_stride, rows, d, do_tile, dp, ldo);
           for (int64_t r = 0; r < rows; ++r) {
-            lse2[r] = lse[i0 + r] * kLog2e;
+            // A row with no visible key (the forward wrote kEmptyRowLse; inside a visited block
+            // only where segment ids leave its document no key) gets +inf: every probability
+            // of it exp2(-inf - inf) = 0, where -FLT_MAX * log2(e) = -inf would give NaN.
+            lse2[r] = lse[i0 + r] == kEmptyRowLse ? INFINITY : lse[i0 + r] * kLog2e;
             delta[r] = delta_h[i0 + r];
           }
           // P = exp2(S * scale * log2e - lse * log2e), masked.
@@ -128,7 +149,8 @@ struct FlashBwdMain {
           const bool whole = live_cols == bk && j0 >= last.begin && j0 + bk <= first.end;
           for (int64_t r = 0; r < rows; ++r) {
             float* s = probs + r * bk;
-            if (!whole) mask_row(s, j0, live_cols, bk, key_range(p.mask, i0 + r, q_len, kv_len));
+            if (!whole || split_ids) mask_row(s, j0, live_cols, bk, key_range(p.mask, i0 + r, q_len, kv_len));
+            if (split_ids) mask_row_segment(s, live_cols, kv_ids, q_ids[i0 + r]);
             const Vec l = splat(lse2[r]);
             for (int64_t c = 0; c < bk; c += kLanes) store(s + c, exp2_nonpositive(vmin0(load(s + c) - l)));
           }

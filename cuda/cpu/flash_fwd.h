@@ -104,6 +104,27 @@ inline Vec softmax_columns_update(float* st, int64_t ld, int64_t cols, float* ro
   return correction;
 }
 
+// The segment-id mask on a column of transposed scores: s[c * ld] = -inf for the keys c < cols
+// outside [keys.begin, keys.end) (as mask_column) or whose id kv_ids[c] differs from the row's
+// `id`. Returns whether some key survives both.
+inline bool mask_column_segment(float* s, int64_t ld, int64_t j0, int64_t cols, KeyRange keys,
+                                const int32_t* kv_ids, int32_t id) {
+  mask_column(s, ld, j0, cols, keys);
+  const int64_t lo = min64(max64(keys.begin - j0, 0), cols);
+  const int64_t hi = max64(min64(keys.end - j0, cols), lo);
+  bool any = false;
+  for (int64_t c = lo; c < hi; ++c) {
+    if (kv_ids[c] != id) s[c * ld] = -INFINITY;
+    else any = true;
+  }
+  return any;
+}
+
+// Whether the key range of a row meets the keys [j0, j0 + cols).
+inline bool range_meets(KeyRange keys, int64_t j0, int64_t cols) {
+  return max64(keys.begin, j0) < min64(keys.end, j0 + cols);
+}
+
 template <typename T>
 struct FlashFwd {
   const FwdParams& p;
@@ -141,7 +162,7 @@ struct FlashFwd {
     // softmax's reductions over keys run down columns, kLanes query rows a vector.
     const int64_t kp = kBlockK;           // key tile rows (128-512 measured no faster)
     const int64_t qp = kBlockQ;           // query columns of S^T, a multiple of kLanes
-    float* qt_tile = thread_scratch(2 * kBlockQ * dp + 2 * kp * dp + kp * qp + 3 * qp);
+    float* qt_tile = thread_scratch(2 * kBlockQ * dp + 2 * kp * dp + kp * qp + 4 * qp);
     float* acc = qt_tile + dp * qp;
     float* k_tile = acc + kBlockQ * dp;
     float* v_tile = k_tile + kp * dp;
@@ -149,6 +170,12 @@ struct FlashFwd {
     float* row_max = scores_t + kp * qp;
     float* row_sum = row_max + qp;
     float* correction = row_sum + qp;
+    // With segment ids, 1 where a row has met a key the masks let through: a row whose document
+    // has no visible key is empty. (Without them key_range decides that alone.)
+    float* seen = correction + qp;
+    // Segment ids of this block's rows and of the batch element's keys (null without).
+    const int32_t* q_ids = p.q_segment_ids ? p.q_segment_ids + b * sh.seq_q + i0 : nullptr;
+    const int32_t* kv_ids = p.kv_segment_ids ? p.kv_segment_ids + b * sh.seq_k : nullptr;
 
     if (live_rows > 0) {
       const T* q = static_cast<const T*>(p.q) + (b * sh.seq_q + i0) * q_stride + h * d;
@@ -157,7 +184,9 @@ struct FlashFwd {
       for (int64_t r = 0; r < qp; ++r) {
         row_max[r] = -INFINITY;
         row_sum[r] = 0.f;
+        seen[r] = 0.f;
       }
+      const IdSpan q_span = q_ids ? id_span(q_ids, live_rows) : IdSpan{0, 0};
       for (int64_t x = 0; x < live_rows * dp; ++x) acc[x] = 0.f;
 
       const KeyRange first = key_range(p.mask, i0, q_len, kv_len);
@@ -167,6 +196,14 @@ struct FlashFwd {
       const float score_scale = p.scale * kLog2e;  // scores in base 2: exp2 instead of exp
       for (int64_t j0 = first.begin; j0 < last.end; j0 += kp) {
         const int64_t cols = min64(kp, last.end - j0);
+        // Segment ids: a tile whose keys' ids cannot meet the rows' is skipped whole; one where
+        // rows and keys share a single id needs no element mask.
+        bool split_ids = false;
+        if (kv_ids) {
+          const IdSpan k_span = id_span(kv_ids + j0, cols);
+          if (!q_span.meets(k_span)) continue;
+          split_ids = !q_span.same_single_id(k_span);
+        }
         // float32 K and V are read where they lie when the head dim needs no padding.
         int64_t ldk, ldv;
         const float* kt = rows_as_tile(k + j0 * kv_stride, kv_stride, cols, d, k_tile, dp, ldk);
@@ -174,9 +211,20 @@ struct FlashFwd {
         gemm(cols, nq, dp, score_scale, kt, ldk, qt_tile, qp, scores_t, qp, false);
         // Masks apply only on tiles some row sees partly (the diagonal, window edges).
         const bool whole = j0 >= last.begin && j0 + cols <= first.end;
-        if (!whole)
+        if (split_ids) {
           for (int64_t r = 0; r < live_rows; ++r)
-            mask_column(scores_t + r, qp, j0, cols, key_range(p.mask, i0 + r, q_len, kv_len));
+            if (mask_column_segment(scores_t + r, qp, j0, cols, key_range(p.mask, i0 + r, q_len, kv_len),
+                                    kv_ids + j0, q_ids[r]))
+              seen[r] = 1.f;
+        } else if (!whole) {
+          for (int64_t r = 0; r < live_rows; ++r) {
+            const KeyRange keys = key_range(p.mask, i0 + r, q_len, kv_len);
+            mask_column(scores_t + r, qp, j0, cols, keys);
+            if (kv_ids && range_meets(keys, j0, cols)) seen[r] = 1.f;
+          }
+        } else if (kv_ids) {
+          for (int64_t r = 0; r < live_rows; ++r) seen[r] = 1.f;
+        }
         for (int64_t r = 0; r < nq; r += kLanes)
           store(correction + r,
                 softmax_columns_update(scores_t + r, qp, cols, row_max + r, row_sum + r));
@@ -194,7 +242,8 @@ struct FlashFwd {
     // A row is empty when the masks leave it no key, never because of its values: a NaN sum (a
     // NaN or inf in the inputs) gives a NaN output and lse, as jax.nn's does.
     for (int64_t r = 0; r < rows; ++r) {
-      const bool empty = r >= live_rows || key_range(p.mask, i0 + r, q_len, kv_len).empty();
+      const bool empty = r >= live_rows || key_range(p.mask, i0 + r, q_len, kv_len).empty() ||
+                         (q_ids && seen[r] == 0.f);
       const float inv = empty ? 0.f : 1.f / row_sum[r];
       const int64_t out_row = out_offset + r * q_stride;
       if (p.o_float32)
