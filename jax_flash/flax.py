@@ -13,7 +13,9 @@ Flax is an optional dependency (``pip install -e ".[examples]"``); import this m
   are Flax's modules with FlashAttention inside: the same constructor arguments and the same
   parameter tree, so parameters move between the stock and the flash module either way; plus
   ``is_causal``, ``num_kv_heads`` (grouped-query attention), ``implementation`` and per-call
-  ``query_seq_lengths`` / ``key_value_seq_lengths`` (padding). ``decode=True`` keeps Flax's
+  ``query_seq_lengths`` / ``key_value_seq_lengths`` (padding) and ``q_segment_ids`` /
+  ``kv_segment_ids`` (packed documents, in place of Flax's
+  ``make_attention_mask(segment_ids, segment_ids, jnp.equal)``). ``decode=True`` keeps Flax's
   autoregressive cache (collection "cache": ``cached_key``, ``cached_value``, ``cache_index``,
   as the stock modules make it, so a cache moves between them too) and attends over its valid
   prefix with the kernels (``_flax_cache.py``).
@@ -113,6 +115,18 @@ def _promote(query, key, value, dtype):
   return [x.astype(dtype) for x in arrays]
 
 
+def _flat_segment_ids(name: str, ids, batch_dims: tuple[int, ...], seq: int):
+  """Segment ids shaped (batch..., seq) -> (prod(batch_dims), seq); None stays None."""
+  if ids is None:
+    return None
+  ids = jnp.asarray(ids)
+  if ids.shape != (*batch_dims, seq):
+    raise ValueError(
+        f"{name} must have one id per position, shape {(*batch_dims, seq)} (the batch dims of "
+        f"the query, then the sequence); got {name}{ids.shape}")
+  return ids.reshape(-1, seq)
+
+
 def _flat_lengths(name: str, lengths, batch_dims: tuple[int, ...]):
   """Per-sequence lengths shaped like the batch dims -> (prod(batch_dims),)."""
   if lengths is None:
@@ -151,6 +165,8 @@ def dot_product_attention(
     local_window_size: int | tuple[int, int] | None = None,
     implementation: Implementation | None = None,
     deterministic_backward: bool = False,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
 ) -> jax.Array:
   """FlashAttention with the signature of Flax's ``dot_product_attention``.
 
@@ -204,6 +220,12 @@ def dot_product_attention(
     implementation: ``None`` (the best path for the backend and dtype), ``"cpu"``, ``"cuda"``,
       ``"blockwise"`` or ``"xla"``, as in :func:`jax_flash.dot_product_attention`.
     deterministic_backward: jax_flash's ``deterministic``: a bit-reproducible backward pass.
+    q_segment_ids: int32 ``(batch..., T)``: packed documents; query ``i`` attends key ``j``
+      only where its id equals ``kv_segment_ids[..., j]`` (what Flax expresses as
+      ``mask=make_attention_mask(ids, ids, jnp.equal)``, without the ``(T, S)`` array). Both or
+      neither; the paths that take them are those of
+      :func:`jax_flash.dot_product_attention` ("cpu", "blockwise", "xla").
+    kv_segment_ids: int32 ``(batch..., S)``: the keys' ids.
 
   Returns:
     ``(batch..., T, N, H)`` in the computation dtype.
@@ -244,6 +266,8 @@ def dot_product_attention(
   _validation.check_qkv(query, key, value, any_batch_dims=True)
   q_lens = _flat_lengths("query_seq_lengths", query_seq_lengths, batch_dims)
   kv_lens = _flat_lengths("key_value_seq_lengths", key_value_seq_lengths, batch_dims)
+  q_ids = _flat_segment_ids("q_segment_ids", q_segment_ids, batch_dims, query.shape[-3])
+  kv_ids = _flat_segment_ids("kv_segment_ids", kv_segment_ids, batch_dims, key.shape[-3])
 
   # jax_flash takes (B, T, N, H): fold every batch dim (or none) into one.
   batch = math.prod(batch_dims)
@@ -257,12 +281,15 @@ def dot_product_attention(
       implementation,
       _dispatch.Call(query.shape, query.dtype,
                      bias=None if bias is None else jnp.shape(bias),
-                     mask=None if mask is None else jnp.shape(mask)),
+                     mask=None if mask is None else jnp.shape(mask),
+                     segment_ids=None if q_ids is None or kv_ids is None else
+                     (jnp.shape(q_segment_ids), jnp.shape(kv_segment_ids))),
       caller="jax_flash.flax.dot_product_attention", mask_advice=_MASK_HELP)
   out = jax_flash.dot_product_attention(
       query4, key4, value4, bias4, mask4, scale=scale, is_causal=is_causal,
       query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens, local_window_size=local_window_size,
-      implementation=implementation, deterministic=deterministic_backward)
+      implementation=implementation, deterministic=deterministic_backward,
+      q_segment_ids=q_ids, kv_segment_ids=kv_ids)
   return out.reshape(query.shape)
 
 
@@ -288,7 +315,8 @@ class AttentionFn:
                precision=None, module=None, *, force_fp32_for_softmax=False,
                einsum_dot_general=None, qk_attn_weights_einsum=None,
                attn_weights_value_einsum=None, promote_dtype=None, is_causal=False,
-               query_seq_lengths=None, key_value_seq_lengths=None) -> jax.Array:
+               query_seq_lengths=None, key_value_seq_lengths=None, q_segment_ids=None,
+               kv_segment_ids=None) -> jax.Array:
     return dot_product_attention(
         query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
         deterministic, dtype, precision, module, force_fp32_for_softmax=force_fp32_for_softmax,
@@ -297,7 +325,15 @@ class AttentionFn:
         is_causal=self.is_causal or bool(is_causal), scale=self.scale,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=self.local_window_size, implementation=self.implementation,
-        deterministic_backward=self.deterministic_backward)
+        deterministic_backward=self.deterministic_backward, q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids)
+
+
+def _no_segment_ids_in_decode(owner: str, q_segment_ids, kv_segment_ids) -> None:
+  if q_segment_ids is not None or kv_segment_ids is not None:
+    raise NotImplementedError(
+        f"{owner}: q_segment_ids/kv_segment_ids with decode=True are not supported yet (the "
+        "cache keeps no ids); pass them on calls without decode")
 
 
 def make_attention_fn(
@@ -406,15 +442,19 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
                decode: bool | None = None, is_causal: bool = False,
                query_seq_lengths: jax.Array | None = None,
                key_value_seq_lengths: jax.Array | None = None, out_sharding=None,
-               qkv_sharding=None) -> jax.Array:
-    """``nnx.MultiHeadAttention.__call__`` plus padding lengths.
+               qkv_sharding=None, q_segment_ids: jax.Array | None = None,
+               kv_segment_ids: jax.Array | None = None) -> jax.Array:
+    """``nnx.MultiHeadAttention.__call__`` plus padding lengths and segment ids.
 
     ``is_causal=True`` makes this call causal (or-ed with the constructor's ``is_causal``).
     ``query_seq_lengths`` / ``key_value_seq_lengths``: int arrays shaped like the batch dims of
     the inputs; keys past a length are ignored, output rows past a length are zero before the
     output projection (so they equal its bias); in a decode call the key lengths narrow the
-    cache's valid prefix further. ``rngs`` is accepted for Flax's signature; with dropout
-    unsupported it is never used.
+    cache's valid prefix further. ``q_segment_ids`` / ``kv_segment_ids``: int32 ``(batch...,
+    length)`` document ids of the query and key inputs (for self-attention over packed
+    documents pass the same ids as both); a query attends only keys of its document. Not with
+    ``decode``. ``rngs`` is accepted for Flax's signature; with dropout unsupported it is never
+    used.
     """
     del rngs
     decode = bool(self.decode) if decode is None else decode
@@ -431,6 +471,7 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
 
     attention_fn, step = self.attention_fn, None
     if decode:
+      _no_segment_ids_in_decode("FlashMultiHeadAttention", q_segment_ids, kv_segment_ids)
       if self.cached_key is None or self.cached_value is None or self.cache_index is None:
         raise ValueError("FlashMultiHeadAttention: Autoregressive cache not initialized, call "
                          "``init_cache`` first (decode=True)")
@@ -453,7 +494,8 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
         broadcast_dropout=self.broadcast_dropout, deterministic=deterministic,
         dtype=self.dtype, precision=self.precision, module=self if sow_weights else None,
         is_causal=is_causal, query_seq_lengths=query_seq_lengths,
-        key_value_seq_lengths=key_value_seq_lengths)
+        key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids)
     if step is not None:  # the cache changes only once the call has succeeded
       self.cached_key[...] = step.cached_key
       self.cached_value[...] = step.cached_value
@@ -512,11 +554,15 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
                inputs_v: jax.Array | None = None, *, mask: jax.Array | None = None,
                deterministic: bool | None = None, dropout_rng: jax.Array | None = None,
                sow_weights: bool = False, query_seq_lengths: jax.Array | None = None,
-               key_value_seq_lengths: jax.Array | None = None) -> jax.Array:
+               key_value_seq_lengths: jax.Array | None = None,
+               q_segment_ids: jax.Array | None = None,
+               kv_segment_ids: jax.Array | None = None) -> jax.Array:
     """``nn.MultiHeadDotProductAttention.__call__`` plus padding lengths: int arrays shaped
     like the batch dims of the inputs; keys past a length are ignored, output rows past a length
     are zero before the output projection (so they equal its bias); in a decode call the key
-    lengths narrow the cache's valid prefix further."""
+    lengths narrow the cache's valid prefix further. And segment ids: int32 ``(batch...,
+    length)`` document ids of the query and key inputs (packed documents: the same ids as both
+    for self-attention); a query attends only keys of its document. Not in a decode step."""
     del dropout_rng  # dropout is not supported: never drawn
     if self.attention_fn is not nn.dot_product_attention:
       raise ValueError("FlashMultiHeadDotProductAttention computes attention with jax_flash; "
@@ -562,6 +608,7 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
       cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
       if initialized:
         owner = "FlashMultiHeadDotProductAttention"
+        _no_segment_ids_in_decode(owner, q_segment_ids, kv_segment_ids)
         # Flax checks the query against the cache (its heads are the query's there).
         _flax_cache.check_new_entry(owner, "query", query,
                                     (*cached_key.value.shape[:-2], self.num_heads, head_dim))
@@ -587,7 +634,8 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
         broadcast_dropout=self.broadcast_dropout, deterministic=deterministic,
         dtype=self.dtype, precision=self.precision, module=self if sow_weights else None,
         force_fp32_for_softmax=self.force_fp32_for_softmax, query_seq_lengths=query_seq_lengths,
-        key_value_seq_lengths=key_value_seq_lengths, **einsums)
+        key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids, **einsums)
     return nn.DenseGeneral(
         features=features, axis=(-2, -1), kernel_init=self.out_kernel_init or self.kernel_init,
         bias_init=self.out_bias_init or self.bias_init, use_bias=self.use_bias,
