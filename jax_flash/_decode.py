@@ -18,11 +18,20 @@ chunks that batch x kv heads x chunks covers the cores twice, chunks of at least
 most 64 chunks. ``KernelConfig.kv_splits`` carries the choice (0: the tiled forward). It computes
 what the tiled forward computes (masks, lengths, empty rows, NaN propagation; o and lse are the
 backward's usual residuals), so the choice changes speed, not results beyond float32 rounding.
-On CUDA the tiled forward runs (a CUDA decode kernel is later work).
+On CUDA the tiled forward runs by default. The CUDA decode kernel
+(``cuda/gpu/flash_decode_kernel.cuh``: the same contract, one CTA per (batch, kv head, key
+chunk, 16 packed rows), written but not yet run on a GPU) runs only when the environment variable
+``JAX_FLASH_CUDA_DECODE=kernel`` is set when jax_flash is imported (read once). The variable's
+other values: ``tiled`` (the default: the tiled forward) and ``split`` (the split-KV JAX program
+of jax_flash._split_kv around the tiled forward, read by jax_flash._ops). With ``kernel``,
+:func:`kv_splits` picks the CUDA kernel for ``T * (N / K) <= CUDA_MAX_PACKED_ROWS`` and
+:func:`cuda_num_splits` its key chunks, and ``jax_flash.paged_attention`` takes
+``implementation="cuda"``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -37,6 +46,65 @@ from jax_flash import _registry
 MIN_CHUNK_KEYS = 256
 # At most this many chunks: the workspace is kv_splits partial outputs.
 MAX_SPLITS = 64
+
+
+# How decode-shaped calls run on CUDA (see the module docstring): read once, at import.
+CUDA_DECODE_VARIABLE = "JAX_FLASH_CUDA_DECODE"
+CUDA_DECODE_MODES = ("tiled", "split", "kernel")
+_CUDA_DECODE_MODE = os.environ.get(CUDA_DECODE_VARIABLE, "") or "tiled"
+# The CUDA decode kernel runs for at most this many packed query rows per kv head (4 CTAs of 16
+# rows per key chunk, each reading the chunk's K/V); more rows (chunked prefill) take the tiled
+# forward, which reads K/V once per 128 query rows.
+CUDA_MAX_PACKED_ROWS = 64
+# The split rule's target: the smallest chunk count whose CTAs fill the SMs' waves within this
+# fraction of the best count's.
+CUDA_WAVE_EFFICIENCY = 0.85
+
+
+def cuda_kernel_enabled() -> bool:
+  """Whether JAX_FLASH_CUDA_DECODE=kernel was set when jax_flash was imported."""
+  return _CUDA_DECODE_MODE == "kernel"
+
+
+def _cuda_constant(name: str) -> int:
+  constants = _registry.CUDA_KERNEL_CONSTANTS
+  if constants is None:
+    raise NotImplementedError(
+        f"{CUDA_DECODE_VARIABLE}=kernel: jax_flash was built without its CUDA kernels")
+  return int(constants[name])
+
+
+def cuda_splits_rule(units: int, seq_k: int, sm_count: int, block_n: int) -> int:
+  """Key chunks of the CUDA decode for `units` = batch x kv heads x row tiles CTAs per chunk:
+  the fewest chunks whose CTAs fill the SMs' waves (units * chunks / SMs over its ceiling)
+  within CUDA_WAVE_EFFICIENCY of the best count, among 1 .. min(MAX_SPLITS, S / 256) chunks,
+  each a multiple of block_n keys (the kernel rounds chunks to whole key blocks)."""
+  if units <= 0 or sm_count <= 0:
+    return 1
+  keys = max(1, math.ceil(seq_k / block_n)) * block_n
+  most = max(1, min(MAX_SPLITS, math.ceil(seq_k / MIN_CHUNK_KEYS), keys // block_n))
+  efficiency = []
+  for splits in range(1, most + 1):
+    waves = units * splits / sm_count
+    efficiency.append(waves / math.ceil(waves))
+  best = max(efficiency)
+  return next(s for s, e in enumerate(efficiency, 1) if e >= CUDA_WAVE_EFFICIENCY * best)
+
+
+@functools.cache
+def _cuda_sm_count() -> int:
+  """Streaming multiprocessors of the current GPU, asked once through the native module (132,
+  an H100/H200's, if CUDA cannot say)."""
+  return int(_registry._native_cuda.device_sm_count() or 132)
+
+
+def cuda_num_splits(batch: int, seq_q: int, heads_q: int, heads_k: int, seq_k: int,
+                    sm_count: int | None = None) -> int:
+  """Key chunks for the CUDA decode kernel (cuda_splits_rule on its CTAs per chunk)."""
+  rows = _cuda_constant("decode_rows_per_cta")
+  row_tiles = max(1, math.ceil(seq_q * (heads_q // max(heads_k, 1)) / rows))
+  return cuda_splits_rule(batch * heads_k * row_tiles, seq_k, sm_count or _cuda_sm_count(),
+                          _cuda_constant("decode_block_n"))
 
 
 def block_q() -> int:
@@ -61,7 +129,13 @@ def kv_splits(implementation: str, batch: int, seq_q: int, heads_q: int, heads_k
               seq_k: int, cores: int | None = None) -> int:
   """What dot_product_attention runs: 0 for the tiled forward, n >= 1 for the split-KV decode
   kernel with n key chunks (see the module docstring for the rule)."""
-  if implementation != "cpu" or heads_k < 1 or seq_q * (heads_q // heads_k) > block_q():
+  if heads_k < 1:
+    return 0
+  if implementation == "cuda":
+    if not cuda_kernel_enabled() or seq_q * (heads_q // heads_k) > CUDA_MAX_PACKED_ROWS:
+      return 0
+    return cuda_num_splits(batch, seq_q, heads_q, heads_k, seq_k)
+  if implementation != "cpu" or seq_q * (heads_q // heads_k) > block_q():
     return 0
   return num_splits(batch, seq_q, heads_q, heads_k, seq_k, cores)
 
@@ -84,13 +158,15 @@ def attributes(scale: float, is_causal: bool, window_left: int, window_right: in
 
 
 def decode_fwd(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bool, window_left: int,
-               window_right: int, splits: int, o_float32: bool = False):
-  """(o, lse) of the contiguous decode kernel, with the tiled forward's arguments and results
+               window_right: int, splits: int, o_float32: bool = False,
+               implementation: str = "cpu"):
+  """(o, lse) of the contiguous decode kernel of `implementation` ("cpu", or "cuda": 16-bit
+  inputs, head dim padded to a multiple of 8), with the tiled forward's arguments and results
   (q (..., T, N, H), k/v (..., S, K, H); o like q, float32 with o_float32; lse (..., N, T))."""
   *batch, seq_q, heads_q, head_dim = q.shape
   workspaces = workspace_shapes(splits, math.prod(batch), seq_q, heads_q, head_dim)
   call = jax.ffi.ffi_call(
-      "jax_flash_cpu_decode",
+      f"jax_flash_{implementation}_decode",
       (jax.ShapeDtypeStruct(q.shape, jnp.float32 if o_float32 else q.dtype),
        jax.ShapeDtypeStruct((*batch, heads_q, seq_q), jnp.float32),
        *workspaces),

@@ -68,6 +68,20 @@ def _select(implementation, query) -> str:
   name = implementation
   if name is None:
     name = "cpu" if jax.default_backend() == "cpu" else None
+    if name is None and jax.default_backend() == "gpu" and _decode.cuda_kernel_enabled():
+      name = "cuda"
+  if name == "cuda" and _decode.cuda_kernel_enabled():
+    # The CUDA decode kernel reading pages (JAX_FLASH_CUDA_DECODE=kernel; jax_flash._decode).
+    if query.dtype not in (jnp.bfloat16, jnp.float16):
+      raise NotImplementedError(
+          f"{CALLER}: the CUDA paged kernel takes bfloat16 or float16; got {query.dtype} "
+          f"(query{query.shape}); pass implementation='xla' for float32")
+    max_head_dim = _decode._cuda_constant("decode_max_head_dim")
+    if query.shape[-1] > max_head_dim:
+      raise ValueError(f"{CALLER}: head dim H={query.shape[-1]} (query{query.shape}) is larger "
+                       f"than the 'cuda' kernel supports (H <= {max_head_dim}); use "
+                       "implementation='xla'")
+    return name
   if name is None or not _dispatch.capabilities(name).paged:
     raise NotImplementedError(
         f"{CALLER}: paged KV caches have no {'CUDA' if name in (None, 'cuda') else repr(name)} "
@@ -82,13 +96,13 @@ def _select(implementation, query) -> str:
   return name
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
 def _paged_kernel(q, key_pages, value_pages, page_table, kv_lengths, scale, is_causal,
-                  window_left, window_right, splits):
+                  window_left, window_right, splits, implementation):
   batch, seq_q, heads_q, head_dim = q.shape
   workspaces = _decode.workspace_shapes(splits, batch, seq_q, heads_q, head_dim)
   call = jax.ffi.ffi_call(
-      "jax_flash_cpu_paged",
+      f"jax_flash_{implementation}_paged",
       (jax.ShapeDtypeStruct(q.shape, q.dtype),
        jax.ShapeDtypeStruct((batch, heads_q, seq_q), jnp.float32), *workspaces),
       # The pages are shared by the batch: a vmapped call runs once per mapped element.
@@ -100,7 +114,8 @@ def _paged_kernel(q, key_pages, value_pages, page_table, kv_lengths, scale, is_c
 
 def _refuse_differentiation(*args):
   raise NotImplementedError(
-      f"{CALLER} is forward only (inference) on the 'cpu' kernel: it has no backward pass. "
+      f"{CALLER} is forward only (inference) on the 'cpu' and 'cuda' kernels: they have no "
+      "backward pass. "
       "Differentiate jax_flash.dot_product_attention over a contiguous cache, or pass "
       "implementation='xla' (plain XLA, differentiable)")
 
@@ -187,8 +202,9 @@ def paged_attention(
       ``p - left <= j <= p + right`` (positions as for ``is_causal``).
     implementation: ``None`` (the "cpu" kernel on host devices), ``"cpu"``, or ``"xla"`` (the
       pages gathered into a contiguous cache, then plain XLA; quadratic memory, any backend).
-      ``"cuda"`` (and ``None`` on a GPU) raises ``NotImplementedError``: no CUDA paged kernel
-      yet.
+      ``"cuda"`` (and ``None`` on a GPU) raises ``NotImplementedError`` unless
+      ``JAX_FLASH_CUDA_DECODE=kernel`` was set when jax_flash was imported: then the CUDA
+      decode kernel reads the pages (bfloat16/float16; experimental, see jax_flash._decode).
     return_residual: also return the log-sum-exp of each row's logits, ``(B, T, N)`` float32.
 
   Page table entries: the entries a sequence's length reaches (its first
@@ -196,8 +212,9 @@ def paged_attention(
   read and may hold anything (padding such as -1). On the "cpu" kernel a reached entry outside
   that range is an error when the call runs (``XlaRuntimeError`` ``INVALID_ARGUMENT`` naming
   the entry), raised before anything is read; the kernel also clamps every entry it reads into
-  range, so the native code never reads outside ``key_pages``/``value_pages``. On "xla" (which
-  cannot raise at run time) such a sequence's output and lse are NaN.
+  range, so the native code never reads outside ``key_pages``/``value_pages``. On "xla" and
+  "cuda" (which cannot raise at run time: the table is device memory) such a sequence's output
+  and lse are NaN.
 
   Returns:
     ``(B, T, N, H)`` in query's dtype; with ``return_residual``, ``(out, lse)``.
@@ -228,10 +245,22 @@ def paged_attention(
                           window_right=window_right)
   else:
     q, kernel_scale = _ops.positive_scale(query, scale)
-    splits = _decode.num_splits(batch, seq_q, heads_q, heads_k, seq_k)
-    out, lse = _paged_kernel(q, key_pages, value_pages, page_table, kv_lengths,
+    pages_k, pages_v = key_pages, value_pages
+    if implementation == "cuda":
+      splits = _decode.cuda_num_splits(batch, seq_q, heads_q, heads_k, seq_k)
+      # The CUDA kernel reads rows in 16-byte chunks: a head dim not a multiple of 8 is padded
+      # with zero columns (which change no score), the pools included (a copy of the cache:
+      # use such head dims for tests, not for speed).
+      pad = _ops.head_dim_padding("cuda", head_dim)
+      if pad:
+        widths = [(0, 0)] * 3 + [(0, pad)]
+        q, pages_k, pages_v = (jnp.pad(x, widths) for x in (q, pages_k, pages_v))
+    else:
+      splits = _decode.num_splits(batch, seq_q, heads_q, heads_k, seq_k)
+    out, lse = _paged_kernel(q, pages_k, pages_v, page_table, kv_lengths,
                              float(kernel_scale), bool(is_causal), window_left, window_right,
-                             splits)
+                             splits, implementation)
+    out = out[..., :head_dim]
   lse = jax.lax.stop_gradient(lse)
   if not return_residual:
     return out

@@ -40,11 +40,12 @@ inline xla::ffi::Error make_decode_params(
   return set_decode_splits(num_splits, o_partial, lse_partial, params);
 }
 
-// The paged decode: q (B, T, N, H); key_pages and value_pages (num_pages, page_size, K, H) of
-// q's dtype; page_table (B, pages_per_seq) int32; kv_lens (B,) int32. Every page_table entry a
-// sequence's length reaches (its first ceil(kv_len / page_size) entries, kv_len clamped to
-// [0, pages_per_seq * page_size]) must lie in [0, num_pages); the others are never read.
-inline xla::ffi::Error make_paged_params(
+// The paged decode's operands without reading any of them: q (B, T, N, H); key_pages and
+// value_pages (num_pages, page_size, K, H) of q's dtype; page_table (B, pages_per_seq) int32;
+// kv_lens (B,) int32. The CUDA handler stops here (its buffers live on the device; its kernel
+// turns a sequence that reaches a bad entry into NaN); the CPU one goes on to
+// check_page_table_on_host.
+inline xla::ffi::Error make_paged_shape_params(
     const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuffer& k_pages, const xla::ffi::AnyBuffer& v_pages,
     const xla::ffi::AnyBuffer& page_table, const xla::ffi::AnyBuffer& kv_lens, const xla::ffi::AnyBuffer& o,
     const xla::ffi::AnyBuffer& lse, const xla::ffi::AnyBuffer& o_partial, const xla::ffi::AnyBuffer& lse_partial,
@@ -83,10 +84,30 @@ inline xla::ffi::Error make_paged_params(
   JF_RETURN_IF_ERROR(attention_window("window_left", window_left, shape, params.mask.window_left));
   JF_RETURN_IF_ERROR(attention_window("window_right", window_right, shape, params.mask.window_right));
   JF_RETURN_IF_ERROR(set_decode_splits(num_splits, o_partial, lse_partial, params));
+  params.q = q.untyped_data();
+  params.k = k_pages.untyped_data();
+  params.v = v_pages.untyped_data();
+  params.q_lens = nullptr;
+  params.kv_lens = kv_lens.typed_data<int32_t>();
+  params.o = o.untyped_data();
+  params.lse = lse.typed_data<float>();
+  params.paged = true;
+  params.page_table = page_table.typed_data<int32_t>();
+  params.num_pages = kd[0];
+  params.page_size = kd[1];
+  params.pages_per_seq = td[1];
+  params.queries_at_end = true;
+  return xla::ffi::Error::Success();
+}
 
-  const int32_t* table = page_table.typed_data<int32_t>();
-  const int32_t* lens = kv_lens.typed_data<int32_t>();
-  const int64_t page_size = kd[1], num_pages = kd[0], pages_per_seq = td[1];
+// Every page_table entry a sequence's length reaches (its first ceil(kv_len / page_size)
+// entries, kv_len clamped to [0, pages_per_seq * page_size]) must lie in [0, num_pages); the
+// others are never read. Reads the table and the lengths: host buffers only (the CPU handler).
+inline xla::ffi::Error check_page_table_on_host(const DecodeParams& params, const std::string& operands) {
+  const AttentionShape& shape = params.shape;
+  const int32_t* table = params.page_table;
+  const int32_t* lens = params.kv_lens;
+  const int64_t page_size = params.page_size, num_pages = params.num_pages, pages_per_seq = params.pages_per_seq;
   for (int64_t b = 0; b < shape.batch; ++b) {
     const int64_t len = lens[b] < 0 ? 0 : (lens[b] > shape.seq_k ? shape.seq_k : lens[b]);
     for (int64_t i = 0; i < (len + page_size - 1) / page_size; ++i) {
@@ -98,20 +119,22 @@ inline xla::ffi::Error make_paged_params(
                        " reaches that page (" + operands + ")");
     }
   }
-  params.q = q.untyped_data();
-  params.k = k_pages.untyped_data();
-  params.v = v_pages.untyped_data();
-  params.q_lens = nullptr;
-  params.kv_lens = lens;
-  params.o = o.untyped_data();
-  params.lse = lse.typed_data<float>();
-  params.paged = true;
-  params.page_table = table;
-  params.num_pages = num_pages;
-  params.page_size = page_size;
-  params.pages_per_seq = pages_per_seq;
-  params.queries_at_end = true;
   return xla::ffi::Error::Success();
+}
+
+// The paged decode on host buffers: make_paged_shape_params, then check_page_table_on_host.
+inline xla::ffi::Error make_paged_params(
+    const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuffer& k_pages, const xla::ffi::AnyBuffer& v_pages,
+    const xla::ffi::AnyBuffer& page_table, const xla::ffi::AnyBuffer& kv_lens, const xla::ffi::AnyBuffer& o,
+    const xla::ffi::AnyBuffer& lse, const xla::ffi::AnyBuffer& o_partial, const xla::ffi::AnyBuffer& lse_partial,
+    double scale, bool is_causal, int64_t window_left, int64_t window_right, int64_t num_splits,
+    DecodeParams& params) {
+  JF_RETURN_IF_ERROR(make_paged_shape_params(q, k_pages, v_pages, page_table, kv_lens, o, lse, o_partial,
+                                             lse_partial, scale, is_causal, window_left, window_right,
+                                             num_splits, params));
+  return check_page_table_on_host(params, describe("q", q) + ", " + describe("key_pages", k_pages) + ", " +
+                                              describe("value_pages", v_pages) + ", " +
+                                              describe("page_table", page_table));
 }
 
 template <typename Ctx>

@@ -16,7 +16,8 @@ target_compile_options(jax_flash_cuda_kernels PRIVATE
     -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90a,code=sm_90a>)
 target_include_directories(jax_flash_cuda_kernels PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/cuda)
 
-nanobind_add_module(_native_cuda NB_STATIC cuda/gpu/module.cc cuda/gpu/ffi_handlers.cc)
+nanobind_add_module(_native_cuda NB_STATIC cuda/gpu/module.cc cuda/gpu/ffi_handlers.cc
+  cuda/gpu/decode_ffi_handlers.cc)
 target_include_directories(_native_cuda PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/cuda)
 target_include_directories(_native_cuda SYSTEM PRIVATE ${XLA_FFI_INCLUDE_DIR})
 target_compile_options(_native_cuda PRIVATE ${JF_CPU_WARNINGS})

@@ -5,7 +5,10 @@
 #include <cstdint>
 
 #include "common/attention_params.h"
+#include "gpu/decode_ffi_handlers.h"
 #include "gpu/ffi_handlers.h"
+#include "gpu/flash_decode.h"
+#include "gpu/kernel_choice.h"
 #include "gpu/launch.h"
 
 namespace nb = nanobind;
@@ -16,6 +19,8 @@ NB_MODULE(_native_cuda, m) {
     nb::dict cuda;
     cuda["jax_flash_cuda_fwd"] = nb::capsule(reinterpret_cast<void*>(jax_flash::kCudaFlashFwd));
     cuda["jax_flash_cuda_bwd"] = nb::capsule(reinterpret_cast<void*>(jax_flash::kCudaFlashBwd));
+    cuda["jax_flash_cuda_decode"] = nb::capsule(reinterpret_cast<void*>(jax_flash::kCudaFlashDecode));
+    cuda["jax_flash_cuda_paged"] = nb::capsule(reinterpret_cast<void*>(jax_flash::kCudaFlashPaged));
     nb::dict out;
     out["cuda"] = cuda;
     return out;
@@ -25,6 +30,9 @@ NB_MODULE(_native_cuda, m) {
     nb::dict c;
     c["head_dim_multiple"] = jax_flash::cuda::kHeadDimMultiple;
     c["max_head_dim"] = jax_flash::kMaxHeadDim;
+    c["decode_rows_per_cta"] = jax_flash::cuda::kDecodeRowsPerCta;
+    c["decode_block_n"] = jax_flash::cuda::kDecodeBlockN;
+    c["decode_max_head_dim"] = jax_flash::cuda::kDecodeMaxHeadDim;
     return c;
   });
   m.def("dq_accum_elements",
@@ -33,4 +41,6 @@ NB_MODULE(_native_cuda, m) {
           return jax_flash::cuda::dq_accum_elements(shape, deterministic);
         },
         "Elements of the CUDA backward's float32 dQ workspace (what its handler checks).");
+  m.def("device_sm_count", [] { return jax_flash::cuda::device_sm_count(); },
+        "Streaming multiprocessors of the current CUDA device (asked once; 0 if CUDA cannot say).");
 }

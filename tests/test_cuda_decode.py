@@ -1,0 +1,332 @@
+"""The CUDA split-KV decode kernel (issue 15 items 1-2 on the GPU; cuda/gpu/flash_decode_kernel.cuh),
+contiguous and paged, against the float32 reference with the rule of attention_testing (2x the
+input dtype's own error) and against the full-sequence forward at the same positions.
+
+The kernel runs only with JAX_FLASH_CUDA_DECODE=kernel, which jax_flash reads once at import:
+the tests that need it skip in a process without it, and test_under_the_kernel_switch runs them
+in a subprocess with it set (so on a GPU this file runs them once, in that subprocess). The
+tests without the `gpu` marker check the Python side (the switch, the split rule, the routing)
+on any machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flash
+from attention_testing import (Case, assert_within_rule, random_array, reference_f32,
+                               reference_in_dtype, row_has_keys)
+from jax_flash import _decode, _paged
+from jax_flash._reference import EMPTY_ROW_LSE
+from test_paged import CASES as PAGED_CASES
+from test_paged import PagedCase, check, contiguous
+
+F32 = jnp.float32
+needs_switch = pytest.mark.skipif(
+    not _decode.cuda_kernel_enabled(),
+    reason="needs JAX_FLASH_CUDA_DECODE=kernel at import (test_under_the_kernel_switch runs it)")
+
+
+# ---------------------------------------------------------------------------------------------
+# The Python side, on any machine
+
+
+def test_switch_is_off_by_default():
+  if os.environ.get(_decode.CUDA_DECODE_VARIABLE, "tiled") != "kernel":
+    assert not _decode.cuda_kernel_enabled()
+    assert _decode.kv_splits("cuda", 64, 1, 32, 8, 8192) == 0
+
+
+def test_switch_is_read_at_import():
+  code = "from jax_flash import _decode; print(_decode.cuda_kernel_enabled())"
+  for value, expected in (("kernel", "True"), ("split", "False"), ("", "False")):
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env=dict(os.environ, JAX_FLASH_CUDA_DECODE=value), timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().endswith(expected), (value, result.stdout)
+
+
+@pytest.mark.parametrize("units, seq_k, sms, expected", [
+    (512, 8192, 132, 1),     # B64 x 8 kv heads: 3.9 waves already
+    (256, 16384, 132, 1),    # B16 x 16 kv heads: 1.94 waves
+    (8, 8192, 132, 14),      # B1 x 8: 14 chunks give 112 of 132 SMs (>= 0.85 of the best)
+    (1, 100, 132, 1),        # fewer than MIN_CHUNK_KEYS keys: one chunk
+    (1, 10**6, 132, 55),     # at most MAX_SPLITS (64): 55 is within 0.85 of its 64/132
+    (0, 8192, 132, 1),
+])
+def test_split_rule(units, seq_k, sms, expected):
+  assert _decode.cuda_splits_rule(units, seq_k, sms, 64) == expected
+
+
+def test_split_rule_fills_the_waves():
+  for units in range(1, 300, 7):
+    for seq_k in (256, 1000, 8192, 65536):
+      s = _decode.cuda_splits_rule(units, seq_k, 132, 64)
+      assert 1 <= s <= min(_decode.MAX_SPLITS, max(1, -(-seq_k // _decode.MIN_CHUNK_KEYS)))
+
+
+def test_routing_with_the_switch(monkeypatch):
+  """With the switch, "cuda" takes the kernel for T * G <= CUDA_MAX_PACKED_ROWS (chunks from the
+  rule); without, never; "cpu" is unchanged."""
+  constants = {"decode_rows_per_cta": 16, "decode_block_n": 64, "decode_max_head_dim": 256}
+  monkeypatch.setattr(_decode, "_cuda_constant", constants.__getitem__)
+  monkeypatch.setattr(_decode, "_cuda_sm_count", lambda: 132)
+  monkeypatch.setattr(_decode, "_CUDA_DECODE_MODE", "kernel")
+  assert _decode.kv_splits("cuda", 64, 1, 32, 8, 8192) == 1
+  assert _decode.kv_splits("cuda", 1, 1, 32, 8, 8192) == 14
+  assert _decode.kv_splits("cuda", 4, 4, 16, 1, 8192) >= 1  # 64 packed rows: the kernel
+  assert _decode.kv_splits("cuda", 4, 5, 16, 1, 8192) == 0  # 80: the tiled forward
+  assert _decode.kv_splits("cpu", 1, 1, 8, 2, 1000) >= 1
+  monkeypatch.setattr(_decode, "_CUDA_DECODE_MODE", "split")
+  assert _decode.kv_splits("cuda", 64, 1, 32, 8, 8192) == 0
+
+
+def test_paged_cuda_without_the_switch_raises():
+  if _decode.cuda_kernel_enabled():
+    pytest.skip("the switch is on in this process")
+  case = PagedCase(dtype="bfloat16")
+  with pytest.raises(NotImplementedError, match="paged KV caches have no CUDA kernel"):
+    jax_flash.paged_attention(*case.inputs(), implementation="cuda")
+
+
+def test_paged_cuda_refuses_float32(monkeypatch):
+  monkeypatch.setattr(_decode, "_CUDA_DECODE_MODE", "kernel")
+  case = PagedCase(dtype="float32")
+  with pytest.raises(NotImplementedError, match="bfloat16 or float16"):
+    jax_flash.paged_attention(*case.inputs(), implementation="cuda")
+
+
+# ---------------------------------------------------------------------------------------------
+# On the GPU, under the switch
+
+
+@pytest.mark.gpu
+def test_under_the_kernel_switch():
+  """Runs this file's kernel tests in a process with JAX_FLASH_CUDA_DECODE=kernel."""
+  result = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-k",
+       "not test_under_the_kernel_switch", os.path.abspath(__file__)],
+      env=dict(os.environ, JAX_FLASH_CUDA_DECODE="kernel"), capture_output=True, text=True,
+      timeout=1800)
+  assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+  assert " passed" in result.stdout and " skipped" not in result.stdout, result.stdout[-3000:]
+
+
+C = Case
+CONTIGUOUS = [
+    # T = 1: GQA 4, MQA, MHA; ragged lengths with an empty and a full sequence.
+    C(batch=3, seq_q=1, seq_k=700, heads_q=8, heads_k=2, head_dim=64, dtype="bfloat16",
+      kv_lens=(700, 0, 129)),
+    C(batch=2, seq_q=1, seq_k=1000, heads_q=8, heads_k=1, head_dim=128, dtype="float16",
+      kv_lens=(1, 1000)),
+    C(batch=2, seq_q=1, seq_k=300, heads_q=4, heads_k=4, head_dim=40, dtype="bfloat16"),
+    # T = 2 and 4: causal (top-left, as dot_product_attention), windows, query lengths.
+    C(batch=2, seq_q=2, seq_k=520, heads_q=8, heads_k=2, head_dim=80, dtype="float16",
+      is_causal=True),
+    C(batch=2, seq_q=4, seq_k=777, heads_q=16, heads_k=2, head_dim=96, dtype="bfloat16",
+      local_window_size=(300, 2), kv_lens=(600, 777)),
+    C(batch=3, seq_q=4, seq_k=333, heads_q=4, heads_k=1, head_dim=256, dtype="bfloat16",
+      q_lens=(4, 1, 0), kv_lens=(333, 200, 50)),
+    C(batch=1, seq_q=2, seq_k=1100, heads_q=6, heads_k=3, head_dim=111, dtype="float16",
+      local_window_size=5),
+    # 64 packed rows (4 row tiles), MQA with 32 query heads at T = 2.
+    C(batch=1, seq_q=4, seq_k=500, heads_q=32, heads_k=2, head_dim=32, dtype="bfloat16",
+      kv_lens=(431,)),
+    C(batch=2, seq_q=2, seq_k=4096, heads_q=32, heads_k=1, head_dim=192, dtype="bfloat16",
+      kv_lens=(4096, 3001)),
+]
+
+
+def _decode_call(case: Case, splits: int):
+  """(o, lse (B, N, T)) of the CUDA decode custom call, head dim padded to a multiple of 8."""
+  q, k, v, _ = case.inputs()
+  batch = q.shape[0]
+  pad = -case.head_dim % 8
+  if pad:
+    q, k, v = (jnp.pad(x, [(0, 0)] * 3 + [(0, pad)]) for x in (q, k, v))
+  q_lens = jnp.asarray(case.q_lens or (case.seq_q,) * batch, jnp.int32)
+  kv_lens = jnp.asarray(case.kv_lens or (case.seq_k,) * batch, jnp.int32)
+  w = case.local_window_size
+  left, right = (-1, -1) if w is None else ((w, w) if isinstance(w, int) else w)
+  scale = 1 / np.sqrt(case.head_dim) if case.scale is None else case.scale
+  o, lse = jax.jit(lambda *a: _decode.decode_fwd(
+      *a, scale=scale, is_causal=case.is_causal, window_left=left, window_right=right,
+      splits=splits, implementation="cuda"))(q, k, v, q_lens, kv_lens)
+  return o[..., :case.head_dim], lse
+
+
+def _check_contiguous(case: Case, o, lse) -> None:
+  q, k, v, _ = case.inputs()
+  options = case.options()
+  out32, lse32 = reference_f32(q, k, v, return_residual=True, **options)
+  outd, lsed = reference_in_dtype(q, k, v, return_residual=True, **options)
+  live = row_has_keys(case)  # (B, T)
+  o, lse = np.asarray(o, np.float64), np.swapaxes(np.asarray(lse, np.float64), -1, -2)
+  assert np.all(np.isfinite(o)) and np.all(np.isfinite(lse))
+  assert_within_rule("out", o, np.asarray(out32, np.float64), np.asarray(outd, np.float64),
+                     live[..., None, None])
+  assert_within_rule("lse", lse, np.asarray(lse32), np.asarray(lsed), live[..., None])
+  assert np.all(o[~live] == 0), "rows with no key must be exactly 0"
+  assert np.all(lse[~live] == EMPTY_ROW_LSE)
+
+
+@pytest.mark.gpu
+@needs_switch
+@pytest.mark.parametrize("splits", [1, 3, 17])
+@pytest.mark.parametrize("case", CONTIGUOUS, ids=lambda c: c.id)
+def test_contiguous_matches_the_reference(case, splits):
+  o, lse = _decode_call(case, splits)
+  assert o.dtype == case.jdtype
+  _check_contiguous(case, o, lse)
+
+
+@pytest.mark.gpu
+@needs_switch
+@pytest.mark.parametrize("case", CONTIGUOUS[:4], ids=lambda c: c.id)
+def test_dot_product_attention_routes_to_the_kernel(case):
+  """dot_product_attention(implementation="cuda") on a decode shape calls the kernel (this needs
+  jax_flash/_ops.py to take _decode.kv_splits for "cuda" under the switch) and matches."""
+  q, k, v, _ = case.inputs()
+  call = jax.jit(lambda q, k, v: jax_flash.dot_product_attention(
+      q, k, v, implementation="cuda", return_residual=True, **case.options()))
+  text = call.lower(q, k, v).as_text()
+  assert "jax_flash_cuda_decode" in text, (
+      "jax_flash._ops does not route CUDA decode calls to _decode.kv_splits/decode_fwd under "
+      "JAX_FLASH_CUDA_DECODE=kernel (cuda/PERF_NOTES.md v7 has the change)")
+  o, lse = call(q, k, v)
+  _check_contiguous(case, o, np.swapaxes(np.asarray(lse), -1, -2))
+
+
+@pytest.mark.gpu
+@needs_switch
+@pytest.mark.parametrize("heads", [(8, 2), (4, 1), (4, 4)], ids=["gqa", "mqa", "mha"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_decode_step_equals_the_full_forward(heads, dtype):
+  """Rows p (T = 1) and p-3..p (T = 4) of the CUDA tiled causal forward == a bottom-right
+  causal paged step at kv length p + 1 (same keys, paged and contiguous)."""
+  heads_q, heads_k = heads
+  case = PagedCase(batch=2, heads_q=heads_q, heads_k=heads_k, head_dim=128, page_size=16,
+                   pages_per_seq=32, kv_lens=(512, 512), dtype=dtype)
+  _, kp, vp, table, _ = case.inputs()
+  k, v = (jnp.asarray(contiguous(x, table, case.page_size)).astype(dtype) for x in (kp, vp))
+  q_full = random_array(np.random.default_rng(5), (2, 512, heads_q, 128), jnp.dtype(dtype))
+  full = np.asarray(jax_flash.dot_product_attention(q_full, k, v, is_causal=True,
+                                                    implementation="cuda"), np.float32)
+  step = jax.jit(lambda q, lens: jax_flash.paged_attention(q, kp, vp, table, lens,
+                                                           is_causal=True, implementation="cuda"))
+  atol = 2e-2 if dtype == "bfloat16" else 4e-3
+  for p in (3, 15, 16, 100, 511):
+    lens = jnp.full((2,), p + 1, jnp.int32)
+    np.testing.assert_allclose(np.asarray(step(q_full[:, p:p + 1], lens), np.float32)[:, 0],
+                               full[:, p], atol=atol)
+    np.testing.assert_allclose(np.asarray(step(q_full[:, p - 3:p + 1], lens), np.float32),
+                               full[:, p - 3:p + 1], atol=atol)
+
+
+def _half(case: PagedCase) -> PagedCase:
+  return case if case.dtype != "float32" else dataclasses.replace(case, dtype="bfloat16")
+
+
+@pytest.mark.gpu
+@needs_switch
+@pytest.mark.parametrize("case", [_half(c) for c in PAGED_CASES], ids=lambda c: f"{c}"[10:80])
+def test_paged_matches_the_reference(case):
+  out, lse = jax.jit(lambda *a: jax_flash.paged_attention(
+      *a, implementation="cuda", return_residual=True, **case.options()))(*case.inputs())
+  assert out.dtype == jnp.dtype(case.dtype) and out.shape == (case.batch, case.seq_q,
+                                                               case.heads_q, case.head_dim)
+  check(case, out, lse)
+
+
+@pytest.mark.gpu
+@needs_switch
+def test_paged_equals_contiguous():
+  """The same keys paged or contiguous (page sizes 16, 1 and 100): the same kernel, the same
+  chunks, the same results."""
+  for page_size, pages in ((16, 40), (1, 640), (100, 7)):
+    case = PagedCase(batch=3, heads_q=8, heads_k=2, page_size=page_size, pages_per_seq=pages,
+                     kv_lens=(page_size * pages, 17, 300), dtype="bfloat16")
+    q, kp, vp, table, lens = case.inputs()
+    k, v = (jnp.asarray(contiguous(x, table, page_size)).astype(jnp.bfloat16) for x in (kp, vp))
+    splits = _decode.cuda_num_splits(3, 1, 8, 2, page_size * pages)
+    paged, _ = _paged._paged_kernel(q, kp, vp, table, lens, 0.125, False, -1, -1, splits, "cuda")
+    # queries_at_end only moves causal masks and windows: without them the two calls agree.
+    dense, _ = _decode.decode_fwd(q, k, v, jnp.ones((3,), jnp.int32), lens, scale=0.125,
+                                  is_causal=False, window_left=-1, window_right=-1,
+                                  splits=splits, implementation="cuda")
+    np.testing.assert_array_equal(np.asarray(paged, np.float32), np.asarray(dense, np.float32))
+
+
+@pytest.mark.gpu
+@needs_switch
+@pytest.mark.parametrize("entry", [-1, 21, 2**31 - 1])
+def test_reached_bad_entry_gives_nan_for_that_sequence(entry):
+  """The table is device memory: the kernel cannot refuse the call, so (as "xla") the sequence
+  that reaches a bad entry is NaN, the others are untouched; nothing outside the pools is read
+  (compute-sanitizer: .ci/gpu/sanitize_decode.py)."""
+  case = PagedCase(kv_lens=(128, 50), extra_pages=5, dtype="bfloat16")  # 21 pages
+  q, kp, vp, table, lens = case.inputs()
+  base_out, base_lse = jax_flash.paged_attention(q, kp, vp, table, lens, implementation="cuda",
+                                                 return_residual=True)
+  out, lse = jax_flash.paged_attention(q, kp, vp, table.at[1, 3].set(entry), lens,
+                                       implementation="cuda", return_residual=True)
+  assert np.all(np.isnan(np.asarray(out[1], np.float32))) and np.all(np.isnan(lse[1]))
+  np.testing.assert_array_equal(np.asarray(out[0], np.float32), np.asarray(base_out[0], np.float32))
+  np.testing.assert_array_equal(lse[0], base_lse[0])
+
+
+@pytest.mark.gpu
+@needs_switch
+@pytest.mark.parametrize("splits", [1, 4])
+def test_nan_propagates(splits):
+  """A NaN a row sees makes the row NaN through its chunk and the combine; another sequence and
+  an empty row stay as they were."""
+  case = C(batch=3, seq_q=1, seq_k=600, heads_q=4, heads_k=2, head_dim=64, dtype="bfloat16",
+           kv_lens=(600, 600, 0))
+  q, k, v, _ = case.inputs()
+  k = k.at[0, 450, 1, 7].set(jnp.nan).at[2, 10, 0, 3].set(jnp.nan)
+  q_lens, kv_lens = jnp.ones((3,), jnp.int32), jnp.asarray(case.kv_lens, jnp.int32)
+  o, lse = _decode.decode_fwd(q, k, v, q_lens, kv_lens, scale=0.125, is_causal=False,
+                              window_left=-1, window_right=-1, splits=splits,
+                              implementation="cuda")
+  o = np.asarray(o, np.float32)
+  assert np.all(np.isnan(o[0, 0, 2:])) and np.all(np.isnan(lse[0, 2:]))  # heads of kv head 1
+  assert np.all(np.isfinite(o[0, 0, :2])) and np.all(np.isfinite(o[1]))
+  assert np.all(o[2] == 0) and np.all(np.asarray(lse[2]) == EMPTY_ROW_LSE)
+
+
+@pytest.mark.gpu
+@needs_switch
+def test_workspaces_and_graph_capture():
+  """The split workspaces are outputs of the call (no hidden allocation), and a jitted decode
+  loop (captured into a CUDA graph by XLA's command buffers) gives the eager result."""
+  case = CONTIGUOUS[0]
+  q, k, v, _ = case.inputs()
+  lens = jnp.asarray(case.kv_lens, jnp.int32)
+  text = jax.jit(lambda q: _decode.decode_fwd(
+      q, k, v, jnp.ones((3,), jnp.int32), lens, scale=0.125, is_causal=False, window_left=-1,
+      window_right=-1, splits=5, implementation="cuda")).lower(q).as_text()
+  assert "jax_flash_cuda_decode" in text
+  o_first, _ = _decode_call(case, 5)
+
+  @jax.jit
+  def loop(q):
+    def body(_, acc):
+      o, _ = _decode.decode_fwd(q, k, v, jnp.ones((3,), jnp.int32), lens, scale=0.125,
+                                is_causal=False, window_left=-1, window_right=-1, splits=5,
+                                implementation="cuda")
+      return acc + o.astype(F32)
+    return jax.lax.fori_loop(0, 4, body, jnp.zeros(q.shape, F32))
+
+  del o_first
+  np.testing.assert_allclose(np.asarray(loop(q)) / 4, np.asarray(_decode.decode_fwd(
+      q, k, v, jnp.ones((3,), jnp.int32), lens, scale=0.125, is_causal=False, window_left=-1,
+      window_right=-1, splits=5, implementation="cuda")[0], np.float32), atol=1e-6)
