@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # ptxas's view of the Hopper kernels, compiled here (no GPU needed): registers, spills, and the
 # C75xx notes that say wgmma was serialised ("Potential Performance Loss"), which are errors
-# for us (exit status 1). Run after changing anything under cuda/sm90 or cuda/gpu.
+# for us (exit status 1). Run after changing anything under cuda/sm90 or cuda/gpu (the decode
+# kernel, cuda/gpu/flash_decode.cu, is mma.sync code, checked here for its spills).
 #   usage: bash .ci/ptxas_report.sh [cuda/sm90/<file>.cu ...]
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 files=("$@")
-[[ ${#files[@]} == 0 ]] && files=(cuda/sm90/*.cu)
+[[ ${#files[@]} == 0 ]] && files=(cuda/sm90/*.cu cuda/gpu/flash_decode.cu)
 status=0
 for f in "${files[@]}"; do
   log=$(nvcc -O3 -std=c++17 --expt-relaxed-constexpr -DNDEBUG -gencode=arch=compute_90a,code=sm_90a -Icuda \

@@ -306,8 +306,8 @@ def test_nan_propagates(splits):
 @pytest.mark.gpu
 @needs_switch
 def test_workspaces_and_graph_capture():
-  """The split workspaces are outputs of the call (no hidden allocation), and a jitted decode
-  loop (captured into a CUDA graph by XLA's command buffers) gives the eager result."""
+  """The split workspaces are outputs of the call (no hidden allocation), and a jitted loop of
+  decode calls (which XLA may capture into a CUDA graph) gives the single call's result."""
   case = CONTIGUOUS[0]
   q, k, v, _ = case.inputs()
   lens = jnp.asarray(case.kv_lens, jnp.int32)
@@ -315,7 +315,6 @@ def test_workspaces_and_graph_capture():
       q, k, v, jnp.ones((3,), jnp.int32), lens, scale=0.125, is_causal=False, window_left=-1,
       window_right=-1, splits=5, implementation="cuda")).lower(q).as_text()
   assert "jax_flash_cuda_decode" in text
-  o_first, _ = _decode_call(case, 5)
 
   @jax.jit
   def loop(q):
@@ -326,7 +325,6 @@ def test_workspaces_and_graph_capture():
       return acc + o.astype(F32)
     return jax.lax.fori_loop(0, 4, body, jnp.zeros(q.shape, F32))
 
-  del o_first
   np.testing.assert_allclose(np.asarray(loop(q)) / 4, np.asarray(_decode.decode_fwd(
       q, k, v, jnp.ones((3,), jnp.int32), lens, scale=0.125, is_causal=False, window_left=-1,
       window_right=-1, splits=5, implementation="cuda")[0], np.float32), atol=1e-6)
