@@ -87,13 +87,19 @@ SM80_HEAD_DIMS = (32, 64, 128, 192, 256)
 
 
 def f32(x):
-  return np.asarray(x, np.float64).astype(np.float32).astype(np.float64)
+  with np.errstate(over="ignore"):  # values np.where discards (EMPTY_ROW_LSE * log2e)
+    return np.asarray(x, np.float64).astype(np.float32).astype(np.float64)
 
 
 def rounder(dtype_name: str):
   """x -> x rounded to nearest in the 16-bit dtype (as MmaOp<T>::pack / cvt.rn), as float64."""
   dt = np.dtype(DTYPES[dtype_name])
-  return lambda x: np.asarray(x, np.float64).astype(np.float32).astype(dt).astype(np.float64)
+
+  def rnd(x):
+    with np.errstate(over="ignore"):
+      return np.asarray(x, np.float64).astype(np.float32).astype(dt).astype(np.float64)
+
+  return rnd
 
 
 def tc_matmul(subscripts: str, a: np.ndarray, b: np.ndarray, axis_a: int, axis_b: int,
