@@ -104,7 +104,7 @@ def _flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig, segment_ids=None)
   float32. `segment_ids`: None or (q_ids (..., T), kv_ids (..., S)) int32."""
   if segment_ids is not None and config.kv_splits:
     raise ValueError("split-KV decoding takes no segment ids (call_kernels sets kv_splits=0)")
-  if config.kv_splits and config.implementation == "cuda":
+  if config.kv_splits and config.implementation == "cuda" and not _decode.cuda_kernel_enabled():
     tiled = dataclasses.replace(config, kv_splits=0, o_float32=True)
     return _split_kv.split_kv_forward(
         lambda q, k, v, q_lens, kv_lens: _flash_fwd(q, k, v, q_lens, kv_lens, tiled), q, k, v,
@@ -113,7 +113,7 @@ def _flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig, segment_ids=None)
     return _decode.decode_fwd(q, k, v, q_lens, kv_lens, scale=config.scale,
                               is_causal=config.is_causal, window_left=config.window_left,
                               window_right=config.window_right, splits=config.kv_splits,
-                              o_float32=config.o_float32)
+                              o_float32=config.o_float32, implementation=config.implementation)
   call = jax.ffi.ffi_call(
       _target(config, "fwd"),
       (
@@ -190,7 +190,9 @@ def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig, segm
 flash_bwd = _derivatives.first_order_only(_flash_bwd, nondiff_argnums=(8,))
 
 
-# "split" turns on the split-KV program for CUDA decode calls (experimental; default "tiled").
+# CUDA decode calls: "tiled" (default) runs the tiled forward, "split" the split-KV program around
+# it (jax_flash._split_kv), "kernel" the split-KV decode kernel (jax_flash._decode; read once, at
+# import). Both experimental.
 _CUDA_DECODE_VARIABLE = "JAX_FLASH_CUDA_DECODE"
 
 
@@ -256,7 +258,7 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
     widths = [(0, 0)] * 3 + [(0, pad)]
     q, k, v = (jnp.pad(x, widths) for x in (q, k, v))
   batch, seq_q, heads_q, _ = q.shape
-  if implementation == "cuda":
+  if implementation == "cuda" and not _decode.cuda_kernel_enabled():
     splits = cuda_kv_splits(batch, seq_q, heads_q, k.shape[2], k.shape[1], bool(is_causal),
                             window_left, window_right)
   else:
