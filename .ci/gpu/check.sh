@@ -68,6 +68,13 @@ if [[ "${SANITIZE:-0}" == 1 ]]; then
       python3 .ci/gpu/sanitize_cases.py >"$out/sanitize_$tool.log" 2>&1
     grep -E "^case|ERROR SUMMARY|RACECHECK SUMMARY" "$out/sanitize_$tool.log" | tail -8
   done
+  # The CUDA handlers' error paths (operands and attributes the API never passes): no invalid
+  # access before they refuse.
+  echo "== compute-sanitizer memcheck: FFI error paths"
+  timeout "${SANITIZE_TIMEOUT:-240}" /usr/local/cuda/bin/compute-sanitizer --tool memcheck \
+    --target-processes all python3 -m pytest -q -m gpu tests/test_cuda_ffi_validation.py \
+    -p no:cacheprovider >"$out/sanitize_ffi_errors.log" 2>&1
+  grep -E "passed|failed|ERROR SUMMARY" "$out/sanitize_ffi_errors.log" | tail -3
   echo "sanitizer: $(( $(date +%s) - start )) s"
 fi
 

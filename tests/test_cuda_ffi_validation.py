@@ -1,0 +1,108 @@
+"""The CUDA custom calls called by name, as anyone can through jax.ffi.ffi_call, with operands and
+attributes the Python API never passes (issue 13 item 3 on the GPU): each must fail with an error
+that names the operand, before any kernel runs. The checks they share with the CPU handlers
+(cuda/common/ffi_params.h) are covered operand by operand in test_ffi_validation.py; here the
+CUDA handlers' own (16-bit inputs only, the padded head dim, the dQ workspace of each mode) and a
+sample of the shared ones through the CUDA binding. Marked `gpu`.
+
+Under compute-sanitizer (no invalid access on any error path; `SANITIZE=1 .ci/gpu/check.sh` runs
+it): compute-sanitizer --tool memcheck python3 -m pytest -q -m gpu tests/test_cuda_ffi_validation.py
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jax_flash import _registry
+from test_ffi_validation import (FFI_ERROR, Call, pattern, with_attributes, with_dtype, with_shape,
+                                 with_shapes)
+
+pytestmark = pytest.mark.gpu
+
+B, T, S, N, K, H = 2, 5, 7, 4, 2, 16  # a head dim the CUDA kernels take unpadded
+Q, KV, ROWS = (B, T, N, H), (B, S, K, H), (B, N, T)
+
+
+def attributes(**overrides) -> dict:
+  base = dict(scale=0.25, is_causal=False, window_left=np.int64(-1), window_right=np.int64(-1))
+  return {**base, **overrides}
+
+
+def valid_fwd(dtype: str = "bfloat16") -> Call:
+  return Call("jax_flash_cuda_fwd",
+              dict(q=(Q, dtype), k=(KV, dtype), v=(KV, dtype), q_lens=((B,), "int32"),
+                   kv_lens=((B,), "int32")),
+              dict(o=(Q, dtype), lse=(ROWS, "float32")), attributes())
+
+
+def dq_accum_elements(deterministic: bool) -> int:
+  return _registry.cuda_dq_accum_elements(B, T, N, H, deterministic)
+
+
+def valid_bwd(dtype: str = "bfloat16", deterministic: bool = False) -> Call:
+  return Call("jax_flash_cuda_bwd",
+              dict(q=(Q, dtype), k=(KV, dtype), v=(KV, dtype), o=(Q, dtype), lse=(ROWS, "float32"),
+                   do=(Q, dtype), q_lens=((B,), "int32"), kv_lens=((B,), "int32")),
+              dict(dq=(Q, dtype), dk=(KV, dtype), dv=(KV, dtype), delta=(ROWS, "float32"),
+                   dq_accum=((dq_accum_elements(deterministic),), "float32")),
+              attributes(deterministic=deterministic))
+
+
+@pytest.mark.parametrize("make", [valid_fwd, valid_bwd], ids=["fwd", "bwd"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_valid_calls_run(rng, make, dtype):
+  """The calls the error cases spoil are valid: the errors below come from the spoiled field."""
+  outputs = make(dtype).run(rng)
+  assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in outputs[:2])
+
+
+def test_deterministic_backward_takes_no_dq_workspace(rng):
+  valid_bwd(deterministic=True).run(rng)
+  call = with_attributes(valid_bwd(deterministic=True), deterministic=False)
+  with pytest.raises(FFI_ERROR, match=pattern("INVALID_ARGUMENT", "dq_accum(", "elements, expected")):
+    call.run(rng)
+
+
+# (id, spoil, fragments of the error), for both passes.
+ERRORS = [
+    ("float32_inputs", lambda c: with_dtype(c, "float32", "q", "k", "v", "o", "do", "dq", "dk", "dv"),
+     ("CUDA kernels take bfloat16 or float16", "q(2, 5, 4, 16) float32")),
+    ("head_dim_unpadded", lambda c: with_shapes(c, (B, T, N, 12), (B, S, K, 12)),
+     ("head dim padded to a multiple of 8", "q(2, 5, 4, 12)")),
+    ("k_f16_q_bf16", lambda c: with_dtype(c, "float16", "k", "v"),
+     ("one dtype", "q(2, 5, 4, 16) bfloat16", "k(2, 7, 2, 16) float16")),
+    ("o_shape", lambda c: with_shape(c, "o", (B, T, N, H + 8)), ("o(2, 5, 4, 24)", "must match")),
+    ("lse_short", lambda c: with_shape(c, "lse", (B, N, T - 1)), ("lse(2, 4, 4) float32", "expected 40")),
+    ("kv_lens_int16", lambda c: with_dtype(c, "int16", "kv_lens"), ("kv_lens(2,) int16", "int32")),
+    ("heads_not_multiple", lambda c: with_shapes(c, (B, T, 3, H), KV),
+     ("multiple of key/value heads", "q(2, 5, 3, 16)")),
+    ("batch_mismatch", lambda c: with_shapes(c, Q, (B + 1, S, K, H)), ("batch dimensions",)),
+    ("head_dim_300", lambda c: with_shapes(c, (B, T, N, 304), (B, S, K, 304)), ("head dim H=304",)),
+    ("scale_nan", lambda c: with_attributes(c, scale=float("nan")), ("scale", "got nan")),
+    ("window_left_-2", lambda c: with_attributes(c, window_left=np.int64(-2)), ("window_left", "got -2")),
+]
+
+BWD_ERRORS = [
+    ("dq_accum_short", lambda c: with_shape(c, "dq_accum", (dq_accum_elements(False) - 1,)),
+     ("dq_accum(", "elements, expected")),
+    ("dq_accum_bf16", lambda c: with_dtype(c, "bfloat16", "dq_accum"), ("dq_accum(", "bfloat16")),
+    ("delta_short", lambda c: with_shape(c, "delta", (B, N)), ("delta(2, 4) float32", "expected 40")),
+    ("dk_dtype", lambda c: with_dtype(c, "float16", "dk"), ("dk(2, 7, 2, 16) float16", "must match")),
+    ("do_shape", lambda c: with_shape(c, "do", (B, T + 1, N, H)), ("do(2, 6, 4, 16)", "must match")),
+]
+
+
+@pytest.mark.parametrize("spoil,fragments", [e[1:] for e in ERRORS], ids=[e[0] for e in ERRORS])
+@pytest.mark.parametrize("make", [valid_fwd, valid_bwd], ids=["fwd", "bwd"])
+def test_errors(rng, make, spoil, fragments):
+  call = spoil(make())
+  with pytest.raises(FFI_ERROR, match=pattern("INVALID_ARGUMENT", "jax_flash", *fragments)):
+    call.run(rng)
+
+
+@pytest.mark.parametrize("spoil,fragments", [e[1:] for e in BWD_ERRORS], ids=[e[0] for e in BWD_ERRORS])
+def test_bwd_errors(rng, spoil, fragments):
+  call = spoil(valid_bwd())
+  with pytest.raises(FFI_ERROR, match=pattern("INVALID_ARGUMENT", "jax_flash", *fragments)):
+    call.run(rng)
