@@ -9,6 +9,7 @@ import pathlib
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 
 import json
 
@@ -193,7 +194,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _decode_fns(case: DecodeCase, kernel: str) -> dict:
-  """The peers of a decode case, each a function of the case's input arrays (by name)."""
+  """The peers of a decode case, each a function of the case's input arrays (by name): jax_flash
+  and XLA, and on a GPU cuDNN through jax.nn for the contiguous cases (jax.nn has no paged
+  attention)."""
   import jax_flash  # the benchmark's other modules import it as well
 
   if case.paged:
@@ -202,34 +205,60 @@ def _decode_fns(case: DecodeCase, kernel: str) -> dict:
           jax_flash.paged_attention(query, key_pages, value_pages, page_table, kv_lengths,
                                     is_causal=True, implementation=implementation))
     return {"jax_flash": paged(kernel), "xla": paged("xla")}
-  return {
+  def jax_nn(implementation):
+    return lambda query, key, value, kv_lengths: jax.nn.dot_product_attention(
+        query, key, value, key_value_seq_lengths=kv_lengths, implementation=implementation)
+
+  fns = {
       "jax_flash": lambda query, key, value, kv_lengths: jax_flash.dot_product_attention(
           query, key, value, key_value_seq_lengths=kv_lengths, implementation=kernel),
-      "xla": lambda query, key, value, kv_lengths: jax.nn.dot_product_attention(
-          query, key, value, key_value_seq_lengths=kv_lengths, implementation="xla"),
+      "xla": jax_nn("xla"),
   }
+  if kernel == "cuda":
+    fns["cudnn"] = jax_nn("cudnn")
+  return fns
 
 
-def _decode_row(case: DecodeCase, results: dict) -> str:
+def _copy_bandwidth(device, calls: int, warm_up_runs: int, reps: int, mib: int) -> dict:
+  """The device's copy bandwidth, the decode cases' roofline: y = x + 1 over `mib` MiB of
+  float32 (each byte read once and written once), GB/s of bytes moved. (On a CPU a case whose
+  cache fits the caches can read faster than this.)"""
+  x = jax.device_put(jnp.zeros((mib << 18,), jnp.float32), device)
+  compiled = compile_step(lambda x: x + 1, [x], calls)
+  times = sorted(t / calls for t in time_step(compiled.step, warm_up_runs, reps))
+  median = times[len(times) // 2]
+  return dict(mib=mib, median_ms=median * 1e3, gb_per_s=2 * x.nbytes / median / 1e9)
+
+
+def _decode_row(case: DecodeCase, results: dict, copy_gb_per_s: float) -> str:
+  def ok(peer):
+    return peer in results and results[peer]["status"] == "ok"
+
   def ms(peer):
-    r = results[peer]
-    return f"{r['median_ms']:.3f}" if r["status"] == "ok" else r["status"]
+    if peer not in results:
+      return "-"
+    return f"{results[peer]['median_ms']:.3f}" if ok(peer) else results[peer]["status"]
 
   def gbs(peer):
-    r = results[peer]
-    return f"{case.kv_bytes() / r['median_ms'] / 1e6:.1f}" if r["status"] == "ok" else "-"
+    return case.kv_bytes() / results[peer]["median_ms"] / 1e6 if ok(peer) else None
 
-  ok = all(r["status"] == "ok" for r in results.values())
-  ratio = f"{results['xla']['median_ms'] / results['jax_flash']['median_ms']:.2f}" if ok else "-"
-  return f"| {case.label} | {ms('jax_flash')} | {ms('xla')} | {ratio} | {gbs('jax_flash')} | {gbs('xla')} |"
+  def ratio(peer):  # > 1: jax_flash faster
+    if not (ok(peer) and ok("jax_flash")):
+      return "-"
+    return f"{results[peer]['median_ms'] / results['jax_flash']['median_ms']:.2f}"
+
+  flash = gbs("jax_flash")
+  flash_gbs = f"{flash:.1f}" if flash is not None else "-"
+  share = f"{100 * flash / copy_gb_per_s:.0f}%" if flash is not None else "-"
+  return (f"| {case.label} | {ms('jax_flash')} | {ms('cudnn')} | {ms('xla')} | {ratio('cudnn')} | "
+          f"{ratio('xla')} | {flash_gbs} | {share} |")
 
 
 def run_decode(platform: Platform, args: argparse.Namespace) -> int:
-  """The decode preset: each case's forward step for jax_flash and XLA, median ms and the K/V
-  bytes read per second; a table on stdout, results.json and table.md in --out."""
-  # TODO(issue 15, GPU): report each case against the GPU's copy-bandwidth roofline (K/V bytes
-  # over the measured device-to-device copy bandwidth) once the CUDA decode and paged kernels
-  # exist; on the CPU the GB/s column is only a comparison between peers.
+  """The decode preset: each case's forward step for jax_flash, XLA and (GPU, contiguous)
+  cuDNN, median ms; jax_flash's K/V bytes read per second and their share of the copy bandwidth
+  measured in the same run (the roofline); a table on stdout, results.json and table.md in
+  --out."""
   missing = no_devices(platform.device_kind)
   if missing is not None:
     log(missing)
@@ -240,8 +269,12 @@ def run_decode(platform: Platform, args: argparse.Namespace) -> int:
   cases = decode_cases("float32" if cpu else "bfloat16", reduce)
   device = jax.devices(platform.device_kind)[0]
   calls = 1 if cpu else ACCELERATOR_CALLS_PER_STEP
-  header = ("| case | jax_flash ms | xla ms | xla / jax_flash | jax_flash K/V GB/s | "
-            "xla K/V GB/s |\n|---|---|---|---|---|---|")
+  copy = _copy_bandwidth(device, calls, platform.warm_up_runs, args.reps, 64 if cpu else 2048)
+  log(f"copy bandwidth: {copy['gb_per_s']:.1f} GB/s (y = x + 1 over {copy['mib']} MiB of float32)")
+  header = (f"copy bandwidth {copy['gb_per_s']:.1f} GB/s (y = x + 1 over {copy['mib']} MiB, read + "
+            "written), measured in this run\n\n"
+            "| case | jax_flash ms | cudnn ms | xla ms | cudnn / jax_flash | xla / jax_flash | "
+            "jax_flash K/V GB/s | of copy bandwidth |\n|---|---|---|---|---|---|---|---|")
   lines, records = [header], []
   for index, case in enumerate(cases, 1):
     arrays = {name: jax.device_put(x, device) for name, x in decode_inputs(case).items()}
@@ -258,7 +291,7 @@ def run_decode(platform: Platform, args: argparse.Namespace) -> int:
         results[peer] = dict(status="fails", reason=failure_reason(e))
       records.append(dict(case=case.label, peer=peer, kv_bytes=case.kv_bytes(),
                           flop=case.flops(), **results[peer]))
-    lines.append(_decode_row(case, results))
+    lines.append(_decode_row(case, results, copy["gb_per_s"]))
     log(f"[{index}/{len(cases)}] {lines[-1]}")
   table = "\n".join(lines)
   print(table)
@@ -266,7 +299,8 @@ def run_decode(platform: Platform, args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     settings = dict(preset="decode", reduce=reduce, reps=args.reps, kernel=kernel)
     (args.out / "results.json").write_text(json.dumps(
-        dict(environment=environment(platform), settings=settings, measurements=records),
+        dict(environment=environment(platform), settings=settings, copy_bandwidth=copy,
+             measurements=records),
         indent=1, default=str))
     (args.out / "table.md").write_text(table + "\n")
   return 0
