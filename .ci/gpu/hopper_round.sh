@@ -5,8 +5,11 @@
 #   - backward kernel choices (BWD_CHOICES, JAX_FLASH_CUDA_BACKWARD values or "default"): the
 #     benchmark (fwd+bwd, BENCH_ARGS) beside cuDNN (tokamax too in the default run);
 #   - forward kernel choices (FWD_CHOICES) through .ci/gpu/forward_variants.py (FWD_ARGS);
-#   - the decode preset with and without JAX_FLASH_CUDA_DECODE=split (DECODE=1).
+#   - the decode preset (cuDNN, XLA and the copy bandwidth in each run) per JAX_FLASH_CUDA_DECODE
+#     value in DECODE_CHOICES (tiled, split, kernel).
 # Results go to $OUT (the device tool's output folder) or ./gpu_out.
+#   e.g. TESTS_K="decode or splitdq" BWD_CHOICES="default sm90ws_splitdq" \
+#        DECODE_CHOICES="tiled kernel" bash .ci/gpu/hopper_round.sh
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 out="${OUT:-gpu_out}"
@@ -50,12 +53,8 @@ if [[ -n "${FWD_CHOICES:-}" ]]; then
   echo "== forward $(elapsed)"
 fi
 
-if [[ "${DECODE:-0}" == 1 ]]; then
-  for split in off split; do
-    assignment=()
-    [[ "$split" == split ]] && assignment=("JAX_FLASH_CUDA_DECODE=split")
-    env "${assignment[@]}" timeout "${DECODE_TIMEOUT:-90}" python3 -m jax_flash.benchmark --platform gpu \
-      --preset decode --reps 5 --out "$out/decode_$split" >"$out/decode_$split.log" 2>&1
-    echo "== decode ($split) $(elapsed)"; tail -12 "$out/decode_$split.log"
-  done
-fi
+for choice in ${DECODE_CHOICES:-}; do
+  JAX_FLASH_CUDA_DECODE="$choice" timeout "${DECODE_TIMEOUT:-90}" python3 -m jax_flash.benchmark \
+    --platform gpu --preset decode --reps 5 --out "$out/decode_$choice" >"$out/decode_$choice.log" 2>&1
+  echo "== decode ($choice) $(elapsed)"; tail -12 "$out/decode_$choice.log"
+done
