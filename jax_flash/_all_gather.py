@@ -13,6 +13,9 @@ off - left, or 0 when that is negative). The offset is static per device: a ``la
 the device index picks one kernel call per possible slice (P of them, each with its own
 constants), so the kernels see only what their slice attends to (causal: the keys up to the
 slice's end, a window: the window's span).
+
+Segment ids: the key-side ids are gathered with K/V (one more all-gather, of int32 per key) and
+cut to the same key range; the query-side ids stay with their queries.
 """
 
 from __future__ import annotations
@@ -62,28 +65,38 @@ def _chunk_ids(num: int, layout: str):
   return [lambda r: r, lambda r: 2 * num - 1 - r]
 
 
-def _gather_kv(k, v, axis_name, layout: str, num: int):
-  k = jax.lax.all_gather(k, axis_name, axis=1, tiled=True)
-  v = jax.lax.all_gather(v, axis_name, axis=1, tiled=True)
-  return from_layout_order(k, 1, num, layout), from_layout_order(v, 1, num, layout)
+def _gather_kv(k, v, axis_name, layout: str, num: int, kv_ids=None):
+  """K, V (and the key-side segment ids, None without them) of the whole sequence."""
+  xs = (k, v) if kv_ids is None else (k, v, kv_ids)
+  xs = [from_layout_order(jax.lax.all_gather(x, axis_name, axis=1, tiled=True), 1, num, layout)
+        for x in xs]
+  return xs[0], xs[1], (xs[2] if kv_ids is not None else None)
+
+
+def _ids_for(plan: _Slice, q_ids, kv_ids):
+  """The kernel's segment ids of a slice: None without ids, else (q ids, key ids in range)."""
+  if q_ids is None:
+    return None
+  return q_ids, kv_ids[:, plan.start:plan.stop]
 
 
 def _local_kv_lens(kv_lens, plan: _Slice):
   return jnp.clip(kv_lens - plan.start, 0, plan.stop - plan.start).astype(jnp.int32)
 
 
-def _slice_fwd(plan: _Slice, q, k, v, q_lens, kv_lens):
+def _slice_fwd(plan: _Slice, q, k, v, q_lens, kv_lens, q_ids=None, kv_ids=None):
   """(o float32, lse) of one query slice (q_lens local to it) against the gathered K/V."""
   if plan.stop == plan.start:  # nothing visible: every row empty
     batch, rows, heads, _ = q.shape
     return (_varying_like(jnp.zeros(q.shape, jnp.float32), q),
             _varying_like(jnp.full((batch, heads, rows), EMPTY_ROW_LSE, jnp.float32), q))
   o, lse = _ops.flash_fwd(q, k[:, plan.start:plan.stop], v[:, plan.start:plan.stop], q_lens,
-                          _local_kv_lens(kv_lens, plan), plan.config)
+                          _local_kv_lens(kv_lens, plan), plan.config,
+                          _ids_for(plan, q_ids, kv_ids))
   return _varying_like(o.astype(jnp.float32), q), _varying_like(lse, q)
 
 
-def _slice_bwd(plan: _Slice, q, k, v, o, lse, d_o, q_lens, kv_lens):
+def _slice_bwd(plan: _Slice, q, k, v, o, lse, d_o, q_lens, kv_lens, q_ids=None, kv_ids=None):
   """(dq, dk float32, dv float32) of _slice_fwd, dK/dV over the whole gathered sequence."""
   dk = jnp.zeros(k.shape, jnp.float32)
   dv = jnp.zeros(v.shape, jnp.float32)
@@ -92,7 +105,7 @@ def _slice_bwd(plan: _Slice, q, k, v, o, lse, d_o, q_lens, kv_lens):
             _varying_like(dv, v))
   dq, dk_part, dv_part = _ops.flash_bwd(
       q, k[:, plan.start:plan.stop], v[:, plan.start:plan.stop], o, lse, d_o, q_lens,
-      _local_kv_lens(kv_lens, plan), plan.config)
+      _local_kv_lens(kv_lens, plan), plan.config, _ids_for(plan, q_ids, kv_ids))
   dk = dk.at[:, plan.start:plan.stop].set(dk_part.astype(jnp.float32))
   dv = dv.at[:, plan.start:plan.stop].set(dv_part.astype(jnp.float32))
   return _varying_like(dq, q), _varying_like(dk, k), _varying_like(dv, v)
@@ -121,44 +134,55 @@ def _slices(config, num: int, layout: str, rows: int, seq_k: int, rank, q_lens):
   return out
 
 
-def all_gather_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, *, axis_name,
-                   layout: str, kv_layout: str | None = None):
+def _id_args(q_ids_c, kv_ids):
+  return () if q_ids_c is None else (q_ids_c, kv_ids)
+
+
+def all_gather_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=None, *,
+                   axis_name, layout: str, kv_layout: str | None = None):
   """(o, lse) over a sequence sharded along `axis_name`, with _ops.flash_fwd's arguments and
   results (this device's query slices in `layout`, its K/V slices in `kv_layout`, by default
-  the same; q_lens and kv_lens global). Inside shard_map or a partitioned lowering."""
+  the same, the segment ids with them; q_lens and kv_lens global). Inside shard_map or a
+  partitioned lowering."""
   num = jax.lax.axis_size(axis_name)
   rank = jax.lax.axis_index(axis_name)
-  k, v = _gather_kv(k, v, axis_name, kv_layout or layout, num)
+  q_ids, kv_ids = segment_ids if segment_ids is not None else (None, None)
+  k, v, kv_ids = _gather_kv(k, v, axis_name, kv_layout or layout, num, kv_ids)
   parts = 1 if layout == "contiguous" else 2
   rows = q.shape[1] // parts
+  q_id_cs = _split_rows(q_ids, parts, 1) if q_ids is not None else [None] * parts
   outs, lses = [], []
-  for q_c, (plans, q_lens_c) in zip(_split_rows(q, parts, 1),
-                                    _slices(config, num, layout, rows, k.shape[1], rank, q_lens)):
-    o, lse = _by_rank(rank, plans, _slice_fwd, q_c, k, v, q_lens_c, kv_lens)
+  for q_c, q_id_c, (plans, q_lens_c) in zip(
+      _split_rows(q, parts, 1), q_id_cs,
+      _slices(config, num, layout, rows, k.shape[1], rank, q_lens)):
+    o, lse = _by_rank(rank, plans, _slice_fwd, q_c, k, v, q_lens_c, kv_lens,
+                      *_id_args(q_id_c, kv_ids))
     outs.append(o)
     lses.append(lse)
   out = jnp.concatenate(outs, axis=1).astype(jnp.float32 if config.o_float32 else q.dtype)
   return out, jnp.concatenate(lses, axis=2)
 
 
-def all_gather_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelConfig, *,
-                   axis_name, layout: str, kv_layout: str | None = None):
+def all_gather_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelConfig,
+                   segment_ids=None, *, axis_name, layout: str, kv_layout: str | None = None):
   """(dq, dk, dv) of all_gather_fwd, with _ops.flash_bwd's arguments and results."""
   num = jax.lax.axis_size(axis_name)
   rank = jax.lax.axis_index(axis_name)
   kv_layout = kv_layout or layout
-  k_all, v_all = _gather_kv(k, v, axis_name, kv_layout, num)
+  q_ids, kv_ids = segment_ids if segment_ids is not None else (None, None)
+  k_all, v_all, kv_ids = _gather_kv(k, v, axis_name, kv_layout, num, kv_ids)
   parts = 1 if layout == "contiguous" else 2
   rows = q.shape[1] // parts
   dqs = []
   dk = jnp.zeros(k_all.shape, jnp.float32)
   dv = jnp.zeros(v_all.shape, jnp.float32)
+  q_id_cs = _split_rows(q_ids, parts, 1) if q_ids is not None else [None] * parts
   chunks = zip(_split_rows(q, parts, 1), _split_rows(o, parts, 1), _split_rows(lse, parts, 2),
-               _split_rows(d_o, parts, 1),
+               _split_rows(d_o, parts, 1), q_id_cs,
                _slices(config, num, layout, rows, k_all.shape[1], rank, q_lens))
-  for q_c, o_c, lse_c, do_c, (plans, q_lens_c) in chunks:
+  for q_c, o_c, lse_c, do_c, q_id_c, (plans, q_lens_c) in chunks:
     dq_c, dk_c, dv_c = _by_rank(rank, plans, _slice_bwd, q_c, k_all, v_all, o_c, lse_c, do_c,
-                                q_lens_c, kv_lens)
+                                q_lens_c, kv_lens, *_id_args(q_id_c, kv_ids))
     dqs.append(dq_c)
     dk, dv = dk + dk_c, dv + dv_c
   # Back into the layout the devices hold the sequence in, then each device's slice summed.

@@ -10,6 +10,11 @@ with q, k, v, o, dO and the log-sum-exp, and returns dQ, dK, dV by all-to-all.
 Heads: the query heads must split over the axis. Key/value heads that do not (GQA with fewer kv
 heads than devices) are repeated, each r times with r the smallest factor making them split;
 their gradients are summed back over the copies.
+
+Segment ids are per position, not per head: every device needs the ids of the whole sequence.
+They are gathered by the same all-to-all (each device's slice of ids sent whole to every device:
+the bytes of an all-gather, (P-1) L/P int32 per device and side, negligible beside q, k, v),
+which keeps "all-to-all only" true of the compiled program.
 """
 
 from __future__ import annotations
@@ -53,6 +58,20 @@ def _lse_to_sequence(lse, axis_name, layout: str, num: int):
   return jax.lax.all_to_all(lse, axis_name, split_axis=2, concat_axis=1, tiled=True)
 
 
+def _gather_ids(ids, axis_name, layout: str, num: int):
+  """(B, L/P) int32 slices -> (B, L), the whole sequence's ids in natural order, on every
+  device: an all-gather done by all-to-all (the slice repeated once per device)."""
+  x = jnp.broadcast_to(ids[..., None], (*ids.shape, num))
+  x = jax.lax.all_to_all(x, axis_name, split_axis=2, concat_axis=1, tiled=True)
+  return from_layout_order(x[..., 0], 1, num, layout)
+
+
+def _whole_ids(segment_ids, axis_name, layout: str, num: int):
+  if segment_ids is None:
+    return None
+  return tuple(_gather_ids(x, axis_name, layout, num) for x in segment_ids)
+
+
 def _repeat_kv(k, v, repeats: int):
   if repeats == 1:
     return k, v
@@ -67,23 +86,24 @@ def _sum_kv_copies(dk, repeats: int):
   return summed.astype(dk.dtype)
 
 
-def all_to_all_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, *, axis_name,
-                   layout: str):
+def all_to_all_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=None, *,
+                   axis_name, layout: str):
   """(o, lse) over a sequence sharded along `axis_name`, with _ops.flash_fwd's arguments and
-  results (this device's slices in `layout`; q_lens and kv_lens global). Inside shard_map or a
-  partitioned lowering; the local query heads must split over the axis."""
+  results (this device's slices in `layout`, segment ids too; q_lens and kv_lens global).
+  Inside shard_map or a partitioned lowering; the local query heads must split over the axis."""
   num = jax.lax.axis_size(axis_name)
   like = q
   k, v = _repeat_kv(k, v, kv_repeats(q.shape[2], k.shape[2], num))
   q, k, v = (_to_heads(x, axis_name, layout, num) for x in (q, k, v))
-  o, lse = _ops.flash_fwd(q, k, v, q_lens, kv_lens, config)
+  o, lse = _ops.flash_fwd(q, k, v, q_lens, kv_lens, config,
+                          _whole_ids(segment_ids, axis_name, layout, num))
   # Typed as varying where q was (inside shard_map, over the mesh's other axes too).
   return (_varying_like(_to_sequence(o, axis_name, layout, num), like),
           _varying_like(_lse_to_sequence(lse, axis_name, layout, num), like))
 
 
-def all_to_all_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelConfig, *,
-                   axis_name, layout: str):
+def all_to_all_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelConfig,
+                   segment_ids=None, *, axis_name, layout: str):
   """(dq, dk, dv) of all_to_all_fwd, with _ops.flash_bwd's arguments and results."""
   num = jax.lax.axis_size(axis_name)
   repeats = kv_repeats(q.shape[2], k.shape[2], num)
@@ -91,7 +111,8 @@ def all_to_all_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelCon
   k, v = _repeat_kv(k, v, repeats)
   q, k, v, o, d_o = (_to_heads(x, axis_name, layout, num) for x in (q, k, v, o, d_o))
   lse = _lse_to_heads(lse, axis_name, layout, num)
-  dq, dk, dv = _ops.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config)
+  dq, dk, dv = _ops.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config,
+                              _whole_ids(segment_ids, axis_name, layout, num))
   dq, dk, dv = (_to_sequence(x, axis_name, layout, num) for x in (dq, dk, dv))
   return (_varying_like(dq, q_in), _varying_like(_sum_kv_copies(dk, repeats), k_in),
           _varying_like(_sum_kv_copies(dv, repeats), v_in))

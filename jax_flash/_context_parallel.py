@@ -32,6 +32,11 @@ revisited with measurements of all three on GPUs:
 3. else ``"all_gather"`` (causal without a window balanced by zig-zag queries);
 4. else (the sequence does not split over the axis) no strategy: the sequence is gathered and
    the op runs on it whole.
+
+Segment ids (packed documents) go with every strategy: sharded like their operands' sequence,
+moved with them by the zig-zag relayout; the ring passes the key-side ids around with K/V, the
+all-gather gathers them with K/V, the all-to-all gathers both sides' ids whole (they are per
+position, not per head) by all-to-all.
 """
 
 from __future__ import annotations
@@ -139,45 +144,64 @@ def _kv_layout(strategy: Strategy) -> str:
   return "contiguous" if strategy.relayout and not _moved(strategy, kv=True) else strategy.layout
 
 
-def _run_fwd(strategy: Strategy, q, k, v, q_lens, kv_lens, config, axis_name):
+def _run_fwd(strategy: Strategy, q, k, v, q_lens, kv_lens, config, axis_name,
+             segment_ids=None):
   if strategy.name == "all_gather":
-    return _all_gather.all_gather_fwd(q, k, v, q_lens, kv_lens, config, axis_name=axis_name,
-                                      layout=strategy.layout, kv_layout=_kv_layout(strategy))
-  return _FORWARD[strategy.name](q, k, v, q_lens, kv_lens, config, axis_name=axis_name,
-                                 layout=strategy.layout)
-
-
-def _run_bwd(strategy: Strategy, q, k, v, o, lse, d_o, q_lens, kv_lens, config, axis_name):
-  if strategy.name == "all_gather":
-    return _all_gather.all_gather_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config,
+    return _all_gather.all_gather_fwd(q, k, v, q_lens, kv_lens, config, segment_ids,
                                       axis_name=axis_name, layout=strategy.layout,
                                       kv_layout=_kv_layout(strategy))
-  return _BACKWARD[strategy.name](q, k, v, o, lse, d_o, q_lens, kv_lens, config,
+  return _FORWARD[strategy.name](q, k, v, q_lens, kv_lens, config, segment_ids,
+                                 axis_name=axis_name, layout=strategy.layout)
+
+
+def _run_bwd(strategy: Strategy, q, k, v, o, lse, d_o, q_lens, kv_lens, config, axis_name,
+             segment_ids=None):
+  if strategy.name == "all_gather":
+    return _all_gather.all_gather_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config,
+                                      segment_ids, axis_name=axis_name, layout=strategy.layout,
+                                      kv_layout=_kv_layout(strategy))
+  return _BACKWARD[strategy.name](q, k, v, o, lse, d_o, q_lens, kv_lens, config, segment_ids,
                                   axis_name=axis_name, layout=strategy.layout)
 
 
-def sharded_fwd(strategy: Strategy, q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, *,
-                axis_name):
-  """(o, lse) of `strategy` over contiguous slices (a partitioned lowering's operands): moved
-  into the strategy's layout and back where it asks for that."""
+def _relayout_ids(strategy: Strategy, segment_ids, axis_name):
+  """The segment ids moved as their operands are: the query ids with the queries, the key ids
+  with K/V."""
+  if segment_ids is None or not strategy.relayout:
+    return segment_ids
+  q_ids, kv_ids = segment_ids
+  if _moved(strategy, kv=True):
+    return contiguous_to_zigzag((q_ids, kv_ids), axis_name, (1, 1))
+  (q_ids,) = contiguous_to_zigzag((q_ids,), axis_name, (1,))
+  return q_ids, kv_ids
+
+
+def sharded_fwd(strategy: Strategy, q, k, v, q_lens, kv_lens, config: _ops.KernelConfig,
+                segment_ids=None, *, axis_name):
+  """(o, lse) of `strategy` over contiguous slices (a partitioned lowering's operands; the
+  segment ids None or (q_ids, kv_ids) slices): moved into the strategy's layout and back where
+  it asks for that."""
   if _moved(strategy, kv=True):
     q, k, v = contiguous_to_zigzag((q, k, v), axis_name, (1, 1, 1))
   elif _moved(strategy, kv=False):
     (q,) = contiguous_to_zigzag((q,), axis_name, (1,))
-  o, lse = _run_fwd(strategy, q, k, v, q_lens, kv_lens, config, axis_name)
+  segment_ids = _relayout_ids(strategy, segment_ids, axis_name)
+  o, lse = _run_fwd(strategy, q, k, v, q_lens, kv_lens, config, axis_name, segment_ids)
   if strategy.relayout:
     o, lse = zigzag_to_contiguous((o, lse), axis_name, (1, 2))
   return o, lse
 
 
 def sharded_bwd(strategy: Strategy, q, k, v, o, lse, d_o, q_lens, kv_lens,
-                config: _ops.KernelConfig, *, axis_name):
+                config: _ops.KernelConfig, segment_ids=None, *, axis_name):
   """(dq, dk, dv) of sharded_fwd."""
   if strategy.relayout:
     q, o, d_o, lse = contiguous_to_zigzag((q, o, d_o, lse), axis_name, (1, 1, 1, 2))
   if _moved(strategy, kv=True):
     k, v = contiguous_to_zigzag((k, v), axis_name, (1, 1))
-  dq, dk, dv = _run_bwd(strategy, q, k, v, o, lse, d_o, q_lens, kv_lens, config, axis_name)
+  segment_ids = _relayout_ids(strategy, segment_ids, axis_name)
+  dq, dk, dv = _run_bwd(strategy, q, k, v, o, lse, d_o, q_lens, kv_lens, config, axis_name,
+                        segment_ids)
   if _moved(strategy, kv=True):
     dq, dk, dv = zigzag_to_contiguous((dq, dk, dv), axis_name, (1, 1, 1))
   elif strategy.relayout:
@@ -188,23 +212,25 @@ def sharded_bwd(strategy: Strategy, q, k, v, o, lse, d_o, q_lens, kv_lens,
 # ---- inside shard_map ---------------------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _attention(q, k, v, q_lens, kv_lens, config, strategy, axis_name):
-  return _run_fwd(strategy, q, k, v, q_lens, kv_lens, config, axis_name)
+# segment_ids: None or this device's (q_ids, kv_ids); like the lengths, not differentiated.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _attention(q, k, v, q_lens, kv_lens, segment_ids, config, strategy, axis_name):
+  return _run_fwd(strategy, q, k, v, q_lens, kv_lens, config, axis_name, segment_ids)
 
 
-def _attention_fwd(q, k, v, q_lens, kv_lens, config, strategy, axis_name):
+def _attention_fwd(q, k, v, q_lens, kv_lens, segment_ids, config, strategy, axis_name):
   # The output in float32 for the backward, as dot_product_attention's forward keeps it.
   out32, lse = _run_fwd(strategy, q, k, v, q_lens, kv_lens, _ops.for_backward(config),
-                        axis_name)
-  return (out32.astype(q.dtype), lse), (q, k, v, q_lens, kv_lens, out32, lse)
+                        axis_name, segment_ids)
+  return (out32.astype(q.dtype), lse), (q, k, v, q_lens, kv_lens, segment_ids, out32, lse)
 
 
 def _attention_bwd(config, strategy, axis_name, residuals, cotangents):
-  q, k, v, q_lens, kv_lens, out, lse = residuals
+  q, k, v, q_lens, kv_lens, segment_ids, out, lse = residuals
   d_out, _ = cotangents  # lse leaves under stop_gradient
-  dq, dk, dv = _run_bwd(strategy, q, k, v, out, lse, d_out, q_lens, kv_lens, config, axis_name)
-  return dq, dk, dv, None, None
+  dq, dk, dv = _run_bwd(strategy, q, k, v, out, lse, d_out, q_lens, kv_lens, config, axis_name,
+                        segment_ids)
+  return dq, dk, dv, None, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -217,7 +243,8 @@ def context_parallel_attention(
     key_value_seq_lengths: jax.Array | None = None,
     local_window_size: int | tuple[int, int] | None = None,
     implementation: str | None = None, deterministic: bool = False,
-    return_residual: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+    return_residual: bool = False, q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Attention over a sequence sharded along `axis_name`, for use inside ``jax.shard_map``.
 
   Args:
@@ -232,6 +259,9 @@ def context_parallel_attention(
       2P-1-r of 2P: equal causal work on every device; see ``jax_flash.zigzag_indices``).
     query_seq_lengths, key_value_seq_lengths: global lengths ``(B,)`` int32.
     local_window_size: as in ``dot_product_attention``, global positions; not with "ring".
+    q_segment_ids, kv_segment_ids: this device's slices ``(B, T/P)``, ``(B, S/P)`` int32 of
+      the packed documents' ids (as in ``dot_product_attention``), in `layout`; both or
+      neither.
     The other arguments are those of ``jax_flash.dot_product_attention`` on its kernels
     (``implementation`` None, "cpu" or "cuda").
 
@@ -267,9 +297,14 @@ def context_parallel_attention(
       is_causal=bool(is_causal), local_window=window is not None,
       seq_lengths=query_seq_lengths is not None or key_value_seq_lengths is not None)
   caller = "jax_flash.context_parallel_attention"
+  segment_ids = _validation.check_segment_ids(q_segment_ids, kv_segment_ids, batch, rows_q,
+                                              rows_k, False)
   implementation = _dispatch.select(
-      implementation, _dispatch.Call(query.shape, query.dtype, mask_forms=masks,
-                                     deterministic=deterministic, ring=True), caller=caller)
+      implementation, _dispatch.Call(
+          query.shape, query.dtype, mask_forms=masks, deterministic=deterministic, ring=True,
+          segment_ids=None if segment_ids is None else (jnp.shape(q_segment_ids),
+                                                        jnp.shape(kv_segment_ids))),
+      caller=caller)
   q_lens = _validation.check_seq_lengths("query_seq_lengths", query_seq_lengths, batch, seq_q)
   kv_lens = _validation.check_seq_lengths("key_value_seq_lengths", key_value_seq_lengths, batch,
                                           seq_k)
@@ -279,13 +314,13 @@ def context_parallel_attention(
     kv_lens = jnp.full((batch,), seq_k, jnp.int32)
   plan = Strategy(strategy, layout)
 
-  def attention(q, k, v, q_lens, kv_lens, config):
-    return _attention(q, k, v, q_lens, kv_lens, config, plan, axis_name)
+  def attention(q, k, v, q_lens, kv_lens, config, segment_ids=None):
+    return _attention(q, k, v, q_lens, kv_lens, segment_ids, config, plan, axis_name)
 
   out, lse = _ops.call_kernels(
       attention, query, key, value, q_lens, kv_lens, implementation=implementation,
       scale=_validation.check_scale(scale, head_dim), is_causal=bool(is_causal),
       window_left=window_left, window_right=window_right, deterministic=deterministic,
-      caller=caller)
+      caller=caller, segment_ids=segment_ids)
   lse = jax.lax.stop_gradient(lse)
   return (out, jnp.swapaxes(lse, -1, -2)) if return_residual else out

@@ -9,6 +9,12 @@ Layouts: "contiguous" gives device r rows [r L, (r+1) L); "zigzag" splits the se
 2P chunks and gives device r chunks r and 2P-1-r, so under a causal mask every device has the
 same amount of work (see ``zigzag_indices``). Block pairs are chunk-aligned, so each is fully
 visible, causal on its diagonal, or invisible (skipped) — the kernels need no position offsets.
+
+Segment ids (packed documents): the key-side ids travel around the ring with their K/V slice
+(one more int32 operand of the same collective-permute), the query-side ids stay; each block
+runs the kernel with the local query ids and the visiting key ids. A row that sees no key in a
+block gets 0 and EMPTY_ROW_LSE there, which weighs nothing in the merge, so a row with no key in
+any block ends at 0 and EMPTY_ROW_LSE as on one device.
 """
 
 from __future__ import annotations
@@ -76,22 +82,24 @@ def _varying_axes(x) -> frozenset:
   return vma if vma is not None else aval.manual_axis_type.varying
 
 
-def _block_fwd(config, relation, q, k, v, q_lens, kv_lens):
-  """(o float32, lse) of one block pair, by its relation."""
+def _block_fwd(config, relation, q, k, v, q_lens, kv_lens, ids=()):
+  """(o float32, lse) of one block pair, by its relation; `ids`: () or (q_ids, kv_ids) of the
+  pair."""
   diagonal, full = _configs(config)
 
-  def skip(q, k, v, q_lens, kv_lens):
+  def skip(q, k, v, q_lens, kv_lens, *ids):
     batch, seq, heads, _ = q.shape
     return (_varying_like(jnp.zeros(q.shape, jnp.float32), q),
             _varying_like(jnp.full((batch, heads, seq), EMPTY_ROW_LSE, jnp.float32), q))
 
   def run(cfg):
-    def branch(q, k, v, q_lens, kv_lens):
-      o, lse = _ops.flash_fwd(q, k, v, q_lens, kv_lens, cfg)
+    def branch(q, k, v, q_lens, kv_lens, *ids):
+      o, lse = _ops.flash_fwd(q, k, v, q_lens, kv_lens, cfg, tuple(ids) or None)
       return _varying_like(o.astype(jnp.float32), q), _varying_like(lse, q)
     return branch
 
-  return jax.lax.switch(relation, [skip, run(diagonal), run(full)], q, k, v, q_lens, kv_lens)
+  return jax.lax.switch(relation, [skip, run(diagonal), run(full)], q, k, v, q_lens, kv_lens,
+                        *ids)
 
 
 def _merge(o, lse, o_part, lse_part):
@@ -106,10 +114,23 @@ def _split(x, parts: int, axis: int):
   return jnp.split(x, parts, axis=axis) if parts > 1 else [x]
 
 
-def ring_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, *, axis_name, layout: str):
+def _pair_ids(q_ids_c, kv_ids_c):
+  return () if q_ids_c is None else (q_ids_c, kv_ids_c)
+
+
+def _split_ids(segment_ids, parts: int):
+  """(q id chunks, kv id chunks) of this device's (q_ids, kv_ids) slices; None chunks without
+  ids."""
+  if segment_ids is None:
+    return [None] * parts, [None] * parts
+  return _split(segment_ids[0], parts, 1), _split(segment_ids[1], parts, 1)
+
+
+def ring_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=None, *,
+             axis_name, layout: str):
   """(o, lse) of the ring over `axis_name`, with _ops.flash_fwd's arguments and results (this
-  device's slices in `layout`; q_lens and kv_lens global). Inside shard_map or a partitioned
-  lowering."""
+  device's slices in `layout`, segment ids too; q_lens and kv_lens global). Inside shard_map or
+  a partitioned lowering."""
   num = jax.lax.axis_size(axis_name)
   rank = jax.lax.axis_index(axis_name)
   q_ids = _chunk_ids(rank, num, layout)
@@ -118,41 +139,49 @@ def ring_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, *, axis_name, 
   qs = _split(q, parts, 1)
   outs = [jnp.zeros(x.shape, jnp.float32) for x in qs]
   lses = [jnp.full((x.shape[0], x.shape[2], x.shape[1]), EMPTY_ROW_LSE, jnp.float32) for x in qs]
+  q_seg = _split_ids(segment_ids, parts)[0]
+  kv_seg = None if segment_ids is None else segment_ids[1]
   perm = [(i, (i + 1) % num) for i in range(num)]
   for step in range(num):
     src = (rank - step) % num
     k_ids = _chunk_ids(src, num, layout)
+    kv_seg_cs = _split(kv_seg, parts, 1) if kv_seg is not None else [None] * parts
     for c, (q_c, q_id) in enumerate(zip(qs, q_ids)):
-      for k_c, v_c, k_id in zip(_split(k, parts, 1), _split(v, parts, 1), k_ids):
+      for k_c, v_c, k_id, kv_seg_c in zip(_split(k, parts, 1), _split(v, parts, 1), k_ids,
+                                          kv_seg_cs):
         o_p, lse_p = _block_fwd(config, _relation(q_id, k_id, config.is_causal), q_c, k_c, v_c,
                                 _local_lengths(q_lens, q_id, chunk_q),
-                                _local_lengths(kv_lens, k_id, chunk_k))
+                                _local_lengths(kv_lens, k_id, chunk_k),
+                                _pair_ids(q_seg[c], kv_seg_c))
         outs[c], lses[c] = _merge(outs[c], lses[c], o_p, lse_p)
-    if step + 1 < num:
-      k, v = jax.lax.ppermute((k, v), axis_name, perm)
+    if step + 1 < num:  # the key-side ids travel with their K/V slice
+      if kv_seg is None:
+        k, v = jax.lax.ppermute((k, v), axis_name, perm)
+      else:
+        k, v, kv_seg = jax.lax.ppermute((k, v, kv_seg), axis_name, perm)
   out = jnp.concatenate(outs, axis=1).astype(jnp.float32 if config.o_float32 else q.dtype)
   return out, jnp.concatenate(lses, axis=2)
 
 
-def _block_bwd(config, relation, q, k, v, o, lse, d_o, q_lens, kv_lens):
+def _block_bwd(config, relation, q, k, v, o, lse, d_o, q_lens, kv_lens, ids=()):
   diagonal, full = _configs(config)
 
-  def skip(q, k, v, o, lse, d_o, q_lens, kv_lens):
+  def skip(q, k, v, o, lse, d_o, q_lens, kv_lens, *ids):
     return (_varying_like(jnp.zeros(q.shape, q.dtype), q), _varying_like(jnp.zeros(k.shape, k.dtype), k),
             _varying_like(jnp.zeros(v.shape, v.dtype), v))
 
   def run(cfg):
-    def branch(q, k, v, o, lse, d_o, q_lens, kv_lens):
-      dq, dk, dv = _ops.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, cfg)
+    def branch(q, k, v, o, lse, d_o, q_lens, kv_lens, *ids):
+      dq, dk, dv = _ops.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, cfg, tuple(ids) or None)
       return _varying_like(dq, q), _varying_like(dk, k), _varying_like(dv, v)
     return branch
 
   return jax.lax.switch(relation, [skip, run(diagonal), run(full)],
-                        q, k, v, o, lse, d_o, q_lens, kv_lens)
+                        q, k, v, o, lse, d_o, q_lens, kv_lens, *ids)
 
 
-def ring_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelConfig, *, axis_name,
-             layout: str):
+def ring_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=None,
+             *, axis_name, layout: str):
   """(dq, dk, dv) of the ring over `axis_name`, with _ops.flash_bwd's arguments and results."""
   num = jax.lax.axis_size(axis_name)
   rank = jax.lax.axis_index(axis_name)
@@ -164,47 +193,56 @@ def ring_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelConfig, *
   dqs = [jnp.zeros(x.shape, jnp.float32) for x in qs]
   dk = jnp.zeros(k.shape, jnp.float32)
   dv = jnp.zeros(v.shape, jnp.float32)
+  q_seg = _split_ids(segment_ids, parts)[0]
+  kv_seg = None if segment_ids is None else segment_ids[1]
   perm = [(i, (i + 1) % num) for i in range(num)]
   for step in range(num):
     src = (rank - step) % num
     k_ids = _chunk_ids(src, num, layout)
     dks, dvs = _split(dk, parts, 1), _split(dv, parts, 1)
+    kv_seg_cs = _split(kv_seg, parts, 1) if kv_seg is not None else [None] * parts
     for c, q_id in enumerate(q_ids):
       for j, (k_c, v_c, k_id) in enumerate(zip(_split(k, parts, 1), _split(v, parts, 1), k_ids)):
         dq_p, dk_p, dv_p = _block_bwd(
             config, _relation(q_id, k_id, config.is_causal), qs[c], k_c, v_c, os_[c], lses[c],
-            dos[c], _local_lengths(q_lens, q_id, chunk_q), _local_lengths(kv_lens, k_id, chunk_k))
+            dos[c], _local_lengths(q_lens, q_id, chunk_q), _local_lengths(kv_lens, k_id, chunk_k),
+            _pair_ids(q_seg[c], kv_seg_cs[j]))
         dqs[c] = dqs[c] + dq_p.astype(jnp.float32)
         dks[j] = dks[j] + dk_p.astype(jnp.float32)
         dvs[j] = dvs[j] + dv_p.astype(jnp.float32)
     dk, dv = jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1)
     # The gradient accumulators travel with their blocks; after `num` moves they are home.
     if step + 1 < num:
-      k, v, dk, dv = jax.lax.ppermute((k, v, dk, dv), axis_name, perm)
+      if kv_seg is None:
+        k, v, dk, dv = jax.lax.ppermute((k, v, dk, dv), axis_name, perm)
+      else:
+        k, v, dk, dv, kv_seg = jax.lax.ppermute((k, v, dk, dv, kv_seg), axis_name, perm)
     else:
       dk, dv = jax.lax.ppermute((dk, dv), axis_name, perm)
   dq = jnp.concatenate(dqs, axis=1)
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _ring(q, k, v, q_lens, kv_lens, config, axis_name, layout):
-  return ring_fwd(q, k, v, q_lens, kv_lens, config, axis_name=axis_name, layout=layout)
+# segment_ids: None or this device's (q_ids, kv_ids); like the lengths, not differentiated.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _ring(q, k, v, q_lens, kv_lens, segment_ids, config, axis_name, layout):
+  return ring_fwd(q, k, v, q_lens, kv_lens, config, segment_ids, axis_name=axis_name,
+                  layout=layout)
 
 
-def _ring_vjp_fwd(q, k, v, q_lens, kv_lens, config, axis_name, layout):
+def _ring_vjp_fwd(q, k, v, q_lens, kv_lens, segment_ids, config, axis_name, layout):
   # The merged output in float32 for the backward (as _attention's forward keeps it).
-  out32, lse = ring_fwd(q, k, v, q_lens, kv_lens, _ops.for_backward(config), axis_name=axis_name,
-                        layout=layout)
-  return (out32.astype(q.dtype), lse), (q, k, v, q_lens, kv_lens, out32, lse)
+  out32, lse = ring_fwd(q, k, v, q_lens, kv_lens, _ops.for_backward(config), segment_ids,
+                        axis_name=axis_name, layout=layout)
+  return (out32.astype(q.dtype), lse), (q, k, v, q_lens, kv_lens, segment_ids, out32, lse)
 
 
 def _ring_vjp_bwd(config, axis_name, layout, residuals, cotangents):
-  q, k, v, q_lens, kv_lens, out, lse = residuals
+  q, k, v, q_lens, kv_lens, segment_ids, out, lse = residuals
   d_out, _ = cotangents  # lse leaves under stop_gradient
-  dq, dk, dv = ring_bwd(q, k, v, out, lse, d_out, q_lens, kv_lens, config, axis_name=axis_name,
-                        layout=layout)
-  return dq, dk, dv, None, None
+  dq, dk, dv = ring_bwd(q, k, v, out, lse, d_out, q_lens, kv_lens, config, segment_ids,
+                        axis_name=axis_name, layout=layout)
+  return dq, dk, dv, None, None, None
 
 
 _ring.defvjp(_ring_vjp_fwd, _ring_vjp_bwd)
@@ -214,7 +252,7 @@ def ring_attention(query, key, value, *, axis_name: str, layout: str = "contiguo
                    scale: float | None = None, is_causal: bool = False,
                    query_seq_lengths=None, key_value_seq_lengths=None,
                    implementation: str | None = None, deterministic: bool = False,
-                   return_residual: bool = False):
+                   return_residual: bool = False, q_segment_ids=None, kv_segment_ids=None):
   """Attention over a sequence sharded along `axis_name`, for use inside ``jax.shard_map``.
 
   Args:
@@ -222,6 +260,9 @@ def ring_attention(query, key, value, *, axis_name: str, layout: str = "contiguo
       `layout` ("contiguous" or "zigzag", see ``zigzag_indices``); rank 4.
     axis_name: the mesh axis the sequence is sharded over (P devices).
     query_seq_lengths, key_value_seq_lengths: global lengths ``(B,)``.
+    q_segment_ids, kv_segment_ids: this device's slices ``(B, T/P)`` and ``(B, S/P)`` int32 of
+      the packed documents' ids (as in ``dot_product_attention``), in `layout`; the key-side
+      ids travel around the ring with K/V.
     The other arguments are those of ``jax_flash.dot_product_attention``, on its kernels
     (``implementation`` None, "cpu" or "cuda", checked and padded as there); with
     ``is_causal`` the global query and key positions must coincide (T == S). Local windows,
@@ -248,11 +289,15 @@ def ring_attention(query, key, value, *, axis_name: str, layout: str = "contiguo
   masks = _dispatch.mask_forms(
       is_causal=bool(is_causal), local_window=False,
       seq_lengths=query_seq_lengths is not None or key_value_seq_lengths is not None)
-  implementation = _dispatch.select(
-      implementation, _dispatch.Call(query.shape, query.dtype, mask_forms=masks,
-                                     deterministic=deterministic, ring=True),
-      caller="jax_flash.ring_attention")
   batch, seq_q, _, head_dim = query.shape
+  segment_ids = _validation.check_segment_ids(q_segment_ids, kv_segment_ids, batch, seq_q,
+                                              key.shape[1], False)
+  implementation = _dispatch.select(
+      implementation, _dispatch.Call(
+          query.shape, query.dtype, mask_forms=masks, deterministic=deterministic, ring=True,
+          segment_ids=None if segment_ids is None else (jnp.shape(q_segment_ids),
+                                                        jnp.shape(kv_segment_ids))),
+      caller="jax_flash.ring_attention")
   num = jax.lax.axis_size(axis_name)
   q_lens = _validation.check_seq_lengths("query_seq_lengths", query_seq_lengths, batch, seq_q * num)
   kv_lens = _validation.check_seq_lengths(
@@ -262,12 +307,12 @@ def ring_attention(query, key, value, *, axis_name: str, layout: str = "contiguo
   if kv_lens is None:
     kv_lens = jnp.full((batch,), key.shape[1] * num, jnp.int32)
 
-  def ring(q, k, v, q_lens, kv_lens, config):
-    return _ring(q, k, v, q_lens, kv_lens, config, axis_name, layout)
+  def ring(q, k, v, q_lens, kv_lens, config, segment_ids=None):
+    return _ring(q, k, v, q_lens, kv_lens, segment_ids, config, axis_name, layout)
 
   out, lse = _ops.call_kernels(
       ring, query, key, value, q_lens, kv_lens, implementation=implementation,
       scale=_validation.check_scale(scale, head_dim), is_causal=bool(is_causal),
-      deterministic=deterministic, caller="jax_flash.ring_attention")
+      deterministic=deterministic, caller="jax_flash.ring_attention", segment_ids=segment_ids)
   lse = jax.lax.stop_gradient(lse)
   return (out, jnp.swapaxes(lse, -1, -2)) if return_residual else out

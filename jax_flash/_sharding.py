@@ -18,9 +18,9 @@ heads, the heads are kept whole instead (the op is replicated over those axes: c
 without the head parallelism).
 
 Segment ids ((B, T) and (B, S), the "cpu" kernel's) have their own pair of partitioned ops:
-the ids shard with the batch (heads need nothing of them: still no communication). A sharded
-sequence with segment ids raises NotImplementedError: no context-parallel strategy carries the
-ids yet.
+the ids shard with the batch (heads need nothing of them: still no communication) and with the
+sequence where a context-parallel strategy runs over it, which carries them (see
+jax_flash._context_parallel).
 """
 
 from __future__ import annotations
@@ -85,19 +85,13 @@ def _heads_plan(mesh, q_shape, k_shape, heads) -> tuple[object, object]:
   return None, None
 
 
-def _plan(mesh, arg_shapes, config: _ops.KernelConfig, segment_ids: bool = False) -> _Plan:
+def _plan(mesh, arg_shapes, config: _ops.KernelConfig) -> _Plan:
   """Read off the query's sharding: batch as it is; heads by _heads_plan; a sharded sequence
   runs the strategy _context_parallel.choose picks for the call (or the one it asks for), and
-  is gathered where none can run. With `segment_ids` a sharded sequence raises."""
+  is gathered where none can run."""
   q, k = arg_shapes[0], arg_shapes[1]
   batch = _spec_entry(q.sharding, 0)
   seq = _spec_entry(q.sharding, 1)
-  if segment_ids and seq is not None and _axis_size(mesh, seq) > 1:
-    raise NotImplementedError(
-        f"jax_flash: q_segment_ids/kv_segment_ids with the query's sequence axis sharded over "
-        f"mesh axes {seq!r} (query{q.shape}): context parallelism (ring, all_to_all, "
-        "all_gather) does not take segment ids yet. Shard the batch or the heads instead, or "
-        "replicate the sequence axis")
   if q.shape[0] % _axis_size(mesh, batch):
     batch = None
   q_heads, kv_heads = _heads_plan(mesh, q.shape, k.shape, _spec_entry(q.sharding, 2))
@@ -119,9 +113,9 @@ def _shardings(mesh, plan: _Plan):
 
 
 def _ids_shardings(mesh, plan: _Plan, arg_shapes, inputs: int) -> tuple:
-  """The segment ids' shardings (batch only: the sequence is never sharded with them), for the
-  operands past the first `inputs`: none without ids."""
-  return (NamedSharding(mesh, P(plan.batch, None)),) * (len(arg_shapes) - inputs)
+  """The segment ids' shardings (batch, and the sequence where a strategy runs over it), for
+  the operands past the first `inputs`: none without ids."""
+  return (NamedSharding(mesh, P(plan.batch, plan.seq)),) * (len(arg_shapes) - inputs)
 
 
 def _fwd_impl(q, k, v, q_lens, kv_lens, *ids_and_config):
@@ -130,13 +124,13 @@ def _fwd_impl(q, k, v, q_lens, kv_lens, *ids_and_config):
 
 
 def _fwd_partition(config, mesh, arg_shapes, result_shape):
-  plan = _plan(mesh, arg_shapes, config, segment_ids=len(arg_shapes) > 5)
+  plan = _plan(mesh, arg_shapes, config)
   q_rows, kv_rows, lse, lens = _shardings(mesh, plan)
 
   def lower(q, k, v, q_lens, kv_lens, *ids):
     if plan.seq is not None:
       return _context_parallel.sharded_fwd(plan.strategy, q, k, v, q_lens, kv_lens, config,
-                                           axis_name=plan.seq)
+                                           tuple(ids) or None, axis_name=plan.seq)
     return _fwd_impl(q, k, v, q_lens, kv_lens, *ids, config)
 
   return (mesh, lower, (q_rows, lse),
@@ -144,7 +138,7 @@ def _fwd_partition(config, mesh, arg_shapes, result_shape):
 
 
 def _fwd_infer(config, mesh, arg_shapes, result_shape):
-  plan = _plan(mesh, arg_shapes, config, segment_ids=len(arg_shapes) > 5)
+  plan = _plan(mesh, arg_shapes, config)
   q_rows, _, lse, _ = _shardings(mesh, plan)
   return q_rows, lse
 
@@ -156,13 +150,14 @@ def _bwd_impl(q, k, v, o, lse, d_o, q_lens, kv_lens, *ids_and_config):
 
 
 def _bwd_partition(config, mesh, arg_shapes, result_shape):
-  plan = _plan(mesh, arg_shapes, config, segment_ids=len(arg_shapes) > 8)
+  plan = _plan(mesh, arg_shapes, config)
   q_rows, kv_rows, lse, lens = _shardings(mesh, plan)
 
   def lower(q, k, v, o, lse, d_o, q_lens, kv_lens, *ids):
     if plan.seq is not None:
       dq, dk, dv = _context_parallel.sharded_bwd(plan.strategy, q, k, v, o, lse, d_o, q_lens,
-                                                 kv_lens, config, axis_name=plan.seq)
+                                                 kv_lens, config, tuple(ids) or None,
+                                                 axis_name=plan.seq)
     else:
       dq, dk, dv = _bwd_impl(q, k, v, o, lse, d_o, q_lens, kv_lens, *ids, config)
     if plan.q_heads is not None and plan.kv_heads is None:
@@ -176,7 +171,7 @@ def _bwd_partition(config, mesh, arg_shapes, result_shape):
 
 
 def _bwd_infer(config, mesh, arg_shapes, result_shape):
-  plan = _plan(mesh, arg_shapes, config, segment_ids=len(arg_shapes) > 8)
+  plan = _plan(mesh, arg_shapes, config)
   q_rows, kv_rows, _, _ = _shardings(mesh, plan)
   return q_rows, kv_rows, kv_rows
 

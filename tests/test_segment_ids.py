@@ -350,7 +350,7 @@ def test_cuda_kernels_refuse_segment_ids(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
-# Sharding: ids travel with their batch; heads need nothing; a sharded sequence raises
+# Sharding: ids travel with their batch; heads need nothing
 
 
 @pytest.mark.parametrize("spec", [P("x", None, None, None), P(None, None, "x", None),
@@ -375,18 +375,8 @@ def test_batch_and_head_sharding(spec):
     np.testing.assert_allclose(got[name], want[name], atol=5e-6, err_msg=name)
 
 
-def test_sequence_sharding_with_ids_raises():
-  case = Case(batch=2, seq_q=64, seq_k=64, heads_q=2, heads_k=2, head_dim=8)
-  q, k, v, _ = case.inputs()
-  ids = jnp.zeros((2, 64), jnp.int32)
-  mesh = jax.make_mesh((2,), ("x",))
-  seq = NamedSharding(mesh, P(None, "x", None, None))
-  q, k, v = (jax.device_put(x, seq) for x in (q, k, v))
-  fn = jax.jit(lambda q, k, v: jax_flash.dot_product_attention(
-      q, k, v, q_segment_ids=ids, kv_segment_ids=ids, implementation="cpu"))
-  with pytest.raises((NotImplementedError, jax.errors.JaxRuntimeError),
-                     match="q_segment_ids/kv_segment_ids with the query's sequence axis sharded"):
-    fn(q, k, v).block_until_ready()
+# A sequence-sharded call with ids runs context parallelism:
+# tests/test_context_parallel_segment_ids.py.
 
 
 # ---------------------------------------------------------------------------------------------
