@@ -53,6 +53,7 @@ def dot_product_attention(
     local_window_size: int | tuple[int, int] | None = None,
     q_segment_ids: jax.typing.ArrayLike | None = None,
     kv_segment_ids: jax.typing.ArrayLike | None = None,
+    logits_soft_cap: float | None = None,
     implementation: Implementation | None = None,
     return_residual: bool = False,
     deterministic: bool = False,
@@ -97,6 +98,14 @@ def dot_product_attention(
       ``implementation="blockwise"`` on a GPU), and so does a call partitioned over its
       sequence axis (context parallelism does not carry the ids yet). Not differentiated.
     kv_segment_ids: ``(B, S)`` (``(S,)``) int32: the keys' document ids.
+    logits_soft_cap: ``c`` (Gemma 2's ``attn_logit_softcapping``): every score
+      ``s = scale * q.k`` becomes ``c * tanh(s / c)`` before the bias, the masks and the
+      softmax, and the backward applies the tanh's derivative. A concrete Python float, finite
+      and ``> 0`` (a normal float32 whose product with log2(e) is finite), or ``None`` for no
+      cap; anything else raises ``ValueError`` naming it. Taken by "cpu" (tiled kernel; such
+      calls never run the split-KV decode kernel), "blockwise" and "xla"; the CUDA kernels
+      raise ``NotImplementedError`` (also where ``None`` picks them: pass
+      ``implementation="blockwise"`` on a GPU).
     implementation: ``None`` picks the path for the default backend: ``"cpu"`` on the host,
       ``"cuda"`` on NVIDIA GPUs for bfloat16/float16, ``"blockwise"`` there for float32.
       ``"cpu"``/``"cuda"`` force a kernel; ``"blockwise"`` is FlashAttention in plain XLA (key
@@ -150,6 +159,7 @@ def dot_product_attention(
       "key_value_seq_lengths", key_value_seq_lengths, batch, seq_k)
   window = _validation.check_window(local_window_size, seq_q + seq_k)
   scale = _validation.check_scale(scale, head_dim)
+  logits_soft_cap = _validation.check_logits_soft_cap(logits_soft_cap)
   segment_ids = _validation.check_segment_ids(q_segment_ids, kv_segment_ids, batch, seq_q,
                                               seq_k, unbatched)
   call = _dispatch.Call(
@@ -160,7 +170,7 @@ def dot_product_attention(
       mask=None if mask is None else jnp.shape(mask),
       mask_forms=_dispatch.mask_forms(is_causal=bool(is_causal), local_window=window is not None,
                                       seq_lengths=q_lens is not None or kv_lens is not None),
-      deterministic=deterministic)
+      deterministic=deterministic, logits_soft_cap=logits_soft_cap)
   bias = _validation.check_logit_array("bias", bias, batch, heads_q, seq_q, seq_k)
   mask = _validation.check_logit_array("mask", mask, batch, heads_q, seq_q, seq_k)
   implementation = _dispatch.select(implementation, call)
@@ -179,13 +189,14 @@ def dot_product_attention(
       out, lse = _XLA_PATHS[implementation](
           query, key, value, q_lens, kv_lens, scale=scale, is_causal=bool(is_causal),
           window_left=window_left, window_right=window_right, bias=bias, mask=mask,
-          segment_ids=segment_ids)
+          segment_ids=segment_ids, logits_soft_cap=logits_soft_cap)
   else:
     out, lse = _ops.call_kernels(
         _flash_attention, query, key, value, q_lens, kv_lens, implementation=implementation,
         scale=scale, is_causal=bool(is_causal), window_left=window_left,
         window_right=window_right, deterministic=deterministic,
-        context_parallel=context_parallel, segment_ids=segment_ids)
+        context_parallel=context_parallel, segment_ids=segment_ids,
+        logits_soft_cap=logits_soft_cap)
   lse = jax.lax.stop_gradient(lse)
 
   if unbatched:

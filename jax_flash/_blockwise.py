@@ -44,6 +44,7 @@ class _Config(NamedTuple):
   window_left: int
   window_right: int
   block: int  # keys per scan step
+  logits_soft_cap: float | None = None  # c: scores become c * tanh(s / c); None: off
 
 
 def _split_groups(x: jax.Array, heads_k: int) -> jax.Array:
@@ -105,10 +106,17 @@ def _scan_inputs(k: jax.Array, v: jax.Array, bias5, mask5, segment_ids, block: i
 
 def _block_scores(q5, k_block, index, q_lens, kv_lens, bias_block, mask_block, config: _Config,
                   segment_ids=None, kv_ids_block=None):
-  """(scores, allowed) of key block `index`: its scaled scores (B, K, G, T, block) plus its bias,
-  and which of them the masks let through (the same shape); with segment ids, the rows' ids
-  against the block's key ids `kv_ids_block` (B, block)."""
+  """(scores, allowed, cap_grad) of key block `index`: its scaled scores (B, K, G, T, block),
+  soft-capped where config.logits_soft_cap is set, plus its bias; which of them the masks let
+  through (the same shape), with segment ids the rows' ids against the block's key ids
+  `kv_ids_block` (B, block); and the cap's derivative 1 - tanh^2(s / c) by each raw scaled
+  score s (None without a cap), which the backward multiplies the scores' gradient by."""
   scores = jnp.einsum("btkgh,bskh->bkgts", q5, k_block) * config.scale
+  cap_grad = None
+  if config.logits_soft_cap is not None:
+    capped = jnp.tanh(scores / config.logits_soft_cap)
+    scores = config.logits_soft_cap * capped
+    cap_grad = 1.0 - capped * capped
   if bias_block is not None:
     scores = scores + bias_block
   ids = None if segment_ids is None else (segment_ids[0], kv_ids_block)
@@ -118,7 +126,7 @@ def _block_scores(q5, k_block, index, q_lens, kv_lens, bias_block, mask_block, c
   allowed = allowed[:, None, None]
   if mask_block is not None:
     allowed = allowed & mask_block
-  return scores, jnp.broadcast_to(allowed, scores.shape)
+  return scores, jnp.broadcast_to(allowed, scores.shape), cap_grad
 
 
 def _forward(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, config):
@@ -142,10 +150,10 @@ def _forward(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, config):
   def step(carry, xs):
     seen, row_max, row_sum, exponent, acc = carry
     index, k_block, v_block, bias_blocks, mask_blocks, kv_ids_block = xs
-    scores, allowed = _block_scores(q5, k_block, index, q_lens, kv_lens,
-                                    _this_block(bias5, bias_blocks),
-                                    _this_block(mask5, mask_blocks), config, segment_ids,
-                                    kv_ids_block)
+    scores, allowed, _ = _block_scores(q5, k_block, index, q_lens, kv_lens,
+                                       _this_block(bias5, bias_blocks),
+                                       _this_block(mask5, mask_blocks), config, segment_ids,
+                                       kv_ids_block)
     now_seen = seen | jnp.any(allowed, axis=-1)
     new_max = jnp.maximum(row_max, jnp.max(jnp.where(allowed, scores, MASKED_SCORE), axis=-1))
     base = jnp.where(now_seen, new_max, 0.0)  # no key seen yet: every exponential is 0
@@ -192,15 +200,16 @@ def _backward(q, k, v, o, lse, d_o, q_lens, kv_lens, bias, mask, segment_ids, co
   def step(carry, xs):
     dq, dbias_sum = carry
     index, k_block, v_block, bias_blocks, mask_blocks, kv_ids_block = xs
-    scores, allowed = _block_scores(q5, k_block, index, q_lens, kv_lens,
-                                    _this_block(bias5, bias_blocks),
-                                    _this_block(mask5, mask_blocks), config, segment_ids,
-                                    kv_ids_block)
+    scores, allowed, cap_grad = _block_scores(q5, k_block, index, q_lens, kv_lens,
+                                              _this_block(bias5, bias_blocks),
+                                              _this_block(mask5, mask_blocks), config,
+                                              segment_ids, kv_ids_block)
     # 0 where masked; a row with no key (lse EMPTY_ROW_LSE) has nothing allowed.
     probs = masked_exp(allowed, scores, lse[..., None])
     d_probs = jnp.einsum("btkgh,bskh->bkgts", do5, v_block)
     d_logits = jnp.where(allowed, probs * (d_probs - delta[..., None]), 0.0)  # masked: none
-    d_scores = d_logits * config.scale
+    # The bias's gradient is d_logits; the raw scores' passes through the cap's derivative.
+    d_scores = (d_logits if cap_grad is None else d_logits * cap_grad) * config.scale
     dq = dq + jnp.einsum("bkgts,bskh->btkgh", d_scores, k_block)
     dk_block = jnp.einsum("bkgts,btkgh->bskh", d_scores, q5)
     dv_block = jnp.einsum("bkgts,btkgh->bskh", probs, do5)
@@ -258,9 +267,11 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 def blockwise_attention(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bool,
                         window_left: int = -1, window_right: int = -1, bias=None, mask=None,
-                        segment_ids=None):
+                        segment_ids=None, logits_soft_cap: float | None = None):
   """Returns (o, lse) as ``attention_reference`` does: o (B, T, N, H) in q's dtype, lse
   (B, N, T) float32, differentiable in q, k, v and the bias with a recomputing backward pass.
+  `logits_soft_cap` c caps the scaled scores at c * tanh(s / c) before the bias and masks (the
+  backward recomputes the tanh per block).
   `bias` (added to the scaled scores) and `mask` (True: attend) are rank 4, broadcastable to
   (B, N, T, S); each scan step takes their slice for its key block. `segment_ids`: None or
   (q_ids (B, T), kv_ids (B, S)) int32."""
@@ -268,7 +279,8 @@ def blockwise_attention(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bo
     lse = jnp.full((q.shape[0], q.shape[2], q.shape[1]), EMPTY_ROW_LSE, jnp.float32)
     return jnp.zeros_like(q), lse
   config = _Config(float(scale), bool(is_causal), int(window_left), int(window_right),
-                   min(KEY_BLOCK, k.shape[1]))
+                   min(KEY_BLOCK, k.shape[1]),
+                   None if logits_soft_cap is None else float(logits_soft_cap))
   if bias is not None:
     bias = bias.astype(jnp.float32)
   return _attention(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, config)

@@ -66,6 +66,9 @@ class KernelConfig:
   # head), or on CUDA pack-GQA and key chunks around the tiled forward (jax_flash._split_kv:
   # calls without causal mask or window, T * (N / K) <= 128).
   kv_splits: int = 0
+  # Logit soft-capping c (Gemma 2), 0.0 for off: the "cpu" passes take it as their attribute
+  # "logits_soft_cap"; the CUDA kernels do not take it (jax_flash._dispatch refuses it there).
+  logits_soft_cap: float = 0.0
 
   def attributes(self) -> dict:
     return dict(
@@ -99,11 +102,23 @@ def _segment_operands(config: KernelConfig, segment_ids) -> tuple[tuple, dict]:
   return tuple(segment_ids), {"segment_ids": True}
 
 
+def _soft_cap_attribute(config: KernelConfig) -> dict:
+  """The soft-cap attribute of a kernel call: the "cpu" passes always take "logits_soft_cap"
+  (0.0: off); the "cuda" ones take none, and no cap (jax_flash._dispatch refuses it there)."""
+  if config.implementation != "cpu":
+    if config.logits_soft_cap:
+      raise NotImplementedError(f"the {config.implementation!r} kernels take no logits_soft_cap")
+    return {}
+  return {"logits_soft_cap": float(config.logits_soft_cap)}
+
+
 def _flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig, segment_ids=None):
   """Returns (o, lse) with o like q (float32 with config.o_float32) and lse (..., N, T)
   float32. `segment_ids`: None or (q_ids (..., T), kv_ids (..., S)) int32."""
   if segment_ids is not None and config.kv_splits:
     raise ValueError("split-KV decoding takes no segment ids (call_kernels sets kv_splits=0)")
+  if config.logits_soft_cap and config.kv_splits:
+    raise ValueError("split-KV decoding takes no logits_soft_cap (call_kernels sets kv_splits=0)")
   if config.kv_splits and config.implementation == "cuda" and not _decode.cuda_kernel_enabled():
     tiled = dataclasses.replace(config, kv_splits=0, o_float32=True)
     return _split_kv.split_kv_forward(
@@ -123,7 +138,8 @@ def _flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig, segment_ids=None)
       vmap_method="broadcast_all",
   )
   ids, id_attributes = _segment_operands(config, segment_ids)
-  return call(q, k, v, q_lens, kv_lens, *ids, **config.attributes(), **id_attributes)
+  return call(q, k, v, q_lens, kv_lens, *ids, **config.attributes(), **id_attributes,
+              **_soft_cap_attribute(config))
 
 
 # The kernel ops have one derivative, their custom VJP's: differentiating them raises.
@@ -183,7 +199,7 @@ def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig, segm
   )
   ids, id_attributes = _segment_operands(config, segment_ids)
   dq, dk, dv, _, _ = call(q, k, v, o, lse, d_o, q_lens, kv_lens, *ids, **attributes,
-                          **id_attributes)
+                          **id_attributes, **_soft_cap_attribute(config))
   return dq, dk, dv
 
 
@@ -234,6 +250,7 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
                  deterministic: bool = False, context_parallel: str | None = None,
                  caller: str = "jax_flash.dot_product_attention",
                  segment_ids: tuple[jax.Array, jax.Array] | None = None,
+                 logits_soft_cap: float | None = None,
                  ) -> tuple[jax.Array, jax.Array]:
   """(out, lse) of `attention` with what every entry point does around the kernels: the scale
   made positive (positive_scale) and the head dim zero-padded as `implementation` needs
@@ -243,7 +260,8 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
   On the "cpu" kernel a call with few query rows per kv head runs the split-KV decode kernel
   (jax_flash._decode.kv_splits decides; KernelConfig.kv_splits records it), except with
   `segment_ids` ((B, T), (B, S) int32), which only the tiled kernel takes: `attention` is then
-  called with them as a seventh argument.
+  called with them as a seventh argument. So does a call with `logits_soft_cap` (the decode
+  kernel has no cap; KernelConfig.logits_soft_cap carries it to the tiled kernel's passes).
 
   With nothing to compute (B, T or N is 0) or no key for any row (S is 0) no kernel runs: the
   output is zeros (every row empty, lse EMPTY_ROW_LSE), as jax.nn's is, and so are the
@@ -263,10 +281,11 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
                             window_left, window_right)
   else:
     splits = _decode.kv_splits(implementation, batch, seq_q, heads_q, k.shape[2], k.shape[1])
-  if segment_ids is not None:
+  if segment_ids is not None or logits_soft_cap is not None:
     splits = 0
   config = KernelConfig(implementation, scale, bool(is_causal), window_left, window_right,
-                        deterministic, context_parallel=context_parallel, kv_splits=splits)
+                        deterministic, context_parallel=context_parallel, kv_splits=splits,
+                        logits_soft_cap=0.0 if logits_soft_cap is None else float(logits_soft_cap))
   with _derivatives.explain_forward_mode(caller, implementation):
     extra = () if segment_ids is None else (tuple(segment_ids),)
     out, lse = attention(q, k, v, q_lens, kv_lens, config, *extra)

@@ -59,8 +59,11 @@ def grouped_logit_array(x, heads_k: int):
 
 def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bool,
                         window_left: int = -1, window_right: int = -1, bias=None, mask=None,
-                        segment_ids=None):
+                        segment_ids=None, logits_soft_cap: float | None = None):
   """Returns (o, lse): o (B, T, N, H) in q's dtype, lse (B, N, T) float32.
+
+  `logits_soft_cap` c (None: off): the scaled scores s become c * tanh(s / c) (Gemma 2), before
+  the bias, the masks and the softmax; JAX differentiates the tanh.
 
   Computed in float32 whatever the input dtype (inputs are upcast first). `bias` (added to the
   scaled scores) and `mask` (True: attend) are rank 4, broadcastable to (B, N, T, S).
@@ -91,6 +94,8 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bo
   kf = k.astype(jnp.float32)
   vf = v.astype(jnp.float32)
   scores = jnp.einsum("btkgh,bskh->bkgts", qf, kf, precision="highest") * scale
+  if logits_soft_cap is not None:
+    scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
   if bias is not None:
     scores = scores + grouped_logit_array(bias.astype(jnp.float32), heads_k)
   row_max = jnp.max(jnp.where(allowed, scores, MASKED_SCORE), axis=-1, keepdims=True)

@@ -151,6 +151,26 @@ def _scale_fits_float32(value: float) -> bool:
     return bool(np.isfinite(scale32) and np.isfinite(scale32 * _LOG2E))
 
 
+def check_logits_soft_cap(cap) -> float | None:
+  """logits_soft_cap as a Python float, or None for no cap. It must be a concrete real number
+  (not an array or a traced value: it is a static setting of the call), finite and > 0, and,
+  as the kernels take it, a normal float32 whose product with log2(e) is finite (about
+  1.1755e-38 <= c <= 2.3587e38)."""
+  if cap is None:
+    return None
+  if isinstance(cap, (bool, np.bool_)) or not isinstance(cap, numbers.Real):
+    raise ValueError("logits_soft_cap must be a positive Python float (a static setting, not an "
+                     f"array or traced value) or None; got {cap!r}")
+  value = float(cap)
+  if not (np.isfinite(value) and value > 0):
+    raise ValueError(f"logits_soft_cap must be finite and > 0 (or None for no cap); got {value!r}")
+  if not (np.float32(value) >= np.finfo(np.float32).tiny and _scale_fits_float32(value)):
+    raise ValueError(
+        "logits_soft_cap must be a normal float32 whose product with log2(e) is finite, which the "
+        f"kernels form (about 1.1755e-38 to 2.3587e38); got {value!r}")
+  return value
+
+
 def check_scale(scale, head_dim: int) -> float:
   """The logit scale as a Python float; 1 / sqrt(H) for None. Every path computes in float32 and
   the kernels multiply the scale by log2(e): both must stay finite (1e39 is a finite double but

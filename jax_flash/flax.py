@@ -167,6 +167,7 @@ def dot_product_attention(
     deterministic_backward: bool = False,
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
+    logits_soft_cap: float | None = None,
 ) -> jax.Array:
   """FlashAttention with the signature of Flax's ``dot_product_attention``.
 
@@ -226,6 +227,9 @@ def dot_product_attention(
       neither; the paths that take them are those of
       :func:`jax_flash.dot_product_attention` ("cpu", "blockwise", "xla").
     kv_segment_ids: int32 ``(batch..., S)``: the keys' ids.
+    logits_soft_cap: ``c``: scores ``s`` become ``c * tanh(s / c)`` before the masks and the
+      softmax (Gemma 2); ``None``: no cap. Flax's own functions have no such argument. Taken by
+      the paths of :func:`jax_flash.dot_product_attention` ("cpu", "blockwise", "xla").
 
   Returns:
     ``(batch..., T, N, H)`` in the computation dtype.
@@ -283,13 +287,14 @@ def dot_product_attention(
                      bias=None if bias is None else jnp.shape(bias),
                      mask=None if mask is None else jnp.shape(mask),
                      segment_ids=None if q_ids is None or kv_ids is None else
-                     (jnp.shape(q_segment_ids), jnp.shape(kv_segment_ids))),
+                     (jnp.shape(q_segment_ids), jnp.shape(kv_segment_ids)),
+                     logits_soft_cap=_validation.check_logits_soft_cap(logits_soft_cap)),
       caller="jax_flash.flax.dot_product_attention", mask_advice=_MASK_HELP)
   out = jax_flash.dot_product_attention(
       query4, key4, value4, bias4, mask4, scale=scale, is_causal=is_causal,
       query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens, local_window_size=local_window_size,
       implementation=implementation, deterministic=deterministic_backward,
-      q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+      q_segment_ids=q_ids, kv_segment_ids=kv_ids, logits_soft_cap=logits_soft_cap)
   return out.reshape(query.shape)
 
 
@@ -308,6 +313,7 @@ class AttentionFn:
   local_window_size: int | tuple[int, int] | None = None
   implementation: Implementation | None = None
   deterministic_backward: bool = False
+  logits_soft_cap: float | None = None
 
   # Linen passes only the keyword arguments this signature names, so it names all of them.
   def __call__(self, query, key, value, bias=None, mask=None, broadcast_dropout=True,
@@ -326,7 +332,7 @@ class AttentionFn:
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=self.local_window_size, implementation=self.implementation,
         deterministic_backward=self.deterministic_backward, q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids)
+        kv_segment_ids=kv_segment_ids, logits_soft_cap=self.logits_soft_cap)
 
 
 def _no_segment_ids_in_decode(owner: str, q_segment_ids, kv_segment_ids) -> None:
@@ -343,12 +349,15 @@ def make_attention_fn(
     local_window_size: int | tuple[int, int] | None = None,
     implementation: Implementation | None = None,
     deterministic_backward: bool = False,
+    logits_soft_cap: float | None = None,
 ) -> AttentionFn:
   """An ``attention_fn`` for Flax's attention modules with jax_flash's options fixed.
 
   ``is_causal=True`` gives causal self-attention in ``nn.MultiHeadDotProductAttention`` (whose
   call takes no ``is_causal``) and in ``nnx.MultiHeadAttention`` whatever its call passes. Call
   the modules without ``mask=nn.make_causal_mask(...)``: a mask raises ``NotImplementedError``.
+  ``logits_soft_cap`` ``c`` caps every score at ``c * tanh(s / c)`` (Gemma 2); it is checked
+  here, a ``ValueError`` naming it.
   """
   if not isinstance(is_causal, bool):
     raise ValueError(f"is_causal must be a bool; got {is_causal!r}")
@@ -359,7 +368,8 @@ def make_attention_fn(
     local_window_size = tuple(local_window_size)
   return AttentionFn(is_causal=is_causal, scale=scale, local_window_size=local_window_size,
                      implementation=implementation,
-                     deterministic_backward=deterministic_backward)
+                     deterministic_backward=deterministic_backward,
+                     logits_soft_cap=_validation.check_logits_soft_cap(logits_soft_cap))
 
 
 def _decoding(attention_fn: AttentionFn, owner: str) -> AttentionFn:
@@ -403,6 +413,8 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
     local_window_size: ``w`` or ``(left, right)`` sliding-window attention.
     implementation: jax_flash's kernel choice (``None``: the best for the backend).
     deterministic_backward: bit-reproducible backward pass (see jax_flash).
+    logits_soft_cap: Gemma 2's cap ``c``: scores ``s`` become ``c * tanh(s / c)`` on every call
+      (a constructor argument: ``nnx.MultiHeadAttention`` has none); ``None``: no cap.
 
   ``attention_fn`` cannot be given (the module sets it). ``dropout_rate > 0`` is accepted for
   evaluation (``deterministic=True``) but raises when dropout would apply; ``sow_weights``
@@ -424,14 +436,16 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
                in_kv_features: int | None = None, *, is_causal: bool = False,
                local_window_size: int | tuple[int, int] | None = None,
                implementation: Implementation | None = None,
-               deterministic_backward: bool = False, rngs: nnx.Rngs, **kwargs):
+               deterministic_backward: bool = False, logits_soft_cap: float | None = None,
+               rngs: nnx.Rngs, **kwargs):
     if "attention_fn" in kwargs:
       raise ValueError(
           "FlashMultiHeadAttention sets attention_fn itself; for another attention_fn use "
           "nnx.MultiHeadAttention")
     attention_fn = make_attention_fn(
         is_causal=is_causal, local_window_size=local_window_size,
-        implementation=implementation, deterministic_backward=deterministic_backward)
+        implementation=implementation, deterministic_backward=deterministic_backward,
+        logits_soft_cap=logits_soft_cap)
     super().__init__(num_heads, in_features, qkv_features, out_features, num_kv_heads,
                      in_kv_features, attention_fn=attention_fn, rngs=rngs, **kwargs)
     self.is_causal = is_causal
@@ -526,6 +540,8 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
     local_window_size: ``w`` or ``(left, right)`` sliding-window attention.
     implementation: jax_flash's kernel choice (``None``: the best for the backend).
     deterministic_backward: bit-reproducible backward pass (see jax_flash).
+    logits_soft_cap: Gemma 2's cap ``c``: scores ``s`` become ``c * tanh(s / c)`` (a module
+      attribute: ``nn.MultiHeadDotProductAttention`` has none); ``None``: no cap.
 
   ``attention_fn`` must stay unset. ``dropout_rate > 0`` works for evaluation
   (``deterministic=True``) and raises when dropout would apply; ``sow_weights`` and the
@@ -548,6 +564,7 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
   local_window_size: int | tuple[int, int] | None = None
   implementation: Implementation | None = None
   deterministic_backward: bool = False
+  logits_soft_cap: float | None = None
 
   @nn.compact
   def __call__(self, inputs_q: jax.Array, inputs_k: jax.Array | None = None,
@@ -573,7 +590,8 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
                        f"({num_kv_heads})")
     attention_fn = make_attention_fn(
         is_causal=self.is_causal, local_window_size=self.local_window_size,
-        implementation=self.implementation, deterministic_backward=self.deterministic_backward)
+        implementation=self.implementation, deterministic_backward=self.deterministic_backward,
+        logits_soft_cap=self.logits_soft_cap)
 
     inputs_k, inputs_v = _keys_and_values(inputs_q, inputs_k, inputs_v,
                                           "nn.MultiHeadDotProductAttention")

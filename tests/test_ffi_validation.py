@@ -67,7 +67,7 @@ NO_IDS = dict(q_segment_ids=((0,), "int32"), kv_segment_ids=((0,), "int32"))
 
 def attributes(**overrides) -> dict:
   base = dict(scale=0.5, is_causal=False, window_left=np.int64(-1), window_right=np.int64(-1),
-              segment_ids=False)
+              segment_ids=False, logits_soft_cap=0.0)
   return {**base, **overrides}
 
 
@@ -198,6 +198,20 @@ COMMON_ERRORS = [
     ("q_ids_int16", lambda c: with_ids(c, dtype="int16"), ("q_segment_ids(2, 5) int16", "int32")),
     ("kv_ids_float", lambda c: with_dtype(c, "float32", "kv_segment_ids"),
      ("kv_segment_ids(0,) float32", "int32")),
+    # logits_soft_cap: 0 is off; otherwise a positive normal float32 whose product with log2(e)
+    # is finite.
+    ("soft_cap_negative", lambda c: with_attributes(c, logits_soft_cap=-1.0),
+     ("logits_soft_cap", "0 (off) or a positive", "got -1")),
+    ("soft_cap_nan", lambda c: with_attributes(c, logits_soft_cap=float("nan")),
+     ("logits_soft_cap", "got nan")),
+    ("soft_cap_inf", lambda c: with_attributes(c, logits_soft_cap=float("inf")),
+     ("logits_soft_cap", "got inf")),
+    ("soft_cap_float32_inf", lambda c: with_attributes(c, logits_soft_cap=1e39),
+     ("logits_soft_cap", "got 1e+39")),
+    ("soft_cap_times_log2e_inf", lambda c: with_attributes(c, logits_soft_cap=3e38),
+     ("logits_soft_cap", "log2(e)", "got 3e+38")),
+    ("soft_cap_subnormal", lambda c: with_attributes(c, logits_soft_cap=1e-40),
+     ("logits_soft_cap", "normal", "got 1e-40")),
 ]
 
 BWD_ERRORS = [
@@ -257,6 +271,15 @@ def test_scales_at_the_bounds_run(rng, make, scale):
   with_attributes(make(), scale=float(scale)).run(rng)
 
 
+@pytest.mark.parametrize("cap", [np.finfo(np.float32).tiny, 2.3e38, 1.0])
+@pytest.mark.parametrize("make", [valid_fwd, valid_bwd], ids=["fwd", "bwd"])
+def test_soft_caps_at_the_bounds_run(rng, make, cap):
+  """logits_soft_cap at the smallest normal float32 and just under FLT_MAX / log2(e) is taken,
+  with finite results."""
+  for out in with_attributes(make(), logits_soft_cap=float(cap)).run(rng):
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+
+
 # Windows at the edge: exactly T + S (the handler's clamp), past it, and up to INT64_MAX, where
 # i + window + 1 would overflow int64 unclamped. Each masks nothing a window of T + S does not.
 WIDE_WINDOWS = [T + S, T + S + 1, 1 << 40, INT64_MAX - 1, INT64_MAX]
@@ -267,7 +290,8 @@ def _direct_fwd(q, k, v, q_lens, kv_lens, scale, causal, left, right):
   call = jax.ffi.ffi_call("jax_flash_cpu_fwd", (spec(q.shape, q.dtype), spec((*batch, n, t))))
   no_ids = jnp.zeros((0,), jnp.int32)
   return call(q, k, v, q_lens, kv_lens, no_ids, no_ids, scale=float(scale), is_causal=causal,
-              window_left=np.int64(left), window_right=np.int64(right), segment_ids=False)
+              window_left=np.int64(left), window_right=np.int64(right), segment_ids=False,
+              logits_soft_cap=0.0)
 
 
 def _inputs(rng, dtype="float32"):

@@ -59,6 +59,10 @@ struct AttentionParams {
   // it is differentiated, so that the backward forms delta = rowsum(dO * O) from it and not from
   // O rounded to 16 bits (issue 13: that rounding cost dQ/dK their accuracy on peaked softmaxes).
   bool o_float32 = false;
+  // Logit soft-capping (Gemma 2): with c > 0 every score s = scale * q.k becomes c * tanh(s / c)
+  // before the masks and the softmax; 0 is off. Only the CPU kernel reads it (the CUDA handlers
+  // take no such attribute, and the Python side refuses it there).
+  float logits_soft_cap = 0.f;
 };
 
 struct FwdParams : AttentionParams {

@@ -172,6 +172,23 @@ inline xla::ffi::Error attention_scale(double scale, float& out) {
   return xla::ffi::Error::Success();
 }
 
+// logits_soft_cap: 0 (off), or c > 0 as the float32 the kernels compute with: normal, and finite
+// once multiplied by log2(e) (the kernels cap base-2 scores at c * log2(e)). NaN, inf, negative
+// and subnormal values are refused; the Python side refuses them first, by the same rule.
+inline xla::ffi::Error attention_soft_cap(double cap, float& out) {
+  out = static_cast<float>(cap);
+  if (cap == 0.0) return xla::ffi::Error::Success();
+  if (!(out >= FLT_MIN && std::isfinite(out * 1.4426950408889634f))) {  // NaN fails too
+    char text[160];
+    std::snprintf(text, sizeof(text),
+                  "logits_soft_cap must be 0 (off) or a positive normal float32 whose product with "
+                  "log2(e) is finite; got %.9g",
+                  cap);
+    return invalid(text);
+  }
+  return xla::ffi::Error::Success();
+}
+
 // A window side is -1 (unbounded) or >= 0. A side wider than T + S masks nothing more (every
 // query row is < T and every key < S), so it is clamped there: the mask arithmetic
 // (i + window_right + 1 and friends in common/mask.h) then never nears int64 overflow, and what

@@ -68,11 +68,12 @@ ffi::Error run_fwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                    ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens, ffi::Result<ffi::AnyBuffer> o,
                    ffi::Result<ffi::AnyBuffer> lse, double scale, bool is_causal, int64_t window_left,
                    int64_t window_right, ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
-                   bool segment_ids) {
+                   bool segment_ids, double logits_soft_cap) {
   FwdParams params;
   JF_RETURN_IF_ERROR(make_fwd_params(q, k, v, q_lens, kv_lens, *o, *lse, scale, is_causal,
                                      window_left, window_right, params));
   JF_RETURN_IF_ERROR(set_segment_ids(q_segment_ids, kv_segment_ids, segment_ids, q, k, params));
+  JF_RETURN_IF_ERROR(attention_soft_cap(logits_soft_cap, params.logits_soft_cap));
   PoolRunner runner{&pool};
   cpu::flash_fwd(params, {&PoolRunner::run, &runner});
   return ffi::Error::Success();
@@ -85,11 +86,13 @@ ffi::Error run_bwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                    ffi::Result<ffi::AnyBuffer> delta, ffi::Result<ffi::AnyBuffer> dq_accum,
                    double scale, bool is_causal, int64_t window_left, int64_t window_right,
                    ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids, bool segment_ids,
-                   int64_t dq_splits, bool /*deterministic: the CPU backward always is*/) {
+                   int64_t dq_splits, bool /*deterministic: the CPU backward always is*/,
+                   double logits_soft_cap) {
   BwdParams params;
   JF_RETURN_IF_ERROR(make_bwd_params(q, k, v, o, lse, d_o, q_lens, kv_lens, *dq, *dk, *dv, *delta,
                                      scale, is_causal, window_left, window_right, params));
   JF_RETURN_IF_ERROR(set_segment_ids(q_segment_ids, kv_segment_ids, segment_ids, q, k, params));
+  JF_RETURN_IF_ERROR(attention_soft_cap(logits_soft_cap, params.logits_soft_cap));
   if (dq_splits < 1 || dq_splits > kMaxDqSplits)
     return invalid("dq_splits must be in [1, " + std::to_string(kMaxDqSplits) + "]; got " +
                    std::to_string(dq_splits));
@@ -144,11 +147,15 @@ auto with_segment_ids(Binding binding) {
       .template Attr<bool>("segment_ids");
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuFlashFwd, run_fwd, with_segment_ids(fwd_binding<ffi::ThreadPool>()));
+// And logit soft-capping: "logits_soft_cap", c > 0 or 0 for off (attention_soft_cap checks it).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuFlashFwd, run_fwd,
+                              with_segment_ids(fwd_binding<ffi::ThreadPool>())
+                                  .Attr<double>("logits_soft_cap"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuFlashBwd, run_bwd,
                               with_segment_ids(bwd_binding<ffi::ThreadPool>())
                                   .Attr<int64_t>("dq_splits")
-                                  .Attr<bool>("deterministic"));
+                                  .Attr<bool>("deterministic")
+                                  .Attr<double>("logits_soft_cap"));
 
 }  // namespace jax_flash

@@ -5,7 +5,9 @@
 //      and query head of the group that sees it, accumulates dK and dV for the block in local
 //      tiles, and adds its share of dQ into the float32 accumulator of its split;
 //   3. dQ = sum of the split accumulators, in the input dtype.
-// With dS = P * (dP - delta): dV = P^T dO, dK = scale dS^T Q, dQ = scale dS K.
+// With dS = P * (dP - delta): dV = P^T dO, dK = scale dS^T Q, dQ = scale dS K. With logit
+// soft-capping dS is first multiplied by the cap's derivative 1 - tanh^2(scale q.k / c), recomputed
+// per tile from the raw scores (soft_cap in flash_fwd.h).
 #pragma once
 
 #include <cmath>
@@ -70,11 +72,13 @@ struct FlashBwdMain {
     const int64_t q_len = clamp_len(p.q_lens, b, sh.seq_q);
     const int64_t kv_len = clamp_len(p.kv_lens, b, sh.seq_k);
     const float score_scale = p.scale * kLog2e;
+    const SoftCap cap(p.logits_soft_cap);
     constexpr int64_t bq = kBlockQ, bk = kBlockK;
 
     // Scratch tiles: K, K^T, V^T, dK, dV for the key block; Q, dO, P, dS, lse, delta for the
-    // query block. P^T and dS^T are read from P and dS in place (gemm_at).
-    float* k_tile = thread_scratch(5 * bk * dp + 2 * bq * dp + 2 * bq * bk + 2 * bq);
+    // query block, and with soft-capping the cap's derivative per score. P^T and dS^T are read
+    // from P and dS in place (gemm_at).
+    float* k_tile = thread_scratch(5 * bk * dp + 2 * bq * dp + 3 * bq * bk + 2 * bq);
     float* kt_tile = k_tile + bk * dp;
     float* vt_tile = kt_tile + dp * bk;
     float* dk_acc = vt_tile + dp * bk;
@@ -85,6 +89,7 @@ struct FlashBwdMain {
     float* dscores = probs + bq * bk;
     float* lse2 = dscores + bq * bk;
     float* delta = lse2 + bq;
+    float* cap_grad = delta + bq;  // (bq, bk): 1 - tanh^2 of each raw score, with soft-capping
 
     const T* k = static_cast<const T*>(p.k) + b * sh.seq_k * kv_stride + hk * d;
     const T* v = static_cast<const T*>(p.v) + b * sh.seq_k * kv_stride + hk * d;
@@ -144,6 +149,7 @@ struct FlashBwdMain {
           }
           // P = exp2(S * scale * log2e - lse * log2e), masked.
           gemm(rows, bk, dp, score_scale, qs, ldq, kt_tile, bk, probs, bk, false);
+          if (cap) soft_cap(probs, rows * bk, cap, cap_grad);  // recomputed, never stored T x S
           const KeyRange first = key_range(p.mask, i0, q_len, kv_len);
           const KeyRange last = key_range(p.mask, i0 + rows - 1, q_len, kv_len);
           const bool whole = live_cols == bk && j0 >= last.begin && j0 + bk <= first.end;
@@ -165,6 +171,9 @@ struct FlashBwdMain {
               store(dscores + r * bk + c, pr * (load(dscores + r * bk + c) - dr));
             }
           }
+          // Soft-capping: dS by the raw score is dS by the capped one times 1 - tanh^2.
+          if (cap)
+            for (int64_t x = 0; x < rows * bk; x += kLanes) store(dscores + x, load(dscores + x) * load(cap_grad + x));
           // dQ += scale dS K (into this split's float32 accumulator)
           gemm(rows, dp, live_cols, p.scale, dscores, bk, k_tile, dp, dq + i0 * dq_stride, dq_stride, true);
           // dK += scale dS^T Q

@@ -120,6 +120,43 @@ inline bool mask_column_segment(float* s, int64_t ld, int64_t j0, int64_t cols, 
   return any;
 }
 
+// Logit soft-capping (Gemma 2), the one score policy both passes apply to a tile of base-2
+// scores s2 = scale * log2(e) * q.k right after the product that forms it (before the masks):
+// s2 becomes c2 * tanh(s2 / c2) with c2 = c * log2(e), which is log2(e) * c * tanh(scale q.k / c).
+// Off (c2 == 0) the kernels skip it with one branch per tile.
+struct SoftCap {
+  float c2 = 0.f;      // c * log2(e); 0: off
+  float inv_c2 = 0.f;  // 1 / c2
+  explicit SoftCap(float c) : c2(c * kLog2e), inv_c2(c > 0.f ? 1.f / (c * kLog2e) : 0.f) {}
+  explicit operator bool() const { return c2 > 0.f; }
+};
+
+// Caps s[0, n) (n a multiple of kLanes) in place; with `deriv`, also writes there the derivative
+// of the capped score by the raw one, 1 - tanh^2(u) (u = s2 / c2), which the backward multiplies
+// dS by. With a = |u| and e = exp(-2a): tanh(a) = (1 - e) / (1 + e) and 1 - tanh^2 = 4e / (1 + e)^2
+// (no cancellation as tanh nears 1); below a = 0.25, where 1 - e would cancel, s2 * tanh(u) / u
+// from its Taylor series to u^8 (truncation < 1e-8 relative), which also keeps the raw score
+// exactly where u underflows (a huge c). A NaN score stays NaN; +-inf caps to +-c2.
+inline void soft_cap(float* s, int64_t n, const SoftCap& cap, float* deriv) {
+  const Vec c2 = splat(cap.c2), inv_c2 = splat(cap.inv_c2);
+  for (int64_t x = 0; x < n; x += kLanes) {
+    const Vec s2 = load(s + x);
+    const Vec u = s2 * inv_c2;
+    const Vec a = u < 0.f ? -u : u;
+    const Vec e = exp2_nonpositive(a * (-2.f * kLog2e));
+    const Vec z = a * a;
+    Vec r = splat(62.f / 2835.f);
+    r = r * z - 17.f / 315.f;
+    r = r * z + 2.f / 15.f;
+    r = r * z - 1.f / 3.f;
+    r = r * z + 1.f;
+    const Vec one_plus_e = 1.f + e;
+    const Vec big = c2 * (1.f - e) / one_plus_e;
+    store(s + x, a < 0.25f ? s2 * r : (u < 0.f ? -big : big));
+    if (deriv) store(deriv + x, 4.f * e / (one_plus_e * one_plus_e));
+  }
+}
+
 // Whether the key range of a row meets the keys [j0, j0 + cols).
 inline bool range_meets(KeyRange keys, int64_t j0, int64_t cols) {
   return max64(keys.begin, j0) < min64(keys.end, j0 + cols);
@@ -194,6 +231,7 @@ struct FlashFwd {
       const T* k = static_cast<const T*>(p.k) + b * sh.seq_k * kv_stride + hk * d;
       const T* v = static_cast<const T*>(p.v) + b * sh.seq_k * kv_stride + hk * d;
       const float score_scale = p.scale * kLog2e;  // scores in base 2: exp2 instead of exp
+      const SoftCap cap(p.logits_soft_cap);
       for (int64_t j0 = first.begin; j0 < last.end; j0 += kp) {
         const int64_t cols = min64(kp, last.end - j0);
         // Segment ids: a tile whose keys' ids cannot meet the rows' is skipped whole; one where
@@ -209,6 +247,8 @@ struct FlashFwd {
         const float* kt = rows_as_tile(k + j0 * kv_stride, kv_stride, cols, d, k_tile, dp, ldk);
         const float* vt = rows_as_tile(v + j0 * kv_stride, kv_stride, cols, d, v_tile, dp, ldv);
         gemm(cols, nq, dp, score_scale, kt, ldk, qt_tile, qp, scores_t, qp, false);
+        if (cap)
+          for (int64_t c = 0; c < cols; ++c) soft_cap(scores_t + c * qp, nq, cap, nullptr);
         // Masks apply only on tiles some row sees partly (the diagonal, window edges).
         const bool whole = j0 >= last.begin && j0 + cols <= first.end;
         if (split_ids) {
