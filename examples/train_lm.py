@@ -7,6 +7,7 @@
     python examples/train_lm.py --checkpoint-dir /tmp/ckpt --stop-after 300   # then add --resume
     python examples/generate.py --checkpoint-dir /tmp/ckpt   # text from a checkpoint, KV cache
     python examples/train_lm.py --preset gpt2-small --compare jax_flash,xla,cudnn   # on a GPU
+    python examples/train_lm.py --pack --seq-len 1024 --batch-size 2 --steps 20   # packed docs
 
 The model is a decoder-only transformer in Flax NNX: byte embeddings (tied to the output layer),
 pre-norm blocks (RMSNorm -> causal self-attention -> residual, RMSNorm -> GELU MLP -> residual),
@@ -40,7 +41,7 @@ from collections.abc import Sequence
 # The lm library lives beside this script: importable from any working directory, uninstalled.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from lm import flags, runs  # noqa: E402
+from lm import flags, packing, runs  # noqa: E402
 from lm.attention import check_attention_backend  # noqa: E402
 
 
@@ -49,6 +50,13 @@ def main(argv: Sequence[str] | None = None) -> None:
   invocation = flags.parse_args(argv, description=__doc__.split("\n\n")[0])
   if invocation.options.resume and not invocation.options.checkpoint_dir:
     raise SystemExit("error: --resume needs --checkpoint-dir")
+  if invocation.options.pack:
+    if invocation.options.compare or invocation.options.resume:
+      raise SystemExit("error: --pack is a run of its own (padded, then packed): not with "
+                       "--compare or --resume")
+    check_attention_backend(invocation.config)
+    packing.compare(invocation.config, invocation.options)
+    return
   if not invocation.options.resume:  # (a resumed run checks the checkpoint's config)
     check_attention_backend(invocation.config)
   if invocation.options.compare:

@@ -15,6 +15,7 @@ no JAX: lm.host_devices runs before JAX starts.
     checkpoints.py   orbax checkpoints and resuming
     reporting.py     history, progress bar, memory, plots, metrics.json, comparison table
     runs.py          train (one run, end to end) and compare (one run per attention)
+    packing.py       train_lm.py --pack: packed documents (segment ids) against padding, tokens/s
     host_devices.py  simulated CPU devices (set before JAX starts)
     collectives.py   the collectives of a compiled SPMD step, read from its HLO
 """

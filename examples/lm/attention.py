@@ -23,6 +23,18 @@ def attention_fn(config: Config) -> Callable[..., jax.Array]:
                            implementation=config.attention)
 
 
+def packed_attention_fn(config: Config) -> Callable[..., jax.Array]:
+  """The attention of packed rows: (q, k, v, segment_ids (B, T)) -> output, causal within each
+  document. jax_flash takes the ids (q_segment_ids = kv_segment_ids); jax.nn gets the same
+  as a (B, 1, T, T) mask."""
+  if config.attention == "jax_flash":
+    return lambda q, k, v, ids: jax_flash.dot_product_attention(
+        q, k, v, is_causal=True, q_segment_ids=ids, kv_segment_ids=ids)
+  return lambda q, k, v, ids: jax.nn.dot_product_attention(
+      q, k, v, is_causal=True, mask=(ids[:, :, None] == ids[:, None, :])[:, None],
+      implementation=config.attention)
+
+
 def cached_attention_fn(config: Config) -> Callable[..., jax.Array]:
   """The attention of a decode step: (q, k, v, key_value_seq_lengths=...) -> output, where each
   sequence's query attends to its cached keys before its length (no causal mask: the query is

@@ -101,3 +101,4 @@ class RunOptions:
   resume: bool = False  # continue from the latest checkpoint in --checkpoint-dir
   stop_after: int | None = None  # end this invocation after that step (the schedule keeps --steps)
   progress: bool = True  # a progress bar (tqdm if installed); off: a log line per --log-every
+  pack: bool = False  # train packed documents (segment ids) and padded ones; compare tokens/s

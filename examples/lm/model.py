@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lm.attention import attention_fn, cached_attention_fn
+from lm.attention import attention_fn, cached_attention_fn, packed_attention_fn
 from lm.config import Config
 
 VOCAB_SIZE = 256  # bytes
@@ -67,6 +67,7 @@ class CausalSelfAttention(nnx.Module):
                           kernel_init=nnx.initializers.normal(0.02 / math.sqrt(2 * config.layers)))
     self.attend = attention_fn(config)
     self.attend_cached = cached_attention_fn(config)
+    self.attend_packed = packed_attention_fn(config)
 
   def _project(self, x: jax.Array, positions: jax.Array | None):
     """q (B, T, heads, head_dim) and k, v (B, T, kv_heads, head_dim) of x at `positions`."""
@@ -83,9 +84,14 @@ class CausalSelfAttention(nnx.Module):
     batch, seq_len = o.shape[:2]
     return self.out(o.reshape(batch, seq_len, self.config.heads * self.config.head_dim))
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    q, k, v = self._project(x, None)
-    return self._output(self.attend(q, k, v))  # causal; GQA when kv_heads < heads
+  def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None,
+               positions: jax.Array | None = None) -> jax.Array:
+    """Causal self-attention (GQA when kv_heads < heads); with `segment_ids` (B, T) packed
+    documents, each attending only to itself, at `positions` (B, T) within their documents."""
+    q, k, v = self._project(x, positions)
+    if segment_ids is not None:
+      return self._output(self.attend_packed(q, k, v, segment_ids))
+    return self._output(self.attend(q, k, v))
 
   def prefill(self, x: jax.Array, max_len: int) -> tuple[jax.Array, LayerCache]:
     """The training forward on prompts x (B, T, width), and a cache of max_len positions
@@ -127,8 +133,9 @@ class Block(nnx.Module):
     self.mlp_norm = nnx.RMSNorm(config.width, dtype=dtype, rngs=rngs)
     self.mlp = MLP(config, rngs=rngs)
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    return self._mlp(x + self.attn(self.attn_norm(x)))
+  def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None,
+               positions: jax.Array | None = None) -> jax.Array:
+    return self._mlp(x + self.attn(self.attn_norm(x), segment_ids, positions))
 
   def prefill(self, x: jax.Array, max_len: int) -> tuple[jax.Array, LayerCache]:
     a, cache = self.attn.prefill(self.attn_norm(x), max_len)
@@ -157,10 +164,13 @@ class ByteLM(nnx.Module):
     self.blocks = nnx.List([Block(config, rngs=rngs) for _ in range(config.layers)])
     self.final_norm = nnx.RMSNorm(config.width, dtype=dtype, rngs=rngs)
 
-  def __call__(self, tokens: jax.Array) -> jax.Array:
-    x = self._embed(tokens, jnp.arange(tokens.shape[1])[None])
+  def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
+               positions: jax.Array | None = None) -> jax.Array:
+    """Logits of tokens (B, T); packed rows pass each token's document id and its position in
+    the document, both (B, T) int32 (train_lm.py --pack)."""
+    x = self._embed(tokens, jnp.arange(tokens.shape[1])[None] if positions is None else positions)
     for block in self.blocks:
-      x = block(x)
+      x = block(x, segment_ids, positions)
     return self._logits(x)
 
   def prefill(self, tokens: jax.Array, max_len: int) -> tuple[jax.Array, list[LayerCache]]:
