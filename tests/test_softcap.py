@@ -315,3 +315,29 @@ def test_batch_and_head_sharding_carry_the_cap(spec):
   want = jax_flash.dot_product_attention(*cc.inputs()[:3], is_causal=True,
                                          logits_soft_cap=cc.cap, implementation="cpu")
   np.testing.assert_allclose(f(q, k, v), want, atol=1e-6)
+
+
+@pytest.mark.parametrize("strategy", ["ring:zigzag", "all_to_all", "all_gather"])
+def test_sequence_sharding_carries_the_cap(strategy):
+  """Context parallelism runs the kernels on slices with the call's KernelConfig, cap included:
+  the same output and gradients as the single-device call."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  if len(jax.devices()) < 4:
+    pytest.skip("needs 4 devices")
+  ks = jax.random.split(jax.random.key(3), 3)
+  q, k, v = (jax.random.normal(x, (2, 128, 4, 32)) * 2 for x in ks)
+
+  def f(q, k, v, **cp):
+    return jax_flash.dot_product_attention(q, k, v, is_causal=True, logits_soft_cap=1.5,
+                                           implementation="cpu", **cp)
+
+  def fg(**cp):
+    return jax.jit(jax.value_and_grad(lambda *a: (f(*a, **cp) ** 2).sum(), (0, 1, 2)))
+
+  want, want_g = fg()(q, k, v)
+  mesh = jax.make_mesh((4,), ("x",))
+  sharded = [jax.device_put(x, NamedSharding(mesh, P(None, "x", None, None))) for x in (q, k, v)]
+  got, got_g = fg(context_parallel=strategy)(*sharded)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  for a, b in zip(got_g, want_g):
+    np.testing.assert_allclose(a, b, atol=2e-5)
