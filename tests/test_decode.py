@@ -254,6 +254,18 @@ def test_random_decode_shapes(case):
   check_against_references(case, run_jax_flash(case, "cpu"))
 
 
+# Found by test_random_decode_shapes (session 9): bf16 dk 1.34x the 2x-jax.nn bound on the CPU
+# kernel, on the decode kernel's forward and on the tiled one alike, and already at ced2c1a
+# (checked against a build of it): a 16-bit gradient miss of issue 13 item 2 that the differential
+# run's configurations did not hold. Strict, so the fix shows.
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="issue 13 item 2: bf16 dk past the 2x rule on the CPU kernel")
+def test_bf16_dk_of_a_short_causal_decode():
+  case = Case(batch=2, seq_q=2, seq_k=144, heads_q=1, heads_k=1, head_dim=40, dtype="bfloat16",
+              is_causal=True, seed=0)
+  check_against_references(case, run_jax_flash(case, "cpu"))
+
+
 def test_benchmark_decode_preset(tmp_path, capsys):
   """python -m jax_flash.benchmark --preset decode: every case of the issue, contiguous and
   paged, jax_flash and XLA measured (tiny here: --decode-reduce 64)."""
