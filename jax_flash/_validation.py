@@ -57,12 +57,18 @@ def check_seq_lengths(name: str, lengths, batch: int, full: int) -> jax.Array | 
   if lengths.shape != (batch,):
     raise ValueError(f"{name} must have shape ({batch},) (one length per batch element); "
                      f"got {lengths.shape}")
-  if lengths.dtype != jnp.int32:
-    advice = (" (cast it with .astype(jnp.int32))"
-              if jnp.issubdtype(lengths.dtype, jnp.integer) else "")
-    raise ValueError(f"{name} must be an integer array of dtype int32, as jax.nn takes it; "
-                     f"got {lengths.dtype} ({name}{lengths.shape}){advice}")
+  _require_int32(name, lengths, ", as jax.nn takes it")
   return jnp.clip(lengths, 0, full)
+
+
+def _require_int32(name: str, array: jax.Array, why: str = "") -> None:
+  """Raises unless `array` is int32, naming it and the cast to make (never cast silently: a
+  wider integer could wrap)."""
+  if array.dtype != jnp.int32:
+    advice = (" (cast it with .astype(jnp.int32))"
+              if jnp.issubdtype(array.dtype, jnp.integer) else "")
+    raise ValueError(f"{name} must be an integer array of dtype int32{why}; got {array.dtype} "
+                     f"({name}{array.shape}){advice}")
 
 
 def check_segment_ids(q_segment_ids, kv_segment_ids, batch: int, seq_q: int, seq_k: int,
@@ -89,11 +95,7 @@ def check_segment_ids(q_segment_ids, kv_segment_ids, batch: int, seq_q: int, seq
       form = f"({axis},)" if unbatched else f"(B, {axis})"
       raise ValueError(f"{name} must have shape {form} = {want} (one id per "
                        f"{'query' if name[0] == 'q' else 'key'} position); got {name}{ids.shape}")
-    if ids.dtype != jnp.int32:
-      advice = (" (cast it with .astype(jnp.int32))"
-                if jnp.issubdtype(ids.dtype, jnp.integer) else "")
-      raise ValueError(f"{name} must be an integer array of dtype int32; got {ids.dtype} "
-                       f"({name}{ids.shape}){advice}")
+    _require_int32(name, ids)
     out.append(ids[None] if unbatched else ids)
   return out[0], out[1]
 
