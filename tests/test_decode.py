@@ -247,22 +247,27 @@ def decode_cases(draw) -> Case:
               seed=draw(st.integers(0, 2**31 - 1)))
 
 
-@settings(max_examples=12, deadline=None)
+# Derandomized: the same 12 draws every run. Random draws found the bf16 misses pinned below
+# (one in a CI run), a class of issue 13 that would make a random draw fail CI by chance.
+@settings(max_examples=12, deadline=None, derandomize=True)
 @given(decode_cases())
 def test_random_decode_shapes(case):
   assert _uses_decode(case)
   check_against_references(case, run_jax_flash(case, "cpu"))
 
 
-# Found by test_random_decode_shapes (session 9): bf16 dk 1.34x the 2x-jax.nn bound on the CPU
-# kernel, on the decode kernel's forward and on the tiled one alike, and already at ced2c1a
-# (checked against a build of it): a 16-bit gradient miss of issue 13 item 2 that the differential
-# run's configurations did not hold. Strict, so the fix shows.
+# Found by test_random_decode_shapes (session 9): bf16 dk 1.34x and 1.23x the 2x-jax.nn bound on
+# the CPU kernel, on the decode kernel's forward and on the tiled one alike, and already at
+# ced2c1a (checked against a build of it). Both are T = 2 causal: rows that see one and two
+# keys, where dS nearly cancels and the bf16-rounded cotangent's effect on dk is not jax.nn's. A
+# 16-bit gradient miss of issue 13 item 2 that the differential run's configurations did not
+# hold. Strict, so the fix shows.
 @pytest.mark.xfail(strict=True, raises=AssertionError,
                    reason="issue 13 item 2: bf16 dk past the 2x rule on the CPU kernel")
-def test_bf16_dk_of_a_short_causal_decode():
-  case = Case(batch=2, seq_q=2, seq_k=144, heads_q=1, heads_k=1, head_dim=40, dtype="bfloat16",
-              is_causal=True, seed=0)
+@pytest.mark.parametrize("seq_k, heads, head_dim, seed", [(144, 1, 40, 0), (396, 2, 64, 34565)])
+def test_bf16_dk_of_a_short_causal_decode(seq_k, heads, head_dim, seed):
+  case = Case(batch=2, seq_q=2, seq_k=seq_k, heads_q=heads, heads_k=heads, head_dim=head_dim,
+              dtype="bfloat16", is_causal=True, seed=seed)
   check_against_references(case, run_jax_flash(case, "cpu"))
 
 
