@@ -16,24 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_flash
-from test_context_parallel import COLLECTIVES
+from test_context_parallel import COLLECTIVES, DEVICES, SPEC, TOLERANCE, mesh  # noqa: F401 (fixture)
 from test_segment_ids import Case, check
 
-DEVICES = 4
-SPEC = P(None, "seq", None, None)
 IDS_SPEC = P(None, "seq")
-TOLERANCE = dict(rtol=1e-5, atol=1e-5)
-
-
-@pytest.fixture(scope="module")
-def mesh():
-  if len(jax.devices()) < DEVICES:
-    pytest.skip(f"needs {DEVICES} devices")
-  return Mesh(np.array(jax.devices()[:DEVICES]), ("seq",))
 
 
 def _case(**options) -> Case:

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from jax_flash import _registry
-from test_ffi_validation import (FFI_ERROR, Call, pattern, with_attributes, with_dtype, with_shape,
-                                 with_shapes)
+from test_ffi_validation import (Call, expect_invalid_argument, with_attributes, with_dtype,
+                                 with_shape, with_shapes)
 
 pytestmark = pytest.mark.gpu
 
@@ -59,9 +59,8 @@ def test_valid_calls_run(rng, make, dtype):
 
 def test_deterministic_backward_takes_no_dq_workspace(rng):
   valid_bwd(deterministic=True).run(rng)
-  call = with_attributes(valid_bwd(deterministic=True), deterministic=False)
-  with pytest.raises(FFI_ERROR, match=pattern("INVALID_ARGUMENT", "dq_accum(", "elements, expected")):
-    call.run(rng)
+  expect_invalid_argument(with_attributes(valid_bwd(deterministic=True), deterministic=False), rng,
+                          ("dq_accum(", "elements, expected"))
 
 
 # (id, spoil, fragments of the error), for both passes.
@@ -96,13 +95,9 @@ BWD_ERRORS = [
 @pytest.mark.parametrize("spoil,fragments", [e[1:] for e in ERRORS], ids=[e[0] for e in ERRORS])
 @pytest.mark.parametrize("make", [valid_fwd, valid_bwd], ids=["fwd", "bwd"])
 def test_errors(rng, make, spoil, fragments):
-  call = spoil(make())
-  with pytest.raises(FFI_ERROR, match=pattern("INVALID_ARGUMENT", "jax_flash", *fragments)):
-    call.run(rng)
+  expect_invalid_argument(spoil(make()), rng, fragments)
 
 
 @pytest.mark.parametrize("spoil,fragments", [e[1:] for e in BWD_ERRORS], ids=[e[0] for e in BWD_ERRORS])
 def test_bwd_errors(rng, spoil, fragments):
-  call = spoil(valid_bwd())
-  with pytest.raises(FFI_ERROR, match=pattern("INVALID_ARGUMENT", "jax_flash", *fragments)):
-    call.run(rng)
+  expect_invalid_argument(spoil(valid_bwd()), rng, fragments)

@@ -235,19 +235,21 @@ BWD_ERRORS = [
 ]
 
 
+def expect_invalid_argument(call: Call, rng, fragments) -> None:
+  """Running `call` fails with an INVALID_ARGUMENT from jax_flash holding the fragments."""
+  with pytest.raises(FFI_ERROR, match=pattern("INVALID_ARGUMENT", "jax_flash", *fragments)):
+    call.run(rng)
+
+
 @pytest.mark.parametrize("spoil,fragments", [e[1:] for e in COMMON_ERRORS], ids=[e[0] for e in COMMON_ERRORS])
 @pytest.mark.parametrize("make", [valid_fwd, valid_bwd], ids=["fwd", "bwd"])
 def test_common_errors(rng, make, spoil, fragments):
-  call = spoil(make())
-  with pytest.raises(FFI_ERROR, match=pattern("INVALID_ARGUMENT", "jax_flash", *fragments)):
-    call.run(rng)
+  expect_invalid_argument(spoil(make()), rng, fragments)
 
 
 @pytest.mark.parametrize("spoil,fragments", [e[1:] for e in BWD_ERRORS], ids=[e[0] for e in BWD_ERRORS])
 def test_bwd_errors(rng, spoil, fragments):
-  call = spoil(valid_bwd())
-  with pytest.raises(FFI_ERROR, match=pattern("INVALID_ARGUMENT", "jax_flash", *fragments)):
-    call.run(rng)
+  expect_invalid_argument(spoil(valid_bwd()), rng, fragments)
 
 
 @pytest.mark.parametrize("ids", [False, True])
