@@ -20,12 +20,7 @@ elapsed() { echo "[$(( $(date +%s) - start )) s]"; }
 
 JAX_FLASH_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install --no-build-isolation \
   --no-deps -e . >"$out/build.log" 2>&1 || { tail -50 "$out/build.log"; exit 1; }
-if ls .whl/tokamax-*.whl >/dev/null 2>&1; then  # as in check.sh
-  python3 -m pip install -q --no-index --no-deps --target .tk .whl/*.whl >>"$out/build.log" 2>&1
-  mkdir -p .tk/xprof/cli && touch .tk/xprof/__init__.py .tk/xprof/cli/__init__.py
-  echo "get_kernel_stats_tool = None" >.tk/xprof/cli/tools.py
-  export PYTHONPATH="$PWD/.tk${PYTHONPATH:+:$PYTHONPATH}"
-fi
+source .ci/gpu/tokamax_peer.sh  # tokamax beside cuDNN where its wheels were carried in .whl/
 echo "== build $(elapsed)"
 
 if [[ -n "${TESTS_K:-}" ]]; then
