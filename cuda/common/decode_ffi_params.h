@@ -40,6 +40,13 @@ inline xla::ffi::Error make_decode_params(
   return set_decode_splits(num_splits, o_partial, lse_partial, params);
 }
 
+// The paged decode's operands as its errors name them.
+inline std::string describe_paged_operands(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuffer& k_pages,
+                                           const xla::ffi::AnyBuffer& v_pages, const xla::ffi::AnyBuffer& page_table) {
+  return describe("q", q) + ", " + describe("key_pages", k_pages) + ", " + describe("value_pages", v_pages) + ", " +
+         describe("page_table", page_table);
+}
+
 // The paged decode's operands without reading any of them: q (B, T, N, H); key_pages and
 // value_pages (num_pages, page_size, K, H) of q's dtype; page_table (B, pages_per_seq) int32;
 // kv_lens (B,) int32. The CUDA handler stops here (its buffers live on the device; its kernel
@@ -52,8 +59,7 @@ inline xla::ffi::Error make_paged_shape_params(
     double scale, bool is_causal, int64_t window_left, int64_t window_right, int64_t num_splits,
     DecodeParams& params) {
   const auto qd = q.dimensions(), kd = k_pages.dimensions(), td = page_table.dimensions();
-  const std::string operands = describe("q", q) + ", " + describe("key_pages", k_pages) + ", " +
-                               describe("value_pages", v_pages) + ", " + describe("page_table", page_table);
+  const std::string operands = describe_paged_operands(q, k_pages, v_pages, page_table);
   if (qd.size() != 4 || kd.size() != 4)
     return invalid("q must be (B, T, N, H) and key_pages/value_pages (num_pages, page_size, K, H); got " +
                    operands);
@@ -132,9 +138,7 @@ inline xla::ffi::Error make_paged_params(
   JF_RETURN_IF_ERROR(make_paged_shape_params(q, k_pages, v_pages, page_table, kv_lens, o, lse, o_partial,
                                              lse_partial, scale, is_causal, window_left, window_right,
                                              num_splits, params));
-  return check_page_table_on_host(params, describe("q", q) + ", " + describe("key_pages", k_pages) + ", " +
-                                              describe("value_pages", v_pages) + ", " +
-                                              describe("page_table", page_table));
+  return check_page_table_on_host(params, describe_paged_operands(q, k_pages, v_pages, page_table));
 }
 
 template <typename Ctx>
