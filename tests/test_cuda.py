@@ -234,16 +234,14 @@ def test_forward_on_a_cta_per_tile_on_hopper():
 
 
 # The default backward adds dQ by atomics at head dims 33..64 and by bulk reductions at 65..128
-# (TileShapes::kSm90BwdBulkDqByDefault); each override runs a way the default does not there
-# (sm90ws_splitdq, experimental: each warpgroup's own keys' dQ at head dim 64).
+# (TileShapes::kSm90BwdBulkDqByDefault); each override runs a way the default does not there.
 @pytest.mark.parametrize("family, head_dims", [("sm90ws_atomicdq", "h80 or h96 or h111 or h128"),
-                                               ("sm90ws_bulkdq", "h40 or h64"),
-                                               ("sm90ws_splitdq", "h40 or h64")])
+                                               ("sm90ws_bulkdq", "h40 or h64")])
 def test_backward_dq_by_the_other_way_on_hopper(family, head_dims):
   """The warp-specialised backward with dQ added a way its default does not use at these head
-  dims (atomics from the math warps, bulk reductions from a shared tile by the producer, or
-  split by keys) passes their reference and deterministic cases, the CUDA-graph capture and the
-  training step."""
+  dims (atomics from the math warps, or bulk reductions from a shared tile by the producer)
+  passes their reference and deterministic cases, the CUDA-graph capture and the training
+  step."""
   _run_cuda_tests_on_hopper_with(
       {"JAX_FLASH_CUDA_BACKWARD": family},
       f"((test_cuda_matches_reference or test_deterministic_matches_reference) and ({head_dims})) "

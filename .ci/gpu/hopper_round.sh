@@ -8,7 +8,7 @@
 #   - the decode preset (cuDNN, XLA and the copy bandwidth in each run) per JAX_FLASH_CUDA_DECODE
 #     value in DECODE_CHOICES (tiled, split, kernel).
 # Results go to $OUT (the device tool's output folder) or ./gpu_out.
-#   e.g. TESTS_K="decode or splitdq" BWD_CHOICES="default sm90ws_splitdq" \
+#   e.g. TESTS_K="decode" BWD_CHOICES="default sm90ws_bulkdq" \
 #        DECODE_CHOICES="tiled kernel" bash .ci/gpu/hopper_round.sh
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."

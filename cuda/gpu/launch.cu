@@ -77,9 +77,7 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
         e = family == KernelFamily::kSm90Ws           ? launch_bwd_main_sm90_ws<T, kD>(p, kDefault, stream)
             : family == KernelFamily::kSm90WsAtomicDq ? launch_bwd_main_sm90_ws<T, kD>(p, DqMode::kAtomics, stream)
             : family == KernelFamily::kSm90WsBulkDq   ? launch_bwd_main_sm90_ws<T, kD>(p, DqMode::kBulk, stream)
-            : family == KernelFamily::kSm90WsSplitDq
-                ? launch_bwd_main_sm90_ws<T, kD>(p, kD == 64 ? DqMode::kSplitAtomics : kDefault, stream)
-                : launch_bwd_main_sm80<T, kD>(p, stream);
+                                                      : launch_bwd_main_sm80<T, kD>(p, stream);
       } else {
         e = launch_bwd_main_sm80<T, kD>(p, stream);
       }

@@ -43,9 +43,6 @@ struct TileShapes {
   // query blocks of 64; dQ added by atomics, or by bulk reductions from a shared tile.
   using Sm90BwdWs = Sm90BwdWsTraits<kHeadDim>;
   using Sm90BwdWsBulkDq = Sm90BwdWsTraits<kHeadDim, true>;
-  // Experimental (JAX_FLASH_CUDA_BACKWARD=sm90ws_splitdq): at head dim 64 each warpgroup's dQ
-  // over its own keys, so the two warpgroups do equal work and share no barrier per visit.
-  using Sm90BwdWsSplitDq = Sm90BwdWsTraits<kHeadDim, false, kHeadDim == 64>;
   // The backward's dQ by default (JAX_FLASH_CUDA_BACKWARD=sm90ws), as measured on the H200
   // (cuda/PERF_NOTES.md v6): bulk reductions at head dim 128 (+5-11% over atomics), atomics at 64
   // (bulk reductions 25% slower there).

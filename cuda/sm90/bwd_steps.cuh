@@ -60,8 +60,7 @@ __device__ __forceinline__ void probabilities_and_ds(float (&st)[1][kBlockM / 8]
 // dV += P^T dO (P^T from registers) and dK += dS^T Q (dS^T from shared memory, which keeps
 // registers free for dQ) for the warpgroup's keys if the block sees them (group_live), and
 // dQ = dS K (warpgroup g: head-dim columns 64 g .. 64 g + 63, all of them for head dim 64 in
-// warpgroup 0; with Traits::kSplitDq every column over the warpgroup's own 64 keys) where
-// dq_here; issued and waited for.
+// warpgroup 0) where dq_here; issued and waited for.
 template <typename Traits, typename T>
 __device__ __forceinline__ void accumulate_gradients(float (&dk)[1][Traits::kHeadDim / 8][4],
                                                      float (&dv)[1][Traits::kHeadDim / 8][4], float (&dq)[1][8][4],
@@ -93,15 +92,11 @@ __device__ __forceinline__ void accumulate_gradients(float (&dk)[1][Traits::kHea
     if constexpr (kD > 64) wgmma_wait<0>();
   }
   if (dq_here) {
-    // The keys (16 per step) and K's column block this warpgroup's dQ takes.
-    constexpr int kSteps = Traits::kSplitDq ? 64 / 16 : kBN / 16;
-    const int kk0 = Traits::kSplitDq ? group * kSteps : 0;
-    const uint32_t k_columns = Traits::kSplitDq ? k_address : k_address + group * KVTile::kBlockBytes;
     wgmma_fence();
 #pragma unroll
-    for (int step = 0; step < kSteps; ++step)
-      Wgmma<T, 64>::ss_transposed(dq[0], DsTile::n_major(ds_address, kk0 + step),
-                                  KVTile::n_major(k_columns, kk0 + step), step > 0);
+    for (int kk = 0; kk < kBN / 16; ++kk)
+      Wgmma<T, 64>::ss_transposed(dq[0], DsTile::n_major(ds_address, kk),
+                                  KVTile::n_major(k_address + group * KVTile::kBlockBytes, kk), kk > 0);
     wgmma_commit();
   }
   wgmma_wait<0>();
@@ -110,8 +105,8 @@ __device__ __forceinline__ void accumulate_gradients(float (&dk)[1][Traits::kHea
   fence_registers(dq[0]);
 }
 
-// Adds a warp's part of dQ (rows 16 (warp % 4) .. of the query block from m0 of head h, the 64
-// columns of column block `group`) to the float32 accumulator.
+// Adds a warp's part of dQ (rows 16 (warp % 4) .. of the query block from m0 of head h,
+// warpgroup `group`'s 64 columns) to the float32 accumulator.
 template <int kBlockM, int kBlockN>
 __device__ __forceinline__ void add_dq(const BwdParams& p, const KeyBlockTask<kBlockM, kBlockN>& task,
                                        const float (&dq)[1][8][4], int64_t m0, int h, int group, int warp,

@@ -36,16 +36,11 @@ struct Sm90FwdWsTraits {
 // 2 consumer warpgroups of 64 keys each; Q, dO (and their rows' lse, delta)
 // in kStages stages, dS^T double-buffered. kBulkDq: the consumers leave each visit's dQ in a
 // float32 shared tile that the producer's second warp adds to the accumulator with bulk
-// reductions (else the consumers add it with atomics). kSplitDq (head dim 64): each warpgroup
-// computes dQ over its own 64 keys for all columns and adds it with atomics (twice the atomics,
-// but the warpgroups share no dS^T, so they need no common barrier and do equal work); else
-// warpgroup g computes columns 64 g .. over all 128 keys (at head dim 64 only warpgroup 0).
-template <int kHeadDim_, bool kBulkDq_ = false, bool kSplitDq_ = false>
+// reductions (else the consumers add it with atomics).
+template <int kHeadDim_, bool kBulkDq_ = false>
 struct Sm90BwdWsTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kBulkDq = kBulkDq_;
-  static constexpr bool kSplitDq = kSplitDq_;
-  static_assert(!kSplitDq || (kHeadDim == 64 && !kBulkDq), "dQ split by keys: head dim 64, atomics");
   static constexpr int kBlockM = 64;   // query rows per visit
   static constexpr int kBlockN = 128;  // keys: 2 consumer warpgroups x 64
   static constexpr int kConsumers = 2;
