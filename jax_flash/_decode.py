@@ -1,5 +1,5 @@
-"""Split-KV decoding (flash-decoding) on the CPU kernel: when it runs, how many key chunks it
-uses, and its custom call.
+"""Split-KV decoding (flash-decoding) on the CPU and CUDA kernels: when it runs, how many key
+chunks it uses, and its custom call.
 
 A decode step attends a few query rows to a long key sequence. The tiled forward runs one task
 per (batch, query head, block of 64 query rows): with T = 1 that is one row per task, K/V read
@@ -12,21 +12,24 @@ once per query head, and at small batch x heads too few tasks for the cores. The
   rows' partial output and lse into float32 workspaces (outputs of the custom call, so XLA sees
   the memory), which a combine pass merges (lse = log sum exp lse_s, o = sum exp(lse_s - lse) o_s).
 
-The rule (:func:`kv_splits`), on the "cpu" kernel only: the decode kernel runs when every query
+The rule (:func:`kv_splits`) on the "cpu" kernel: the decode kernel runs when every query
 row of a kv head fits one query tile, ``T * (N / K) <= 64`` (``cpu_block_q``); then with enough
 chunks that batch x kv heads x chunks covers the cores twice, chunks of at least 256 keys, at
 most 64 chunks. ``KernelConfig.kv_splits`` carries the choice (0: the tiled forward). It computes
 what the tiled forward computes (masks, lengths, empty rows, NaN propagation; o and lse are the
 backward's usual residuals), so the choice changes speed, not results beyond float32 rounding.
-On CUDA the tiled forward runs by default. The CUDA decode kernel
+On CUDA (bfloat16/float16) the same rule picks the CUDA decode kernel
 (``cuda/gpu/flash_decode_kernel.cuh``: the same contract, one CTA per (batch, kv head, key
-chunk, 16 packed rows), written but not yet run on a GPU) runs only when the environment variable
-``JAX_FLASH_CUDA_DECODE=kernel`` is set when jax_flash is imported (read once). The variable's
-other values: ``tiled`` (the default: the tiled forward) and ``split`` (the split-KV JAX program
-of jax_flash._split_kv around the tiled forward, read by jax_flash._ops). With ``kernel``,
-:func:`kv_splits` picks the CUDA kernel for ``T * (N / K) <= CUDA_MAX_PACKED_ROWS`` and
-:func:`cuda_num_splits` its key chunks, and ``jax_flash.paged_attention`` takes
-``implementation="cuda"``.
+chunk, 16 packed rows); 0.99-1.02x cuDNN and 96-99% of the copy bandwidth at T = 1 on an H200,
+cuda/PERF_NOTES.md v7) for ``T * (N / K) <= CUDA_MAX_PACKED_ROWS``, with the key chunks of
+:func:`cuda_num_splits`; more packed rows (chunked prefill) take the tiled forward, which reads
+K/V once per 128 query rows. ``jax_flash.paged_attention`` runs the kernel over the pages for
+the same shapes and gathers the pages for the tiled forward beyond (:func:`cuda_paged_route`).
+The environment variable ``JAX_FLASH_CUDA_DECODE``, read once when jax_flash is imported,
+overrides this for comparisons: ``kernel`` (the default, also when unset or empty), ``tiled``
+(the tiled forward for every shape; paged calls gather their pages) or ``split`` (the split-KV
+JAX program of jax_flash._split_kv around the tiled forward, read by jax_flash._ops). Another
+value warns and means ``kernel``.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -50,8 +54,23 @@ MAX_SPLITS = 64
 
 # How decode-shaped calls run on CUDA (see the module docstring): read once, at import.
 CUDA_DECODE_VARIABLE = "JAX_FLASH_CUDA_DECODE"
-CUDA_DECODE_MODES = ("tiled", "split", "kernel")
-_CUDA_DECODE_MODE = os.environ.get(CUDA_DECODE_VARIABLE, "") or "tiled"
+CUDA_DECODE_MODES = ("kernel", "tiled", "split")
+CUDA_DECODE_DEFAULT = "kernel"
+
+
+def _read_cuda_decode_mode(value: str | None) -> str:
+  """The mode for a value of JAX_FLASH_CUDA_DECODE: unset or empty is the default; an unknown
+  value warns (naming the values) and means the default."""
+  if not value:
+    return CUDA_DECODE_DEFAULT
+  if value not in CUDA_DECODE_MODES:
+    warnings.warn(f"{CUDA_DECODE_VARIABLE}={value!r} is not one of {CUDA_DECODE_MODES}; using "
+                  f"{CUDA_DECODE_DEFAULT!r}", stacklevel=2)
+    return CUDA_DECODE_DEFAULT
+  return value
+
+
+_CUDA_DECODE_MODE = _read_cuda_decode_mode(os.environ.get(CUDA_DECODE_VARIABLE))
 # The CUDA decode kernel runs for at most this many packed query rows per kv head (4 CTAs of 16
 # rows per key chunk, each reading the chunk's K/V); more rows (chunked prefill) take the tiled
 # forward, which reads K/V once per 128 query rows.
@@ -61,16 +80,40 @@ CUDA_MAX_PACKED_ROWS = 64
 CUDA_WAVE_EFFICIENCY = 0.85
 
 
+def cuda_decode_mode() -> str:
+  """How decode-shaped CUDA calls run in this process: "kernel", "tiled" or "split"."""
+  return _CUDA_DECODE_MODE
+
+
 def cuda_kernel_enabled() -> bool:
-  """Whether JAX_FLASH_CUDA_DECODE=kernel was set when jax_flash was imported."""
+  """Whether the CUDA decode kernel runs (JAX_FLASH_CUDA_DECODE unset, empty or "kernel" when
+  jax_flash was imported)."""
   return _CUDA_DECODE_MODE == "kernel"
+
+
+def cuda_takes_kernel(seq_q: int, heads_q: int, heads_k: int) -> bool:
+  """Whether a CUDA call with these shapes runs the decode kernel (contiguous or paged): the
+  kernel is on and the T * (N / K) packed query rows of a kv head are at most
+  CUDA_MAX_PACKED_ROWS."""
+  return (cuda_kernel_enabled() and heads_k >= 1
+          and seq_q * (heads_q // heads_k) <= CUDA_MAX_PACKED_ROWS)
+
+
+def cuda_paged_route(seq_q: int, heads_q: int, heads_k: int) -> str:
+  """How jax_flash.paged_attention runs on CUDA: "kernel" (the decode kernel reading the pages)
+  where the contiguous call would take the decode kernel (cuda_takes_kernel), else "gather"
+  (the pages gathered into a contiguous cache for the tiled forward, as a contiguous call of
+  that shape runs: chunked prefill, where the kernel's 16-row tiles would read the cache once
+  per tile, or JAX_FLASH_CUDA_DECODE=tiled/split)."""
+  return "kernel" if cuda_takes_kernel(seq_q, heads_q, heads_k) else "gather"
 
 
 def _cuda_constant(name: str) -> int:
   constants = _registry.CUDA_KERNEL_CONSTANTS
   if constants is None:
     raise NotImplementedError(
-        f"{CUDA_DECODE_VARIABLE}=kernel: jax_flash was built without its CUDA kernels")
+        "the CUDA decode kernel: this jax_flash build has no CUDA kernels (no CUDA compiler when "
+        "it was built)")
   return int(constants[name])
 
 
@@ -95,7 +138,8 @@ def cuda_splits_rule(units: int, seq_k: int, sm_count: int, block_n: int) -> int
 def _cuda_sm_count() -> int:
   """Streaming multiprocessors of the current GPU, asked once through the native module (132,
   an H100/H200's, if CUDA cannot say)."""
-  return int(_registry._native_cuda.device_sm_count() or 132)
+  native = _registry._native_cuda
+  return int((native.device_sm_count() if native is not None else 0) or 132)
 
 
 def cuda_num_splits(batch: int, seq_q: int, heads_q: int, heads_k: int, seq_k: int,
@@ -132,7 +176,7 @@ def kv_splits(implementation: str, batch: int, seq_q: int, heads_q: int, heads_k
   if heads_k < 1:
     return 0
   if implementation == "cuda":
-    if not cuda_kernel_enabled() or seq_q * (heads_q // heads_k) > CUDA_MAX_PACKED_ROWS:
+    if not cuda_takes_kernel(seq_q, heads_q, heads_k):
       return 0
     return cuda_num_splits(batch, seq_q, heads_q, heads_k, seq_k)
   if implementation != "cpu" or seq_q * (heads_q // heads_k) > block_q():

@@ -71,7 +71,9 @@ def capabilities(name: str) -> Capabilities:
         name, kernel=True, dtypes=_HALF_DTYPES, max_head_dim=cuda.get("max_head_dim"),
         head_dim_multiple=cuda.get("head_dim_multiple", 1), logit_arrays=False,
         mask_forms=MASK_FORMS, deterministic_backward=True, ring=True,
-        paged=False)  # no CUDA paged kernel yet: jax_flash.paged_attention raises
+        # jax_flash.paged_attention: the CUDA decode kernel over the pages, or the pages
+        # gathered for the tiled forward (chunked prefill; jax_flash._decode.cuda_paged_route)
+        paged=True)
   if name in ("xla", "blockwise"):
     return Capabilities(
         name, kernel=False, dtypes=_FLOAT_DTYPES, max_head_dim=None, head_dim_multiple=1,

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash import _decode, _dispatch, _ops, _reference, _validation
+from jax_flash import _decode, _dispatch, _ops, _reference, _registry, _validation
 
 CALLER = "jax_flash.paged_attention"
 PAGED_IMPLEMENTATIONS = (None, "cpu", "xla", "cuda")
@@ -62,33 +62,34 @@ def _check_pages(query, key_pages, value_pages, page_table, kv_lengths) -> None:
 
 
 def _select(implementation, query) -> str:
+  """The implementation that runs the call: `implementation`, or for None "cpu" on the host and
+  "cuda" on an NVIDIA GPU (where the CUDA kernels were built); raises the error that says why
+  it cannot run."""
   if implementation not in PAGED_IMPLEMENTATIONS:
     raise ValueError(f"{CALLER}: implementation must be one of {PAGED_IMPLEMENTATIONS}; got "
                      f"{implementation!r}")
   name = implementation
   if name is None:
-    name = "cpu" if jax.default_backend() == "cpu" else None
-    if name is None and jax.default_backend() == "gpu" and _decode.cuda_kernel_enabled():
+    backend = jax.default_backend()
+    if backend == "cpu":
+      name = "cpu"
+    elif (backend in ("gpu", "cuda") and _registry.has_platform("cuda")
+          and _registry.cuda_gpu_present()):
       name = "cuda"
-  if name == "cuda" and _decode.cuda_kernel_enabled():
-    # The CUDA decode kernel reading pages (JAX_FLASH_CUDA_DECODE=kernel; jax_flash._decode).
+    else:
+      raise NotImplementedError(
+          f"{CALLER}: jax_flash has no paged kernel for the default backend {backend!r} in this "
+          f"build (query{query.shape}); pass implementation='xla' (the pages gathered into a "
+          "contiguous cache, plain XLA) or run on host devices with implementation='cpu'")
+  if name == "cuda":
     if query.dtype not in (jnp.bfloat16, jnp.float16):
       raise NotImplementedError(
           f"{CALLER}: the CUDA paged kernel takes bfloat16 or float16; got {query.dtype} "
           f"(query{query.shape}); pass implementation='xla' for float32")
-    max_head_dim = _decode._cuda_constant("decode_max_head_dim")
-    if query.shape[-1] > max_head_dim:
-      raise ValueError(f"{CALLER}: head dim H={query.shape[-1]} (query{query.shape}) is larger "
-                       f"than the 'cuda' kernel supports (H <= {max_head_dim}); use "
-                       "implementation='xla'")
-    return name
-  if name is None or not _dispatch.capabilities(name).paged:
-    raise NotImplementedError(
-        f"{CALLER}: paged KV caches have no {'CUDA' if name in (None, 'cuda') else repr(name)} "
-        f"kernel yet (query{query.shape}, default backend {jax.default_backend()!r}); pass "
-        "implementation='xla' (the pages gathered into a contiguous cache, plain XLA) or run "
-        "on host devices with implementation='cpu'")
+    _dispatch._check_cuda_runs()
   can = _dispatch.capabilities(name)
+  if not can.paged:
+    raise NotImplementedError(f"{CALLER}: implementation {name!r} has no paged form")
   if can.max_head_dim is not None and query.shape[-1] > can.max_head_dim:
     raise ValueError(f"{CALLER}: head dim H={query.shape[-1]} (query{query.shape}) is larger "
                      f"than the {name!r} kernel supports (H <= {can.max_head_dim}); use "
@@ -157,11 +158,82 @@ def _paged_xla(q, key_pages, value_pages, page_table, kv_lengths, *, scale, is_c
   q_lens = jnp.full((batch,), seq_q, jnp.int32)
   out, lse = _reference.attention_reference(
       q, k, v, q_lens, kv_lengths, scale=scale, is_causal=False, mask=allowed[:, None])
+  return _nan_where_bad_entry(out, lse, page_table, kv_lengths, page_size, num_pages)
+
+
+def _nan_where_bad_entry(out, lse, page_table, kv_lengths, page_size: int, num_pages: int):
+  """out (B, T, N, H) and lse (B, N, T) with NaN for every sequence whose length (clamped)
+  reaches a page table entry outside [0, num_pages): what "xla", the CUDA kernel and the
+  gathered path give, as none can raise at run time."""
+  pages_per_seq = page_table.shape[1]
   reached = jnp.arange(pages_per_seq)[None, :] * page_size < kv_lengths[:, None]
   bad = jnp.any(reached & ((page_table < 0) | (page_table >= num_pages)), axis=1)  # (B,)
   out = jnp.where(bad[:, None, None, None], jnp.nan, out)
   lse = jnp.where(bad[:, None, None], jnp.nan, lse)
   return out, lse
+
+
+def gathered_window(is_causal: bool, window_left: int,
+                    window_right: int) -> tuple[int, int] | None:
+  """The top-left (dot_product_attention) window that, on keys and queries each in reverse
+  order, masks what the paged call's bottom-right `is_causal` and window mask.
+
+  Reversed (key j' = L - 1 - j of a sequence of L keys, row t' = T - 1 - t at position
+  p = L - 1 - t'), ``j <= p`` becomes ``j' >= t'`` and ``p - left <= j <= p + right`` becomes
+  ``t' - right <= j' <= t' + left``: a window (right, left), its left side 0 under is_causal,
+  either side unbounded (-1) where nothing limits it; None where there is no mask at all. The
+  reversal takes the per-sequence offset L - T out of the masks, which the tiled forward
+  (positions from 0 on both sides, one set of masks for the batch) cannot take."""
+  left = window_right if window_right >= 0 else -1
+  if is_causal:
+    left = 0
+  right = window_left if window_left >= 0 else -1
+  if left < 0 and right < 0:
+    return None
+  return left, right
+
+
+def _gather_reversed(pages, page_table, kv_lengths, page_size: int):
+  """(B, pages_per_seq * page_size, K, H): key j' of sequence b is its key L - 1 - j' (L its
+  length), read from row (L - 1 - j') % page_size of page page_table[b, (L - 1 - j') //
+  page_size]; positions j' >= L (masked by the length) read key 0. Entries are clamped into
+  [0, num_pages), as the kernels clamp them, so nothing outside the pool is read."""
+  num_pages = pages.shape[0]
+  seq_k = page_table.shape[1] * page_size
+  source = jnp.clip(kv_lengths[:, None] - 1 - jnp.arange(seq_k)[None, :], 0, seq_k - 1)  # (B, S)
+  page = jnp.take_along_axis(page_table, source // page_size, axis=1)
+  page = jnp.clip(page, 0, num_pages - 1)
+  return pages.at[page, source % page_size].get(mode="promise_in_bounds")  # (B, S, K, H)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def paged_gathered(q, key_pages, value_pages, page_table, kv_lengths, scale, is_causal,
+                   window_left, window_right, implementation):
+  """(out (B, T, N, H), lse (B, N, T)) of the paged call by the tiled forward of
+  `implementation` ("cuda" for chunked prefill, or any kernel in tests): each sequence's keys
+  gathered, in reverse order, into a contiguous (B, pages_per_sequence * page_size, K, H) cache
+  (one gather from each pool, entries clamped), the query rows reversed too, the bottom-right
+  masks as the window of gathered_window, the lengths as key_value_seq_lengths; the rows put
+  back in order. A sequence whose length reaches an entry outside [0, num_pages) is NaN, as on
+  "xla". Reads the cache once per 128 query rows (the tiled forward's) for one extra copy of
+  the batch's K/V (the gathered cache, temporary memory)."""
+  batch, seq_q, _, _ = q.shape
+  num_pages, page_size = key_pages.shape[:2]
+  if num_pages == 0:  # nothing to gather from: every sequence that has a key is NaN below
+    key_pages = value_pages = jnp.zeros((1, *key_pages.shape[1:]), key_pages.dtype)
+  window = gathered_window(is_causal, window_left, window_right)
+  left, right = window if window is not None else (-1, -1)
+  k = _gather_reversed(key_pages, page_table, kv_lengths, page_size)
+  v = _gather_reversed(value_pages, page_table, kv_lengths, page_size)
+  q_lens = jnp.full((batch,), seq_q, jnp.int32)
+  out, lse = _ops.call_kernels(
+      _ops.flash_fwd, q[:, ::-1], k, v, q_lens, kv_lengths, implementation=implementation,
+      scale=scale, is_causal=False, window_left=left, window_right=right, caller=CALLER)
+  out, lse = out[:, ::-1], lse[..., ::-1]
+  return _nan_where_bad_entry(out, lse, page_table, kv_lengths, page_size, num_pages)
+
+
+paged_gathered.defvjp(_refuse_differentiation, _refuse_differentiation)
 
 
 def paged_attention(
@@ -200,11 +272,10 @@ def paged_attention(
       ``j <= p``. Rows whose position is negative (``kv_lengths[b] < T``) see no key.
     local_window_size: ``w`` or ``(left, right)``: row at position ``p`` attends keys
       ``p - left <= j <= p + right`` (positions as for ``is_causal``).
-    implementation: ``None`` (the "cpu" kernel on host devices), ``"cpu"``, or ``"xla"`` (the
-      pages gathered into a contiguous cache, then plain XLA; quadratic memory, any backend).
-      ``"cuda"`` (and ``None`` on a GPU) raises ``NotImplementedError`` unless
-      ``JAX_FLASH_CUDA_DECODE=kernel`` was set when jax_flash was imported: then the CUDA
-      decode kernel reads the pages (bfloat16/float16; experimental, see jax_flash._decode).
+    implementation: ``None`` (the "cpu" kernel on host devices, "cuda" on an NVIDIA GPU),
+      ``"cpu"``, ``"cuda"`` (bfloat16/float16; float32 raises ``NotImplementedError``: use
+      "xla"), or ``"xla"`` (the pages gathered into a contiguous cache, then plain XLA;
+      quadratic memory, any backend).
     return_residual: also return the log-sum-exp of each row's logits, ``(B, T, N)`` float32.
 
   Page table entries: the entries a sequence's length reaches (its first
@@ -213,16 +284,23 @@ def paged_attention(
   that range is an error when the call runs (``XlaRuntimeError`` ``INVALID_ARGUMENT`` naming
   the entry), raised before anything is read; the kernel also clamps every entry it reads into
   range, so the native code never reads outside ``key_pages``/``value_pages``. On "xla" and
-  "cuda" (which cannot raise at run time: the table is device memory) such a sequence's output
-  and lse are NaN.
+  "cuda" (which cannot raise at run time: the table is device memory; the CUDA kernel and the
+  gather clamp the entries they read) such a sequence's output and lse are NaN.
 
   Returns:
     ``(B, T, N, H)`` in query's dtype; with ``return_residual``, ``(out, lse)``.
 
   The "cpu" kernel is the split-KV decode kernel of ``dot_product_attention`` (query heads of a
   kv head packed, the key range cut into chunks run in parallel, see ``jax_flash._decode``),
-  reading K/V through the page table. It has no derivative: differentiating the call raises
-  ``NotImplementedError`` ("xla" differentiates). Under ``vmap`` it runs once per mapped element.
+  reading K/V through the page table. So is "cuda" where a contiguous call of the same shape
+  runs the CUDA decode kernel, ``T * (N / K) <= 64`` packed query rows per kv head; with more
+  (chunked prefill) the pages are gathered into a contiguous cache (an extra copy of the
+  batch's K/V in temporary memory) for the tiled forward, which reads K/V once per 128 query
+  rows where the decode kernel's 16-row tiles would read them once per tile
+  (``jax_flash._decode.cuda_paged_route``; ``JAX_FLASH_CUDA_DECODE=tiled`` gathers for every
+  shape). The kernels have no derivative: differentiating the call raises
+  ``NotImplementedError`` ("xla" differentiates). Under ``vmap`` the kernels run once per
+  mapped element.
   """
   query, key_pages, value_pages = (jnp.asarray(x) for x in (query, key_pages, value_pages))
   page_table, kv_lengths = jnp.asarray(page_table), jnp.asarray(kv_lengths)
@@ -243,6 +321,9 @@ def paged_attention(
     out, lse = _paged_xla(query, key_pages, value_pages, page_table, kv_lengths, scale=scale,
                           is_causal=bool(is_causal), window_left=window_left,
                           window_right=window_right)
+  elif implementation == "cuda" and _decode.cuda_paged_route(seq_q, heads_q, heads_k) == "gather":
+    out, lse = paged_gathered(query, key_pages, value_pages, page_table, kv_lengths, scale,
+                              bool(is_causal), window_left, window_right, implementation)
   else:
     q, kernel_scale = _ops.positive_scale(query, scale)
     pages_k, pages_v = key_pages, value_pages

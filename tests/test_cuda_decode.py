@@ -1,12 +1,15 @@
 """The CUDA split-KV decode kernel (issue 15 items 1-2 on the GPU; cuda/gpu/flash_decode_kernel.cuh),
 contiguous and paged, against the float32 reference with the rule of attention_testing (2x the
-input dtype's own error) and against the full-sequence forward at the same positions.
+input dtype's own error) and against the full-sequence forward at the same positions; and the
+paged calls past the kernel's rows (chunked prefill), which gather the pages for the tiled
+forward.
 
-The kernel runs only with JAX_FLASH_CUDA_DECODE=kernel, which jax_flash reads once at import:
-the tests that need it skip in a process without it, and test_under_the_kernel_switch runs them
-in a subprocess with it set (so on a GPU this file runs them once, in that subprocess). The
-tests without the `gpu` marker check the Python side (the switch, the split rule, the routing)
-on any machine.
+The kernel is the default on the GPU; JAX_FLASH_CUDA_DECODE=tiled or split (read once, when
+jax_flash is imported) override it for comparisons. The GPU tests run in this process under
+whichever mode it has (most call the kernel's custom calls directly, so they test it in any
+mode); test_under_the_tiled_override runs the mode-dependent ones again in a subprocess under
+"tiled". The tests without the `gpu` marker check the Python side (the mode, the split rule,
+the routing, the program traced) on any machine.
 """
 
 from __future__ import annotations
@@ -22,36 +25,44 @@ import numpy as np
 import pytest
 
 import jax_flash
-from attention_testing import (Case, assert_within_rule, random_array, reference_f32,
-                               reference_in_dtype, row_has_keys)
-from jax_flash import _decode, _paged
+from attention_testing import (Case, assert_within_rule, check_against_references, random_array,
+                               reference_f32, reference_in_dtype, row_has_keys, run_jax_flash)
+from jax_flash import _decode, _ops, _paged
 from jax_flash._reference import EMPTY_ROW_LSE
 from test_paged import CASES as PAGED_CASES
 from test_paged import PagedCase, check, contiguous
 
 F32 = jnp.float32
-needs_switch = pytest.mark.skipif(
-    not _decode.cuda_kernel_enabled(),
-    reason="needs JAX_FLASH_CUDA_DECODE=kernel at import (test_under_the_kernel_switch runs it)")
+CONSTANTS = {"decode_rows_per_cta": 16, "decode_block_n": 64, "decode_max_head_dim": 256}
 
 
 # ---------------------------------------------------------------------------------------------
 # The Python side, on any machine
 
 
-def test_switch_is_off_by_default():
-  if os.environ.get(_decode.CUDA_DECODE_VARIABLE, "tiled") != "kernel":
-    assert not _decode.cuda_kernel_enabled()
-    assert _decode.kv_splits("cuda", 64, 1, 32, 8, 8192) == 0
+def test_kernel_is_the_default():
+  if os.environ.get(_decode.CUDA_DECODE_VARIABLE, "") in ("", "kernel"):
+    assert _decode.cuda_kernel_enabled() and _decode.cuda_decode_mode() == "kernel"
 
 
-def test_switch_is_read_at_import():
-  code = "from jax_flash import _decode; print(_decode.cuda_kernel_enabled())"
-  for value, expected in (("kernel", "True"), ("split", "False"), ("", "False")):
+def test_mode_is_read_at_import():
+  """Unset, empty or "kernel": the kernel; "tiled" and "split" override it; another value warns
+  (naming the values) and means the default."""
+  code = ("import warnings; warnings.simplefilter('always')\n"
+          "from jax_flash import _decode; print(_decode.cuda_decode_mode(), "
+          "_decode.cuda_kernel_enabled())")
+  for value, expected in ((None, "kernel True"), ("", "kernel True"), ("kernel", "kernel True"),
+                          ("tiled", "tiled False"), ("split", "split False"),
+                          ("Kernel", "kernel True")):
+    env = {k: v for k, v in os.environ.items() if k != _decode.CUDA_DECODE_VARIABLE}
+    if value is not None:
+      env[_decode.CUDA_DECODE_VARIABLE] = value
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            env=dict(os.environ, JAX_FLASH_CUDA_DECODE=value), timeout=300)
+                            env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().endswith(expected), (value, result.stdout)
+    warned = "JAX_FLASH_CUDA_DECODE='Kernel' is not one of" in result.stderr
+    assert warned == (value == "Kernel"), (value, result.stderr[-2000:])
 
 
 @pytest.mark.parametrize("units, seq_k, sms, expected", [
@@ -73,49 +84,74 @@ def test_split_rule_fills_the_waves():
       assert 1 <= s <= min(_decode.MAX_SPLITS, max(1, -(-seq_k // _decode.MIN_CHUNK_KEYS)))
 
 
-def test_routing_with_the_switch(monkeypatch):
-  """With the switch, "cuda" takes the kernel for T * G <= CUDA_MAX_PACKED_ROWS (chunks from the
-  rule); without, never; "cpu" is unchanged."""
-  constants = {"decode_rows_per_cta": 16, "decode_block_n": 64, "decode_max_head_dim": 256}
-  monkeypatch.setattr(_decode, "_cuda_constant", constants.__getitem__)
+@pytest.fixture
+def cuda_constants(monkeypatch):
+  """The CUDA decode kernel's constants and an H200's SM count, on a machine without them."""
+  monkeypatch.setattr(_decode, "_cuda_constant", CONSTANTS.__getitem__)
   monkeypatch.setattr(_decode, "_cuda_sm_count", lambda: 132)
+
+
+def test_routing(cuda_constants, monkeypatch):
+  """By default "cuda" takes the kernel for T * G <= CUDA_MAX_PACKED_ROWS (chunks from the
+  rule), the tiled forward beyond; the paged route follows (gather beyond); "tiled" and "split"
+  never take it; "cpu" is unchanged."""
   monkeypatch.setattr(_decode, "_CUDA_DECODE_MODE", "kernel")
   assert _decode.kv_splits("cuda", 64, 1, 32, 8, 8192) == 1
   assert _decode.kv_splits("cuda", 1, 1, 32, 8, 8192) == 14
   assert _decode.kv_splits("cuda", 4, 4, 16, 1, 8192) >= 1  # 64 packed rows: the kernel
   assert _decode.kv_splits("cuda", 4, 5, 16, 1, 8192) == 0  # 80: the tiled forward
+  assert _decode.kv_splits("cuda", 4, 512, 32, 8, 8192) == 0  # chunked prefill
   assert _decode.kv_splits("cpu", 1, 1, 8, 2, 1000) >= 1
-  monkeypatch.setattr(_decode, "_CUDA_DECODE_MODE", "split")
-  assert _decode.kv_splits("cuda", 64, 1, 32, 8, 8192) == 0
+  for shape, route in (((1, 32, 8), "kernel"), ((4, 32, 8), "kernel"), ((16, 32, 8), "kernel"),
+                       ((17, 32, 8), "gather"), ((512, 32, 8), "gather"), ((64, 1, 1), "kernel"),
+                       ((65, 1, 1), "gather"), ((1, 128, 1), "gather")):
+    assert _decode.cuda_paged_route(*shape) == route, shape
+    assert (route == "kernel") == (_decode.kv_splits("cuda", 2, *shape, 4096) > 0), shape
+  for mode in ("tiled", "split"):
+    monkeypatch.setattr(_decode, "_CUDA_DECODE_MODE", mode)
+    assert _decode.kv_splits("cuda", 64, 1, 32, 8, 8192) == 0
+    assert _decode.cuda_paged_route(1, 32, 8) == "gather"
 
 
-def test_paged_cuda_without_the_switch_raises():
-  if _decode.cuda_kernel_enabled():
-    pytest.skip("the switch is on in this process")
-  case = PagedCase(dtype="bfloat16")
-  with pytest.raises(NotImplementedError, match="paged KV caches have no CUDA kernel"):
-    jax_flash.paged_attention(*case.inputs(), implementation="cuda")
+def test_dot_product_attention_traces_the_kernel(cuda_constants, monkeypatch):
+  """The program a decode-shaped CUDA call traces to: the decode custom call by default, the
+  tiled forward for chunked prefill and under "tiled" (traced, not run: no GPU needed)."""
+  q, k, v = (jnp.zeros((2, t, n, 128), jnp.bfloat16) for t, n in ((1, 32), (4096, 8), (4096, 8)))
+  q_big = jnp.zeros((2, 512, 32, 128), jnp.bfloat16)
+  kv_lens = jnp.asarray([4096, 100], jnp.int32)
 
+  def program(q):
+    return str(jax.make_jaxpr(lambda q, k, v: _ops.call_kernels(
+        _ops.flash_fwd, q, k, v, jnp.full((2,), q.shape[1], jnp.int32), kv_lens,
+        implementation="cuda", scale=0.1, is_causal=False))(q, k, v))
 
-def test_paged_cuda_refuses_float32(monkeypatch):
   monkeypatch.setattr(_decode, "_CUDA_DECODE_MODE", "kernel")
+  assert "jax_flash_cuda_decode" in program(q)
+  assert "jax_flash_cuda_decode" not in program(q_big) and "jax_flash_cuda_fwd" in program(q_big)
+  monkeypatch.setattr(_decode, "_CUDA_DECODE_MODE", "tiled")
+  assert "jax_flash_cuda_decode" not in program(q) and "jax_flash_cuda_fwd" in program(q)
+
+
+def test_paged_cuda_refuses_float32():
   case = PagedCase(dtype="float32")
-  with pytest.raises(NotImplementedError, match="bfloat16 or float16"):
+  with pytest.raises(NotImplementedError, match="bfloat16 or float16.*implementation='xla'"):
     jax_flash.paged_attention(*case.inputs(), implementation="cuda")
 
 
 # ---------------------------------------------------------------------------------------------
-# On the GPU, under the switch
+# On the GPU
 
 
 @pytest.mark.gpu
-def test_under_the_kernel_switch():
-  """Runs this file's kernel tests in a process with JAX_FLASH_CUDA_DECODE=kernel."""
+def test_under_the_tiled_override():
+  """The tests whose path depends on the mode, in a process with JAX_FLASH_CUDA_DECODE=tiled:
+  contiguous decode calls take the tiled forward, paged ones gather their pages for it."""
   result = subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-k",
-       "not test_under_the_kernel_switch", os.path.abspath(__file__)],
-      env=dict(os.environ, JAX_FLASH_CUDA_DECODE="kernel"), capture_output=True, text=True,
-      timeout=1800)
+       "test_dot_product_attention_routes or test_paged_matches_the_reference or "
+       "test_reached_bad_entry or test_decode_step_equals", os.path.abspath(__file__)],
+      env=dict(os.environ, JAX_FLASH_CUDA_DECODE="tiled"), capture_output=True, text=True,
+      timeout=1200)
   assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
   assert " passed" in result.stdout and " skipped" not in result.stdout, result.stdout[-3000:]
 
@@ -179,7 +215,6 @@ def _check_contiguous(case: Case, o, lse) -> None:
 
 
 @pytest.mark.gpu
-@needs_switch
 @pytest.mark.parametrize("splits", [1, 3, 17])
 @pytest.mark.parametrize("case", CONTIGUOUS, ids=lambda c: c.id)
 def test_contiguous_matches_the_reference(case, splits):
@@ -189,29 +224,68 @@ def test_contiguous_matches_the_reference(case, splits):
 
 
 @pytest.mark.gpu
-@needs_switch
 @pytest.mark.parametrize("case", CONTIGUOUS[:4], ids=lambda c: c.id)
 def test_dot_product_attention_routes_to_the_kernel(case):
-  """dot_product_attention(implementation="cuda") on a decode shape calls the kernel (this needs
-  jax_flash/_ops.py to take _decode.kv_splits for "cuda" under the switch) and matches."""
+  """dot_product_attention(implementation="cuda") on a decode shape calls the kernel by default
+  (the tiled forward under JAX_FLASH_CUDA_DECODE=tiled) and matches the reference."""
   q, k, v, _ = case.inputs()
   call = jax.jit(lambda q, k, v: jax_flash.dot_product_attention(
       q, k, v, implementation="cuda", return_residual=True, **case.options()))
   text = call.lower(q, k, v).as_text()
-  assert "jax_flash_cuda_decode" in text, (
-      "jax_flash._ops does not route CUDA decode calls to _decode.kv_splits/decode_fwd under "
-      "JAX_FLASH_CUDA_DECODE=kernel (cuda/PERF_NOTES.md v7 has the change)")
+  if _decode.cuda_kernel_enabled():
+    assert "jax_flash_cuda_decode" in text
+  else:
+    assert "jax_flash_cuda_decode" not in text
+  if _decode.cuda_decode_mode() == "tiled":
+    assert "jax_flash_cuda_fwd" in text
   o, lse = call(q, k, v)
   _check_contiguous(case, o, np.swapaxes(np.asarray(lse), -1, -2))
 
 
 @pytest.mark.gpu
-@needs_switch
+def test_default_picks_the_kernel_on_the_gpu():
+  """implementation=None on a GPU: bf16/f16 decode calls and paged calls take the decode kernel;
+  float32 takes the blockwise path as before (no custom call), paged float32 raises."""
+  if not _decode.cuda_kernel_enabled():
+    pytest.skip(f"JAX_FLASH_CUDA_DECODE={_decode.cuda_decode_mode()} in this process")
+  case = CONTIGUOUS[0]
+  q, k, v, _ = case.inputs()
+  text = jax.jit(lambda q, k, v: jax_flash.dot_product_attention(q, k, v)).lower(q, k, v).as_text()
+  assert "jax_flash_cuda_decode" in text
+  q32, k32, v32 = (x.astype(F32) for x in (q, k, v))
+  text = jax.jit(lambda q, k, v: jax_flash.dot_product_attention(q, k, v)).lower(
+      q32, k32, v32).as_text()
+  assert "jax_flash_cuda" not in text
+  paged = PagedCase(dtype="bfloat16")
+  text = jax.jit(lambda *a: jax_flash.paged_attention(*a)).lower(*paged.inputs()).as_text()
+  assert "jax_flash_cuda_paged" in text
+  chunk = PagedCase(seq_q=40, kv_lens=(128, 50), dtype="bfloat16")  # 160 packed rows
+  text = jax.jit(lambda *a: jax_flash.paged_attention(*a)).lower(*chunk.inputs()).as_text()
+  assert "jax_flash_cuda_paged" not in text and "jax_flash_cuda_fwd" in text
+  with pytest.raises(NotImplementedError, match="bfloat16 or float16"):
+    jax_flash.paged_attention(*PagedCase(dtype="float32").inputs())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    C(batch=3, seq_q=1, seq_k=700, heads_q=8, heads_k=2, head_dim=128, dtype="bfloat16",
+      kv_lens=(700, 0, 129)),
+    C(batch=2, seq_q=4, seq_k=1000, heads_q=8, heads_k=2, head_dim=64, dtype="float16",
+      local_window_size=(300, 2), kv_lens=(900, 1000)),
+], ids=lambda c: c.id)
+def test_decode_call_gradients(case):
+  """A decode-shaped call differentiated: the kernel's forward (o, lse: the residuals) and the
+  tiled backward, within the rule of the references (out, lse, dq, dk, dv)."""
+  check_against_references(case, run_jax_flash(case, "cuda"))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("heads", [(8, 2), (4, 1), (4, 4)], ids=["gqa", "mqa", "mha"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_decode_step_equals_the_full_forward(heads, dtype):
-  """Rows p (T = 1) and p-3..p (T = 4) of the CUDA tiled causal forward == a bottom-right
-  causal paged step at kv length p + 1 (same keys, paged and contiguous)."""
+  """Rows p (T = 1), p-3..p (T = 4) and p-79..p (T = 80, gathered) of the CUDA tiled causal
+  forward == a bottom-right causal paged step at kv length p + 1 (same keys, paged and
+  contiguous)."""
   heads_q, heads_k = heads
   case = PagedCase(batch=2, heads_q=heads_q, heads_k=heads_k, head_dim=128, page_size=16,
                    pages_per_seq=32, kv_lens=(512, 512), dtype=dtype)
@@ -229,6 +303,9 @@ def test_decode_step_equals_the_full_forward(heads, dtype):
                                full[:, p], atol=atol)
     np.testing.assert_allclose(np.asarray(step(q_full[:, p - 3:p + 1], lens), np.float32),
                                full[:, p - 3:p + 1], atol=atol)
+    if p >= 79:  # a chunk of 80 rows (80 x G packed rows): the pages gathered, tiled forward
+      np.testing.assert_allclose(np.asarray(step(q_full[:, p - 79:p + 1], lens), np.float32),
+                                 full[:, p - 79:p + 1], atol=atol)
 
 
 def _half(case: PagedCase) -> PagedCase:
@@ -236,18 +313,23 @@ def _half(case: PagedCase) -> PagedCase:
 
 
 @pytest.mark.gpu
-@needs_switch
 @pytest.mark.parametrize("case", [_half(c) for c in PAGED_CASES], ids=lambda c: f"{c}"[10:80])
 def test_paged_matches_the_reference(case):
-  out, lse = jax.jit(lambda *a: jax_flash.paged_attention(
-      *a, implementation="cuda", return_residual=True, **case.options()))(*case.inputs())
+  """Every paged case of tests/test_paged.py in 16 bits: the kernel up to 64 packed rows, the
+  pages gathered for the tiled forward beyond (GATHER_CASES; every shape under "tiled")."""
+  call = jax.jit(lambda *a: jax_flash.paged_attention(
+      *a, implementation="cuda", return_residual=True, **case.options()))
+  text = call.lower(*case.inputs()).as_text()
+  kernel = _decode.cuda_paged_route(case.seq_q, case.heads_q, case.heads_k) == "kernel"
+  assert ("jax_flash_cuda_paged" in text) == kernel
+  assert ("jax_flash_cuda_fwd" in text) == (not kernel)
+  out, lse = call(*case.inputs())
   assert out.dtype == jnp.dtype(case.dtype) and out.shape == (case.batch, case.seq_q,
                                                                case.heads_q, case.head_dim)
   check(case, out, lse)
 
 
 @pytest.mark.gpu
-@needs_switch
 def test_paged_equals_contiguous():
   """The same keys paged or contiguous (page sizes 16, 1 and 100): the same kernel, the same
   chunks, the same results."""
@@ -266,13 +348,15 @@ def test_paged_equals_contiguous():
 
 
 @pytest.mark.gpu
-@needs_switch
+@pytest.mark.parametrize("seq_q", [1, 40], ids=["kernel", "gathered"])
 @pytest.mark.parametrize("entry", [-1, 21, 2**31 - 1])
-def test_reached_bad_entry_gives_nan_for_that_sequence(entry):
-  """The table is device memory: the kernel cannot refuse the call, so (as "xla") the sequence
-  that reaches a bad entry is NaN, the others are untouched; nothing outside the pools is read
-  (compute-sanitizer: .ci/gpu/sanitize_decode.py)."""
-  case = PagedCase(kv_lens=(128, 50), extra_pages=5, dtype="bfloat16")  # 21 pages
+def test_reached_bad_entry_gives_nan_for_that_sequence(entry, seq_q):
+  """The table is device memory: neither the kernel nor the gathered path (T = 40: 160 packed
+  rows) can refuse the call, so (as "xla") the sequence that reaches a bad entry is NaN, the
+  others are untouched; nothing outside the pools is read (compute-sanitizer:
+  .ci/gpu/sanitize_decode.py)."""
+  case = PagedCase(seq_q=seq_q, kv_lens=(128, 50), extra_pages=5, dtype="bfloat16",
+                   is_causal=True)  # 21 pages
   q, kp, vp, table, lens = case.inputs()
   base_out, base_lse = jax_flash.paged_attention(q, kp, vp, table, lens, implementation="cuda",
                                                  return_residual=True)
@@ -284,7 +368,6 @@ def test_reached_bad_entry_gives_nan_for_that_sequence(entry):
 
 
 @pytest.mark.gpu
-@needs_switch
 @pytest.mark.parametrize("splits", [1, 4])
 def test_nan_propagates(splits):
   """A NaN a row sees makes the row NaN through its chunk and the combine; another sequence and
@@ -304,7 +387,6 @@ def test_nan_propagates(splits):
 
 
 @pytest.mark.gpu
-@needs_switch
 def test_workspaces_and_graph_capture():
   """The split workspaces are outputs of the call (no hidden allocation), and a jitted loop of
   decode calls (which XLA may capture into a CUDA graph) gives the single call's result."""

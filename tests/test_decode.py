@@ -65,12 +65,14 @@ def test_decode_matches_the_reference(case):
 def test_the_rule():
   block_q = jax_flash._registry.KERNEL_CONSTANTS["cpu_block_q"]
   assert block_q == _decode.block_q() == 64
-  # T * group <= 64: the decode kernel; above, the tiled forward; never on CUDA.
+  # T * group <= 64: the decode kernel; above, the tiled forward (CUDA's rule and its chunks:
+  # tests/test_cuda_decode.py).
   assert _decode.kv_splits("cpu", 64, 1, 32, 8, 8192) >= 1
   assert _decode.kv_splits("cpu", 4, 16, 32, 8, 8192) >= 1  # 16 x 4 = 64 rows
   assert _decode.kv_splits("cpu", 4, 17, 32, 8, 8192) == 0
   assert _decode.kv_splits("cpu", 4, 512, 32, 8, 8192) == 0  # chunked prefill: tiled
-  assert _decode.kv_splits("cuda", 64, 1, 32, 8, 8192) == 0
+  assert _decode.kv_splits("cuda", 4, 512, 32, 8, 8192) == 0
+  assert _decode.kv_splits("blockwise", 64, 1, 32, 8, 8192) == 0
   # Chunks: cover the cores twice, at least MIN_CHUNK_KEYS keys each, at most MAX_SPLITS.
   assert _decode.kv_splits("cpu", 1, 1, 8, 1, 8192, cores=16) == 32
   assert _decode.kv_splits("cpu", 1, 1, 8, 1, 1000, cores=16) == 4  # ceil(1000 / 256)

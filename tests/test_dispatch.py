@@ -19,7 +19,8 @@ from jax_flash._reference import EMPTY_ROW_LSE
 from attention_testing import random_array, reference_f32
 
 F32, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
-FAKE_CUDA_CONSTANTS = dict(head_dim_multiple=8, max_head_dim=256)
+FAKE_CUDA_CONSTANTS = dict(head_dim_multiple=8, max_head_dim=256, decode_rows_per_cta=16,
+                           decode_block_n=64, decode_max_head_dim=256)
 
 
 @pytest.fixture

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 import jax_flash
 from attention_testing import HIGHEST, assert_within_rule, random_array
+from jax_flash import _paged
 from jax_flash._reference import EMPTY_ROW_LSE
 
 F32 = jnp.float32
@@ -143,6 +144,21 @@ CASES = [
     # Lengths past the capacity mean all of it; negative ones none.
     P(batch=2, seq_q=2, kv_lens=(1000, -5), is_causal=True),
 ]
+# More than 64 packed rows per kv head (T * N / K): on CUDA the pages are gathered for the tiled
+# forward (jax_flash._decode.cuda_paged_route); masks of every kind, lengths below T, empty and
+# over-long sequences.
+GATHER_CASES = [
+    P(batch=3, seq_q=70, heads_q=4, heads_k=4, head_dim=64, page_size=16, pages_per_seq=10,
+      kv_lens=(160, 30, 0), is_causal=True),
+    P(batch=2, seq_q=33, heads_q=8, heads_k=2, head_dim=128, page_size=64, pages_per_seq=4,
+      kv_lens=(256, 100), local_window_size=(40, 3)),
+    P(batch=2, seq_q=20, heads_q=16, heads_k=4, head_dim=80, page_size=1, pages_per_seq=300,
+      kv_lens=(300, 250), is_causal=True, local_window_size=(50, 0), dtype="bfloat16"),
+    P(batch=2, seq_q=65, heads_q=2, heads_k=2, head_dim=40, page_size=100, pages_per_seq=5,
+      kv_lens=(500, 20), dtype="float16"),
+    P(batch=2, seq_q=66, heads_q=1, heads_k=1, kv_lens=(1000, -5), is_causal=True),
+]
+CASES += GATHER_CASES
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c}"[10:80])
@@ -219,12 +235,83 @@ def test_forward_only():
   assert np.all(np.isfinite(g))
 
 
-def test_no_cuda_kernel_yet():
+def test_cuda_where_it_cannot_run():
+  """float32 on "cuda" names the dtypes and "xla"; without CUDA kernels or a GPU, "cuda" says
+  so (on a GPU machine with the kernels it runs: tests/test_cuda_decode.py)."""
   q, kp, vp, table, lens = P().inputs()
-  with pytest.raises(NotImplementedError, match="no CUDA kernel yet|implementation='xla'"):
+  with pytest.raises(NotImplementedError, match="bfloat16 or float16.*implementation='xla'"):
     jax_flash.paged_attention(q, kp, vp, table, lens, implementation="cuda")
+  if not (jax_flash.has_platform("cuda") and jax_flash._registry.cuda_gpu_present()):
+    half = P(dtype="bfloat16").inputs()
+    with pytest.raises(ValueError, match="implementation='cuda' was requested but"):
+      jax_flash.paged_attention(*half, implementation="cuda")
   with pytest.raises(ValueError, match="implementation must be one of"):
     jax_flash.paged_attention(q, kp, vp, table, lens, implementation="blockwise")
+
+
+def gathered(case: PagedCase, implementation: str = "cpu", table=None):
+  """(out, lse (B, T, N)) of the gathered path (pages gathered in reverse, the tiled forward of
+  `implementation`), with paged_attention's preparation of the arguments."""
+  q, kp, vp, case_table, lens = case.inputs()
+  table = case_table if table is None else table
+  w = case.local_window_size
+  left, right = (-1, -1) if w is None else ((w, w) if isinstance(w, int) else w)
+  reach = case.seq_q + case.seq_k
+  left, right = (min(x, reach) if x >= 0 else x for x in (left, right))
+  lens = jnp.clip(lens, 0, case.seq_k)
+  out, lse = jax.jit(lambda *a: _paged.paged_gathered(
+      *a, 1 / np.sqrt(case.head_dim), case.is_causal, left, right, implementation))(
+          q, kp, vp, table, lens)
+  return out, jnp.swapaxes(lse, -1, -2)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c}"[10:80])
+def test_gathered_path_matches_the_reference(case):
+  """The pages gathered in reverse order for the tiled forward (CUDA's chunked-prefill path) on
+  the CPU kernel: the paged call's results for every case (tiled kernel past 64 packed rows,
+  the decode kernel below)."""
+  out, lse = gathered(case)
+  assert out.dtype == jnp.dtype(case.dtype) and out.shape == (case.batch, case.seq_q,
+                                                               case.heads_q, case.head_dim)
+  check(case, out, lse)
+
+
+@pytest.mark.parametrize("is_causal, window, expected", [
+    (False, (-1, -1), None),
+    (True, (-1, -1), (0, -1)),
+    (False, (40, 3), (3, 40)),
+    (True, (40, 3), (0, 40)),
+    (True, (50, 0), (0, 50)),
+    (False, (-1, 7), (7, -1)),
+    (False, (7, -1), (-1, 7)),
+])
+def test_gathered_window(is_causal, window, expected):
+  """Bottom-right masks on reversed keys and rows: causal j <= p becomes j' >= t' (left 0), a
+  window (left, right) becomes (right, left)."""
+  assert _paged.gathered_window(is_causal, *window) == expected
+
+
+@pytest.mark.parametrize("entry", [-1, 21, 2**31 - 1])
+def test_gathered_bad_entry_gives_nan_for_that_sequence(entry):
+  """As "xla" and the CUDA kernel: the sequence that reaches a bad entry is NaN (out and lse),
+  the other one is what it was; an entry past the length changes nothing."""
+  case = P(batch=2, seq_q=40, kv_lens=(128, 50), extra_pages=5, is_causal=True)  # 21 pages
+  _, _, _, table, _ = case.inputs()
+  base_out, base_lse = gathered(case)
+  out, lse = gathered(case, table=table.at[1, 3].set(entry))
+  assert np.all(np.isnan(out[1])) and np.all(np.isnan(lse[1]))
+  np.testing.assert_array_equal(out[0], base_out[0])
+  np.testing.assert_array_equal(lse[0], base_lse[0])
+  out, lse = gathered(case, table=table.at[1, 4:].set(entry))  # past 50 keys: never read
+  np.testing.assert_array_equal(out, base_out)
+
+
+def test_gathered_path_is_forward_only():
+  case = P(seq_q=40, is_causal=True)
+  q, kp, vp, table, lens = case.inputs()
+  with pytest.raises(NotImplementedError, match="forward only"):
+    jax.grad(lambda q: _paged.paged_gathered(q, kp, vp, table, lens, 0.125, True, -1, -1,
+                                             "cpu")[0].sum())(q)
 
 
 def test_vmap_and_scale():

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jax_flash import _ops, _split_kv
+from jax_flash import _decode, _ops, _split_kv
 from jax_flash._reference import EMPTY_ROW_LSE
 
 
@@ -101,10 +101,12 @@ def test_the_rule():
 
 def test_cuda_calls_take_it_where_the_rule_says(monkeypatch):
   """The CUDA wiring, traced without a GPU: off unless asked for, then the rule's chunk count and
-  the program's shapes."""
+  the program's shapes (the program around the tiled forward, not the CUDA decode kernel that
+  runs by default)."""
   monkeypatch.delenv("JAX_FLASH_CUDA_DECODE", raising=False)
   assert _ops.cuda_kv_splits(2, 1, 32, 8, 8192, False, -1, -1) == 0
   monkeypatch.setenv("JAX_FLASH_CUDA_DECODE", "split")
+  monkeypatch.setattr(_decode, "_CUDA_DECODE_MODE", "split")  # as if read at import
   assert _ops.cuda_kv_splits(64, 1, 32, 8, 8192, False, -1, -1) == 1
   assert _ops.cuda_kv_splits(2, 1, 32, 8, 8192, False, -1, -1) >= 2
   assert _ops.cuda_kv_splits(2, 1, 32, 8, 8192, True, -1, -1) == 0
@@ -115,3 +117,5 @@ def test_cuda_calls_take_it_where_the_rule_says(monkeypatch):
   o, lse = jax.eval_shape(lambda *a: _ops._flash_fwd(*a, config), q, k, v, *lens)
   assert (o.shape, o.dtype) == (q.shape, jnp.bfloat16)
   assert (lse.shape, lse.dtype) == ((2, 8, 3), jnp.float32)
+  program = str(jax.make_jaxpr(lambda *a: _ops._flash_fwd(*a, config))(q, k, v, *lens))
+  assert "jax_flash_cuda_fwd" in program and "jax_flash_cuda_decode" not in program
