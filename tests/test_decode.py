@@ -275,16 +275,25 @@ def test_bf16_dk_of_a_short_causal_decode(seq_k, heads, head_dim, seed):
 
 def test_benchmark_decode_preset(tmp_path, capsys):
   """python -m jax_flash.benchmark --preset decode: every case of the issue, contiguous and
-  paged, jax_flash and XLA measured (tiny here: --decode-reduce 64)."""
+  paged, and the ragged batch beside its all-full twin, jax_flash and XLA measured with the kv
+  lengths (tiny here: --decode-reduce 64)."""
   import json
 
   from jax_flash import benchmark
-  from jax_flash.benchmark.cases import DECODE_SHAPES
+  from jax_flash.benchmark.cases import DECODE_RAGGED_SHAPES, DECODE_SHAPES
 
   assert benchmark.main(["--platform", "cpu", "--preset", "decode", "--decode-reduce", "64",
                          "--reps", "1", "--out", str(tmp_path)]) == 0
   records = json.loads((tmp_path / "results.json").read_text())["measurements"]
-  assert len(records) == 2 * 2 * len(DECODE_SHAPES)
+  assert len(records) == 2 * 2 * (len(DECODE_SHAPES) + len(DECODE_RAGGED_SHAPES))
   assert all(r["status"] == "ok" for r in records), [r for r in records if r["status"] != "ok"]
+  ragged = [r for r in records if "(half" in r["case"]]
+  assert ragged and all(r["kv_lengths"] == [256, 32] for r in ragged), ragged
   table = capsys.readouterr().out
-  assert "B1 T1 32/8 S256 hd128 paged" in table and "B1 T512 32/8 S256 hd128 contiguous" in table
+  assert "B2 T1 32/8 S256 hd128 paged" in table and "B1 T512 32/8 S256 hd128 contiguous" in table
+  assert "| B2 T1 32/8 S256 (half 32) hd128 paged |" in table
+  assert "- B2 T1 32/8 S256 (half 32) hd128 contiguous against all at S256: jax_flash " in table
+  assert benchmark.main(["--platform", "cpu", "--preset", "decode", "--decode-reduce", "64",
+                         "--reps", "1", "--cases", "T4 .* paged"]) == 0
+  table = capsys.readouterr().out
+  assert table.count("| B1 T") == 1 and "| B1 T4 32/8 S256 hd128 paged |" in table

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 from collections.abc import Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -90,15 +91,20 @@ DECODE_SHAPES = (
     (32, 4, 32, 8, 8192, 128),
     (4, 512, 32, 8, 8192, 128),  # chunked prefill
 )
+# Shapes also run as a ragged batch (issue 15: time in proportion to the tokens read): every
+# other sequence at the full cache length, the rest at 1 / DECODE_SHORT_FRACTION of it.
+DECODE_RAGGED_SHAPES = ((64, 1, 32, 8, 8192, 128),)
+DECODE_SHORT_FRACTION = 8
 DECODE_PAGE_SIZE = 16
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeCase:
   """One decode step: query (B, T, N, H) over a cache of S keys per sequence, (B, S, K, H)
-  contiguous or in pages of `page_size` (a random page table). Every sequence holds S keys;
-  paged calls are causal (the T queries are the last T tokens), contiguous ones attend the
-  whole cache."""
+  contiguous or in pages of `page_size` (a random page table). Every sequence holds S keys, or
+  with `ragged` every other one S // DECODE_SHORT_FRACTION (the kv lengths say so to every
+  peer); paged calls are causal (the T queries are the last T tokens), contiguous ones attend
+  the whole cache up to each length."""
 
   batch: int
   seq_q: int
@@ -109,43 +115,81 @@ class DecodeCase:
   dtype: str
   paged: bool
   page_size: int = DECODE_PAGE_SIZE
+  ragged: bool = False
 
   @property
   def label(self) -> str:
-    return (f"B{self.batch} T{self.seq_q} {self.heads_q}/{self.heads_k} S{self.seq_k} "
+    keys = f"S{self.seq_k}" + (f" (half {self.short_seq_k})" if self.ragged else "")
+    return (f"B{self.batch} T{self.seq_q} {self.heads_q}/{self.heads_k} {keys} "
             f"hd{self.head_dim} {'paged' if self.paged else 'contiguous'}")
 
+  @property
+  def short_seq_k(self) -> int:
+    """The length of the short sequences of a ragged batch (at least 1)."""
+    return max(1, self.seq_k // DECODE_SHORT_FRACTION)
+
+  def kv_lengths(self) -> np.ndarray:
+    """(B,) int32: S for every sequence, or with `ragged` S and S / 8 alternately."""
+    lengths = np.full((self.batch,), self.seq_k, np.int32)
+    if self.ragged:
+      lengths[1::2] = self.short_seq_k
+    return lengths
+
+  def full(self) -> DecodeCase:
+    """The same case with every sequence at the full length (itself when not ragged)."""
+    return dataclasses.replace(self, ragged=False)
+
   def kv_bytes(self) -> int:
-    """Bytes of K and V a step must read at least once: what bounds decoding (memory bandwidth)."""
-    return 2 * self.batch * self.seq_k * self.heads_k * self.head_dim * jnp.dtype(self.dtype).itemsize
+    """Bytes of K and V a step must read at least once (each sequence's keys up to its length):
+    what bounds decoding (memory bandwidth)."""
+    per_key = 2 * self.heads_k * self.head_dim * jnp.dtype(self.dtype).itemsize
+    return int(self.kv_lengths().astype(np.int64).sum()) * per_key
 
   def flops(self) -> float:
-    """4 B T S N H (Q K^T and P V; no causal halving: a step's queries see nearly every key)."""
-    return 4.0 * self.batch * self.seq_q * self.seq_k * self.heads_q * self.head_dim
+    """4 T N H per key read (Q K^T and P V; no causal halving: a step's queries see nearly
+    every key)."""
+    keys = float(self.kv_lengths().astype(np.int64).sum())
+    return 4.0 * self.seq_q * keys * self.heads_q * self.head_dim
 
 
 def decode_cases(dtype: str, reduce: int = 1) -> list[DecodeCase]:
-  """DECODE_SHAPES, contiguous and paged, with batch and cache length divided by `reduce` (at
-  least 1 sequence and 256 keys; the CPU runs them reduced)."""
-  return [DecodeCase(max(1, b // reduce), t, n, k, max(256, s // reduce), h, dtype, paged)
-          for b, t, n, k, s, h in DECODE_SHAPES for paged in (False, True)]
+  """DECODE_SHAPES, contiguous and paged, each followed by its ragged twin where
+  DECODE_RAGGED_SHAPES has it, with batch and cache length divided by `reduce` (at least 1
+  sequence, 2 for a shape with a ragged twin, and 256 keys; the CPU runs them reduced)."""
+  cases = []
+  for shape in DECODE_SHAPES:
+    b, t, n, k, s, h = shape
+    has_ragged = shape in DECODE_RAGGED_SHAPES
+    batch, seq_k = max(2 if has_ragged else 1, b // reduce), max(256, s // reduce)
+    for ragged in (False, True) if has_ragged else (False,):
+      cases += [DecodeCase(batch, t, n, k, seq_k, h, dtype, paged, ragged=ragged)
+                for paged in (False, True)]
+  return cases
 
 
-def decode_inputs(case: DecodeCase, seed: int = 0) -> dict[str, np.ndarray]:
+def decode_inputs(case: DecodeCase, seed: int = 0, device=None) -> dict:
   """query, key, value (contiguous) or query, key_pages, value_pages, page_table (a random
-  permutation of exactly the pages needed), and kv_lengths (S for every sequence)."""
-  rng = np.random.default_rng(seed)
+  permutation of the pages of S keys per sequence), and kv_lengths (case.kv_lengths()): JAX
+  arrays made on `device` (the default device when None) by jax.random, so that the cache
+  (gigabytes at the GPU shapes) is not drawn and copied from the host."""
   dtype = jnp.dtype(case.dtype)
-
-  def normal(shape):
-    return rng.standard_normal(shape, np.float32).astype(dtype)
-
-  arrays = {"query": normal((case.batch, case.seq_q, case.heads_q, case.head_dim)),
-            "kv_lengths": np.full((case.batch,), case.seq_k, np.int32)}
-  if not case.paged:
-    kv = (case.batch, case.seq_k, case.heads_k, case.head_dim)
-    return {**arrays, "key": normal(kv), "value": normal(kv)}
   per_seq = -(-case.seq_k // case.page_size)
-  pages = (case.batch * per_seq, case.page_size, case.heads_k, case.head_dim)
-  table = rng.permutation(case.batch * per_seq).reshape(case.batch, per_seq).astype(np.int32)
-  return {**arrays, "key_pages": normal(pages), "value_pages": normal(pages), "page_table": table}
+  q_shape = (case.batch, case.seq_q, case.heads_q, case.head_dim)
+  kv_shape = ((case.batch * per_seq, case.page_size) if case.paged
+              else (case.batch, case.seq_k)) + (case.heads_k, case.head_dim)
+
+  @jax.jit
+  def make(key):
+    kq, kk, kv, kt = jax.random.split(key, 4)
+    arrays = {"query": jax.random.normal(kq, q_shape, dtype),
+              "kv_lengths": jnp.asarray(case.kv_lengths())}
+    names = ("key_pages", "value_pages") if case.paged else ("key", "value")
+    arrays[names[0]] = jax.random.normal(kk, kv_shape, dtype)
+    arrays[names[1]] = jax.random.normal(kv, kv_shape, dtype)
+    if case.paged:
+      table = jax.random.permutation(kt, case.batch * per_seq).astype(jnp.int32)
+      arrays["page_table"] = table.reshape(case.batch, per_seq)
+    return arrays
+
+  with jax.default_device(device):
+    return make(jax.random.key(seed))

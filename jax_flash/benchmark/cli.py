@@ -6,6 +6,8 @@ import argparse
 import dataclasses
 import os
 import pathlib
+import re
+import time
 from collections.abc import Sequence
 
 import jax
@@ -13,7 +15,8 @@ import jax.numpy as jnp
 
 import json
 
-from jax_flash.benchmark.cases import DecodeCase, decode_cases, decode_inputs
+from jax_flash.benchmark.cases import (DECODE_SHORT_FRACTION, DecodeCase, decode_cases,
+                                       decode_inputs)
 from jax_flash.benchmark.columns import HEAD_DIM_COLUMN, peak_fraction_column
 from jax_flash.benchmark.provenance import environment
 from jax_flash.benchmark.measure import (ACCELERATOR_CALLS_PER_STEP, TIME_BUDGET_S, Measurement,
@@ -91,13 +94,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       help="peers not to run, for a shorter run (their cells read "
                            f"'unavailable'); jax_flash cannot be skipped ({_peer_names()})")
   parser.add_argument("--preset", choices=("decode",),
-                      help="decode: the decoding shapes of issue 15 (B64 T1 32/8 S8192, B16 T1 "
-                           "16/16 S16384, B32 T4 32/8 S8192, B4 T512 32/8 S8192 chunked prefill; "
-                           "head dim 128), contiguous and paged, jax_flash beside XLA, forward "
-                           "only; --seqs, --head-dims, --causal and --skip do not apply")
+                      help="decode: the decoding shapes of issue 15 (B64 T1 32/8 S8192, also "
+                           "ragged: every other sequence at S/8; B16 T1 16/16 S16384, B32 T4 "
+                           "32/8 S8192, B4 T512 32/8 S8192 chunked prefill; head dim 128), "
+                           "contiguous and paged, jax_flash beside XLA (and cuDNN on a GPU), "
+                           "forward only; --seqs, --head-dims, --causal and --skip do not apply")
   parser.add_argument("--decode-reduce", type=int, metavar="N",
                       help="with --preset decode: divide batch and cache length by N (default: "
                            "8 on the cpu platform, 1 on gpu)")
+  parser.add_argument("--cases", metavar="REGEX",
+                      help="with --preset decode: only the cases whose label matches REGEX "
+                           "(re.search), e.g. 'B64 T1' or 'contiguous'")
   parser.add_argument("--out", type=pathlib.Path, metavar="DIR",
                       help="write results.json (measurements and environment), table.md and "
                            "plot.png here")
@@ -106,6 +113,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.error("--reps must be at least 1")
   if args.decode_reduce is not None and (args.preset != "decode" or args.decode_reduce < 1):
     parser.error("--decode-reduce takes a positive integer, with --preset decode")
+  if args.cases is not None:
+    if args.preset != "decode":
+      parser.error("--cases applies to --preset decode")
+    try:
+      re.compile(args.cases)
+    except re.error as e:
+      parser.error(f"--cases: {args.cases!r} is not a regular expression ({e})")
   # Flatten "--seqs 512,1024 2048" into one list.
   args.seqs = [n for group in args.seqs for n in group] if args.seqs else None
   args.head_dims = [n for group in args.head_dims for n in group] if args.head_dims else None
@@ -254,11 +268,31 @@ def _decode_row(case: DecodeCase, results: dict, copy_gb_per_s: float) -> str:
           f"{ratio('xla')} | {flash_gbs} | {share} |")
 
 
+def _ragged_lines(cases: list[DecodeCase], results: dict) -> list[str]:
+  """For each ragged case measured beside its all-full twin: how many times faster each peer ran
+  it, against the ratio of the bytes the two read (the speed-up at equal bandwidth)."""
+  lines = []
+  for case in cases:
+    full = case.full()
+    if not case.ragged or full not in results:
+      continue
+    speedups = []
+    for peer, result in results[case].items():
+      twin = results[full].get(peer)
+      if result["status"] == "ok" and twin is not None and twin["status"] == "ok":
+        speedups.append(f"{peer} {twin['median_ms'] / result['median_ms']:.2f}x")
+    ideal = full.kv_bytes() / case.kv_bytes()
+    lines.append(f"- {case.label} against all at S{case.seq_k}: {', '.join(speedups) or '-'} "
+                 f"faster; {ideal:.2f}x fewer K/V bytes (every other sequence at "
+                 f"1/{DECODE_SHORT_FRACTION} of the length)")
+  return lines
+
+
 def run_decode(platform: Platform, args: argparse.Namespace) -> int:
   """The decode preset: each case's forward step for jax_flash, XLA and (GPU, contiguous)
   cuDNN, median ms; jax_flash's K/V bytes read per second and their share of the copy bandwidth
-  measured in the same run (the roofline); a table on stdout, results.json and table.md in
-  --out."""
+  measured in the same run (the roofline); for a ragged batch, its speed-up over the all-full
+  one; a table on stdout, results.json and table.md in --out."""
   missing = no_devices(platform.device_kind)
   if missing is not None:
     log(missing)
@@ -267,6 +301,11 @@ def run_decode(platform: Platform, args: argparse.Namespace) -> int:
   reduce = args.decode_reduce or (8 if cpu else 1)
   kernel = "cpu" if cpu else "cuda"
   cases = decode_cases("float32" if cpu else "bfloat16", reduce)
+  if args.cases is not None:
+    cases = [case for case in cases if re.search(args.cases, case.label)]
+    if not cases:
+      log(f"--cases {args.cases!r} matches no case of the preset")
+      return 2
   device = jax.devices(platform.device_kind)[0]
   calls = 1 if cpu else ACCELERATOR_CALLS_PER_STEP
   copy = _copy_bandwidth(device, calls, platform.warm_up_runs, args.reps, 64 if cpu else 2048)
@@ -275,9 +314,10 @@ def run_decode(platform: Platform, args: argparse.Namespace) -> int:
             "written), measured in this run\n\n"
             "| case | jax_flash ms | cudnn ms | xla ms | cudnn / jax_flash | xla / jax_flash | "
             "jax_flash K/V GB/s | of copy bandwidth |\n|---|---|---|---|---|---|---|---|")
-  lines, records = [header], []
+  lines, records, by_case = [header], [], {}
   for index, case in enumerate(cases, 1):
-    arrays = {name: jax.device_put(x, device) for name, x in decode_inputs(case).items()}
+    start = time.perf_counter()
+    arrays = decode_inputs(case, device=device)
     results = {}
     for peer, fn in _decode_fns(case, kernel).items():
       names = list(fn.__code__.co_varnames[:fn.__code__.co_argcount])
@@ -290,14 +330,19 @@ def run_decode(platform: Platform, args: argparse.Namespace) -> int:
       except Exception as e:  # a peer that cannot run the case is a result, not a crash
         results[peer] = dict(status="fails", reason=failure_reason(e))
       records.append(dict(case=case.label, peer=peer, kv_bytes=case.kv_bytes(),
-                          flop=case.flops(), **results[peer]))
+                          flop=case.flops(), kv_lengths=case.kv_lengths().tolist(),
+                          **results[peer]))
+    del arrays  # the next case's cache replaces this one's on the device
+    by_case[case] = results
     lines.append(_decode_row(case, results, copy["gb_per_s"]))
-    log(f"[{index}/{len(cases)}] {lines[-1]}")
-  table = "\n".join(lines)
+    log(f"[{index}/{len(cases)}] {lines[-1]} ({time.perf_counter() - start:.1f} s)")
+  ragged = _ragged_lines(cases, by_case)
+  table = "\n".join(lines + ([""] + ragged if ragged else []))
   print(table)
   if args.out is not None:
     args.out.mkdir(parents=True, exist_ok=True)
-    settings = dict(preset="decode", reduce=reduce, reps=args.reps, kernel=kernel)
+    settings = dict(preset="decode", reduce=reduce, reps=args.reps, kernel=kernel,
+                    cases=args.cases)
     (args.out / "results.json").write_text(json.dumps(
         dict(environment=environment(platform), settings=settings, copy_bandwidth=copy,
              measurements=records),
