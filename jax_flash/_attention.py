@@ -7,7 +7,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_flash import _context_parallel, _derivatives, _dispatch, _ops, _sharding, _validation
+from jax_flash import (_context_parallel, _derivatives, _dispatch, _ops, _rounding, _sharding,
+                       _validation)
 from jax_flash._blockwise import blockwise_attention
 from jax_flash._dispatch import Implementation
 from jax_flash._reference import attention_reference
@@ -23,16 +24,22 @@ def _flash_attention(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segmen
 
 
 def _flash_attention_fwd(q, k, v, q_lens, kv_lens, config, segment_ids=None):
-  # The kernel writes o in float32; the caller gets it in q's dtype, the backward keeps it whole.
+  # The kernel writes o in float32 (for_backward); the caller gets it in q's dtype. The backward
+  # forms delta = rowsum(dO * O) from it at full precision (issue 13): the CPU keeps o32 whole;
+  # CUDA keeps the 16-bit o plus its int8 rounding error (1 byte an element, not 2 more).
   o32, lse = _sharding.flash_fwd(q, k, v, q_lens, kv_lens, _ops.for_backward(config),
                                  segment_ids)
-  return (o32.astype(q.dtype), lse), (q, k, v, o32, lse, q_lens, kv_lens, segment_ids)
+  if config.implementation == "cuda" and o32.dtype != q.dtype:
+    o, o_error = _rounding.split_rounding(o32, q.dtype)
+    return (o, lse), (q, k, v, o, o_error, lse, q_lens, kv_lens, segment_ids)
+  return (o32.astype(q.dtype), lse), (q, k, v, o32, None, lse, q_lens, kv_lens, segment_ids)
 
 
 def _flash_attention_bwd(config, residuals, cotangents):
-  q, k, v, o, lse, q_lens, kv_lens, segment_ids = residuals
+  q, k, v, o, o_error, lse, q_lens, kv_lens, segment_ids = residuals
   d_o, _ = cotangents  # lse leaves through stop_gradient: its cotangent is always zero
-  dq, dk, dv = _sharding.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config, segment_ids)
+  dq, dk, dv = _sharding.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config, segment_ids,
+                                   o_error)
   return dq, dk, dv, None, None, None
 
 

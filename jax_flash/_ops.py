@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash import _decode, _derivatives, _dispatch, _registry, _split_kv
+from jax_flash import _decode, _derivatives, _dispatch, _registry, _rounding, _split_kv
 from jax_flash._reference import EMPTY_ROW_LSE
 
 # At most this many float32 dQ partials: the workspace stays a small multiple of dQ however many
@@ -147,13 +147,15 @@ flash_fwd = _derivatives.first_order_only(_flash_fwd, nondiff_argnums=(5,))
 
 
 def for_backward(config: KernelConfig) -> KernelConfig:
-  """`config` for the forward of a differentiated call: on the CPU kernel its output o in
-  float32 (the residual the backward forms delta from; a no-op for float32 inputs). The CUDA
-  kernels keep o in 16 bits: their forward forms O from P rounded to 16 bits for the P V
-  product, so a float32 O is no more consistent with the backward's float32 P than a rounded
-  one, and it doubled the compiled temp memory of fwd+bwd on the H200 (257 against 130 MiB at
-  seq 4096, head dim 128): a consistent delta there needs its own design (issue 13)."""
-  return dataclasses.replace(config, o_float32=config.implementation == "cpu")
+  """`config` for the forward of a differentiated call: its output o in float32 (a no-op for
+  float32 inputs), so that the backward forms delta = rowsum(dO * O) from O at full precision
+  and not from O rounded to 16 bits (issue 13: that rounding cost dq/dk their accuracy on peaked
+  softmaxes). The CPU backward takes that o as it is; on CUDA dot_product_attention keeps the
+  16-bit o and its int8 rounding error instead (jax_flash._rounding: 3 bytes an element, not 4).
+  The CUDA decode kernel writes o like q only: its calls keep the 16-bit o."""
+  if config.implementation == "cuda" and config.kv_splits and _decode.cuda_kernel_enabled():
+    return config
+  return dataclasses.replace(config, o_float32=True)
 
 
 def dq_splits(batch: int, heads_k: int, seq_k: int) -> int:
@@ -169,11 +171,16 @@ def dq_splits(batch: int, heads_k: int, seq_k: int) -> int:
   return max(1, wanted)
 
 
-def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig, segment_ids=None):
+def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig, segment_ids=None,
+               o_error=None):
   """Returns (dq, dk, dv); the kernel's workspaces come back as extra outputs and are dropped:
   delta (..., N, T) float32, and the float32 dQ accumulator, flat, of the size the native
   module gives (on the CPU one partial per dQ split; on CUDA one like q, none in deterministic
-  mode)."""
+  mode). `o_error`: None, or the int8 rounding error of a 16-bit o
+  (jax_flash._rounding.split_rounding), from which the CUDA kernel forms delta at about float32
+  precision (the CPU kernel gets o joined back into float32)."""
+  if o_error is not None and config.implementation != "cuda":
+    o, o_error = _rounding.join_rounding(o, o_error), None
   *batch, seq_q, heads_q, head_dim = q.shape
   seq_k, heads_k = k.shape[-3], k.shape[-2]
   batch_size = math.prod(batch)
@@ -198,7 +205,11 @@ def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig, segm
       vmap_method="broadcast_all",
   )
   ids, id_attributes = _segment_operands(config, segment_ids)
-  dq, dk, dv, _, _ = call(q, k, v, o, lse, d_o, q_lens, kv_lens, *ids, **attributes,
+  # The CUDA backward's last operand: o_error, or an int8 placeholder with no elements.
+  error = ()
+  if config.implementation == "cuda":
+    error = (jnp.zeros((0,), jnp.int8) if o_error is None else o_error,)
+  dq, dk, dv, _, _ = call(q, k, v, o, lse, d_o, q_lens, kv_lens, *ids, *error, **attributes,
                           **id_attributes, **_soft_cap_attribute(config))
   return dq, dk, dv
 

@@ -35,7 +35,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_flash import _context_parallel, _derivatives, _ops
+from jax_flash import _context_parallel, _derivatives, _ops, _rounding
 
 # Factors: b batch, t query positions, s key positions, n query heads, k kv heads, h head dim.
 # The head factors are independent: the partition callback below keeps them consistent (a
@@ -47,6 +47,10 @@ _BWD_RULE = ("b t n h, b s k h, b s k h, b t n h, b n t, b t n h, b, b "
 _IDS_RULE = ", b t, b s"
 _FWD_IDS_RULE = _FWD_RULE.replace(" ->", _IDS_RULE + " ->")
 _BWD_IDS_RULE = _BWD_RULE.replace(" ->", _IDS_RULE + " ->")
+# The backward with o's int8 rounding error (CUDA; jax_flash._rounding) after the lengths,
+# before any ids.
+_BWD_ERROR_RULE = _BWD_RULE.replace(" ->", ", b t n h ->")
+_BWD_ERROR_IDS_RULE = _BWD_ERROR_RULE.replace(" ->", _IDS_RULE + " ->")
 # Kept whole: the head dim.
 _WHOLE_FACTORS = ("h",)
 
@@ -143,31 +147,42 @@ def _fwd_infer(config, mesh, arg_shapes, result_shape):
   return q_rows, lse
 
 
-def _bwd_impl(q, k, v, o, lse, d_o, q_lens, kv_lens, *ids_and_config):
-  *ids, config = ids_and_config
-  return _ops.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config,
-                        tuple(ids) if ids else None)
+def _bwd_extras(extras) -> tuple:
+  """(o_error or None, segment ids or None) from the backward's operands after the lengths:
+  o_error alone, the ids as a pair, or o_error then the ids."""
+  o_error = extras[0] if len(extras) % 2 else None
+  ids = tuple(extras[len(extras) % 2:])
+  return o_error, ids or None
+
+
+def _bwd_impl(q, k, v, o, lse, d_o, q_lens, kv_lens, *extras_and_config):
+  *extras, config = extras_and_config
+  o_error, ids = _bwd_extras(extras)
+  return _ops.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config, ids, o_error)
 
 
 def _bwd_partition(config, mesh, arg_shapes, result_shape):
   plan = _plan(mesh, arg_shapes, config)
   q_rows, kv_rows, lse, lens = _shardings(mesh, plan)
+  errors = (len(arg_shapes) - 8) % 2  # an o_error operand (after the lengths), or none
 
-  def lower(q, k, v, o, lse, d_o, q_lens, kv_lens, *ids):
+  def lower(q, k, v, o, lse, d_o, q_lens, kv_lens, *extras):
     if plan.seq is not None:
+      o_error, ids = _bwd_extras(extras)
+      if o_error is not None:  # the strategies take o whole, in float32
+        o = _rounding.join_rounding(o, o_error)
       dq, dk, dv = _context_parallel.sharded_bwd(plan.strategy, q, k, v, o, lse, d_o, q_lens,
-                                                 kv_lens, config, tuple(ids) or None,
-                                                 axis_name=plan.seq)
+                                                 kv_lens, config, ids, axis_name=plan.seq)
     else:
-      dq, dk, dv = _bwd_impl(q, k, v, o, lse, d_o, q_lens, kv_lens, *ids, config)
+      dq, dk, dv = _bwd_impl(q, k, v, o, lse, d_o, q_lens, kv_lens, *extras, config)
     if plan.q_heads is not None and plan.kv_heads is None:
       # One kv head, query heads split: each device holds the dK/dV of its query heads only.
       dk, dv = jax.lax.psum((dk, dv), plan.q_heads)
     return dq, dk, dv
 
   return (mesh, lower, (q_rows, kv_rows, kv_rows),
-          (q_rows, kv_rows, kv_rows, q_rows, lse, q_rows, lens, lens,
-           *_ids_shardings(mesh, plan, arg_shapes, 8)))
+          (q_rows, kv_rows, kv_rows, q_rows, lse, q_rows, lens, lens, *(q_rows,) * errors,
+           *_ids_shardings(mesh, plan, arg_shapes, 8 + errors)))
 
 
 def _bwd_infer(config, mesh, arg_shapes, result_shape):
@@ -189,6 +204,10 @@ _partitioned_bwd = _partitioned(_bwd_impl, 8, _BWD_RULE, _bwd_partition, _bwd_in
 # The same ops with segment ids (q_ids, kv_ids) after the lengths.
 _partitioned_fwd_ids = _partitioned(_fwd_impl, 7, _FWD_IDS_RULE, _fwd_partition, _fwd_infer)
 _partitioned_bwd_ids = _partitioned(_bwd_impl, 10, _BWD_IDS_RULE, _bwd_partition, _bwd_infer)
+# The backward with o_error (CUDA), without and with ids.
+_partitioned_bwd_error = _partitioned(_bwd_impl, 9, _BWD_ERROR_RULE, _bwd_partition, _bwd_infer)
+_partitioned_bwd_error_ids = _partitioned(_bwd_impl, 11, _BWD_ERROR_IDS_RULE, _bwd_partition,
+                                          _bwd_infer)
 
 
 def _fold_into_batch(axis_size: int, in_batched, args):
@@ -232,9 +251,13 @@ def flash_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=N
 
 
 def flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelConfig,
-              segment_ids=None):
-  """(dq, dk, dv) of the backward kernels; partitions and vmaps like flash_fwd."""
-  if segment_ids is None:
-    return _batched_op(_partitioned_bwd, config)(q, k, v, o, lse, d_o, q_lens, kv_lens)
-  return _batched_op(_partitioned_bwd_ids, config)(q, k, v, o, lse, d_o, q_lens, kv_lens,
-                                                   *segment_ids)
+              segment_ids=None, o_error=None):
+  """(dq, dk, dv) of the backward kernels; partitions and vmaps like flash_fwd. `o_error`:
+  None, or the int8 rounding error of a 16-bit o (CUDA; jax_flash._rounding)."""
+  operands = (q, k, v, o, lse, d_o, q_lens, kv_lens)
+  if o_error is not None:
+    operands += (o_error,)
+  op = {(False, False): _partitioned_bwd, (False, True): _partitioned_bwd_ids,
+        (True, False): _partitioned_bwd_error, (True, True): _partitioned_bwd_error_ids}[
+            (o_error is not None, segment_ids is not None)]
+  return _batched_op(op, config)(*operands, *(segment_ids or ()))

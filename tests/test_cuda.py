@@ -123,6 +123,30 @@ def test_deterministic_matches_reference(case):
   check_against_references(case, got)
 
 
+def test_backward_forms_delta_from_o_and_its_rounding_error():
+  """A differentiated 16-bit call keeps the 16-bit o plus its int8 rounding error for the
+  backward (jax_flash._rounding; issue 13 item 2), and the step-by-step result equals the
+  backward given o in float32 (what the prepare kernel decodes it to, to float32 rounding)."""
+  import jax_flash
+  from jax_flash import _ops, _rounding
+  rng = np.random.default_rng(5)
+  q, k, v, d_o = (jnp.asarray(2 * rng.standard_normal((2, 96, 4, 64)), jnp.bfloat16) for _ in range(4))
+  loss = lambda q: (jax_flash.dot_product_attention(q, k, v, implementation="cuda")
+                    .astype(jnp.float32) * d_o.astype(jnp.float32)).sum()
+  hlo = jax.jit(jax.grad(loss)).lower(q).as_text()
+  backward = [line for line in hlo.splitlines() if "jax_flash_cuda_bwd" in line]
+  assert backward and all("tensor<2x96x4x64xi8>" in line for line in backward), backward
+  config = _ops.KernelConfig("cuda", 0.125, False, -1, -1)
+  lens = jnp.full((2,), 96, jnp.int32)
+  o32, lse = _ops.flash_fwd(q, k, v, lens, lens, _ops.for_backward(config))
+  o, o_error = _rounding.split_rounding(o32, jnp.bfloat16)
+  got = _ops.flash_bwd(q, k, v, o, lse, d_o, lens, lens, config, None, o_error)
+  want = _ops.flash_bwd(q, k, v, _rounding.join_rounding(o, o_error), lse, d_o, lens, lens, config)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=2e-2,
+                               atol=2e-2)
+
+
 def test_deterministic_is_bit_identical():
   case = C(batch=2, seq_q=1024, seq_k=1024, heads_q=8, heads_k=2, head_dim=128,
            dtype="bfloat16", is_causal=True)

@@ -40,10 +40,13 @@ def dq_accum_elements(deterministic: bool) -> int:
   return _registry.cuda_dq_accum_elements(B, T, N, H, deterministic)
 
 
-def valid_bwd(dtype: str = "bfloat16", deterministic: bool = False) -> Call:
+def valid_bwd(dtype: str = "bfloat16", deterministic: bool = False, o_error: bool = False) -> Call:
+  """With `o_error`, o's int8 rounding error beside it (jax_flash._rounding); else the empty
+  placeholder."""
   return Call("jax_flash_cuda_bwd",
               dict(q=(Q, dtype), k=(KV, dtype), v=(KV, dtype), o=(Q, dtype), lse=(ROWS, "float32"),
-                   do=(Q, dtype), q_lens=((B,), "int32"), kv_lens=((B,), "int32")),
+                   do=(Q, dtype), q_lens=((B,), "int32"), kv_lens=((B,), "int32"),
+                   o_error=(Q if o_error else (0,), "int8")),
               dict(dq=(Q, dtype), dk=(KV, dtype), dv=(KV, dtype), delta=(ROWS, "float32"),
                    dq_accum=((dq_accum_elements(deterministic),), "float32")),
               attributes(deterministic=deterministic))
@@ -55,6 +58,11 @@ def test_valid_calls_run(rng, make, dtype):
   """The calls the error cases spoil are valid: the errors below come from the spoiled field."""
   outputs = make(dtype).run(rng)
   assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in outputs[:2])
+
+
+def test_backward_with_the_rounding_error_of_o_runs(rng):
+  outputs = valid_bwd(o_error=True).run(rng)
+  assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in outputs[:3])
 
 
 def test_deterministic_backward_takes_no_dq_workspace(rng):
@@ -89,6 +97,11 @@ BWD_ERRORS = [
     ("delta_short", lambda c: with_shape(c, "delta", (B, N)), ("delta(2, 4) float32", "expected 40")),
     ("dk_dtype", lambda c: with_dtype(c, "float16", "dk"), ("dk(2, 7, 2, 16) float16", "must match")),
     ("do_shape", lambda c: with_shape(c, "do", (B, T + 1, N, H)), ("do(2, 6, 4, 16)", "must match")),
+    ("o_error_shape", lambda c: with_shape(c, "o_error", (B, T, N, H - 8)),
+     ("o_error(2, 5, 4, 8) int8", "shape of a 16-bit")),
+    ("o_error_int16", lambda c: with_dtype(c, "int16", "o_error"), ("o_error(0,) int16", "must be int8")),
+    ("o_error_beside_float32_o", lambda c: with_shape(with_dtype(c, "float32", "o"), "o_error", Q),
+     ("o_error(2, 5, 4, 16) int8", "shape of a 16-bit", "o(2, 5, 4, 16) float32")),
 ]
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash import _ops
+from jax_flash import _ops, _rounding
 
 
 def _peaked_inputs(seed: int, dtype):
@@ -69,6 +69,27 @@ def test_delta_from_float32_output_meets_the_rule():
     misses_rounded += sum(e > a for e, a in zip(_max_errors(rounded, reference), allowed))
   # The same inputs with delta from O rounded to 16 bits: the misses this fix removes.
   assert misses_rounded > 0
+
+
+def test_delta_from_the_int8_rounding_error_meets_the_rule():
+  """dot_product_attention's CUDA residual: the 16-bit o plus its int8 rounding error
+  (jax_flash._rounding), here joined back for the CPU kernel, meets the rule on the inputs
+  above as the float32 o does (the CUDA prepare kernel decodes it the same way: test_rounding)."""
+  dtype, scale = jnp.bfloat16, 2.0
+  config = _ops.KernelConfig("cpu", scale, False, -1, -1)
+  for seed in range(6):
+    q, k, v, d_o = _peaked_inputs(seed, dtype)
+    lens = jnp.full((2,), 32, jnp.int32)
+    attention = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=scale)
+    _, vjp32 = jax.vjp(attention, *(x.astype(jnp.float32) for x in (q, k, v)))
+    reference = vjp32(d_o.astype(jnp.float32))[:2]
+    _, vjp_low = jax.vjp(attention, q, k, v)
+    allowed = [2 * e + 1e-5 for e in _max_errors(vjp_low(d_o)[:2], reference)]
+    o32, lse = _ops.flash_fwd(q, k, v, lens, lens, _ops.for_backward(config))
+    o, o_error = _rounding.split_rounding(o32, dtype)
+    got = _ops.flash_bwd(q, k, v, o, lse, d_o, lens, lens, config, None, o_error)[:2]
+    for error, limit in zip(_max_errors(got, reference), allowed):
+      assert error <= limit, (seed, error, limit)
 
 
 def test_blockwise_delta_from_float32_output_meets_the_rule():

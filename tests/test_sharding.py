@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_flash
+from jax_flash import _ops, _rounding, _sharding
 from attention_testing import random_qkv_and_cotangent
 
 COLLECTIVES = re.compile(r"all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter")
@@ -163,3 +164,28 @@ def test_vmap_under_sharding(mesh):
   got = np.asarray(fn(qs, ks, vs)).reshape(q.shape)
   want = np.asarray(jax_flash.dot_product_attention(q, k, v, is_causal=True, implementation="cpu"))
   np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("spec", [P("data", None, "model", None), P("data", "model", None, None)],
+                         ids=["batch_heads", "sequence"])
+def test_backward_with_the_rounding_error_of_o(mesh, partitioner, spec):
+  """The backward's o_error operand (CUDA's residual: jax_flash._rounding) partitions like o,
+  on batch/head sharding and through a context-parallel strategy over a sharded sequence: the
+  gradients equal those from o joined back into float32 (what the CPU kernel is given)."""
+  q, k, v, g, lens = _inputs(3)
+  q, k, v, g = (x.astype(jnp.bfloat16) for x in (q, k, v, g))
+  config = _ops.KernelConfig("cpu", 0.25, True, -1, -1)
+  o32, lse = _sharding.flash_fwd(q, k, v, lens, lens, _ops.for_backward(config))
+  o, o_error = _rounding.split_rounding(o32, jnp.bfloat16)
+  rows, batch = NamedSharding(mesh, spec), NamedSharding(mesh, P("data"))
+  lse_spec = NamedSharding(mesh, P(spec[0], spec[2], spec[1]))
+  args = (q, k, v, o, o_error, lse, g, lens)
+  shardings = (rows, rows, rows, rows, rows, lse_spec, rows, batch)
+  placed = [jax.device_put(x, s) for x, s in zip(args, shardings)]
+  with_error = jax.jit(lambda q, k, v, o, e, lse, g, lens: _sharding.flash_bwd(
+      q, k, v, o, lse, g, lens, lens, config, None, e), in_shardings=shardings)
+  joined = jax.jit(lambda q, k, v, o, e, lse, g, lens: _sharding.flash_bwd(
+      q, k, v, _rounding.join_rounding(o, e), lse, g, lens, lens, config))
+  for got, want in zip(with_error(*placed), joined(*args)):
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=1e-2, atol=1e-2)

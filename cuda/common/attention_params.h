@@ -72,6 +72,9 @@ struct FwdParams : AttentionParams {
 
 struct BwdParams : AttentionParams {
   const void* o = nullptr;
+  // With a 16-bit o: o's rounding error as int8 in units of ulp/256 (common/rounding_residual.h),
+  // so delta is formed from o at about float32 precision; null for none. CUDA only.
+  const int8_t* o_error = nullptr;
   const void* d_o = nullptr;
   const float* lse = nullptr;
   void* dq = nullptr;

@@ -2,9 +2,14 @@
 // query row, and the float32 dQ accumulator zeroed.
 #pragma once
 
+#include <cuda_fp16.h>
+
 #include <cstdint>
 
+#include <type_traits>
+
 #include "common/attention_params.h"
+#include "common/rounding_residual.h"
 
 namespace jax_flash::cuda {
 
@@ -17,7 +22,8 @@ __host__ __device__ constexpr int prepare_threads_per_row(int64_t head_dim) {
 }
 
 // delta = dO . O per (batch, query row, head), and the row's dQ accumulator zeroed (when there
-// is one). kThreadsPerRow threads a row (prepare_threads_per_row), each 8 elements of O and dO at
+// is one). O is float32 (AttentionParams::o_float32), or 16-bit with its int8 rounding error
+// (BwdParams::o_error) or alone. kThreadsPerRow threads a row (prepare_threads_per_row), each 8 elements of O and dO at
 // a time: at head dim 64 a warp takes 4 rows, so every lane loads.
 template <typename T, int kThreadsPerRow>
 __global__ void flash_bwd_prepare_kernel(const __grid_constant__ BwdParams p) {
@@ -40,6 +46,12 @@ __global__ void flash_bwd_prepare_kernel(const __grid_constant__ BwdParams p) {
       const uint4 ov = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.o) + row * sh.head_dim + c);
 #pragma unroll
       for (int e = 0; e < 8; ++e) oe[e] = static_cast<float>(reinterpret_cast<const T*>(&ov)[e]);
+      if (p.o_error != nullptr) {
+        const uint2 kv = *reinterpret_cast<const uint2*>(p.o_error + row * sh.head_dim + c);
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          oe[e] = join_rounding(oe[e], reinterpret_cast<const int8_t*>(&kv)[e], std::is_same_v<T, __half>);
+      }
     }
 #pragma unroll
     for (int e = 0; e < 8; ++e) sum += oe[e] * static_cast<float>(de[e]);

@@ -52,11 +52,12 @@ ffi::Error run_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                    ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                    ffi::Result<ffi::AnyBuffer> delta, ffi::Result<ffi::AnyBuffer> dq_accum,
                    double scale, bool is_causal, int64_t window_left, int64_t window_right,
-                   bool deterministic) {
+                   bool deterministic, ffi::AnyBuffer o_error) {
   BwdParams params;
   JF_RETURN_IF_ERROR(make_bwd_params(q, k, v, o, lse, d_o, q_lens, kv_lens, *dq, *dk, *dv, *delta,
                                      scale, is_causal, window_left, window_right, params));
   JF_RETURN_IF_ERROR(check_cuda_inputs(q, params.shape, params.dtype));
+  JF_RETURN_IF_ERROR(set_o_error(o_error, o, params));
   JF_RETURN_IF_ERROR(
       expect_float32("dq_accum", *dq_accum, cuda::dq_accum_elements(params.shape, deterministic)));
   params.dq_accum = deterministic ? nullptr : dq_accum->typed_data<float>();
@@ -72,7 +73,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaFlashFwd, run_fwd, fwd_binding<ffi::PlatformS
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaFlashBwd, run_bwd,
                               bwd_binding<ffi::PlatformStream<cudaStream_t>>()
-                                  .Attr<bool>("deterministic"),  // dQ without atomics
+                                  .Attr<bool>("deterministic")  // dQ without atomics
+                                  .Arg<ffi::AnyBuffer>(),        // o_error int8, o's shape or empty
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_flash

@@ -12,6 +12,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace jax_flash::cuda {
 
@@ -90,6 +91,16 @@ struct MmaOp<__half> {
     return *reinterpret_cast<uint32_t*>(&v);
   }
 };
+
+// The two floats of a pair MmaOp<T>::pack made (bfloat16: the high halves of float32 words).
+template <typename T>
+__device__ __forceinline__ float2 unpack_pair(uint32_t packed) {
+  if constexpr (std::is_same_v<T, __half>) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&packed));
+  } else {
+    return make_float2(__uint_as_float(packed << 16), __uint_as_float(packed & 0xffff0000u));
+  }
+}
 
 // p[0] += a, p[1] += b in global memory (p 8-byte aligned); one vector reduction on sm_90.
 __device__ __forceinline__ void atomic_add_pair(float* p, float a, float b) {

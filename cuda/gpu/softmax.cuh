@@ -36,10 +36,17 @@ __device__ __forceinline__ float quad_sum(float x) {
 // the final normalisation and lse use the same reference. After the first blocks a warp rarely
 // rescales (saving 128 multiplies a thread per block at head dim 128). Needs scale_log2 >= 0
 // (ops.py keeps the scale positive).
+//
+// The tiled forwards also keep the sum of P as rounded to 16 bits for the P V product
+// (add_rounded_sums; the epilogue divides O by it, while lse comes from the unrounded sum): the
+// weights O is built from then sum to 1, so a row of one key gives exactly V and the backward's
+// delta = rowsum(dO * O) matches its dS (issue 13; examples/results/h200/session9/
+// differential_cuda_analysis.md, step 1).
 template <int kMTiles>
 struct OnlineSoftmax {
   float max[kMTiles][2];
   float sum[kMTiles][2];  // this thread's part; quad_sum gives the row's
+  float sum_rounded[kMTiles][2];  // the same of P rounded to 16 bits (add_rounded_sums)
   float new_max[kMTiles][2];
   float correction[kMTiles][2];  // of the last move_reference
 
@@ -50,6 +57,7 @@ struct OnlineSoftmax {
       for (int half = 0; half < 2; ++half) {
         max[mt][half] = -INFINITY;
         sum[mt][half] = 0.f;
+        sum_rounded[mt][half] = 0.f;
       }
   }
 
@@ -85,6 +93,7 @@ struct OnlineSoftmax {
         correction[mt][half] = fast_exp2(__fmul_rn(max[mt][half], scale_log2) - base);  // exact: see exponentiate
         max[mt][half] = new_max[mt][half];
         sum[mt][half] *= correction[mt][half];
+        sum_rounded[mt][half] *= correction[mt][half];
       }
   }
 
@@ -143,6 +152,24 @@ struct OnlineSoftmax {
             block_sum += s[mt][nt][e];
           }
         sum[mt][half] += block_sum;
+      }
+  }
+
+  // Adds P (exponentiate's output) rounded to T, in the pairs accumulator_to_a<T> packs for
+  // P V (the compiler shares the conversions), to sum_rounded.
+  template <typename T, int kNTiles>
+  __device__ __forceinline__ void add_rounded_sums(const float (&p)[kMTiles][kNTiles][4]) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float block_sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) {
+          const float2 pair = unpack_pair<T>(MmaOp<T>::pack(p[mt][nt][2 * half], p[mt][nt][2 * half + 1]));
+          block_sum += pair.x + pair.y;
+        }
+        sum_rounded[mt][half] += block_sum;
       }
   }
 };

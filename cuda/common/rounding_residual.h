@@ -1,0 +1,38 @@
+// The backward's residual o as its 16-bit value hi plus an int8 k, o's rounding error in units of
+// step(hi) = ulp(hi) / 256 (jax_flash/_rounding.py writes it; its docstring says why): the
+// prepare kernel forms delta = rowsum(dO * O) from hi + k step(hi), exact in float32, instead of
+// from hi alone. tests/test_rounding.py checks this decoder against the Python one.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "common/attention_params.h"
+
+namespace jax_flash {
+
+// k's unit: 1/256 of hi's ulp (jax_flash._rounding.STEP_BITS).
+inline constexpr int kRoundingStepBits = 8;
+
+// step(hi) for hi (a bfloat16 or float16 value, given in float32): a power of two built from
+// hi's exponent field, clamped as jax_flash._rounding clamps it (float16: the subnormals' ulp
+// below its smallest normal; bfloat16: never below float32's smallest normal, 2^-126).
+JF_HOST_DEVICE inline float rounding_step(float hi, bool float16) {
+  uint32_t bits;
+  std::memcpy(&bits, &hi, sizeof bits);
+  int field = static_cast<int>((bits >> 23) & 0xFFu);
+  const int min_field = float16 ? 127 - 14 : 1 + 7 + kRoundingStepBits;
+  if (field < min_field) field = min_field;
+  const int exponent = field - 127 - (float16 ? 10 : 7) - kRoundingStepBits;  // >= -126
+  const uint32_t step_bits = static_cast<uint32_t>(exponent + 127) << 23;
+  float step;
+  std::memcpy(&step, &step_bits, sizeof step);
+  return step;
+}
+
+// o in float32 from hi and k.
+JF_HOST_DEVICE inline float join_rounding(float hi, int8_t k, bool float16) {
+  return hi + static_cast<float>(k) * rounding_step(hi, float16);
+}
+
+}  // namespace jax_flash

@@ -1,0 +1,65 @@
+"""The backward's residual o at better than 16-bit precision for one byte more an element.
+
+The backward forms delta = rowsum(dO * O). From O rounded to bfloat16/float16 that sum carries
+the rounding's error into every dS of the row, coherently, and dq/dk miss the accuracy rule on
+peaked softmaxes (issue 13; examples/results/h200/session9/differential_cuda_analysis.md). A
+float32 residual fixes it at 4 bytes an element; this keeps the 16-bit o the caller gets (2
+bytes) plus an int8 `k`, o's rounding error in units of 1/256 of the 16-bit ulp:
+
+    o ~= hi + k * step(hi),    step(hi) = ulp(hi) / 256,    k = rint((o - hi) / step) in [-128, 127]
+
+which holds about 8 more significant bits (16 for bfloat16, 19 for float16): as good as float32 for
+delta. The CUDA backward's prepare kernel decodes it with the same step (cuda/common/
+rounding_residual.h); join_rounding is the XLA form, for the paths that need float32 o.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Explicit mantissa bits of each 16-bit dtype, and the smallest float32 exponent field a step is
+# built from: float16's smallest normal (below it the ulp stays that of its subnormals); for
+# bfloat16 the field whose step is float32's smallest normal, 2^-126, since XLA flushes float32
+# subnormals to zero (values under ~2^-111 then keep less than 8 extra bits: nothing in an
+# attention output).
+_MANTISSA_BITS = {jnp.dtype(jnp.bfloat16): 7, jnp.dtype(jnp.float16): 10}
+_MIN_EXPONENT_FIELD = {jnp.dtype(jnp.bfloat16): 16, jnp.dtype(jnp.float16): 127 - 14}
+# k's unit: 1/256 of hi's ulp.
+STEP_BITS = 8
+
+
+def _step(hi32: jax.Array, dtype) -> jax.Array:
+  """ulp(hi) / 256 in float32, from hi's float32 exponent field (a normal power of two)."""
+  field = (jax.lax.bitcast_convert_type(hi32, jnp.uint32) >> 23) & 0xFF
+  field = jnp.maximum(field.astype(jnp.int32), _MIN_EXPONENT_FIELD[jnp.dtype(dtype)])
+  exponent = field - 127 - _MANTISSA_BITS[jnp.dtype(dtype)] - STEP_BITS
+  return jnp.ldexp(jnp.float32(1), exponent)
+
+
+def split_rounding(o32: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+  """(hi, k): o32 rounded to `dtype` (bfloat16 or float16), and its rounding error as int8 in
+  units of step(hi). Where hi is not finite (inf, NaN, overflow), k is 0 and hi says it all."""
+  dtype = jnp.dtype(dtype)
+  if dtype not in _MANTISSA_BITS:
+    raise ValueError(f"split_rounding takes bfloat16 or float16; got {dtype}")
+  hi = o32.astype(dtype)
+  hi32 = hi.astype(jnp.float32)
+  error = o32 - hi32  # exact: the part of o32 the rounding dropped
+  k = jnp.clip(jnp.round(error / _step(hi32, dtype)), -128, 127)
+  k = jnp.where(jnp.isfinite(hi32) & jnp.isfinite(error), k, 0)
+  return hi, k.astype(jnp.int8)
+
+
+def join_rounding(hi: jax.Array, k: jax.Array) -> jax.Array:
+  """float32 o from split_rounding's (hi, k): hi + k step(hi), exact in float32."""
+  hi32 = hi.astype(jnp.float32)
+  return hi32 + k.astype(jnp.float32) * _step(hi32, hi.dtype)
+
+
+def relative_precision(dtype) -> float:
+  """The worst relative error of join_rounding(*split_rounding(x)) for normal x: one step over
+  the smallest normal significand, 2^-(mantissa bits + STEP_BITS) (half a step from rounding k,
+  a whole one where an error of +ulp/2 is clamped from k = 128 to 127)."""
+  return float(np.ldexp(1.0, -(_MANTISSA_BITS[jnp.dtype(dtype)] + STEP_BITS)))
