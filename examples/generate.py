@@ -5,6 +5,8 @@
     python examples/generate.py --checkpoint-dir /tmp/lm --prompt "import " --prompt "def f(x):"
     python examples/generate.py --checkpoint-dir /tmp/lm --compare jax_flash,xla --temperature 0
     python examples/generate.py --checkpoint-dir /tmp/lm --compare jax_flash,xla,cudnn --dtype bfloat16
+    python examples/generate.py --checkpoint-dir /tmp/lm --compare jax_flash,xla --batch 1,64 \
+        --prompt-bytes 256 --new-tokens 256      # a tokens/s table: batch x attention
 
 It restores the latest (or ``--step``) orbax checkpoint that ``train_lm.py --checkpoint-dir``
 wrote, with the config saved beside it, and runs the prompts as one batch: a jit-compiled
@@ -19,7 +21,12 @@ most likely bytes. It prints the prefill's and the decode loop's tokens/s (media
 ``--compare jax_flash,xla`` generates with each attention from the same checkpoint, prompts and
 key, and says whether their bytes agree (with ``--temperature 0`` they should: the same greedy
 choices unless two logits tie within rounding). ``cudnn`` needs an NVIDIA GPU and 16-bit
-activations (``--dtype bfloat16``): elsewhere it is skipped with the reason. Needs the
+activations (``--dtype bfloat16``): elsewhere it is skipped with the reason.
+
+``--batch 1,64`` runs each batch size in turn (the prompts repeated to fill the batch), and
+``--prompt-bytes N`` takes N-byte windows of the text the checkpoint was trained on (its
+validation split, evenly spaced, one per sequence) as the prompts, so the prefill has work to
+time. The run ends with a table of tokens/s per batch size and attention. Needs the
 ``examples`` extra: ``pip install -e ".[examples]"``.
 """
 
@@ -37,11 +44,13 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from lm.attention import IMPLEMENTATIONS, check_attention_backend  # noqa: E402
 from lm.checkpoints import CheckpointStore  # noqa: E402
 from lm.config import Config  # noqa: E402
+from lm.data import load_bytes, split_data  # noqa: E402
 from lm.generation import Sampling, generate  # noqa: E402
 from lm.model import ByteLM  # noqa: E402
 from lm.training import init_state  # noqa: E402
@@ -72,17 +81,71 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       help="activation dtype (default: the checkpoint's)")
   parser.add_argument("--repeats", type=int, default=3,
                       help="timed runs of each phase after the compiling one (default 3)")
+  parser.add_argument("--batch", type=batch_sizes, default=None, metavar="N[,N...]",
+                      help="sequences per batch, one run per size (e.g. 1,64): the prompts "
+                           "repeated to fill it (default: one sequence per prompt)")
+  parser.add_argument("--prompt-bytes", type=int, default=None, metavar="N",
+                      help="prompts of N bytes each from the checkpoint's validation text, one "
+                           "window per sequence (instead of --prompt)")
   parser.add_argument("--out", default=None, help="also write the results to this JSON file")
   args = parser.parse_args(argv)
   if args.compare and args.attention:
     parser.error("give --attention or --compare, not both")
   if args.repeats < 1:
     parser.error("--repeats must be at least 1")
+  if args.prompt_bytes is not None and (args.prompt or args.prompt_bytes < 1):
+    parser.error("--prompt-bytes takes a positive number of bytes, without --prompt")
   try:
     Sampling(args.temperature, args.top_k)
   except ValueError as e:
     parser.error(str(e))
   return args
+
+
+def batch_sizes(text: str) -> list[int]:
+  """--batch: positive integers separated by commas."""
+  try:
+    sizes = [int(part) for part in text.split(",") if part.strip()]
+  except ValueError:
+    sizes = []
+  if not sizes or min(sizes) < 1:
+    raise argparse.ArgumentTypeError(f"expected positive integers (N or N,M,...); got {text!r}")
+  return sizes
+
+
+def text_prompts(config: Config, count: int, length: int) -> list[bytes]:
+  """`count` prompts of `length` bytes: windows of the validation split of the checkpoint's
+  text (config.data, as train_lm.py read it), evenly spaced."""
+  _, val = split_data(load_bytes(config), config)
+  if len(val) < length:
+    raise SystemExit(f"error: --prompt-bytes {length}: the validation text has {len(val)} bytes")
+  starts = np.linspace(0, len(val) - length, count).astype(np.int64)
+  return [val[s:s + length].tobytes() for s in starts]
+
+
+def fill(prompts: list[bytes], batch: int) -> list[bytes]:
+  """`batch` prompts: the given ones repeated in order."""
+  return [prompts[i % len(prompts)] for i in range(batch)]
+
+
+def tokens_per_second_table(runs: list[dict[str, Any]], names: list[str]) -> str:
+  """A markdown table of every run: batch size, attention, prefill and decode tokens/s, and
+  whether its bytes equal those of the first attention that ran at that batch size."""
+  lines = ["| batch | attention | prompt bytes | new bytes | prefill tokens/s | decode tokens/s | "
+           "same bytes as the first |", "|---|---|---|---|---|---|---|"]
+  for run in runs:
+    ran = [n for n in names if "tokens" in run["results"][n]]
+    for name in names:
+      r = run["results"][name]
+      if "tokens" not in r:
+        lines.append(f"| {run['batch']} | {name} | - | - | skipped | skipped | - |")
+        continue
+      same = ("-" if name == ran[0] else
+              "yes" if r["tokens"] == run["results"][ran[0]]["tokens"] else "no")
+      lines.append(f"| {run['batch']} | {name} | {run['prompt_bytes']} | {run['new_tokens']} | "
+                   f"{r['prefill_tokens_per_s']:,.0f} | {r['decode_tokens_per_s']:,.0f} | "
+                   f"{same} |")
+  return "\n".join(lines)
 
 
 def load(directory: str, step: int | None) -> tuple[Config, nnx.State, int]:
@@ -130,7 +193,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   if unknown or not names or len(set(names)) != len(names):
     raise SystemExit(f"error: --compare takes distinct names from {','.join(IMPLEMENTATIONS)}; "
                      f"got {args.compare!r}")
-  prompts = [p.encode() for p in (args.prompt or DEFAULT_PROMPTS)]
   sampling = Sampling(args.temperature, args.top_k)
   how = "greedy" if sampling.temperature == 0 else (
       f"temperature {sampling.temperature}" + (f", top-k {sampling.top_k}" if sampling.top_k
@@ -139,8 +201,43 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"{sum(x.size for x in jax.tree.leaves(params)):,} parameters, {config.layers} layers, width "
         f"{config.width}, {config.heads} heads / {config.num_kv_heads} kv heads, "
         f"{config.positions} positions, {config.dtype}; device {jax.devices()[0].device_kind}")
-  print(f"{len(prompts)} prompts, {args.new_tokens} new bytes each, {how}")
 
+  given = [p.encode() for p in (args.prompt or DEFAULT_PROMPTS)]
+  runs = []
+  for batch in args.batch or [None]:
+    if args.prompt_bytes is not None:
+      prompts = text_prompts(config, batch or len(DEFAULT_PROMPTS), args.prompt_bytes)
+    else:
+      prompts = fill(given, batch) if batch else given
+    print(f"\n{len(prompts)} prompts, {args.new_tokens} new bytes each, {how}")
+    results = generate_batch(config, params, names, prompts, sampling, args)
+    runs.append(dict(batch=len(prompts), prompt_bytes=max(len(p) for p in prompts),
+                     new_tokens=args.new_tokens, prompts=[p.decode(errors="replace")
+                                                          for p in prompts],
+                     results=results))
+  table = tokens_per_second_table(runs, names)
+  print(f"\ntokens/s ({jax.devices()[0].device_kind}, {config.dtype}):\n{table}")
+  report = dict(checkpoint=os.path.abspath(args.checkpoint_dir), step=step,
+                config=dataclasses.asdict(config), prompts=runs[0]["prompts"],
+                new_tokens=args.new_tokens, sampling=dataclasses.asdict(sampling),
+                seed=args.seed, device=jax.devices()[0].device_kind,
+                results=runs[0]["results"], runs=runs, table=table)
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(report, f, indent=1)
+    print(f"wrote {args.out}")
+  return report
+
+
+# Texts printed per attention and batch; the rest are in --out.
+SHOWN_TEXTS = 4
+
+
+def generate_batch(config: Config, params: nnx.State, names: list[str], prompts: list[bytes],
+                   sampling: Sampling, args: argparse.Namespace) -> dict[str, Any]:
+  """Generates from `prompts` with each attention in `names`; prints each one's tokens/s and
+  the first texts, and whether the bytes agree; returns the results by attention (a skipped
+  one holds the reason)."""
   results: dict[str, Any] = {}
   for name in names:
     run_config = dataclasses.replace(config, attention=name)
@@ -166,8 +263,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           f"decode {len(prompts)} x {out.tokens.shape[1] - 1} bytes in "
           f"{out.decode_seconds * 1e3:.1f} ms ({decode_rate:,.0f} tokens/s); compile and first "
           f"call {out.compile_seconds:.1f}s")
-    for prompt, text in zip(prompts, texts):
-      print(f"---- {prompt.decode()!r}\n{prompt.decode()}{text}")
+    for prompt, text in list(zip(prompts, texts))[:SHOWN_TEXTS]:
+      shown = prompt.decode(errors="replace")
+      print(f"---- {shown[-60:]!r}\n{shown}{text}")
+    if len(prompts) > SHOWN_TEXTS:
+      print(f"---- ({len(prompts) - SHOWN_TEXTS} more sequences)")
     results[name] = dict(tokens=out.tokens.tolist(), texts=texts,
                          prefill_tokens_per_s=prefill_rate, decode_tokens_per_s=decode_rate,
                          prefill_seconds=out.prefill_seconds, decode_seconds=out.decode_seconds,
@@ -181,15 +281,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(f"\n{name} vs {ran[0]}: " + (f"the same {total} bytes" if same == total else
                                       f"{same} of {total} bytes equal; first difference at "
                                       f"{first_difference(a, b)}"))
-  report = dict(checkpoint=os.path.abspath(args.checkpoint_dir), step=step,
-                config=dataclasses.asdict(config), prompts=[p.decode() for p in prompts],
-                new_tokens=args.new_tokens, sampling=dataclasses.asdict(sampling),
-                seed=args.seed, device=jax.devices()[0].device_kind, results=results)
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump(report, f, indent=1)
-    print(f"wrote {args.out}")
-  return report
+  return results
 
 
 if __name__ == "__main__":

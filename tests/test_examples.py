@@ -6,6 +6,7 @@ would see; and the example model's KV-cache decoding against its training forwar
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -65,6 +66,31 @@ def test_generate_from_a_checkpoint_agrees_across_attentions(tmp_path):
   if jax.default_backend() == "cpu":
     assert "needs an NVIDIA GPU" in report["results"]["cudnn"]["skipped"]
     assert "attention cudnn: skipped" in result.stdout
+
+
+def test_generate_table_script(tmp_path):
+  """.ci/gpu/generate_table.sh (hopper_round.sh's GENERATE=1 step) with tiny sizes on the CPU:
+  the same train_lm.py and generate.py commands (bf16, --batch, --prompt-bytes), and the tokens/s
+  table of every batch size and attention."""
+  env = dict(os.environ, OUT=str(tmp_path), COMPARE="jax_flash,xla", GEN_BATCHES="1,3",
+             TRAIN_SIZE="--layers 1 --width 32 --heads 4 --kv-heads 2 --seq-len 64 "
+                        "--batch-size 4 --steps 4 --max-data-bytes 200000",
+             GEN_SIZE="--prompt-bytes 16 --new-tokens 17")
+  result = subprocess.run(["bash", ".ci/gpu/generate_table.sh"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  report = json.loads((tmp_path / "generate" / "generate.json").read_text())
+  assert report["config"]["dtype"] == "bfloat16" and report["step"] == 4
+  assert [run["batch"] for run in report["runs"]] == [1, 3]
+  for run in report["runs"]:
+    assert len(run["prompts"]) == run["batch"] and run["prompt_bytes"] == 16
+    for name in ("jax_flash", "xla"):
+      r = run["results"][name]
+      assert len(r["tokens"]) == run["batch"] and all(len(row) == 17 for row in r["tokens"])
+      assert r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
+  assert report["results"] == report["runs"][0]["results"]
+  assert "| batch | attention | prompt bytes |" in result.stdout, result.stdout
+  assert "| 1 | jax_flash | 16 | 17 |" in result.stdout and "| 3 | xla | 16 | 17 |" in result.stdout
 
 
 @pytest.mark.parametrize("positions, kv_heads", [("rope", 2), ("learned", None)])

@@ -6,10 +6,14 @@
 #     benchmark (fwd+bwd, BENCH_ARGS) beside cuDNN (tokamax too in the default run);
 #   - forward kernel choices (FWD_CHOICES) through .ci/gpu/forward_variants.py (FWD_ARGS);
 #   - the decode preset (cuDNN, XLA and the copy bandwidth in each run) per JAX_FLASH_CUDA_DECODE
-#     value in DECODE_CHOICES (tiled, split, kernel).
+#     value in DECODE_CHOICES (kernel, the default; tiled, split; DECODE_ARGS adds options,
+#     split on spaces, e.g. "--cases B64");
+#   - with GENERATE=1, issue 15's generation table (.ci/gpu/generate_table.sh: a small model
+#     trained briefly, then examples/generate.py at batch 1 and 64 with jax_flash, xla and
+#     cudnn), under GENERATE_TIMEOUT (150 s).
 # Results go to $OUT (the device tool's output folder) or ./gpu_out.
 #   e.g. TESTS_K="decode" BWD_CHOICES="default sm90ws_bulkdq" \
-#        DECODE_CHOICES="tiled kernel" bash .ci/gpu/hopper_round.sh
+#        DECODE_CHOICES="tiled kernel" GENERATE=1 bash .ci/gpu/hopper_round.sh
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 out="${OUT:-gpu_out}"
@@ -49,7 +53,19 @@ if [[ -n "${FWD_CHOICES:-}" ]]; then
 fi
 
 for choice in ${DECODE_CHOICES:-}; do
-  JAX_FLASH_CUDA_DECODE="$choice" timeout "${DECODE_TIMEOUT:-90}" python3 -m jax_flash.benchmark \
-    --platform gpu --preset decode --reps 5 --out "$out/decode_$choice" >"$out/decode_$choice.log" 2>&1
-  echo "== decode ($choice) $(elapsed)"; tail -12 "$out/decode_$choice.log"
+  # shellcheck disable=SC2086
+  JAX_FLASH_CUDA_DECODE="$choice" timeout "${DECODE_TIMEOUT:-120}" python3 -m jax_flash.benchmark \
+    --platform gpu --preset decode --reps 5 ${DECODE_ARGS:-} --out "$out/decode_$choice" \
+    >"$out/decode_$choice.log" 2>&1
+  echo "== decode ($choice) $(elapsed)"
+  if grep -q '^| case ' "$out/decode_$choice.log"; then  # the table (stdout), printed at the end
+    sed -n '/^copy bandwidth [0-9.]* GB/,$p' "$out/decode_$choice.log"
+  else  # stopped before it: the progress lines
+    tail -14 "$out/decode_$choice.log"
+  fi
 done
+
+if [[ "${GENERATE:-0}" == 1 ]]; then
+  OUT="$out" timeout "${GENERATE_TIMEOUT:-150}" bash .ci/gpu/generate_table.sh 2>&1
+  echo "== generate (exit $?) $(elapsed)"
+fi
