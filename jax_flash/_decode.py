@@ -20,7 +20,7 @@ what the tiled forward computes (masks, lengths, empty rows, NaN propagation; o 
 backward's usual residuals), so the choice changes speed, not results beyond float32 rounding.
 On CUDA (bfloat16/float16) the same rule picks the CUDA decode kernel
 (``cuda/gpu/flash_decode_kernel.cuh``: the same contract, one CTA per (batch, kv head, key
-chunk, 16 packed rows); 0.99-1.02x cuDNN and 96-99% of the copy bandwidth at T = 1 on an H200,
+chunk, 16 packed rows); 1.00-1.02x cuDNN and 96-99% of the copy bandwidth at T = 1 on an H200,
 cuda/PERF_NOTES.md v7) for ``T * (N / K) <= CUDA_MAX_PACKED_ROWS``, with the key chunks of
 :func:`cuda_num_splits`; more packed rows (chunked prefill) take the tiled forward, which reads
 K/V once per 128 query rows. ``jax_flash.paged_attention`` runs the kernel over the pages for

@@ -10,6 +10,7 @@
 #   --batch-size 4 --steps 4 --max-data-bytes 200000" GEN_SIZE="--prompt-bytes 16 --new-tokens 17"
 #   bash .ci/gpu/generate_table.sh
 set -euo pipefail
+export PYTHONUNBUFFERED=1  # the logs hold what ran before a time limit stops it
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 out="${OUT:-gpu_out}/generate"
 rm -rf "$out/checkpoints"

@@ -67,5 +67,10 @@ done
 
 if [[ "${GENERATE:-0}" == 1 ]]; then
   OUT="$out" timeout "${GENERATE_TIMEOUT:-150}" bash .ci/gpu/generate_table.sh 2>&1
-  echo "== generate (exit $?) $(elapsed)"
+  status=$?
+  echo "== generate (exit $status) $(elapsed)"
+  if [[ $status != 0 ]]; then  # stopped (124: the time limit): how far each step got
+    tail -5 "$out/generate/train.log" 2>/dev/null
+    grep -E "^attention |^[0-9]+ prompts" "$out/generate/generate.log" 2>/dev/null | cut -c1-240
+  fi
 fi
