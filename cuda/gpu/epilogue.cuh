@@ -10,8 +10,9 @@
 
 namespace jax_flash::cuda {
 
-// Writes a warp's normalised O rows and their log-sum-exp: O (normalised by the sum of the
-// 16-bit P it was built from, lse from the unrounded sum: OnlineSoftmax) at element `offset` of o (16-bit T,
+// Writes a warp's normalised O rows and their log-sum-exp: O (for the backward, o_float32:
+// normalised by the sum of the 16-bit P it was built from; lse from the unrounded sum:
+// OnlineSoftmax) at element `offset` of o (16-bit T,
 // or float32 when o_float32: the output kept for the backward, AttentionParams::o_float32), rows
 // from row0 of the block, whose first row is query m0 (rows past `rows` and columns past
 // head_dim skipped). A row is empty, and gets 0 and kEmptyRowLse, when the masks leave it no key;
@@ -32,7 +33,7 @@ __device__ __forceinline__ void store_output(void* o_base, bool o_float32, int64
       const float sum_rounded = quad_sum(softmax.sum_rounded[mt][half]);
       if (row >= rows) continue;
       const bool empty = key_range(mask, m0 + row, q_len, kv_len).empty();
-      const float inv = empty ? 0.f : 1.f / sum_rounded;
+      const float inv = empty ? 0.f : 1.f / (o_float32 ? sum_rounded : sum);
 #pragma unroll
       for (int dt = 0; dt < kDTiles; ++dt) {
         const int col = dt * 8 + (lane % 4) * 2;

@@ -37,11 +37,12 @@ __device__ __forceinline__ float quad_sum(float x) {
 // rescales (saving 128 multiplies a thread per block at head dim 128). Needs scale_log2 >= 0
 // (ops.py keeps the scale positive).
 //
-// The tiled forwards also keep the sum of P as rounded to 16 bits for the P V product
-// (add_rounded_sums; the epilogue divides O by it, while lse comes from the unrounded sum): the
-// weights O is built from then sum to 1, so a row of one key gives exactly V and the backward's
-// delta = rowsum(dO * O) matches its dS (issue 13; examples/results/h200/session9/
-// differential_cuda_analysis.md, step 1).
+// For a differentiated call the tiled forwards also keep the sum of P as rounded to 16 bits for
+// the P V product (add_rounded_sums; the epilogue divides O by it, while lse comes from the
+// unrounded sum): the weights O is built from then sum to 1, so a row of one key gives exactly V
+// and the backward's delta = rowsum(dO * O) matches its dS (issue 13; examples/results/h200/
+// session9/differential_cuda_analysis.md, step 1). It costs ~15% of the forward at head dim 64
+// on the H200, so inference (16-bit o) skips it.
 template <int kMTiles>
 struct OnlineSoftmax {
   float max[kMTiles][2];

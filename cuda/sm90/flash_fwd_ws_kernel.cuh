@@ -209,7 +209,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       mask_block(s, 0);
       if (softmax.must_rescale(s, scale_log2)) softmax.rescale(o, scale_log2);
       softmax.exponentiate(s, scale_log2);
-      softmax.template add_rounded_sums<T>(s);
+      if (p.o_float32) softmax.template add_rounded_sums<T>(s);  // differentiated calls only
       uint32_t pa[kBN / 16][1][4];
       accumulator_to_a<T>(pa, s);
 
@@ -231,7 +231,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         const bool moved = softmax.must_rescale(s, scale_log2);
         if (moved) softmax.move_reference(scale_log2);
         softmax.exponentiate(s, scale_log2);
-        softmax.template add_rounded_sums<T>(s);
+        if (p.o_float32) softmax.template add_rounded_sums<T>(s);  // differentiated calls only
         wgmma_wait<0>();  // P(i) V(i) is in: O and P(i)'s registers and V stage are free
         fence_registers(o[0]);
         release(&bars.v_empty[stage]);
