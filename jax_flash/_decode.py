@@ -142,9 +142,32 @@ def _cuda_sm_count() -> int:
   return int((native.device_sm_count() if native is not None else 0) or 132)
 
 
+# For measurements only: a fixed number of key chunks for the CUDA decode kernel instead of the
+# rule (read when a call is traced; clamped to 1 .. MAX_SPLITS and to whole key blocks), e.g. to
+# time finer chunks on ragged batches.
+CUDA_SPLITS_VARIABLE = "JAX_FLASH_CUDA_DECODE_SPLITS"
+
+
+def _splits_override(seq_k: int, block_n: int) -> int | None:
+  value = os.environ.get(CUDA_SPLITS_VARIABLE, "")
+  if not value:
+    return None
+  try:
+    splits = int(value)
+  except ValueError:
+    raise ValueError(f"{CUDA_SPLITS_VARIABLE}={value!r}: expected a positive integer") from None
+  if splits < 1:
+    raise ValueError(f"{CUDA_SPLITS_VARIABLE}={value!r}: expected a positive integer")
+  return max(1, min(splits, MAX_SPLITS, math.ceil(seq_k / block_n)))
+
+
 def cuda_num_splits(batch: int, seq_q: int, heads_q: int, heads_k: int, seq_k: int,
                     sm_count: int | None = None) -> int:
-  """Key chunks for the CUDA decode kernel (cuda_splits_rule on its CTAs per chunk)."""
+  """Key chunks for the CUDA decode kernel (cuda_splits_rule on its CTAs per chunk, or
+  JAX_FLASH_CUDA_DECODE_SPLITS where set)."""
+  override = _splits_override(seq_k, _cuda_constant("decode_block_n"))
+  if override is not None:
+    return override
   rows = _cuda_constant("decode_rows_per_cta")
   row_tiles = max(1, math.ceil(seq_q * (heads_q // max(heads_k, 1)) / rows))
   return cuda_splits_rule(batch * heads_k * row_tiles, seq_k, sm_count or _cuda_sm_count(),

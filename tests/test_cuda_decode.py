@@ -77,6 +77,24 @@ def test_split_rule(units, seq_k, sms, expected):
   assert _decode.cuda_splits_rule(units, seq_k, sms, 64) == expected
 
 
+def test_splits_override(monkeypatch):
+  """JAX_FLASH_CUDA_DECODE_SPLITS (for measurements) replaces the rule, clamped to whole key
+  blocks and MAX_SPLITS; a bad value names the variable."""
+  block_n = 64  # the kernel's constants, as the native module gives them (stand-ins without CUDA)
+  constants = {"decode_block_n": block_n, "decode_rows_per_cta": 16}
+  monkeypatch.setattr(_decode, "_cuda_constant", constants.__getitem__)
+  rule = _decode.cuda_num_splits(64, 1, 32, 8, 8192, sm_count=132)
+  monkeypatch.setenv(_decode.CUDA_SPLITS_VARIABLE, "4")
+  assert _decode.cuda_num_splits(64, 1, 32, 8, 8192, sm_count=132) == 4 != rule
+  assert _decode.cuda_num_splits(64, 1, 32, 8, 2 * block_n, sm_count=132) == 2
+  monkeypatch.setenv(_decode.CUDA_SPLITS_VARIABLE, "1000")
+  assert _decode.cuda_num_splits(64, 1, 32, 8, 1 << 20, sm_count=132) == _decode.MAX_SPLITS
+  for bad in ("0", "two"):
+    monkeypatch.setenv(_decode.CUDA_SPLITS_VARIABLE, bad)
+    with pytest.raises(ValueError, match="JAX_FLASH_CUDA_DECODE_SPLITS"):
+      _decode.cuda_num_splits(64, 1, 32, 8, 8192, sm_count=132)
+
+
 def test_split_rule_fills_the_waves():
   for units in range(1, 300, 7):
     for seq_k in (256, 1000, 8192, 65536):
