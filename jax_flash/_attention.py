@@ -46,6 +46,61 @@ def _flash_attention_bwd(config, residuals, cotangents):
 _flash_attention.defvjp(_flash_attention_fwd, _flash_attention_bwd)
 
 
+# Attention sinks (gpt-oss) on the kernels. The kernels compute the keys' part, (o_k, lse_k);
+# a row's sink c joins it afterwards in XLA, as one more term of the softmax with no value (the
+# merge the ring does of two blocks' partial results):
+#   lse = logaddexp(lse_k, c),  o = o_k * exp(lse_k - lse).
+# A row with no visible key (lse_k EMPTY_ROW_LSE) gets o = 0 and lse = c. The backward kernel
+# needs nothing more: given that o and lse (which includes the sink), it recomputes
+# P = exp(s - lse), the sinks' P, and dS = P (dP - D) with D = rowsum(dO o) is the sinks' dS.
+# The sinks' own gradient is formed here: d c_h = -sum over (batch, rows of head h) of
+# exp(c_h - lse) D (o depends on c only through the normaliser: do/dc = -exp(c - lse) o).
+# The join is elementwise over (B, N, T), so it shards as the heads and rows do under jit, and
+# sequence-sharded calls (whose kernels return the rows' global lse) take it as they are.
+def _join_sinks(o32, lse, sinks):
+  """(o, lse) of the keys and the sinks (N,) from the keys' own (o32 (B, T, N, H) float32,
+  lse (B, N, T))."""
+  total = jnp.logaddexp(lse, sinks.astype(jnp.float32)[None, :, None])
+  weight = jnp.exp(lse - total)  # 0 for a row with no key (lse EMPTY_ROW_LSE)
+  return o32 * jnp.swapaxes(weight, 1, 2)[..., None], total
+
+
+# segment_ids as in _flash_attention (None without them); sinks (N,) differentiable.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash_attention_sinks(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids,
+                           sinks):
+  (o, lse), _ = _flash_attention_sinks_fwd(q, k, v, q_lens, kv_lens, config, segment_ids, sinks)
+  return o, lse
+
+
+def _flash_attention_sinks_fwd(q, k, v, q_lens, kv_lens, config, segment_ids, sinks):
+  # o in float32 from the kernel (also undifferentiated: the join scales it before the one
+  # rounding to q's dtype).
+  o32, lse = _sharding.flash_fwd(q, k, v, q_lens, kv_lens, _ops.for_backward(config),
+                                 segment_ids)
+  o32, lse = _join_sinks(o32.astype(jnp.float32), lse, sinks)
+  if config.implementation == "cuda" and q.dtype != jnp.float32:
+    o, o_error = _rounding.split_rounding(o32, q.dtype)
+    return (o, lse), (q, k, v, o, o_error, lse, q_lens, kv_lens, segment_ids, sinks)
+  return (o32.astype(q.dtype), lse), (q, k, v, o32, None, lse, q_lens, kv_lens, segment_ids,
+                                      sinks)
+
+
+def _flash_attention_sinks_bwd(config, residuals, cotangents):
+  q, k, v, o, o_error, lse, q_lens, kv_lens, segment_ids, sinks = residuals
+  d_o, _ = cotangents  # lse leaves through stop_gradient
+  dq, dk, dv = _sharding.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config, segment_ids,
+                                   o_error)
+  o32 = o if o_error is None else _rounding.join_rounding(o, o_error)
+  delta = jnp.einsum("btnh,btnh->bnt", d_o.astype(jnp.float32), o32.astype(jnp.float32))
+  dsinks = -jnp.sum(jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse) * delta,
+                    axis=(0, 2))
+  return dq, dk, dv, None, None, None, dsinks.astype(sinks.dtype)
+
+
+_flash_attention_sinks.defvjp(_flash_attention_sinks_fwd, _flash_attention_sinks_bwd)
+
+
 def dot_product_attention(
     query: jax.typing.ArrayLike,
     key: jax.typing.ArrayLike,
@@ -61,6 +116,7 @@ def dot_product_attention(
     q_segment_ids: jax.typing.ArrayLike | None = None,
     kv_segment_ids: jax.typing.ArrayLike | None = None,
     logits_soft_cap: float | None = None,
+    sinks: jax.typing.ArrayLike | None = None,
     implementation: Implementation | None = None,
     return_residual: bool = False,
     deterministic: bool = False,
@@ -113,6 +169,17 @@ def dot_product_attention(
       calls never run the split-KV decode kernel), "blockwise" and "xla"; the CUDA kernels
       raise ``NotImplementedError`` (also where ``None`` picks them: pass
       ``implementation="blockwise"`` on a GPU).
+    sinks: attention sinks (gpt-oss): ``(N,)``, one learnable logit per query head (float32,
+      bfloat16 or float16; exactly ``(N,)``, no broadcasting, also for rank-3 inputs), in the
+      units of the scores (``scale * q.k``, after ``logits_soft_cap``), that joins every row's
+      softmax denominator without a value: ``p_ij = exp(s_ij) / (exp(sinks[h]) +
+      sum_j exp(s_ij))``, so a row's weights sum to less than 1. Differentiable (its gradient
+      comes back in its dtype). The lse includes it; a row with no visible key gives zeros and
+      lse ``sinks[h]``. Every mask, GQA, ``logits_soft_cap`` and sequence-sharded calls
+      combine with it. Taken by "cpu" (the kernels compute the keys' part; the sink joins it in
+      XLA), "blockwise" and "xla"; the CUDA kernels raise ``NotImplementedError`` (pass
+      ``implementation="blockwise"`` on a GPU). A wrong shape or dtype raises ``ValueError``
+      naming ``sinks``.
     implementation: ``None`` picks the path for the default backend: ``"cpu"`` on the host,
       ``"cuda"`` on NVIDIA GPUs for bfloat16/float16, ``"blockwise"`` there for float32.
       ``"cpu"``/``"cuda"`` force a kernel; ``"blockwise"`` is FlashAttention in plain XLA (key
@@ -167,6 +234,7 @@ def dot_product_attention(
   window = _validation.check_window(local_window_size, seq_q + seq_k)
   scale = _validation.check_scale(scale, head_dim)
   logits_soft_cap = _validation.check_logits_soft_cap(logits_soft_cap)
+  sinks = _validation.check_sinks(sinks, heads_q, query_shape)
   segment_ids = _validation.check_segment_ids(q_segment_ids, kv_segment_ids, batch, seq_q,
                                               seq_k, unbatched)
   call = _dispatch.Call(
@@ -177,7 +245,8 @@ def dot_product_attention(
       mask=None if mask is None else jnp.shape(mask),
       mask_forms=_dispatch.mask_forms(is_causal=bool(is_causal), local_window=window is not None,
                                       seq_lengths=q_lens is not None or kv_lens is not None),
-      deterministic=deterministic, logits_soft_cap=logits_soft_cap)
+      deterministic=deterministic, logits_soft_cap=logits_soft_cap,
+      sinks=None if sinks is None else sinks.shape)
   bias = _validation.check_logit_array("bias", bias, batch, heads_q, seq_q, seq_k)
   mask = _validation.check_logit_array("mask", mask, batch, heads_q, seq_q, seq_k)
   implementation = _dispatch.select(implementation, call)
@@ -196,14 +265,14 @@ def dot_product_attention(
       out, lse = _XLA_PATHS[implementation](
           query, key, value, q_lens, kv_lens, scale=scale, is_causal=bool(is_causal),
           window_left=window_left, window_right=window_right, bias=bias, mask=mask,
-          segment_ids=segment_ids, logits_soft_cap=logits_soft_cap)
+          segment_ids=segment_ids, logits_soft_cap=logits_soft_cap, sinks=sinks)
   else:
     out, lse = _ops.call_kernels(
-        _flash_attention, query, key, value, q_lens, kv_lens, implementation=implementation,
+        _flash_attention if sinks is None else _flash_attention_sinks, query, key, value, q_lens, kv_lens, implementation=implementation,
         scale=scale, is_causal=bool(is_causal), window_left=window_left,
         window_right=window_right, deterministic=deterministic,
         context_parallel=context_parallel, segment_ids=segment_ids,
-        logits_soft_cap=logits_soft_cap)
+        logits_soft_cap=logits_soft_cap, sinks=sinks)
   lse = jax.lax.stop_gradient(lse)
 
   if unbatched:

@@ -29,8 +29,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_flash._reference import (EMPTY_ROW_LSE, MASKED_SCORE, grouped_logit_array, key_mask,
-                                  masked_exp)
+from jax_flash._reference import (EMPTY_ROW_LSE, MASKED_SCORE, empty_lse, grouped_logit_array,
+                                  key_mask, masked_exp)
 
 # Keys per scan step. Scores of one step take batch * heads * T * KEY_BLOCK float32s.
 KEY_BLOCK = 512
@@ -129,8 +129,13 @@ def _block_scores(q5, k_block, index, q_lens, kv_lens, bias_block, mask_block, c
   return scores, jnp.broadcast_to(allowed, scores.shape), cap_grad
 
 
-def _forward(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, config):
-  """(o (B, T, N, H) in float32, lse (B, N, T) float32): the caller casts o to q's dtype.
+def _forward(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, sinks, config):
+  """(o (B, T, N, H) in float32, lse (B, N, T) float32, has_keys (B, N, T) bool): the caller
+  casts o to q's dtype. `has_keys`: which rows the masks leave some key.
+
+  `sinks` (N,) (None: off) join each row after the scan, as one more term of its softmax: with
+  the keys' lse l and the sink c, the row's lse is logaddexp(l, c) and its output is scaled by
+  exp(l - logaddexp(l, c)) (a row with no key: 0 output, lse c).
 
   The online softmax carries, per row, whether the masks have let any key through yet (`seen`),
   the running maximum of those keys' scores (MASKED_SCORE before the first: never -inf, so
@@ -173,23 +178,43 @@ def _forward(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, config):
   scaled_sum = jnp.where(has_keys, jnp.ldexp(row_sum, -exponent), 1.0)
   out = jnp.where(has_keys[..., None], acc / scaled_sum[..., None], 0.0)
   safe_sum = jnp.where(has_keys, row_sum, 1.0)
-  out = jnp.moveaxis(out, 3, 1).reshape(batch, seq_q, heads_q, head_dim)  # float32
   lse = jnp.where(has_keys, jnp.log(safe_sum) + row_max, EMPTY_ROW_LSE)
-  return out, lse.reshape(batch, heads_q, seq_q)
+  if sinks is not None:
+    sink4 = sinks.astype(jnp.float32).reshape(1, heads_k, heads_q // heads_k, 1)
+    total = jnp.where(has_keys, jnp.logaddexp(lse, sink4), sink4)
+    out = jnp.where(has_keys[..., None], out * jnp.exp(lse - total)[..., None], 0.0)
+    lse = total
+  out = jnp.moveaxis(out, 3, 1).reshape(batch, seq_q, heads_q, head_dim)  # float32
+  return (out, lse.reshape(batch, heads_q, seq_q),
+          jnp.broadcast_to(has_keys, stats_shape).reshape(batch, heads_q, seq_q))
 
 
-def _backward(q, k, v, o, lse, d_o, q_lens, kv_lens, bias, mask, segment_ids, config):
-  """(dq, dk, dv, dbias) in the dtypes of q, k, v and the bias (None without one); dK and dV
-  summed over each kv head's query heads, dbias over the dims the bias broadcasts along."""
+def _backward(q, k, v, o, lse, has_keys, d_o, q_lens, kv_lens, bias, mask, segment_ids, sinks,
+              config):
+  """(dq, dk, dv, dbias, dsinks) in the dtypes of q, k, v, the bias and the sinks (None
+  without them); dK and dV summed over each kv head's query heads, dbias over the dims the
+  bias broadcasts along.
+
+  The sinks change nothing here but the lse (which includes them, so P is the sinks' P) and
+  add their own gradient: d sink_h = -sum over the rows of head h of exp(sink_h - lse) D, with
+  D = rowsum(dO o) (o_i depends on sink_h only through the normaliser exp(sink_h) +
+  sum_j exp(s_ij), whose derivative by sink_h is p_sink = exp(sink_h - lse_i): do_i / dsink_h
+  = -p_sink o_i)."""
   batch, seq_q, heads_q, head_dim = q.shape
   seq_k, heads_k = k.shape[1], k.shape[2]
   lse = lse.reshape(batch, heads_k, heads_q // heads_k, seq_q)
-  # Rows with no key to attend to (the forward gave them EMPTY_ROW_LSE, as the kernels decide
-  # it): their q is zeroed and their dq is 0, whatever the masked keys and values hold.
-  rows_have_keys = jnp.moveaxis(lse != EMPTY_ROW_LSE, 3, 1)[..., None]  # (B, T, K, G, 1)
+  has_keys = has_keys.reshape(lse.shape)
+  # Rows with no key to attend to (the forward found none, as the kernels decide it): their q
+  # is zeroed and their dq is 0, whatever the masked keys and values hold.
+  rows_have_keys = jnp.moveaxis(has_keys, 3, 1)[..., None]  # (B, T, K, G, 1)
   q5 = jnp.where(rows_have_keys, _split_groups(q, heads_k), 0.0)
   do5 = _split_groups(d_o, heads_k)
   delta = jnp.einsum("btkgh,btkgh->bkgt", do5, _split_groups(o, heads_k))
+  dsinks = None
+  if sinks is not None:
+    sink4 = sinks.astype(jnp.float32).reshape(1, heads_k, heads_q // heads_k, 1)
+    dsinks = -jnp.sum(jnp.where(has_keys, jnp.exp(sink4 - lse) * delta, 0.0), axis=(0, 3))
+    dsinks = dsinks.reshape(heads_q).astype(sinks.dtype)
   bias5, mask5 = _grouped(bias, heads_k), _grouped(mask, heads_k)
 
   def bias_gradient(d_logits):
@@ -238,28 +263,29 @@ def _backward(q, k, v, o, lse, d_o, q_lens, kv_lens, bias, mask, segment_ids, co
       dbias = dbias.reshape(*dbias.shape[:4], -1)[..., :seq_k]
     dbias = dbias.reshape(bias.shape).astype(bias.dtype)
   dq = jnp.where(rows_have_keys, dq, 0.0)
-  return dq.reshape(q.shape).astype(q.dtype), unblock(dk, k), unblock(dv, v), dbias
+  return dq.reshape(q.shape).astype(q.dtype), unblock(dk, k), unblock(dv, v), dbias, dsinks
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _attention(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, config):
-  o32, lse = _forward(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, config)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
+def _attention(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, sinks, config):
+  o32, lse, _ = _forward(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, sinks, config)
   return o32.astype(q.dtype), lse
 
 
-def _attention_fwd(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, config):
+def _attention_fwd(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, sinks, config):
   # The backward forms delta from the output in float32, not rounded to q's dtype (issue 13).
-  o32, lse = _forward(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, config)
+  o32, lse, has_keys = _forward(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, sinks,
+                                config)
   return ((o32.astype(q.dtype), lse),
-          (q, k, v, o32, lse, q_lens, kv_lens, bias, mask, segment_ids))
+          (q, k, v, o32, lse, has_keys, q_lens, kv_lens, bias, mask, segment_ids, sinks))
 
 
 def _attention_bwd(config, residuals, cotangents):
-  q, k, v, o, lse, q_lens, kv_lens, bias, mask, segment_ids = residuals
+  q, k, v, o, lse, has_keys, q_lens, kv_lens, bias, mask, segment_ids, sinks = residuals
   d_o, _ = cotangents  # lse leaves through stop_gradient
-  dq, dk, dv, dbias = _backward(q, k, v, o, lse, d_o, q_lens, kv_lens, bias, mask, segment_ids,
-                                config)
-  return dq, dk, dv, None, None, dbias, None, None
+  dq, dk, dv, dbias, dsinks = _backward(q, k, v, o, lse, has_keys, d_o, q_lens, kv_lens, bias,
+                                        mask, segment_ids, sinks, config)
+  return dq, dk, dv, None, None, dbias, None, None, dsinks
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -267,20 +293,22 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 def blockwise_attention(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bool,
                         window_left: int = -1, window_right: int = -1, bias=None, mask=None,
-                        segment_ids=None, logits_soft_cap: float | None = None):
+                        segment_ids=None, logits_soft_cap: float | None = None, sinks=None):
   """Returns (o, lse) as ``attention_reference`` does: o (B, T, N, H) in q's dtype, lse
-  (B, N, T) float32, differentiable in q, k, v and the bias with a recomputing backward pass.
+  (B, N, T) float32, differentiable in q, k, v, the bias and the sinks with a recomputing
+  backward pass. `sinks` (N,): one logit per query head in every row's softmax denominator
+  (see attention_reference).
   `logits_soft_cap` c caps the scaled scores at c * tanh(s / c) before the bias and masks (the
   backward recomputes the tanh per block).
   `bias` (added to the scaled scores) and `mask` (True: attend) are rank 4, broadcastable to
   (B, N, T, S); each scan step takes their slice for its key block. `segment_ids`: None or
   (q_ids (B, T), kv_ids (B, S)) int32."""
   if k.shape[1] == 0 or q.size == 0:  # no blocks to scan, or no rows (B, T or N is 0)
-    lse = jnp.full((q.shape[0], q.shape[2], q.shape[1]), EMPTY_ROW_LSE, jnp.float32)
+    lse = empty_lse(q.shape[0], q.shape[2], q.shape[1], sinks)
     return jnp.zeros_like(q), lse
   config = _Config(float(scale), bool(is_causal), int(window_left), int(window_right),
                    min(KEY_BLOCK, k.shape[1]),
                    None if logits_soft_cap is None else float(logits_soft_cap))
   if bias is not None:
     bias = bias.astype(jnp.float32)
-  return _attention(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, config)
+  return _attention(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, sinks, config)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_flash import _decode, _derivatives, _dispatch, _registry, _rounding, _split_kv
-from jax_flash._reference import EMPTY_ROW_LSE
+from jax_flash._reference import empty_lse
 
 # At most this many float32 dQ partials: the workspace stays a small multiple of dQ however many
 # cores the host has.
@@ -264,6 +264,7 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
                  caller: str = "jax_flash.dot_product_attention",
                  segment_ids: tuple[jax.Array, jax.Array] | None = None,
                  logits_soft_cap: float | None = None,
+                 sinks: jax.Array | None = None,
                  ) -> tuple[jax.Array, jax.Array]:
   """(out, lse) of `attention` with what every entry point does around the kernels: the scale
   made positive (positive_scale) and the head dim zero-padded as `implementation` needs
@@ -275,13 +276,16 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
   `segment_ids` ((B, T), (B, S) int32), which only the tiled kernel takes: `attention` is then
   called with them as a seventh argument. So does a call with `logits_soft_cap` (the decode
   kernel has no cap; KernelConfig.logits_soft_cap carries it to the tiled kernel's passes).
+  With `sinks` (N,) `attention` is called with the ids (or None) and the sinks as seventh and
+  eighth arguments: the kernels themselves never see them (see
+  jax_flash._attention._join_sinks), so every kernel form (tiled, decode) runs such calls.
 
   With nothing to compute (B, T or N is 0) or no key for any row (S is 0) no kernel runs: the
   output is zeros (every row empty, lse EMPTY_ROW_LSE), as jax.nn's is, and so are the
   gradients."""
   if q.size == 0 or k.shape[1] == 0:
     batch, seq_q, heads_q, _ = q.shape
-    return jnp.zeros_like(q), jnp.full((batch, heads_q, seq_q), EMPTY_ROW_LSE, jnp.float32)
+    return jnp.zeros_like(q), empty_lse(batch, heads_q, seq_q, sinks)
   head_dim = q.shape[-1]
   q, scale = positive_scale(q, scale)
   pad = head_dim_padding(implementation, head_dim)
@@ -301,5 +305,7 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
                         logits_soft_cap=0.0 if logits_soft_cap is None else float(logits_soft_cap))
   with _derivatives.explain_forward_mode(caller, implementation):
     extra = () if segment_ids is None else (tuple(segment_ids),)
+    if sinks is not None:
+      extra = (None if segment_ids is None else tuple(segment_ids), sinks)
     out, lse = attention(q, k, v, q_lens, kv_lens, config, *extra)
   return out[..., :head_dim], lse

@@ -30,6 +30,15 @@ def masked_exp(allowed: jax.Array, x: jax.Array, shift: jax.Array) -> jax.Array:
   return jnp.where(allowed, jnp.exp(jnp.where(allowed, x, shift) - shift), 0.0)
 
 
+def empty_lse(batch: int, heads: int, seq_q: int, sinks=None) -> jax.Array:
+  """(B, N, T) float32: the lse of rows with no key at all: EMPTY_ROW_LSE, or with `sinks` (N,)
+  each head's sink (the sink is then the row's only term)."""
+  if sinks is None:
+    return jnp.full((batch, heads, seq_q), EMPTY_ROW_LSE, jnp.float32)
+  sinks = jax.lax.stop_gradient(sinks.astype(jnp.float32))
+  return jnp.broadcast_to(sinks[None, :, None], (batch, heads, seq_q))
+
+
 def key_mask(seq_q: int, seq_k: int, q_lens, kv_lens, is_causal: bool,
              window_left: int, window_right: int, key_offset=0, segment_ids=None) -> jax.Array:
   """(B, T, S) bool: which keys each query row may attend to (window bounds < 0: unbounded),
@@ -59,8 +68,13 @@ def grouped_logit_array(x, heads_k: int):
 
 def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bool,
                         window_left: int = -1, window_right: int = -1, bias=None, mask=None,
-                        segment_ids=None, logits_soft_cap: float | None = None):
+                        segment_ids=None, logits_soft_cap: float | None = None, sinks=None):
   """Returns (o, lse): o (B, T, N, H) in q's dtype, lse (B, N, T) float32.
+
+  `sinks` (N,) (None: off; gpt-oss's attention sinks): one logit per query head, in the units
+  of the scores after scale, cap and bias, joins every row's softmax as one more column with no
+  value: p_ij = exp(s_ij) / (exp(sink_h) + sum_j exp(s_ij)). The lse includes it; a row with no
+  visible key gives 0 output and lse sink_h. JAX differentiates it.
 
   `logits_soft_cap` c (None: off): the scaled scores s become c * tanh(s / c) (Gemma 2), before
   the bias, the masks and the softmax; JAX differentiates the tanh.
@@ -78,7 +92,7 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bo
   batch, seq_q, heads_q, head_dim = q.shape
   seq_k, heads_k = k.shape[1], k.shape[2]
   if seq_k == 0 or q.size == 0:  # nothing to attend to anywhere, or no output
-    lse = jnp.full((batch, heads_q, seq_q), EMPTY_ROW_LSE, jnp.float32)
+    lse = empty_lse(batch, heads_q, seq_q, sinks)
     return jnp.zeros_like(q), lse
   group = heads_q // heads_k
   allowed = key_mask(seq_q, seq_k, q_lens, kv_lens, is_causal, window_left, window_right,
@@ -100,13 +114,23 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bo
     scores = scores + grouped_logit_array(bias.astype(jnp.float32), heads_k)
   row_max = jnp.max(jnp.where(allowed, scores, MASKED_SCORE), axis=-1, keepdims=True)
   row_max = jnp.where(has_keys, row_max, 0.0)
-  probs = masked_exp(allowed, scores, jax.lax.stop_gradient(row_max))
+  sink5 = None
+  if sinks is not None:  # the extra column: it joins the maximum and the sum of every row
+    sink5 = sinks.astype(jnp.float32).reshape(1, heads_k, group, 1, 1)
+    row_max = jnp.where(has_keys, jnp.maximum(row_max, sink5), sink5)
+  row_max = jax.lax.stop_gradient(row_max)
+  probs = masked_exp(allowed, scores, row_max)
   row_sum = jnp.sum(probs, axis=-1, keepdims=True)
+  if sink5 is not None:
+    row_sum = row_sum + jnp.exp(sink5 - row_max)
+    has_keys = jnp.broadcast_to(has_keys, row_sum.shape)
   safe_sum = jnp.where(has_keys, row_sum, 1.0)
   probs = probs / safe_sum
   out = jnp.einsum("bkgts,bskh->btkgh", probs, vf, precision="highest")
   out = jnp.where(rows_have_keys, out, 0.0)  # 0 even where a masked value is NaN
   out = out.reshape(batch, seq_q, heads_q, head_dim).astype(q.dtype)
   lse = jnp.where(has_keys, jnp.log(safe_sum) + row_max, EMPTY_ROW_LSE)[..., 0]
+  if sink5 is not None:  # a row with no visible key: its lse is the sink's alone
+    lse = jnp.where(has_keys[..., 0], lse, jnp.broadcast_to(sink5[..., 0], lse.shape))
   lse = lse.reshape(batch, heads_q, seq_q)
   return out, jax.lax.stop_gradient(lse)

@@ -173,6 +173,29 @@ def check_logits_soft_cap(cap) -> float | None:
   return value
 
 
+def check_sinks(sinks, heads_q: int, query_shape) -> jax.Array | None:
+  """The attention sinks as an array of shape (N,), or None. One logit per query head, a
+  floating-point array (float32, bfloat16 or float16; computed in float32, its gradient given
+  back in its dtype) of shape exactly (N,): no broadcasting, a scalar or a (1,) array raises
+  too. Its values are not checked (they may be traced)."""
+  if sinks is None:
+    return None
+  try:
+    sinks = jnp.asarray(sinks)
+  except TypeError as error:
+    raise ValueError(f"sinks must be a float array of shape ({heads_q},) (one logit per query "
+                     f"head) or None; got {sinks!r}") from error
+  if sinks.shape != (heads_q,):
+    raise ValueError(
+        f"sinks must have shape ({heads_q},): one logit per query head N={heads_q} of "
+        f"query{tuple(query_shape)} (no broadcasting); got sinks{sinks.shape}")
+  if sinks.dtype not in SUPPORTED_DTYPES:
+    raise ValueError(
+        f"sinks must be float32, bfloat16 or float16 (shape ({heads_q},)); got {sinks.dtype} "
+        f"sinks{sinks.shape}")
+  return sinks
+
+
 def check_scale(scale, head_dim: int) -> float:
   """The logit scale as a Python float; 1 / sqrt(H) for None. Every path computes in float32 and
   the kernels multiply the scale by log2(e): both must stay finite (1e39 is a finite double but
