@@ -168,6 +168,7 @@ def dot_product_attention(
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
     logits_soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
   """FlashAttention with the signature of Flax's ``dot_product_attention``.
 
@@ -230,6 +231,11 @@ def dot_product_attention(
     logits_soft_cap: ``c``: scores ``s`` become ``c * tanh(s / c)`` before the masks and the
       softmax (Gemma 2); ``None``: no cap. Flax's own functions have no such argument. Taken by
       the paths of :func:`jax_flash.dot_product_attention` ("cpu", "blockwise", "xla").
+    sinks: ``(N,)``: attention sinks (gpt-oss), one logit per query head joining every row's
+      softmax denominator without a value; differentiable (pass the model's parameter). As in
+      :func:`jax_flash.dot_product_attention` ("cpu", "blockwise", "xla"). The modules
+      (``FlashMultiHeadAttention``, ``FlashMultiHeadDotProductAttention``) hold no sink
+      parameter yet: call this function from your own module for that.
 
   Returns:
     ``(batch..., T, N, H)`` in the computation dtype.
@@ -288,13 +294,14 @@ def dot_product_attention(
                      mask=None if mask is None else jnp.shape(mask),
                      segment_ids=None if q_ids is None or kv_ids is None else
                      (jnp.shape(q_segment_ids), jnp.shape(kv_segment_ids)),
-                     logits_soft_cap=_validation.check_logits_soft_cap(logits_soft_cap)),
+                     logits_soft_cap=_validation.check_logits_soft_cap(logits_soft_cap),
+                     sinks=None if sinks is None else jnp.shape(sinks)),
       caller="jax_flash.flax.dot_product_attention", mask_advice=_MASK_HELP)
   out = jax_flash.dot_product_attention(
       query4, key4, value4, bias4, mask4, scale=scale, is_causal=is_causal,
       query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens, local_window_size=local_window_size,
       implementation=implementation, deterministic=deterministic_backward,
-      q_segment_ids=q_ids, kv_segment_ids=kv_ids, logits_soft_cap=logits_soft_cap)
+      q_segment_ids=q_ids, kv_segment_ids=kv_ids, logits_soft_cap=logits_soft_cap, sinks=sinks)
   return out.reshape(query.shape)
 
 

@@ -350,3 +350,19 @@ def test_random_shapes_against_xla(seed):
                           want):
       np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-5, err_msg=f"{implementation} {name}")
 
+
+def test_flax_function_takes_the_sinks():
+  """jax_flash.flax.dot_product_attention passes sinks through (any number of batch dims) and
+  differentiates them as the core call does."""
+  pytest.importorskip("flax")
+  import jax_flash.flax as jf
+
+  sc = CASES[0]
+  q, k, v, _, sinks, _ = sc.inputs()
+  f = lambda s: jf.dot_product_attention(q[None], k[None], v[None], sinks=s, is_causal=True)[0]
+  want = lambda s: jax_flash.dot_product_attention(q, k, v, sinks=s, is_causal=True)
+  np.testing.assert_allclose(f(sinks), want(sinks), atol=1e-6)
+  np.testing.assert_allclose(jax.grad(lambda s: f(s).sum())(sinks),
+                             jax.grad(lambda s: want(s).sum())(sinks), rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match=r"sinks must have shape \(4,\)"):
+    jf.dot_product_attention(q, k, v, sinks=jnp.zeros((2,)))
