@@ -156,18 +156,19 @@ struct OnlineSoftmax {
       }
   }
 
-  // Adds P (exponentiate's output) rounded to T, in the pairs accumulator_to_a<T> packs for
-  // P V (the compiler shares the conversions), to sum_rounded.
-  template <typename T, int kNTiles>
-  __device__ __forceinline__ void add_rounded_sums(const float (&p)[kMTiles][kNTiles][4]) {
+  // Adds P as rounded to T for P V, read back from the A operand accumulator_to_a<T> packed
+  // (a[nt / 2][mt][2 (nt % 2) + half]: rows lane / 4 + 8 half), to sum_rounded: no conversion
+  // of its own, an unpack and an add per element.
+  template <typename T, int kKSteps>
+  __device__ __forceinline__ void add_rounded_sums(const uint32_t (&a)[kKSteps][kMTiles][4]) {
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         float block_sum = 0.f;
 #pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt) {
-          const float2 pair = unpack_pair<T>(MmaOp<T>::pack(p[mt][nt][2 * half], p[mt][nt][2 * half + 1]));
+        for (int nt = 0; nt < 2 * kKSteps; ++nt) {
+          const float2 pair = unpack_pair<T>(a[nt / 2][mt][(nt % 2) * 2 + half]);
           block_sum += pair.x + pair.y;
         }
         sum_rounded[mt][half] += block_sum;

@@ -80,9 +80,9 @@ __global__ void __launch_bounds__(Traits::kThreads)
 
       if (softmax.must_rescale(s, scale_log2)) softmax.rescale(o, scale_log2);
       softmax.exponentiate(s, scale_log2);
-      if (p.o_float32) softmax.template add_rounded_sums<T>(s);  // differentiated calls only
       uint32_t pa[kBN / 16][kMT][4];
       accumulator_to_a<T>(pa, s);
+      if (p.o_float32) softmax.template add_rounded_sums<T>(pa);  // differentiated calls only
 
       if (prefetch) {
         load_v(n_block - 1, stage ^ 1);

@@ -209,9 +209,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       mask_block(s, 0);
       if (softmax.must_rescale(s, scale_log2)) softmax.rescale(o, scale_log2);
       softmax.exponentiate(s, scale_log2);
-      if (p.o_float32) softmax.template add_rounded_sums<T>(s);  // differentiated calls only
       uint32_t pa[kBN / 16][1][4];
       accumulator_to_a<T>(pa, s);
+      if (p.o_float32) softmax.template add_rounded_sums<T>(pa);  // differentiated calls only
 
       for (int i = 0; i + 1 < count; ++i) {
         const int stage = stage_of(i), next = stage_of(i + 1);
@@ -231,12 +231,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         const bool moved = softmax.must_rescale(s, scale_log2);
         if (moved) softmax.move_reference(scale_log2);
         softmax.exponentiate(s, scale_log2);
-        if (p.o_float32) softmax.template add_rounded_sums<T>(s);  // differentiated calls only
         wgmma_wait<0>();  // P(i) V(i) is in: O and P(i)'s registers and V stage are free
         fence_registers(o[0]);
         release(&bars.v_empty[stage]);
         if (moved) softmax.rescale_output(o);
         accumulator_to_a<T>(pa, s);
+        if (p.o_float32) softmax.template add_rounded_sums<T>(pa);  // differentiated calls only
       }
       // Warpgroup 1's last pass_turn (or its first arrival) is still to be taken.
       if constexpr (Traits::kPingPong)
