@@ -199,7 +199,33 @@ def reference_f32(q, k, v, *, return_residual=False, **options):
       return_residual=return_residual, **options)
 
 
-def _rounded(x, dtype):
+def packed_segment_ids(case: "Case") -> jax.Array:
+  """Segment ids of packed rows for `case` (seq_q == seq_k: queries and keys share positions):
+  per batch element four documents of random lengths, sorted by position ((B, T) int32, (T,)
+  for rank-3 cases)."""
+  assert case.seq_q == case.seq_k, "packed rows: queries and keys share positions"
+  rng = np.random.default_rng(case.seed + 1)
+  rows = []
+  for _ in range(case.batch):
+    cuts = np.sort(rng.choice(np.arange(1, case.seq_q), size=3, replace=False))
+    rows.append(np.searchsorted(cuts, np.arange(case.seq_q), side="right"))
+  ids = jnp.asarray(np.stack(rows), jnp.int32)
+  return ids[0] if case.rank3 else ids
+
+
+def visible_keys(case: "Case", ids=None) -> np.ndarray:
+  """(B, T, S) bool: the keys each query row of `case` sees, with segment ids `ids` (as
+  packed_segment_ids gives them) on top of its masks and lengths."""
+  vis = np.broadcast_to(key_visibility(np, case.seq_q, case.seq_k, case.q_lens, case.kv_lens,
+                                       case.is_causal, case.local_window_size),
+                        (case.batch, case.seq_q, case.seq_k))
+  if ids is not None:
+    ids = np.asarray(ids).reshape(case.batch, case.seq_q)
+    vis = vis & (ids[:, :, None] == ids[:, None, :])
+  return vis
+
+
+def rounded(x, dtype):
   """x rounded to `dtype` and back to float32 (under grad, the cotangent is rounded the same)."""
   return x.astype(dtype).astype(F32)
 
@@ -231,7 +257,7 @@ def reference_in_dtype(q, k, v, *, scale=None, is_causal=False, query_seq_length
 
   qf = q.astype(F32).reshape(batch, seq_q, heads_k, group, head_dim)
   scores = jnp.einsum("btkgh,bskh->bkgts", qf, k.astype(F32), precision=HIGHEST)
-  scores = _rounded(scores * scale, dtype)
+  scores = rounded(scores * scale, dtype)
 
   vis = key_visibility(jnp, seq_q, seq_k, query_seq_lengths, key_value_seq_lengths, is_causal,
                        local_window_size)
@@ -241,7 +267,7 @@ def reference_in_dtype(q, k, v, *, scale=None, is_causal=False, query_seq_length
   # A finite fill (as jax.nn's) keeps rows without keys NaN-free under grad; they are zeroed.
   masked = jnp.where(vis, scores, -0.7 * float(np.finfo(np.float32).max))
   probs = jnp.where(has_keys, jax.nn.softmax(masked, axis=-1), 0.0)
-  probs = _rounded(probs, dtype)
+  probs = rounded(probs, dtype)
   out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(F32), precision=HIGHEST)
   out = out.reshape(batch, seq_q, heads_q, head_dim).astype(dtype)
   lse = jax.nn.logsumexp(masked, axis=-1)  # (B, K, G, T)

@@ -23,7 +23,7 @@ import jax_flash
 from jax_flash import _dispatch
 from jax_flash._reference import EMPTY_ROW_LSE
 from tests.attention_testing import (F32, HIGHEST, Case, assert_within_rule, gradient_magnitude,
-                                     key_visibility)
+                                     packed_segment_ids, rounded, visible_keys)
 
 IMPLEMENTATIONS = ["cpu", "blockwise", "xla"]
 
@@ -46,32 +46,11 @@ class CapCase:
     return q, k, v, g, self.ids()
 
   def ids(self):
-    if not self.segment_ids:
-      return None
-    c = self.case
-    assert c.seq_q == c.seq_k, "packed rows: queries and keys share positions"
-    rng = np.random.default_rng(c.seed + 1)
-    rows = []
-    for _ in range(c.batch):
-      cuts = np.sort(rng.choice(np.arange(1, c.seq_q), size=3, replace=False))
-      rows.append(np.searchsorted(cuts, np.arange(c.seq_q), side="right"))
-    ids = jnp.asarray(np.stack(rows), jnp.int32)
-    return ids[0] if c.rank3 else ids
+    return packed_segment_ids(self.case) if self.segment_ids else None
 
   def visible(self) -> np.ndarray:
     """(B, T, S) bool."""
-    c = self.case
-    vis = np.broadcast_to(key_visibility(np, c.seq_q, c.seq_k, c.q_lens, c.kv_lens, c.is_causal,
-                                         c.local_window_size), (c.batch, c.seq_q, c.seq_k))
-    ids = self.ids()
-    if ids is not None:
-      ids = np.asarray(ids).reshape(c.batch, c.seq_q)
-      vis = vis & (ids[:, :, None] == ids[:, None, :])
-    return vis
-
-
-def _rounded(x, dtype):
-  return x.astype(dtype).astype(F32)
+    return visible_keys(self.case, self.ids())
 
 
 def capped_attention(q, k, v, vis, *, cap, scale, dtype=None):
@@ -85,7 +64,7 @@ def capped_attention(q, k, v, vis, *, cap, scale, dtype=None):
   batch, seq_q, heads_q, head_dim = q.shape
   heads_k = k.shape[2]
   group = heads_q // heads_k
-  rnd = (lambda x: x) if dtype is None else functools.partial(_rounded, dtype=dtype)
+  rnd = (lambda x: x) if dtype is None else functools.partial(rounded, dtype=dtype)
   q5 = q.reshape(batch, seq_q, heads_k, group, head_dim)
   s = rnd(jnp.einsum("btkgh,bskh->bkgts", q5, k, precision=HIGHEST) * scale)
   s = rnd(cap * jnp.tanh(s / cap))
