@@ -23,16 +23,22 @@ def _flash_attention(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segmen
   return _sharding.flash_fwd(q, k, v, q_lens, kv_lens, config, segment_ids)
 
 
-def _flash_attention_fwd(q, k, v, q_lens, kv_lens, config, segment_ids=None):
-  # The kernel writes o in float32 (for_backward); the caller gets it in q's dtype. The backward
-  # forms delta = rowsum(dO * O) from it at full precision (issue 13): the CPU keeps o32 whole;
-  # CUDA keeps the 16-bit o plus its int8 rounding error (1 byte an element, not 2 more).
-  o32, lse = _sharding.flash_fwd(q, k, v, q_lens, kv_lens, _ops.for_backward(config),
-                                 segment_ids)
+def _output_and_residual(o32, q, config):
+  """(the caller's o in q's dtype, the o the backward gets, its o_error or None) from the
+  forward's o32 (float32 from for_backward, or already 16-bit from the CUDA decode kernel). The
+  backward forms delta = rowsum(dO * O) from it at full precision (issue 13): the CPU keeps o32
+  whole; CUDA keeps the 16-bit o plus its int8 rounding error (1 byte an element, not 2 more)."""
   if config.implementation == "cuda" and o32.dtype != q.dtype:
     o, o_error = _rounding.split_rounding(o32, q.dtype)
-    return (o, lse), (q, k, v, o, o_error, lse, q_lens, kv_lens, segment_ids)
-  return (o32.astype(q.dtype), lse), (q, k, v, o32, None, lse, q_lens, kv_lens, segment_ids)
+    return o, o, o_error
+  return o32.astype(q.dtype), o32, None
+
+
+def _flash_attention_fwd(q, k, v, q_lens, kv_lens, config, segment_ids=None):
+  o32, lse = _sharding.flash_fwd(q, k, v, q_lens, kv_lens, _ops.for_backward(config),
+                                 segment_ids)
+  o, o_kept, o_error = _output_and_residual(o32, q, config)
+  return (o, lse), (q, k, v, o_kept, o_error, lse, q_lens, kv_lens, segment_ids)
 
 
 def _flash_attention_bwd(config, residuals, cotangents):
@@ -79,11 +85,8 @@ def _flash_attention_sinks_fwd(q, k, v, q_lens, kv_lens, config, segment_ids, si
   o32, lse = _sharding.flash_fwd(q, k, v, q_lens, kv_lens, _ops.for_backward(config),
                                  segment_ids)
   o32, lse = _join_sinks(o32.astype(jnp.float32), lse, sinks)
-  if config.implementation == "cuda" and q.dtype != jnp.float32:
-    o, o_error = _rounding.split_rounding(o32, q.dtype)
-    return (o, lse), (q, k, v, o, o_error, lse, q_lens, kv_lens, segment_ids, sinks)
-  return (o32.astype(q.dtype), lse), (q, k, v, o32, None, lse, q_lens, kv_lens, segment_ids,
-                                      sinks)
+  o, o_kept, o_error = _output_and_residual(o32, q, config)
+  return (o, lse), (q, k, v, o_kept, o_error, lse, q_lens, kv_lens, segment_ids, sinks)
 
 
 def _flash_attention_sinks_bwd(config, residuals, cotangents):
@@ -267,8 +270,9 @@ def dot_product_attention(
           window_left=window_left, window_right=window_right, bias=bias, mask=mask,
           segment_ids=segment_ids, logits_soft_cap=logits_soft_cap, sinks=sinks)
   else:
+    attention = _flash_attention if sinks is None else _flash_attention_sinks
     out, lse = _ops.call_kernels(
-        _flash_attention if sinks is None else _flash_attention_sinks, query, key, value, q_lens, kv_lens, implementation=implementation,
+        attention, query, key, value, q_lens, kv_lens, implementation=implementation,
         scale=scale, is_causal=bool(is_causal), window_left=window_left,
         window_right=window_right, deterministic=deterministic,
         context_parallel=context_parallel, segment_ids=segment_ids,

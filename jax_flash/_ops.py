@@ -217,20 +217,13 @@ def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig, segm
 flash_bwd = _derivatives.first_order_only(_flash_bwd, nondiff_argnums=(8,))
 
 
-# CUDA decode calls: "kernel" (the default: unset or empty) runs the split-KV decode kernel
-# (jax_flash._decode; read once, at import), "tiled" the tiled forward, "split" the split-KV
-# program around it (jax_flash._split_kv; experimental, not timed). The last two are overrides
-# for comparisons.
-_CUDA_DECODE_VARIABLE = "JAX_FLASH_CUDA_DECODE"
-
-
 def cuda_kv_splits(batch: int, seq_q: int, heads_q: int, heads_k: int, seq_k: int,
                    is_causal: bool, window_left: int, window_right: int) -> int:
   """KernelConfig.kv_splits on CUDA: 0 for the tiled forward, else the key chunks of the
   split-KV program (jax_flash._split_kv), sized to fill the GPU's SMs twice. Called only when
   the decode kernel is off; experimental, not timed: only with JAX_FLASH_CUDA_DECODE=split
-  (read when a call is traced)."""
-  if os.environ.get(_CUDA_DECODE_VARIABLE, "tiled") != "split":
+  (jax_flash._decode.cuda_decode_mode, read once at import)."""
+  if _decode.cuda_decode_mode() != "split":
     return 0
   if not _split_kv.applies(seq_q, heads_q, heads_k, is_causal, window_left, window_right):
     return 0
