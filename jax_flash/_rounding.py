@@ -38,6 +38,25 @@ def _step(hi32: jax.Array, dtype) -> jax.Array:
   return jnp.ldexp(jnp.float32(1), exponent)
 
 
+def widen_exactly(hi: jax.Array) -> jax.Array:
+  """hi (bfloat16 or float16) as float32, exactly, by integer operations on its bits. Not
+  hi.astype(float32): under its default xla_allow_excess_precision, XLA's GPU pipeline drops a
+  float32 -> 16-bit -> float32 convert pair (SimplifyFPConversions), which inside
+  split_rounding would make the error o32 - hi32 zero and every k 0."""
+  dtype = jnp.dtype(hi.dtype)
+  bits = jax.lax.bitcast_convert_type(hi, jnp.uint16).astype(jnp.uint32)
+  if dtype == jnp.dtype(jnp.bfloat16):  # bfloat16 is float32's upper half
+    return jax.lax.bitcast_convert_type(bits << 16, jnp.float32)
+  sign, exponent, mantissa = bits >> 15, (bits >> 10) & 0x1F, bits & 0x3FF
+  # Normal numbers rebias the exponent (127 - 15); inf and NaN keep the all-ones exponent.
+  field = jnp.where(exponent == 0x1F, jnp.uint32(0xFF), exponent + (127 - 15))
+  wide = jax.lax.bitcast_convert_type((sign << 31) | (field << 23) | (mantissa << 13), jnp.float32)
+  # Zeros and subnormals: mantissa * 2^-24, exact in float32.
+  signed = jnp.where(sign == 1, -1.0, 1.0).astype(jnp.float32)
+  small = signed * mantissa.astype(jnp.float32) * np.float32(2.0**-24)
+  return jnp.where(exponent == 0, small, wide)
+
+
 def split_rounding(o32: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
   """(hi, k): o32 rounded to `dtype` (bfloat16 or float16), and its rounding error as int8 in
   units of step(hi). Where hi is not finite (inf, NaN, overflow), k is 0 and hi says it all."""
@@ -45,7 +64,7 @@ def split_rounding(o32: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
   if dtype not in _MANTISSA_BITS:
     raise ValueError(f"split_rounding takes bfloat16 or float16; got {dtype}")
   hi = o32.astype(dtype)
-  hi32 = hi.astype(jnp.float32)
+  hi32 = widen_exactly(hi)
   error = o32 - hi32  # exact: the part of o32 the rounding dropped
   k = jnp.clip(jnp.round(error / _step(hi32, dtype)), -128, 127)
   k = jnp.where(jnp.isfinite(hi32) & jnp.isfinite(error), k, 0)

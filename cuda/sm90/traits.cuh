@@ -55,8 +55,11 @@ struct Sm90BwdWsTraits {
   using KVTile = GmmaTile<kBlockN, kHeadDim>;
   using QTile = GmmaTile<kBlockM, kHeadDim>;
   using DsTile = GmmaTile<kBlockN, kBlockM>;  // dS^T: [key][query]
-  // Row stride (floats) of the dQ tile: 16-byte rows for the bulk copies, 4 banks apart.
-  static constexpr int kDqRowStride = kHeadDim + 4;
+  // Row stride (floats) of the dQ tile: 16-byte rows for the bulk copies, 8 banks apart, so
+  // that a half-warp's float2 stores (4 rows x 4 column pairs) meet 32 distinct banks (4 apart
+  // made rows r and r + 1 share 4 banks: the hd128 profile counted 34M conflicts on 87M
+  // store wavefronts).
+  static constexpr int kDqRowStride = kHeadDim + 8;
   // K, V; kStages of Q and of dO; two dS^T; kStages of the block's lse (log2 units) and delta;
   // the dQ tile (kBulkDq); 1 KiB to align the base.
   static constexpr int kSmemBytes = 2 * (2 * KVTile::kElements + 2 * kStages * QTile::kElements + 2 * DsTile::kElements) +

@@ -11,7 +11,6 @@ import dataclasses
 import functools
 import inspect
 import math
-import os
 from collections.abc import Callable
 
 import jax
@@ -165,11 +164,14 @@ def _torch_unavailable() -> str | None:
 
 def _build_torch_cpu(case: Case, inputs: Inputs) -> dict[str, Prepare]:
   """Passes of PyTorch's CPU scaled_dot_product_attention, held to its flash kernel, on
-  (B, N, S, H) tensors of the case's dtype with os.cpu_count() threads."""
+  (B, N, S, H) tensors of the case's dtype with a thread per usable core."""
   import torch
   from torch.nn.attention import SDPBackend, sdpa_kernel
 
-  torch.set_num_threads(os.cpu_count() or 1)
+  from jax_flash.benchmark.provenance import usable_cores  # (imports this module)
+
+  # The cores this process may run on (taskset), not the machine's.
+  torch.set_num_threads(usable_cores())
   # 16-bit inputs go through float32 (numpy's bfloat16 is not torch's): exact, same values.
   dtype = getattr(torch, case.dtype)
   q, k, v, d_out = (torch.from_numpy(np.ascontiguousarray(

@@ -32,6 +32,25 @@ def cpu_model() -> str | None:
                if line.startswith("model name")), None)
 
 
+def usable_cores() -> int:
+  """The cores this process may run on (its affinity, e.g. under taskset), else the machine's."""
+  if hasattr(os, "sched_getaffinity"):
+    return len(os.sched_getaffinity(0))
+  return os.cpu_count() or 1
+
+
+def cpu_vector_flags() -> list[str]:
+  """The processor's AVX-512 and AMX feature flags from /proc/cpuinfo (which kernel variants and
+  16-bit dot products it can run), empty where there are none or no /proc/cpuinfo."""
+  try:
+    text = pathlib.Path("/proc/cpuinfo").read_text()
+  except OSError:
+    return []
+  flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
+                if line.startswith("flags")), [])
+  return sorted(flag for flag in flags if flag.startswith(("avx512", "amx", "avx_vnni")))
+
+
 def cpu_fma_peak_gflops_per_core() -> float | None:
   """One core's float32 FMA peak, GFLOP/s, measured by the native micro-benchmark (the best of
   a few short runs of independent FMA chains in the kernel's ISA variant); None where this
@@ -72,7 +91,8 @@ def environment(platform: Platform) -> dict[str, object]:
       accelerator_packages=accelerator_packages(),
       cpu_kernel_isa=jax_flash.cpu_kernel_isa(),
       cpu_model=cpu_model(),
-      cpu_count=os.cpu_count(),
+      cpu_count=usable_cores(),
+      cpu_vector_flags=cpu_vector_flags(),
       cpu_fma_peak_gflops_per_core=(cpu_fma_peak_gflops_per_core()
                                     if platform.name == "cpu" else None),
       torch=package_version("torch"),
