@@ -19,6 +19,9 @@ CASES = [
     (1, 33, 33, 2, 2, 256, True, (5, 3), False, False),
     (1, 129, 70, 2, 1, 128, False, (16, 0), True, True),
     (2, 7, 130, 2, 2, 64, False, None, True, False),
+    # Eight visits per key block (4 query blocks x 2 heads of a group): the backward's
+    # per-visit hand-overs between its consumer warpgroups repeat.
+    (1, 200, 150, 2, 1, 64, True, None, False, False),
 ]
 
 
