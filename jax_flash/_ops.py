@@ -3,8 +3,8 @@ what every entry point does around them (:func:`call_kernels`: a positive scale,
 padded as the kernels need).
 
 Kernel layouts: q, o, dq (..., T, N, H); k, v, dk, dv (..., S, K, H); lse (..., N, T) float32;
-q_lens, kv_lens (...,) int32; segment ids, where given, (..., T) and (..., S) int32 (the "cpu"
-kernel only). Leading dimensions are batch; vmap adds more (``broadcast_all``),
+q_lens, kv_lens (...,) int32; segment ids, where given, (..., T) and (..., S) int32, and ALiBi
+slopes, where given, (..., N) float32 (the "cpu" kernel only). Leading dimensions are batch; vmap adds more (``broadcast_all``),
 and the kernels fold them all into one batch dimension.
 """
 
@@ -112,11 +112,28 @@ def _soft_cap_attribute(config: KernelConfig) -> dict:
   return {"logits_soft_cap": float(config.logits_soft_cap)}
 
 
-def _flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig, segment_ids=None):
+def _alibi_operands(config: KernelConfig, alibi_slopes) -> tuple[tuple, dict]:
+  """The ALiBi operand and attribute of a kernel call: the "cpu" passes always take the float32
+  slopes (..., N) (a (0,) placeholder without) and the switch `alibi`; the "cuda" ones take
+  neither, and no slopes (jax_flash._dispatch refuses them there before a call is built)."""
+  if config.implementation != "cpu":
+    if alibi_slopes is not None:
+      raise NotImplementedError(f"the {config.implementation!r} kernels take no alibi_slopes")
+    return (), {}
+  if alibi_slopes is None:
+    return (jnp.zeros((0,), jnp.float32),), {"alibi": False}
+  return (alibi_slopes,), {"alibi": True}
+
+
+def _flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig, segment_ids=None,
+               alibi_slopes=None):
   """Returns (o, lse) with o like q (float32 with config.o_float32) and lse (..., N, T)
-  float32. `segment_ids`: None or (q_ids (..., T), kv_ids (..., S)) int32."""
+  float32. `segment_ids`: None or (q_ids (..., T), kv_ids (..., S)) int32; `alibi_slopes`:
+  None or (..., N) float32 (one slope per batch element and query head)."""
   if segment_ids is not None and config.kv_splits:
     raise ValueError("split-KV decoding takes no segment ids (call_kernels sets kv_splits=0)")
+  if alibi_slopes is not None and config.kv_splits:
+    raise ValueError("split-KV decoding takes no alibi_slopes (call_kernels sets kv_splits=0)")
   if config.logits_soft_cap and config.kv_splits:
     raise ValueError("split-KV decoding takes no logits_soft_cap (call_kernels sets kv_splits=0)")
   if config.kv_splits and config.implementation == "cuda" and not _decode.cuda_kernel_enabled():
@@ -138,8 +155,9 @@ def _flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig, segment_ids=None)
       vmap_method="broadcast_all",
   )
   ids, id_attributes = _segment_operands(config, segment_ids)
-  return call(q, k, v, q_lens, kv_lens, *ids, **config.attributes(), **id_attributes,
-              **_soft_cap_attribute(config))
+  alibi, alibi_attributes = _alibi_operands(config, alibi_slopes)
+  return call(q, k, v, q_lens, kv_lens, *ids, *alibi, **config.attributes(), **id_attributes,
+              **_soft_cap_attribute(config), **alibi_attributes)
 
 
 # The kernel ops have one derivative, their custom VJP's: differentiating them raises.
@@ -152,9 +170,12 @@ def for_backward(config: KernelConfig) -> KernelConfig:
   and not from O rounded to 16 bits (issue 13: that rounding cost dq/dk their accuracy on peaked
   softmaxes). The CPU backward takes that o as it is; on CUDA dot_product_attention keeps the
   16-bit o and its int8 rounding error instead (jax_flash._rounding: 3 bytes an element, not 4).
-  The CUDA decode kernel writes o like q only: its calls keep the 16-bit o."""
-  if config.implementation == "cuda" and config.kv_splits and _decode.cuda_kernel_enabled():
-    return config
+  A differentiated call of decode shape runs the tiled CUDA forward, not the decode kernel:
+  the tiled one also normalises o by the sum of the rounded P its P V used (which the decode
+  kernel's chunk merge does not keep), and without it the CUDA differential run kept 11 dq/dk
+  misses on such calls (examples/results/h200/session11/)."""
+  if config.implementation == "cuda" and config.kv_splits:
+    return dataclasses.replace(config, kv_splits=0, o_float32=True)
   return dataclasses.replace(config, o_float32=True)
 
 
@@ -172,13 +193,14 @@ def dq_splits(batch: int, heads_k: int, seq_k: int) -> int:
 
 
 def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig, segment_ids=None,
-               o_error=None):
+               o_error=None, alibi_slopes=None):
   """Returns (dq, dk, dv); the kernel's workspaces come back as extra outputs and are dropped:
   delta (..., N, T) float32, and the float32 dQ accumulator, flat, of the size the native
   module gives (on the CPU one partial per dQ split; on CUDA one like q, none in deterministic
   mode). `o_error`: None, or the int8 rounding error of a 16-bit o
   (jax_flash._rounding.split_rounding), from which the CUDA kernel forms delta at about float32
-  precision (the CPU kernel gets o joined back into float32)."""
+  precision (the CPU kernel gets o joined back into float32). `alibi_slopes`: those of the
+  forward (the kernel recomputes the same biased scores; the slopes get no gradient)."""
   if o_error is not None and config.implementation != "cuda":
     o, o_error = _rounding.join_rounding(o, o_error), None
   *batch, seq_q, heads_q, head_dim = q.shape
@@ -205,12 +227,14 @@ def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig, segm
       vmap_method="broadcast_all",
   )
   ids, id_attributes = _segment_operands(config, segment_ids)
+  alibi, alibi_attributes = _alibi_operands(config, alibi_slopes)
   # The CUDA backward's last operand: o_error, or an int8 placeholder with no elements.
   error = ()
   if config.implementation == "cuda":
     error = (jnp.zeros((0,), jnp.int8) if o_error is None else o_error,)
-  dq, dk, dv, _, _ = call(q, k, v, o, lse, d_o, q_lens, kv_lens, *ids, *error, **attributes,
-                          **id_attributes, **_soft_cap_attribute(config))
+  dq, dk, dv, _, _ = call(q, k, v, o, lse, d_o, q_lens, kv_lens, *ids, *alibi, *error,
+                          **attributes, **id_attributes, **_soft_cap_attribute(config),
+                          **alibi_attributes)
   return dq, dk, dv
 
 
@@ -258,6 +282,7 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
                  segment_ids: tuple[jax.Array, jax.Array] | None = None,
                  logits_soft_cap: float | None = None,
                  sinks: jax.Array | None = None,
+                 alibi_slopes: jax.Array | None = None,
                  ) -> tuple[jax.Array, jax.Array]:
   """(out, lse) of `attention` with what every entry point does around the kernels: the scale
   made positive (positive_scale) and the head dim zero-padded as `implementation` needs
@@ -272,6 +297,10 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
   With `sinks` (N,) `attention` is called with the ids (or None) and the sinks as seventh and
   eighth arguments: the kernels themselves never see them (see
   jax_flash._attention._join_sinks), so every kernel form (tiled, decode) runs such calls.
+  With `alibi_slopes` (N,) float32 `attention` gets them last, after the ids (or None) and the
+  sinks where given, broadcast to (B, N) (the kernels take one slope per batch element and
+  head, which vmap and batch sharding fold like any operand); only the tiled kernel takes them,
+  so such calls never run the decode kernel.
 
   With nothing to compute (B, T or N is 0) or no key for any row (S is 0) no kernel runs: the
   output is zeros (every row empty, lse EMPTY_ROW_LSE), as jax.nn's is, and so are the
@@ -291,14 +320,18 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
                             window_left, window_right)
   else:
     splits = _decode.kv_splits(implementation, batch, seq_q, heads_q, k.shape[2], k.shape[1])
-  if segment_ids is not None or logits_soft_cap is not None:
+  if segment_ids is not None or logits_soft_cap is not None or alibi_slopes is not None:
     splits = 0
   config = KernelConfig(implementation, scale, bool(is_causal), window_left, window_right,
                         deterministic, context_parallel=context_parallel, kv_splits=splits,
                         logits_soft_cap=0.0 if logits_soft_cap is None else float(logits_soft_cap))
   with _derivatives.explain_forward_mode(caller, implementation):
     extra = () if segment_ids is None else (tuple(segment_ids),)
+    if sinks is not None or alibi_slopes is not None:
+      extra = (None if segment_ids is None else tuple(segment_ids),)
     if sinks is not None:
-      extra = (None if segment_ids is None else tuple(segment_ids), sinks)
+      extra += (sinks,)
+    if alibi_slopes is not None:
+      extra += (jnp.broadcast_to(alibi_slopes.astype(jnp.float32), (batch, heads_q)),)
     out, lse = attention(q, k, v, q_lens, kv_lens, config, *extra)
   return out[..., :head_dim], lse

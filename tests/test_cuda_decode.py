@@ -292,8 +292,9 @@ def test_default_picks_the_kernel_on_the_gpu():
       local_window_size=(300, 2), kv_lens=(900, 1000)),
 ], ids=lambda c: c.id)
 def test_decode_call_gradients(case):
-  """A decode-shaped call differentiated: the kernel's forward (o, lse: the residuals) and the
-  tiled backward, within the rule of the references (out, lse, dq, dk, dv)."""
+  """A decode-shaped call differentiated (the tiled forward and backward: _ops.for_backward
+  leaves the decode kernel to inference), within the rule of the references (out, lse, dq, dk,
+  dv)."""
   check_against_references(case, run_jax_flash(case, "cuda"))
 
 
