@@ -77,8 +77,6 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
         e = family == KernelFamily::kSm90Ws           ? launch_bwd_main_sm90_ws<T, kD>(p, kDefault, stream)
             : family == KernelFamily::kSm90WsAtomicDq ? launch_bwd_main_sm90_ws<T, kD>(p, DqMode::kAtomics, stream)
             : family == KernelFamily::kSm90WsBulkDq   ? launch_bwd_main_sm90_ws<T, kD>(p, DqMode::kBulk, stream)
-            : family == KernelFamily::kSm90WsAhead
-                ? launch_bwd_main_sm90_ws<T, kD>(p, TileShapes<kD>::kHasSm90BwdAhead ? DqMode::kAhead : kDefault, stream)
                                                       : launch_bwd_main_sm80<T, kD>(p, stream);
       } else {
         e = launch_bwd_main_sm80<T, kD>(p, stream);

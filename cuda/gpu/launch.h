@@ -38,9 +38,8 @@ cudaError_t launch_fwd_sm90_ws(const FwdParams& params, bool persistent, cudaStr
 template <typename T, int kHeadDim>
 cudaError_t launch_bwd_main_sm80(const BwdParams& params, cudaStream_t stream);
 // How the warp-specialised main backward (sm90/flash_bwd_ws_kernel.cuh) adds dQ: atomics from
-// the math warps, bulk reductions from shared memory, or (head dim 64) atomics from warpgroup 0
-// alone with warpgroup 1 running ahead (Sm90BwdWsTraits::kAhead).
-enum class DqMode { kAtomics, kBulk, kAhead };
+// the math warps, or bulk reductions from shared memory.
+enum class DqMode { kAtomics, kBulk };
 template <typename T, int kHeadDim>
 cudaError_t launch_bwd_main_sm90_ws(const BwdParams& params, DqMode dq_mode, cudaStream_t stream);
 // The deterministic mode's dQ kernel (mma.sync on every GPU).

@@ -43,10 +43,6 @@ struct TileShapes {
   // query blocks of 64; dQ added by atomics, or by bulk reductions from a shared tile.
   using Sm90BwdWs = Sm90BwdWsTraits<kHeadDim>;
   using Sm90BwdWsBulkDq = Sm90BwdWsTraits<kHeadDim, true>;
-  // Experimental (JAX_FLASH_CUDA_BACKWARD=sm90ws_ahead): warpgroup 1 runs ahead of warpgroup 0,
-  // which computes dQ alone (head dim 64 only; elsewhere the default).
-  static constexpr bool kHasSm90BwdAhead = kHeadDim == 64;
-  using Sm90BwdWsAhead = Sm90BwdWsTraits<kHeadDim, false, kHasSm90BwdAhead>;
   // The backward's dQ by default (JAX_FLASH_CUDA_BACKWARD=sm90ws), as measured on the H200
   // (cuda/PERF_NOTES.md v6): bulk reductions at head dim 128 (+5-11% over atomics), atomics at 64
   // (bulk reductions 25% slower there).

@@ -30,8 +30,6 @@ cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
 template <typename T, int kHeadDim>
 cudaError_t launch_bwd_main_sm90_ws(const BwdParams& p, DqMode dq_mode, cudaStream_t stream) {
   if (dq_mode == DqMode::kBulk) return launch<typename TileShapes<kHeadDim>::Sm90BwdWsBulkDq, T>(p, stream);
-  if constexpr (TileShapes<kHeadDim>::kHasSm90BwdAhead)
-    if (dq_mode == DqMode::kAhead) return launch<typename TileShapes<kHeadDim>::Sm90BwdWsAhead, T>(p, stream);
   return launch<typename TileShapes<kHeadDim>::Sm90BwdWs, T>(p, stream);
 }
 

@@ -13,8 +13,6 @@
 //     P^T and dS^T in registers, dS^T to one of two shared buffers, the two warpgroups meet on
 //     a named barrier, then dV += P^T dO (RS), dK += dS^T Q and dQ = dS K (SS); each consumer
 //     warp releases the stage once its products are in.
-//   With Traits::kAhead (head dim 64, where warpgroup 0 computes all of dQ) warpgroup 1 does not
-//     wait for warpgroup 0 at the barrier: it hands its dS^T over and runs up to a visit ahead.
 //   With Traits::kBulkDq the consumers leave dQ in a float32 shared tile instead of adding it
 //   with atomics, and the producer's second warp adds the tile's rows to the accumulator with
 //   bulk reductions (cp.reduce.async.bulk), FlashAttention-3's way of keeping the atomics and
@@ -219,14 +217,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   float dv[1][kD / 8][4] = {};
   const float scale_log2 = p.scale * kLog2e;
   const uint32_t k_address = smem_address(smem.k), v_address = smem_address(smem.v);
-  // The two consumer warpgroups meet on named barrier 1 (id 0 is __syncthreads') at each visit
-  // and before the dK/dV stores. With Traits::kAhead (not in the deterministic mode, where
-  // neither computes dQ) warpgroup 1 arrives at barrier 2 with its dS^T and warpgroup 0 waits
-  // there, warpgroup 0 arrives at barrier 3 once its dQ has read the dS^T buffers and warpgroup
-  // 1 waits there a visit later, and barrier 4 + group is one warpgroup's own.
+  // The two consumer warpgroups meet on named barrier 1 (id 0 is __syncthreads').
   auto consumers_sync = [] { named_barrier_sync(1, kConsumerThreads); };
-  constexpr bool kAhead = Traits::kAhead && !kDeterministic;
-  constexpr int kDsInBarrier = 2, kDqReadBarrier = 3, kOwnWarpsBarrier = 4;
 
   // The query blocks this warpgroup's keys take part in (the others skip their products).
   const int64_t group_key0 = n0 + group * 64;
@@ -270,28 +262,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // dQ of the last visit; this one's last reader, two visits ago, finished before that
     // warpgroup reached the barrier below last time). SmemTile<kBN, 64> stores as DsTile lays
     // out (one 64-column block, chunk ^ row).
-    auto store_ds = [&] {
-      store_accumulator<SmemTile<kBN, kBM>>(ds, dpt, warp_key0, 0, lane);
-      fence_proxy_async();
-    };
-    if constexpr (kAhead) {
-      if (group == 1) {
-        // Warpgroup 0's dQ of the last visit has read the dS^T buffers (this visit's was last
-        // read two visits ago). The wait also keeps this warpgroup within a visit of the other,
-        // so that each generation of barrier 2 is one arrive of this warpgroup and one wait of
-        // that one.
-        if (it > 0) named_barrier_sync(kDqReadBarrier, kConsumerThreads);
-        store_ds();
-        named_barrier_arrive(kDsInBarrier, kConsumerThreads);
-        named_barrier_sync(kOwnWarpsBarrier + group, 128);  // its own rows in, for its dK product
-      } else {
-        store_ds();
-        named_barrier_sync(kDsInBarrier, kConsumerThreads);  // both warpgroups' dS^T are in
-      }
-    } else {
-      store_ds();
-      consumers_sync();  // both warpgroups' dS^T are in
-    }
+    store_accumulator<SmemTile<kBN, kBM>>(ds, dpt, warp_key0, 0, lane);
+    fence_proxy_async();
+    consumers_sync();  // both warpgroups' dS^T are in
 
     // dV, dK and this warpgroup's part of dQ, waited for; then the stage is released (Q, dO, lse
     // and delta no longer read by this warp) and dQ added to the float32 accumulator.
@@ -299,8 +272,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     float dq[1][8][4];
     accumulate_gradients<Traits, T>(dk, dv, dq, st, q_address, do_address, ds_address, k_address, group, group_live,
                                     dq_here);
-    if constexpr (kAhead)  // warpgroup 1 waits for this at its next visit (so never after the last)
-      if (group == 0 && it + 1 < iterations) named_barrier_arrive(kDqReadBarrier, kConsumerThreads);
     if (lane == 0) Mbarrier(&bars.empty[stage]).arrive();
     if constexpr (Traits::kBulkDq) {
       if (dq_here) {  // the tile, once the writer has read the last visit's

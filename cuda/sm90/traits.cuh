@@ -36,16 +36,11 @@ struct Sm90FwdWsTraits {
 // 2 consumer warpgroups of 64 keys each; Q, dO (and their rows' lse, delta)
 // in kStages stages, dS^T double-buffered. kBulkDq: the consumers leave each visit's dQ in a
 // float32 shared tile that the producer's second warp adds to the accumulator with bulk
-// reductions (else the consumers add it with atomics). kAhead (head dim 64, atomics): warpgroup
-// 0 alone computes dQ, and warpgroup 1 hands its dS^T over with a barrier arrive instead of
-// waiting for warpgroup 0 at a common barrier, so it runs up to a visit ahead (its products under
-// warpgroup 0's softmax) instead of idling while warpgroup 0 computes dQ.
-template <int kHeadDim_, bool kBulkDq_ = false, bool kAhead_ = false>
+// reductions (else the consumers add it with atomics).
+template <int kHeadDim_, bool kBulkDq_ = false>
 struct Sm90BwdWsTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kBulkDq = kBulkDq_;
-  static constexpr bool kAhead = kAhead_;
-  static_assert(!kAhead || (kHeadDim == 64 && !kBulkDq), "ahead: dQ by warpgroup 0 alone, with atomics");
   static constexpr int kBlockM = 64;   // query rows per visit
   static constexpr int kBlockN = 128;  // keys: 2 consumer warpgroups x 64
   static constexpr int kConsumers = 2;
