@@ -30,8 +30,8 @@ revisited with measurements of all three on GPUs:
    communication overlaps compute;
 2. else ``"all_to_all"`` where the heads split over the axis: every mask, work balanced;
 3. else ``"all_gather"`` (causal without a window balanced by zig-zag queries);
-4. else (the sequence does not split over the axis) no strategy: the sequence is gathered and
-   the op runs on it whole.
+4. else (the sequence does not split over the axis, or the call has ALiBi slopes, which no
+   strategy carries yet) no strategy: the sequence is gathered and the op runs on it whole.
 
 Segment ids (packed documents) go with every strategy: sharded like their operands' sequence,
 moved with them by the zig-zag relayout; the ring passes the key-side ids around with K/V, the
@@ -73,8 +73,11 @@ class Strategy:
 
 
 def _why_not(name: str, *, num: int, seq_q: int, seq_k: int, heads_q: int,
-             config: _ops.KernelConfig) -> str | None:
+             config: _ops.KernelConfig, alibi: bool = False) -> str | None:
   """Why strategy `name` cannot run this call over `num` devices (None: it can)."""
+  if alibi:
+    return ("no strategy carries alibi_slopes yet (each slice's positions would have to be "
+            "shifted); leave context_parallel=None, which gathers the sequence for such calls")
   if seq_q % num or seq_k % num:
     return (f"the query and key lengths ({seq_q}, {seq_k}) must split over the {num} devices "
             "of the sequence axis")
@@ -98,13 +101,14 @@ def _zigzag_fits(name: str, num: int, seq_q: int, seq_k: int) -> bool:
 
 
 def choose(request: str | None, *, num: int, seq_q: int, seq_k: int, heads_q: int,
-           config: _ops.KernelConfig) -> Strategy | None:
+           config: _ops.KernelConfig, alibi: bool = False) -> Strategy | None:
   """The strategy of a call partitioned under jax.jit (see the module docstring for the
-  automatic rule). `heads_q` are the query heads on each device of the sequence axis. A
-  requested strategy that cannot run raises ValueError; the automatic choice returns None
-  when none can (the caller then gathers the sequence)."""
+  automatic rule). `heads_q` are the query heads on each device of the sequence axis; `alibi`:
+  the call has ALiBi slopes, which no strategy carries yet. A requested strategy that cannot
+  run raises ValueError; the automatic choice returns None when none can (the caller then
+  gathers the sequence)."""
   check_request(request)
-  facts = dict(num=num, seq_q=seq_q, seq_k=seq_k, heads_q=heads_q, config=config)
+  facts = dict(num=num, seq_q=seq_q, seq_k=seq_k, heads_q=heads_q, config=config, alibi=alibi)
   if request is None:
     names = [n for n in STRATEGIES if _why_not(n, **facts) is None]
     if not names:

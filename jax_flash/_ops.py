@@ -4,8 +4,8 @@ padded as the kernels need).
 
 Kernel layouts: q, o, dq (..., T, N, H); k, v, dk, dv (..., S, K, H); lse (..., N, T) float32;
 q_lens, kv_lens (...,) int32; segment ids, where given, (..., T) and (..., S) int32, and ALiBi
-slopes, where given, (..., N) float32 (the "cpu" kernel only). Leading dimensions are batch; vmap adds more (``broadcast_all``),
-and the kernels fold them all into one batch dimension.
+slopes, where given, (..., N) float32 (the "cpu" kernel only). Leading dimensions are batch;
+vmap adds more (``broadcast_all``), and the kernels fold them all into one batch dimension.
 """
 
 from __future__ import annotations

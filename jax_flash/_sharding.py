@@ -21,6 +21,12 @@ Segment ids ((B, T) and (B, S), the "cpu" kernel's) have their own pair of parti
 the ids shard with the batch (heads need nothing of them: still no communication) and with the
 sequence where a context-parallel strategy runs over it, which carries them (see
 jax_flash._context_parallel).
+
+ALiBi slopes ((B, N) float32, the "cpu" kernel's) come last among the operands, in ops of their
+own too: they shard with the batch and the query heads (no communication). No context-parallel
+strategy carries them yet (a strategy would have to shift each slice's positions): such calls
+run with the sequence gathered where the strategy was chosen automatically, and a requested one
+raises (jax_flash._context_parallel).
 """
 
 from __future__ import annotations
@@ -43,14 +49,20 @@ from jax_flash import _context_parallel, _derivatives, _ops, _rounding
 _FWD_RULE = "b t n h, b s k h, b s k h, b, b -> b t n h, b n t"
 _BWD_RULE = ("b t n h, b s k h, b s k h, b t n h, b n t, b t n h, b, b "
              "-> b t n h, b s k h, b s k h")
-# With segment ids: q_ids (b t) and kv_ids (b s) after the lengths.
+# Optional operands after the lengths, in this order: o's int8 rounding error (the CUDA
+# backward's; jax_flash._rounding), the segment ids q_ids (b t) and kv_ids (b s), the ALiBi
+# slopes (b n).
+_ERROR_RULE = ", b t n h"
 _IDS_RULE = ", b t, b s"
-_FWD_IDS_RULE = _FWD_RULE.replace(" ->", _IDS_RULE + " ->")
-_BWD_IDS_RULE = _BWD_RULE.replace(" ->", _IDS_RULE + " ->")
-# The backward with o's int8 rounding error (CUDA; jax_flash._rounding) after the lengths,
-# before any ids.
-_BWD_ERROR_RULE = _BWD_RULE.replace(" ->", ", b t n h ->")
-_BWD_ERROR_IDS_RULE = _BWD_ERROR_RULE.replace(" ->", _IDS_RULE + " ->")
+_ALIBI_RULE = ", b n"
+
+
+def _rule(base: str, error: bool, ids: bool, alibi: bool) -> str:
+  extras = (_ERROR_RULE if error else "") + (_IDS_RULE if ids else "") + (
+      _ALIBI_RULE if alibi else "")
+  return base.replace(" ->", extras + " ->")
+
+
 # Kept whole: the head dim.
 _WHOLE_FACTORS = ("h",)
 
@@ -89,10 +101,10 @@ def _heads_plan(mesh, q_shape, k_shape, heads) -> tuple[object, object]:
   return None, None
 
 
-def _plan(mesh, arg_shapes, config: _ops.KernelConfig) -> _Plan:
+def _plan(mesh, arg_shapes, config: _ops.KernelConfig, alibi: bool = False) -> _Plan:
   """Read off the query's sharding: batch as it is; heads by _heads_plan; a sharded sequence
   runs the strategy _context_parallel.choose picks for the call (or the one it asks for), and
-  is gathered where none can run."""
+  is gathered where none can run (as with `alibi`: ALiBi slopes among the operands)."""
   q, k = arg_shapes[0], arg_shapes[1]
   batch = _spec_entry(q.sharding, 0)
   seq = _spec_entry(q.sharding, 1)
@@ -103,7 +115,7 @@ def _plan(mesh, arg_shapes, config: _ops.KernelConfig) -> _Plan:
   if seq is not None:
     strategy = _context_parallel.choose(
         config.context_parallel, num=_axis_size(mesh, seq), seq_q=q.shape[1], seq_k=k.shape[1],
-        heads_q=q.shape[2] // _axis_size(mesh, q_heads), config=config)
+        heads_q=q.shape[2] // _axis_size(mesh, q_heads), config=config, alibi=alibi)
     seq = seq if strategy is not None else None
   return _Plan(batch, q_heads, kv_heads, seq, strategy)
 
@@ -116,79 +128,105 @@ def _shardings(mesh, plan: _Plan):
   return q_rows, kv_rows, lse, lens
 
 
-def _ids_shardings(mesh, plan: _Plan, arg_shapes, inputs: int) -> tuple:
-  """The segment ids' shardings (batch, and the sequence where a strategy runs over it), for
-  the operands past the first `inputs`: none without ids."""
-  return (NamedSharding(mesh, P(plan.batch, plan.seq)),) * (len(arg_shapes) - inputs)
+@dataclasses.dataclass(frozen=True)
+class _Extras:
+  """Which optional operands an op takes after the lengths, in this order: o_error (the CUDA
+  backward's), the segment ids (two), the ALiBi slopes."""
+  error: bool = False
+  ids: bool = False
+  alibi: bool = False
+
+  def split(self, extras) -> tuple:
+    """(o_error or None, segment ids or None, alibi slopes or None) of the operands."""
+    extras = list(extras)
+    o_error = extras.pop(0) if self.error else None
+    ids = (extras.pop(0), extras.pop(0)) if self.ids else None
+    alibi = extras.pop(0) if self.alibi else None
+    return o_error, ids, alibi
+
+  def shardings(self, mesh, plan: _Plan, q_rows) -> tuple:
+    """Their shardings: o_error like q; the ids with the batch (and the sequence where a
+    strategy runs over it); the slopes with the batch and the query heads."""
+    out = (q_rows,) if self.error else ()
+    if self.ids:
+      out += (NamedSharding(mesh, P(plan.batch, plan.seq)),) * 2
+    if self.alibi:
+      out += (NamedSharding(mesh, P(plan.batch, plan.q_heads)),)
+    return out
 
 
-def _fwd_impl(q, k, v, q_lens, kv_lens, *ids_and_config):
-  *ids, config = ids_and_config
-  return _ops.flash_fwd(q, k, v, q_lens, kv_lens, config, tuple(ids) if ids else None)
+def _fwd_op(extras: _Extras):
+  """The partitioned forward taking `extras` after the lengths, its config the static
+  argument after them."""
+
+  def impl(q, k, v, q_lens, kv_lens, *extras_and_config):
+    *rest, config = extras_and_config
+    _, ids, alibi = extras.split(rest)
+    return _ops.flash_fwd(q, k, v, q_lens, kv_lens, config, ids, alibi)
+
+  def partition(config, mesh, arg_shapes, result_shape):
+    plan = _plan(mesh, arg_shapes, config, alibi=extras.alibi)
+    q_rows, kv_rows, lse, lens = _shardings(mesh, plan)
+
+    def lower(q, k, v, q_lens, kv_lens, *rest):
+      if plan.seq is not None:
+        _, ids, _ = extras.split(rest)
+        return _context_parallel.sharded_fwd(plan.strategy, q, k, v, q_lens, kv_lens, config,
+                                             ids, axis_name=plan.seq)
+      return impl(q, k, v, q_lens, kv_lens, *rest, config)
+
+    return (mesh, lower, (q_rows, lse),
+            (q_rows, kv_rows, kv_rows, lens, lens, *extras.shardings(mesh, plan, q_rows)))
+
+  def infer(config, mesh, arg_shapes, result_shape):
+    plan = _plan(mesh, arg_shapes, config, alibi=extras.alibi)
+    q_rows, _, lse, _ = _shardings(mesh, plan)
+    return q_rows, lse
+
+  inputs = 5 + 2 * extras.ids + extras.alibi
+  return _partitioned(impl, inputs, _rule(_FWD_RULE, False, extras.ids, extras.alibi),
+                      partition, infer)
 
 
-def _fwd_partition(config, mesh, arg_shapes, result_shape):
-  plan = _plan(mesh, arg_shapes, config)
-  q_rows, kv_rows, lse, lens = _shardings(mesh, plan)
+def _bwd_op(extras: _Extras):
+  """The partitioned backward taking `extras` after the lengths, its config the static
+  argument after them."""
 
-  def lower(q, k, v, q_lens, kv_lens, *ids):
-    if plan.seq is not None:
-      return _context_parallel.sharded_fwd(plan.strategy, q, k, v, q_lens, kv_lens, config,
-                                           tuple(ids) or None, axis_name=plan.seq)
-    return _fwd_impl(q, k, v, q_lens, kv_lens, *ids, config)
+  def impl(q, k, v, o, lse, d_o, q_lens, kv_lens, *extras_and_config):
+    *rest, config = extras_and_config
+    o_error, ids, alibi = extras.split(rest)
+    return _ops.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config, ids, o_error, alibi)
 
-  return (mesh, lower, (q_rows, lse),
-          (q_rows, kv_rows, kv_rows, lens, lens, *_ids_shardings(mesh, plan, arg_shapes, 5)))
+  def partition(config, mesh, arg_shapes, result_shape):
+    plan = _plan(mesh, arg_shapes, config, alibi=extras.alibi)
+    q_rows, kv_rows, lse, lens = _shardings(mesh, plan)
 
+    def lower(q, k, v, o, lse, d_o, q_lens, kv_lens, *rest):
+      if plan.seq is not None:
+        o_error, ids, _ = extras.split(rest)
+        if o_error is not None:  # the strategies take o whole, in float32
+          o = _rounding.join_rounding(o, o_error)
+        dq, dk, dv = _context_parallel.sharded_bwd(plan.strategy, q, k, v, o, lse, d_o, q_lens,
+                                                   kv_lens, config, ids, axis_name=plan.seq)
+      else:
+        dq, dk, dv = impl(q, k, v, o, lse, d_o, q_lens, kv_lens, *rest, config)
+      if plan.q_heads is not None and plan.kv_heads is None:
+        # One kv head, query heads split: each device holds the dK/dV of its query heads only.
+        dk, dv = jax.lax.psum((dk, dv), plan.q_heads)
+      return dq, dk, dv
 
-def _fwd_infer(config, mesh, arg_shapes, result_shape):
-  plan = _plan(mesh, arg_shapes, config)
-  q_rows, _, lse, _ = _shardings(mesh, plan)
-  return q_rows, lse
+    return (mesh, lower, (q_rows, kv_rows, kv_rows),
+            (q_rows, kv_rows, kv_rows, q_rows, lse, q_rows, lens, lens,
+             *extras.shardings(mesh, plan, q_rows)))
 
+  def infer(config, mesh, arg_shapes, result_shape):
+    plan = _plan(mesh, arg_shapes, config, alibi=extras.alibi)
+    q_rows, kv_rows, _, _ = _shardings(mesh, plan)
+    return q_rows, kv_rows, kv_rows
 
-def _bwd_extras(extras) -> tuple:
-  """(o_error or None, segment ids or None) from the backward's operands after the lengths:
-  o_error alone, the ids as a pair, or o_error then the ids."""
-  o_error = extras[0] if len(extras) % 2 else None
-  ids = tuple(extras[len(extras) % 2:])
-  return o_error, ids or None
-
-
-def _bwd_impl(q, k, v, o, lse, d_o, q_lens, kv_lens, *extras_and_config):
-  *extras, config = extras_and_config
-  o_error, ids = _bwd_extras(extras)
-  return _ops.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config, ids, o_error)
-
-
-def _bwd_partition(config, mesh, arg_shapes, result_shape):
-  plan = _plan(mesh, arg_shapes, config)
-  q_rows, kv_rows, lse, lens = _shardings(mesh, plan)
-  errors = (len(arg_shapes) - 8) % 2  # an o_error operand (after the lengths), or none
-
-  def lower(q, k, v, o, lse, d_o, q_lens, kv_lens, *extras):
-    if plan.seq is not None:
-      o_error, ids = _bwd_extras(extras)
-      if o_error is not None:  # the strategies take o whole, in float32
-        o = _rounding.join_rounding(o, o_error)
-      dq, dk, dv = _context_parallel.sharded_bwd(plan.strategy, q, k, v, o, lse, d_o, q_lens,
-                                                 kv_lens, config, ids, axis_name=plan.seq)
-    else:
-      dq, dk, dv = _bwd_impl(q, k, v, o, lse, d_o, q_lens, kv_lens, *extras, config)
-    if plan.q_heads is not None and plan.kv_heads is None:
-      # One kv head, query heads split: each device holds the dK/dV of its query heads only.
-      dk, dv = jax.lax.psum((dk, dv), plan.q_heads)
-    return dq, dk, dv
-
-  return (mesh, lower, (q_rows, kv_rows, kv_rows),
-          (q_rows, kv_rows, kv_rows, q_rows, lse, q_rows, lens, lens, *(q_rows,) * errors,
-           *_ids_shardings(mesh, plan, arg_shapes, 8 + errors)))
-
-
-def _bwd_infer(config, mesh, arg_shapes, result_shape):
-  plan = _plan(mesh, arg_shapes, config)
-  q_rows, kv_rows, _, _ = _shardings(mesh, plan)
-  return q_rows, kv_rows, kv_rows
+  inputs = 8 + extras.error + 2 * extras.ids + extras.alibi
+  return _partitioned(impl, inputs, _rule(_BWD_RULE, extras.error, extras.ids, extras.alibi),
+                      partition, infer)
 
 
 def _partitioned(impl, inputs: int, rule: str, partition, infer):
@@ -199,15 +237,12 @@ def _partitioned(impl, inputs: int, rule: str, partition, infer):
   return op
 
 
-_partitioned_fwd = _partitioned(_fwd_impl, 5, _FWD_RULE, _fwd_partition, _fwd_infer)
-_partitioned_bwd = _partitioned(_bwd_impl, 8, _BWD_RULE, _bwd_partition, _bwd_infer)
-# The same ops with segment ids (q_ids, kv_ids) after the lengths.
-_partitioned_fwd_ids = _partitioned(_fwd_impl, 7, _FWD_IDS_RULE, _fwd_partition, _fwd_infer)
-_partitioned_bwd_ids = _partitioned(_bwd_impl, 10, _BWD_IDS_RULE, _bwd_partition, _bwd_infer)
-# The backward with o_error (CUDA), without and with ids.
-_partitioned_bwd_error = _partitioned(_bwd_impl, 9, _BWD_ERROR_RULE, _bwd_partition, _bwd_infer)
-_partitioned_bwd_error_ids = _partitioned(_bwd_impl, 11, _BWD_ERROR_IDS_RULE, _bwd_partition,
-                                          _bwd_infer)
+# Every combination of optional operands, each op made once.
+_FWD_OPS = {extras: _fwd_op(extras) for extras in
+            (_Extras(ids=ids, alibi=alibi) for ids in (False, True) for alibi in (False, True))}
+_BWD_OPS = {extras: _bwd_op(extras) for extras in
+            (_Extras(error, ids, alibi) for error in (False, True) for ids in (False, True)
+             for alibi in (False, True))}
 
 
 def _fold_into_batch(axis_size: int, in_batched, args):
@@ -242,22 +277,21 @@ def _batched_op(partitioned, config: _ops.KernelConfig):
   return _derivatives.first_order_only(op)
 
 
-def flash_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=None):
+def flash_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=None,
+              alibi_slopes=None):
   """(o, lse) of the forward kernel; q, k, v rank 4, lens rank 1, segment_ids None or
-  (q_ids (B, T), kv_ids (B, S)); partitions and vmaps."""
-  if segment_ids is None:
-    return _batched_op(_partitioned_fwd, config)(q, k, v, q_lens, kv_lens)
-  return _batched_op(_partitioned_fwd_ids, config)(q, k, v, q_lens, kv_lens, *segment_ids)
+  (q_ids (B, T), kv_ids (B, S)), alibi_slopes None or (B, N) float32; partitions and vmaps."""
+  op = _FWD_OPS[_Extras(ids=segment_ids is not None, alibi=alibi_slopes is not None)]
+  alibi = () if alibi_slopes is None else (alibi_slopes,)
+  return _batched_op(op, config)(q, k, v, q_lens, kv_lens, *(segment_ids or ()), *alibi)
 
 
 def flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelConfig,
-              segment_ids=None, o_error=None):
+              segment_ids=None, o_error=None, alibi_slopes=None):
   """(dq, dk, dv) of the backward kernels; partitions and vmaps like flash_fwd. `o_error`:
   None, or the int8 rounding error of a 16-bit o (CUDA; jax_flash._rounding)."""
+  op = _BWD_OPS[_Extras(o_error is not None, segment_ids is not None, alibi_slopes is not None)]
   operands = (q, k, v, o, lse, d_o, q_lens, kv_lens)
-  if o_error is not None:
-    operands += (o_error,)
-  op = {(False, False): _partitioned_bwd, (False, True): _partitioned_bwd_ids,
-        (True, False): _partitioned_bwd_error, (True, True): _partitioned_bwd_error_ids}[
-            (o_error is not None, segment_ids is not None)]
-  return _batched_op(op, config)(*operands, *(segment_ids or ()))
+  operands += (() if o_error is None else (o_error,)) + tuple(segment_ids or ())
+  operands += () if alibi_slopes is None else (alibi_slopes,)
+  return _batched_op(op, config)(*operands)

@@ -61,13 +61,15 @@ B, T, S, N, K, H = 2, 5, 7, 4, 2, 8
 Q, KV, ROWS = (B, T, N, H), (B, S, K, H), (B, N, T)
 
 
-# The CPU passes' segment-id operands without ids: int32 placeholders with no elements.
-NO_IDS = dict(q_segment_ids=((0,), "int32"), kv_segment_ids=((0,), "int32"))
+# The CPU passes' segment-id operands without ids: int32 placeholders with no elements; and
+# their ALiBi operand without slopes, a float32 one.
+NO_IDS = dict(q_segment_ids=((0,), "int32"), kv_segment_ids=((0,), "int32"),
+              alibi_slopes=((0,), "float32"))
 
 
 def attributes(**overrides) -> dict:
   base = dict(scale=0.5, is_causal=False, window_left=np.int64(-1), window_right=np.int64(-1),
-              segment_ids=False, logits_soft_cap=0.0)
+              segment_ids=False, logits_soft_cap=0.0, alibi=False)
   return {**base, **overrides}
 
 
@@ -131,6 +133,12 @@ def with_ids(call: Call, q_ids=(B, T), kv_ids=(B, S), dtype="int32") -> Call:
   call.shapes["q_segment_ids"] = (tuple(q_ids), dtype)
   call.shapes["kv_segment_ids"] = (tuple(kv_ids), dtype)
   return with_attributes(call, segment_ids=True)
+
+
+def with_alibi(call: Call, shape=(B, N), dtype="float32") -> Call:
+  """ALiBi switched on, with a slopes operand of this shape."""
+  call.shapes["alibi_slopes"] = (tuple(shape), dtype)
+  return with_attributes(call, alibi=True)
 
 
 # Errors both passes share (the checks of cuda/common/ffi_params.h): (id, spoil, fragments).
@@ -212,6 +220,18 @@ COMMON_ERRORS = [
      ("logits_soft_cap", "log2(e)", "got 3e+38")),
     ("soft_cap_subnormal", lambda c: with_attributes(c, logits_soft_cap=1e-40),
      ("logits_soft_cap", "normal", "got 1e-40")),
+    # ALiBi: the switch and the operand must agree; float32 slopes shaped (batch dims..., N).
+    ("alibi_on_empty", lambda c: with_attributes(c, alibi=True),
+     ("alibi_slopes(0,) float32", "batch dims and query heads", "q(2, 5, 4, 8)")),
+    ("alibi_off_given", lambda c: with_attributes(with_alibi(c), alibi=False),
+     ("alibi=false takes an empty", "alibi_slopes(2, 4) float32")),
+    ("alibi_unbatched", lambda c: with_alibi(c, shape=(N,)), ("alibi_slopes(4,) float32", "(..., N)")),
+    ("alibi_kv_heads", lambda c: with_alibi(c, shape=(B, K)), ("alibi_slopes(2, 2) float32", "q(2, 5, 4, 8)")),
+    ("alibi_transposed", lambda c: with_alibi(c, shape=(N, B)), ("alibi_slopes(4, 2) float32",)),
+    ("alibi_rank", lambda c: with_alibi(c, shape=(B, N, 1)), ("alibi_slopes(2, 4, 1) float32",)),
+    ("alibi_bf16", lambda c: with_alibi(c, dtype="bfloat16"), ("alibi_slopes(2, 4) bfloat16", "float32")),
+    ("alibi_empty_f16", lambda c: with_dtype(c, "float16", "alibi_slopes"),
+     ("alibi_slopes(0,) float16", "float32")),
 ]
 
 BWD_ERRORS = [
@@ -252,12 +272,13 @@ def test_bwd_errors(rng, spoil, fragments):
   expect_invalid_argument(spoil(valid_bwd()), rng, fragments)
 
 
-@pytest.mark.parametrize("ids", [False, True])
+@pytest.mark.parametrize("ids,alibi", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("make", [valid_fwd, valid_bwd], ids=["fwd", "bwd"])
-def test_valid_calls_run(rng, make, ids):
+def test_valid_calls_run(rng, make, ids, alibi):
   """The calls the error tests spoil are valid as built (so each error is the spoiled field's),
-  with segment ids too."""
+  with segment ids and ALiBi slopes too."""
   call = with_ids(make()) if ids else make()
+  call = with_alibi(call) if alibi else call
   for out in call.run(rng):
     assert np.isfinite(np.asarray(out, np.float32)).all()
 
@@ -291,9 +312,10 @@ def _direct_fwd(q, k, v, q_lens, kv_lens, scale, causal, left, right):
   *batch, t, n, _ = q.shape
   call = jax.ffi.ffi_call("jax_flash_cpu_fwd", (spec(q.shape, q.dtype), spec((*batch, n, t))))
   no_ids = jnp.zeros((0,), jnp.int32)
-  return call(q, k, v, q_lens, kv_lens, no_ids, no_ids, scale=float(scale), is_causal=causal,
-              window_left=np.int64(left), window_right=np.int64(right), segment_ids=False,
-              logits_soft_cap=0.0)
+  no_slopes = jnp.zeros((0,), jnp.float32)
+  return call(q, k, v, q_lens, kv_lens, no_ids, no_ids, no_slopes, scale=float(scale),
+              is_causal=causal, window_left=np.int64(left), window_right=np.int64(right),
+              segment_ids=False, logits_soft_cap=0.0, alibi=False)
 
 
 def _inputs(rng, dtype="float32"):
@@ -348,7 +370,7 @@ def test_wide_window_backward_matches_unbounded(rng, window):
     attrs = {**call.attributes, "window_left": np.int64(left), "window_right": np.int64(right)}
     no_ids = jnp.zeros((0,), jnp.int32)
     return jax.jit(lambda *a: bwd(*a, **attrs))(q, k, v, o, lse, d_o, q_lens, kv_lens, no_ids,
-                                                no_ids)[:3]
+                                                no_ids, jnp.zeros((0,), jnp.float32))[:3]
 
   for got, want in zip(grads(window, window), grads(-1, -1)):
     _close(got, want, atol=0)

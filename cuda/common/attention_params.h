@@ -6,6 +6,7 @@
 //   lse, delta   : (batch, heads_q, seq_q), float32
 //   q_lens, kv_lens : (batch,), int32; valid query / key rows per batch element
 //   q_segment_ids, kv_segment_ids : (batch, seq_q), (batch, seq_k), int32, or absent
+//   alibi_slopes : (batch, heads_q), float32, or absent
 // "batch" is every leading dimension folded together (vmap adds them).
 #pragma once
 
@@ -63,6 +64,13 @@ struct AttentionParams {
   // before the masks and the softmax; 0 is off. Only the CPU kernel reads it (the CUDA handlers
   // take no such attribute, and the Python side refuses it there).
   float logits_soft_cap = 0.f;
+  // ALiBi, or null for none: the score of query row i and key j of batch b, head h gains
+  // alibi_slopes[b * heads_q + h] * (j - i), after the soft cap and before the masks and the
+  // softmax. i and j are the positions the masks use (row and key indices, top-left aligned, so
+  // j - i is what causal masking compares with 0). One slope per (batch, query head): vmap and
+  // batch sharding fold into the batch like every other operand. Only the CPU kernel reads it
+  // (the CUDA handlers take no such operand, and the Python side refuses it there).
+  const float* alibi_slopes = nullptr;
 };
 
 struct FwdParams : AttentionParams {

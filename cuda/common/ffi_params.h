@@ -323,6 +323,30 @@ inline xla::ffi::Error set_segment_ids(const xla::ffi::AnyBuffer& q_ids, const x
   return xla::ffi::Error::Success();
 }
 
+// ALiBi slopes: with `alibi`, alibi_slopes (..., N) float32, its leading dimensions those of q
+// and its last q's query heads (one slope per batch element and query head; vmap adds leading
+// dimensions to it as to q); without, a float32 operand of no elements (the callers pass a (0,)
+// placeholder). Call after the attention inputs are set (it reads params.shape).
+inline xla::ffi::Error set_alibi_slopes(const xla::ffi::AnyBuffer& slopes, bool alibi,
+                                        const xla::ffi::AnyBuffer& q, AttentionParams& params) {
+  JF_RETURN_IF_ERROR(expect_dtype("alibi_slopes", slopes, xla::ffi::DataType::F32));
+  if (!alibi) {
+    if (slopes.element_count() != 0)
+      return invalid("alibi=false takes an empty alibi_slopes operand; got " + describe("alibi_slopes", slopes));
+    params.alibi_slopes = nullptr;
+    return xla::ffi::Error::Success();
+  }
+  const auto sd = slopes.dimensions(), qd = q.dimensions();
+  bool match = sd.size() + 2 == qd.size();
+  for (size_t i = 0; match && i + 1 < sd.size(); ++i) match = sd[i] == qd[i];
+  if (match) match = sd[sd.size() - 1] == params.shape.heads_q;
+  if (!match)
+    return invalid(describe("alibi_slopes", slopes) + ": must be q's batch dims and query heads (..., N), " +
+                   "one slope per batch element and query head, for " + describe("q", q));
+  params.alibi_slopes = slopes.typed_data<float>();
+  return xla::ffi::Error::Success();
+}
+
 // The FFI signatures of the two passes, shared by the CPU and CUDA handlers: `Ctx` is how the
 // backend runs (XLA's thread pool, or its CUDA stream); backend-specific attributes follow.
 template <typename Ctx>

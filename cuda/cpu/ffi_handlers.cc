@@ -68,12 +68,13 @@ ffi::Error run_fwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                    ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens, ffi::Result<ffi::AnyBuffer> o,
                    ffi::Result<ffi::AnyBuffer> lse, double scale, bool is_causal, int64_t window_left,
                    int64_t window_right, ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
-                   bool segment_ids, double logits_soft_cap) {
+                   bool segment_ids, double logits_soft_cap, ffi::AnyBuffer alibi_slopes, bool alibi) {
   FwdParams params;
   JF_RETURN_IF_ERROR(make_fwd_params(q, k, v, q_lens, kv_lens, *o, *lse, scale, is_causal,
                                      window_left, window_right, params));
   JF_RETURN_IF_ERROR(set_segment_ids(q_segment_ids, kv_segment_ids, segment_ids, q, k, params));
   JF_RETURN_IF_ERROR(attention_soft_cap(logits_soft_cap, params.logits_soft_cap));
+  JF_RETURN_IF_ERROR(set_alibi_slopes(alibi_slopes, alibi, q, params));
   PoolRunner runner{&pool};
   cpu::flash_fwd(params, {&PoolRunner::run, &runner});
   return ffi::Error::Success();
@@ -87,12 +88,13 @@ ffi::Error run_bwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                    double scale, bool is_causal, int64_t window_left, int64_t window_right,
                    ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids, bool segment_ids,
                    int64_t dq_splits, bool /*deterministic: the CPU backward always is*/,
-                   double logits_soft_cap) {
+                   double logits_soft_cap, ffi::AnyBuffer alibi_slopes, bool alibi) {
   BwdParams params;
   JF_RETURN_IF_ERROR(make_bwd_params(q, k, v, o, lse, d_o, q_lens, kv_lens, *dq, *dk, *dv, *delta,
                                      scale, is_causal, window_left, window_right, params));
   JF_RETURN_IF_ERROR(set_segment_ids(q_segment_ids, kv_segment_ids, segment_ids, q, k, params));
   JF_RETURN_IF_ERROR(attention_soft_cap(logits_soft_cap, params.logits_soft_cap));
+  JF_RETURN_IF_ERROR(set_alibi_slopes(alibi_slopes, alibi, q, params));
   if (dq_splits < 1 || dq_splits > kMaxDqSplits)
     return invalid("dq_splits must be in [1, " + std::to_string(kMaxDqSplits) + "]; got " +
                    std::to_string(dq_splits));
@@ -147,15 +149,23 @@ auto with_segment_ids(Binding binding) {
       .template Attr<bool>("segment_ids");
 }
 
-// And logit soft-capping: "logits_soft_cap", c > 0 or 0 for off (attention_soft_cap checks it).
+// And the score policies: logit soft-capping ("logits_soft_cap", c > 0 or 0 for off;
+// attention_soft_cap checks it) and ALiBi (one more operand after the segment ids, and its
+// switch; set_alibi_slopes checks them).
+template <typename Binding>
+auto with_score_policies(Binding binding) {
+  return std::move(binding)
+      .template Attr<double>("logits_soft_cap")
+      .template Arg<ffi::AnyBuffer>()  // alibi_slopes (..., N) float32, or (0,) without
+      .template Attr<bool>("alibi");
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuFlashFwd, run_fwd,
-                              with_segment_ids(fwd_binding<ffi::ThreadPool>())
-                                  .Attr<double>("logits_soft_cap"));
+                              with_score_policies(with_segment_ids(fwd_binding<ffi::ThreadPool>())));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuFlashBwd, run_bwd,
-                              with_segment_ids(bwd_binding<ffi::ThreadPool>())
-                                  .Attr<int64_t>("dq_splits")
-                                  .Attr<bool>("deterministic")
-                                  .Attr<double>("logits_soft_cap"));
+                              with_score_policies(with_segment_ids(bwd_binding<ffi::ThreadPool>())
+                                                      .Attr<int64_t>("dq_splits")
+                                                      .Attr<bool>("deterministic")));
 
 }  // namespace jax_flash

@@ -7,7 +7,9 @@
 //   3. dQ = sum of the split accumulators, in the input dtype.
 // With dS = P * (dP - delta): dV = P^T dO, dK = scale dS^T Q, dQ = scale dS K. With logit
 // soft-capping dS is first multiplied by the cap's derivative 1 - tanh^2(scale q.k / c), recomputed
-// per tile from the raw scores (soft_cap in flash_fwd.h).
+// per tile from the raw scores (soft_cap in flash_fwd.h). ALiBi's bias slope * (j - i) is added to
+// each recomputed score tile as the forward added it (alibi_rows in flash_fwd.h); it depends on
+// neither Q nor K, so dS needs nothing more, and the slopes get no gradient.
 #pragma once
 
 #include <cmath>
@@ -127,6 +129,7 @@ struct FlashBwdMain {
         const float* delta_h = p.delta + (b * sh.heads_q + h) * sh.seq_q;
         float* dq = p.dq_accum + ((split * sh.batch + b) * sh.seq_q * sh.heads_q + h) * dp;
         const int64_t dq_stride = sh.heads_q * dp;
+        const Alibi alibi(p.alibi_slopes, b * sh.heads_q + h);
 
         for (int64_t i0 = first_row; i0 < end_row; i0 += bq) {
           const int64_t rows = min64(bq, end_row - i0);
@@ -147,9 +150,11 @@ struct FlashBwdMain {
             lse2[r] = lse[i0 + r] == kEmptyRowLse ? INFINITY : lse[i0 + r] * kLog2e;
             delta[r] = delta_h[i0 + r];
           }
-          // P = exp2(S * scale * log2e - lse * log2e), masked.
+          // P = exp2(S * scale * log2e - lse * log2e), masked (S soft-capped and biased first,
+          // as the forward formed it).
           gemm(rows, bk, dp, score_scale, qs, ldq, kt_tile, bk, probs, bk, false);
           if (cap) soft_cap(probs, rows * bk, cap, cap_grad);  // recomputed, never stored T x S
+          if (alibi) alibi_rows(probs, bk, rows, bk, j0 - i0, alibi);
           const KeyRange first = key_range(p.mask, i0, q_len, kv_len);
           const KeyRange last = key_range(p.mask, i0 + rows - 1, q_len, kv_len);
           const bool whole = live_cols == bk && j0 >= last.begin && j0 + bk <= first.end;

@@ -157,6 +157,56 @@ inline void soft_cap(float* s, int64_t n, const SoftCap& cap, float* deriv) {
   }
 }
 
+// ALiBi, the second score policy: the score of query row i and key j gains slope * (j - i), in
+// base 2 slope2 = slope * log2(e) times (j - i), added to each tile right after the soft cap
+// (before the masks: a masked score is -inf whatever it gained), so nothing T x S is stored.
+// i and j are the indices the masks compare (common/mask.h). Both passes form j - i as an
+// integer, converted to float once (exact below 2^24), and add slope2 * (j - i) to the score:
+// the backward recomputes the forward's biased scores value for value. Off (no slopes) the
+// kernels skip it with one branch per tile.
+struct Alibi {
+  float slope2 = 0.f;  // slope * log2(e) of this (batch, query head)
+  bool on = false;
+  Alibi(const float* slopes, int64_t index)
+      : slope2(slopes ? slopes[index] * kLog2e : 0.f), on(slopes != nullptr) {}
+  explicit operator bool() const { return on; }
+};
+
+// {0, 1, ..., kLanes - 1}.
+inline Vec lane_indices() {
+  Vec v;
+  for (int l = 0; l < kLanes; ++l) v[l] = static_cast<float>(l);
+  return v;
+}
+
+// ALiBi on transposed scores: st[c * ld + r] is query row i0 + r and key j0 + c, for c < cols and
+// r < rows (a multiple of kLanes); `offset` = j0 - i0.
+inline void alibi_columns(float* st, int64_t ld, int64_t cols, int64_t rows, int64_t offset,
+                          const Alibi& alibi) {
+  const Vec slope2 = splat(alibi.slope2), lanes = lane_indices();
+  for (int64_t c = 0; c < cols; ++c) {
+    float* column = st + c * ld;
+    for (int64_t r = 0; r < rows; r += kLanes) {
+      const Vec distance = splat(static_cast<float>(offset + c - r)) - lanes;  // j - i
+      store(column + r, load(column + r) + slope2 * distance);
+    }
+  }
+}
+
+// ALiBi on row-major scores: s[r * ld + c] is query row i0 + r and key j0 + c, for r < rows and
+// c < cols (a multiple of kLanes); `offset` = j0 - i0.
+inline void alibi_rows(float* s, int64_t ld, int64_t rows, int64_t cols, int64_t offset,
+                       const Alibi& alibi) {
+  const Vec slope2 = splat(alibi.slope2), lanes = lane_indices();
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = s + r * ld;
+    for (int64_t c = 0; c < cols; c += kLanes) {
+      const Vec distance = splat(static_cast<float>(offset - r + c)) + lanes;  // j - i
+      store(row + c, load(row + c) + slope2 * distance);
+    }
+  }
+}
+
 // Whether the key range of a row meets the keys [j0, j0 + cols).
 inline bool range_meets(KeyRange keys, int64_t j0, int64_t cols) {
   return max64(keys.begin, j0) < min64(keys.end, j0 + cols);
@@ -232,6 +282,7 @@ struct FlashFwd {
       const T* v = static_cast<const T*>(p.v) + b * sh.seq_k * kv_stride + hk * d;
       const float score_scale = p.scale * kLog2e;  // scores in base 2: exp2 instead of exp
       const SoftCap cap(p.logits_soft_cap);
+      const Alibi alibi(p.alibi_slopes, b * sh.heads_q + h);
       for (int64_t j0 = first.begin; j0 < last.end; j0 += kp) {
         const int64_t cols = min64(kp, last.end - j0);
         // Segment ids: a tile whose keys' ids cannot meet the rows' is skipped whole; one where
@@ -249,6 +300,7 @@ struct FlashFwd {
         gemm(cols, nq, dp, score_scale, kt, ldk, qt_tile, qp, scores_t, qp, false);
         if (cap)
           for (int64_t c = 0; c < cols; ++c) soft_cap(scores_t + c * qp, nq, cap, nullptr);
+        if (alibi) alibi_columns(scores_t, qp, cols, nq, j0 - i0, alibi);
         // Masks apply only on tiles some row sees partly (the diagonal, window edges).
         const bool whole = j0 >= last.begin && j0 + cols <= first.end;
         if (split_ids) {
