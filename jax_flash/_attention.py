@@ -17,10 +17,12 @@ from jax_flash._reference import attention_reference
 _XLA_PATHS = {"xla": attention_reference, "blockwise": blockwise_attention}
 
 
-# segment_ids: None or (q_ids (B, T), kv_ids (B, S)) int32; like the lengths, not differentiated.
+# segment_ids: None or (q_ids (B, T), kv_ids (B, S)) int32; alibi_slopes: None or (B, N)
+# float32. Like the lengths, neither is differentiated (their cotangents are None: zero).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash_attention(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=None):
-  return _sharding.flash_fwd(q, k, v, q_lens, kv_lens, config, segment_ids)
+def _flash_attention(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=None,
+                     alibi_slopes=None):
+  return _sharding.flash_fwd(q, k, v, q_lens, kv_lens, config, segment_ids, alibi_slopes)
 
 
 def _output_and_residual(o32, q, config):
@@ -34,19 +36,20 @@ def _output_and_residual(o32, q, config):
   return o32.astype(q.dtype), o32, None
 
 
-def _flash_attention_fwd(q, k, v, q_lens, kv_lens, config, segment_ids=None):
+def _flash_attention_fwd(q, k, v, q_lens, kv_lens, config, segment_ids=None,
+                         alibi_slopes=None):
   o32, lse = _sharding.flash_fwd(q, k, v, q_lens, kv_lens, _ops.for_backward(config),
-                                 segment_ids)
+                                 segment_ids, alibi_slopes)
   o, o_kept, o_error = _output_and_residual(o32, q, config)
-  return (o, lse), (q, k, v, o_kept, o_error, lse, q_lens, kv_lens, segment_ids)
+  return (o, lse), (q, k, v, o_kept, o_error, lse, q_lens, kv_lens, segment_ids, alibi_slopes)
 
 
 def _flash_attention_bwd(config, residuals, cotangents):
-  q, k, v, o, o_error, lse, q_lens, kv_lens, segment_ids = residuals
+  q, k, v, o, o_error, lse, q_lens, kv_lens, segment_ids, alibi_slopes = residuals
   d_o, _ = cotangents  # lse leaves through stop_gradient: its cotangent is always zero
   dq, dk, dv = _sharding.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config, segment_ids,
-                                   o_error)
-  return dq, dk, dv, None, None, None
+                                   o_error, alibi_slopes)
+  return dq, dk, dv, None, None, None, None
 
 
 _flash_attention.defvjp(_flash_attention_fwd, _flash_attention_bwd)
@@ -71,34 +74,38 @@ def _join_sinks(o32, lse, sinks):
   return o32 * jnp.swapaxes(weight, 1, 2)[..., None], total
 
 
-# segment_ids as in _flash_attention (None without them); sinks (N,) differentiable.
+# segment_ids and alibi_slopes as in _flash_attention (None without them); sinks (N,)
+# differentiable.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _flash_attention_sinks(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids,
-                           sinks):
-  (o, lse), _ = _flash_attention_sinks_fwd(q, k, v, q_lens, kv_lens, config, segment_ids, sinks)
+                           sinks, alibi_slopes=None):
+  (o, lse), _ = _flash_attention_sinks_fwd(q, k, v, q_lens, kv_lens, config, segment_ids, sinks,
+                                           alibi_slopes)
   return o, lse
 
 
-def _flash_attention_sinks_fwd(q, k, v, q_lens, kv_lens, config, segment_ids, sinks):
+def _flash_attention_sinks_fwd(q, k, v, q_lens, kv_lens, config, segment_ids, sinks,
+                               alibi_slopes=None):
   # o in float32 from the kernel (also undifferentiated: the join scales it before the one
   # rounding to q's dtype).
   o32, lse = _sharding.flash_fwd(q, k, v, q_lens, kv_lens, _ops.for_backward(config),
-                                 segment_ids)
+                                 segment_ids, alibi_slopes)
   o32, lse = _join_sinks(o32.astype(jnp.float32), lse, sinks)
   o, o_kept, o_error = _output_and_residual(o32, q, config)
-  return (o, lse), (q, k, v, o_kept, o_error, lse, q_lens, kv_lens, segment_ids, sinks)
+  return (o, lse), (q, k, v, o_kept, o_error, lse, q_lens, kv_lens, segment_ids, sinks,
+                    alibi_slopes)
 
 
 def _flash_attention_sinks_bwd(config, residuals, cotangents):
-  q, k, v, o, o_error, lse, q_lens, kv_lens, segment_ids, sinks = residuals
+  q, k, v, o, o_error, lse, q_lens, kv_lens, segment_ids, sinks, alibi_slopes = residuals
   d_o, _ = cotangents  # lse leaves through stop_gradient
   dq, dk, dv = _sharding.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config, segment_ids,
-                                   o_error)
+                                   o_error, alibi_slopes)
   o32 = o if o_error is None else _rounding.join_rounding(o, o_error)
   delta = jnp.einsum("btnh,btnh->bnt", d_o.astype(jnp.float32), o32.astype(jnp.float32))
   dsinks = -jnp.sum(jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse) * delta,
                     axis=(0, 2))
-  return dq, dk, dv, None, None, None, dsinks.astype(sinks.dtype)
+  return dq, dk, dv, None, None, None, dsinks.astype(sinks.dtype), None
 
 
 _flash_attention_sinks.defvjp(_flash_attention_sinks_fwd, _flash_attention_sinks_bwd)
@@ -120,6 +127,7 @@ def dot_product_attention(
     kv_segment_ids: jax.typing.ArrayLike | None = None,
     logits_soft_cap: float | None = None,
     sinks: jax.typing.ArrayLike | None = None,
+    alibi_slopes: jax.typing.ArrayLike | None = None,
     implementation: Implementation | None = None,
     return_residual: bool = False,
     deterministic: bool = False,
@@ -183,6 +191,23 @@ def dot_product_attention(
       XLA), "blockwise" and "xla"; the CUDA kernels raise ``NotImplementedError`` (pass
       ``implementation="blockwise"`` on a GPU). A wrong shape or dtype raises ``ValueError``
       naming ``sinks``.
+    alibi_slopes: ALiBi (Press et al., 2022): ``(N,)``, one slope per query head (float32,
+      bfloat16 or float16, computed in float32; exactly ``(N,)``, also for rank-3 inputs).
+      The score of query ``i`` and key ``j`` in head ``h`` becomes
+      ``s_ij + alibi_slopes[h] * (j - i)``, computed in the kernel tile by tile, never as a
+      ``(T, S)`` array. ``i`` and ``j`` are the positions the masks compare: row and key
+      indices, top-left aligned as ``is_causal`` (query ``i`` sees ``j <= i``), so with
+      ``T != S`` query 0 sits at key 0, and padding past the sequence lengths does not move
+      them; under ``is_causal`` every bias is ``<= 0`` for positive slopes (the usual ALiBi),
+      without it keys after the query get a positive bias (signed, not FA2's ``-|i - j|``).
+      The bias is added after ``logits_soft_cap`` (the cap is not applied to it) and before
+      the masks and the softmax; the lse includes it. Not differentiated: its gradient is
+      zero (the slopes are constants of the model, as the lengths). Taken by "cpu" (tiled
+      kernel; such calls never run the split-KV decode kernel), "blockwise" and "xla"; the
+      CUDA kernels raise ``NotImplementedError`` (pass ``implementation="blockwise"`` on a
+      GPU). A call whose sequence axis is sharded runs with the sequence gathered (no
+      context-parallel strategy carries the slopes yet; asking for one raises). A wrong
+      shape or dtype raises ``ValueError`` naming ``alibi_slopes``.
     implementation: ``None`` picks the path for the default backend: ``"cpu"`` on the host,
       ``"cuda"`` on NVIDIA GPUs for bfloat16/float16, ``"blockwise"`` there for float32.
       ``"cpu"``/``"cuda"`` force a kernel; ``"blockwise"`` is FlashAttention in plain XLA (key
@@ -238,6 +263,7 @@ def dot_product_attention(
   scale = _validation.check_scale(scale, head_dim)
   logits_soft_cap = _validation.check_logits_soft_cap(logits_soft_cap)
   sinks = _validation.check_sinks(sinks, heads_q, query_shape)
+  alibi_slopes = _validation.check_alibi_slopes(alibi_slopes, heads_q, query_shape)
   segment_ids = _validation.check_segment_ids(q_segment_ids, kv_segment_ids, batch, seq_q,
                                               seq_k, unbatched)
   call = _dispatch.Call(
@@ -249,7 +275,8 @@ def dot_product_attention(
       mask_forms=_dispatch.mask_forms(is_causal=bool(is_causal), local_window=window is not None,
                                       seq_lengths=q_lens is not None or kv_lens is not None),
       deterministic=deterministic, logits_soft_cap=logits_soft_cap,
-      sinks=None if sinks is None else sinks.shape)
+      sinks=None if sinks is None else sinks.shape,
+      alibi_slopes=None if alibi_slopes is None else alibi_slopes.shape)
   bias = _validation.check_logit_array("bias", bias, batch, heads_q, seq_q, seq_k)
   mask = _validation.check_logit_array("mask", mask, batch, heads_q, seq_q, seq_k)
   implementation = _dispatch.select(implementation, call)
@@ -268,7 +295,8 @@ def dot_product_attention(
       out, lse = _XLA_PATHS[implementation](
           query, key, value, q_lens, kv_lens, scale=scale, is_causal=bool(is_causal),
           window_left=window_left, window_right=window_right, bias=bias, mask=mask,
-          segment_ids=segment_ids, logits_soft_cap=logits_soft_cap, sinks=sinks)
+          segment_ids=segment_ids, logits_soft_cap=logits_soft_cap, sinks=sinks,
+          alibi_slopes=alibi_slopes)
   else:
     attention = _flash_attention if sinks is None else _flash_attention_sinks
     out, lse = _ops.call_kernels(
@@ -276,7 +304,7 @@ def dot_product_attention(
         scale=scale, is_causal=bool(is_causal), window_left=window_left,
         window_right=window_right, deterministic=deterministic,
         context_parallel=context_parallel, segment_ids=segment_ids,
-        logits_soft_cap=logits_soft_cap, sinks=sinks)
+        logits_soft_cap=logits_soft_cap, sinks=sinks, alibi_slopes=alibi_slopes)
   lse = jax.lax.stop_gradient(lse)
 
   if unbatched:

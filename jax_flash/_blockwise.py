@@ -12,6 +12,9 @@ full float32 on the CPU), with float32 softmax statistics and accumulation. It i
 inputs. Semantics are the kernels': a row with no key to attend to gives 0 output, 0 gradient
 and lse ``EMPTY_ROW_LSE``.
 
+ALiBi slopes add slope * (j - i) to each scan step's score tile (the step's key positions known
+from its index), so the (T, S) bias is never formed either.
+
 Segment ids (packed documents) are one more element mask: each scan step compares the rows' ids
 with its key block's. Every block is visited (a scan has a fixed trip count): unlike the CPU
 kernel this path does not skip the blocks of other documents.
@@ -29,8 +32,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_flash._reference import (EMPTY_ROW_LSE, MASKED_SCORE, empty_lse, grouped_logit_array,
-                                  key_mask, masked_exp)
+from jax_flash._reference import (EMPTY_ROW_LSE, MASKED_SCORE, alibi_bias, empty_lse,
+                                  grouped_logit_array, key_mask, masked_exp)
 
 # Keys per scan step. Scores of one step take batch * heads * T * KEY_BLOCK float32s.
 KEY_BLOCK = 512
@@ -105,9 +108,10 @@ def _scan_inputs(k: jax.Array, v: jax.Array, bias5, mask5, segment_ids, block: i
 
 
 def _block_scores(q5, k_block, index, q_lens, kv_lens, bias_block, mask_block, config: _Config,
-                  segment_ids=None, kv_ids_block=None):
+                  segment_ids=None, kv_ids_block=None, alibi_slopes=None):
   """(scores, allowed, cap_grad) of key block `index`: its scaled scores (B, K, G, T, block),
-  soft-capped where config.logits_soft_cap is set, plus its bias; which of them the masks let
+  soft-capped where config.logits_soft_cap is set, plus ALiBi's slope * (j - i) where
+  `alibi_slopes` (N,) are given, plus its bias; which of them the masks let
   through (the same shape), with segment ids the rows' ids against the block's key ids
   `kv_ids_block` (B, block); and the cap's derivative 1 - tanh^2(s / c) by each raw scaled
   score s (None without a cap), which the backward multiplies the scores' gradient by."""
@@ -117,6 +121,9 @@ def _block_scores(q5, k_block, index, q_lens, kv_lens, bias_block, mask_block, c
     capped = jnp.tanh(scores / config.logits_soft_cap)
     scores = config.logits_soft_cap * capped
     cap_grad = 1.0 - capped * capped
+  if alibi_slopes is not None:
+    scores = scores + alibi_bias(alibi_slopes, k_block.shape[2], q5.shape[1], config.block,
+                                 key_offset=index * config.block)
   if bias_block is not None:
     scores = scores + bias_block
   ids = None if segment_ids is None else (segment_ids[0], kv_ids_block)
@@ -129,7 +136,7 @@ def _block_scores(q5, k_block, index, q_lens, kv_lens, bias_block, mask_block, c
   return scores, jnp.broadcast_to(allowed, scores.shape), cap_grad
 
 
-def _forward(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, sinks, config):
+def _forward(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, sinks, alibi_slopes, config):
   """(o (B, T, N, H) in float32, lse (B, N, T) float32, has_keys (B, N, T) bool): the caller
   casts o to q's dtype. `has_keys`: which rows the masks leave some key.
 
@@ -158,7 +165,7 @@ def _forward(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, sinks, config):
     scores, allowed, _ = _block_scores(q5, k_block, index, q_lens, kv_lens,
                                        _this_block(bias5, bias_blocks),
                                        _this_block(mask5, mask_blocks), config, segment_ids,
-                                       kv_ids_block)
+                                       kv_ids_block, alibi_slopes)
     now_seen = seen | jnp.any(allowed, axis=-1)
     new_max = jnp.maximum(row_max, jnp.max(jnp.where(allowed, scores, MASKED_SCORE), axis=-1))
     base = jnp.where(now_seen, new_max, 0.0)  # no key seen yet: every exponential is 0
@@ -190,7 +197,7 @@ def _forward(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, sinks, config):
 
 
 def _backward(q, k, v, o, lse, has_keys, d_o, q_lens, kv_lens, bias, mask, segment_ids, sinks,
-              config):
+              alibi_slopes, config):
   """(dq, dk, dv, dbias, dsinks) in the dtypes of q, k, v, the bias and the sinks (None
   without them); dK and dV summed over each kv head's query heads, dbias over the dims the
   bias broadcasts along.
@@ -228,7 +235,7 @@ def _backward(q, k, v, o, lse, has_keys, d_o, q_lens, kv_lens, bias, mask, segme
     scores, allowed, cap_grad = _block_scores(q5, k_block, index, q_lens, kv_lens,
                                               _this_block(bias5, bias_blocks),
                                               _this_block(mask5, mask_blocks), config,
-                                              segment_ids, kv_ids_block)
+                                              segment_ids, kv_ids_block, alibi_slopes)
     # 0 where masked; a row with no key (lse EMPTY_ROW_LSE) has nothing allowed.
     probs = masked_exp(allowed, scores, lse[..., None])
     d_probs = jnp.einsum("btkgh,bskh->bkgts", do5, v_block)
@@ -266,26 +273,31 @@ def _backward(q, k, v, o, lse, has_keys, d_o, q_lens, kv_lens, bias, mask, segme
   return dq.reshape(q.shape).astype(q.dtype), unblock(dk, k), unblock(dv, v), dbias, dsinks
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
-def _attention(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, sinks, config):
-  o32, lse, _ = _forward(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, sinks, config)
+# alibi_slopes: None or (N,) float32, not differentiated (its cotangent is None: zero).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
+def _attention(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, sinks, alibi_slopes, config):
+  o32, lse, _ = _forward(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, sinks,
+                         alibi_slopes, config)
   return o32.astype(q.dtype), lse
 
 
-def _attention_fwd(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, sinks, config):
+def _attention_fwd(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, sinks, alibi_slopes,
+                   config):
   # The backward forms delta from the output in float32, not rounded to q's dtype (issue 13).
   o32, lse, has_keys = _forward(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, sinks,
-                                config)
+                                alibi_slopes, config)
   return ((o32.astype(q.dtype), lse),
-          (q, k, v, o32, lse, has_keys, q_lens, kv_lens, bias, mask, segment_ids, sinks))
+          (q, k, v, o32, lse, has_keys, q_lens, kv_lens, bias, mask, segment_ids, sinks,
+           alibi_slopes))
 
 
 def _attention_bwd(config, residuals, cotangents):
-  q, k, v, o, lse, has_keys, q_lens, kv_lens, bias, mask, segment_ids, sinks = residuals
+  (q, k, v, o, lse, has_keys, q_lens, kv_lens, bias, mask, segment_ids, sinks,
+   alibi_slopes) = residuals
   d_o, _ = cotangents  # lse leaves through stop_gradient
   dq, dk, dv, dbias, dsinks = _backward(q, k, v, o, lse, has_keys, d_o, q_lens, kv_lens, bias,
-                                        mask, segment_ids, sinks, config)
-  return dq, dk, dv, None, None, dbias, None, None, dsinks
+                                        mask, segment_ids, sinks, alibi_slopes, config)
+  return dq, dk, dv, None, None, dbias, None, None, dsinks, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -293,11 +305,13 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 def blockwise_attention(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bool,
                         window_left: int = -1, window_right: int = -1, bias=None, mask=None,
-                        segment_ids=None, logits_soft_cap: float | None = None, sinks=None):
+                        segment_ids=None, logits_soft_cap: float | None = None, sinks=None,
+                        alibi_slopes=None):
   """Returns (o, lse) as ``attention_reference`` does: o (B, T, N, H) in q's dtype, lse
   (B, N, T) float32, differentiable in q, k, v, the bias and the sinks with a recomputing
   backward pass. `sinks` (N,): one logit per query head in every row's softmax denominator
-  (see attention_reference).
+  (see attention_reference). `alibi_slopes` (N,) float32: ALiBi's slope * (j - i) added to
+  each block's scores after the cap (not differentiated).
   `logits_soft_cap` c caps the scaled scores at c * tanh(s / c) before the bias and masks (the
   backward recomputes the tanh per block).
   `bias` (added to the scaled scores) and `mask` (True: attend) are rank 4, broadcastable to
@@ -311,4 +325,7 @@ def blockwise_attention(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bo
                    None if logits_soft_cap is None else float(logits_soft_cap))
   if bias is not None:
     bias = bias.astype(jnp.float32)
-  return _attention(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, sinks, config)
+  if alibi_slopes is not None:
+    alibi_slopes = alibi_slopes.astype(jnp.float32)
+  return _attention(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, sinks, alibi_slopes,
+                    config)

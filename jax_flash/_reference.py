@@ -59,6 +59,18 @@ def key_mask(seq_q: int, seq_k: int, q_lens, kv_lens, is_causal: bool,
   return mask
 
 
+def alibi_bias(slopes, heads_k: int, seq_q: int, seq_k: int, key_offset=0) -> jax.Array:
+  """(1, K, G, T, S) float32: ALiBi's bias slopes[h] * (j - i) of query row i and key j (the S
+  keys from position `key_offset` on), laid out like the grouped scores; `slopes` (N,). The
+  positions are those key_mask compares (row and key indices, top-left aligned as the causal
+  mask); j - i is formed as an integer and converted once, as the kernels form it."""
+  i = jnp.arange(seq_q, dtype=jnp.int32)[:, None]
+  j = key_offset + jnp.arange(seq_k, dtype=jnp.int32)[None, :]
+  distance = (j - i).astype(jnp.float32)
+  slopes5 = slopes.astype(jnp.float32).reshape(1, heads_k, -1, 1, 1)
+  return slopes5 * distance
+
+
 def grouped_logit_array(x, heads_k: int):
   """A (B|1, N|1, T|1, S|1) bias or mask laid out like the grouped scores (B, K, G, T, S): its
   head dim split into (kv head, query head of the group), or (1, 1) when it broadcasts."""
@@ -68,8 +80,13 @@ def grouped_logit_array(x, heads_k: int):
 
 def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bool,
                         window_left: int = -1, window_right: int = -1, bias=None, mask=None,
-                        segment_ids=None, logits_soft_cap: float | None = None, sinks=None):
+                        segment_ids=None, logits_soft_cap: float | None = None, sinks=None,
+                        alibi_slopes=None):
   """Returns (o, lse): o (B, T, N, H) in q's dtype, lse (B, N, T) float32.
+
+  `alibi_slopes` (N,) float32 (None: off): ALiBi, the score of query i and key j in head h
+  gains alibi_slopes[h] * (j - i) (alibi_bias), after the soft cap, before the masks and the
+  softmax. The caller stops its gradient (jax_flash does not differentiate the slopes).
 
   `sinks` (N,) (None: off; gpt-oss's attention sinks): one logit per query head, in the units
   of the scores after scale, cap and bias, joins every row's softmax as one more column with no
@@ -110,6 +127,8 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bo
   scores = jnp.einsum("btkgh,bskh->bkgts", qf, kf, precision="highest") * scale
   if logits_soft_cap is not None:
     scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
+  if alibi_slopes is not None:
+    scores = scores + alibi_bias(alibi_slopes, heads_k, seq_q, seq_k)
   if bias is not None:
     scores = scores + grouped_logit_array(bias.astype(jnp.float32), heads_k)
   row_max = jnp.max(jnp.where(allowed, scores, MASKED_SCORE), axis=-1, keepdims=True)

@@ -196,6 +196,30 @@ def check_sinks(sinks, heads_q: int, query_shape) -> jax.Array | None:
   return sinks
 
 
+def check_alibi_slopes(slopes, heads_q: int, query_shape) -> jax.Array | None:
+  """The ALiBi slopes as a float32 array of shape (N,), or None. One slope per query head, a
+  floating-point array (float32, bfloat16 or float16; cast to float32, which every path
+  computes in) of shape exactly (N,): no broadcasting, a scalar or a (1,) array raises too. Not
+  differentiated: returned under stop_gradient. Its values are not checked (they may be
+  traced); a NaN or inf slope gives NaN scores, as the same bias added by hand would."""
+  if slopes is None:
+    return None
+  try:
+    slopes = jnp.asarray(slopes)
+  except TypeError as error:
+    raise ValueError(f"alibi_slopes must be a float array of shape ({heads_q},) (one slope per "
+                     f"query head) or None; got {slopes!r}") from error
+  if slopes.shape != (heads_q,):
+    raise ValueError(
+        f"alibi_slopes must have shape ({heads_q},): one slope per query head N={heads_q} of "
+        f"query{tuple(query_shape)} (no broadcasting); got alibi_slopes{slopes.shape}")
+  if slopes.dtype not in SUPPORTED_DTYPES:
+    raise ValueError(
+        f"alibi_slopes must be float32, bfloat16 or float16 (shape ({heads_q},)); got "
+        f"{slopes.dtype} alibi_slopes{slopes.shape}")
+  return jax.lax.stop_gradient(slopes.astype(jnp.float32))
+
+
 def check_scale(scale, head_dim: int) -> float:
   """The logit scale as a Python float; 1 / sqrt(H) for None. Every path computes in float32 and
   the kernels multiply the scale by log2(e): both must stay finite (1e39 is a finite double but

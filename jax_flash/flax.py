@@ -169,6 +169,7 @@ def dot_product_attention(
     kv_segment_ids: jax.Array | None = None,
     logits_soft_cap: float | None = None,
     sinks: jax.Array | None = None,
+    alibi_slopes: jax.Array | None = None,
 ) -> jax.Array:
   """FlashAttention with the signature of Flax's ``dot_product_attention``.
 
@@ -236,6 +237,12 @@ def dot_product_attention(
       :func:`jax_flash.dot_product_attention` ("cpu", "blockwise", "xla"). The modules
       (``FlashMultiHeadAttention``, ``FlashMultiHeadDotProductAttention``) hold no sink
       parameter yet: call this function from your own module for that.
+    alibi_slopes: ``(N,)``: ALiBi, one slope per query head; the score of query ``i`` and key
+      ``j`` gains ``alibi_slopes[h] * (j - i)`` (positions as the causal mask's, after the soft
+      cap), computed in the kernel. Not differentiated. As in
+      :func:`jax_flash.dot_product_attention` ("cpu", "blockwise", "xla"). Flax's own functions
+      have no such argument; the modules hold no slopes (call this function from your own
+      module for that).
 
   Returns:
     ``(batch..., T, N, H)`` in the computation dtype.
@@ -295,13 +302,15 @@ def dot_product_attention(
                      segment_ids=None if q_ids is None or kv_ids is None else
                      (jnp.shape(q_segment_ids), jnp.shape(kv_segment_ids)),
                      logits_soft_cap=_validation.check_logits_soft_cap(logits_soft_cap),
-                     sinks=None if sinks is None else jnp.shape(sinks)),
+                     sinks=None if sinks is None else jnp.shape(sinks),
+                     alibi_slopes=None if alibi_slopes is None else jnp.shape(alibi_slopes)),
       caller="jax_flash.flax.dot_product_attention", mask_advice=_MASK_HELP)
   out = jax_flash.dot_product_attention(
       query4, key4, value4, bias4, mask4, scale=scale, is_causal=is_causal,
       query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens, local_window_size=local_window_size,
       implementation=implementation, deterministic=deterministic_backward,
-      q_segment_ids=q_ids, kv_segment_ids=kv_ids, logits_soft_cap=logits_soft_cap, sinks=sinks)
+      q_segment_ids=q_ids, kv_segment_ids=kv_ids, logits_soft_cap=logits_soft_cap, sinks=sinks,
+      alibi_slopes=alibi_slopes)
   return out.reshape(query.shape)
 
 

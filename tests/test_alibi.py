@@ -1,0 +1,428 @@
+"""ALiBi (issue 17 item 3): ``alibi_slopes`` (N,), one slope per query head; the score of query
+i and key j becomes s_ij + slope_h * (j - i), with i and j the positions the causal mask
+compares (row and key indices, top-left aligned), after the soft cap, before masks and softmax.
+
+Each path ("cpu" kernel, "blockwise", "xla") is checked against a float32 reference written here
+that materialises the (T, S) bias (plain jax.numpy, differentiated by JAX), by the FlashAttention
+rule of tests/attention_testing.py: max error <= 2x the error of the same reference with the input
+dtype's rounding, plus the tiny floor. Forward, lse and dq, dk, dv, alone and with causal,
+windows, lengths, GQA, T != S, soft cap, segment ids, decode shapes, unbatched inputs; then the
+position convention in closed form, the slopes' zero gradient, the errors, the CUDA refusal,
+vmap, sharded calls and the Flax function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flash
+from jax_flash import _dispatch, _ops
+from jax_flash._reference import EMPTY_ROW_LSE
+from tests.attention_testing import (F32, HIGHEST, Case, assert_within_rule, gradient_magnitude,
+                                     packed_segment_ids, rounded, visible_keys)
+
+IMPLEMENTATIONS = ["cpu", "blockwise", "xla"]
+
+
+def geometric_slopes(heads: int) -> np.ndarray:
+  """The ALiBi paper's slopes: 2^(-8 (h + 1) / N)."""
+  return 2.0 ** (-8.0 * np.arange(1, heads + 1) / heads)
+
+
+@dataclasses.dataclass(frozen=True)
+class AlibiCase:
+  case: Case
+  slopes: str = "geometric"  # or "mixed": random slopes of both signs
+  cap: float | None = None
+  segment_ids: bool = False  # documents of random lengths, sorted by position
+
+  @property
+  def id(self) -> str:
+    return (f"{self.case.id}_{self.slopes}" + (f"_cap{self.cap}" if self.cap else "")
+            + ("_ids" if self.segment_ids else ""))
+
+  def slope_values(self) -> jax.Array:
+    if self.slopes == "geometric":
+      return jnp.asarray(geometric_slopes(self.case.heads_q), F32)
+    rng = np.random.default_rng(self.case.seed + 11)
+    return jnp.asarray(rng.standard_normal(self.case.heads_q) * 0.3, F32)
+
+  def inputs(self):
+    q, k, v, g = self.case.inputs()
+    return q, k, v, g, self.slope_values(), self.ids()
+
+  def ids(self):
+    return packed_segment_ids(self.case) if self.segment_ids else None
+
+  def visible(self) -> np.ndarray:
+    """(B, T, S) bool."""
+    return visible_keys(self.case, self.ids())
+
+
+def alibi_attention(q, k, v, slopes, vis, *, scale, cap=None, dtype=None):
+  """(out, lse (..., T, N)) of attention with ALiBi on float32 inputs, from the definition, with
+  the (T, S) bias materialised: s = scale * q.k (capped: cap * tanh(s / cap)), plus
+  slopes[h] * (j - i) for query i and key j, masked, softmax. With `dtype` (16-bit) the scores,
+  the biased scores and the probabilities are rounded to it. `vis` (B, T, S) bool; rows with no
+  visible key give 0 and EMPTY_ROW_LSE."""
+  unbatched = q.ndim == 3
+  if unbatched:
+    q, k, v = q[None], k[None], v[None]
+  batch, seq_q, heads_q, head_dim = q.shape
+  seq_k, heads_k = k.shape[1], k.shape[2]
+  group = heads_q // heads_k
+  rnd = (lambda x: x) if dtype is None else functools.partial(rounded, dtype=dtype)
+  q5 = q.reshape(batch, seq_q, heads_k, group, head_dim)
+  s = rnd(jnp.einsum("btkgh,bskh->bkgts", q5, k, precision=HIGHEST) * scale)
+  if cap is not None:
+    s = rnd(cap * jnp.tanh(s / cap))
+  distance = np.arange(seq_k)[None, :] - np.arange(seq_q)[:, None]  # j - i, (T, S)
+  bias = slopes.reshape(1, heads_k, group, 1, 1) * jnp.asarray(distance, F32)
+  s = rnd(s + bias)
+  vis = jnp.asarray(vis)[:, None, None]
+  has = vis.any(-1, keepdims=True)
+  masked = jnp.where(vis, s, -0.7 * float(np.finfo(np.float32).max))
+  p = rnd(jnp.where(has, jax.nn.softmax(masked, axis=-1), 0.0))
+  out = jnp.einsum("bkgts,bskh->btkgh", p, v, precision=HIGHEST).reshape(q.shape)
+  lse = jnp.where(has[..., 0], jax.nn.logsumexp(masked, axis=-1), EMPTY_ROW_LSE)
+  lse = jnp.moveaxis(lse.reshape(batch, heads_q, seq_q), -1, -2)
+  if unbatched:
+    out, lse = out[0], lse[0]
+  return out, lse
+
+
+def _results(attention, q, k, v, g):
+  def loss(q, k, v):
+    out, lse = attention(q, k, v)
+    return jnp.sum(out.astype(F32) * g), (out, lse)
+
+  (_, (out, lse)), (dq, dk, dv) = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
+  return {n: np.asarray(jnp.asarray(x, F32), np.float64)
+          for n, x in dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv).items()}
+
+
+def _scale(ac: AlibiCase) -> float:
+  return ac.case.scale if ac.case.scale is not None else 1.0 / np.sqrt(ac.case.head_dim)
+
+
+def _live(ac: AlibiCase) -> np.ndarray:
+  live = ac.visible().any(-1)
+  return live[0] if ac.case.rank3 else live
+
+
+@functools.lru_cache(maxsize=16)
+def references(ac: AlibiCase):
+  q, k, v, g, slopes, _ = ac.inputs()
+  g = jnp.where(jnp.asarray(_live(ac))[..., None, None], g, 0.0)
+  upcast = [x.astype(F32) for x in (q, k, v)]
+  f32 = functools.partial(alibi_attention, slopes=slopes, vis=ac.visible(), scale=_scale(ac),
+                          cap=ac.cap)
+  ref32 = _results(jax.jit(f32), *upcast, g)
+  if ac.case.dtype == "float32":
+    return ref32, ref32
+  refd = _results(jax.jit(functools.partial(f32, dtype=ac.case.jdtype)), *upcast, g)
+  return ref32, refd
+
+
+def run(ac: AlibiCase, implementation: str):
+  q, k, v, g, slopes, ids = ac.inputs()
+  opts = ac.case.options()
+  if ids is not None:
+    opts.update(q_segment_ids=ids, kv_segment_ids=ids)
+
+  def attention(q, k, v):
+    return jax_flash.dot_product_attention(
+        q, k, v, implementation=implementation, return_residual=True, alibi_slopes=slopes,
+        logits_soft_cap=ac.cap, **opts)
+
+  return _results(jax.jit(attention), q, k, v, g)
+
+
+def check(ac: AlibiCase, got: dict):
+  ref32, refd = references(ac)
+  for name, x in got.items():
+    assert np.all(np.isfinite(x)), name
+  live = _live(ac)
+  assert_within_rule("out", got["out"], ref32["out"], refd["out"], live[..., None, None])
+  assert_within_rule("lse", got["lse"], ref32["lse"], refd["lse"], live[..., None])
+  for name in ("dq", "dk", "dv"):
+    assert_within_rule(name, got[name], ref32[name], refd[name],
+                       magnitude=gradient_magnitude(ref32))
+  dead = np.broadcast_to(~live[..., None, None], got["out"].shape)
+  assert np.all(got["out"][dead] == 0) and np.all(got["dq"][dead] == 0)
+  assert np.all(got["lse"][np.broadcast_to(~live[..., None], got["lse"].shape)] == EMPTY_ROW_LSE)
+
+
+CASES = [
+    # Alone (no mask), with GQA (slopes per query head) and T < S: later keys gain, so the
+    # bias decides which keys dominate.
+    AlibiCase(Case(batch=2, seq_q=50, seq_k=90, heads_q=4, heads_k=2, head_dim=40)),
+    # Several tiles of the CPU kernel both ways, causal, GQA 4:1, T < S, bf16.
+    AlibiCase(Case(batch=1, seq_q=130, seq_k=200, heads_q=4, heads_k=1, head_dim=64,
+                   dtype="bfloat16", is_causal=True)),
+    # T > S, causal (rows past the last key see every key), slopes of both signs.
+    AlibiCase(Case(batch=1, seq_q=150, seq_k=70, heads_q=2, heads_k=2, head_dim=32,
+                   is_causal=True), slopes="mixed"),
+    # A window and lengths, one batch element with no keys (empty rows), a negative scale, with
+    # the soft cap (the bias is added after it).
+    AlibiCase(Case(batch=2, seq_q=65, seq_k=80, heads_q=2, heads_k=2, head_dim=24,
+                   local_window_size=(8, 3), q_lens=(60, 65), kv_lens=(0, 77), scale=-0.3),
+              slopes="mixed", cap=1.5),
+    # Packed documents: positions stay those of the packed row.
+    AlibiCase(Case(batch=2, seq_q=80, seq_k=80, heads_q=2, heads_k=1, head_dim=16,
+                   is_causal=True), segment_ids=True),
+    # Unbatched inputs. (Small shapes of one batch element can take XLA's CPU compiler seconds
+    # on the plain-XLA paths: LLVM unrolls a fused loop whole, e.g. T=33, S=48.)
+    AlibiCase(Case(batch=1, seq_q=40, seq_k=100, heads_q=2, heads_k=2, head_dim=32,
+                   dtype="bfloat16", rank3=True), cap=3.0),
+    # A decode shape: the CPU runs it on the tiled kernel (split-KV takes no slopes).
+    AlibiCase(Case(batch=2, seq_q=1, seq_k=300, heads_q=8, heads_k=2, head_dim=32,
+                   kv_lens=(300, 123))),
+]
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("ac", CASES, ids=[c.id for c in CASES])
+def test_against_reference(ac, implementation):
+  check(ac, run(ac, implementation))
+
+
+def test_the_slopes_change_the_result_and_zero_slopes_do_not():
+  """The cases above would pass vacuously if the slopes had no effect: they do; zero slopes
+  add exactly 0 (bit-identical to no slopes on the kernel; XLA may fuse the plain-XLA paths'
+  programs differently, to the last bit)."""
+  ac = CASES[0]
+  q, k, v, _, slopes, _ = ac.inputs()
+  for implementation in IMPLEMENTATIONS:
+    @jax.jit
+    def call(*slopes):
+      return jax_flash.dot_product_attention(q, k, v, return_residual=True,
+                                             implementation=implementation,
+                                             alibi_slopes=slopes[0] if slopes else None)
+    plain, biased, zero = call(), call(slopes), call(jnp.zeros(4))
+    assert np.max(np.abs(np.asarray(plain[0] - biased[0]))) > 0.1, implementation
+    tolerance = dict(rtol=0, atol=0) if implementation == "cpu" else dict(rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(zero[0], plain[0], **tolerance)
+    np.testing.assert_allclose(zero[1], plain[1], **tolerance)
+
+
+@pytest.mark.parametrize("seq_q, seq_k, causal", [(6, 11, True), (11, 6, True), (7, 9, False)])
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_positions_are_the_causal_masks(implementation, seq_q, seq_k, causal):
+  """With q = 0 every score is the bias alone, so the lse of row i is, in closed form,
+  log sum over its visible keys j of exp(slope * (j - i)): query i sits at key i (top-left, as
+  is_causal), whatever T and S, and padding past the lengths moves nothing."""
+  slopes = np.array([0.5, -0.25, 0.125])
+  q_lens, kv_lens = np.array([seq_q, seq_q - 2]), np.array([seq_k, seq_k - 3])
+  q = jnp.zeros((2, seq_q, 3, 8), F32)
+  kv = jnp.asarray(np.random.default_rng(0).standard_normal((2, seq_k, 3, 8)), F32)
+  _, lse = jax.jit(lambda q, kv: jax_flash.dot_product_attention(
+      q, kv, kv, is_causal=causal, alibi_slopes=jnp.asarray(slopes, F32),
+      query_seq_lengths=jnp.asarray(q_lens, jnp.int32),
+      key_value_seq_lengths=jnp.asarray(kv_lens, jnp.int32), implementation=implementation,
+      return_residual=True))(q, kv)
+  i, j = np.arange(seq_q)[:, None], np.arange(seq_k)[None, :]
+  for b in range(2):
+    vis = (j < kv_lens[b]) & ((j <= i) if causal else True)
+    for h, m in enumerate(slopes):
+      want = np.log(np.sum(np.where(vis, np.exp(m * (j - i)), 0.0), axis=1))
+      got = np.asarray(lse)[b, :, h]
+      rows = np.arange(seq_q) < q_lens[b]
+      np.testing.assert_allclose(got[rows], want[rows], rtol=1e-5, atol=1e-5)
+      assert np.all(got[~rows] == EMPTY_ROW_LSE)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_slopes_get_no_gradient(implementation):
+  """The slopes are not differentiated: their gradient is zero on every path (as the
+  lengths')."""
+  ac = CASES[0]
+  q, k, v, _, slopes, _ = ac.inputs()
+  grad = jax.jit(jax.grad(lambda s: jax_flash.dot_product_attention(
+      q, k, v, alibi_slopes=s, implementation=implementation).sum()))(slopes)
+  np.testing.assert_array_equal(grad, np.zeros(4))
+
+
+def test_decode_shapes_run_the_tiled_kernel():
+  """A decode-shaped call with slopes lowers to the tiled forward, not the decode kernel."""
+  q = jnp.ones((2, 1, 8, 32))
+  kv = jnp.ones((2, 300, 2, 32))
+  def hlo(**alibi):
+    return jax.jit(lambda q, kv: jax_flash.dot_product_attention(
+        q, kv, kv, implementation="cpu", **alibi)).lower(q, kv).as_text()
+  assert "jax_flash_cpu_decode" in hlo()
+  with_slopes = hlo(alibi_slopes=jnp.ones(8))
+  assert "jax_flash_cpu_decode" not in with_slopes and "jax_flash_cpu_fwd" in with_slopes
+
+
+@pytest.mark.parametrize("slopes, match", [
+    (jnp.zeros((3,)), r"alibi_slopes must have shape \(4,\).*query\(1, 6, 4, 8\).*"
+                      r"alibi_slopes\(3,\)"),
+    (jnp.zeros(()), r"alibi_slopes must have shape \(4,\).*got alibi_slopes\(\)"),
+    (jnp.zeros((1, 4)), r"alibi_slopes must have shape \(4,\).*got alibi_slopes\(1, 4\)"),
+    (jnp.zeros((2,)), r"alibi_slopes must have shape \(4,\).*query head N=4"),
+    (jnp.zeros((4,), jnp.int32), r"alibi_slopes must be float32, bfloat16 or float16.*int32"),
+    ("x", r"alibi_slopes must"),
+])
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_invalid_slopes_raise(slopes, match, implementation):
+  q = jnp.ones((1, 6, 4, 8))
+  kv = jnp.ones((1, 6, 2, 8))  # 2 kv heads: the slopes are per query head
+  with pytest.raises(ValueError, match=match):
+    jax_flash.dot_product_attention(q, kv, kv, alibi_slopes=slopes,
+                                    implementation=implementation)
+
+
+def test_16_bit_slopes_are_taken_as_float32():
+  ac = CASES[0]
+  q, k, v, _, slopes, _ = ac.inputs()
+  a = jax_flash.dot_product_attention(q, k, v, alibi_slopes=slopes, implementation="cpu")
+  b = jax_flash.dot_product_attention(q, k, v, alibi_slopes=slopes.astype(jnp.bfloat16),
+                                      implementation="cpu")
+  np.testing.assert_array_equal(a, b)  # the geometric slopes are powers of two
+
+
+def test_cuda_kernels_refuse_the_slopes(monkeypatch):
+  """The CUDA kernels take no slopes: the dispatch raises at trace time, before any custom call,
+  naming the argument, its shape and the implementations that take it; where None picks CUDA
+  and where "cuda" is forced (its GPU check stubbed out: this machine has none)."""
+  q = jnp.ones((2, 8, 2, 16), jnp.bfloat16)
+  match = (r"'cuda' kernels .* take no alibi_slopes yet; got alibi_slopes\(2,\) with "
+           r"query\(2, 8, 2, 16\).*'cpu', 'blockwise', 'xla'")
+  monkeypatch.setattr(_dispatch, "default_implementation", lambda dtype: "cuda")
+  with pytest.raises(NotImplementedError, match=match):
+    jax_flash.dot_product_attention(q, q, q, alibi_slopes=jnp.ones(2))
+  monkeypatch.setattr(_dispatch, "_check_cuda_runs", lambda: None)
+  with pytest.raises(NotImplementedError, match=match):
+    jax_flash.dot_product_attention(q, q, q, alibi_slopes=jnp.ones(2), implementation="cuda")
+  with pytest.raises(NotImplementedError, match=match):
+    jax.jit(lambda q: jax_flash.dot_product_attention(
+        q, q, q, alibi_slopes=jnp.ones(2), implementation="cuda"))(q)
+  # And the op layer itself never builds a CUDA call with slopes.
+  config = _ops.KernelConfig("cuda", 1.0, False, -1, -1)
+  with pytest.raises(NotImplementedError, match="alibi_slopes"):
+    _ops._alibi_operands(config, jnp.ones((2, 2)))
+
+
+def test_vmap():
+  """vmap over the batch, with the slopes unmapped or mapped (each element its own slopes):
+  the kernels take one slope per (batch, head), so both fold into the batch."""
+  ac = CASES[0]
+  q, k, v, _, slopes, _ = ac.inputs()
+  f = lambda q, k, v, s: jax_flash.dot_product_attention(q, k, v, alibi_slopes=s,
+                                                         implementation="cpu")
+  np.testing.assert_allclose(
+      jax.vmap(f, (0, 0, 0, None))(q[:, None], k[:, None], v[:, None], slopes)[:, 0],
+      f(q, k, v, slopes), atol=1e-6)
+  per_element = jnp.stack([slopes, -slopes])
+  got = jax.vmap(f)(q[:, None], k[:, None], v[:, None], per_element)[:, 0]
+  for b in range(2):
+    np.testing.assert_allclose(got[b], f(q[b:b + 1], k[b:b + 1], v[b:b + 1], per_element[b])[0],
+                               atol=1e-6)
+
+
+def _value_and_grads(**options):
+  def loss(q, k, v, s):
+    return (jax_flash.dot_product_attention(q, k, v, alibi_slopes=s, is_causal=True,
+                                            implementation="cpu", **options) ** 2).sum()
+  return jax.jit(jax.value_and_grad(loss, (0, 1, 2)))
+
+
+@pytest.mark.parametrize("spec", ["batch", "heads"])
+def test_batch_and_head_sharding_carry_the_slopes(spec):
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  if len(jax.devices()) < 2:
+    pytest.skip("needs 2 devices")
+  ac = CASES[0]
+  q, k, v, _, slopes, _ = ac.inputs()
+  mesh = jax.make_mesh((2,), ("x",))
+  sharding = NamedSharding(mesh, P("x") if spec == "batch" else P(None, None, "x", None))
+  sharded = [jax.device_put(x, sharding) for x in (q, k, v)]
+  want, want_g = _value_and_grads()(q, k, v, slopes)
+  got, got_g = _value_and_grads()(*sharded, slopes)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  for a, b in zip(got_g, want_g):
+    np.testing.assert_allclose(a, b, atol=2e-5)
+
+
+def test_sequence_sharding_gathers_the_sequence():
+  """No context-parallel strategy carries the slopes yet: a sequence-sharded call runs with the
+  sequence gathered (the single-device result), and asking for a strategy raises, naming
+  alibi_slopes."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  if len(jax.devices()) < 4:
+    pytest.skip("needs 4 devices")
+  ks = jax.random.split(jax.random.key(3), 3)
+  q, k, v = (jax.random.normal(x, (2, 128, 4, 32)) for x in ks)
+  slopes = jnp.asarray(geometric_slopes(4), F32)
+  want, want_g = _value_and_grads()(q, k, v, slopes)
+  mesh = jax.make_mesh((4,), ("x",))
+  sharded = [jax.device_put(x, NamedSharding(mesh, P(None, "x", None, None))) for x in (q, k, v)]
+  got, got_g = _value_and_grads()(*sharded, slopes)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  for a, b in zip(got_g, want_g):
+    np.testing.assert_allclose(a, b, atol=2e-5)
+  with pytest.raises((ValueError, jax.errors.JaxRuntimeError), match="alibi_slopes"):
+    _value_and_grads(context_parallel="ring")(*sharded, slopes)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_shapes_against_xla(seed):
+  """A small sweep: random shapes, masks, GQA, cap, sinks and slopes of both signs; "cpu" and
+  "blockwise" against "xla" (itself checked against the definition above), forward and every
+  gradient (dsinks included)."""
+  rng = np.random.default_rng(200 + seed)
+  heads_k = int(rng.choice([1, 2]))
+  heads_q = heads_k * int(rng.choice([1, 3]))
+  seq_q, seq_k = (int(x) for x in rng.integers(1, 80, size=2))
+  batch = int(rng.integers(1, 3))
+  opts = dict(is_causal=bool(rng.integers(2)),
+              logits_soft_cap=[None, 2.0][int(rng.integers(2))],
+              local_window_size=[None, (int(rng.integers(0, 9)), int(rng.integers(0, 9)))][
+                  int(rng.integers(2))],
+              key_value_seq_lengths=jnp.asarray(rng.integers(0, seq_k + 1, size=batch),
+                                                jnp.int32))
+  q = jnp.asarray(rng.standard_normal((batch, seq_q, heads_q, 16)), F32)
+  k = jnp.asarray(rng.standard_normal((batch, seq_k, heads_k, 16)), F32)
+  v = jnp.asarray(rng.standard_normal((batch, seq_k, heads_k, 16)), F32)
+  slopes = jnp.asarray(rng.standard_normal(heads_q) * 0.2, F32)
+  sinks = jnp.asarray(rng.standard_normal(heads_q), F32)
+  g = jnp.asarray(rng.standard_normal(q.shape), F32)
+
+  def results(implementation):
+    def loss(q, k, v, s):
+      out, lse = jax_flash.dot_product_attention(q, k, v, sinks=s, alibi_slopes=slopes,
+                                                 return_residual=True,
+                                                 implementation=implementation, **opts)
+      return jnp.sum(out * g), (out, lse)
+    (_, aux), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True))(q, k, v,
+                                                                                     sinks)
+    return [*aux, *grads]
+
+  want = results("xla")
+  for implementation in ("cpu", "blockwise"):
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), results(implementation),
+                          want):
+      np.testing.assert_allclose(a, b, atol=5e-5, rtol=2e-5, err_msg=f"{implementation} {name}")
+
+
+def test_flax_function_takes_the_slopes():
+  """jax_flash.flax.dot_product_attention passes the slopes through (any number of batch dims)
+  and checks them by the same rule."""
+  pytest.importorskip("flax")
+  import jax_flash.flax as jf
+
+  ac = CASES[0]
+  q, k, v, _, slopes, _ = ac.inputs()
+  got = jf.dot_product_attention(q[None], k[None], v[None], alibi_slopes=slopes,
+                                 is_causal=True)[0]
+  want = jax_flash.dot_product_attention(q, k, v, alibi_slopes=slopes, is_causal=True)
+  np.testing.assert_allclose(got, want, atol=1e-6)
+  with pytest.raises(ValueError, match=r"alibi_slopes must have shape \(4,\)"):
+    jf.dot_product_attention(q, k, v, alibi_slopes=jnp.zeros((2,)))
