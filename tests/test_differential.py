@@ -130,10 +130,11 @@ def test_full_run_known_failure(implementation, key):
 # the first 300 configurations, dq/dk at 1.03-1.83x the bound (some explained by D from the
 # rounded O, some not): examples/results/h200/session9/differential_bulkdq_splitkv.log. With
 # the rounded-P normalisation and the int8 residual (session 11, 7e37138): 21, of which 11 on
-# differentiated decode-shaped calls, which now run the tiled forward; the model
-# (examples/results/h200/session9/differential_cuda_analysis.md) leaves 8, mostly 16-bit dS on
-# the head-dim-32 sm80 backward (its steps 4-5). Open in issue 13 (item 2 on the CUDA kernels);
-# strict, so the fix shows.
+# differentiated decode-shaped calls, which now run the tiled forward (81c47fe); then 8, the
+# model's prediction (examples/results/h200/session9/differential_cuda_analysis.md), mostly
+# 16-bit dS on the head-dim-32 sm80 backward (its steps 4-5 are not built yet):
+# examples/results/h200/session11/differential_call5.log. Open in issue 13 (item 2 on the CUDA
+# kernels); strict, so the fix shows.
 _CUDA_MISSES_TODAY = pytest.mark.xfail(
     strict=True, reason="issue 13 item 2 on CUDA: 16-bit dq/dk past the 2x-jax.nn rule")
 

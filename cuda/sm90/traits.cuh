@@ -22,7 +22,10 @@ struct Sm90FwdWsTraits {
   // setmaxnreg split of the 64K registers (multiples of 8): the producer needs few.
   static constexpr int kProducerRegisters = 56;
   static constexpr int kConsumerRegisters = 224;
-  static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumers <= 65536, "register file");
+  // setmaxnreg moves registers within the CTA's launch allocation (__launch_bounds__(kThreads, 1):
+  // the register file over kThreads, in multiples of 8 a thread); asking for more hangs.
+  static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumers <= 65536 / kThreads / 8 * 8 * kThreads,
+                "registers past the launch allocation");
   using QTile = GmmaTile<kBlockM, kHeadDim>;
   using KVTile = GmmaTile<kBlockN, kHeadDim>;
   // Q, kStages stages of K and of V, and 1 KiB to align the base.
@@ -51,7 +54,10 @@ struct Sm90BwdWsTraits {
   static constexpr int kDqWarps = 4 * (kHeadDim / 64);
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
-  static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumers <= 65536, "register file");
+  // setmaxnreg moves registers within the CTA's launch allocation (__launch_bounds__(kThreads, 1):
+  // the register file over kThreads, in multiples of 8 a thread); asking for more hangs.
+  static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumers <= 65536 / kThreads / 8 * 8 * kThreads,
+                "registers past the launch allocation");
   using KVTile = GmmaTile<kBlockN, kHeadDim>;
   using QTile = GmmaTile<kBlockM, kHeadDim>;
   using DsTile = GmmaTile<kBlockN, kBlockM>;  // dS^T: [key][query]
