@@ -272,6 +272,17 @@ def test_backward_dq_by_the_other_way_on_hopper(family, head_dims):
       "or test_command_buffer_capture or test_jit_training_step_reduces_loss")
 
 
+def test_backward_with_128_row_query_blocks_on_hopper():
+  """The experimental backward visiting 128-row query blocks at head dim 64
+  (JAX_FLASH_CUDA_BACKWARD=sm90ws_m128; the default elsewhere), dQ split by rows between the
+  warpgroups, passes the reference and deterministic cases of head dims 33..64, the CUDA-graph
+  capture and the training step."""
+  _run_cuda_tests_on_hopper_with(
+      {"JAX_FLASH_CUDA_BACKWARD": "sm90ws_m128"},
+      "((test_cuda_matches_reference or test_deterministic_matches_reference) and (h40 or h64)) "
+      "or test_command_buffer_capture or test_jit_training_step_reduces_loss")
+
+
 def test_split_kv_decoding_on_cuda():
   """The experimental split-KV program around the CUDA forward (JAX_FLASH_CUDA_DECODE=split:
   pack-GQA and key chunks for calls without causal mask or window) passes the reference cases,

@@ -73,10 +73,13 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
     if (sh.seq_k > 0) {  // with no keys, dK and dV are empty and dQ stays 0
       cudaError_t e = cudaSuccess;
       if constexpr (TileShapes<kD>::kHasSm90Bwd) {
-        constexpr DqMode kDefault = TileShapes<kD>::kSm90BwdBulkDqByDefault ? DqMode::kBulk : DqMode::kAtomics;
+        using V = Sm90BwdVariant;
+        constexpr V kDefault = TileShapes<kD>::kSm90BwdBulkDqByDefault ? V::kBulkDq : V::kAtomicDq;
+        constexpr V kBlockM128 = TileShapes<kD>::kHasSm90BwdBlockM128 ? V::kBlockM128 : kDefault;
         e = family == KernelFamily::kSm90Ws           ? launch_bwd_main_sm90_ws<T, kD>(p, kDefault, stream)
-            : family == KernelFamily::kSm90WsAtomicDq ? launch_bwd_main_sm90_ws<T, kD>(p, DqMode::kAtomics, stream)
-            : family == KernelFamily::kSm90WsBulkDq   ? launch_bwd_main_sm90_ws<T, kD>(p, DqMode::kBulk, stream)
+            : family == KernelFamily::kSm90WsAtomicDq ? launch_bwd_main_sm90_ws<T, kD>(p, V::kAtomicDq, stream)
+            : family == KernelFamily::kSm90WsBulkDq   ? launch_bwd_main_sm90_ws<T, kD>(p, V::kBulkDq, stream)
+            : family == KernelFamily::kSm90WsM128     ? launch_bwd_main_sm90_ws<T, kD>(p, kBlockM128, stream)
                                                       : launch_bwd_main_sm80<T, kD>(p, stream);
       } else {
         e = launch_bwd_main_sm80<T, kD>(p, stream);

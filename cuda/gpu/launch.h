@@ -37,11 +37,12 @@ template <typename T, int kHeadDim>
 cudaError_t launch_fwd_sm90_ws(const FwdParams& params, bool persistent, cudaStream_t stream);
 template <typename T, int kHeadDim>
 cudaError_t launch_bwd_main_sm80(const BwdParams& params, cudaStream_t stream);
-// How the warp-specialised main backward (sm90/flash_bwd_ws_kernel.cuh) adds dQ: atomics from
-// the math warps, or bulk reductions from shared memory.
-enum class DqMode { kAtomics, kBulk };
+// The warp-specialised main backward's variants (sm90/flash_bwd_ws_kernel.cuh): 64-row query
+// blocks with dQ added by atomics from the math warps or by bulk reductions from shared memory,
+// or (head dim 64, experimental) 128-row query blocks with dQ by atomics.
+enum class Sm90BwdVariant { kAtomicDq, kBulkDq, kBlockM128 };
 template <typename T, int kHeadDim>
-cudaError_t launch_bwd_main_sm90_ws(const BwdParams& params, DqMode dq_mode, cudaStream_t stream);
+cudaError_t launch_bwd_main_sm90_ws(const BwdParams& params, Sm90BwdVariant variant, cudaStream_t stream);
 // The deterministic mode's dQ kernel (mma.sync on every GPU).
 template <typename T, int kHeadDim>
 cudaError_t launch_bwd_dq_sm80(const BwdParams& params, cudaStream_t stream);

@@ -43,6 +43,9 @@ struct TileShapes {
   // query blocks of 64; dQ added by atomics, or by bulk reductions from a shared tile.
   using Sm90BwdWs = Sm90BwdWsTraits<kHeadDim>;
   using Sm90BwdWsBulkDq = Sm90BwdWsTraits<kHeadDim, true>;
+  // Experimental (JAX_FLASH_CUDA_BACKWARD=sm90ws_m128): 128-row query blocks, head dim 64 only.
+  static constexpr bool kHasSm90BwdBlockM128 = kHeadDim == 64;
+  using Sm90BwdWsBlockM128 = Sm90BwdWsTraits<kHeadDim, false, (kHasSm90BwdBlockM128 ? 128 : 64)>;
   // The backward's dQ by default (JAX_FLASH_CUDA_BACKWARD=sm90ws), as measured on the H200
   // (cuda/PERF_NOTES.md v6): bulk reductions at head dim 128 (+5-11% over atomics), atomics at 64
   // (bulk reductions 25% slower there).

@@ -57,10 +57,24 @@ __device__ __forceinline__ void probabilities_and_ds(float (&st)[1][kBlockM / 8]
     }
 }
 
+// A warp's dS^T rows (keys warp_key0 ..; every query column of the block) to the DsTile at `ds`:
+// each 64-column block as SmemTile<kBlockN, 64> lays it out, which is GmmaTile's block layout.
+template <typename Traits, typename T>
+__device__ __forceinline__ void store_transposed_ds(T* ds, const float (&dst)[1][Traits::kBlockM / 8][4],
+                                                    int warp_key0, int lane) {
+  using Block = SmemTile<Traits::kBlockN, 64>;
+  using BlockFragment = const float[1][8][4];
+#pragma unroll
+  for (int b = 0; b < Traits::kBlockM / 64; ++b)
+    store_accumulator<Block>(ds + b * Block::kElements, *reinterpret_cast<BlockFragment*>(&dst[0][8 * b]),
+                             warp_key0, 0, lane);
+}
+
 // dV += P^T dO (P^T from registers) and dK += dS^T Q (dS^T from shared memory, which keeps
 // registers free for dQ) for the warpgroup's keys if the block sees them (group_live), and
-// dQ = dS K (warpgroup g: head-dim columns 64 g .. 64 g + 63, all of them for head dim 64 in
-// warpgroup 0) where dq_here; issued and waited for.
+// dQ = dS K where dq_here: warpgroup g's 64 query rows with every head-dim column
+// (Traits::kDqByRows), else its head-dim columns 64 g .. 64 g + 63 of every row (all of them
+// for head dim 64 in warpgroup 0); issued and waited for.
 template <typename Traits, typename T>
 __device__ __forceinline__ void accumulate_gradients(float (&dk)[1][Traits::kHeadDim / 8][4],
                                                      float (&dv)[1][Traits::kHeadDim / 8][4], float (&dq)[1][8][4],
@@ -88,15 +102,17 @@ __device__ __forceinline__ void accumulate_gradients(float (&dk)[1][Traits::kHea
       Wgmma<T, kD>::ss_b_transposed(dk[0], DsTile::k_major(ds_address, group * 64, kk),
                                     QTile::n_major(q_address, kk), true);
     wgmma_commit();
-    // At head dim 128 the registers do not hold dK, dV and dQ in flight at once.
-    if constexpr (kD > 64) wgmma_wait<0>();
+    // At head dim 128, or with 128-row visits (P^T twice the registers), the registers do not
+    // hold dK, dV and dQ in flight at once (ptxas serialises the products, C7512).
+    if constexpr (kD > 64 || Traits::kDqByRows) wgmma_wait<0>();
   }
   if (dq_here) {
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBN / 16; ++kk)
-      Wgmma<T, 64>::ss_transposed(dq[0], DsTile::n_major(ds_address, kk),
-                                  KVTile::n_major(k_address + group * KVTile::kBlockBytes, kk), kk > 0);
+      Wgmma<T, 64>::ss_transposed(
+          dq[0], DsTile::n_major(ds_address + (Traits::kDqByRows ? group : 0) * DsTile::kBlockBytes, kk),
+          KVTile::n_major(k_address + (Traits::kDqByRows ? 0 : group) * KVTile::kBlockBytes, kk), kk > 0);
     wgmma_commit();
   }
   wgmma_wait<0>();
@@ -105,14 +121,16 @@ __device__ __forceinline__ void accumulate_gradients(float (&dk)[1][Traits::kHea
   fence_registers(dq[0]);
 }
 
-// Adds a warp's part of dQ (rows 16 (warp % 4) .. of the query block from m0 of head h,
-// warpgroup `group`'s 64 columns) to the float32 accumulator.
-template <int kBlockM, int kBlockN>
+// Adds a warp's part of dQ (rows 16 (warp % 4) .. of warpgroup `group`'s 64 query rows with
+// kDqByRows, else of the query block; warpgroup `group`'s 64 columns without) of the query block
+// from m0 of head h to the float32 accumulator.
+template <bool kDqByRows, int kBlockM, int kBlockN>
 __device__ __forceinline__ void add_dq(const BwdParams& p, const KeyBlockTask<kBlockM, kBlockN>& task,
                                        const float (&dq)[1][8][4], int64_t m0, int h, int group, int warp,
                                        int lane) {
   const AttentionShape& sh = p.shape;
-  const int lane_row = warp % 4 * 16 + lane / 4, lane_col = group * 64 + (lane % 4) * 2;
+  const int lane_row = (kDqByRows ? group * 64 : 0) + warp % 4 * 16 + lane / 4;
+  const int lane_col = (kDqByRows ? 0 : group * 64) + (lane % 4) * 2;
   float* dq_block = p.dq_accum + (task.b * sh.seq_q + m0 + lane_row) * task.q_stride + h * sh.head_dim + lane_col;
   const int live_rows = static_cast<int>(min64(kBlockM, task.q_len - m0)) - lane_row;
   const int live_cols = static_cast<int>(sh.head_dim) - lane_col;

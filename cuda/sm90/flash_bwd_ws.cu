@@ -28,14 +28,17 @@ cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
 }  // namespace
 
 template <typename T, int kHeadDim>
-cudaError_t launch_bwd_main_sm90_ws(const BwdParams& p, DqMode dq_mode, cudaStream_t stream) {
-  if (dq_mode == DqMode::kBulk) return launch<typename TileShapes<kHeadDim>::Sm90BwdWsBulkDq, T>(p, stream);
+cudaError_t launch_bwd_main_sm90_ws(const BwdParams& p, Sm90BwdVariant variant, cudaStream_t stream) {
+  if (variant == Sm90BwdVariant::kBulkDq) return launch<typename TileShapes<kHeadDim>::Sm90BwdWsBulkDq, T>(p, stream);
+  if constexpr (TileShapes<kHeadDim>::kHasSm90BwdBlockM128)
+    if (variant == Sm90BwdVariant::kBlockM128)
+      return launch<typename TileShapes<kHeadDim>::Sm90BwdWsBlockM128, T>(p, stream);
   return launch<typename TileShapes<kHeadDim>::Sm90BwdWs, T>(p, stream);
 }
 
 #define JF_INSTANTIATE(D)                                                                          \
-  template cudaError_t launch_bwd_main_sm90_ws<__nv_bfloat16, D>(const BwdParams&, DqMode, cudaStream_t); \
-  template cudaError_t launch_bwd_main_sm90_ws<__half, D>(const BwdParams&, DqMode, cudaStream_t);
+  template cudaError_t launch_bwd_main_sm90_ws<__nv_bfloat16, D>(const BwdParams&, Sm90BwdVariant, cudaStream_t); \
+  template cudaError_t launch_bwd_main_sm90_ws<__half, D>(const BwdParams&, Sm90BwdVariant, cudaStream_t);
 JF_SM90_BWD_HEAD_DIMS(JF_INSTANTIATE)
 #undef JF_INSTANTIATE
 

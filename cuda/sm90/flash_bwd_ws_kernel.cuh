@@ -260,15 +260,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
     // dS^T to this visit's buffer (the other buffer may still be read by the other warpgroup's
     // dQ of the last visit; this one's last reader, two visits ago, finished before that
-    // warpgroup reached the barrier below last time). SmemTile<kBN, 64> stores as DsTile lays
-    // out (one 64-column block, chunk ^ row).
-    store_accumulator<SmemTile<kBN, kBM>>(ds, dpt, warp_key0, 0, lane);
+    // warpgroup reached the barrier below last time).
+    store_transposed_ds<Traits>(ds, dpt, warp_key0, lane);
     fence_proxy_async();
     consumers_sync();  // both warpgroups' dS^T are in
 
     // dV, dK and this warpgroup's part of dQ, waited for; then the stage is released (Q, dO, lse
     // and delta no longer read by this warp) and dQ added to the float32 accumulator.
-    const bool dq_here = !kDeterministic && (kD == 128 || group == 0);  // 64 columns a warpgroup
+    // 64 query rows or 64 columns a warpgroup (Traits::kDqByRows)
+    const bool dq_here = !kDeterministic && (Traits::kDqByRows || kD == 128 || group == 0);
     float dq[1][8][4];
     accumulate_gradients<Traits, T>(dk, dv, dq, st, q_address, do_address, ds_address, k_address, group, group_live,
                                     dq_here);
@@ -288,7 +288,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (lane == 0) Mbarrier(&bars.dq_full).arrive();
       }
     } else if (dq_here) {
-      add_dq(p, task, dq, m0, visit.h, group, warp, lane);
+      add_dq<Traits::kDqByRows>(p, task, dq, m0, visit.h, group, warp, lane);
     }
   }
 

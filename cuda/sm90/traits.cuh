@@ -39,12 +39,19 @@ struct Sm90FwdWsTraits {
 // 2 consumer warpgroups of 64 keys each; Q, dO (and their rows' lse, delta)
 // in kStages stages, dS^T double-buffered. kBulkDq: the consumers leave each visit's dQ in a
 // float32 shared tile that the producer's second warp adds to the accumulator with bulk
-// reductions (else the consumers add it with atomics).
-template <int kHeadDim_, bool kBulkDq_ = false>
+// reductions (else the consumers add it with atomics). kBlockM: query rows a visit, 64, or 128 at
+// head dim 64 (FlashAttention-3's tile there: half the visits, and dQ split by query rows
+// between the warpgroups, 64 rows each, instead of computed by warpgroup 0 alone).
+template <int kHeadDim_, bool kBulkDq_ = false, int kBlockM_ = 64>
 struct Sm90BwdWsTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kBulkDq = kBulkDq_;
-  static constexpr int kBlockM = 64;   // query rows per visit
+  static constexpr int kBlockM = kBlockM_;  // query rows per visit
+  static_assert(kBlockM == 64 || (kBlockM == 128 && kHeadDim == 64 && !kBulkDq),
+                "128-row visits at head dim 64 only, with dQ by atomics");
+  // Each warpgroup computes dQ for its 64 query rows (128-row visits), else for 64 of the head
+  // dim's columns (warpgroup 0 alone at head dim 64).
+  static constexpr bool kDqByRows = kBlockM == 128;
   static constexpr int kBlockN = 128;  // keys: 2 consumer warpgroups x 64
   static constexpr int kConsumers = 2;
   static constexpr int kStages = 2;
@@ -72,7 +79,6 @@ struct Sm90BwdWsTraits {
                                     2 * kStages * kBlockM * 4 + (kBulkDq ? kBlockM * kDqRowStride * 4 : 0) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
   static_assert(kHeadDim == 64 || kHeadDim == 128, "wgmma shapes are instantiated for N = 64, 128");
-  static_assert(kBlockM == 64, "dS^T is stored through SmemTile, whose layout is DsTile's for 64 columns");
 };
 
 }  // namespace jax_flash::cuda
