@@ -245,20 +245,20 @@ def test_zero_and_subnormal_scales(rng, scale, implementation):
 
 
 # The kernels sum unnormalised weights times values and normalise once at the end (as
-# FlashAttention does); values near FLT_MAX / (weight bound x keys) overflow there where jax.nn,
-# normalising first, is finite. A known limit of the CPU and CUDA kernels (README, issue 13): the
-# CPU case fails until it is fixed. The blockwise path keeps its accumulator scaled by the
-# running sum's power of two and is exact here.
-_UNNORMALISED = pytest.mark.xfail(strict=True, reason="unnormalised P V accumulator overflows "
-                                  "near FLT_MAX / keys (issue 13, item 4)")
-
-
-@pytest.mark.parametrize("implementation", [pytest.param("cpu", marks=_UNNORMALISED),
-                                            "blockwise", "xla"])
-def test_values_near_the_float32_limit(implementation):
-  q = jax.random.normal(jax.random.key(0), (1, 4, 2, 32), jnp.float32)
-  k = jax.random.normal(jax.random.key(1), (1, 96, 2, 32), jnp.float32) * 0.01
-  v = jnp.full((1, 96, 2, 32), 1e37, jnp.float32)
+# FlashAttention does); with the running max as the reference, values near FLT_MAX / (weight
+# bound x keys) overflowed there where jax.nn, normalising first, is finite. The CPU kernel's
+# reference now keeps the row's sum below 2 (cpu/flash_fwd.h raised_reference); the blockwise
+# path keeps its accumulator scaled by the running sum's power of two. (The CUDA kernels still
+# take the running max: issue 13 item 4.)
+@pytest.mark.parametrize("implementation", ["cpu", "blockwise", "xla"])
+@pytest.mark.parametrize("seq_q, seq_k", [(4, 96), (100, 300)], ids=["decode", "tiled"])
+def test_values_near_the_float32_limit(implementation, seq_q, seq_k):
+  """Nearly uniform weights over 96 or 300 keys of values 1e37 (a sum of the unnormalised
+  weights above 34 overflows): the CPU decode kernel (4 rows) and the tiled forward (100 rows,
+  five key blocks, so the reference also rises between blocks)."""
+  q = jax.random.normal(jax.random.key(0), (1, seq_q, 2, 32), jnp.float32)
+  k = jax.random.normal(jax.random.key(1), (1, seq_k, 2, 32), jnp.float32) * 0.01
+  v = jnp.full((1, seq_k, 2, 32), 1e37, jnp.float32)
   want = np.asarray(jax.nn.dot_product_attention(q, k, v))
   got = np.asarray(jax_flash.dot_product_attention(q, k, v, implementation=implementation))
   assert np.all(np.isfinite(got))

@@ -93,10 +93,10 @@ struct FlashDecode {
     float* kt_tile = acc + kBlockQ * dp;
     float* v_tile = kt_tile + dp * kp;
     float* scores = v_tile + kp * dp;
-    float* row_max = scores + kBlockQ * kp;
-    float* row_sum = row_max + kBlockQ;
+    float* row_ref = scores + kBlockQ * kp;
+    float* row_sum = row_ref + kBlockQ;
     for (int64_t r = 0; r < rows; ++r) {
-      row_max[r] = -INFINITY;
+      row_ref[r] = -INFINITY;
       row_sum[r] = 0.f;
     }
 
@@ -123,7 +123,7 @@ struct FlashDecode {
         for (int64_t r = 0; r < live_rows; ++r) {
           float* s = scores + r * kp;
           if (!whole) mask_row(s, j0, cols, kp, keys[r]);
-          const float correction = softmax_row_update(s, kp, row_max[r], row_sum[r]);
+          const float correction = softmax_row_update(s, kp, row_ref[r], row_sum[r]);
           if (correction != 1.f) {
             const Vec cv = splat(correction);
             for (int64_t c = 0; c < dp; c += kLanes) store(acc + r * dp + c, load(acc + r * dp + c) * cv);
@@ -148,12 +148,12 @@ struct FlashDecode {
           seen ? store_row(acc + r * dp, d, inv, static_cast<T*>(p.o) + out_row)
                : store_zeros(d, static_cast<T*>(p.o) + out_row);
         p.lse[(b * sh.heads_q + h) * sh.seq_q + t] =
-            seen ? (row_max[r] + __builtin_log2f(row_sum[r])) * kLn2 : kEmptyRowLse;
+            seen ? (row_ref[r] + __builtin_log2f(row_sum[r])) * kLn2 : kEmptyRowLse;
       } else {
         const int64_t row = ((split * sh.batch + b) * sh.heads_q + h) * sh.seq_q + t;
         float* o_part = p.o_partial + row * d;
         seen ? store_row(acc + r * dp, d, 1.f / row_sum[r], o_part) : store_zeros(d, o_part);
-        p.lse_partial[row] = seen ? (row_max[r] + __builtin_log2f(row_sum[r])) * kLn2 : -INFINITY;
+        p.lse_partial[row] = seen ? (row_ref[r] + __builtin_log2f(row_sum[r])) * kLn2 : -INFINITY;
       }
     }
   }

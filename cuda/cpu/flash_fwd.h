@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstring>
 
 #include "common/mask.h"
 #include "cpu/parallel.h"
@@ -26,18 +27,52 @@ inline void mask_row(float* s, int64_t j0, int64_t cols, int64_t padded_cols, Ke
   for (int64_t c = hi; c < padded_cols; ++c) s[c] = neg_inf;
 }
 
+// The reference a row's exponentials are taken against: its running max plus kSumHeadroom,
+// raised further by the power of two that takes the earlier sum (rescaled to it) below 1. Each
+// key block's probabilities then sum to at most 1 (blocks are at most 2^kSumHeadroom keys) and
+// the row's sum stays below 2, so the unnormalised P V accumulator stays within twice the
+// largest |value|: finite wherever jax.nn's normalised output is (values near FLT_MAX / keys
+// overflowed it: issue 13 item 4). lse = (reference + log2 sum) ln 2 holds for any reference;
+// keys more than 2^-121 below the max (not 2^-127) round to 0, far under float32's precision.
+inline constexpr float kSumHeadroom = 6.f;
+static_assert(kBlockK <= 64, "a block's probabilities sum to at most 2^kSumHeadroom");
+
+inline float raised_reference(float old_ref, float tile_max, float old_sum) {
+  const float headroom = tile_max + kSumHeadroom;
+  const float ref = old_ref > headroom ? old_ref : headroom;  // NaN (a NaN score) stays NaN
+  const float earlier = old_ref == -INFINITY ? 0.f : old_sum * __builtin_exp2f(old_ref - ref);
+  if (!(earlier >= 1.f) || earlier == INFINITY) return ref;
+  int exponent;
+  std::frexp(earlier, &exponent);  // earlier in [2^(exponent - 1), 2^exponent)
+  return ref + static_cast<float>(exponent);
+}
+
+// The same for kLanes rows.
+inline Vec raised_reference(Vec old_ref, Vec tile_max, Vec old_sum) {
+  const Vec neg_inf = splat(-INFINITY);
+  const Vec headroom = tile_max + kSumHeadroom;
+  const Vec ref = old_ref > headroom ? old_ref : headroom;
+  const Vec earlier = old_ref == neg_inf ? Vec{} : old_sum * exp2_nonpositive(old_ref - ref);
+  IVec bits;
+  std::memcpy(&bits, &earlier, sizeof(bits));
+  // For earlier in [1, inf): its exponent field minus 126 is the exponent that frexp gives.
+  const IVec exponent = ((bits >> 23) & 0xFF) - 126;
+  const IVec raise = (earlier >= 1.f) & (earlier < INFINITY);
+  return raise ? ref + __builtin_convertvector(exponent, Vec) : ref;
+}
+
 // Online softmax step for one row of base-2 scores s (padded_cols wide, masked entries -inf):
-// turns s into probabilities relative to the new running max and returns the factor by which
-// the row's earlier accumulators must be rescaled. A NaN score stays NaN in its probability and
-// the row's sum (so the output shows it, as jax.nn's does); a row that has met only -inf scores
-// so far keeps max -inf and takes its exponentials relative to 0 (0 for -inf, NaN for NaN).
-// (The forward uses the transposed form below; this one serves row-major callers.)
-inline float softmax_row_update(float* s, int64_t padded_cols, float& row_max, float& row_sum) {
+// turns s into probabilities relative to the row's new reference (raised_reference) and returns
+// the factor by which the row's earlier accumulators must be rescaled. A NaN score stays NaN in
+// its probability and the row's sum (so the output shows it, as jax.nn's does); a row that has
+// met only -inf scores so far keeps reference -inf and takes its exponentials relative to 0 (0
+// for -inf, NaN for NaN). (The forward uses the transposed form below; this one serves
+// row-major callers.)
+inline float softmax_row_update(float* s, int64_t padded_cols, float& row_ref, float& row_sum) {
   Vec mx = splat(-INFINITY);
   for (int64_t c = 0; c < padded_cols; c += kLanes) mx = vmax(mx, load(s + c));
-  const float tile_max = reduce_max(mx);
-  const float new_max = row_max > tile_max ? row_max : tile_max;
-  const Vec m = splat(new_max == -INFINITY ? 0.f : new_max);
+  const float new_ref = raised_reference(row_ref, reduce_max(mx), row_sum);
+  const Vec m = splat(new_ref == -INFINITY ? 0.f : new_ref);
   Vec sum = Vec{};
   for (int64_t c = 0; c < padded_cols; c += kLanes) {
     const Vec p = exp2_nonpositive(load(s + c) - m);
@@ -45,9 +80,9 @@ inline float softmax_row_update(float* s, int64_t padded_cols, float& row_max, f
     sum += p;
   }
   // Nothing but -inf seen before: the accumulators hold 0 (or NaN, which 0 keeps).
-  const float correction = row_max == -INFINITY ? 0.f : __builtin_exp2f(row_max - new_max);
+  const float correction = row_ref == -INFINITY ? 0.f : __builtin_exp2f(row_ref - new_ref);
   row_sum = row_sum * correction + reduce_sum(sum);
-  row_max = new_max;
+  row_ref = new_ref;
   return correction;
 }
 
@@ -62,12 +97,12 @@ inline void mask_column(float* s, int64_t ld, int64_t j0, int64_t cols, KeyRange
 
 // Online softmax step for kLanes query rows at once, on transposed base-2 scores: st[c * ld] is
 // the vector of the kLanes rows' scores for key c < cols (masked entries -inf). Turns the scores
-// into probabilities relative to the new running max and returns the factors by which the rows'
-// earlier accumulators must be rescaled. A NaN score stays NaN in its probability and the row's
-// sum (so the output shows it, as jax.nn's does); a row that has met only -inf scores so far keeps
-// max -inf and takes its exponentials relative to 0 (0 for -inf, NaN for NaN). Every reduction
-// runs across keys, lane by lane: no horizontal operation.
-inline Vec softmax_columns_update(float* st, int64_t ld, int64_t cols, float* row_max,
+// into probabilities relative to the rows' new references (raised_reference) and returns the
+// factors by which the rows' earlier accumulators must be rescaled. A NaN score stays NaN in its
+// probability and the row's sum (so the output shows it, as jax.nn's does); a row that has met
+// only -inf scores so far keeps reference -inf and takes its exponentials relative to 0 (0 for
+// -inf, NaN for NaN). Every reduction runs across keys, lane by lane: no horizontal operation.
+inline Vec softmax_columns_update(float* st, int64_t ld, int64_t cols, float* row_ref,
                                   float* row_sum) {
   const Vec neg_inf = splat(-INFINITY);
   Vec mx0 = neg_inf, mx1 = neg_inf;
@@ -79,10 +114,9 @@ inline Vec softmax_columns_update(float* st, int64_t ld, int64_t cols, float* ro
   if (c < cols) mx0 = vmax(mx0, load(st + c * ld));
   // vmax may drop a NaN met earlier in a chain (as the one-row form's does); a NaN score reaches
   // the output through its probability anyway.
-  const Vec tile_max = vmax(mx0, mx1);
-  const Vec old_max = load(row_max);
-  const Vec new_max = old_max > tile_max ? old_max : tile_max;
-  const Vec m = new_max == neg_inf ? Vec{} : new_max;
+  const Vec old_ref = load(row_ref);
+  const Vec new_ref = raised_reference(old_ref, vmax(mx0, mx1), load(row_sum));
+  const Vec m = new_ref == neg_inf ? Vec{} : new_ref;
   Vec sum0 = Vec{}, sum1 = Vec{};
   for (c = 0; c + 1 < cols; c += 2) {
     const Vec p0 = exp2_nonpositive(load(st + c * ld) - m);
@@ -98,9 +132,9 @@ inline Vec softmax_columns_update(float* st, int64_t ld, int64_t cols, float* ro
     sum0 += p0;
   }
   // Nothing but -inf seen before: the accumulators hold 0 (or NaN, which 0 keeps).
-  const Vec correction = old_max == neg_inf ? Vec{} : exp2_nonpositive(old_max - new_max);
+  const Vec correction = old_ref == neg_inf ? Vec{} : exp2_nonpositive(old_ref - new_ref);
   store(row_sum, load(row_sum) * correction + (sum0 + sum1));
-  store(row_max, new_max);
+  store(row_ref, new_ref);
   return correction;
 }
 
@@ -254,8 +288,8 @@ struct FlashFwd {
     float* k_tile = acc + kBlockQ * dp;
     float* v_tile = k_tile + kp * dp;
     float* scores_t = v_tile + kp * dp;
-    float* row_max = scores_t + kp * qp;
-    float* row_sum = row_max + qp;
+    float* row_ref = scores_t + kp * qp;
+    float* row_sum = row_ref + qp;
     float* correction = row_sum + qp;
     // With segment ids, 1 where a row has met a key the masks let through: a row whose document
     // has no visible key is empty. (Without them key_range decides that alone.)
@@ -269,7 +303,7 @@ struct FlashFwd {
       const int64_t nq = round_up(live_rows, kLanes);  // query columns computed
       load_rows_transposed(q, q_stride, live_rows, d, qt_tile, qp, dp);
       for (int64_t r = 0; r < qp; ++r) {
-        row_max[r] = -INFINITY;
+        row_ref[r] = -INFINITY;
         row_sum[r] = 0.f;
         seen[r] = 0.f;
       }
@@ -319,7 +353,7 @@ struct FlashFwd {
         }
         for (int64_t r = 0; r < nq; r += kLanes)
           store(correction + r,
-                softmax_columns_update(scores_t + r, qp, cols, row_max + r, row_sum + r));
+                softmax_columns_update(scores_t + r, qp, cols, row_ref + r, row_sum + r));
         for (int64_t r = 0; r < live_rows; ++r) {
           if (correction[r] != 1.f) {
             const Vec cv = splat(correction[r]);
@@ -344,7 +378,7 @@ struct FlashFwd {
       else
         empty ? store_zeros(d, static_cast<T*>(p.o) + out_row)
               : store_row(acc + r * dp, d, inv, static_cast<T*>(p.o) + out_row);
-      lse[r] = empty ? kEmptyRowLse : (row_max[r] + __builtin_log2f(row_sum[r])) * kLn2;
+      lse[r] = empty ? kEmptyRowLse : (row_ref[r] + __builtin_log2f(row_sum[r])) * kLn2;
     }
   }
 };
