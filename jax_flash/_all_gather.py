@@ -16,6 +16,12 @@ slice's end, a window: the window's span).
 
 Segment ids: the key-side ids are gathered with K/V (one more all-gather, of int32 per key) and
 cut to the same key range; the query-side ids stay with their queries.
+
+ALiBi slopes ((B, N), per head: nothing to gather): a slice's kernel biases by positions local
+to its query rows and key range, off from the global ones by (key range start - query slice
+start) for every score of a row; the slice's lse is moved by slope times that, and moved back
+for its backward kernel (jax_flash._reference.alibi_lse_shift). The offset is traced (the
+query slice's start depends on the device), so the plans, and the switch, are unchanged.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import jax.numpy as jnp
 
 from jax_flash import _ops
 from jax_flash._chunks import from_layout_order, to_layout_order
-from jax_flash._reference import EMPTY_ROW_LSE
+from jax_flash._reference import EMPTY_ROW_LSE, alibi_lse_shift
 from jax_flash._ring import _varying_like
 
 _UNBOUNDED = -1
@@ -84,28 +90,36 @@ def _local_kv_lens(kv_lens, plan: _Slice):
   return jnp.clip(kv_lens - plan.start, 0, plan.stop - plan.start).astype(jnp.int32)
 
 
-def _slice_fwd(plan: _Slice, q, k, v, q_lens, kv_lens, q_ids=None, kv_ids=None):
-  """(o float32, lse) of one query slice (q_lens local to it) against the gathered K/V."""
+def _slice_fwd(plan: _Slice, q, k, v, q_lens, kv_lens, alibi=None, q_ids=None, kv_ids=None):
+  """(o float32, lse) of one query slice (q_lens local to it) against the gathered K/V;
+  `alibi`: None or (slopes (B, N), the slice's first global query row)."""
   if plan.stop == plan.start:  # nothing visible: every row empty
     batch, rows, heads, _ = q.shape
     return (_varying_like(jnp.zeros(q.shape, jnp.float32), q),
             _varying_like(jnp.full((batch, heads, rows), EMPTY_ROW_LSE, jnp.float32), q))
   o, lse = _ops.flash_fwd(q, k[:, plan.start:plan.stop], v[:, plan.start:plan.stop], q_lens,
                           _local_kv_lens(kv_lens, plan), plan.config,
-                          _ids_for(plan, q_ids, kv_ids))
+                          _ids_for(plan, q_ids, kv_ids), None if alibi is None else alibi[0])
+  if alibi is not None:
+    lse = alibi_lse_shift(lse, alibi[0], plan.start - alibi[1])
   return _varying_like(o.astype(jnp.float32), q), _varying_like(lse, q)
 
 
-def _slice_bwd(plan: _Slice, q, k, v, o, lse, d_o, q_lens, kv_lens, q_ids=None, kv_ids=None):
+def _slice_bwd(plan: _Slice, q, k, v, o, lse, d_o, q_lens, kv_lens, alibi=None, q_ids=None,
+               kv_ids=None):
   """(dq, dk float32, dv float32) of _slice_fwd, dK/dV over the whole gathered sequence."""
   dk = jnp.zeros(k.shape, jnp.float32)
   dv = jnp.zeros(v.shape, jnp.float32)
   if plan.stop == plan.start:
     return (_varying_like(jnp.zeros(q.shape, q.dtype), q), _varying_like(dk, k),
             _varying_like(dv, v))
+  slopes = None
+  if alibi is not None:  # the lse the slice's kernel formed its scores against
+    slopes = alibi[0]
+    lse = alibi_lse_shift(lse, slopes, plan.start - alibi[1], sign=-1)
   dq, dk_part, dv_part = _ops.flash_bwd(
       q, k[:, plan.start:plan.stop], v[:, plan.start:plan.stop], o, lse, d_o, q_lens,
-      _local_kv_lens(kv_lens, plan), plan.config, _ids_for(plan, q_ids, kv_ids))
+      _local_kv_lens(kv_lens, plan), plan.config, _ids_for(plan, q_ids, kv_ids), None, slopes)
   dk = dk.at[:, plan.start:plan.stop].set(dk_part.astype(jnp.float32))
   dv = dv.at[:, plan.start:plan.stop].set(dv_part.astype(jnp.float32))
   return _varying_like(dq, q), _varying_like(dk, k), _varying_like(dv, v)
@@ -125,13 +139,18 @@ def _split_rows(x, parts: int, axis: int):
 
 
 def _slices(config, num: int, layout: str, rows: int, seq_k: int, rank, q_lens):
-  """For each of this device's query chunks: (its plan for every rank, its local q_lens)."""
+  """For each of this device's query chunks: (its plan for every rank, its local q_lens, its
+  first global row)."""
   out = []
   for chunk in _chunk_ids(num, layout):
     plans = [_slice_plan(config, chunk(r) * rows, rows, seq_k) for r in range(num)]
     local_q_lens = jnp.clip(q_lens - chunk(rank) * rows, 0, rows).astype(jnp.int32)
-    out.append((plans, local_q_lens))
+    out.append((plans, local_q_lens, chunk(rank) * rows))
   return out
+
+
+def _alibi_arg(alibi_slopes, first_row):
+  return None if alibi_slopes is None else (alibi_slopes, first_row)
 
 
 def _id_args(q_ids_c, kv_ids):
@@ -139,11 +158,11 @@ def _id_args(q_ids_c, kv_ids):
 
 
 def all_gather_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=None, *,
-                   axis_name, layout: str, kv_layout: str | None = None):
+                   axis_name, layout: str, kv_layout: str | None = None, alibi_slopes=None):
   """(o, lse) over a sequence sharded along `axis_name`, with _ops.flash_fwd's arguments and
   results (this device's query slices in `layout`, its K/V slices in `kv_layout`, by default
-  the same, the segment ids with them; q_lens and kv_lens global). Inside shard_map or a
-  partitioned lowering."""
+  the same, the segment ids with them; q_lens and kv_lens global; the ALiBi slopes (B, N) of
+  this device's heads). Inside shard_map or a partitioned lowering."""
   num = jax.lax.axis_size(axis_name)
   rank = jax.lax.axis_index(axis_name)
   q_ids, kv_ids = segment_ids if segment_ids is not None else (None, None)
@@ -152,11 +171,11 @@ def all_gather_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_
   rows = q.shape[1] // parts
   q_id_cs = _split_rows(q_ids, parts, 1) if q_ids is not None else [None] * parts
   outs, lses = [], []
-  for q_c, q_id_c, (plans, q_lens_c) in zip(
+  for q_c, q_id_c, (plans, q_lens_c, first_row) in zip(
       _split_rows(q, parts, 1), q_id_cs,
       _slices(config, num, layout, rows, k.shape[1], rank, q_lens)):
     o, lse = _by_rank(rank, plans, _slice_fwd, q_c, k, v, q_lens_c, kv_lens,
-                      *_id_args(q_id_c, kv_ids))
+                      _alibi_arg(alibi_slopes, first_row), *_id_args(q_id_c, kv_ids))
     outs.append(o)
     lses.append(lse)
   out = jnp.concatenate(outs, axis=1).astype(jnp.float32 if config.o_float32 else q.dtype)
@@ -164,7 +183,8 @@ def all_gather_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_
 
 
 def all_gather_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelConfig,
-                   segment_ids=None, *, axis_name, layout: str, kv_layout: str | None = None):
+                   segment_ids=None, *, axis_name, layout: str, kv_layout: str | None = None,
+                   alibi_slopes=None):
   """(dq, dk, dv) of all_gather_fwd, with _ops.flash_bwd's arguments and results."""
   num = jax.lax.axis_size(axis_name)
   rank = jax.lax.axis_index(axis_name)
@@ -180,9 +200,10 @@ def all_gather_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelCon
   chunks = zip(_split_rows(q, parts, 1), _split_rows(o, parts, 1), _split_rows(lse, parts, 2),
                _split_rows(d_o, parts, 1), q_id_cs,
                _slices(config, num, layout, rows, k_all.shape[1], rank, q_lens))
-  for q_c, o_c, lse_c, do_c, q_id_c, (plans, q_lens_c) in chunks:
+  for q_c, o_c, lse_c, do_c, q_id_c, (plans, q_lens_c, first_row) in chunks:
     dq_c, dk_c, dv_c = _by_rank(rank, plans, _slice_bwd, q_c, k_all, v_all, o_c, lse_c, do_c,
-                                q_lens_c, kv_lens, *_id_args(q_id_c, kv_ids))
+                                q_lens_c, kv_lens, _alibi_arg(alibi_slopes, first_row),
+                                *_id_args(q_id_c, kv_ids))
     dqs.append(dq_c)
     dk, dv = dk + dk_c, dv + dv_c
   # Back into the layout the devices hold the sequence in, then each device's slice summed.

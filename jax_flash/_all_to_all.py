@@ -15,6 +15,9 @@ Segment ids are per position, not per head: every device needs the ids of the wh
 They are gathered by the same all-to-all (each device's slice of ids sent whole to every device:
 the bytes of an all-gather, (P-1) L/P int32 per device and side, negligible beside q, k, v),
 which keeps "all-to-all only" true of the compiled program.
+
+ALiBi slopes ((B, N), per head) need no communication: each device takes the slopes of the head
+slice it receives, and the kernel sees the whole sequence, so its positions are the global ones.
 """
 
 from __future__ import annotations
@@ -72,6 +75,16 @@ def _whole_ids(segment_ids, axis_name, layout: str, num: int):
   return tuple(_gather_ids(x, axis_name, layout, num) for x in segment_ids)
 
 
+def _head_slice(alibi_slopes, axis_name, num: int):
+  """The slopes (B, N) of the query heads _to_heads gives this device: N/P of them, chunk
+  `axis_index` (None without slopes)."""
+  if alibi_slopes is None:
+    return None
+  heads = alibi_slopes.shape[1] // num
+  return jax.lax.dynamic_slice_in_dim(alibi_slopes, jax.lax.axis_index(axis_name) * heads,
+                                      heads, axis=1)
+
+
 def _repeat_kv(k, v, repeats: int):
   if repeats == 1:
     return k, v
@@ -87,7 +100,7 @@ def _sum_kv_copies(dk, repeats: int):
 
 
 def all_to_all_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=None, *,
-                   axis_name, layout: str):
+                   axis_name, layout: str, alibi_slopes=None):
   """(o, lse) over a sequence sharded along `axis_name`, with _ops.flash_fwd's arguments and
   results (this device's slices in `layout`, segment ids too; q_lens and kv_lens global).
   Inside shard_map or a partitioned lowering; the local query heads must split over the axis."""
@@ -96,14 +109,15 @@ def all_to_all_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_
   k, v = _repeat_kv(k, v, kv_repeats(q.shape[2], k.shape[2], num))
   q, k, v = (_to_heads(x, axis_name, layout, num) for x in (q, k, v))
   o, lse = _ops.flash_fwd(q, k, v, q_lens, kv_lens, config,
-                          _whole_ids(segment_ids, axis_name, layout, num))
+                          _whole_ids(segment_ids, axis_name, layout, num),
+                          _head_slice(alibi_slopes, axis_name, num))
   # Typed as varying where q was (inside shard_map, over the mesh's other axes too).
   return (_varying_like(_to_sequence(o, axis_name, layout, num), like),
           _varying_like(_lse_to_sequence(lse, axis_name, layout, num), like))
 
 
 def all_to_all_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelConfig,
-                   segment_ids=None, *, axis_name, layout: str):
+                   segment_ids=None, *, axis_name, layout: str, alibi_slopes=None):
   """(dq, dk, dv) of all_to_all_fwd, with _ops.flash_bwd's arguments and results."""
   num = jax.lax.axis_size(axis_name)
   repeats = kv_repeats(q.shape[2], k.shape[2], num)
@@ -112,7 +126,8 @@ def all_to_all_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelCon
   q, k, v, o, d_o = (_to_heads(x, axis_name, layout, num) for x in (q, k, v, o, d_o))
   lse = _lse_to_heads(lse, axis_name, layout, num)
   dq, dk, dv = _ops.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config,
-                              _whole_ids(segment_ids, axis_name, layout, num))
+                              _whole_ids(segment_ids, axis_name, layout, num), None,
+                              _head_slice(alibi_slopes, axis_name, num))
   dq, dk, dv = (_to_sequence(x, axis_name, layout, num) for x in (dq, dk, dv))
   return (_varying_like(dq, q_in), _varying_like(_sum_kv_copies(dk, repeats), k_in),
           _varying_like(_sum_kv_copies(dv, repeats), v_in))

@@ -205,9 +205,9 @@ def dot_product_attention(
       zero (the slopes are constants of the model, as the lengths). Taken by "cpu" (tiled
       kernel; such calls never run the split-KV decode kernel), "blockwise" and "xla"; the
       CUDA kernels raise ``NotImplementedError`` (pass ``implementation="blockwise"`` on a
-      GPU). A call whose sequence axis is sharded runs with the sequence gathered (no
-      context-parallel strategy carries the slopes yet; asking for one raises). A wrong
-      shape or dtype raises ``ValueError`` naming ``alibi_slopes``.
+      GPU). Batch-, head- and sequence-sharded calls take them (every context-parallel
+      strategy: positions stay global). A wrong shape or dtype raises ``ValueError`` naming
+      ``alibi_slopes``.
     implementation: ``None`` picks the path for the default backend: ``"cpu"`` on the host,
       ``"cuda"`` on NVIDIA GPUs for bfloat16/float16, ``"blockwise"`` there for float32.
       ``"cpu"``/``"cuda"`` force a kernel; ``"blockwise"`` is FlashAttention in plain XLA (key

@@ -30,8 +30,12 @@ revisited with measurements of all three on GPUs:
    communication overlaps compute;
 2. else ``"all_to_all"`` where the heads split over the axis: every mask, work balanced;
 3. else ``"all_gather"`` (causal without a window balanced by zig-zag queries);
-4. else (the sequence does not split over the axis, or the call has ALiBi slopes, which no
-   strategy carries yet) no strategy: the sequence is gathered and the op runs on it whole.
+4. else (the sequence does not split over the axis) no strategy: the sequence is gathered and
+   the op runs on it whole.
+
+ALiBi slopes ((B, N), per head) go with every strategy too: the all-to-all takes its head
+slice's slopes; the ring and the all-gather move each block's lse by the slope times the offset
+of its slices' positions (jax_flash._reference.alibi_lse_shift).
 
 Segment ids (packed documents) go with every strategy: sharded like their operands' sequence,
 moved with them by the zig-zag relayout; the ring passes the key-side ids around with K/V, the
@@ -73,11 +77,8 @@ class Strategy:
 
 
 def _why_not(name: str, *, num: int, seq_q: int, seq_k: int, heads_q: int,
-             config: _ops.KernelConfig, alibi: bool = False) -> str | None:
+             config: _ops.KernelConfig) -> str | None:
   """Why strategy `name` cannot run this call over `num` devices (None: it can)."""
-  if alibi:
-    return ("no strategy carries alibi_slopes yet (each slice's positions would have to be "
-            "shifted); leave context_parallel=None, which gathers the sequence for such calls")
   if seq_q % num or seq_k % num:
     return (f"the query and key lengths ({seq_q}, {seq_k}) must split over the {num} devices "
             "of the sequence axis")
@@ -101,14 +102,13 @@ def _zigzag_fits(name: str, num: int, seq_q: int, seq_k: int) -> bool:
 
 
 def choose(request: str | None, *, num: int, seq_q: int, seq_k: int, heads_q: int,
-           config: _ops.KernelConfig, alibi: bool = False) -> Strategy | None:
+           config: _ops.KernelConfig) -> Strategy | None:
   """The strategy of a call partitioned under jax.jit (see the module docstring for the
-  automatic rule). `heads_q` are the query heads on each device of the sequence axis; `alibi`:
-  the call has ALiBi slopes, which no strategy carries yet. A requested strategy that cannot
-  run raises ValueError; the automatic choice returns None when none can (the caller then
-  gathers the sequence)."""
+  automatic rule). `heads_q` are the query heads on each device of the sequence axis. A
+  requested strategy that cannot run raises ValueError; the automatic choice returns None
+  when none can (the caller then gathers the sequence)."""
   check_request(request)
-  facts = dict(num=num, seq_q=seq_q, seq_k=seq_k, heads_q=heads_q, config=config, alibi=alibi)
+  facts = dict(num=num, seq_q=seq_q, seq_k=seq_k, heads_q=heads_q, config=config)
   if request is None:
     names = [n for n in STRATEGIES if _why_not(n, **facts) is None]
     if not names:
@@ -149,23 +149,25 @@ def _kv_layout(strategy: Strategy) -> str:
 
 
 def _run_fwd(strategy: Strategy, q, k, v, q_lens, kv_lens, config, axis_name,
-             segment_ids=None):
+             segment_ids=None, alibi_slopes=None):
   if strategy.name == "all_gather":
     return _all_gather.all_gather_fwd(q, k, v, q_lens, kv_lens, config, segment_ids,
                                       axis_name=axis_name, layout=strategy.layout,
-                                      kv_layout=_kv_layout(strategy))
+                                      kv_layout=_kv_layout(strategy), alibi_slopes=alibi_slopes)
   return _FORWARD[strategy.name](q, k, v, q_lens, kv_lens, config, segment_ids,
-                                 axis_name=axis_name, layout=strategy.layout)
+                                 axis_name=axis_name, layout=strategy.layout,
+                                 alibi_slopes=alibi_slopes)
 
 
 def _run_bwd(strategy: Strategy, q, k, v, o, lse, d_o, q_lens, kv_lens, config, axis_name,
-             segment_ids=None):
+             segment_ids=None, alibi_slopes=None):
   if strategy.name == "all_gather":
     return _all_gather.all_gather_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config,
                                       segment_ids, axis_name=axis_name, layout=strategy.layout,
-                                      kv_layout=_kv_layout(strategy))
+                                      kv_layout=_kv_layout(strategy), alibi_slopes=alibi_slopes)
   return _BACKWARD[strategy.name](q, k, v, o, lse, d_o, q_lens, kv_lens, config, segment_ids,
-                                  axis_name=axis_name, layout=strategy.layout)
+                                  axis_name=axis_name, layout=strategy.layout,
+                                  alibi_slopes=alibi_slopes)
 
 
 def _relayout_ids(strategy: Strategy, segment_ids, axis_name):
@@ -181,23 +183,24 @@ def _relayout_ids(strategy: Strategy, segment_ids, axis_name):
 
 
 def sharded_fwd(strategy: Strategy, q, k, v, q_lens, kv_lens, config: _ops.KernelConfig,
-                segment_ids=None, *, axis_name):
+                segment_ids=None, alibi_slopes=None, *, axis_name):
   """(o, lse) of `strategy` over contiguous slices (a partitioned lowering's operands; the
-  segment ids None or (q_ids, kv_ids) slices): moved into the strategy's layout and back where
-  it asks for that."""
+  segment ids None or (q_ids, kv_ids) slices; the ALiBi slopes None or (B, N), per head, never
+  moved): moved into the strategy's layout and back where it asks for that."""
   if _moved(strategy, kv=True):
     q, k, v = contiguous_to_zigzag((q, k, v), axis_name, (1, 1, 1))
   elif _moved(strategy, kv=False):
     (q,) = contiguous_to_zigzag((q,), axis_name, (1,))
   segment_ids = _relayout_ids(strategy, segment_ids, axis_name)
-  o, lse = _run_fwd(strategy, q, k, v, q_lens, kv_lens, config, axis_name, segment_ids)
+  o, lse = _run_fwd(strategy, q, k, v, q_lens, kv_lens, config, axis_name, segment_ids,
+                    alibi_slopes)
   if strategy.relayout:
     o, lse = zigzag_to_contiguous((o, lse), axis_name, (1, 2))
   return o, lse
 
 
 def sharded_bwd(strategy: Strategy, q, k, v, o, lse, d_o, q_lens, kv_lens,
-                config: _ops.KernelConfig, segment_ids=None, *, axis_name):
+                config: _ops.KernelConfig, segment_ids=None, alibi_slopes=None, *, axis_name):
   """(dq, dk, dv) of sharded_fwd."""
   if strategy.relayout:
     q, o, d_o, lse = contiguous_to_zigzag((q, o, d_o, lse), axis_name, (1, 1, 1, 2))
@@ -205,7 +208,7 @@ def sharded_bwd(strategy: Strategy, q, k, v, o, lse, d_o, q_lens, kv_lens,
     k, v = contiguous_to_zigzag((k, v), axis_name, (1, 1))
   segment_ids = _relayout_ids(strategy, segment_ids, axis_name)
   dq, dk, dv = _run_bwd(strategy, q, k, v, o, lse, d_o, q_lens, kv_lens, config, axis_name,
-                        segment_ids)
+                        segment_ids, alibi_slopes)
   if _moved(strategy, kv=True):
     dq, dk, dv = zigzag_to_contiguous((dq, dk, dv), axis_name, (1, 1, 1))
   elif strategy.relayout:

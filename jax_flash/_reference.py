@@ -71,6 +71,18 @@ def alibi_bias(slopes, heads_k: int, seq_q: int, seq_k: int, key_offset=0) -> ja
   return slopes5 * distance
 
 
+def alibi_lse_shift(lse, slopes, offset, sign: int = 1) -> jax.Array:
+  """The lse (B, N, T) of a kernel call on slices of a longer sequence, moved between the
+  slices' ALiBi positions and the sequence's. A kernel biases query row i' and key j' of its
+  slices by slope * (j' - i'); with the slices starting at global query row q0 and key k0 the
+  global bias is that plus slope * (k0 - q0), the same for every score of a row: the output is
+  unchanged and the lse moves by it. sign=1 gives the global lse from the kernel's (`offset`
+  = k0 - q0, an integer, maybe traced), sign=-1 the lse a backward kernel on those slices
+  takes from the global one. `slopes` (B, N) float32. Rows with no key (EMPTY_ROW_LSE) stay."""
+  shift = slopes[..., None] * (sign * jnp.asarray(offset)).astype(jnp.float32)
+  return jnp.where(lse == EMPTY_ROW_LSE, lse, lse + shift)
+
+
 def grouped_logit_array(x, heads_k: int):
   """A (B|1, N|1, T|1, S|1) bias or mask laid out like the grouped scores (B, K, G, T, S): its
   head dim split into (kv head, query head of the group), or (1, 1) when it broadcasts."""

@@ -10,6 +10,12 @@ Layouts: "contiguous" gives device r rows [r L, (r+1) L); "zigzag" splits the se
 same amount of work (see ``zigzag_indices``). Block pairs are chunk-aligned, so each is fully
 visible, causal on its diagonal, or invisible (skipped) — the kernels need no position offsets.
 
+ALiBi slopes ((B, N) float32, per head: nothing travels): each block's kernel biases by the
+positions within its chunks, which differ from the global ones by (key chunk start - query
+chunk start) for every score of the pair; so a block's lse is moved by slope times that (its
+output is unchanged) before the merge, and the backward hands each block's kernel the lse moved
+back (jax_flash._reference.alibi_lse_shift).
+
 Segment ids (packed documents): the key-side ids travel around the ring with their K/V slice
 (one more int32 operand of the same collective-permute), the query-side ids stay; each block
 runs the kernel with the local query ids and the visiting key ids. A row that sees no key in a
@@ -27,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_flash import _dispatch, _ops, _validation
-from jax_flash._reference import EMPTY_ROW_LSE
+from jax_flash._reference import EMPTY_ROW_LSE, alibi_lse_shift
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -82,24 +88,28 @@ def _varying_axes(x) -> frozenset:
   return vma if vma is not None else aval.manual_axis_type.varying
 
 
-def _block_fwd(config, relation, q, k, v, q_lens, kv_lens, ids=()):
+def _block_fwd(config, relation, q, k, v, q_lens, kv_lens, ids=(), alibi=None):
   """(o float32, lse) of one block pair, by its relation; `ids`: () or (q_ids, kv_ids) of the
-  pair."""
+  pair; `alibi`: None or (slopes (B, N), key chunk start - query chunk start)."""
   diagonal, full = _configs(config)
+  slopes = None if alibi is None else alibi[0]
 
-  def skip(q, k, v, q_lens, kv_lens, *ids):
+  def skip(q, k, v, q_lens, kv_lens, ids, slopes):
     batch, seq, heads, _ = q.shape
     return (_varying_like(jnp.zeros(q.shape, jnp.float32), q),
             _varying_like(jnp.full((batch, heads, seq), EMPTY_ROW_LSE, jnp.float32), q))
 
   def run(cfg):
-    def branch(q, k, v, q_lens, kv_lens, *ids):
-      o, lse = _ops.flash_fwd(q, k, v, q_lens, kv_lens, cfg, tuple(ids) or None)
+    def branch(q, k, v, q_lens, kv_lens, ids, slopes):
+      o, lse = _ops.flash_fwd(q, k, v, q_lens, kv_lens, cfg, tuple(ids) or None, slopes)
       return _varying_like(o.astype(jnp.float32), q), _varying_like(lse, q)
     return branch
 
-  return jax.lax.switch(relation, [skip, run(diagonal), run(full)], q, k, v, q_lens, kv_lens,
-                        *ids)
+  o, lse = jax.lax.switch(relation, [skip, run(diagonal), run(full)], q, k, v, q_lens, kv_lens,
+                          tuple(ids), slopes)
+  if alibi is not None:
+    lse = alibi_lse_shift(lse, slopes, alibi[1])
+  return o, lse
 
 
 def _merge(o, lse, o_part, lse_part):
@@ -126,11 +136,18 @@ def _split_ids(segment_ids, parts: int):
   return _split(segment_ids[0], parts, 1), _split(segment_ids[1], parts, 1)
 
 
+def _alibi_pair(alibi_slopes, q_id, k_id, chunk_q: int, chunk_k: int):
+  """None without slopes, else (slopes, key chunk start - query chunk start) of a block pair."""
+  if alibi_slopes is None:
+    return None
+  return alibi_slopes, k_id * chunk_k - q_id * chunk_q
+
+
 def ring_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=None, *,
-             axis_name, layout: str):
+             axis_name, layout: str, alibi_slopes=None):
   """(o, lse) of the ring over `axis_name`, with _ops.flash_fwd's arguments and results (this
-  device's slices in `layout`, segment ids too; q_lens and kv_lens global). Inside shard_map or
-  a partitioned lowering."""
+  device's slices in `layout`, segment ids too; q_lens and kv_lens global; the ALiBi slopes
+  (B, N) of this device's heads). Inside shard_map or a partitioned lowering."""
   num = jax.lax.axis_size(axis_name)
   rank = jax.lax.axis_index(axis_name)
   q_ids = _chunk_ids(rank, num, layout)
@@ -152,7 +169,8 @@ def ring_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=No
         o_p, lse_p = _block_fwd(config, _relation(q_id, k_id, config.is_causal), q_c, k_c, v_c,
                                 _local_lengths(q_lens, q_id, chunk_q),
                                 _local_lengths(kv_lens, k_id, chunk_k),
-                                _pair_ids(q_seg[c], kv_seg_c))
+                                _pair_ids(q_seg[c], kv_seg_c),
+                                _alibi_pair(alibi_slopes, q_id, k_id, chunk_q, chunk_k))
         outs[c], lses[c] = _merge(outs[c], lses[c], o_p, lse_p)
     if step + 1 < num:  # the key-side ids travel with their K/V slice
       if kv_seg is None:
@@ -163,25 +181,31 @@ def ring_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=No
   return out, jnp.concatenate(lses, axis=2)
 
 
-def _block_bwd(config, relation, q, k, v, o, lse, d_o, q_lens, kv_lens, ids=()):
+def _block_bwd(config, relation, q, k, v, o, lse, d_o, q_lens, kv_lens, ids=(), alibi=None):
+  """(dq, dk, dv) of one block pair, `lse` the rows' global one; `ids` and `alibi` as in
+  _block_fwd."""
   diagonal, full = _configs(config)
+  slopes = None if alibi is None else alibi[0]
+  if alibi is not None:  # the lse the block's kernel formed its scores against
+    lse = alibi_lse_shift(lse, slopes, alibi[1], sign=-1)
 
-  def skip(q, k, v, o, lse, d_o, q_lens, kv_lens, *ids):
+  def skip(q, k, v, o, lse, d_o, q_lens, kv_lens, ids, slopes):
     return (_varying_like(jnp.zeros(q.shape, q.dtype), q), _varying_like(jnp.zeros(k.shape, k.dtype), k),
             _varying_like(jnp.zeros(v.shape, v.dtype), v))
 
   def run(cfg):
-    def branch(q, k, v, o, lse, d_o, q_lens, kv_lens, *ids):
-      dq, dk, dv = _ops.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, cfg, tuple(ids) or None)
+    def branch(q, k, v, o, lse, d_o, q_lens, kv_lens, ids, slopes):
+      dq, dk, dv = _ops.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, cfg, tuple(ids) or None,
+                                  None, slopes)
       return _varying_like(dq, q), _varying_like(dk, k), _varying_like(dv, v)
     return branch
 
   return jax.lax.switch(relation, [skip, run(diagonal), run(full)],
-                        q, k, v, o, lse, d_o, q_lens, kv_lens, *ids)
+                        q, k, v, o, lse, d_o, q_lens, kv_lens, tuple(ids), slopes)
 
 
 def ring_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=None,
-             *, axis_name, layout: str):
+             *, axis_name, layout: str, alibi_slopes=None):
   """(dq, dk, dv) of the ring over `axis_name`, with _ops.flash_bwd's arguments and results."""
   num = jax.lax.axis_size(axis_name)
   rank = jax.lax.axis_index(axis_name)
@@ -206,7 +230,8 @@ def ring_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelConfig, s
         dq_p, dk_p, dv_p = _block_bwd(
             config, _relation(q_id, k_id, config.is_causal), qs[c], k_c, v_c, os_[c], lses[c],
             dos[c], _local_lengths(q_lens, q_id, chunk_q), _local_lengths(kv_lens, k_id, chunk_k),
-            _pair_ids(q_seg[c], kv_seg_cs[j]))
+            _pair_ids(q_seg[c], kv_seg_cs[j]),
+            _alibi_pair(alibi_slopes, q_id, k_id, chunk_q, chunk_k))
         dqs[c] = dqs[c] + dq_p.astype(jnp.float32)
         dks[j] = dks[j] + dk_p.astype(jnp.float32)
         dvs[j] = dvs[j] + dv_p.astype(jnp.float32)

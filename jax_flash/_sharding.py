@@ -23,10 +23,8 @@ sequence where a context-parallel strategy runs over it, which carries them (see
 jax_flash._context_parallel).
 
 ALiBi slopes ((B, N) float32, the "cpu" kernel's) come last among the operands, in ops of their
-own too: they shard with the batch and the query heads (no communication). No context-parallel
-strategy carries them yet (a strategy would have to shift each slice's positions): such calls
-run with the sequence gathered where the strategy was chosen automatically, and a requested one
-raises (jax_flash._context_parallel).
+own too: they shard with the batch and the query heads (no communication), and a
+context-parallel strategy takes this device's slopes as they are (jax_flash._context_parallel).
 """
 
 from __future__ import annotations
@@ -101,10 +99,10 @@ def _heads_plan(mesh, q_shape, k_shape, heads) -> tuple[object, object]:
   return None, None
 
 
-def _plan(mesh, arg_shapes, config: _ops.KernelConfig, alibi: bool = False) -> _Plan:
+def _plan(mesh, arg_shapes, config: _ops.KernelConfig) -> _Plan:
   """Read off the query's sharding: batch as it is; heads by _heads_plan; a sharded sequence
   runs the strategy _context_parallel.choose picks for the call (or the one it asks for), and
-  is gathered where none can run (as with `alibi`: ALiBi slopes among the operands)."""
+  is gathered where none can run."""
   q, k = arg_shapes[0], arg_shapes[1]
   batch = _spec_entry(q.sharding, 0)
   seq = _spec_entry(q.sharding, 1)
@@ -115,7 +113,7 @@ def _plan(mesh, arg_shapes, config: _ops.KernelConfig, alibi: bool = False) -> _
   if seq is not None:
     strategy = _context_parallel.choose(
         config.context_parallel, num=_axis_size(mesh, seq), seq_q=q.shape[1], seq_k=k.shape[1],
-        heads_q=q.shape[2] // _axis_size(mesh, q_heads), config=config, alibi=alibi)
+        heads_q=q.shape[2] // _axis_size(mesh, q_heads), config=config)
     seq = seq if strategy is not None else None
   return _Plan(batch, q_heads, kv_heads, seq, strategy)
 
@@ -165,21 +163,21 @@ def _fwd_op(extras: _Extras):
     return _ops.flash_fwd(q, k, v, q_lens, kv_lens, config, ids, alibi)
 
   def partition(config, mesh, arg_shapes, result_shape):
-    plan = _plan(mesh, arg_shapes, config, alibi=extras.alibi)
+    plan = _plan(mesh, arg_shapes, config)
     q_rows, kv_rows, lse, lens = _shardings(mesh, plan)
 
     def lower(q, k, v, q_lens, kv_lens, *rest):
       if plan.seq is not None:
-        _, ids, _ = extras.split(rest)
+        _, ids, alibi = extras.split(rest)
         return _context_parallel.sharded_fwd(plan.strategy, q, k, v, q_lens, kv_lens, config,
-                                             ids, axis_name=plan.seq)
+                                             ids, alibi, axis_name=plan.seq)
       return impl(q, k, v, q_lens, kv_lens, *rest, config)
 
     return (mesh, lower, (q_rows, lse),
             (q_rows, kv_rows, kv_rows, lens, lens, *extras.shardings(mesh, plan, q_rows)))
 
   def infer(config, mesh, arg_shapes, result_shape):
-    plan = _plan(mesh, arg_shapes, config, alibi=extras.alibi)
+    plan = _plan(mesh, arg_shapes, config)
     q_rows, _, lse, _ = _shardings(mesh, plan)
     return q_rows, lse
 
@@ -198,16 +196,17 @@ def _bwd_op(extras: _Extras):
     return _ops.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config, ids, o_error, alibi)
 
   def partition(config, mesh, arg_shapes, result_shape):
-    plan = _plan(mesh, arg_shapes, config, alibi=extras.alibi)
+    plan = _plan(mesh, arg_shapes, config)
     q_rows, kv_rows, lse, lens = _shardings(mesh, plan)
 
     def lower(q, k, v, o, lse, d_o, q_lens, kv_lens, *rest):
       if plan.seq is not None:
-        o_error, ids, _ = extras.split(rest)
+        o_error, ids, alibi = extras.split(rest)
         if o_error is not None:  # the strategies take o whole, in float32
           o = _rounding.join_rounding(o, o_error)
         dq, dk, dv = _context_parallel.sharded_bwd(plan.strategy, q, k, v, o, lse, d_o, q_lens,
-                                                   kv_lens, config, ids, axis_name=plan.seq)
+                                                   kv_lens, config, ids, alibi,
+                                                   axis_name=plan.seq)
       else:
         dq, dk, dv = impl(q, k, v, o, lse, d_o, q_lens, kv_lens, *rest, config)
       if plan.q_heads is not None and plan.kv_heads is None:
@@ -220,7 +219,7 @@ def _bwd_op(extras: _Extras):
              *extras.shardings(mesh, plan, q_rows)))
 
   def infer(config, mesh, arg_shapes, result_shape):
-    plan = _plan(mesh, arg_shapes, config, alibi=extras.alibi)
+    plan = _plan(mesh, arg_shapes, config)
     q_rows, kv_rows, _, _ = _shardings(mesh, plan)
     return q_rows, kv_rows, kv_rows
 
