@@ -61,6 +61,21 @@ __device__ __forceinline__ void probabilities_and_ds(float (&s)[kMTiles][kNTiles
       }
 }
 
+// x <- x - r16(x): what rounding to the 16-bit type T leaves out (Traits::kSplitDs).
+template <typename T, int kMTiles, int kNTiles>
+__device__ __forceinline__ void subtract_rounded(float (&x)[kMTiles][kNTiles][4]) {
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        const float2 rounded = unpack_pair<T>(MmaOp<T>::pack(x[mt][nt][e], x[mt][nt][e + 1]));
+        x[mt][nt][e] -= rounded.x;
+        x[mt][nt][e + 1] -= rounded.y;
+      }
+}
+
 template <typename Traits, typename T>
 __global__ void __launch_bounds__(Traits::kThreads)
     flash_bwd_kernel(const __grid_constant__ BwdParams p) {
@@ -79,6 +94,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
   T* s_do = s_q + 2 * QTile::kElements;  // two stages
   T* s_p = s_do + 2 * QTile::kElements;
   T* s_ds = s_p + PTile::kElements;
+  T* s_ds_lo = s_ds + PTile::kElements;  // Traits::kSplitDs only
 
   const AttentionShape& sh = p.shape;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -147,11 +163,17 @@ __global__ void __launch_bounds__(Traits::kThreads)
     probabilities_and_ds(s, dp, lse2, row_delta, p.scale, scale_log2);
     store_accumulator<PTile>(s_p, s, sdp_m0, sdp_n0, lane);
     store_accumulator<PTile>(s_ds, dp, sdp_m0, sdp_n0, lane);
+    if constexpr (Traits::kSplitDs) {
+      subtract_rounded<T>(dp);
+      store_accumulator<PTile>(s_ds_lo, dp, sdp_m0, sdp_n0, lane);
+    }
     __syncthreads();
 
     // dV += P^T dO and dK += dS^T Q: A = the [query][key] tiles read transposed.
     warp_gemm<PTile, true, QTile, true, kBM / 16>(dv, s_p, Kv::row0(warp), tile_do, Kv::col0(warp), lane);
     warp_gemm<PTile, true, QTile, true, kBM / 16>(dk, s_ds, Kv::row0(warp), tile_q, Kv::col0(warp), lane);
+    if constexpr (Traits::kSplitDs)
+      warp_gemm<PTile, true, QTile, true, kBM / 16>(dk, s_ds_lo, Kv::row0(warp), tile_q, Kv::col0(warp), lane);
 
     // dQ += dS K, added to the float32 accumulator (kDqChunk columns at a time); the
     // deterministic mode computes dQ in flash_bwd_dq_kernel instead.
@@ -166,6 +188,9 @@ __global__ void __launch_bounds__(Traits::kThreads)
       for (int c0 = 0; c0 < Dq::kCols; c0 += kDqChunk) {
         float dq[Dq::kMTiles][kDqChunk / 8][4] = {};
         warp_gemm<PTile, false, KVTile, true, kBN / 16>(dq, s_ds, Dq::row0(warp), s_k, Dq::col0(warp) + c0, lane);
+        if constexpr (Traits::kSplitDs)
+          warp_gemm<PTile, false, KVTile, true, kBN / 16>(dq, s_ds_lo, Dq::row0(warp), s_k, Dq::col0(warp) + c0,
+                                                          lane);
 #pragma unroll
         for (int mt = 0; mt < Dq::kMTiles; ++mt)
 #pragma unroll
@@ -195,6 +220,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
     flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
   constexpr int kBM = Traits::kBlockM, kBN = Traits::kBlockN, kD = Traits::kHeadDim;
   constexpr int kThreads = Traits::kThreads, kMT = Traits::kMTiles;
+  constexpr bool kSplitDs = kD <= kSplitDsMaxHeadDim;
   using QTile = typename Traits::QTile;
   using KVTile = typename Traits::KVTile;
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -248,6 +274,11 @@ __global__ void __launch_bounds__(Traits::kThreads)
       uint32_t ds[kBN / 16][kMT][4];
       accumulator_to_a<T>(ds, dp);
       warp_gemm_a_regs<KVTile, true>(dq, ds, tile_k, 0, lane);
+      if constexpr (kSplitDs) {  // dS's low part too, as the main kernel's dK and dQ take it
+        subtract_rounded<T>(dp);
+        accumulator_to_a<T>(ds, dp);
+        warp_gemm_a_regs<KVTile, true>(dq, ds, tile_k, 0, lane);
+      }
     }
   }
 

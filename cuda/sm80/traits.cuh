@@ -42,6 +42,13 @@ struct WarpGrid {
   __device__ __forceinline__ static int col0(int warp) { return warp / kWarpsM * kCols; }
 };
 
+// Head dims up to this carry dS as two 16-bit tiles, hi = r16(dS) and lo = r16(dS - hi), into dK
+// and dQ (the main backward and the deterministic dQ kernel): about float32 dS, where 16-bit dS
+// alone put dq/dk past the accuracy rule on heads of a few dimensions (issue 13;
+// examples/results/h200/session9/differential_cuda_analysis.md, step 4). The extra products are
+// cheap beside the memory traffic at such head dims.
+inline constexpr int kSplitDsMaxHeadDim = 32;
+
 // Backward main kernel: each CTA owns kBlockN keys of one (batch, kv head) and loops over the
 // query blocks (of every query head of the group) that see them. Three warp grids: S and dP
 // (kBlockM x kBlockN), dK and dV (kBlockN x head dim), dQ (kBlockM x head dim, done in column
@@ -63,8 +70,9 @@ struct BwdTraits {
   using QTile = SmemTile<kBlockM, kHeadDim>;
   using KVTile = SmemTile<kBlockN, kHeadDim>;
   using PTile = SmemTile<kBlockM, kBlockN>;
+  static constexpr bool kSplitDs = kHeadDim <= kSplitDsMaxHeadDim;
   static constexpr int kSmemBytes =
-      2 * (2 * KVTile::kElements + 4 * QTile::kElements + 2 * PTile::kElements);
+      2 * (2 * KVTile::kElements + 4 * QTile::kElements + (kSplitDs ? 3 : 2) * PTile::kElements);
 };
 
 }  // namespace jax_flash::cuda
