@@ -413,3 +413,78 @@ def check_against_references(case: Case, got: dict) -> None:
   dead_keys = np.broadcast_to(~seen[..., None, None], got["dk"].shape)
   assert np.all(got["dk"][dead_keys] == 0), "dk of keys no query sees must be exactly 0"
   assert np.all(got["dv"][dead_keys] == 0), "dv of keys no query sees must be exactly 0"
+
+
+# ---------------------------------------------------------------------------------------------
+# Score variants (logit soft-capping, ALiBi): their reference from the definition, and the check
+# of a jax_flash result against it, shared by test_softcap and test_alibi.
+
+
+def score_variant_attention(q, k, v, vis, *, scale, cap=None, slopes=None, dtype=None):
+  """(out, lse (..., T, N)) on float32 inputs from the definition, the (T, S) scores
+  materialised: s = scale * q.k; with `cap`, s <- cap * tanh(s / cap); with `slopes` (N,),
+  s <- s + slopes[h] * (j - i) for query i and key j; masked by `vis` ((B, T, S) bool), softmax.
+  With `dtype` (16-bit) the scores, each variant's result and the probabilities are rounded to
+  it, as attention in that dtype does. Rows with no visible key give 0 and EMPTY_ROW_LSE."""
+  unbatched = q.ndim == 3
+  if unbatched:
+    q, k, v = q[None], k[None], v[None]
+  batch, seq_q, heads_q, head_dim = q.shape
+  seq_k, heads_k = k.shape[1], k.shape[2]
+  group = heads_q // heads_k
+  rnd = (lambda x: x) if dtype is None else functools.partial(rounded, dtype=dtype)
+  q5 = q.reshape(batch, seq_q, heads_k, group, head_dim)
+  s = rnd(jnp.einsum("btkgh,bskh->bkgts", q5, k, precision=HIGHEST) * scale)
+  if cap is not None:
+    s = rnd(cap * jnp.tanh(s / cap))
+  if slopes is not None:
+    distance = np.arange(seq_k)[None, :] - np.arange(seq_q)[:, None]  # j - i, (T, S)
+    s = rnd(s + slopes.reshape(1, heads_k, group, 1, 1) * jnp.asarray(distance, F32))
+  vis = jnp.asarray(vis)[:, None, None]
+  has = vis.any(-1, keepdims=True)
+  masked = jnp.where(vis, s, -0.7 * float(np.finfo(np.float32).max))
+  p = rnd(jnp.where(has, jax.nn.softmax(masked, axis=-1), 0.0))
+  out = jnp.einsum("bkgts,bskh->btkgh", p, v, precision=HIGHEST).reshape(q.shape)
+  lse = jnp.where(has[..., 0], jax.nn.logsumexp(masked, axis=-1), EMPTY_ROW_LSE)
+  lse = jnp.moveaxis(lse.reshape(batch, heads_q, seq_q), -1, -2)
+  if unbatched:
+    out, lse = out[0], lse[0]
+  return out, lse
+
+
+def outputs_and_grads(attention, q, k, v, g) -> dict:
+  """dict(out, lse, dq, dk, dv) of attention(q, k, v) -> (out, lse) and sum(out * g), jitted,
+  as float64 numpy arrays."""
+  return _as_numpy(jax.jit(functools.partial(_outputs_and_grads, attention))(q, k, v, g))
+
+
+def score_variant_references(case: Case, inputs, vis, **variant) -> tuple[dict, dict]:
+  """(ref32, refd) of score_variant_attention(**variant) on `inputs` (q, k, v, g): float32 on
+  the upcast inputs, and rounded to the case's dtype (ref32 itself for float32); the cotangent
+  zeroed on rows with no visible key (the function is 0 there)."""
+  q, k, v, g = inputs
+  live = vis.any(-1)
+  live = live[0] if case.rank3 else live
+  g = jnp.where(jnp.asarray(live)[..., None, None], g, 0.0)
+  upcast = [x.astype(F32) for x in (q, k, v)]
+  scale = case.scale if case.scale is not None else 1.0 / np.sqrt(case.head_dim)
+  f32 = functools.partial(score_variant_attention, vis=vis, scale=scale, **variant)
+  ref32 = outputs_and_grads(f32, *upcast, g)
+  if case.dtype == "float32":
+    return ref32, ref32
+  return ref32, outputs_and_grads(functools.partial(f32, dtype=case.jdtype), *upcast, g)
+
+
+def check_score_variant(got: dict, ref32: dict, refd: dict, live: np.ndarray) -> None:
+  """got (outputs_and_grads of a return_residual call) within the rule of the references on the
+  live rows (`live` (..., T) bool); finite; exact zeros and EMPTY_ROW_LSE on the others."""
+  for name, x in got.items():
+    assert np.all(np.isfinite(x)), name
+  assert_within_rule("out", got["out"], ref32["out"], refd["out"], live[..., None, None])
+  assert_within_rule("lse", got["lse"], ref32["lse"], refd["lse"], live[..., None])
+  for name in ("dq", "dk", "dv"):
+    assert_within_rule(name, got[name], ref32[name], refd[name],
+                       magnitude=gradient_magnitude(ref32))
+  dead = np.broadcast_to(~live[..., None, None], got["out"].shape)
+  assert np.all(got["out"][dead] == 0) and np.all(got["dq"][dead] == 0)
+  assert np.all(got["lse"][np.broadcast_to(~live[..., None], got["lse"].shape)] == EMPTY_ROW_LSE)

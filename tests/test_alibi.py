@@ -25,8 +25,8 @@ import pytest
 import jax_flash
 from jax_flash import _dispatch, _ops
 from jax_flash._reference import EMPTY_ROW_LSE
-from tests.attention_testing import (F32, HIGHEST, Case, assert_within_rule, gradient_magnitude,
-                                     packed_segment_ids, rounded, visible_keys)
+from tests.attention_testing import (Case, F32, check_score_variant, outputs_and_grads,
+                                     packed_segment_ids, score_variant_references, visible_keys)
 
 IMPLEMENTATIONS = ["cpu", "blockwise", "xla"]
 
@@ -66,52 +66,6 @@ class AlibiCase:
     return visible_keys(self.case, self.ids())
 
 
-def alibi_attention(q, k, v, slopes, vis, *, scale, cap=None, dtype=None):
-  """(out, lse (..., T, N)) of attention with ALiBi on float32 inputs, from the definition, with
-  the (T, S) bias materialised: s = scale * q.k (capped: cap * tanh(s / cap)), plus
-  slopes[h] * (j - i) for query i and key j, masked, softmax. With `dtype` (16-bit) the scores,
-  the biased scores and the probabilities are rounded to it. `vis` (B, T, S) bool; rows with no
-  visible key give 0 and EMPTY_ROW_LSE."""
-  unbatched = q.ndim == 3
-  if unbatched:
-    q, k, v = q[None], k[None], v[None]
-  batch, seq_q, heads_q, head_dim = q.shape
-  seq_k, heads_k = k.shape[1], k.shape[2]
-  group = heads_q // heads_k
-  rnd = (lambda x: x) if dtype is None else functools.partial(rounded, dtype=dtype)
-  q5 = q.reshape(batch, seq_q, heads_k, group, head_dim)
-  s = rnd(jnp.einsum("btkgh,bskh->bkgts", q5, k, precision=HIGHEST) * scale)
-  if cap is not None:
-    s = rnd(cap * jnp.tanh(s / cap))
-  distance = np.arange(seq_k)[None, :] - np.arange(seq_q)[:, None]  # j - i, (T, S)
-  bias = slopes.reshape(1, heads_k, group, 1, 1) * jnp.asarray(distance, F32)
-  s = rnd(s + bias)
-  vis = jnp.asarray(vis)[:, None, None]
-  has = vis.any(-1, keepdims=True)
-  masked = jnp.where(vis, s, -0.7 * float(np.finfo(np.float32).max))
-  p = rnd(jnp.where(has, jax.nn.softmax(masked, axis=-1), 0.0))
-  out = jnp.einsum("bkgts,bskh->btkgh", p, v, precision=HIGHEST).reshape(q.shape)
-  lse = jnp.where(has[..., 0], jax.nn.logsumexp(masked, axis=-1), EMPTY_ROW_LSE)
-  lse = jnp.moveaxis(lse.reshape(batch, heads_q, seq_q), -1, -2)
-  if unbatched:
-    out, lse = out[0], lse[0]
-  return out, lse
-
-
-def _results(attention, q, k, v, g):
-  def loss(q, k, v):
-    out, lse = attention(q, k, v)
-    return jnp.sum(out.astype(F32) * g), (out, lse)
-
-  (_, (out, lse)), (dq, dk, dv) = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
-  return {n: np.asarray(jnp.asarray(x, F32), np.float64)
-          for n, x in dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv).items()}
-
-
-def _scale(ac: AlibiCase) -> float:
-  return ac.case.scale if ac.case.scale is not None else 1.0 / np.sqrt(ac.case.head_dim)
-
-
 def _live(ac: AlibiCase) -> np.ndarray:
   live = ac.visible().any(-1)
   return live[0] if ac.case.rank3 else live
@@ -120,15 +74,7 @@ def _live(ac: AlibiCase) -> np.ndarray:
 @functools.lru_cache(maxsize=16)
 def references(ac: AlibiCase):
   q, k, v, g, slopes, _ = ac.inputs()
-  g = jnp.where(jnp.asarray(_live(ac))[..., None, None], g, 0.0)
-  upcast = [x.astype(F32) for x in (q, k, v)]
-  f32 = functools.partial(alibi_attention, slopes=slopes, vis=ac.visible(), scale=_scale(ac),
-                          cap=ac.cap)
-  ref32 = _results(jax.jit(f32), *upcast, g)
-  if ac.case.dtype == "float32":
-    return ref32, ref32
-  refd = _results(jax.jit(functools.partial(f32, dtype=ac.case.jdtype)), *upcast, g)
-  return ref32, refd
+  return score_variant_references(ac.case, (q, k, v, g), ac.visible(), slopes=slopes, cap=ac.cap)
 
 
 def run(ac: AlibiCase, implementation: str):
@@ -142,22 +88,11 @@ def run(ac: AlibiCase, implementation: str):
         q, k, v, implementation=implementation, return_residual=True, alibi_slopes=slopes,
         logits_soft_cap=ac.cap, **opts)
 
-  return _results(jax.jit(attention), q, k, v, g)
+  return outputs_and_grads(attention, q, k, v, g)
 
 
 def check(ac: AlibiCase, got: dict):
-  ref32, refd = references(ac)
-  for name, x in got.items():
-    assert np.all(np.isfinite(x)), name
-  live = _live(ac)
-  assert_within_rule("out", got["out"], ref32["out"], refd["out"], live[..., None, None])
-  assert_within_rule("lse", got["lse"], ref32["lse"], refd["lse"], live[..., None])
-  for name in ("dq", "dk", "dv"):
-    assert_within_rule(name, got[name], ref32[name], refd[name],
-                       magnitude=gradient_magnitude(ref32))
-  dead = np.broadcast_to(~live[..., None, None], got["out"].shape)
-  assert np.all(got["out"][dead] == 0) and np.all(got["dq"][dead] == 0)
-  assert np.all(got["lse"][np.broadcast_to(~live[..., None], got["lse"].shape)] == EMPTY_ROW_LSE)
+  check_score_variant(got, *references(ac), _live(ac))
 
 
 CASES = [
@@ -386,46 +321,6 @@ def test_sequence_sharding_carries_the_slopes(strategy, devices, causal, seq_q, 
   np.testing.assert_allclose(got_lse, want_lse, rtol=1e-5, atol=1e-5)
   for a, b in zip(got_g, want_g):
     np.testing.assert_allclose(a, b, atol=2e-5)
-
-
-@pytest.mark.parametrize("seed", range(2))
-def test_random_shapes_against_xla(seed):
-  """A small sweep: random shapes, masks, GQA, cap, sinks and slopes of both signs; "cpu" and
-  "blockwise" against "xla" (itself checked against the definition above), forward and every
-  gradient (dsinks included)."""
-  rng = np.random.default_rng(200 + seed)
-  heads_k = int(rng.choice([1, 2]))
-  heads_q = heads_k * int(rng.choice([1, 3]))
-  seq_q, seq_k = (int(x) for x in rng.integers(1, 80, size=2))
-  batch = int(rng.integers(1, 3))
-  opts = dict(is_causal=bool(rng.integers(2)),
-              logits_soft_cap=[None, 2.0][int(rng.integers(2))],
-              local_window_size=[None, (int(rng.integers(0, 9)), int(rng.integers(0, 9)))][
-                  int(rng.integers(2))],
-              key_value_seq_lengths=jnp.asarray(rng.integers(0, seq_k + 1, size=batch),
-                                                jnp.int32))
-  q = jnp.asarray(rng.standard_normal((batch, seq_q, heads_q, 16)), F32)
-  k = jnp.asarray(rng.standard_normal((batch, seq_k, heads_k, 16)), F32)
-  v = jnp.asarray(rng.standard_normal((batch, seq_k, heads_k, 16)), F32)
-  slopes = jnp.asarray(rng.standard_normal(heads_q) * 0.2, F32)
-  sinks = jnp.asarray(rng.standard_normal(heads_q), F32)
-  g = jnp.asarray(rng.standard_normal(q.shape), F32)
-
-  def results(implementation):
-    def loss(q, k, v, s):
-      out, lse = jax_flash.dot_product_attention(q, k, v, sinks=s, alibi_slopes=slopes,
-                                                 return_residual=True,
-                                                 implementation=implementation, **opts)
-      return jnp.sum(out * g), (out, lse)
-    (_, aux), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True))(q, k, v,
-                                                                                     sinks)
-    return [*aux, *grads]
-
-  want = results("xla")
-  for implementation in ("cpu", "blockwise"):
-    for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), results(implementation),
-                          want):
-      np.testing.assert_allclose(a, b, atol=5e-5, rtol=2e-5, err_msg=f"{implementation} {name}")
 
 
 def test_flax_function_takes_the_slopes():

@@ -21,9 +21,8 @@ import pytest
 
 import jax_flash
 from jax_flash import _dispatch
-from jax_flash._reference import EMPTY_ROW_LSE
-from tests.attention_testing import (F32, HIGHEST, Case, assert_within_rule, gradient_magnitude,
-                                     packed_segment_ids, rounded, visible_keys)
+from tests.attention_testing import (Case, F32, check_score_variant, outputs_and_grads,
+                                     packed_segment_ids, score_variant_references, visible_keys)
 
 IMPLEMENTATIONS = ["cpu", "blockwise", "xla"]
 
@@ -53,61 +52,15 @@ class CapCase:
     return visible_keys(self.case, self.ids())
 
 
-def capped_attention(q, k, v, vis, *, cap, scale, dtype=None):
-  """(out, lse (..., T, N)) of soft-capped attention on float32 inputs, from the definition:
-  s = scale * q.k, s <- cap * tanh(s / cap), masked, softmax. With `dtype` (16-bit) the scores,
-  the capped scores and the probabilities are rounded to it, as attention in that dtype does.
-  `vis` (B, T, S) bool; rows with no visible key give 0 and EMPTY_ROW_LSE."""
-  unbatched = q.ndim == 3
-  if unbatched:
-    q, k, v = q[None], k[None], v[None]
-  batch, seq_q, heads_q, head_dim = q.shape
-  heads_k = k.shape[2]
-  group = heads_q // heads_k
-  rnd = (lambda x: x) if dtype is None else functools.partial(rounded, dtype=dtype)
-  q5 = q.reshape(batch, seq_q, heads_k, group, head_dim)
-  s = rnd(jnp.einsum("btkgh,bskh->bkgts", q5, k, precision=HIGHEST) * scale)
-  s = rnd(cap * jnp.tanh(s / cap))
-  vis = jnp.asarray(vis)[:, None, None]
-  has = vis.any(-1, keepdims=True)
-  masked = jnp.where(vis, s, -0.7 * float(np.finfo(np.float32).max))
-  p = rnd(jnp.where(has, jax.nn.softmax(masked, axis=-1), 0.0))
-  out = jnp.einsum("bkgts,bskh->btkgh", p, v, precision=HIGHEST).reshape(q.shape)
-  lse = jnp.where(has[..., 0], jax.nn.logsumexp(masked, axis=-1), EMPTY_ROW_LSE)
-  lse = jnp.moveaxis(lse.reshape(batch, heads_q, seq_q), -1, -2)
-  if unbatched:
-    out, lse = out[0], lse[0]
-  return out, lse
-
-
-def _results(attention, q, k, v, g):
-  def loss(q, k, v):
-    out, lse = attention(q, k, v)
-    return jnp.sum(out.astype(F32) * g), (out, lse)
-
-  (_, (out, lse)), (dq, dk, dv) = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
-  return {n: np.asarray(jnp.asarray(x, F32), np.float64)
-          for n, x in dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv).items()}
-
-
-def _scale(cc: CapCase) -> float:
-  return cc.case.scale if cc.case.scale is not None else 1.0 / np.sqrt(cc.case.head_dim)
+def _live(cc: CapCase) -> np.ndarray:
+  live = cc.visible().any(-1)
+  return live[0] if cc.case.rank3 else live
 
 
 @functools.lru_cache(maxsize=16)
 def references(cc: CapCase):
   q, k, v, g, _ = cc.inputs()
-  vis = cc.visible()
-  live = vis.any(-1)
-  live = live[0] if cc.case.rank3 else live
-  g = jnp.where(jnp.asarray(live)[..., None, None], g, 0.0)
-  upcast = [x.astype(F32) for x in (q, k, v)]
-  f32 = functools.partial(capped_attention, vis=vis, cap=cc.cap, scale=_scale(cc))
-  ref32 = _results(jax.jit(f32), *upcast, g)
-  if cc.case.dtype == "float32":
-    return ref32, ref32
-  refd = _results(jax.jit(functools.partial(f32, dtype=cc.case.jdtype)), *upcast, g)
-  return ref32, refd
+  return score_variant_references(cc.case, (q, k, v, g), cc.visible(), cap=cc.cap)
 
 
 def run(cc: CapCase, implementation: str, cap=None):
@@ -121,23 +74,11 @@ def run(cc: CapCase, implementation: str, cap=None):
         q, k, v, implementation=implementation, return_residual=True,
         logits_soft_cap=cc.cap if cap is None else cap, **opts)
 
-  return _results(jax.jit(attention), q, k, v, g)
+  return outputs_and_grads(attention, q, k, v, g)
 
 
 def check(cc: CapCase, got: dict):
-  ref32, refd = references(cc)
-  for name, x in got.items():
-    assert np.all(np.isfinite(x)), name
-  live = cc.visible().any(-1)
-  live = live[0] if cc.case.rank3 else live
-  assert_within_rule("out", got["out"], ref32["out"], refd["out"], live[..., None, None])
-  assert_within_rule("lse", got["lse"], ref32["lse"], refd["lse"], live[..., None])
-  for name in ("dq", "dk", "dv"):
-    assert_within_rule(name, got[name], ref32[name], refd[name],
-                       magnitude=gradient_magnitude(ref32))
-  dead = np.broadcast_to(~live[..., None, None], got["out"].shape)
-  assert np.all(got["out"][dead] == 0) and np.all(got["dq"][dead] == 0)
-  assert np.all(got["lse"][np.broadcast_to(~live[..., None], got["lse"].shape)] == EMPTY_ROW_LSE)
+  check_score_variant(got, *references(cc), _live(cc))
 
 
 CASES = [
