@@ -18,11 +18,13 @@ _XLA_PATHS = {"xla": attention_reference, "blockwise": blockwise_attention}
 
 
 # segment_ids: None or (q_ids (B, T), kv_ids (B, S)) int32; alibi_slopes: None or (B, N)
-# float32. Like the lengths, neither is differentiated (their cotangents are None: zero).
+# float32; block_mask: None or (B, N, Tb, Sb) bool. Like the lengths, none is differentiated
+# (their cotangents are None: zero).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _flash_attention(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=None,
-                     alibi_slopes=None):
-  return _sharding.flash_fwd(q, k, v, q_lens, kv_lens, config, segment_ids, alibi_slopes)
+                     alibi_slopes=None, block_mask=None):
+  return _sharding.flash_fwd(q, k, v, q_lens, kv_lens, config, segment_ids, alibi_slopes,
+                             block_mask)
 
 
 def _output_and_residual(o32, q, config):
@@ -37,19 +39,20 @@ def _output_and_residual(o32, q, config):
 
 
 def _flash_attention_fwd(q, k, v, q_lens, kv_lens, config, segment_ids=None,
-                         alibi_slopes=None):
+                         alibi_slopes=None, block_mask=None):
   o32, lse = _sharding.flash_fwd(q, k, v, q_lens, kv_lens, _ops.for_backward(config),
-                                 segment_ids, alibi_slopes)
+                                 segment_ids, alibi_slopes, block_mask)
   o, o_kept, o_error = _output_and_residual(o32, q, config)
-  return (o, lse), (q, k, v, o_kept, o_error, lse, q_lens, kv_lens, segment_ids, alibi_slopes)
+  return (o, lse), (q, k, v, o_kept, o_error, lse, q_lens, kv_lens, segment_ids, alibi_slopes,
+                    block_mask)
 
 
 def _flash_attention_bwd(config, residuals, cotangents):
-  q, k, v, o, o_error, lse, q_lens, kv_lens, segment_ids, alibi_slopes = residuals
+  q, k, v, o, o_error, lse, q_lens, kv_lens, segment_ids, alibi_slopes, block_mask = residuals
   d_o, _ = cotangents  # lse leaves through stop_gradient: its cotangent is always zero
   dq, dk, dv = _sharding.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config, segment_ids,
-                                   o_error, alibi_slopes)
-  return dq, dk, dv, None, None, None, None
+                                   o_error, alibi_slopes, block_mask)
+  return dq, dk, dv, None, None, None, None, None
 
 
 _flash_attention.defvjp(_flash_attention_fwd, _flash_attention_bwd)
@@ -74,38 +77,39 @@ def _join_sinks(o32, lse, sinks):
   return o32 * jnp.swapaxes(weight, 1, 2)[..., None], total
 
 
-# segment_ids and alibi_slopes as in _flash_attention (None without them); sinks (N,)
-# differentiable.
+# segment_ids, alibi_slopes and block_mask as in _flash_attention (None without them); sinks
+# (N,) differentiable.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _flash_attention_sinks(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids,
-                           sinks, alibi_slopes=None):
+                           sinks, alibi_slopes=None, block_mask=None):
   (o, lse), _ = _flash_attention_sinks_fwd(q, k, v, q_lens, kv_lens, config, segment_ids, sinks,
-                                           alibi_slopes)
+                                           alibi_slopes, block_mask)
   return o, lse
 
 
 def _flash_attention_sinks_fwd(q, k, v, q_lens, kv_lens, config, segment_ids, sinks,
-                               alibi_slopes=None):
+                               alibi_slopes=None, block_mask=None):
   # o in float32 from the kernel (also undifferentiated: the join scales it before the one
   # rounding to q's dtype).
   o32, lse = _sharding.flash_fwd(q, k, v, q_lens, kv_lens, _ops.for_backward(config),
-                                 segment_ids, alibi_slopes)
+                                 segment_ids, alibi_slopes, block_mask)
   o32, lse = _join_sinks(o32.astype(jnp.float32), lse, sinks)
   o, o_kept, o_error = _output_and_residual(o32, q, config)
   return (o, lse), (q, k, v, o_kept, o_error, lse, q_lens, kv_lens, segment_ids, sinks,
-                    alibi_slopes)
+                    alibi_slopes, block_mask)
 
 
 def _flash_attention_sinks_bwd(config, residuals, cotangents):
-  q, k, v, o, o_error, lse, q_lens, kv_lens, segment_ids, sinks, alibi_slopes = residuals
+  (q, k, v, o, o_error, lse, q_lens, kv_lens, segment_ids, sinks, alibi_slopes,
+   block_mask) = residuals
   d_o, _ = cotangents  # lse leaves through stop_gradient
   dq, dk, dv = _sharding.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config, segment_ids,
-                                   o_error, alibi_slopes)
+                                   o_error, alibi_slopes, block_mask)
   o32 = o if o_error is None else _rounding.join_rounding(o, o_error)
   delta = jnp.einsum("btnh,btnh->bnt", d_o.astype(jnp.float32), o32.astype(jnp.float32))
   dsinks = -jnp.sum(jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse) * delta,
                     axis=(0, 2))
-  return dq, dk, dv, None, None, None, dsinks.astype(sinks.dtype), None
+  return dq, dk, dv, None, None, None, dsinks.astype(sinks.dtype), None, None
 
 
 _flash_attention_sinks.defvjp(_flash_attention_sinks_fwd, _flash_attention_sinks_bwd)
@@ -128,6 +132,7 @@ def dot_product_attention(
     logits_soft_cap: float | None = None,
     sinks: jax.typing.ArrayLike | None = None,
     alibi_slopes: jax.typing.ArrayLike | None = None,
+    block_mask: jax.typing.ArrayLike | None = None,
     implementation: Implementation | None = None,
     return_residual: bool = False,
     deterministic: bool = False,
@@ -208,6 +213,23 @@ def dot_product_attention(
       GPU). Batch-, head- and sequence-sharded calls take them (every context-parallel
       strategy: positions stay global). A wrong shape or dtype raises ``ValueError`` naming
       ``alibi_slopes``.
+    block_mask: block-sparse attention (FlashAttention, Dao et al. 2022, section 3.3): a bool
+      array broadcastable to ``(B, N, Tb, Sb)`` (``(N, Tb, Sb)`` for rank-3 inputs; fewer
+      dims gain leading ones, B and N each 1 or full, Tb and Sb exact), one bit per block of
+      ``jax_flash.BLOCK_MASK_BLOCK = (block_q, block_k)`` query rows x keys (the "cpu"
+      kernel's tiles, 64 x 64), blocks aligned at query 0 and key 0, the last partial:
+      ``(Tb, Sb) = jax_flash.block_mask_shape(T, S) = (ceil(T / block_q),
+      ceil(S / block_k))``. ``False`` hides every key of the key block from every query of
+      the query block, on top of every other mask (causal, window, lengths, segment ids,
+      ``mask``); a row left no key gives zeros and lse the most negative float32, as any
+      empty row. The "cpu" kernel never visits a hidden block, forward or backward (its time
+      falls with the density; the keys and values there are never read); "blockwise" and
+      "xla" expand it to an element mask (``(B|1, N|1, T, S)`` bool, quadratic memory) and
+      visit every block. The CUDA kernels raise ``NotImplementedError`` (pass
+      ``implementation="blockwise"`` on a GPU); such calls never run the split-KV decode
+      kernel, and a sequence-sharded call gathers the sequence (a requested
+      ``context_parallel`` raises). Not differentiated. A wrong dtype or shape raises
+      ``ValueError`` naming ``block_mask`` and the shape passed.
     implementation: ``None`` picks the path for the default backend: ``"cpu"`` on the host,
       ``"cuda"`` on NVIDIA GPUs for bfloat16/float16, ``"blockwise"`` there for float32.
       ``"cpu"``/``"cuda"`` force a kernel; ``"blockwise"`` is FlashAttention in plain XLA (key
@@ -266,6 +288,10 @@ def dot_product_attention(
   alibi_slopes = _validation.check_alibi_slopes(alibi_slopes, heads_q, query_shape)
   segment_ids = _validation.check_segment_ids(q_segment_ids, kv_segment_ids, batch, seq_q,
                                               seq_k, unbatched)
+  block_mask_shape_as_passed = None if block_mask is None else jnp.shape(block_mask)
+  block_mask = _validation.check_block_mask(block_mask, batch, heads_q, seq_q, seq_k, unbatched,
+                                            query_shape, key.shape[1:] if unbatched else
+                                            key.shape)
   call = _dispatch.Call(
       query_shape, query.dtype,
       segment_ids=None if segment_ids is None else (jnp.shape(q_segment_ids),
@@ -276,7 +302,8 @@ def dot_product_attention(
                                       seq_lengths=q_lens is not None or kv_lens is not None),
       deterministic=deterministic, logits_soft_cap=logits_soft_cap,
       sinks=None if sinks is None else sinks.shape,
-      alibi_slopes=None if alibi_slopes is None else alibi_slopes.shape)
+      alibi_slopes=None if alibi_slopes is None else alibi_slopes.shape,
+      block_mask=None if block_mask is None else block_mask_shape_as_passed)
   bias = _validation.check_logit_array("bias", bias, batch, heads_q, seq_q, seq_k)
   mask = _validation.check_logit_array("mask", mask, batch, heads_q, seq_q, seq_k)
   implementation = _dispatch.select(implementation, call)
@@ -296,7 +323,7 @@ def dot_product_attention(
           query, key, value, q_lens, kv_lens, scale=scale, is_causal=bool(is_causal),
           window_left=window_left, window_right=window_right, bias=bias, mask=mask,
           segment_ids=segment_ids, logits_soft_cap=logits_soft_cap, sinks=sinks,
-          alibi_slopes=alibi_slopes)
+          alibi_slopes=alibi_slopes, block_mask=block_mask)
   else:
     attention = _flash_attention if sinks is None else _flash_attention_sinks
     out, lse = _ops.call_kernels(
@@ -304,7 +331,8 @@ def dot_product_attention(
         scale=scale, is_causal=bool(is_causal), window_left=window_left,
         window_right=window_right, deterministic=deterministic,
         context_parallel=context_parallel, segment_ids=segment_ids,
-        logits_soft_cap=logits_soft_cap, sinks=sinks, alibi_slopes=alibi_slopes)
+        logits_soft_cap=logits_soft_cap, sinks=sinks, alibi_slopes=alibi_slopes,
+        block_mask=block_mask)
   lse = jax.lax.stop_gradient(lse)
 
   if unbatched:

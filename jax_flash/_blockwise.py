@@ -32,6 +32,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jax_flash._block_sparse import with_block_mask
 from jax_flash._reference import (EMPTY_ROW_LSE, MASKED_SCORE, alibi_bias, empty_lse,
                                   grouped_logit_array, key_mask, masked_exp)
 
@@ -306,7 +307,7 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 def blockwise_attention(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bool,
                         window_left: int = -1, window_right: int = -1, bias=None, mask=None,
                         segment_ids=None, logits_soft_cap: float | None = None, sinks=None,
-                        alibi_slopes=None):
+                        alibi_slopes=None, block_mask=None):
   """Returns (o, lse) as ``attention_reference`` does: o (B, T, N, H) in q's dtype, lse
   (B, N, T) float32, differentiable in q, k, v, the bias and the sinks with a recomputing
   backward pass. `sinks` (N,): one logit per query head in every row's softmax denominator
@@ -316,7 +317,10 @@ def blockwise_attention(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bo
   backward recomputes the tanh per block).
   `bias` (added to the scaled scores) and `mask` (True: attend) are rank 4, broadcastable to
   (B, N, T, S); each scan step takes their slice for its key block. `segment_ids`: None or
-  (q_ids (B, T), kv_ids (B, S)) int32."""
+  (q_ids (B, T), kv_ids (B, S)) int32. `block_mask` (B|1, N|1, Tb, Sb) bool: block-sparse
+  attention, expanded to an element mask and combined with `mask` (each step takes its slice;
+  this path visits every block, the "cpu" kernel skips hidden ones)."""
+  mask = with_block_mask(mask, block_mask, q.shape[1], k.shape[1])
   if k.shape[1] == 0 or q.size == 0:  # no blocks to scan, or no rows (B, T or N is 0)
     lse = empty_lse(q.shape[0], q.shape[2], q.shape[1], sinks)
     return jnp.zeros_like(q), lse

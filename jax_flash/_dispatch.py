@@ -54,6 +54,7 @@ class Capabilities:
   logits_soft_cap: bool = False  # takes logits_soft_cap (Gemma 2's tanh cap of the scores)
   sinks: bool = False  # takes sinks (gpt-oss: one logit per head in every row's denominator)
   alibi_slopes: bool = False  # takes alibi_slopes (ALiBi: slope * (j - i) added to the scores)
+  block_mask: bool = False  # takes block_mask (block-sparse attention: hidden blocks skipped)
 
 
 def capabilities(name: str) -> Capabilities:
@@ -67,7 +68,7 @@ def capabilities(name: str) -> Capabilities:
         logit_arrays=False, mask_forms=MASK_FORMS,
         deterministic_backward=True,  # always: dQ partials are summed in a fixed order
         ring=True, paged=True, segment_ids=True, logits_soft_cap=True, sinks=True,
-        alibi_slopes=True)
+        alibi_slopes=True, block_mask=True)
   if name == "cuda":
     cuda = _registry.CUDA_KERNEL_CONSTANTS or {}  # empty where no CUDA kernels were built
     return Capabilities(
@@ -83,7 +84,7 @@ def capabilities(name: str) -> Capabilities:
         logit_arrays=True, mask_forms=MASK_FORMS,
         deterministic_backward=True,  # XLA's products and scans: no atomics
         ring=False, paged=name == "xla",  # "xla": the pages gathered, then the reference
-        segment_ids=True, logits_soft_cap=True, sinks=True, alibi_slopes=True)
+        segment_ids=True, logits_soft_cap=True, sinks=True, alibi_slopes=True, block_mask=True)
   raise ValueError(f"no implementation named {name!r}")
 
 
@@ -104,6 +105,7 @@ class Call:
   logits_soft_cap: float | None = None  # the cap c, None without one
   sinks: tuple[int, ...] | None = None  # the shape of the sinks, None without them
   alibi_slopes: tuple[int, ...] | None = None  # the shape of the ALiBi slopes, None without
+  block_mask: tuple[int, ...] | None = None  # the shape of the block mask, None without
 
   @property
   def head_dim(self) -> int:
@@ -217,6 +219,13 @@ def select(implementation: str | None, call: Call, *,
         f"{caller}: the {name!r} kernels ({picked}) take no alibi_slopes yet; got "
         f"alibi_slopes{call.alibi_slopes} with query{call.query}. Implementations {takers} take "
         "them: pass implementation='blockwise' on a GPU (FlashAttention in XLA)")
+  if call.block_mask is not None and not can.block_mask:
+    takers = ", ".join(repr(n) for n in ("cpu", "blockwise", "xla")
+                       if capabilities(n).block_mask)
+    raise NotImplementedError(
+        f"{caller}: the {name!r} kernels ({picked}) take no block_mask yet; got "
+        f"block_mask{call.block_mask} with query{call.query}. Implementations {takers} take "
+        "it: pass implementation='blockwise' on a GPU (FlashAttention in XLA)")
   if can.max_head_dim is not None and call.head_dim > can.max_head_dim:
     instead = ("ring attention has no path for larger heads" if call.ring else
                "use implementation='blockwise' (or 'xla') for larger heads")

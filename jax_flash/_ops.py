@@ -4,7 +4,8 @@ padded as the kernels need).
 
 Kernel layouts: q, o, dq (..., T, N, H); k, v, dk, dv (..., S, K, H); lse (..., N, T) float32;
 q_lens, kv_lens (...,) int32; segment ids, where given, (..., T) and (..., S) int32, and ALiBi
-slopes, where given, (..., N) float32 (the "cpu" kernel only). Leading dimensions are batch;
+slopes, where given, (..., N) float32, and the block mask, where given, (..., N, Tb, Sb) bool
+(the "cpu" kernel only). Leading dimensions are batch;
 vmap adds more (``broadcast_all``), and the kernels fold them all into one batch dimension.
 """
 
@@ -125,8 +126,21 @@ def _alibi_operands(config: KernelConfig, alibi_slopes) -> tuple[tuple, dict]:
   return (alibi_slopes,), {"alibi": True}
 
 
+def _block_mask_operands(config: KernelConfig, block_mask) -> tuple[tuple, dict]:
+  """The block-mask operand and attribute of a kernel call: the "cpu" passes always take the
+  bool block mask (..., N, Tb, Sb) (a (0,) placeholder without) and the switch `block_sparse`;
+  the "cuda" ones take neither, and no mask (jax_flash._dispatch refuses it there)."""
+  if config.implementation != "cpu":
+    if block_mask is not None:
+      raise NotImplementedError(f"the {config.implementation!r} kernels take no block_mask")
+    return (), {}
+  if block_mask is None:
+    return (jnp.zeros((0,), jnp.bool_),), {"block_sparse": False}
+  return (block_mask,), {"block_sparse": True}
+
+
 def _flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig, segment_ids=None,
-               alibi_slopes=None):
+               alibi_slopes=None, block_mask=None):
   """Returns (o, lse) with o like q (float32 with config.o_float32) and lse (..., N, T)
   float32. `segment_ids`: None or (q_ids (..., T), kv_ids (..., S)) int32; `alibi_slopes`:
   None or (..., N) float32 (one slope per batch element and query head)."""
@@ -134,6 +148,8 @@ def _flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig, segment_ids=None,
     raise ValueError("split-KV decoding takes no segment ids (call_kernels sets kv_splits=0)")
   if alibi_slopes is not None and config.kv_splits:
     raise ValueError("split-KV decoding takes no alibi_slopes (call_kernels sets kv_splits=0)")
+  if block_mask is not None and config.kv_splits:
+    raise ValueError("split-KV decoding takes no block_mask (call_kernels sets kv_splits=0)")
   if config.logits_soft_cap and config.kv_splits:
     raise ValueError("split-KV decoding takes no logits_soft_cap (call_kernels sets kv_splits=0)")
   if config.kv_splits and config.implementation == "cuda" and not _decode.cuda_kernel_enabled():
@@ -156,8 +172,10 @@ def _flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig, segment_ids=None,
   )
   ids, id_attributes = _segment_operands(config, segment_ids)
   alibi, alibi_attributes = _alibi_operands(config, alibi_slopes)
-  return call(q, k, v, q_lens, kv_lens, *ids, *alibi, **config.attributes(), **id_attributes,
-              **_soft_cap_attribute(config), **alibi_attributes)
+  blocks, block_attributes = _block_mask_operands(config, block_mask)
+  return call(q, k, v, q_lens, kv_lens, *ids, *alibi, *blocks, **config.attributes(),
+              **id_attributes, **_soft_cap_attribute(config), **alibi_attributes,
+              **block_attributes)
 
 
 # The kernel ops have one derivative, their custom VJP's: differentiating them raises.
@@ -193,7 +211,7 @@ def dq_splits(batch: int, heads_k: int, seq_k: int) -> int:
 
 
 def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig, segment_ids=None,
-               o_error=None, alibi_slopes=None):
+               o_error=None, alibi_slopes=None, block_mask=None):
   """Returns (dq, dk, dv); the kernel's workspaces come back as extra outputs and are dropped:
   delta (..., N, T) float32, and the float32 dQ accumulator, flat, of the size the native
   module gives (on the CPU one partial per dQ split; on CUDA one like q, none in deterministic
@@ -228,13 +246,14 @@ def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig, segm
   )
   ids, id_attributes = _segment_operands(config, segment_ids)
   alibi, alibi_attributes = _alibi_operands(config, alibi_slopes)
+  blocks, block_attributes = _block_mask_operands(config, block_mask)
   # The CUDA backward's last operand: o_error, or an int8 placeholder with no elements.
   error = ()
   if config.implementation == "cuda":
     error = (jnp.zeros((0,), jnp.int8) if o_error is None else o_error,)
-  dq, dk, dv, _, _ = call(q, k, v, o, lse, d_o, q_lens, kv_lens, *ids, *alibi, *error,
+  dq, dk, dv, _, _ = call(q, k, v, o, lse, d_o, q_lens, kv_lens, *ids, *alibi, *blocks, *error,
                           **attributes, **id_attributes, **_soft_cap_attribute(config),
-                          **alibi_attributes)
+                          **alibi_attributes, **block_attributes)
   return dq, dk, dv
 
 
@@ -283,6 +302,7 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
                  logits_soft_cap: float | None = None,
                  sinks: jax.Array | None = None,
                  alibi_slopes: jax.Array | None = None,
+                 block_mask: jax.Array | None = None,
                  ) -> tuple[jax.Array, jax.Array]:
   """(out, lse) of `attention` with what every entry point does around the kernels: the scale
   made positive (positive_scale) and the head dim zero-padded as `implementation` needs
@@ -300,7 +320,9 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
   With `alibi_slopes` (N,) float32 `attention` gets them last, after the ids (or None) and the
   sinks where given, broadcast to (B, N) (the kernels take one slope per batch element and
   head, which vmap and batch sharding fold like any operand); only the tiled kernel takes them,
-  so such calls never run the decode kernel.
+  so such calls never run the decode kernel. With `block_mask` (B|1, N|1, Tb, Sb) bool
+  `attention` gets it broadcast to (B, N, Tb, Sb) after the slopes (None where not given); the
+  tiled kernel only, as the slopes.
 
   With nothing to compute (B, T or N is 0) or no key for any row (S is 0) no kernel runs: the
   output is zeros (every row empty, lse EMPTY_ROW_LSE), as jax.nn's is, and so are the
@@ -320,18 +342,23 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
                             window_left, window_right)
   else:
     splits = _decode.kv_splits(implementation, batch, seq_q, heads_q, k.shape[2], k.shape[1])
-  if segment_ids is not None or logits_soft_cap is not None or alibi_slopes is not None:
+  if (segment_ids is not None or logits_soft_cap is not None or alibi_slopes is not None
+      or block_mask is not None):
     splits = 0
   config = KernelConfig(implementation, scale, bool(is_causal), window_left, window_right,
                         deterministic, context_parallel=context_parallel, kv_splits=splits,
                         logits_soft_cap=0.0 if logits_soft_cap is None else float(logits_soft_cap))
   with _derivatives.explain_forward_mode(caller, implementation):
     extra = () if segment_ids is None else (tuple(segment_ids),)
-    if sinks is not None or alibi_slopes is not None:
+    if sinks is not None or alibi_slopes is not None or block_mask is not None:
       extra = (None if segment_ids is None else tuple(segment_ids),)
     if sinks is not None:
       extra += (sinks,)
     if alibi_slopes is not None:
       extra += (jnp.broadcast_to(alibi_slopes.astype(jnp.float32), (batch, heads_q)),)
+    elif block_mask is not None:
+      extra += (None,)
+    if block_mask is not None:
+      extra += (jnp.broadcast_to(block_mask, (batch, heads_q, *block_mask.shape[-2:])),)
     out, lse = attention(q, k, v, q_lens, kv_lens, config, *extra)
   return out[..., :head_dim], lse

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_flash import _registry
+from jax_flash._block_sparse import with_block_mask
 
 # The lse of a row with no key to attend to, as the kernels write it (the most negative float32).
 EMPTY_ROW_LSE: float = _registry.KERNEL_CONSTANTS["empty_row_lse"]
@@ -93,8 +94,11 @@ def grouped_logit_array(x, heads_k: int):
 def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bool,
                         window_left: int = -1, window_right: int = -1, bias=None, mask=None,
                         segment_ids=None, logits_soft_cap: float | None = None, sinks=None,
-                        alibi_slopes=None):
+                        alibi_slopes=None, block_mask=None):
   """Returns (o, lse): o (B, T, N, H) in q's dtype, lse (B, N, T) float32.
+
+  `block_mask` (B|1, N|1, Tb, Sb) bool (None: off): block-sparse attention, expanded to an
+  element mask (jax_flash._block_sparse) and combined with `mask`.
 
   `alibi_slopes` (N,) float32 (None: off): ALiBi, the score of query i and key j in head h
   gains alibi_slopes[h] * (j - i) (alibi_bias), after the soft cap, before the masks and the
@@ -124,6 +128,7 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bo
     lse = empty_lse(batch, heads_q, seq_q, sinks)
     return jnp.zeros_like(q), lse
   group = heads_q // heads_k
+  mask = with_block_mask(mask, block_mask, seq_q, seq_k)
   allowed = key_mask(seq_q, seq_k, q_lens, kv_lens, is_causal, window_left, window_right,
                      segment_ids=segment_ids)
   allowed = allowed[:, None, None, :, :]

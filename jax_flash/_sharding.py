@@ -25,6 +25,11 @@ jax_flash._context_parallel).
 ALiBi slopes ((B, N) float32, the "cpu" kernel's) come last among the operands, in ops of their
 own too: they shard with the batch and the query heads (no communication), and a
 context-parallel strategy takes this device's slopes as they are (jax_flash._context_parallel).
+
+Block masks ((B, N, Tb, Sb) bool, the "cpu" kernel's) come after the slopes: they shard with the
+batch and the query heads (no communication). No context-parallel strategy carries them yet: a
+sequence-sharded call with one gathers the sequence, and a requested strategy raises naming
+block_mask.
 """
 
 from __future__ import annotations
@@ -53,11 +58,13 @@ _BWD_RULE = ("b t n h, b s k h, b s k h, b t n h, b n t, b t n h, b, b "
 _ERROR_RULE = ", b t n h"
 _IDS_RULE = ", b t, b s"
 _ALIBI_RULE = ", b n"
+# The block mask (b n x y): x query blocks, y key blocks.
+_BLOCKS_RULE = ", b n x y"
 
 
-def _rule(base: str, error: bool, ids: bool, alibi: bool) -> str:
+def _rule(base: str, error: bool, ids: bool, alibi: bool, blocks: bool = False) -> str:
   extras = (_ERROR_RULE if error else "") + (_IDS_RULE if ids else "") + (
-      _ALIBI_RULE if alibi else "")
+      _ALIBI_RULE if alibi else "") + (_BLOCKS_RULE if blocks else "")
   return base.replace(" ->", extras + " ->")
 
 
@@ -99,10 +106,11 @@ def _heads_plan(mesh, q_shape, k_shape, heads) -> tuple[object, object]:
   return None, None
 
 
-def _plan(mesh, arg_shapes, config: _ops.KernelConfig) -> _Plan:
+def _plan(mesh, arg_shapes, config: _ops.KernelConfig, blocks: bool = False) -> _Plan:
   """Read off the query's sharding: batch as it is; heads by _heads_plan; a sharded sequence
   runs the strategy _context_parallel.choose picks for the call (or the one it asks for), and
-  is gathered where none can run."""
+  is gathered where none can run. With a block mask (`blocks`) no strategy runs: the sequence
+  is gathered, and a requested strategy raises."""
   q, k = arg_shapes[0], arg_shapes[1]
   batch = _spec_entry(q.sharding, 0)
   seq = _spec_entry(q.sharding, 1)
@@ -110,6 +118,12 @@ def _plan(mesh, arg_shapes, config: _ops.KernelConfig) -> _Plan:
     batch = None
   q_heads, kv_heads = _heads_plan(mesh, q.shape, k.shape, _spec_entry(q.sharding, 2))
   strategy = None
+  if seq is not None and blocks:
+    if config.context_parallel is not None:
+      raise ValueError(f"context_parallel={config.context_parallel!r} cannot run this call: no "
+                       "context-parallel strategy carries a block_mask yet (without "
+                       "context_parallel the sequence is gathered)")
+    seq = None
   if seq is not None:
     strategy = _context_parallel.choose(
         config.context_parallel, num=_axis_size(mesh, seq), seq_q=q.shape[1], seq_k=k.shape[1],
@@ -133,14 +147,20 @@ class _Extras:
   error: bool = False
   ids: bool = False
   alibi: bool = False
+  blocks: bool = False  # the block mask, after the slopes
 
   def split(self, extras) -> tuple:
-    """(o_error or None, segment ids or None, alibi slopes or None) of the operands."""
+    """(o_error or None, segment ids or None, alibi slopes or None) of the operands (the block
+    mask, where taken, is the last operand: see block_mask)."""
     extras = list(extras)
     o_error = extras.pop(0) if self.error else None
     ids = (extras.pop(0), extras.pop(0)) if self.ids else None
     alibi = extras.pop(0) if self.alibi else None
     return o_error, ids, alibi
+
+  def block_mask(self, extras):
+    """The block mask among the operands, or None."""
+    return extras[-1] if self.blocks else None
 
   def shardings(self, mesh, plan: _Plan, q_rows) -> tuple:
     """Their shardings: o_error like q; the ids with the batch (and the sequence where a
@@ -150,6 +170,8 @@ class _Extras:
       out += (NamedSharding(mesh, P(plan.batch, plan.seq)),) * 2
     if self.alibi:
       out += (NamedSharding(mesh, P(plan.batch, plan.q_heads)),)
+    if self.blocks:
+      out += (NamedSharding(mesh, P(plan.batch, plan.q_heads, None, None)),)
     return out
 
 
@@ -160,10 +182,10 @@ def _fwd_op(extras: _Extras):
   def impl(q, k, v, q_lens, kv_lens, *extras_and_config):
     *rest, config = extras_and_config
     _, ids, alibi = extras.split(rest)
-    return _ops.flash_fwd(q, k, v, q_lens, kv_lens, config, ids, alibi)
+    return _ops.flash_fwd(q, k, v, q_lens, kv_lens, config, ids, alibi, extras.block_mask(rest))
 
   def partition(config, mesh, arg_shapes, result_shape):
-    plan = _plan(mesh, arg_shapes, config)
+    plan = _plan(mesh, arg_shapes, config, blocks=extras.blocks)
     q_rows, kv_rows, lse, lens = _shardings(mesh, plan)
 
     def lower(q, k, v, q_lens, kv_lens, *rest):
@@ -177,12 +199,13 @@ def _fwd_op(extras: _Extras):
             (q_rows, kv_rows, kv_rows, lens, lens, *extras.shardings(mesh, plan, q_rows)))
 
   def infer(config, mesh, arg_shapes, result_shape):
-    plan = _plan(mesh, arg_shapes, config)
+    plan = _plan(mesh, arg_shapes, config, blocks=extras.blocks)
     q_rows, _, lse, _ = _shardings(mesh, plan)
     return q_rows, lse
 
-  inputs = 5 + 2 * extras.ids + extras.alibi
-  return _partitioned(impl, inputs, _rule(_FWD_RULE, False, extras.ids, extras.alibi),
+  inputs = 5 + 2 * extras.ids + extras.alibi + extras.blocks
+  return _partitioned(impl, inputs,
+                      _rule(_FWD_RULE, False, extras.ids, extras.alibi, extras.blocks),
                       partition, infer)
 
 
@@ -193,10 +216,11 @@ def _bwd_op(extras: _Extras):
   def impl(q, k, v, o, lse, d_o, q_lens, kv_lens, *extras_and_config):
     *rest, config = extras_and_config
     o_error, ids, alibi = extras.split(rest)
-    return _ops.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config, ids, o_error, alibi)
+    return _ops.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config, ids, o_error, alibi,
+                          extras.block_mask(rest))
 
   def partition(config, mesh, arg_shapes, result_shape):
-    plan = _plan(mesh, arg_shapes, config)
+    plan = _plan(mesh, arg_shapes, config, blocks=extras.blocks)
     q_rows, kv_rows, lse, lens = _shardings(mesh, plan)
 
     def lower(q, k, v, o, lse, d_o, q_lens, kv_lens, *rest):
@@ -219,12 +243,13 @@ def _bwd_op(extras: _Extras):
              *extras.shardings(mesh, plan, q_rows)))
 
   def infer(config, mesh, arg_shapes, result_shape):
-    plan = _plan(mesh, arg_shapes, config)
+    plan = _plan(mesh, arg_shapes, config, blocks=extras.blocks)
     q_rows, kv_rows, _, _ = _shardings(mesh, plan)
     return q_rows, kv_rows, kv_rows
 
-  inputs = 8 + extras.error + 2 * extras.ids + extras.alibi
-  return _partitioned(impl, inputs, _rule(_BWD_RULE, extras.error, extras.ids, extras.alibi),
+  inputs = 8 + extras.error + 2 * extras.ids + extras.alibi + extras.blocks
+  return _partitioned(impl, inputs,
+                      _rule(_BWD_RULE, extras.error, extras.ids, extras.alibi, extras.blocks),
                       partition, infer)
 
 
@@ -238,10 +263,11 @@ def _partitioned(impl, inputs: int, rule: str, partition, infer):
 
 # Every combination of optional operands, each op made once.
 _FWD_OPS = {extras: _fwd_op(extras) for extras in
-            (_Extras(ids=ids, alibi=alibi) for ids in (False, True) for alibi in (False, True))}
+            (_Extras(ids=ids, alibi=alibi, blocks=blocks) for ids in (False, True)
+             for alibi in (False, True) for blocks in (False, True))}
 _BWD_OPS = {extras: _bwd_op(extras) for extras in
-            (_Extras(error, ids, alibi) for error in (False, True) for ids in (False, True)
-             for alibi in (False, True))}
+            (_Extras(error, ids, alibi, blocks) for error in (False, True) for ids in (False, True)
+             for alibi in (False, True) for blocks in (False, True))}
 
 
 def _fold_into_batch(axis_size: int, in_batched, args):
@@ -277,20 +303,25 @@ def _batched_op(partitioned, config: _ops.KernelConfig):
 
 
 def flash_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=None,
-              alibi_slopes=None):
+              alibi_slopes=None, block_mask=None):
   """(o, lse) of the forward kernel; q, k, v rank 4, lens rank 1, segment_ids None or
   (q_ids (B, T), kv_ids (B, S)), alibi_slopes None or (B, N) float32; partitions and vmaps."""
-  op = _FWD_OPS[_Extras(ids=segment_ids is not None, alibi=alibi_slopes is not None)]
+  op = _FWD_OPS[_Extras(ids=segment_ids is not None, alibi=alibi_slopes is not None,
+                        blocks=block_mask is not None)]
   alibi = () if alibi_slopes is None else (alibi_slopes,)
-  return _batched_op(op, config)(q, k, v, q_lens, kv_lens, *(segment_ids or ()), *alibi)
+  blocks = () if block_mask is None else (block_mask,)
+  return _batched_op(op, config)(q, k, v, q_lens, kv_lens, *(segment_ids or ()), *alibi,
+                                 *blocks)
 
 
 def flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelConfig,
-              segment_ids=None, o_error=None, alibi_slopes=None):
+              segment_ids=None, o_error=None, alibi_slopes=None, block_mask=None):
   """(dq, dk, dv) of the backward kernels; partitions and vmaps like flash_fwd. `o_error`:
   None, or the int8 rounding error of a 16-bit o (CUDA; jax_flash._rounding)."""
-  op = _BWD_OPS[_Extras(o_error is not None, segment_ids is not None, alibi_slopes is not None)]
+  op = _BWD_OPS[_Extras(o_error is not None, segment_ids is not None, alibi_slopes is not None,
+                        block_mask is not None)]
   operands = (q, k, v, o, lse, d_o, q_lens, kv_lens)
   operands += (() if o_error is None else (o_error,)) + tuple(segment_ids or ())
   operands += () if alibi_slopes is None else (alibi_slopes,)
+  operands += () if block_mask is None else (block_mask,)
   return _batched_op(op, config)(*operands)

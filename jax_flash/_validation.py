@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_flash._block_sparse import BLOCK_MASK_BLOCK, block_mask_shape
+
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -218,6 +220,34 @@ def check_alibi_slopes(slopes, heads_q: int, query_shape) -> jax.Array | None:
         f"alibi_slopes must be float32, bfloat16 or float16 (shape ({heads_q},)); got "
         f"{slopes.dtype} alibi_slopes{slopes.shape}")
   return jax.lax.stop_gradient(slopes.astype(jnp.float32))
+
+
+def check_block_mask(block_mask, batch: int, heads_q: int, seq_q: int, seq_k: int,
+                     unbatched: bool, query_shape, key_shape) -> jax.Array | None:
+  """The block-sparse mask as a rank-4 bool array (B|1, N|1, Tb, Sb), or None.
+  (Tb, Sb) = jax_flash.block_mask_shape(T, S): blocks of jax_flash.BLOCK_MASK_BLOCK. It must
+  be bool and broadcastable to (B, N, Tb, Sb) ((N, Tb, Sb) for rank-3 inputs): fewer dims gain
+  leading ones, each of B and N is 1 or full, Tb and Sb are exact. Its values are not checked
+  (they may be traced)."""
+  if block_mask is None:
+    return None
+  blocks = block_mask_shape(seq_q, seq_k)
+  target = (heads_q, *blocks) if unbatched else (batch, heads_q, *blocks)
+  what = (f"block_mask must be a bool array broadcastable to {target} (query and key blocks of "
+          f"{BLOCK_MASK_BLOCK[0]} x {BLOCK_MASK_BLOCK[1]}, jax_flash.BLOCK_MASK_BLOCK, for "
+          f"query{tuple(query_shape)} and key{tuple(key_shape)})")
+  try:
+    block_mask = jnp.asarray(block_mask)
+  except TypeError as error:
+    raise ValueError(f"{what}; got {block_mask!r}") from error
+  if block_mask.dtype != jnp.bool_:
+    raise ValueError(f"{what}; got {block_mask.dtype} block_mask{block_mask.shape}")
+  shape = block_mask.shape
+  fits = (2 <= len(shape) <= len(target) and shape[-2:] == tuple(blocks) and
+          all(have in (1, want) for have, want in zip(shape[::-1][2:], target[::-1][2:])))
+  if not fits:
+    raise ValueError(f"{what}; got block_mask{shape}")
+  return block_mask.reshape((1,) * (4 - len(shape)) + shape)
 
 
 def check_scale(scale, head_dim: int) -> float:

@@ -62,14 +62,14 @@ Q, KV, ROWS = (B, T, N, H), (B, S, K, H), (B, N, T)
 
 
 # The CPU passes' segment-id operands without ids: int32 placeholders with no elements; and
-# their ALiBi operand without slopes, a float32 one.
+# their ALiBi operand without slopes, a float32 one; their block mask without one, a bool one.
 NO_IDS = dict(q_segment_ids=((0,), "int32"), kv_segment_ids=((0,), "int32"),
-              alibi_slopes=((0,), "float32"))
+              alibi_slopes=((0,), "float32"), block_mask=((0,), "bool"))
 
 
 def attributes(**overrides) -> dict:
   base = dict(scale=0.5, is_causal=False, window_left=np.int64(-1), window_right=np.int64(-1),
-              segment_ids=False, logits_soft_cap=0.0, alibi=False)
+              segment_ids=False, logits_soft_cap=0.0, alibi=False, block_sparse=False)
   return {**base, **overrides}
 
 
@@ -139,6 +139,12 @@ def with_alibi(call: Call, shape=(B, N), dtype="float32") -> Call:
   """ALiBi switched on, with a slopes operand of this shape."""
   call.shapes["alibi_slopes"] = (tuple(shape), dtype)
   return with_attributes(call, alibi=True)
+
+
+def with_block_mask(call: Call, shape=(B, N, 1, 1), dtype="bool") -> Call:
+  """The block mask switched on, with an operand of this shape (T = 5, S = 7: one block)."""
+  call.shapes["block_mask"] = (tuple(shape), dtype)
+  return with_attributes(call, block_sparse=True)
 
 
 # Errors both passes share (the checks of cuda/common/ffi_params.h): (id, spoil, fragments).
@@ -232,6 +238,17 @@ COMMON_ERRORS = [
     ("alibi_bf16", lambda c: with_alibi(c, dtype="bfloat16"), ("alibi_slopes(2, 4) bfloat16", "float32")),
     ("alibi_empty_f16", lambda c: with_dtype(c, "float16", "alibi_slopes"),
      ("alibi_slopes(0,) float16", "float32")),
+    # Block mask: the switch and the operand must agree; bool (batch dims..., N, Tb, Sb).
+    ("blocks_on_empty", lambda c: with_attributes(c, block_sparse=True),
+     ("block_mask(0,) bool", "(1, 1) blocks of 64 x 64", "q(2, 5, 4, 8)")),
+    ("blocks_off_given", lambda c: with_attributes(with_block_mask(c), block_sparse=False),
+     ("block_sparse=false takes an empty", "block_mask(2, 4, 1, 1) bool")),
+    ("blocks_unbatched", lambda c: with_block_mask(c, shape=(N, 1, 1)), ("block_mask(4, 1, 1) bool",)),
+    ("blocks_kv_heads", lambda c: with_block_mask(c, shape=(B, K, 1, 1)), ("block_mask(2, 2, 1, 1) bool",)),
+    ("blocks_too_many", lambda c: with_block_mask(c, shape=(B, N, 2, 1)), ("block_mask(2, 4, 2, 1) bool",)),
+    ("blocks_elements", lambda c: with_block_mask(c, shape=(B, N, T, S)), ("block_mask(2, 4, 5, 7) bool",)),
+    ("blocks_uint8", lambda c: with_block_mask(c, dtype="uint8"), ("block_mask(2, 4, 1, 1) uint8", "bool")),
+    ("blocks_empty_int32", lambda c: with_dtype(c, "int32", "block_mask"), ("block_mask(0,) int32", "bool")),
 ]
 
 BWD_ERRORS = [
@@ -272,13 +289,15 @@ def test_bwd_errors(rng, spoil, fragments):
   expect_invalid_argument(spoil(valid_bwd()), rng, fragments)
 
 
-@pytest.mark.parametrize("ids,alibi", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("ids,alibi,blocks", [(False, False, False), (True, False, False),
+                                              (True, True, False), (False, False, True)])
 @pytest.mark.parametrize("make", [valid_fwd, valid_bwd], ids=["fwd", "bwd"])
-def test_valid_calls_run(rng, make, ids, alibi):
+def test_valid_calls_run(rng, make, ids, alibi, blocks):
   """The calls the error tests spoil are valid as built (so each error is the spoiled field's),
-  with segment ids and ALiBi slopes too."""
+  with segment ids, ALiBi slopes and a block mask too."""
   call = with_ids(make()) if ids else make()
   call = with_alibi(call) if alibi else call
+  call = with_block_mask(call) if blocks else call
   for out in call.run(rng):
     assert np.isfinite(np.asarray(out, np.float32)).all()
 
@@ -313,9 +332,10 @@ def _direct_fwd(q, k, v, q_lens, kv_lens, scale, causal, left, right):
   call = jax.ffi.ffi_call("jax_flash_cpu_fwd", (spec(q.shape, q.dtype), spec((*batch, n, t))))
   no_ids = jnp.zeros((0,), jnp.int32)
   no_slopes = jnp.zeros((0,), jnp.float32)
-  return call(q, k, v, q_lens, kv_lens, no_ids, no_ids, no_slopes, scale=float(scale),
+  no_blocks = jnp.zeros((0,), jnp.bool_)
+  return call(q, k, v, q_lens, kv_lens, no_ids, no_ids, no_slopes, no_blocks, scale=float(scale),
               is_causal=causal, window_left=np.int64(left), window_right=np.int64(right),
-              segment_ids=False, logits_soft_cap=0.0, alibi=False)
+              segment_ids=False, logits_soft_cap=0.0, alibi=False, block_sparse=False)
 
 
 def _inputs(rng, dtype="float32"):
@@ -370,7 +390,8 @@ def test_wide_window_backward_matches_unbounded(rng, window):
     attrs = {**call.attributes, "window_left": np.int64(left), "window_right": np.int64(right)}
     no_ids = jnp.zeros((0,), jnp.int32)
     return jax.jit(lambda *a: bwd(*a, **attrs))(q, k, v, o, lse, d_o, q_lens, kv_lens, no_ids,
-                                                no_ids, jnp.zeros((0,), jnp.float32))[:3]
+                                                no_ids, jnp.zeros((0,), jnp.float32),
+                                                jnp.zeros((0,), jnp.bool_))[:3]
 
   for got, want in zip(grads(window, window), grads(-1, -1)):
     _close(got, want, atol=0)

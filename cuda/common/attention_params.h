@@ -7,6 +7,7 @@
 //   q_lens, kv_lens : (batch,), int32; valid query / key rows per batch element
 //   q_segment_ids, kv_segment_ids : (batch, seq_q), (batch, seq_k), int32, or absent
 //   alibi_slopes : (batch, heads_q), float32, or absent
+//   block_mask   : (batch, heads_q, q_blocks, k_blocks), bool, or absent (CPU)
 // "batch" is every leading dimension folded together (vmap adds them).
 #pragma once
 
@@ -71,6 +72,20 @@ struct AttentionParams {
   // batch sharding fold into the batch like every other operand. Only the CPU kernel reads it
   // (the CUDA handlers take no such operand, and the Python side refuses it there).
   const float* alibi_slopes = nullptr;
+  // Block-sparse mask, or null for none: bool (one byte) per (batch, query head, query block,
+  // key block), blocks of the CPU kernel's tiles (kBlockQ query rows x kBlockK keys, aligned at
+  // row and key 0). 0 hides every key of the key block from every row of the query block, on
+  // top of the masks above; the CPU kernels never visit such a tile. Only the CPU kernel reads
+  // it (the CUDA handlers take no such operand, and the Python side refuses it there).
+  const uint8_t* block_mask = nullptr;
+  int64_t block_mask_q_blocks = 0;  // its last two dimensions
+  int64_t block_mask_k_blocks = 0;
+
+  // Whether the block mask lets query block qb of (b, h) see key block kb (true without one).
+  bool block_visible(int64_t b, int64_t h, int64_t qb, int64_t kb) const {
+    if (!block_mask) return true;
+    return block_mask[((b * shape.heads_q + h) * block_mask_q_blocks + qb) * block_mask_k_blocks + kb] != 0;
+  }
 };
 
 struct FwdParams : AttentionParams {

@@ -64,17 +64,54 @@ struct PoolRunner {
 // float32 copy of dQ, and the bound keeps the workspace size arithmetic far from overflow.
 constexpr int64_t kMaxDqSplits = 64;
 
+// The block-sparse mask: with `blocks`, block_mask (..., N, ceil(T / kBlockQ), ceil(S / kBlockK))
+// bool, its leading dimensions those of q (vmap adds leading dimensions to it as to q), N q's
+// query heads; without, a bool operand of no elements (the callers pass a (0,) placeholder).
+// Call after the attention inputs are set (it reads params.shape).
+ffi::Error set_block_mask(const ffi::AnyBuffer& mask, bool blocks, const ffi::AnyBuffer& q,
+                          AttentionParams& params) {
+  JF_RETURN_IF_ERROR(expect_dtype("block_mask", mask, ffi::DataType::PRED));
+  if (!blocks) {
+    if (mask.element_count() != 0)
+      return invalid("block_sparse=false takes an empty block_mask operand; got " + describe("block_mask", mask));
+    params.block_mask = nullptr;
+    return ffi::Error::Success();
+  }
+  const AttentionShape& sh = params.shape;
+  const int64_t q_blocks = (sh.seq_q + cpu::kBlockQ - 1) / cpu::kBlockQ;
+  const int64_t k_blocks = (sh.seq_k + cpu::kBlockK - 1) / cpu::kBlockK;
+  const auto md = mask.dimensions(), qd = q.dimensions();
+  bool match = md.size() == qd.size();
+  for (size_t i = 0; match && i + 3 < qd.size(); ++i) match = md[i] == qd[i];
+  if (match) {
+    const size_t r = md.size();
+    match = md[r - 3] == sh.heads_q && md[r - 2] == q_blocks && md[r - 1] == k_blocks;
+  }
+  if (!match)
+    return invalid(describe("block_mask", mask) + ": must be q's batch dims, query heads and (" +
+                   std::to_string(q_blocks) + ", " + std::to_string(k_blocks) +
+                   ") blocks of " + std::to_string(cpu::kBlockQ) + " x " + std::to_string(cpu::kBlockK) +
+                   " (..., N, ceil(T / block_q), ceil(S / block_k)), for " + describe("q", q) + " and seq_k " +
+                   std::to_string(sh.seq_k));
+  params.block_mask = static_cast<const uint8_t*>(mask.untyped_data());
+  params.block_mask_q_blocks = q_blocks;
+  params.block_mask_k_blocks = k_blocks;
+  return ffi::Error::Success();
+}
+
 ffi::Error run_fwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens, ffi::Result<ffi::AnyBuffer> o,
                    ffi::Result<ffi::AnyBuffer> lse, double scale, bool is_causal, int64_t window_left,
                    int64_t window_right, ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
-                   bool segment_ids, double logits_soft_cap, ffi::AnyBuffer alibi_slopes, bool alibi) {
+                   bool segment_ids, double logits_soft_cap, ffi::AnyBuffer alibi_slopes, bool alibi,
+                   ffi::AnyBuffer block_mask, bool block_sparse) {
   FwdParams params;
   JF_RETURN_IF_ERROR(make_fwd_params(q, k, v, q_lens, kv_lens, *o, *lse, scale, is_causal,
                                      window_left, window_right, params));
   JF_RETURN_IF_ERROR(set_segment_ids(q_segment_ids, kv_segment_ids, segment_ids, q, k, params));
   JF_RETURN_IF_ERROR(attention_soft_cap(logits_soft_cap, params.logits_soft_cap));
   JF_RETURN_IF_ERROR(set_alibi_slopes(alibi_slopes, alibi, q, params));
+  JF_RETURN_IF_ERROR(set_block_mask(block_mask, block_sparse, q, params));
   PoolRunner runner{&pool};
   cpu::flash_fwd(params, {&PoolRunner::run, &runner});
   return ffi::Error::Success();
@@ -88,13 +125,15 @@ ffi::Error run_bwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                    double scale, bool is_causal, int64_t window_left, int64_t window_right,
                    ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids, bool segment_ids,
                    int64_t dq_splits, bool /*deterministic: the CPU backward always is*/,
-                   double logits_soft_cap, ffi::AnyBuffer alibi_slopes, bool alibi) {
+                   double logits_soft_cap, ffi::AnyBuffer alibi_slopes, bool alibi,
+                   ffi::AnyBuffer block_mask, bool block_sparse) {
   BwdParams params;
   JF_RETURN_IF_ERROR(make_bwd_params(q, k, v, o, lse, d_o, q_lens, kv_lens, *dq, *dk, *dv, *delta,
                                      scale, is_causal, window_left, window_right, params));
   JF_RETURN_IF_ERROR(set_segment_ids(q_segment_ids, kv_segment_ids, segment_ids, q, k, params));
   JF_RETURN_IF_ERROR(attention_soft_cap(logits_soft_cap, params.logits_soft_cap));
   JF_RETURN_IF_ERROR(set_alibi_slopes(alibi_slopes, alibi, q, params));
+  JF_RETURN_IF_ERROR(set_block_mask(block_mask, block_sparse, q, params));
   if (dq_splits < 1 || dq_splits > kMaxDqSplits)
     return invalid("dq_splits must be in [1, " + std::to_string(kMaxDqSplits) + "]; got " +
                    std::to_string(dq_splits));
@@ -151,13 +190,16 @@ auto with_segment_ids(Binding binding) {
 
 // And the score policies: logit soft-capping ("logits_soft_cap", c > 0 or 0 for off;
 // attention_soft_cap checks it) and ALiBi (one more operand after the segment ids, and its
-// switch; set_alibi_slopes checks them).
+// switch; set_alibi_slopes checks them), and the block-sparse mask (one more operand and its
+// switch; set_block_mask checks them).
 template <typename Binding>
 auto with_score_policies(Binding binding) {
   return std::move(binding)
       .template Attr<double>("logits_soft_cap")
       .template Arg<ffi::AnyBuffer>()  // alibi_slopes (..., N) float32, or (0,) without
-      .template Attr<bool>("alibi");
+      .template Attr<bool>("alibi")
+      .template Arg<ffi::AnyBuffer>()  // block_mask (..., N, Tb, Sb) bool, or (0,) without
+      .template Attr<bool>("block_sparse");
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuFlashFwd, run_fwd,

@@ -9,7 +9,9 @@
 // soft-capping dS is first multiplied by the cap's derivative 1 - tanh^2(scale q.k / c), recomputed
 // per tile from the raw scores (soft_cap in flash_fwd.h). ALiBi's bias slope * (j - i) is added to
 // each recomputed score tile as the forward added it (alibi_rows in flash_fwd.h); it depends on
-// neither Q nor K, so dS needs nothing more, and the slopes get no gradient.
+// neither Q nor K, so dS needs nothing more, and the slopes get no gradient. With a block mask
+// the query tiles are aligned at row 0 (as the mask's blocks) and a tile the mask hides from the
+// key block is skipped: its P is 0.
 #pragma once
 
 #include <cmath>
@@ -76,6 +78,7 @@ struct FlashBwdMain {
     const float score_scale = p.scale * kLog2e;
     const SoftCap cap(p.logits_soft_cap);
     constexpr int64_t bq = kBlockQ, bk = kBlockK;
+    const bool blocks = p.block_mask != nullptr;
 
     // Scratch tiles: K, K^T, V^T, dK, dV for the key block; Q, dO, P, dS, lse, delta for the
     // query block, and with soft-capping the cap's derivative per score. P^T and dS^T are read
@@ -131,8 +134,11 @@ struct FlashBwdMain {
         const int64_t dq_stride = sh.heads_q * dp;
         const Alibi alibi(p.alibi_slopes, b * sh.heads_q + h);
 
-        for (int64_t i0 = first_row; i0 < end_row; i0 += bq) {
+        // A block mask: query tiles are its blocks (aligned at row 0), those it hides from this
+        // key block never visited.
+        for (int64_t i0 = blocks ? first_row / bq * bq : first_row; i0 < end_row; i0 += bq) {
           const int64_t rows = min64(bq, end_row - i0);
+          if (blocks && !p.block_visible(b, h, i0 / bq, kb)) continue;
           bool split_ids = false;
           if (q_ids) {
             const IdSpan q_span = id_span(q_ids + i0, rows);

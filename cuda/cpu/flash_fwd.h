@@ -17,6 +17,7 @@ namespace jax_flash::cpu::JF_ISA {
 inline constexpr float kLog2e = 1.4426950408889634f;
 inline constexpr float kLn2 = 0.6931471805599453f;
 
+
 // Sets s[c] = -inf for the columns c of a score row (keys j0 + c) outside [keys.begin, keys.end)
 // and for the padding columns [cols, padded_cols).
 inline void mask_row(float* s, int64_t j0, int64_t cols, int64_t padded_cols, KeyRange keys) {
@@ -297,6 +298,10 @@ struct FlashFwd {
     // Segment ids of this block's rows and of the batch element's keys (null without).
     const int32_t* q_ids = p.q_segment_ids ? p.q_segment_ids + b * sh.seq_q + i0 : nullptr;
     const int32_t* kv_ids = p.kv_segment_ids ? p.kv_segment_ids + b * sh.seq_k : nullptr;
+    // A block mask: key tiles are its blocks (aligned at key 0), those it hides never visited,
+    // and `seen` decides empty rows as with segment ids.
+    const bool blocks = p.block_mask != nullptr;
+    const bool track_seen = kv_ids || blocks;
 
     if (live_rows > 0) {
       const T* q = static_cast<const T*>(p.q) + (b * sh.seq_q + i0) * q_stride + h * d;
@@ -317,8 +322,9 @@ struct FlashFwd {
       const float score_scale = p.scale * kLog2e;  // scores in base 2: exp2 instead of exp
       const SoftCap cap(p.logits_soft_cap);
       const Alibi alibi(p.alibi_slopes, b * sh.heads_q + h);
-      for (int64_t j0 = first.begin; j0 < last.end; j0 += kp) {
+      for (int64_t j0 = blocks ? first.begin / kp * kp : first.begin; j0 < last.end; j0 += kp) {
         const int64_t cols = min64(kp, last.end - j0);
+        if (blocks && !p.block_visible(b, h, qb, j0 / kp)) continue;  // block-sparse: skipped
         // Segment ids: a tile whose keys' ids cannot meet the rows' is skipped whole; one where
         // rows and keys share a single id needs no element mask.
         bool split_ids = false;
@@ -346,9 +352,9 @@ struct FlashFwd {
           for (int64_t r = 0; r < live_rows; ++r) {
             const KeyRange keys = key_range(p.mask, i0 + r, q_len, kv_len);
             mask_column(scores_t + r, qp, j0, cols, keys);
-            if (kv_ids && range_meets(keys, j0, cols)) seen[r] = 1.f;
+            if (track_seen && range_meets(keys, j0, cols)) seen[r] = 1.f;
           }
-        } else if (kv_ids) {
+        } else if (track_seen) {
           for (int64_t r = 0; r < live_rows; ++r) seen[r] = 1.f;
         }
         for (int64_t r = 0; r < nq; r += kLanes)
@@ -369,7 +375,7 @@ struct FlashFwd {
     // NaN or inf in the inputs) gives a NaN output and lse, as jax.nn's does.
     for (int64_t r = 0; r < rows; ++r) {
       const bool empty = r >= live_rows || key_range(p.mask, i0 + r, q_len, kv_len).empty() ||
-                         (q_ids && seen[r] == 0.f);
+                         (track_seen && seen[r] == 0.f);
       const float inv = empty ? 0.f : 1.f / row_sum[r];
       const int64_t out_row = out_offset + r * q_stride;
       if (p.o_float32)
