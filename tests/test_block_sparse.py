@@ -7,9 +7,10 @@ Each path ("cpu" kernel, "blockwise", "xla") is checked against a float32 refere
 that expands the block mask to an element mask (plain jax.numpy, differentiated by JAX), by the
 FlashAttention rule of tests/attention_testing.py: forward, lse and dq, dk, dv, at several
 densities (all True == dense, all-False rows: empty rows), with causal, windows, lengths, GQA,
-T != S with partial last blocks, segment ids; then broadcasting over batch and heads, vmap,
-batch/head sharding, the errors, the CUDA refusal at trace time, decode shapes, and that the
-kernel never reads a hidden block (NaN keys there do not reach the output).
+T != S with partial last blocks, segment ids; sinks, ALiBi and soft cap against "xla"; then
+broadcasting over batch and heads, vmap, batch/head/sequence sharding, the errors, the CUDA
+refusal at trace time, decode shapes, and that the kernel never reads a hidden block (NaN keys
+and values there do not reach the output).
 """
 
 from __future__ import annotations
@@ -386,3 +387,28 @@ def test_sharded_calls(spec):
   if spec == "sequence":
     with pytest.raises(Exception, match="block_mask"):
       value_and_grads(context_parallel="ring")(*sharded)
+
+
+def test_with_sinks_alibi_and_soft_cap():
+  """The score variants and sinks combine with the block mask: "cpu" and "blockwise" give what
+  "xla" gives, forward and gradients (sinks included)."""
+  q, k, v, g = CASES[1].case.inputs()
+  tb, sb = jax_flash.block_mask_shape(q.shape[1], k.shape[1])
+  mask = jnp.asarray(np.random.default_rng(6).random((tb, sb)) < 0.5).at[-1].set(False)
+  sinks = jnp.asarray([0.5, -1.0, 2.0, 0.0], F32)
+  slopes = jnp.asarray([0.1, -0.05, 0.02, 0.0], F32)
+
+  def grads(implementation):
+    def loss(q, k, v, sinks):
+      out = jax_flash.dot_product_attention(
+          q, k, v, block_mask=mask, sinks=sinks, alibi_slopes=slopes, logits_soft_cap=5.0,
+          is_causal=True, implementation=implementation)
+      return jnp.sum(out * g)
+    return jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3)))(q, k, v, sinks)
+
+  want, want_g = grads("xla")
+  for implementation in ("cpu", "blockwise"):
+    got, got_g = grads(implementation)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got_g, want_g):
+      np.testing.assert_allclose(a, b, atol=2e-5)
