@@ -18,6 +18,7 @@ import numpy as np
 
 import jax_flash
 from jax_flash.benchmark.cases import Case, Inputs
+from jax_flash.benchmark.machine import usable_cores
 from jax_flash.benchmark.measure import (ACCELERATOR_CALLS_PER_STEP, Compiled, Prepare,
                                          compile_step, failure_reason)
 
@@ -167,8 +168,6 @@ def _build_torch_cpu(case: Case, inputs: Inputs) -> dict[str, Prepare]:
   (B, N, S, H) tensors of the case's dtype with a thread per usable core."""
   import torch
   from torch.nn.attention import SDPBackend, sdpa_kernel
-
-  from jax_flash.benchmark.provenance import usable_cores  # (imports this module)
 
   # The cores this process may run on (taskset), not the machine's.
   torch.set_num_threads(usable_cores())
