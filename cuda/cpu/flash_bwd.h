@@ -153,7 +153,7 @@ struct FlashBwdMain {
             // A row with no visible key (the forward wrote kEmptyRowLse; inside a visited block
             // only where segment ids leave its document no key) gets +inf: every probability
             // of it exp2(-inf - inf) = 0, where -FLT_MAX * log2(e) = -inf would give NaN.
-            lse2[r] = lse[i0 + r] == kEmptyRowLse ? INFINITY : lse[i0 + r] * kLog2e;
+            lse2[r] = lse[i0 + r] == kEmptyRowLse ? INFINITY : base2_lse(lse[i0 + r]);
             delta[r] = delta_h[i0 + r];
           }
           // P = exp2(S * scale * log2e - lse * log2e), masked (S soft-capped and biased first,

@@ -148,12 +148,12 @@ struct FlashDecode {
           seen ? store_row(acc + r * dp, d, inv, static_cast<T*>(p.o) + out_row)
                : store_zeros(d, static_cast<T*>(p.o) + out_row);
         p.lse[(b * sh.heads_q + h) * sh.seq_q + t] =
-            seen ? (row_ref[r] + __builtin_log2f(row_sum[r])) * kLn2 : kEmptyRowLse;
+            seen ? natural_lse(row_ref[r], row_sum[r]) : kEmptyRowLse;
       } else {
         const int64_t row = ((split * sh.batch + b) * sh.heads_q + h) * sh.seq_q + t;
         float* o_part = p.o_partial + row * d;
         seen ? store_row(acc + r * dp, d, 1.f / row_sum[r], o_part) : store_zeros(d, o_part);
-        p.lse_partial[row] = seen ? (row_ref[r] + __builtin_log2f(row_sum[r])) * kLn2 : -INFINITY;
+        p.lse_partial[row] = seen ? natural_lse(row_ref[r], row_sum[r]) : -INFINITY;
       }
     }
   }

@@ -17,6 +17,18 @@ namespace jax_flash::cpu::JF_ISA {
 inline constexpr float kLog2e = 1.4426950408889634f;
 inline constexpr float kLn2 = 0.6931471805599453f;
 
+// A row's lse in natural units from its base-2 reference and sum, and back, in double so that
+// each direction rounds once (a float32 product with a rounded ln 2 or log2 e rounds twice, and
+// the backward's probabilities of a row all inherit that error, about |lse| 2^-24, as one
+// common factor).
+inline float natural_lse(float ref2, float sum) {
+  return static_cast<float>((static_cast<double>(ref2) + std::log2(static_cast<double>(sum))) *
+                            0.69314718055994530942);
+}
+inline float base2_lse(float lse) {
+  return static_cast<float>(static_cast<double>(lse) * 1.44269504088896340736);
+}
+
 
 // Sets s[c] = -inf for the columns c of a score row (keys j0 + c) outside [keys.begin, keys.end)
 // and for the padding columns [cols, padded_cols).
@@ -384,7 +396,7 @@ struct FlashFwd {
       else
         empty ? store_zeros(d, static_cast<T*>(p.o) + out_row)
               : store_row(acc + r * dp, d, inv, static_cast<T*>(p.o) + out_row);
-      lse[r] = empty ? kEmptyRowLse : (row_ref[r] + __builtin_log2f(row_sum[r])) * kLn2;
+      lse[r] = empty ? kEmptyRowLse : natural_lse(row_ref[r], row_sum[r]);
     }
   }
 };
