@@ -199,33 +199,21 @@ def select(implementation: str | None, call: Call, *,
         f"q_segment_ids{q_ids} and kv_segment_ids{kv_ids} with query{call.query}. "
         f"Implementations {takers} take them: pass implementation='blockwise' on a GPU "
         "(FlashAttention in XLA)")
-  if call.logits_soft_cap is not None and not can.logits_soft_cap:
+  # The score variants and block masks some implementations do not take yet: (argument, how
+  # the call passed it, the pronoun the message uses).
+  optional = (("logits_soft_cap", f"logits_soft_cap={call.logits_soft_cap!r}", "it"),
+              ("sinks", f"sinks{call.sinks}", "them"),
+              ("alibi_slopes", f"alibi_slopes{call.alibi_slopes}", "them"),
+              ("block_mask", f"block_mask{call.block_mask}", "it"))
+  for argument, passed, pronoun in optional:
+    if getattr(call, argument) is None or getattr(can, argument):
+      continue
     takers = ", ".join(repr(n) for n in ("cpu", "blockwise", "xla")
-                       if capabilities(n).logits_soft_cap)
+                       if getattr(capabilities(n), argument))
     raise NotImplementedError(
-        f"{caller}: the {name!r} kernels ({picked}) take no logits_soft_cap yet; got "
-        f"logits_soft_cap={call.logits_soft_cap!r} with query{call.query}. Implementations "
-        f"{takers} take it: pass implementation='blockwise' on a GPU (FlashAttention in XLA)")
-  if call.sinks is not None and not can.sinks:
-    takers = ", ".join(repr(n) for n in ("cpu", "blockwise", "xla") if capabilities(n).sinks)
-    raise NotImplementedError(
-        f"{caller}: the {name!r} kernels ({picked}) take no sinks yet; got sinks{call.sinks} "
-        f"with query{call.query}. Implementations {takers} take them: pass "
+        f"{caller}: the {name!r} kernels ({picked}) take no {argument} yet; got {passed} with "
+        f"query{call.query}. Implementations {takers} take {pronoun}: pass "
         "implementation='blockwise' on a GPU (FlashAttention in XLA)")
-  if call.alibi_slopes is not None and not can.alibi_slopes:
-    takers = ", ".join(repr(n) for n in ("cpu", "blockwise", "xla")
-                       if capabilities(n).alibi_slopes)
-    raise NotImplementedError(
-        f"{caller}: the {name!r} kernels ({picked}) take no alibi_slopes yet; got "
-        f"alibi_slopes{call.alibi_slopes} with query{call.query}. Implementations {takers} take "
-        "them: pass implementation='blockwise' on a GPU (FlashAttention in XLA)")
-  if call.block_mask is not None and not can.block_mask:
-    takers = ", ".join(repr(n) for n in ("cpu", "blockwise", "xla")
-                       if capabilities(n).block_mask)
-    raise NotImplementedError(
-        f"{caller}: the {name!r} kernels ({picked}) take no block_mask yet; got "
-        f"block_mask{call.block_mask} with query{call.query}. Implementations {takers} take "
-        "it: pass implementation='blockwise' on a GPU (FlashAttention in XLA)")
   if can.max_head_dim is not None and call.head_dim > can.max_head_dim:
     instead = ("ring attention has no path for larger heads" if call.ring else
                "use implementation='blockwise' (or 'xla') for larger heads")
