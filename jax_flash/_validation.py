@@ -175,6 +175,26 @@ def check_logits_soft_cap(cap) -> float | None:
   return value
 
 
+def _per_head_floats(value, name: str, each: str, heads_q: int, query_shape) -> jax.Array:
+  """`value` as a float32, bfloat16 or float16 array of shape exactly (N,), one `each` (e.g.
+  "logit") per query head: no broadcasting, a scalar or a (1,) array raises too; errors name
+  `name`. Its values are not checked (they may be traced)."""
+  try:
+    value = jnp.asarray(value)
+  except TypeError as error:
+    raise ValueError(f"{name} must be a float array of shape ({heads_q},) (one {each} per query "
+                     f"head) or None; got {value!r}") from error
+  if value.shape != (heads_q,):
+    raise ValueError(
+        f"{name} must have shape ({heads_q},): one {each} per query head N={heads_q} of "
+        f"query{tuple(query_shape)} (no broadcasting); got {name}{value.shape}")
+  if value.dtype not in SUPPORTED_DTYPES:
+    raise ValueError(
+        f"{name} must be float32, bfloat16 or float16 (shape ({heads_q},)); got {value.dtype} "
+        f"{name}{value.shape}")
+  return value
+
+
 def check_sinks(sinks, heads_q: int, query_shape) -> jax.Array | None:
   """The attention sinks as an array of shape (N,), or None. One logit per query head, a
   floating-point array (float32, bfloat16 or float16; computed in float32, its gradient given
@@ -182,20 +202,7 @@ def check_sinks(sinks, heads_q: int, query_shape) -> jax.Array | None:
   too. Its values are not checked (they may be traced)."""
   if sinks is None:
     return None
-  try:
-    sinks = jnp.asarray(sinks)
-  except TypeError as error:
-    raise ValueError(f"sinks must be a float array of shape ({heads_q},) (one logit per query "
-                     f"head) or None; got {sinks!r}") from error
-  if sinks.shape != (heads_q,):
-    raise ValueError(
-        f"sinks must have shape ({heads_q},): one logit per query head N={heads_q} of "
-        f"query{tuple(query_shape)} (no broadcasting); got sinks{sinks.shape}")
-  if sinks.dtype not in SUPPORTED_DTYPES:
-    raise ValueError(
-        f"sinks must be float32, bfloat16 or float16 (shape ({heads_q},)); got {sinks.dtype} "
-        f"sinks{sinks.shape}")
-  return sinks
+  return _per_head_floats(sinks, "sinks", "logit", heads_q, query_shape)
 
 
 def check_alibi_slopes(slopes, heads_q: int, query_shape) -> jax.Array | None:
@@ -206,19 +213,7 @@ def check_alibi_slopes(slopes, heads_q: int, query_shape) -> jax.Array | None:
   traced); a NaN or inf slope gives NaN scores, as the same bias added by hand would."""
   if slopes is None:
     return None
-  try:
-    slopes = jnp.asarray(slopes)
-  except TypeError as error:
-    raise ValueError(f"alibi_slopes must be a float array of shape ({heads_q},) (one slope per "
-                     f"query head) or None; got {slopes!r}") from error
-  if slopes.shape != (heads_q,):
-    raise ValueError(
-        f"alibi_slopes must have shape ({heads_q},): one slope per query head N={heads_q} of "
-        f"query{tuple(query_shape)} (no broadcasting); got alibi_slopes{slopes.shape}")
-  if slopes.dtype not in SUPPORTED_DTYPES:
-    raise ValueError(
-        f"alibi_slopes must be float32, bfloat16 or float16 (shape ({heads_q},)); got "
-        f"{slopes.dtype} alibi_slopes{slopes.shape}")
+  slopes = _per_head_floats(slopes, "alibi_slopes", "slope", heads_q, query_shape)
   return jax.lax.stop_gradient(slopes.astype(jnp.float32))
 
 
