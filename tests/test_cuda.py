@@ -257,29 +257,19 @@ def test_forward_on_a_cta_per_tile_on_hopper():
       "or test_command_buffer_capture or test_jit_training_step_reduces_loss")
 
 
-# The default backward adds dQ by atomics at head dims 33..64 and by bulk reductions at 65..128
-# (TileShapes::kSm90BwdBulkDqByDefault); each override runs a way the default does not there.
-@pytest.mark.parametrize("family, head_dims", [("sm90ws_atomicdq", "h80 or h96 or h111 or h128"),
+# The default backward visits 128-row query blocks at head dims 33..64 and adds dQ by bulk
+# reductions at 65..128 (gpu/tile_shapes.cuh); each override runs 64-row blocks a way the default
+# does not use at those head dims.
+@pytest.mark.parametrize("family, head_dims", [("sm90ws_atomicdq", "h40 or h64 or h80 or h96 or h111 or h128"),
                                                ("sm90ws_bulkdq", "h40 or h64")])
 def test_backward_dq_by_the_other_way_on_hopper(family, head_dims):
-  """The warp-specialised backward with dQ added a way its default does not use at these head
-  dims (atomics from the math warps, or bulk reductions from a shared tile by the producer)
-  passes their reference and deterministic cases, the CUDA-graph capture and the training
-  step."""
+  """The warp-specialised backward with 64-row query blocks and dQ added a way its default does
+  not use at these head dims (atomics from the math warps, or bulk reductions from a shared tile
+  by the producer) passes their reference and deterministic cases, the CUDA-graph capture and
+  the training step."""
   _run_cuda_tests_on_hopper_with(
       {"JAX_FLASH_CUDA_BACKWARD": family},
       f"((test_cuda_matches_reference or test_deterministic_matches_reference) and ({head_dims})) "
-      "or test_command_buffer_capture or test_jit_training_step_reduces_loss")
-
-
-def test_backward_with_128_row_query_blocks_on_hopper():
-  """The experimental backward visiting 128-row query blocks at head dim 64
-  (JAX_FLASH_CUDA_BACKWARD=sm90ws_m128; the default elsewhere), dQ split by rows between the
-  warpgroups, passes the reference and deterministic cases of head dims 33..64, the CUDA-graph
-  capture and the training step."""
-  _run_cuda_tests_on_hopper_with(
-      {"JAX_FLASH_CUDA_BACKWARD": "sm90ws_m128"},
-      "((test_cuda_matches_reference or test_deterministic_matches_reference) and (h40 or h64)) "
       "or test_command_buffer_capture or test_jit_training_step_reduces_loss")
 
 

@@ -74,12 +74,12 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
       cudaError_t e = cudaSuccess;
       if constexpr (TileShapes<kD>::kHasSm90Bwd) {
         using V = Sm90BwdVariant;
-        constexpr V kDefault = TileShapes<kD>::kSm90BwdBulkDqByDefault ? V::kBulkDq : V::kAtomicDq;
-        constexpr V kBlockM128 = TileShapes<kD>::kHasSm90BwdBlockM128 ? V::kBlockM128 : kDefault;
+        constexpr V kDefault = TileShapes<kD>::kHasSm90BwdBlockM128  ? V::kBlockM128
+                               : TileShapes<kD>::kSm90BwdBulkDqByDefault ? V::kBulkDq
+                                                                         : V::kAtomicDq;
         e = family == KernelFamily::kSm90Ws           ? launch_bwd_main_sm90_ws<T, kD>(p, kDefault, stream)
             : family == KernelFamily::kSm90WsAtomicDq ? launch_bwd_main_sm90_ws<T, kD>(p, V::kAtomicDq, stream)
             : family == KernelFamily::kSm90WsBulkDq   ? launch_bwd_main_sm90_ws<T, kD>(p, V::kBulkDq, stream)
-            : family == KernelFamily::kSm90WsM128     ? launch_bwd_main_sm90_ws<T, kD>(p, kBlockM128, stream)
                                                       : launch_bwd_main_sm80<T, kD>(p, stream);
       } else {
         e = launch_bwd_main_sm80<T, kD>(p, stream);

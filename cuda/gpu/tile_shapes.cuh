@@ -43,12 +43,13 @@ struct TileShapes {
   // query blocks of 64; dQ added by atomics, or by bulk reductions from a shared tile.
   using Sm90BwdWs = Sm90BwdWsTraits<kHeadDim>;
   using Sm90BwdWsBulkDq = Sm90BwdWsTraits<kHeadDim, true>;
-  // Experimental (JAX_FLASH_CUDA_BACKWARD=sm90ws_m128): 128-row query blocks, head dim 64 only.
+  // 128-row query blocks, dQ split by rows between the consumers (registers allow head dim 64
+  // only); the default there: +8-10% over 64-row blocks with atomics (cuda/PERF_NOTES.md v10).
   static constexpr bool kHasSm90BwdBlockM128 = kHeadDim == 64;
   using Sm90BwdWsBlockM128 = Sm90BwdWsTraits<kHeadDim, false, (kHasSm90BwdBlockM128 ? 128 : 64)>;
-  // The backward's dQ by default (JAX_FLASH_CUDA_BACKWARD=sm90ws), as measured on the H200
-  // (cuda/PERF_NOTES.md v6): bulk reductions at head dim 128 (+5-11% over atomics), atomics at 64
-  // (bulk reductions 25% slower there).
+  // With 64-row query blocks, the backward's dQ by default as measured on the H200 (v6): bulk
+  // reductions at head dim 128 (+5-11% over atomics), atomics elsewhere (bulk reductions 25%
+  // slower at 64).
   static constexpr bool kSm90BwdBulkDqByDefault = kHeadDim == 128;
 };
 
