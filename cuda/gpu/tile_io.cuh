@@ -87,6 +87,22 @@ __device__ __forceinline__ void store_accumulator(T* tile, const float (&x)[kMTi
                       MmaOp<T>::pack(x[mt][nt][2 * half], x[mt][nt][2 * half + 1]));
 }
 
+// The same stores from the accumulator already packed as A fragments (accumulator_to_a's
+// a[nt / 2][mt][(nt % 2) * 2 + half] holds x[mt][nt][2 half .. 2 half + 1]).
+template <typename Tile, int kKTiles, int kMTiles, typename T>
+__device__ __forceinline__ void store_a_fragments(T* tile, const uint32_t (&a)[kKTiles][kMTiles][4], int row0,
+                                                  int col0, int lane) {
+  constexpr int kNTiles = 2 * kKTiles;
+  const SmemOperand<Tile, kPowerOfTwo<kNTiles>> op(tile, row0 + lane / 4, col0 / 8);
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+        st_shared_b32(op.at(mt * 16 + half * 8, nt) + (lane % 4) * 4, a[nt / 2][mt][(nt % 2) * 2 + half]);
+}
+
 // Writes a warp's dK or dV accumulator (key rows from row0, columns from col0) to global memory.
 template <int kMTiles, int kNTiles, typename T>
 __device__ __forceinline__ void store_rows(T* out, int64_t row_stride, const float (&x)[kMTiles][kNTiles][4],

@@ -51,6 +51,10 @@ struct TileShapes {
   // reductions at head dim 128 (+5-11% over atomics), atomics elsewhere (bulk reductions 25%
   // slower at 64).
   static constexpr bool kSm90BwdBulkDqByDefault = kHeadDim == 128;
+  // Experimental (JAX_FLASH_CUDA_BACKWARD=sm90ws_dkrs): the default's tile with dK from registers,
+  // dV and dK issued before the consumers' barrier.
+  using Sm90BwdWsDkFromRegisters =
+      Sm90BwdWsTraits<kHeadDim, kSm90BwdBulkDqByDefault, (kHasSm90BwdBlockM128 ? 128 : 64), true>;
 };
 
 // Explicit instantiations of a launcher template<T, kHeadDim> for both 16-bit dtypes.

@@ -70,6 +70,64 @@ __device__ __forceinline__ void store_transposed_ds(T* ds, const float (&dst)[1]
                              warp_key0, 0, lane);
 }
 
+// store_transposed_ds from dS^T packed as A fragments (Traits::kDkFromRegisters).
+template <typename Traits, typename T>
+__device__ __forceinline__ void store_transposed_ds_fragments(T* ds, const uint32_t (&dst)[Traits::kBlockM / 16][1][4],
+                                                              int warp_key0, int lane) {
+  using Block = SmemTile<Traits::kBlockN, 64>;
+  using BlockFragments = const uint32_t[4][1][4];
+#pragma unroll
+  for (int b = 0; b < Traits::kBlockM / 64; ++b)
+    store_a_fragments<Block>(ds + b * Block::kElements, *reinterpret_cast<BlockFragments*>(&dst[4 * b]), warp_key0, 0,
+                             lane);
+}
+
+// dV += P^T dO and dK += dS^T Q with both A operands from registers (Traits::kDkFromRegisters):
+// issued and committed, not waited for (the caller's next wait covers them).
+template <typename Traits, typename T>
+__device__ __forceinline__ void issue_key_gradients(float (&dk)[1][Traits::kHeadDim / 8][4],
+                                                    float (&dv)[1][Traits::kHeadDim / 8][4],
+                                                    uint32_t (&pt)[Traits::kBlockM / 16][1][4],
+                                                    uint32_t (&dst)[Traits::kBlockM / 16][1][4], uint32_t q_address,
+                                                    uint32_t do_address) {
+  constexpr int kBM = Traits::kBlockM, kD = Traits::kHeadDim;
+  using QTile = typename Traits::QTile;
+  fence_registers(dv[0]);
+  fence_registers(dk[0]);
+#pragma unroll
+  for (int kk = 0; kk < kBM / 16; ++kk) {
+    fence_registers(pt[kk]);
+    fence_registers(dst[kk]);
+  }
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kBM / 16; ++kk)
+    Wgmma<T, kD>::rs_b_transposed(dv[0], pt[kk][0], QTile::n_major(do_address, kk), true);
+#pragma unroll
+  for (int kk = 0; kk < kBM / 16; ++kk)
+    Wgmma<T, kD>::rs_b_transposed(dk[0], dst[kk][0], QTile::n_major(q_address, kk), true);
+  wgmma_commit();
+}
+
+// dQ = dS K for warpgroup `group`'s part (as accumulate_gradients says), after the warpgroup's
+// pending products; issued and waited for.
+template <typename Traits, typename T>
+__device__ __forceinline__ void query_gradient(float (&dq)[1][8][4], uint32_t ds_address, uint32_t k_address,
+                                               int group) {
+  using KVTile = typename Traits::KVTile;
+  using DsTile = typename Traits::DsTile;
+  fence_registers(dq[0]);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < Traits::kBlockN / 16; ++kk)
+    Wgmma<T, 64>::ss_transposed(
+        dq[0], DsTile::n_major(ds_address + (Traits::kDqByRows ? group : 0) * DsTile::kBlockBytes, kk),
+        KVTile::n_major(k_address + (Traits::kDqByRows ? 0 : group) * KVTile::kBlockBytes, kk), kk > 0);
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_registers(dq[0]);
+}
+
 // dV += P^T dO (P^T from registers) and dK += dS^T Q (dS^T from shared memory, which keeps
 // registers free for dQ) for the warpgroup's keys if the block sees them (group_live), and
 // dQ = dS K where dq_here: warpgroup g's 64 query rows with every head-dim column

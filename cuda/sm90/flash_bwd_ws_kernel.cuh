@@ -255,23 +255,40 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
       for (int nt = 0; nt < kBM / 8; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) dpt[0][nt][e] = 0.f;
+        for (int e = 0; e < 4; ++e) st[0][nt][e] = dpt[0][nt][e] = 0.f;
     }
 
     // dS^T to this visit's buffer (the other buffer may still be read by the other warpgroup's
     // dQ of the last visit; this one's last reader, two visits ago, finished before that
-    // warpgroup reached the barrier below last time).
-    store_transposed_ds<Traits>(ds, dpt, warp_key0, lane);
-    fence_proxy_async();
-    consumers_sync();  // both warpgroups' dS^T are in
-
-    // dV, dK and this warpgroup's part of dQ, waited for; then the stage is released (Q, dO, lse
-    // and delta no longer read by this warp) and dQ added to the float32 accumulator.
-    // 64 query rows or 64 columns a warpgroup (Traits::kDqByRows)
+    // warpgroup reached the barrier below last time). Then dV, dK and this warpgroup's part of
+    // dQ (64 query rows or 64 columns a warpgroup: Traits::kDqByRows), waited for; then the
+    // stage is released (Q, dO, lse and delta no longer read by this warp) and dQ added to the
+    // float32 accumulator.
     const bool dq_here = !kDeterministic && (Traits::kDqByRows || kD == 128 || group == 0);
     float dq[1][8][4];
-    accumulate_gradients<Traits, T>(dk, dv, dq, st, q_address, do_address, ds_address, k_address, group, group_live,
-                                    dq_here);
+    if constexpr (Traits::kDkFromRegisters) {
+      // dV and dK from registers are issued before the barrier: they run while this warpgroup
+      // waits for the other's dS^T.
+      uint32_t pt[kBM / 16][1][4], dst[kBM / 16][1][4];
+      accumulator_to_a<T>(dst, dpt);
+      accumulator_to_a<T>(pt, st);
+      store_transposed_ds_fragments<Traits>(ds, dst, warp_key0, lane);
+      fence_proxy_async();
+      if (group_live) issue_key_gradients<Traits, T>(dk, dv, pt, dst, q_address, do_address);
+      consumers_sync();  // both warpgroups' dS^T are in
+      // The registers do not hold dV and dK in flight beside dQ (ptxas would serialise the
+      // products, C7512): they have had the barrier's wait to run.
+      wgmma_wait<0>();
+      if (dq_here) query_gradient<Traits, T>(dq, ds_address, k_address, group);
+      fence_registers(dv[0]);
+      fence_registers(dk[0]);
+    } else {
+      store_transposed_ds<Traits>(ds, dpt, warp_key0, lane);
+      fence_proxy_async();
+      consumers_sync();  // both warpgroups' dS^T are in
+      accumulate_gradients<Traits, T>(dk, dv, dq, st, q_address, do_address, ds_address, k_address, group,
+                                      group_live, dq_here);
+    }
     if (lane == 0) Mbarrier(&bars.empty[stage]).arrive();
     if constexpr (Traits::kBulkDq) {
       if (dq_here) {  // the tile, once the writer has read the last visit's

@@ -42,11 +42,15 @@ struct Sm90FwdWsTraits {
 // reductions (else the consumers add it with atomics). kBlockM: query rows a visit, 64, or 128 at
 // head dim 64 (FlashAttention-3's tile there: half the visits, and dQ split by query rows
 // between the warpgroups, 64 rows each, instead of computed by warpgroup 0 alone).
-template <int kHeadDim_, bool kBulkDq_ = false, int kBlockM_ = 64>
+// kDkFromRegisters (experimental): dK += dS^T Q takes dS^T from registers as dV takes P^T, and
+// both products are issued before the consumers' barrier, so they run while a warpgroup waits
+// for the other's dS^T (else dK reads dS^T from shared memory after the barrier).
+template <int kHeadDim_, bool kBulkDq_ = false, int kBlockM_ = 64, bool kDkFromRegisters_ = false>
 struct Sm90BwdWsTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kBulkDq = kBulkDq_;
   static constexpr int kBlockM = kBlockM_;  // query rows per visit
+  static constexpr bool kDkFromRegisters = kDkFromRegisters_;
   static_assert(kBlockM == 64 || (kBlockM == 128 && kHeadDim == 64 && !kBulkDq),
                 "128-row visits at head dim 64 only, with dQ by atomics");
   // Each warpgroup computes dQ for its 64 query rows (128-row visits), else for 64 of the head
