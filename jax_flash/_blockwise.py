@@ -22,6 +22,11 @@ kernel this path does not skip the blocks of other documents.
 Unlike the kernels it also takes jax.nn's ``bias`` and ``mask`` arrays: each scan step adds and
 applies the slice of its key block (arrays with no key dim broadcast over every block), and the
 backward pass returns the bias's gradient, summed over the dims it broadcasts along.
+
+A block mask (``block_mask``, one bool per 64 x 64 block) is sliced per step too: each step takes
+the block mask's columns of its keys and expands only those to a (T, KEY_BLOCK) element mask, so
+memory stays linear in S (the block mask itself holds T S / 4096 bools). Hidden blocks are
+masked, not skipped, as segment ids are.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_flash._block_sparse import with_block_mask
+from jax_flash._block_sparse import BLOCK_MASK_BLOCK, expand_block_mask
 from jax_flash._reference import (EMPTY_ROW_LSE, MASKED_SCORE, alibi_bias, empty_lse,
                                   grouped_logit_array, key_mask, masked_exp)
 
@@ -88,6 +93,45 @@ def _this_block(whole5: jax.Array | None, blocks: jax.Array | None) -> jax.Array
   return blocks if blocks is not None else whole5
 
 
+class _Masks(NamedTuple):
+  """The array masks of a call: jax.nn's element `mask` (rank 4, (B|1, N|1, T|1, S|1)) and the
+  block mask (B|1, N|1, Tb, Sb) of jax_flash.BLOCK_MASK_BLOCK blocks, each None when not given;
+  grouped like the scores ((B|1, K|1, G|1, ...): _grouped_masks) inside the passes. The block
+  mask is never expanded whole (T x S bools): each scan step expands only its own columns."""
+
+  elements: jax.Array | None = None
+  blocks: jax.Array | None = None
+
+
+def _grouped_masks(masks: _Masks, heads_k: int) -> _Masks:
+  return _Masks(_grouped(masks.elements, heads_k), _grouped(masks.blocks, heads_k))
+
+
+def _mask_blocks(masks5: _Masks, block: int) -> _Masks:
+  """What the scan takes of the grouped masks per step: the element mask's slice (_logit_blocks)
+  and the block mask's columns of the step's keys, (steps, B|1, K|1, G|1, Tb, ceil(block /
+  block_k)) (the last step's padded with False; block is KEY_BLOCK, a multiple of block_k, or S
+  in a single step)."""
+  columns = None
+  if masks5.blocks is not None:
+    per_step = -(-block // BLOCK_MASK_BLOCK[1])
+    x = masks5.blocks
+    steps = -(-x.shape[-1] // per_step)
+    x = jnp.pad(x, [(0, 0)] * 4 + [(0, steps * per_step - x.shape[-1])])
+    columns = jnp.moveaxis(x.reshape(*x.shape[:4], steps, per_step), 4, 0)
+  return _Masks(_logit_blocks(masks5.elements, block, False), columns)
+
+
+def _step_mask(masks5: _Masks, step: _Masks, seq_q: int, block: int) -> jax.Array | None:
+  """A scan step's element mask (B|1, K|1, G|1, T|1, block|1): its slice of the element mask,
+  and its block-mask columns expanded to (T, block), combined; None without either."""
+  elements = _this_block(masks5.elements, step.elements)
+  if step.blocks is None:
+    return elements
+  expanded = expand_block_mask(step.blocks, seq_q, block)
+  return expanded if elements is None else elements & expanded
+
+
 def _id_blocks(segment_ids, block: int):
   """The key ids (B, S) as the scan sees them, (S / block, B, block) (padding keys are past
   kv_lens, masked whatever their id); None without segment ids."""
@@ -104,7 +148,7 @@ def _scan_inputs(k: jax.Array, v: jax.Array, bias5, mask5, segment_ids, block: i
   """What both passes scan over: each key block's index, K block and V block, its slices of
   the grouped bias and mask where those have a key dim, and its key segment ids."""
   return (jnp.arange(-(-k.shape[1] // block)), _key_blocks(k, block), _key_blocks(v, block),
-          _logit_blocks(bias5, block, 0.0), _logit_blocks(mask5, block, False),
+          _logit_blocks(bias5, block, 0.0), _mask_blocks(mask5, block),
           _id_blocks(segment_ids, block))
 
 
@@ -153,7 +197,7 @@ def _forward(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, sinks, alibi_slo
   batch, seq_q, heads_q, head_dim = q.shape
   heads_k = k.shape[2]
   q5 = _split_groups(q, heads_k)
-  bias5, mask5 = _grouped(bias, heads_k), _grouped(mask, heads_k)
+  bias5, mask5 = _grouped(bias, heads_k), _grouped_masks(mask, heads_k)
   stats_shape = (batch, heads_k, heads_q // heads_k, seq_q)
 
   # The accumulator is kept divided by 2^exponent, the power of two of the running sum (exact
@@ -165,8 +209,8 @@ def _forward(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, sinks, alibi_slo
     index, k_block, v_block, bias_blocks, mask_blocks, kv_ids_block = xs
     scores, allowed, _ = _block_scores(q5, k_block, index, q_lens, kv_lens,
                                        _this_block(bias5, bias_blocks),
-                                       _this_block(mask5, mask_blocks), config, segment_ids,
-                                       kv_ids_block, alibi_slopes)
+                                       _step_mask(mask5, mask_blocks, seq_q, config.block),
+                                       config, segment_ids, kv_ids_block, alibi_slopes)
     now_seen = seen | jnp.any(allowed, axis=-1)
     new_max = jnp.maximum(row_max, jnp.max(jnp.where(allowed, scores, MASKED_SCORE), axis=-1))
     base = jnp.where(now_seen, new_max, 0.0)  # no key seen yet: every exponential is 0
@@ -223,7 +267,7 @@ def _backward(q, k, v, o, lse, has_keys, d_o, q_lens, kv_lens, bias, mask, segme
     sink4 = sinks.astype(jnp.float32).reshape(1, heads_k, heads_q // heads_k, 1)
     dsinks = -jnp.sum(jnp.where(has_keys, jnp.exp(sink4 - lse) * delta, 0.0), axis=(0, 3))
     dsinks = dsinks.reshape(heads_q).astype(sinks.dtype)
-  bias5, mask5 = _grouped(bias, heads_k), _grouped(mask, heads_k)
+  bias5, mask5 = _grouped(bias, heads_k), _grouped_masks(mask, heads_k)
 
   def bias_gradient(d_logits):
     """The bias's share of the logits' gradient: summed over the dims it broadcasts along."""
@@ -235,8 +279,9 @@ def _backward(q, k, v, o, lse, has_keys, d_o, q_lens, kv_lens, bias, mask, segme
     index, k_block, v_block, bias_blocks, mask_blocks, kv_ids_block = xs
     scores, allowed, cap_grad = _block_scores(q5, k_block, index, q_lens, kv_lens,
                                               _this_block(bias5, bias_blocks),
-                                              _this_block(mask5, mask_blocks), config,
-                                              segment_ids, kv_ids_block, alibi_slopes)
+                                              _step_mask(mask5, mask_blocks, seq_q,
+                                                         config.block),
+                                              config, segment_ids, kv_ids_block, alibi_slopes)
     # 0 where masked; a row with no key (lse EMPTY_ROW_LSE) has nothing allowed.
     probs = masked_exp(allowed, scores, lse[..., None])
     d_probs = jnp.einsum("btkgh,bskh->bkgts", do5, v_block)
@@ -318,9 +363,10 @@ def blockwise_attention(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bo
   `bias` (added to the scaled scores) and `mask` (True: attend) are rank 4, broadcastable to
   (B, N, T, S); each scan step takes their slice for its key block. `segment_ids`: None or
   (q_ids (B, T), kv_ids (B, S)) int32. `block_mask` (B|1, N|1, Tb, Sb) bool: block-sparse
-  attention, expanded to an element mask and combined with `mask` (each step takes its slice;
-  this path visits every block, the "cpu" kernel skips hidden ones)."""
-  mask = with_block_mask(mask, block_mask, q.shape[1], k.shape[1])
+  attention; each step expands only its key block's columns of it to an element mask and
+  combines that with `mask` (never the whole (T, S); this path visits every block, the "cpu"
+  kernel skips hidden ones)."""
+  mask = _Masks(mask, block_mask)
   if k.shape[1] == 0 or q.size == 0:  # no blocks to scan, or no rows (B, T or N is 0)
     lse = empty_lse(q.shape[0], q.shape[2], q.shape[1], sinks)
     return jnp.zeros_like(q), lse

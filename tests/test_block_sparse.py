@@ -201,6 +201,10 @@ CASES = [
     # A decode shape (the CPU runs it on the tiled kernel), lengths.
     SparseCase(Case(batch=2, seq_q=1, seq_k=300, heads_q=8, heads_k=2, head_dim=32,
                     kv_lens=(300, 123)), density=0.5),
+    # Keys over three of "blockwise"'s scan steps (512, 512, 76): each step expands its own
+    # columns of the block mask (jax_flash._blockwise._step_mask), the last one partial.
+    SparseCase(Case(batch=1, seq_q=130, seq_k=1100, heads_q=2, heads_k=1, head_dim=16),
+               density=0.4, empty_rows=True),
 ]
 
 
