@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "gpu/fragments.cuh"
 #include "gpu/ptx.cuh"
 #include "gpu/smem_tile.cuh"
 
@@ -70,25 +71,10 @@ __device__ __forceinline__ void store_tile(T* gmem, int64_t row_stride, const T*
   }
 }
 
-// Stores a warp's accumulator (rows from row0, columns from col0, a multiple of 8 * kNTiles)
-// into a 16-bit shared tile, addressed like the warp GEMMs' operands: one lane address, moves of
-// 8 rows and 1 chunk.
-template <typename Tile, int kMTiles, int kNTiles, typename T>
-__device__ __forceinline__ void store_accumulator(T* tile, const float (&x)[kMTiles][kNTiles][4],
-                                                  int row0, int col0, int lane) {
-  const SmemOperand<Tile, kPowerOfTwo<kNTiles>> op(tile, row0 + lane / 4, col0 / 8);
-#pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-      for (int half = 0; half < 2; ++half)
-        st_shared_b32(op.at(mt * 16 + half * 8, nt) + (lane % 4) * 4,
-                      MmaOp<T>::pack(x[mt][nt][2 * half], x[mt][nt][2 * half + 1]));
-}
-
-// The same stores from the accumulator already packed as A fragments (accumulator_to_a's
-// a[nt / 2][mt][(nt % 2) * 2 + half] holds x[mt][nt][2 half .. 2 half + 1]).
+// Stores a warp's accumulator packed as A fragments (gpu/fragments.cuh's accumulator_to_a:
+// a[nt / 2][mt][(nt % 2) * 2 + half] holds x[mt][nt][2 half .. 2 half + 1] in 16 bits; rows
+// from row0, columns from col0, a multiple of 16 * kKTiles) into a 16-bit shared tile, addressed
+// like the warp GEMMs' operands: one lane address, moves of 8 rows and 1 chunk.
 template <typename Tile, int kKTiles, int kMTiles, typename T>
 __device__ __forceinline__ void store_a_fragments(T* tile, const uint32_t (&a)[kKTiles][kMTiles][4], int row0,
                                                   int col0, int lane) {
@@ -101,6 +87,16 @@ __device__ __forceinline__ void store_a_fragments(T* tile, const uint32_t (&a)[k
 #pragma unroll
       for (int half = 0; half < 2; ++half)
         st_shared_b32(op.at(mt * 16 + half * 8, nt) + (lane % 4) * 4, a[nt / 2][mt][(nt % 2) * 2 + half]);
+}
+
+// The same from the float32 accumulator.
+template <typename Tile, int kMTiles, int kNTiles, typename T>
+__device__ __forceinline__ void store_accumulator(T* tile, const float (&x)[kMTiles][kNTiles][4], int row0, int col0,
+                                                  int lane) {
+  static_assert(kNTiles % 2 == 0, "whole 16-column A fragments");
+  uint32_t a[kNTiles / 2][kMTiles][4];
+  accumulator_to_a<T>(a, x);
+  store_a_fragments<Tile>(tile, a, row0, col0, lane);
 }
 
 // Writes a warp's dK or dV accumulator (key rows from row0, columns from col0) to global memory.

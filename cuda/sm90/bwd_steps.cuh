@@ -109,11 +109,11 @@ __device__ __forceinline__ void issue_key_gradients(float (&dk)[1][Traits::kHead
   wgmma_commit();
 }
 
-// dQ = dS K for warpgroup `group`'s part (as accumulate_gradients says), after the warpgroup's
-// pending products; issued and waited for.
+// dQ = dS K for warpgroup `group`'s part (as accumulate_gradients says): issued and committed,
+// not waited for.
 template <typename Traits, typename T>
-__device__ __forceinline__ void query_gradient(float (&dq)[1][8][4], uint32_t ds_address, uint32_t k_address,
-                                               int group) {
+__device__ __forceinline__ void issue_query_gradient(float (&dq)[1][8][4], uint32_t ds_address, uint32_t k_address,
+                                                     int group) {
   using KVTile = typename Traits::KVTile;
   using DsTile = typename Traits::DsTile;
   fence_registers(dq[0]);
@@ -124,8 +124,6 @@ __device__ __forceinline__ void query_gradient(float (&dq)[1][8][4], uint32_t ds
         dq[0], DsTile::n_major(ds_address + (Traits::kDqByRows ? group : 0) * DsTile::kBlockBytes, kk),
         KVTile::n_major(k_address + (Traits::kDqByRows ? 0 : group) * KVTile::kBlockBytes, kk), kk > 0);
   wgmma_commit();
-  wgmma_wait<0>();
-  fence_registers(dq[0]);
 }
 
 // dV += P^T dO (P^T from registers) and dK += dS^T Q (dS^T from shared memory, which keeps
@@ -139,8 +137,7 @@ __device__ __forceinline__ void accumulate_gradients(float (&dk)[1][Traits::kHea
                                                      const float (&pt_float)[1][Traits::kBlockM / 8][4],
                                                      uint32_t q_address, uint32_t do_address, uint32_t ds_address,
                                                      uint32_t k_address, int group, bool group_live, bool dq_here) {
-  constexpr int kBM = Traits::kBlockM, kBN = Traits::kBlockN, kD = Traits::kHeadDim;
-  using KVTile = typename Traits::KVTile;
+  constexpr int kBM = Traits::kBlockM, kD = Traits::kHeadDim;
   using QTile = typename Traits::QTile;
   using DsTile = typename Traits::DsTile;
   fence_registers(dv[0]);
@@ -164,15 +161,7 @@ __device__ __forceinline__ void accumulate_gradients(float (&dk)[1][Traits::kHea
     // hold dK, dV and dQ in flight at once (ptxas serialises the products, C7512).
     if constexpr (kD > 64 || Traits::kDqByRows) wgmma_wait<0>();
   }
-  if (dq_here) {
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBN / 16; ++kk)
-      Wgmma<T, 64>::ss_transposed(
-          dq[0], DsTile::n_major(ds_address + (Traits::kDqByRows ? group : 0) * DsTile::kBlockBytes, kk),
-          KVTile::n_major(k_address + (Traits::kDqByRows ? 0 : group) * KVTile::kBlockBytes, kk), kk > 0);
-    wgmma_commit();
-  }
+  if (dq_here) issue_query_gradient<Traits, T>(dq, ds_address, k_address, group);
   wgmma_wait<0>();
   fence_registers(dv[0]);
   fence_registers(dk[0]);

@@ -279,7 +279,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // The registers do not hold dV and dK in flight beside dQ (ptxas would serialise the
       // products, C7512): they have had the barrier's wait to run.
       wgmma_wait<0>();
-      if (dq_here) query_gradient<Traits, T>(dq, ds_address, k_address, group);
+      if (dq_here) {
+        issue_query_gradient<Traits, T>(dq, ds_address, k_address, group);
+        wgmma_wait<0>();
+        fence_registers(dq[0]);
+      }
       fence_registers(dv[0]);
       fence_registers(dk[0]);
     } else {
