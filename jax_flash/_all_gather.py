@@ -22,6 +22,14 @@ to its query rows and key range, off from the global ones by (key range start - 
 start) for every score of a row; the slice's lse is moved by slope times that, and moved back
 for its backward kernel (jax_flash._reference.alibi_lse_shift). The offset is traced (the
 query slice's start depends on the device), so the plans, and the switch, are unchanged.
+
+Block masks (one bool per 64 x 64 block, jax_flash.BLOCK_MASK_BLOCK): each device holds the block
+rows of its queries, with every key block's column in the sequence's order (B, N, L/64, S/64);
+nothing is gathered. A slice's kernel takes its rows and the columns of its key range, so the
+query chunks must be whole blocks and each key range must start on a block: a range cut by a
+window's left edge starts at a block boundary only when the left size is a multiple of 64
+(block_aligned; jax_flash._context_parallel falls back where not). Its end may cut a block (the
+kernel's last key block is then partial, as the mask's last column is at S).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_flash import _ops
+from jax_flash._block_sparse import BLOCK_MASK_BLOCK
 from jax_flash._chunks import from_layout_order, to_layout_order
 from jax_flash._reference import EMPTY_ROW_LSE, alibi_lse_shift
 from jax_flash._ring import _varying_like
@@ -79,34 +88,57 @@ def _gather_kv(k, v, axis_name, layout: str, num: int, kv_ids=None):
   return xs[0], xs[1], (xs[2] if kv_ids is not None else None)
 
 
-def _ids_for(plan: _Slice, q_ids, kv_ids):
+def _ids_for(plan: _Slice, ids):
   """The kernel's segment ids of a slice: None without ids, else (q ids, key ids in range)."""
-  if q_ids is None:
+  if ids is None:
     return None
+  q_ids, kv_ids = ids
   return q_ids, kv_ids[:, plan.start:plan.stop]
+
+
+def block_aligned(config: _ops.KernelConfig, num: int, layout: str, seq_q: int,
+                  seq_k: int) -> bool:
+  """Whether every query slice of the all-gather over `num` devices in `layout` starts its key
+  range on a key block of the block mask (see the module docstring); the query chunks' own
+  alignment is the caller's to check."""
+  parts = 1 if layout == "contiguous" else 2
+  rows = seq_q // (num * parts)
+  return all(_slice_plan(config, chunk * rows, rows, seq_k).start % BLOCK_MASK_BLOCK[1] == 0
+             for chunk in range(num * parts))
+
+
+def _blocks_for(plan: _Slice, blocks):
+  """The kernel's block mask of a slice: its rows' blocks, cut to the key range's columns
+  (None without a block mask)."""
+  if blocks is None:
+    return None
+  block_k = BLOCK_MASK_BLOCK[1]
+  return blocks[..., plan.start // block_k:-(-plan.stop // block_k)]
 
 
 def _local_kv_lens(kv_lens, plan: _Slice):
   return jnp.clip(kv_lens - plan.start, 0, plan.stop - plan.start).astype(jnp.int32)
 
 
-def _slice_fwd(plan: _Slice, q, k, v, q_lens, kv_lens, alibi=None, q_ids=None, kv_ids=None):
+def _slice_fwd(plan: _Slice, q, k, v, q_lens, kv_lens, alibi=None, ids=None, blocks=None):
   """(o float32, lse) of one query slice (q_lens local to it) against the gathered K/V;
-  `alibi`: None or (slopes (B, N), the slice's first global query row)."""
+  `alibi`: None or (slopes (B, N), the slice's first global query row); `ids`: None or
+  (the slice's query ids, the gathered key ids); `blocks`: None or the block mask of its rows
+  (B, N, rows / 64, S / 64)."""
   if plan.stop == plan.start:  # nothing visible: every row empty
     batch, rows, heads, _ = q.shape
     return (_varying_like(jnp.zeros(q.shape, jnp.float32), q),
             _varying_like(jnp.full((batch, heads, rows), EMPTY_ROW_LSE, jnp.float32), q))
   o, lse = _ops.flash_fwd(q, k[:, plan.start:plan.stop], v[:, plan.start:plan.stop], q_lens,
-                          _local_kv_lens(kv_lens, plan), plan.config,
-                          _ids_for(plan, q_ids, kv_ids), None if alibi is None else alibi[0])
+                          _local_kv_lens(kv_lens, plan), plan.config, _ids_for(plan, ids),
+                          None if alibi is None else alibi[0], _blocks_for(plan, blocks))
   if alibi is not None:
     lse = alibi_lse_shift(lse, alibi[0], plan.start - alibi[1])
   return _varying_like(o.astype(jnp.float32), q), _varying_like(lse, q)
 
 
-def _slice_bwd(plan: _Slice, q, k, v, o, lse, d_o, q_lens, kv_lens, alibi=None, q_ids=None,
-               kv_ids=None):
+def _slice_bwd(plan: _Slice, q, k, v, o, lse, d_o, q_lens, kv_lens, alibi=None, ids=None,
+               blocks=None):
   """(dq, dk float32, dv float32) of _slice_fwd, dK/dV over the whole gathered sequence."""
   dk = jnp.zeros(k.shape, jnp.float32)
   dv = jnp.zeros(v.shape, jnp.float32)
@@ -119,7 +151,8 @@ def _slice_bwd(plan: _Slice, q, k, v, o, lse, d_o, q_lens, kv_lens, alibi=None, 
     lse = alibi_lse_shift(lse, slopes, plan.start - alibi[1], sign=-1)
   dq, dk_part, dv_part = _ops.flash_bwd(
       q, k[:, plan.start:plan.stop], v[:, plan.start:plan.stop], o, lse, d_o, q_lens,
-      _local_kv_lens(kv_lens, plan), plan.config, _ids_for(plan, q_ids, kv_ids), None, slopes)
+      _local_kv_lens(kv_lens, plan), plan.config, _ids_for(plan, ids), None, slopes,
+      _blocks_for(plan, blocks))
   dk = dk.at[:, plan.start:plan.stop].set(dk_part.astype(jnp.float32))
   dv = dv.at[:, plan.start:plan.stop].set(dv_part.astype(jnp.float32))
   return _varying_like(dq, q), _varying_like(dk, k), _varying_like(dv, v)
@@ -153,16 +186,19 @@ def _alibi_arg(alibi_slopes, first_row):
   return None if alibi_slopes is None else (alibi_slopes, first_row)
 
 
-def _id_args(q_ids_c, kv_ids):
-  return () if q_ids_c is None else (q_ids_c, kv_ids)
+def _id_pair(q_ids_c, kv_ids):
+  return None if q_ids_c is None else (q_ids_c, kv_ids)
 
 
 def all_gather_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=None, *,
-                   axis_name, layout: str, kv_layout: str | None = None, alibi_slopes=None):
+                   axis_name, layout: str, kv_layout: str | None = None, alibi_slopes=None,
+                   block_mask=None):
   """(o, lse) over a sequence sharded along `axis_name`, with _ops.flash_fwd's arguments and
   results (this device's query slices in `layout`, its K/V slices in `kv_layout`, by default
   the same, the segment ids with them; q_lens and kv_lens global; the ALiBi slopes (B, N) of
-  this device's heads). Inside shard_map or a partitioned lowering."""
+  this device's heads; the block mask (B, N, L / 64, S / 64) of its query rows, in `layout`,
+  every key block in the sequence's order: see block_aligned). Inside shard_map or a
+  partitioned lowering."""
   num = jax.lax.axis_size(axis_name)
   rank = jax.lax.axis_index(axis_name)
   q_ids, kv_ids = segment_ids if segment_ids is not None else (None, None)
@@ -170,12 +206,13 @@ def all_gather_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_
   parts = 1 if layout == "contiguous" else 2
   rows = q.shape[1] // parts
   q_id_cs = _split_rows(q_ids, parts, 1) if q_ids is not None else [None] * parts
+  block_cs = _split_rows(block_mask, parts, 2) if block_mask is not None else [None] * parts
   outs, lses = [], []
-  for q_c, q_id_c, (plans, q_lens_c, first_row) in zip(
-      _split_rows(q, parts, 1), q_id_cs,
+  for q_c, q_id_c, blocks_c, (plans, q_lens_c, first_row) in zip(
+      _split_rows(q, parts, 1), q_id_cs, block_cs,
       _slices(config, num, layout, rows, k.shape[1], rank, q_lens)):
     o, lse = _by_rank(rank, plans, _slice_fwd, q_c, k, v, q_lens_c, kv_lens,
-                      _alibi_arg(alibi_slopes, first_row), *_id_args(q_id_c, kv_ids))
+                      _alibi_arg(alibi_slopes, first_row), _id_pair(q_id_c, kv_ids), blocks_c)
     outs.append(o)
     lses.append(lse)
   out = jnp.concatenate(outs, axis=1).astype(jnp.float32 if config.o_float32 else q.dtype)
@@ -184,7 +221,7 @@ def all_gather_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_
 
 def all_gather_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelConfig,
                    segment_ids=None, *, axis_name, layout: str, kv_layout: str | None = None,
-                   alibi_slopes=None):
+                   alibi_slopes=None, block_mask=None):
   """(dq, dk, dv) of all_gather_fwd, with _ops.flash_bwd's arguments and results."""
   num = jax.lax.axis_size(axis_name)
   rank = jax.lax.axis_index(axis_name)
@@ -197,13 +234,14 @@ def all_gather_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelCon
   dk = jnp.zeros(k_all.shape, jnp.float32)
   dv = jnp.zeros(v_all.shape, jnp.float32)
   q_id_cs = _split_rows(q_ids, parts, 1) if q_ids is not None else [None] * parts
+  block_cs = _split_rows(block_mask, parts, 2) if block_mask is not None else [None] * parts
   chunks = zip(_split_rows(q, parts, 1), _split_rows(o, parts, 1), _split_rows(lse, parts, 2),
-               _split_rows(d_o, parts, 1), q_id_cs,
+               _split_rows(d_o, parts, 1), q_id_cs, block_cs,
                _slices(config, num, layout, rows, k_all.shape[1], rank, q_lens))
-  for q_c, o_c, lse_c, do_c, q_id_c, (plans, q_lens_c, first_row) in chunks:
+  for q_c, o_c, lse_c, do_c, q_id_c, blocks_c, (plans, q_lens_c, first_row) in chunks:
     dq_c, dk_c, dv_c = _by_rank(rank, plans, _slice_bwd, q_c, k_all, v_all, o_c, lse_c, do_c,
                                 q_lens_c, kv_lens, _alibi_arg(alibi_slopes, first_row),
-                                *_id_args(q_id_c, kv_ids))
+                                _id_pair(q_id_c, kv_ids), blocks_c)
     dqs.append(dq_c)
     dk, dv = dk + dk_c, dv + dv_c
   # Back into the layout the devices hold the sequence in, then each device's slice summed.

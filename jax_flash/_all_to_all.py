@@ -18,6 +18,11 @@ which keeps "all-to-all only" true of the compiled program.
 
 ALiBi slopes ((B, N), per head) need no communication: each device takes the slopes of the head
 slice it receives, and the kernel sees the whole sequence, so its positions are the global ones.
+
+Block masks (B, N, L/64, S/64: the block rows of each device's queries, every key block's column)
+go by one more all-to-all, as the queries do: heads split, block rows gathered, so the kernel
+gets the whole (T/64, S/64) mask of its head slice. Each device's query slice (zig-zag chunk)
+must be whole 64-row blocks (jax_flash._context_parallel checks it).
 """
 
 from __future__ import annotations
@@ -69,6 +74,15 @@ def _gather_ids(ids, axis_name, layout: str, num: int):
   return from_layout_order(x[..., 0], 1, num, layout)
 
 
+def _blocks_to_heads(block_mask, axis_name, layout: str, num: int):
+  """(B, N, L/64, S/64) block rows -> (B, N/P, T/64, S/64), the rows in natural order (None
+  without a block mask)."""
+  if block_mask is None:
+    return None
+  x = jax.lax.all_to_all(block_mask, axis_name, split_axis=1, concat_axis=2, tiled=True)
+  return from_layout_order(x, 2, num, layout)
+
+
 def _whole_ids(segment_ids, axis_name, layout: str, num: int):
   if segment_ids is None:
     return None
@@ -100,9 +114,10 @@ def _sum_kv_copies(dk, repeats: int):
 
 
 def all_to_all_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=None, *,
-                   axis_name, layout: str, alibi_slopes=None):
+                   axis_name, layout: str, alibi_slopes=None, block_mask=None):
   """(o, lse) over a sequence sharded along `axis_name`, with _ops.flash_fwd's arguments and
-  results (this device's slices in `layout`, segment ids too; q_lens and kv_lens global).
+  results (this device's slices in `layout`, segment ids and block mask rows too; q_lens and
+  kv_lens global).
   Inside shard_map or a partitioned lowering; the local query heads must split over the axis."""
   num = jax.lax.axis_size(axis_name)
   like = q
@@ -110,14 +125,16 @@ def all_to_all_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_
   q, k, v = (_to_heads(x, axis_name, layout, num) for x in (q, k, v))
   o, lse = _ops.flash_fwd(q, k, v, q_lens, kv_lens, config,
                           _whole_ids(segment_ids, axis_name, layout, num),
-                          _head_slice(alibi_slopes, axis_name, num))
+                          _head_slice(alibi_slopes, axis_name, num),
+                          _blocks_to_heads(block_mask, axis_name, layout, num))
   # Typed as varying where q was (inside shard_map, over the mesh's other axes too).
   return (_varying_like(_to_sequence(o, axis_name, layout, num), like),
           _varying_like(_lse_to_sequence(lse, axis_name, layout, num), like))
 
 
 def all_to_all_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelConfig,
-                   segment_ids=None, *, axis_name, layout: str, alibi_slopes=None):
+                   segment_ids=None, *, axis_name, layout: str, alibi_slopes=None,
+                   block_mask=None):
   """(dq, dk, dv) of all_to_all_fwd, with _ops.flash_bwd's arguments and results."""
   num = jax.lax.axis_size(axis_name)
   repeats = kv_repeats(q.shape[2], k.shape[2], num)
@@ -127,7 +144,8 @@ def all_to_all_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelCon
   lse = _lse_to_heads(lse, axis_name, layout, num)
   dq, dk, dv = _ops.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config,
                               _whole_ids(segment_ids, axis_name, layout, num), None,
-                              _head_slice(alibi_slopes, axis_name, num))
+                              _head_slice(alibi_slopes, axis_name, num),
+                              _blocks_to_heads(block_mask, axis_name, layout, num))
   dq, dk, dv = (_to_sequence(x, axis_name, layout, num) for x in (dq, dk, dv))
   return (_varying_like(dq, q_in), _varying_like(_sum_kv_copies(dk, repeats), k_in),
           _varying_like(_sum_kv_copies(dv, repeats), v_in))

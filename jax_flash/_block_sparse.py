@@ -4,8 +4,10 @@
 ``(B, N, ceil(T / BLOCK_MASK_BLOCK[0]), ceil(S / BLOCK_MASK_BLOCK[1]))``; blocks are aligned at
 query row 0 and key 0 (the last ones partial where T or S is not a multiple). False hides every
 key of the key block from every query of the query block, on top of every other mask. The
-"cpu" kernel never visits a hidden tile (forward or backward); "blockwise" and "xla" expand the
-block mask to an element mask (expand_block_mask) and apply it as any mask.
+"cpu" kernel never visits a hidden tile (forward or backward); "xla" expands the block mask to
+an element mask (expand_block_mask) and applies it as any mask; "blockwise" expands, per scan
+step, only the columns of its key block (memory linear in S). Under context parallelism each
+device holds the block rows of its queries (jax_flash._context_parallel: shards of whole blocks).
 """
 
 from __future__ import annotations

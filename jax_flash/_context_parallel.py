@@ -41,6 +41,18 @@ Segment ids (packed documents) go with every strategy: sharded like their operan
 moved with them by the zig-zag relayout; the ring passes the key-side ids around with K/V, the
 all-gather gathers them with K/V, the all-to-all gathers both sides' ids whole (they are per
 position, not per head) by all-to-all.
+
+Block masks (block-sparse attention: one bool per 64 x 64 block, jax_flash.BLOCK_MASK_BLOCK) go
+with every strategy where the shards are whole blocks: each device holds the block rows of its
+own queries (sharded and moved by the zig-zag relayout like the queries), with every key block's
+column in the sequence's order (B, N, L/64, S/64). The ring cuts each visiting K/V chunk's
+columns from them (nothing travels; a pair the mask hides whole is skipped), the all-gather each
+query slice's key range, the all-to-all sends them with the queries (heads split, rows
+gathered). The rule (_block_mask_problem): each device's query slice, in the zig-zag layout each
+of its two chunks, is a multiple of 64 rows; for the ring the key slices (chunks) too; for the
+all-gather a window's left size is a multiple of 64 (its key ranges start on a block). Where no
+strategy and layout meets it, the automatic choice gathers the sequence (as without a strategy),
+and a requested strategy raises.
 """
 
 from __future__ import annotations
@@ -52,6 +64,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_flash import _all_gather, _all_to_all, _dispatch, _ops, _ring, _validation
+from jax_flash._block_sparse import BLOCK_MASK_BLOCK
 from jax_flash._chunks import contiguous_to_zigzag, zigzag_to_contiguous
 
 STRATEGIES = ("ring", "all_to_all", "all_gather")
@@ -95,6 +108,30 @@ def _why_not(name: str, *, num: int, seq_q: int, seq_k: int, heads_q: int,
   return None
 
 
+def _block_mask_problem(name: str, layout: str, *, num: int, seq_q: int, seq_k: int,
+                        config: _ops.KernelConfig) -> str | None:
+  """Why strategy `name` in `layout` cannot carry a block mask over `num` devices (None: it
+  can; the lengths split over the devices, and in the zig-zag layout into 2 `num` chunks). Each
+  device holds the block rows of its queries, so its query slice (each zig-zag chunk) must be
+  whole blocks; the ring cuts the columns of each K/V chunk, so those must be too; the
+  all-gather cuts each query slice's key range (_all_gather.block_aligned)."""
+  parts = 2 if layout == "zigzag" else 1
+  block_q, block_k = BLOCK_MASK_BLOCK
+  where = "zig-zag chunk" if parts == 2 else "slice"
+  rows, keys = seq_q // (num * parts), seq_k // (num * parts)
+  if rows % block_q:
+    return (f"a block_mask needs each device's query {where} to be whole {block_q}-row blocks; "
+            f"T={seq_q} over {num} devices ({layout}) gives {rows} rows")
+  if name == "ring" and keys % block_k:
+    return (f"the ring with a block_mask needs each device's key {where} to be whole "
+            f"{block_k}-key blocks; S={seq_k} over {num} devices ({layout}) gives {keys} keys")
+  if name == "all_gather" and not _all_gather.block_aligned(config, num, layout, seq_q, seq_k):
+    return (f"the all-gather with a block_mask needs each query slice's key range to start on "
+            f"a {block_k}-key block: the left size of local_window_size "
+            f"({config.window_left}) must be a multiple of {block_k}")
+  return None
+
+
 def _zigzag_fits(name: str, num: int, seq_q: int, seq_k: int) -> bool:
   if num < 2 or seq_q % (2 * num):
     return False
@@ -102,32 +139,47 @@ def _zigzag_fits(name: str, num: int, seq_q: int, seq_k: int) -> bool:
 
 
 def choose(request: str | None, *, num: int, seq_q: int, seq_k: int, heads_q: int,
-           config: _ops.KernelConfig) -> Strategy | None:
+           config: _ops.KernelConfig, block_mask: bool = False) -> Strategy | None:
   """The strategy of a call partitioned under jax.jit (see the module docstring for the
   automatic rule). `heads_q` are the query heads on each device of the sequence axis. A
   requested strategy that cannot run raises ValueError; the automatic choice returns None
-  when none can (the caller then gathers the sequence)."""
+  when none can (the caller then gathers the sequence). With `block_mask` only strategies and
+  layouts that can carry it count (_block_mask_problem)."""
   check_request(request)
   facts = dict(num=num, seq_q=seq_q, seq_k=seq_k, heads_q=heads_q, config=config)
+
+  def problem(name: str, layout: str = "contiguous") -> str | None:
+    found = _why_not(name, **facts)
+    if found is None and block_mask:
+      found = _block_mask_problem(name, layout, num=num, seq_q=seq_q, seq_k=seq_k,
+                                  config=config)
+    return found
+
   if request is None:
-    names = [n for n in STRATEGIES if _why_not(n, **facts) is None]
+    names = [n for n in STRATEGIES if problem(n) is None]
     if not names:
       return None
     name, layout = names[0], None
   else:
     name, _, layout = request.partition(":")
-    problem = _why_not(name, **facts)
-    if problem:
-      raise ValueError(f"context_parallel={request!r} cannot run this call: {problem}")
+    found = problem(name)
+    if found:
+      raise ValueError(f"context_parallel={request!r} cannot run this call: {found}")
     layout = layout or None
   if name == "all_to_all":
     return Strategy(name)
   if layout is None:  # balance causal work where the sequence splits into 2P chunks
     balanced = config.is_causal and config.window_left < 0
-    layout = "zigzag" if balanced and _zigzag_fits(name, num, seq_q, seq_k) else "contiguous"
-  elif layout == "zigzag" and not _zigzag_fits(name, num, seq_q, seq_k):
-    raise ValueError(f"context_parallel={request!r} needs the sequence lengths (T={seq_q}, "
-                     f"S={seq_k}) to be multiples of 2 x {num} devices")
+    zigzag = (balanced and _zigzag_fits(name, num, seq_q, seq_k)
+              and problem(name, "zigzag") is None)
+    layout = "zigzag" if zigzag else "contiguous"
+  elif layout == "zigzag":
+    if not _zigzag_fits(name, num, seq_q, seq_k):
+      raise ValueError(f"context_parallel={request!r} needs the sequence lengths (T={seq_q}, "
+                       f"S={seq_k}) to be multiples of 2 x {num} devices")
+    found = problem(name, "zigzag")
+    if found:
+      raise ValueError(f"context_parallel={request!r} cannot run this call: {found}")
   return Strategy(name, layout, relayout=layout == "zigzag")
 
 
@@ -149,25 +201,22 @@ def _kv_layout(strategy: Strategy) -> str:
 
 
 def _run_fwd(strategy: Strategy, q, k, v, q_lens, kv_lens, config, axis_name,
-             segment_ids=None, alibi_slopes=None):
+             segment_ids=None, alibi_slopes=None, block_mask=None):
+  options = dict(axis_name=axis_name, layout=strategy.layout, alibi_slopes=alibi_slopes,
+                 block_mask=block_mask)
   if strategy.name == "all_gather":
-    return _all_gather.all_gather_fwd(q, k, v, q_lens, kv_lens, config, segment_ids,
-                                      axis_name=axis_name, layout=strategy.layout,
-                                      kv_layout=_kv_layout(strategy), alibi_slopes=alibi_slopes)
-  return _FORWARD[strategy.name](q, k, v, q_lens, kv_lens, config, segment_ids,
-                                 axis_name=axis_name, layout=strategy.layout,
-                                 alibi_slopes=alibi_slopes)
+    options["kv_layout"] = _kv_layout(strategy)
+  return _FORWARD[strategy.name](q, k, v, q_lens, kv_lens, config, segment_ids, **options)
 
 
 def _run_bwd(strategy: Strategy, q, k, v, o, lse, d_o, q_lens, kv_lens, config, axis_name,
-             segment_ids=None, alibi_slopes=None):
+             segment_ids=None, alibi_slopes=None, block_mask=None):
+  options = dict(axis_name=axis_name, layout=strategy.layout, alibi_slopes=alibi_slopes,
+                 block_mask=block_mask)
   if strategy.name == "all_gather":
-    return _all_gather.all_gather_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config,
-                                      segment_ids, axis_name=axis_name, layout=strategy.layout,
-                                      kv_layout=_kv_layout(strategy), alibi_slopes=alibi_slopes)
+    options["kv_layout"] = _kv_layout(strategy)
   return _BACKWARD[strategy.name](q, k, v, o, lse, d_o, q_lens, kv_lens, config, segment_ids,
-                                  axis_name=axis_name, layout=strategy.layout,
-                                  alibi_slopes=alibi_slopes)
+                                  **options)
 
 
 def _relayout_ids(strategy: Strategy, segment_ids, axis_name):
@@ -182,33 +231,46 @@ def _relayout_ids(strategy: Strategy, segment_ids, axis_name):
   return q_ids, kv_ids
 
 
+def _relayout_blocks(strategy: Strategy, block_mask, axis_name):
+  """The block mask's rows (B, N, L/64, S/64) moved as the queries are (its columns are every
+  key block's, in the sequence's order, whatever the layout)."""
+  if block_mask is None or not strategy.relayout:
+    return block_mask
+  (block_mask,) = contiguous_to_zigzag((block_mask,), axis_name, (2,))
+  return block_mask
+
+
 def sharded_fwd(strategy: Strategy, q, k, v, q_lens, kv_lens, config: _ops.KernelConfig,
-                segment_ids=None, alibi_slopes=None, *, axis_name):
+                segment_ids=None, alibi_slopes=None, block_mask=None, *, axis_name):
   """(o, lse) of `strategy` over contiguous slices (a partitioned lowering's operands; the
   segment ids None or (q_ids, kv_ids) slices; the ALiBi slopes None or (B, N), per head, never
-  moved): moved into the strategy's layout and back where it asks for that."""
+  moved; the block mask None or the block rows of the query slice, every key block's column):
+  moved into the strategy's layout and back where it asks for that."""
   if _moved(strategy, kv=True):
     q, k, v = contiguous_to_zigzag((q, k, v), axis_name, (1, 1, 1))
   elif _moved(strategy, kv=False):
     (q,) = contiguous_to_zigzag((q,), axis_name, (1,))
   segment_ids = _relayout_ids(strategy, segment_ids, axis_name)
+  block_mask = _relayout_blocks(strategy, block_mask, axis_name)
   o, lse = _run_fwd(strategy, q, k, v, q_lens, kv_lens, config, axis_name, segment_ids,
-                    alibi_slopes)
+                    alibi_slopes, block_mask)
   if strategy.relayout:
     o, lse = zigzag_to_contiguous((o, lse), axis_name, (1, 2))
   return o, lse
 
 
 def sharded_bwd(strategy: Strategy, q, k, v, o, lse, d_o, q_lens, kv_lens,
-                config: _ops.KernelConfig, segment_ids=None, alibi_slopes=None, *, axis_name):
+                config: _ops.KernelConfig, segment_ids=None, alibi_slopes=None, block_mask=None,
+                *, axis_name):
   """(dq, dk, dv) of sharded_fwd."""
   if strategy.relayout:
     q, o, d_o, lse = contiguous_to_zigzag((q, o, d_o, lse), axis_name, (1, 1, 1, 2))
   if _moved(strategy, kv=True):
     k, v = contiguous_to_zigzag((k, v), axis_name, (1, 1))
   segment_ids = _relayout_ids(strategy, segment_ids, axis_name)
+  block_mask = _relayout_blocks(strategy, block_mask, axis_name)
   dq, dk, dv = _run_bwd(strategy, q, k, v, o, lse, d_o, q_lens, kv_lens, config, axis_name,
-                        segment_ids, alibi_slopes)
+                        segment_ids, alibi_slopes, block_mask)
   if _moved(strategy, kv=True):
     dq, dk, dv = zigzag_to_contiguous((dq, dk, dv), axis_name, (1, 1, 1))
   elif strategy.relayout:
@@ -219,25 +281,29 @@ def sharded_bwd(strategy: Strategy, q, k, v, o, lse, d_o, q_lens, kv_lens,
 # ---- inside shard_map ---------------------------------------------------------------------------
 
 
-# segment_ids: None or this device's (q_ids, kv_ids); like the lengths, not differentiated.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _attention(q, k, v, q_lens, kv_lens, segment_ids, config, strategy, axis_name):
-  return _run_fwd(strategy, q, k, v, q_lens, kv_lens, config, axis_name, segment_ids)
+# segment_ids: None or this device's (q_ids, kv_ids); block_mask: None or this device's block
+# rows (B, N, L/64, S/64). Like the lengths, not differentiated.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _attention(q, k, v, q_lens, kv_lens, segment_ids, block_mask, config, strategy, axis_name):
+  return _run_fwd(strategy, q, k, v, q_lens, kv_lens, config, axis_name, segment_ids,
+                  block_mask=block_mask)
 
 
-def _attention_fwd(q, k, v, q_lens, kv_lens, segment_ids, config, strategy, axis_name):
+def _attention_fwd(q, k, v, q_lens, kv_lens, segment_ids, block_mask, config, strategy,
+                   axis_name):
   # The output in float32 for the backward, as dot_product_attention's forward keeps it.
   out32, lse = _run_fwd(strategy, q, k, v, q_lens, kv_lens, _ops.for_backward(config),
-                        axis_name, segment_ids)
-  return (out32.astype(q.dtype), lse), (q, k, v, q_lens, kv_lens, segment_ids, out32, lse)
+                        axis_name, segment_ids, block_mask=block_mask)
+  return (out32.astype(q.dtype), lse), (q, k, v, q_lens, kv_lens, segment_ids, block_mask, out32,
+                                        lse)
 
 
 def _attention_bwd(config, strategy, axis_name, residuals, cotangents):
-  q, k, v, q_lens, kv_lens, segment_ids, out, lse = residuals
+  q, k, v, q_lens, kv_lens, segment_ids, block_mask, out, lse = residuals
   d_out, _ = cotangents  # lse leaves under stop_gradient
   dq, dk, dv = _run_bwd(strategy, q, k, v, out, lse, d_out, q_lens, kv_lens, config, axis_name,
-                        segment_ids)
-  return dq, dk, dv, None, None, None
+                        segment_ids, block_mask=block_mask)
+  return dq, dk, dv, None, None, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -251,7 +317,8 @@ def context_parallel_attention(
     local_window_size: int | tuple[int, int] | None = None,
     implementation: str | None = None, deterministic: bool = False,
     return_residual: bool = False, q_segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+    kv_segment_ids: jax.Array | None = None,
+    block_mask: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Attention over a sequence sharded along `axis_name`, for use inside ``jax.shard_map``.
 
   Args:
@@ -269,6 +336,14 @@ def context_parallel_attention(
     q_segment_ids, kv_segment_ids: this device's slices ``(B, T/P)``, ``(B, S/P)`` int32 of
       the packed documents' ids (as in ``dot_product_attention``), in `layout`; both or
       neither.
+    block_mask: block-sparse attention (as in ``dot_product_attention``): this device's block
+      rows, bool broadcastable to ``(B, N, L / 64, ceil(S / 64))`` (blocks of
+      ``jax_flash.BLOCK_MASK_BLOCK``; L = T/P this device's query rows): the rows of its query
+      blocks, in `layout` (zig-zag: the whole mask's rows ``jax_flash.zigzag_indices(T // 64,
+      P)`` sharded like the queries), and every key block's column, in the sequence's order.
+      Each device's query slice (zig-zag: each chunk) must be whole 64-row blocks, with
+      "ring" its key slice (chunks) too, with "all_gather" a window's left size a multiple of
+      64; else ValueError.
     The other arguments are those of ``jax_flash.dot_product_attention`` on its kernels
     (``implementation`` None, "cpu" or "cuda").
 
@@ -306,11 +381,21 @@ def context_parallel_attention(
   caller = "jax_flash.context_parallel_attention"
   segment_ids = _validation.check_segment_ids(q_segment_ids, kv_segment_ids, batch, rows_q,
                                               rows_k, False)
+  blocks_passed = None if block_mask is None else jnp.shape(block_mask)
+  block_mask = _validation.check_block_mask(block_mask, batch, heads_q, rows_q, seq_k, False,
+                                            query.shape, (batch, seq_k, *key.shape[2:]))
+  if block_mask is not None:
+    problem = _block_mask_problem(strategy, layout, num=num, seq_q=seq_q, seq_k=seq_k,
+                                  config=probe)
+    if problem:
+      raise ValueError(f"strategy={strategy!r} in layout={layout!r} cannot run query"
+                       f"{query.shape}, key{key.shape} over {num} devices: {problem}")
   implementation = _dispatch.select(
       implementation, _dispatch.Call(
           query.shape, query.dtype, mask_forms=masks, deterministic=deterministic, ring=True,
           segment_ids=None if segment_ids is None else (jnp.shape(q_segment_ids),
-                                                        jnp.shape(kv_segment_ids))),
+                                                        jnp.shape(kv_segment_ids)),
+          block_mask=blocks_passed),
       caller=caller)
   q_lens = _validation.check_seq_lengths("query_seq_lengths", query_seq_lengths, batch, seq_q)
   kv_lens = _validation.check_seq_lengths("key_value_seq_lengths", key_value_seq_lengths, batch,
@@ -321,13 +406,15 @@ def context_parallel_attention(
     kv_lens = jnp.full((batch,), seq_k, jnp.int32)
   plan = Strategy(strategy, layout)
 
-  def attention(q, k, v, q_lens, kv_lens, config, segment_ids=None):
-    return _attention(q, k, v, q_lens, kv_lens, segment_ids, config, plan, axis_name)
+  def attention(q, k, v, q_lens, kv_lens, config, segment_ids=None, alibi=None,
+                block_mask=None):
+    return _attention(q, k, v, q_lens, kv_lens, segment_ids, block_mask, config, plan,
+                      axis_name)
 
   out, lse = _ops.call_kernels(
       attention, query, key, value, q_lens, kv_lens, implementation=implementation,
       scale=_validation.check_scale(scale, head_dim), is_causal=bool(is_causal),
       window_left=window_left, window_right=window_right, deterministic=deterministic,
-      caller=caller, segment_ids=segment_ids)
+      caller=caller, segment_ids=segment_ids, block_mask=block_mask)
   lse = jax.lax.stop_gradient(lse)
   return (out, jnp.swapaxes(lse, -1, -2)) if return_residual else out

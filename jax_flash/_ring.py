@@ -21,6 +21,14 @@ Segment ids (packed documents): the key-side ids travel around the ring with the
 runs the kernel with the local query ids and the visiting key ids. A row that sees no key in a
 block gets 0 and EMPTY_ROW_LSE there, which weighs nothing in the merge, so a row with no key in
 any block ends at 0 and EMPTY_ROW_LSE as on one device.
+
+Block masks (block-sparse attention, one bool per 64 x 64 block, jax_flash.BLOCK_MASK_BLOCK):
+each device holds the block rows of its own queries, every key block's column, in the order of
+the whole sequence (B, N, L/64, S/64); nothing travels. Each block pair takes its query chunk's
+rows and the visiting key chunk's columns (a dynamic slice at the chunk's first key block), so
+every chunk must be whole blocks (jax_flash._context_parallel checks it). A pair whose block
+mask hides every block is skipped like an invisible causal pair; within a pair the kernel skips
+the hidden blocks.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_flash import _dispatch, _ops, _validation
+from jax_flash._block_sparse import BLOCK_MASK_BLOCK
 from jax_flash._reference import EMPTY_ROW_LSE, alibi_lse_shift
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -88,25 +97,26 @@ def _varying_axes(x) -> frozenset:
   return vma if vma is not None else aval.manual_axis_type.varying
 
 
-def _block_fwd(config, relation, q, k, v, q_lens, kv_lens, ids=(), alibi=None):
+def _block_fwd(config, relation, q, k, v, q_lens, kv_lens, ids=(), alibi=None, blocks=None):
   """(o float32, lse) of one block pair, by its relation; `ids`: () or (q_ids, kv_ids) of the
-  pair; `alibi`: None or (slopes (B, N), key chunk start - query chunk start)."""
+  pair; `alibi`: None or (slopes (B, N), key chunk start - query chunk start); `blocks`: None
+  or the pair's block mask (_pair_blocks)."""
   diagonal, full = _configs(config)
   slopes = None if alibi is None else alibi[0]
 
-  def skip(q, k, v, q_lens, kv_lens, ids, slopes):
+  def skip(q, k, v, q_lens, kv_lens, ids, slopes, blocks):
     batch, seq, heads, _ = q.shape
     return (_varying_like(jnp.zeros(q.shape, jnp.float32), q),
             _varying_like(jnp.full((batch, heads, seq), EMPTY_ROW_LSE, jnp.float32), q))
 
   def run(cfg):
-    def branch(q, k, v, q_lens, kv_lens, ids, slopes):
-      o, lse = _ops.flash_fwd(q, k, v, q_lens, kv_lens, cfg, tuple(ids) or None, slopes)
+    def branch(q, k, v, q_lens, kv_lens, ids, slopes, blocks):
+      o, lse = _ops.flash_fwd(q, k, v, q_lens, kv_lens, cfg, tuple(ids) or None, slopes, blocks)
       return _varying_like(o.astype(jnp.float32), q), _varying_like(lse, q)
     return branch
 
   o, lse = jax.lax.switch(relation, [skip, run(diagonal), run(full)], q, k, v, q_lens, kv_lens,
-                          tuple(ids), slopes)
+                          tuple(ids), slopes, blocks)
   if alibi is not None:
     lse = alibi_lse_shift(lse, slopes, alibi[1])
   return o, lse
@@ -143,11 +153,32 @@ def _alibi_pair(alibi_slopes, q_id, k_id, chunk_q: int, chunk_k: int):
   return alibi_slopes, k_id * chunk_k - q_id * chunk_q
 
 
+def _pair_blocks(rows, k_id, chunk_k: int):
+  """The block mask of a block pair: its query chunk's block `rows` (B, N, chunk_q / 64, S / 64),
+  cut to the columns of key chunk `k_id` (traced: the visiting chunk); None without a mask."""
+  if rows is None:
+    return None
+  columns = chunk_k // BLOCK_MASK_BLOCK[1]
+  return jax.lax.dynamic_slice_in_dim(rows, k_id * columns, columns, axis=3)
+
+
+def _unless_hidden(relation, blocks):
+  """The pair's relation, or 0 (skip) where its block mask hides every block."""
+  return relation if blocks is None else jnp.where(jnp.any(blocks), relation, 0)
+
+
+def _split_blocks(block_mask, parts: int):
+  """This device's block rows (None: no block mask) split into its query chunks'."""
+  return [None] * parts if block_mask is None else _split(block_mask, parts, 2)
+
+
 def ring_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=None, *,
-             axis_name, layout: str, alibi_slopes=None):
+             axis_name, layout: str, alibi_slopes=None, block_mask=None):
   """(o, lse) of the ring over `axis_name`, with _ops.flash_fwd's arguments and results (this
   device's slices in `layout`, segment ids too; q_lens and kv_lens global; the ALiBi slopes
-  (B, N) of this device's heads). Inside shard_map or a partitioned lowering."""
+  (B, N) of this device's heads; the block mask (B, N, L / 64, S / 64) of this device's query
+  rows, in `layout`, and every key block, in the sequence's order; each chunk whole blocks).
+  Inside shard_map or a partitioned lowering."""
   num = jax.lax.axis_size(axis_name)
   rank = jax.lax.axis_index(axis_name)
   q_ids = _chunk_ids(rank, num, layout)
@@ -158,6 +189,7 @@ def ring_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=No
   lses = [jnp.full((x.shape[0], x.shape[2], x.shape[1]), EMPTY_ROW_LSE, jnp.float32) for x in qs]
   q_seg = _split_ids(segment_ids, parts)[0]
   kv_seg = None if segment_ids is None else segment_ids[1]
+  block_rows = _split_blocks(block_mask, parts)
   perm = [(i, (i + 1) % num) for i in range(num)]
   for step in range(num):
     src = (rank - step) % num
@@ -166,11 +198,13 @@ def ring_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=No
     for c, (q_c, q_id) in enumerate(zip(qs, q_ids)):
       for k_c, v_c, k_id, kv_seg_c in zip(_split(k, parts, 1), _split(v, parts, 1), k_ids,
                                           kv_seg_cs):
-        o_p, lse_p = _block_fwd(config, _relation(q_id, k_id, config.is_causal), q_c, k_c, v_c,
-                                _local_lengths(q_lens, q_id, chunk_q),
+        blocks = _pair_blocks(block_rows[c], k_id, chunk_k)
+        o_p, lse_p = _block_fwd(config,
+                                _unless_hidden(_relation(q_id, k_id, config.is_causal), blocks),
+                                q_c, k_c, v_c, _local_lengths(q_lens, q_id, chunk_q),
                                 _local_lengths(kv_lens, k_id, chunk_k),
                                 _pair_ids(q_seg[c], kv_seg_c),
-                                _alibi_pair(alibi_slopes, q_id, k_id, chunk_q, chunk_k))
+                                _alibi_pair(alibi_slopes, q_id, k_id, chunk_q, chunk_k), blocks)
         outs[c], lses[c] = _merge(outs[c], lses[c], o_p, lse_p)
     if step + 1 < num:  # the key-side ids travel with their K/V slice
       if kv_seg is None:
@@ -181,31 +215,32 @@ def ring_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=No
   return out, jnp.concatenate(lses, axis=2)
 
 
-def _block_bwd(config, relation, q, k, v, o, lse, d_o, q_lens, kv_lens, ids=(), alibi=None):
-  """(dq, dk, dv) of one block pair, `lse` the rows' global one; `ids` and `alibi` as in
-  _block_fwd."""
+def _block_bwd(config, relation, q, k, v, o, lse, d_o, q_lens, kv_lens, ids=(), alibi=None,
+               blocks=None):
+  """(dq, dk, dv) of one block pair, `lse` the rows' global one; `ids`, `alibi` and `blocks` as
+  in _block_fwd."""
   diagonal, full = _configs(config)
   slopes = None if alibi is None else alibi[0]
   if alibi is not None:  # the lse the block's kernel formed its scores against
     lse = alibi_lse_shift(lse, slopes, alibi[1], sign=-1)
 
-  def skip(q, k, v, o, lse, d_o, q_lens, kv_lens, ids, slopes):
+  def skip(q, k, v, o, lse, d_o, q_lens, kv_lens, ids, slopes, blocks):
     return (_varying_like(jnp.zeros(q.shape, q.dtype), q), _varying_like(jnp.zeros(k.shape, k.dtype), k),
             _varying_like(jnp.zeros(v.shape, v.dtype), v))
 
   def run(cfg):
-    def branch(q, k, v, o, lse, d_o, q_lens, kv_lens, ids, slopes):
+    def branch(q, k, v, o, lse, d_o, q_lens, kv_lens, ids, slopes, blocks):
       dq, dk, dv = _ops.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, cfg, tuple(ids) or None,
-                                  None, slopes)
+                                  None, slopes, blocks)
       return _varying_like(dq, q), _varying_like(dk, k), _varying_like(dv, v)
     return branch
 
   return jax.lax.switch(relation, [skip, run(diagonal), run(full)],
-                        q, k, v, o, lse, d_o, q_lens, kv_lens, tuple(ids), slopes)
+                        q, k, v, o, lse, d_o, q_lens, kv_lens, tuple(ids), slopes, blocks)
 
 
 def ring_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=None,
-             *, axis_name, layout: str, alibi_slopes=None):
+             *, axis_name, layout: str, alibi_slopes=None, block_mask=None):
   """(dq, dk, dv) of the ring over `axis_name`, with _ops.flash_bwd's arguments and results."""
   num = jax.lax.axis_size(axis_name)
   rank = jax.lax.axis_index(axis_name)
@@ -219,6 +254,7 @@ def ring_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelConfig, s
   dv = jnp.zeros(v.shape, jnp.float32)
   q_seg = _split_ids(segment_ids, parts)[0]
   kv_seg = None if segment_ids is None else segment_ids[1]
+  block_rows = _split_blocks(block_mask, parts)
   perm = [(i, (i + 1) % num) for i in range(num)]
   for step in range(num):
     src = (rank - step) % num
@@ -227,11 +263,12 @@ def ring_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelConfig, s
     kv_seg_cs = _split(kv_seg, parts, 1) if kv_seg is not None else [None] * parts
     for c, q_id in enumerate(q_ids):
       for j, (k_c, v_c, k_id) in enumerate(zip(_split(k, parts, 1), _split(v, parts, 1), k_ids)):
+        blocks = _pair_blocks(block_rows[c], k_id, chunk_k)
         dq_p, dk_p, dv_p = _block_bwd(
-            config, _relation(q_id, k_id, config.is_causal), qs[c], k_c, v_c, os_[c], lses[c],
-            dos[c], _local_lengths(q_lens, q_id, chunk_q), _local_lengths(kv_lens, k_id, chunk_k),
-            _pair_ids(q_seg[c], kv_seg_cs[j]),
-            _alibi_pair(alibi_slopes, q_id, k_id, chunk_q, chunk_k))
+            config, _unless_hidden(_relation(q_id, k_id, config.is_causal), blocks), qs[c], k_c,
+            v_c, os_[c], lses[c], dos[c], _local_lengths(q_lens, q_id, chunk_q),
+            _local_lengths(kv_lens, k_id, chunk_k), _pair_ids(q_seg[c], kv_seg_cs[j]),
+            _alibi_pair(alibi_slopes, q_id, k_id, chunk_q, chunk_k), blocks)
         dqs[c] = dqs[c] + dq_p.astype(jnp.float32)
         dks[j] = dks[j] + dk_p.astype(jnp.float32)
         dvs[j] = dvs[j] + dv_p.astype(jnp.float32)

@@ -27,9 +27,10 @@ own too: they shard with the batch and the query heads (no communication), and a
 context-parallel strategy takes this device's slopes as they are (jax_flash._context_parallel).
 
 Block masks ((B, N, Tb, Sb) bool, the "cpu" kernel's) come after the slopes: they shard with the
-batch and the query heads (no communication). No context-parallel strategy carries them yet: a
-sequence-sharded call with one gathers the sequence, and a requested strategy raises naming
-block_mask.
+batch and the query heads (no communication), and their block rows with the sequence where a
+context-parallel strategy runs over it, which carries them where the shards are whole 64 x 64
+blocks (jax_flash._context_parallel); where no strategy can, a sequence-sharded call gathers the
+sequence, and a requested strategy raises naming block_mask.
 """
 
 from __future__ import annotations
@@ -109,8 +110,8 @@ def _heads_plan(mesh, q_shape, k_shape, heads) -> tuple[object, object]:
 def _plan(mesh, arg_shapes, config: _ops.KernelConfig, blocks: bool = False) -> _Plan:
   """Read off the query's sharding: batch as it is; heads by _heads_plan; a sharded sequence
   runs the strategy _context_parallel.choose picks for the call (or the one it asks for), and
-  is gathered where none can run. With a block mask (`blocks`) no strategy runs: the sequence
-  is gathered, and a requested strategy raises."""
+  is gathered where none can run. A block mask (`blocks`) goes only with a strategy that can
+  carry it (_context_parallel.choose)."""
   q, k = arg_shapes[0], arg_shapes[1]
   batch = _spec_entry(q.sharding, 0)
   seq = _spec_entry(q.sharding, 1)
@@ -118,16 +119,10 @@ def _plan(mesh, arg_shapes, config: _ops.KernelConfig, blocks: bool = False) -> 
     batch = None
   q_heads, kv_heads = _heads_plan(mesh, q.shape, k.shape, _spec_entry(q.sharding, 2))
   strategy = None
-  if seq is not None and blocks:
-    if config.context_parallel is not None:
-      raise ValueError(f"context_parallel={config.context_parallel!r} cannot run this call: no "
-                       "context-parallel strategy carries a block_mask yet (without "
-                       "context_parallel the sequence is gathered)")
-    seq = None
   if seq is not None:
     strategy = _context_parallel.choose(
         config.context_parallel, num=_axis_size(mesh, seq), seq_q=q.shape[1], seq_k=k.shape[1],
-        heads_q=q.shape[2] // _axis_size(mesh, q_heads), config=config)
+        heads_q=q.shape[2] // _axis_size(mesh, q_heads), config=config, block_mask=blocks)
     seq = seq if strategy is not None else None
   return _Plan(batch, q_heads, kv_heads, seq, strategy)
 
@@ -164,14 +159,15 @@ class _Extras:
 
   def shardings(self, mesh, plan: _Plan, q_rows) -> tuple:
     """Their shardings: o_error like q; the ids with the batch (and the sequence where a
-    strategy runs over it); the slopes with the batch and the query heads."""
+    strategy runs over it); the slopes with the batch and the query heads; the block mask with
+    the batch and the query heads, its block rows with the sequence where a strategy runs."""
     out = (q_rows,) if self.error else ()
     if self.ids:
       out += (NamedSharding(mesh, P(plan.batch, plan.seq)),) * 2
     if self.alibi:
       out += (NamedSharding(mesh, P(plan.batch, plan.q_heads)),)
     if self.blocks:
-      out += (NamedSharding(mesh, P(plan.batch, plan.q_heads, None, None)),)
+      out += (NamedSharding(mesh, P(plan.batch, plan.q_heads, plan.seq, None)),)
     return out
 
 
@@ -192,7 +188,8 @@ def _fwd_op(extras: _Extras):
       if plan.seq is not None:
         _, ids, alibi = extras.split(rest)
         return _context_parallel.sharded_fwd(plan.strategy, q, k, v, q_lens, kv_lens, config,
-                                             ids, alibi, axis_name=plan.seq)
+                                             ids, alibi, extras.block_mask(rest),
+                                             axis_name=plan.seq)
       return impl(q, k, v, q_lens, kv_lens, *rest, config)
 
     return (mesh, lower, (q_rows, lse),
@@ -230,6 +227,7 @@ def _bwd_op(extras: _Extras):
           o = _rounding.join_rounding(o, o_error)
         dq, dk, dv = _context_parallel.sharded_bwd(plan.strategy, q, k, v, o, lse, d_o, q_lens,
                                                    kv_lens, config, ids, alibi,
+                                                   extras.block_mask(rest),
                                                    axis_name=plan.seq)
       else:
         dq, dk, dv = impl(q, k, v, o, lse, d_o, q_lens, kv_lens, *rest, config)

@@ -364,8 +364,9 @@ def test_vmap_mapped_and_unmapped_masks():
 @pytest.mark.parametrize("spec", ["batch", "heads", "sequence"])
 def test_sharded_calls(spec):
   """Batch and head sharding carry the mask with no communication; a sequence-sharded call
-  gathers the sequence (no context-parallel strategy carries a block mask), and a requested
-  strategy raises naming block_mask."""
+  whose shards are not whole 64 x 64 blocks (T = 100 over 2 devices) gathers the sequence, and a
+  requested strategy raises naming block_mask (context-parallel strategies carrying the mask:
+  tests/test_context_parallel_block_mask.py)."""
   from jax.sharding import NamedSharding, PartitionSpec as P
   if len(jax.devices()) < 2:
     pytest.skip("needs 2 devices")
@@ -390,7 +391,7 @@ def test_sharded_calls(spec):
     np.testing.assert_allclose(a, b, atol=2e-5)
   if spec == "sequence":
     with pytest.raises(Exception, match="block_mask"):
-      value_and_grads(context_parallel="ring")(*sharded)
+      value_and_grads(context_parallel="all_gather")(*sharded)
 
 
 def test_with_sinks_alibi_and_soft_cap():
