@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 
+import jax
+import numpy as np
 import pytest
 
 from jax_flash import benchmark
@@ -119,3 +122,83 @@ def test_skip_tokamax():
   measurements, table = run_gpu_table(skip=(*OTHER_GPU_PEERS, "tokamax"))
   assert all(m.reason == "skipped (--skip)" for m in measurements if m.peer == "tokamax")
   assert "- tokamax unavailable: skipped (--skip)" in table
+
+
+SPARSE_CASE = benchmark.Case(batch=1, seq=256, heads=2, head_dim=32, dtype="float32",
+                             causal=True, block_density=0.5)
+
+
+def test_block_sparse_flops_count_only_the_computed_blocks():
+  """A block-sparse case's mask: fixed by its seed, every diagonal block set; its FLOPs are the
+  dense convention's times the share of blocks it computes (diagonal blocks half when causal),
+  so an all-True mask counts exactly the dense FLOPs."""
+  mask = SPARSE_CASE.block_mask()
+  assert mask.shape == (4, 4) and mask.dtype == bool and np.all(np.diagonal(mask))
+  np.testing.assert_array_equal(mask, SPARSE_CASE.block_mask())
+  below = np.tril(mask, -1).sum()
+  fraction = (below + 0.5 * 4) / (6 + 0.5 * 4)  # of 6 blocks below the diagonal and 4 on it
+  assert SPARSE_CASE.computed_fraction() == pytest.approx(fraction)
+  dense = SPARSE_CASE.dense()
+  assert dense.block_density is None and dense.block_mask() is None
+  for pass_name in ("fwd", "bwd", "fwd+bwd"):
+    assert SPARSE_CASE.flops(pass_name) == pytest.approx(fraction * dense.flops(pass_name))
+  full = dataclasses.replace(SPARSE_CASE, block_density=1.0)
+  assert full.flops("fwd") == dense.flops("fwd")
+  non_causal = dataclasses.replace(SPARSE_CASE, causal=False)
+  assert non_causal.computed_fraction() == pytest.approx(mask.sum() / 16)
+
+
+def test_block_sparse_peers():
+  """jax_flash's CPU kernel and XLA (the mask expanded) run block-sparse cases; the CUDA
+  kernels, cuDNN, Pallas, tokamax and PyTorch's flash kernel are unavailable for them, with
+  the reason; every peer runs the dense twin."""
+  for peer in (benchmark.CPU.peers[0], *[p for p in benchmark.CPU.peers if p.name == "xla"],
+               *[p for p in benchmark.GPU.peers if p.name == "xla"]):
+    assert peer.case_unavailable(SPARSE_CASE) is None
+  for peer in (*benchmark.GPU.peers, *benchmark.CPU.peers):
+    assert peer.case_unavailable(SPARSE_CASE.dense()) is None
+  assert "block_mask" in benchmark.GPU.peers[0].case_unavailable(SPARSE_CASE)
+  for peer in (p for p in (*benchmark.GPU.peers[1:], *benchmark.CPU.peers[1:]) if p.name != "xla"):
+    assert "mask" in peer.case_unavailable(SPARSE_CASE), peer.name
+
+
+def test_cli_block_density(tmp_path):
+  """--block-density: each case block-sparse, then dense, in one run; jax_flash and XLA run the
+  block-sparse one (the same result), the table has a blocks column and the speed-up lines."""
+  import json
+
+  assert benchmark.main(["--platform", "cpu", "--seqs", "256", "--head-dims", "32", "--causal",
+                         "yes", "--reps", "1", "--block-density", "0.5", "--skip", "torch",
+                         "--out", str(tmp_path)]) == 0
+  results = json.loads((tmp_path / "results.json").read_text())
+  assert results["settings"]["block_density"] == 0.5
+  ran = {(m["peer"], m["block_density"], m["pass"]) for m in results["measurements"]
+         if m["status"] == "ok"}
+  for peer in ("jax_flash", "xla"):
+    for density in (0.5, None):
+      assert {(peer, density, "fwd"), (peer, density, "fwd+bwd")} <= ran
+  sparse = [m for m in results["measurements"] if m["block_density"] == 0.5]
+  assert all(m["flop"] < 0.9 * benchmark.Case(1, 256, 4, 32, "float32", True).flops(m["pass"])
+             for m in sparse)
+  table = (tmp_path / "table.md").read_text()
+  assert "| causal | blocks | pass |" in table and "| dense | fwd |" in table
+  assert "- jax_flash block-sparse (" in table and "density 0.5) against dense, seq 256" in table
+  for bad in ("0", "1.5", "x"):
+    with pytest.raises(SystemExit):
+      benchmark.parse_args(["--block-density", bad])
+  with pytest.raises(SystemExit):
+    benchmark.parse_args(["--block-density", "0.5", "--preset", "decode"])
+
+
+def test_block_sparse_outputs_agree():
+  """The peers of a block-sparse case compute the same attention: jax_flash with the block mask
+  and XLA with it expanded to an element mask."""
+  inputs = benchmark.make_inputs(SPARSE_CASE)
+  outputs = {}
+  for peer in (benchmark.CPU.peers[0], *[p for p in benchmark.CPU.peers if p.name == "xla"]):
+    attention = peer.build.args[0]
+    outputs[peer.name] = np.asarray(attention(*inputs.arrays()[:3], is_causal=True,
+                                              block_mask=inputs.block_mask))
+  dense = np.asarray(jax.nn.dot_product_attention(*inputs.arrays()[:3], is_causal=True))
+  np.testing.assert_allclose(outputs["jax_flash"], outputs["xla"], atol=2e-5)
+  assert not np.allclose(outputs["jax_flash"], dense, atol=1e-3)

@@ -3,7 +3,7 @@
     python -m jax_flash.benchmark [--platform cpu|gpu] [--seqs 512 1024 ...]
                                   [--head-dims 64,128,256] [--causal both|yes|no]
                                   [--reps N] [--out DIR] [--quick] [--deterministic]
-                                  [--skip PEER ...]
+                                  [--skip PEER ...] [--block-density D]
 
 Each platform (`platforms`) has a list of cases (`cases`), a list of peers (`peers`) and a table
 layout (`columns`):
@@ -28,6 +28,16 @@ FLOPs). Memory: XLA's compiled temp bytes of each pass (the figure to compare), 
 peak bytes in use after it where the runtime reports them (a high-water mark over the whole
 process, so it only grows). Absolute times drift between machines; compare peers of one run.
 
+With --block-density D, every case runs block-sparse (``block_mask``: a random mask of 64 x 64
+blocks, a fraction D of them set, seed cases.BLOCK_MASK_SEED, every query block row's diagonal
+block set, shared by batch and heads), each followed by its dense twin (no mask) in the same run;
+the table gains a "blocks" column (the share of the dense FLOPs a row computes) and, below it,
+jax_flash's block-sparse speed-up over dense per case and pass. A block-sparse row's FLOPs count
+only the computed blocks (the dense convention times that share; diagonal blocks half when
+causal), for every peer: XLA, which takes the mask expanded to a (T, S) bool array and computes
+every block, is rated on the same useful work. Peers that take no block mask (PyTorch's flash
+kernel, cuDNN, Pallas, tokamax, and jax_flash's CUDA kernels for now) read "unavailable" there.
+
 With --deterministic, jax_flash runs with `deterministic=True` (its bit-reproducible backward),
 beside the same peers. --skip leaves peers out (recorded as unavailable, "skipped (--skip)").
 
@@ -36,8 +46,8 @@ after each case so that an interrupted run keeps what it measured (`report`), an
 end (`plot`).
 """
 
-from jax_flash.benchmark.cases import (FWD_BWD_FLOP_FACTOR, PASSES, Case, Inputs, cpu_cases,
-                                       gpu_cases, make_inputs)
+from jax_flash.benchmark.cases import (FWD_BWD_FLOP_FACTOR, PASSES, Case, Inputs,
+                                       block_sparse_cases, cpu_cases, gpu_cases, make_inputs)
 from jax_flash.benchmark.cli import main, parse_args, positive_ints
 from jax_flash.benchmark.columns import Column, Row
 from jax_flash.benchmark.measure import (TIME_BUDGET_S, Compiled, Measurement, check_fits,
@@ -54,7 +64,7 @@ _accelerator_packages = accelerator_packages
 
 __all__ = [
     "CPU", "FWD_BWD_FLOP_FACTOR", "GPU", "PASSES", "PLATFORMS", "TABLE_PASSES", "TIME_BUDGET_S",
-    "TOKAMAX_GPU", "Case", "Column", "Compiled", "Inputs", "Measurement", "Peer", "Platform",
+    "TOKAMAX_GPU", "Case", "block_sparse_cases", "Column", "Compiled", "Inputs", "Measurement", "Peer", "Platform",
     "Row", "accelerator_packages", "check_fits", "cpu_cases", "environment", "failure_reason",
     "flash_peer", "format_table", "gpu_cases", "jax_peer", "main", "make_inputs", "measure_peer",
     "parse_args", "peak_bytes_in_use", "positive_ints", "run", "time_step", "with_backward",

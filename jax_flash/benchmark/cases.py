@@ -17,11 +17,15 @@ FWD_BWD_FLOP_FACTOR = 3.5
 # The FlashAttention benchmark's GPU shapes: tokens per batch and model width.
 GPU_TOKENS = 16384
 GPU_HIDDEN = 2048
+# Block-sparse cases (--block-density): the random block mask's seed, fixed so that every run
+# and every peer of a run sees the same mask.
+BLOCK_MASK_SEED = 0
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-  """One attention problem: self-attention of `seq` tokens, shapes (B, S, N, H)."""
+  """One attention problem: self-attention of `seq` tokens, shapes (B, S, N, H); with
+  `block_density` block-sparse, under block_mask() (None: dense, no block mask)."""
 
   batch: int
   seq: int
@@ -29,24 +33,75 @@ class Case:
   head_dim: int
   dtype: str
   causal: bool
+  block_density: float | None = None
 
   def flops(self, pass_name: str) -> float:
-    """FLOPs of one pass by the FlashAttention convention."""
+    """FLOPs of one pass by the FlashAttention convention; a block-sparse case counts only the
+    blocks its mask lets through (computed_fraction)."""
     forward = 4.0 * self.batch * self.seq**2 * self.heads * self.head_dim
     if self.causal:
       forward /= 2
     factor = {"fwd": 1.0, "bwd": FWD_BWD_FLOP_FACTOR - 1.0, "fwd+bwd": FWD_BWD_FLOP_FACTOR}
-    return forward * factor[pass_name]
+    return forward * factor[pass_name] * self.computed_fraction()
+
+  def block_mask(self) -> np.ndarray | None:
+    """The case's (Tb, Sb) block mask (jax_flash.BLOCK_MASK_BLOCK blocks; None when dense):
+    random with `block_density` of the blocks set (seed BLOCK_MASK_SEED), and every query block
+    row's diagonal block, so that no row is empty. Shared by the batch and the heads."""
+    if self.block_density is None:
+      return None
+    return _block_mask(self.seq, self.block_density)
+
+  def computed_fraction(self) -> float:
+    """The share of the dense convention's FLOPs a block-sparse case computes (1 when dense):
+    its visible blocks, each a whole block, a diagonal one half a block when causal (so that
+    an all-True mask gives 1 exactly), over the dense count. Blocks above the diagonal of a
+    causal case compute nothing whatever the mask says."""
+    mask = self.block_mask()
+    if mask is None:
+      return 1.0
+    return _visible_blocks(mask, self.causal) / _visible_blocks(np.ones_like(mask), self.causal)
+
+  def dense(self) -> Case:
+    """The same problem without a block mask."""
+    return dataclasses.replace(self, block_density=None)
+
+
+@functools.lru_cache(maxsize=8)
+def _block_mask(seq: int, density: float) -> np.ndarray:
+  from jax_flash import block_mask_shape  # the benchmark's other modules import it as well
+
+  blocks_q, blocks_k = block_mask_shape(seq, seq)
+  mask = np.random.default_rng(BLOCK_MASK_SEED).random((blocks_q, blocks_k)) < density
+  diagonal = np.arange(min(blocks_q, blocks_k))
+  mask[diagonal, diagonal] = True
+  mask.flags.writeable = False  # cached: one mask for every caller
+  return mask
+
+
+def _visible_blocks(mask: np.ndarray, causal: bool) -> float:
+  """The blocks of `mask` that compute, diagonal ones counting half when causal."""
+  if not causal:
+    return float(mask.sum())
+  return float(np.tril(mask, -1).sum()) + 0.5 * float(np.diagonal(mask).sum())
+
+
+def block_sparse_cases(cases: Sequence[Case], density: float) -> list[Case]:
+  """Each case block-sparse at `density`, followed by its dense twin (timed in the same run)."""
+  return [c for case in cases
+          for c in (dataclasses.replace(case, block_density=density), case.dense())]
 
 
 @dataclasses.dataclass(frozen=True)
 class Inputs:
-  """Query, key, value and output cotangent of one case, (B, S, N, H) host arrays."""
+  """Query, key, value and output cotangent of one case, (B, S, N, H) host arrays, and its
+  block mask (Tb, Sb), None when dense."""
 
   query: np.ndarray
   key: np.ndarray
   value: np.ndarray
   d_out: np.ndarray
+  block_mask: np.ndarray | None = None
 
   def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The four arrays in argument order."""
@@ -54,8 +109,9 @@ class Inputs:
 
 
 def make_inputs(case: Case, seed: int = 0) -> Inputs:
-  """Random normal inputs of the case's shape and dtype (never zeros)."""
-  return _random_inputs((case.batch, case.seq, case.heads, case.head_dim), case.dtype, seed)
+  """Random normal inputs of the case's shape and dtype (never zeros), with its block mask."""
+  inputs = _random_inputs((case.batch, case.seq, case.heads, case.head_dim), case.dtype, seed)
+  return dataclasses.replace(inputs, block_mask=case.block_mask())
 
 
 @functools.lru_cache(maxsize=1)  # a causal case and its non-causal twin share their inputs

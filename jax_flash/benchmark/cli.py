@@ -15,16 +15,17 @@ import jax.numpy as jnp
 
 import json
 
-from jax_flash.benchmark.cases import (DECODE_SHORT_FRACTION, DecodeCase, decode_cases,
-                                       decode_inputs)
+from jax_flash.benchmark.cases import (DECODE_SHORT_FRACTION, DecodeCase, block_sparse_cases,
+                                       decode_cases, decode_inputs)
 from jax_flash.benchmark.columns import HEAD_DIM_COLUMN, peak_fraction_column
 from jax_flash.benchmark.provenance import environment
 from jax_flash.benchmark.measure import (ACCELERATOR_CALLS_PER_STEP, TIME_BUDGET_S, Measurement,
                                          compile_step, failure_reason, time_step)
-from jax_flash.benchmark.platforms import (PLATFORMS, Platform, no_devices,
+from jax_flash.benchmark.platforms import (PLATFORMS, Platform, no_devices, with_block_sparse,
                                            with_deterministic_flash)
 from jax_flash.benchmark.plot import write_plot
-from jax_flash.benchmark.report import format_table, with_backward, write_results
+from jax_flash.benchmark.report import (block_sparse_speedups, format_table, with_backward,
+                                        write_results)
 from jax_flash.benchmark.runner import log, run
 
 
@@ -37,6 +38,17 @@ def positive_ints(text: str) -> list[int]:
   if not values or min(values) < 1:
     raise argparse.ArgumentTypeError(f"expected positive integers (a,b,...), got {text!r}")
   return values
+
+
+def density(text: str) -> float:
+  """A block density: a number in (0, 1]."""
+  try:
+    value = float(text)
+  except ValueError:
+    value = 0.0
+  if not 0.0 < value <= 1.0:
+    raise argparse.ArgumentTypeError(f"expected a fraction of the blocks in (0, 1], got {text!r}")
+  return value
 
 
 def _per_platform(attribute: str) -> str:
@@ -93,6 +105,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--skip", nargs="+", default=[], metavar="PEER",
                       help="peers not to run, for a shorter run (their cells read "
                            f"'unavailable'); jax_flash cannot be skipped ({_peer_names()})")
+  parser.add_argument("--block-density", type=density, metavar="D",
+                      help="block-sparse cases: each case with a random block mask (64 x 64 "
+                           "blocks, a fraction D of them set, fixed seed, every query block "
+                           "row's diagonal block set) followed by its dense twin (no mask) in "
+                           "the same run; FLOP rates count only the computed blocks; peers "
+                           "that take no mask read 'unavailable' for the sparse rows (XLA takes "
+                           "it expanded to a (T, S) bool mask; the CUDA kernels take none yet)")
   parser.add_argument("--preset", choices=("decode",),
                       help="decode: the decoding shapes of issue 15 (B64 T1 32/8 S8192, also "
                            "ragged: every other sequence at S/8; B16 T1 16/16 S16384, B32 T4 "
@@ -111,6 +130,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   args = parser.parse_args(argv)
   if args.reps < 1:
     parser.error("--reps must be at least 1")
+  if args.block_density is not None and args.preset is not None:
+    parser.error("--block-density does not apply to --preset")
   if args.decode_reduce is not None and (args.preset != "decode" or args.decode_reduce < 1):
     parser.error("--decode-reduce takes a positive integer, with --preset decode")
   if args.cases is not None:
@@ -175,6 +196,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   cases = platform.make_cases(seqs, head_dims, causal_modes)
   if args.dtype is not None:
     cases = [dataclasses.replace(case, dtype=args.dtype) for case in cases]
+  if args.block_density is not None:
+    cases = block_sparse_cases(cases, args.block_density)
+    platform = with_block_sparse(platform)
   env = environment(platform)
   platform, caption = with_machine_fraction(platform, env, cases[0].dtype if cases else "")
   if caption is not None:
@@ -185,22 +209,32 @@ def main(argv: Sequence[str] | None = None) -> int:
                   time_budget_s=TIME_BUDGET_S, quick=args.quick, cases=len(cases),
                   deterministic=args.deterministic, skip=list(args.skip),
                   dtype=cases[0].dtype if cases else args.dtype, interleave=args.interleave,
-                  load_average=list(os.getloadavg()))
+                  load_average=list(os.getloadavg()), block_density=args.block_density)
   measurements: list[Measurement] = []
   for results in run(platform, cases, args.reps, args.skip, interleave=args.interleave):
     measurements.extend(results)
     if args.out is not None:
       reported = with_backward(measurements)
-      write_results(args.out, env, settings, reported,
-                    format_table(platform, reported, caption))
-  print(format_table(platform, with_backward(measurements), caption))
+      write_results(args.out, env, settings, reported, _table(platform, reported, caption))
+  print(_table(platform, with_backward(measurements), caption))
   if args.out is not None:
+    title = f"{env['device_kind']}, {cases[0].dtype}: attention {platform.rate_unit}"
+    if args.block_density is not None:  # one line per peer: the block-sparse rows
+      measurements = [m for m in measurements if m.case.block_density is not None]
+      title += f", block density {args.block_density:g}"
     try:
-      write_plot(args.out / "plot.png", platform, measurements,
-                 f"{env['device_kind']}, {cases[0].dtype}: attention {platform.rate_unit}")
+      write_plot(args.out / "plot.png", platform, measurements, title)
     except Exception as e:  # the plot only shows what results.json holds: warn, lose nothing
       log(f"jax_flash benchmark: warning: no plot written ({failure_reason(e)})")
   return 0
+
+
+def _table(platform: Platform, measurements: Sequence[Measurement], caption: str | None) -> str:
+  """The markdown table, and after it the block-sparse cases' speed-ups over their dense twins
+  where the run has some."""
+  speedups = block_sparse_speedups(measurements)
+  table = format_table(platform, measurements, caption)
+  return table + ("\n\n" + speedups if speedups else "")
 
 
 # ---------------------------------------------------------------------------------------------

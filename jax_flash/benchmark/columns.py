@@ -31,6 +31,9 @@ SEQ_COLUMN = Column("seq", lambda row: str(row.case.seq))
 HEAD_DIM_COLUMN = Column("hdim", lambda row: str(row.case.head_dim))
 CAUSAL_COLUMN = Column("causal", lambda row: "Y" if row.case.causal else "N")
 PASS_COLUMN = Column("pass", lambda row: row.pass_name)
+# Block-sparse runs: the share of the dense FLOPs a row's case computes ("dense": no block mask).
+BLOCKS_COLUMN = Column("blocks", lambda row: "dense" if row.case.block_density is None
+                       else f"{100 * row.case.computed_fraction():.1f}%")
 
 
 def _ok_cell(measurement: Measurement, value: Callable[[Measurement], str]) -> str:

@@ -9,9 +9,9 @@ from typing import Literal
 import jax
 
 from jax_flash.benchmark.cases import Case, cpu_cases, gpu_cases
-from jax_flash.benchmark.columns import (CAUSAL_COLUMN, HEAD_DIM_COLUMN, PASS_COLUMN, SEQ_COLUMN,
-                                         Column, rate_column, ratio_column, temp_column,
-                                         time_column)
+from jax_flash.benchmark.columns import (BLOCKS_COLUMN, CAUSAL_COLUMN, HEAD_DIM_COLUMN,
+                                         PASS_COLUMN, SEQ_COLUMN, Column, rate_column,
+                                         ratio_column, temp_column, time_column)
 from jax_flash.benchmark.measure import RateUnit, failure_reason
 from jax_flash.benchmark.peers import (CUDNN_GPU, FLASH_CPU, FLASH_GPU, PALLAS_GPU, TOKAMAX_GPU,
                                        TORCH_CPU, XLA_CPU, XLA_GPU, Peer, flash_peer)
@@ -90,6 +90,14 @@ def with_deterministic_flash(platform: Platform) -> Platform:
   return dataclasses.replace(
       platform, peers=(flash_peer(kernel, platform.device_kind, deterministic=True),
                        *platform.peers[1:]))
+
+
+def with_block_sparse(platform: Platform) -> Platform:
+  """The platform's table with the blocks column (a row's share of the dense FLOPs, or
+  "dense") after the causal one, for a run of block-sparse cases beside their dense twins."""
+  columns = list(platform.columns)
+  columns.insert(columns.index(CAUSAL_COLUMN) + 1, BLOCKS_COLUMN)
+  return dataclasses.replace(platform, columns=tuple(columns))
 
 
 def no_devices(device_kind: str) -> str | None:

@@ -58,6 +58,23 @@ def format_table(platform: Platform, measurements: Sequence[Measurement],
   return "\n".join(lines + _notes(measurements))
 
 
+def block_sparse_speedups(measurements: Sequence[Measurement], peer: str = "jax_flash") -> str:
+  """One line per block-sparse case that `peer` ran beside its dense twin (no block mask, the
+  same run): how many times faster the block-sparse case ran, per pass ("" without such cases).
+  The measurements include the derived bwd rows (with_backward)."""
+  by_key = {(m.case, m.pass_name): m for m in measurements if m.peer == peer and m.ok}
+  lines = []
+  for case in dict.fromkeys(m.case for m in measurements if m.case.block_density is not None):
+    ratios = [f"{p} {by_key[(case.dense(), p)].median_s / by_key[(case, p)].median_s:.2f}x"
+              for p in TABLE_PASSES if (case, p) in by_key and (case.dense(), p) in by_key]
+    if ratios:
+      lines.append(f"- {peer} block-sparse ({100 * case.computed_fraction():.1f}% of the blocks, "
+                   f"density {case.block_density:g}) against dense, seq {case.seq} hdim "
+                   f"{case.head_dim} causal {'Y' if case.causal else 'N'}: "
+                   f"{', '.join(ratios)} faster")
+  return "\n".join(lines)
+
+
 def _notes(measurements: Sequence[Measurement]) -> list[str]:
   """One line per distinct reason a peer did not run."""
   reasons = dict.fromkeys((m.peer, m.status, m.reason) for m in measurements if not m.ok)

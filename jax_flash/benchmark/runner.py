@@ -60,15 +60,22 @@ def _case_progress(index: int, total: int, case: Case, results: Sequence[Measure
     cells = [f"{r.median_s * 1e3:.2f}" if r.ok else r.status for r in results if r.peer == peer]
     parts.append(f"{peer} {'/'.join(cells)}")
   causal = "Y" if case.causal else "N"
-  return (f"[{index}/{total}] seq {case.seq} causal {causal} ms ({'/'.join(PASSES)}): "
-          + ", ".join(parts))
+  return (f"[{index}/{total}] seq {case.seq} causal {causal}{_density(case)} ms "
+          f"({'/'.join(PASSES)}): " + ", ".join(parts))
+
+
+def _density(case: Case) -> str:
+  """' blocks 25%' for a block-sparse case (the share of the dense FLOPs it computes)."""
+  if case.block_density is None:
+    return ""
+  return f" blocks {100 * case.computed_fraction():.1f}%"
 
 
 def _pass_progress(index: int, total: int, measurement: Measurement, unit: RateUnit) -> str:
   """One line per peer and pass of a case: its median time and rate, or why it did not run."""
   m, case = measurement, measurement.case
   where = (f"[{index}/{total}] seq {case.seq} hdim {case.head_dim} "
-           f"causal {'Y' if case.causal else 'N'} {m.peer} {m.pass_name}:")
+           f"causal {'Y' if case.causal else 'N'}{_density(case)} {m.peer} {m.pass_name}:")
   if m.ok:
     result = (f"{m.median_s * 1e3:.3f} ms {m.flop_rate(unit):.1f} {unit} "
               f"({len(m.times_s)} reps)")
@@ -132,11 +139,14 @@ def run(platform: Platform, cases: Sequence[Case], reps: int,
 
   Prints progress to stderr: a line per case, or a line per peer and pass as each peer finishes,
   as the platform says. `interleave` times each case's peers and passes in alternating rounds
-  (measure_case_interleaved) instead of one after another.
+  (measure_case_interleaved) instead of one after another. A peer that cannot run a kind of
+  case (Peer.case_unavailable: block-sparse ones) is recorded unavailable for it.
   """
-  unavailable = {peer.name: SKIPPED_REASON if peer.name in skip else peer.unavailable()
-                 for peer in platform.peers}
+  everywhere = {peer.name: SKIPPED_REASON if peer.name in skip else peer.unavailable()
+                for peer in platform.peers}
   for index, case in enumerate(cases, 1):
+    unavailable = {peer.name: everywhere[peer.name] or peer.case_unavailable(case)
+                   for peer in platform.peers}
     inputs = make_inputs(case)
     results: list[Measurement] = []
     if interleave:
