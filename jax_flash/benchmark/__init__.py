@@ -64,8 +64,9 @@ _accelerator_packages = accelerator_packages
 
 __all__ = [
     "CPU", "FWD_BWD_FLOP_FACTOR", "GPU", "PASSES", "PLATFORMS", "TABLE_PASSES", "TIME_BUDGET_S",
-    "TOKAMAX_GPU", "Case", "block_sparse_cases", "Column", "Compiled", "Inputs", "Measurement", "Peer", "Platform",
-    "Row", "accelerator_packages", "check_fits", "cpu_cases", "environment", "failure_reason",
+    "TOKAMAX_GPU", "Case", "Column", "Compiled", "Inputs", "Measurement", "Peer", "Platform",
+    "Row", "accelerator_packages", "block_sparse_cases", "check_fits", "cpu_cases", "environment",
+    "failure_reason",
     "flash_peer", "format_table", "gpu_cases", "jax_peer", "main", "make_inputs", "measure_peer",
     "parse_args", "peak_bytes_in_use", "positive_ints", "run", "time_step", "with_backward",
     "with_deterministic_flash", "write_plot", "write_results",
