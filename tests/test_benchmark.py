@@ -202,3 +202,15 @@ def test_block_sparse_outputs_agree():
   dense = np.asarray(jax.nn.dot_product_attention(*inputs.arrays()[:3], is_causal=True))
   np.testing.assert_allclose(outputs["jax_flash"], outputs["xla"], atol=2e-5)
   assert not np.allclose(outputs["jax_flash"], dense, atol=1e-3)
+
+
+def test_interleave_times_a_block_sparse_case_with_its_dense_twin():
+  """--interleave times a block-sparse case and its dense twin in the same rounds (one group:
+  their ratio is the figure that matters); other cases alone."""
+  small = dataclasses.replace(SPARSE_CASE, seq=128)
+  cases = benchmark.block_sparse_cases([small, dataclasses.replace(small, causal=False)], 0.5)
+  groups = list(benchmark.run(benchmark.CPU, cases, reps=1, skip=("xla", "torch"),
+                              interleave=True))
+  assert [[m.case for m in group if m.peer == "jax_flash" and m.pass_name == "fwd"]
+          for group in groups] == [cases[:2], cases[2:]]
+  assert all(m.ok for group in groups for m in group if m.peer == "jax_flash")

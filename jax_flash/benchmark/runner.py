@@ -87,27 +87,29 @@ def _pass_progress(index: int, total: int, measurement: Measurement, unit: RateU
   return f"{where} {result}{memory}"
 
 
-def measure_case_interleaved(platform: Platform, peers: Sequence[Peer],
-                             unavailable: dict[str, str | None], case: Case, inputs: Inputs,
-                             reps: int) -> list[Measurement]:
-  """Every peer's passes of one case, timed in rounds: each round runs each (peer, pass) once,
-  so load from other processes on a shared machine falls on all of them alike (the ratios hold
-  where back-to-back timing would favour whoever ran in a quiet moment). Rounds: `reps`, or
-  fewer (at least 3) so that they take about TIME_BUDGET_S per (peer, pass), judging by the
-  warm-up round."""
-  results: dict[tuple[str, str], Measurement] = {}
-  ready = []  # (peer, pass, Compiled)
-  for peer in peers:
-    if unavailable[peer.name] is not None:
+# A peer on a case: the peer, why it cannot run the case (None: it can), the case, its inputs.
+Entry = tuple[Peer, str | None, Case, Inputs]
+
+
+def measure_interleaved(platform: Platform, entries: Sequence[Entry],
+                        reps: int) -> list[Measurement]:
+  """Every entry's passes, timed in rounds: each round runs each (entry, pass) once, so load
+  from other processes on a shared machine falls on all of them alike (the ratios hold where
+  back-to-back timing would favour whoever ran in a quiet moment). Rounds: `reps`, or fewer
+  (at least 3) so that they take about TIME_BUDGET_S per (entry, pass), judging by the warm-up
+  round. The measurements come in the entries' order, PASSES each."""
+  results: dict[tuple[int, str], Measurement] = {}
+  ready = []  # (entry index, peer, case, pass, Compiled, warm-up seconds)
+  for i, (peer, unavailable, case, inputs) in enumerate(entries):
+    if unavailable is not None:
       for p in PASSES:
-        results[(peer.name, p)] = Measurement(peer.name, case, p, "unavailable",
-                                              unavailable[peer.name])
+        results[(i, p)] = Measurement(peer.name, case, p, "unavailable", unavailable)
       continue
     try:
       prepares = peer.build(case, inputs)
     except Exception as e:  # any failure of a peer is a result to report, not a crash
       for p in PASSES:
-        results[(peer.name, p)] = Measurement(peer.name, case, p, "fails", failure_reason(e))
+        results[(i, p)] = Measurement(peer.name, case, p, "fails", failure_reason(e))
       continue
     for p in PASSES:
       try:
@@ -115,52 +117,85 @@ def measure_case_interleaved(platform: Platform, peers: Sequence[Peer],
         check_fits(compiled.temp_bytes, platform.device_kind)
         for _ in range(max(1, platform.warm_up_runs)):
           warm_s = run_timed(compiled.step)
-        ready.append((peer, p, compiled, warm_s))
+        ready.append((i, peer, case, p, compiled, warm_s))
       except Exception as e:  # as above
-        results[(peer.name, p)] = Measurement(peer.name, case, p, "fails", failure_reason(e))
-  round_s = sum(entry[3] for entry in ready)
+        results[(i, p)] = Measurement(peer.name, case, p, "fails", failure_reason(e))
+  round_s = sum(entry[5] for entry in ready)
   rounds = max(min(reps, 3), min(reps, int(TIME_BUDGET_S * len(ready) / max(round_s, 1e-9))))
-  times: dict[tuple[str, str], list[float]] = {(peer.name, p): [] for peer, p, _, _ in ready}
+  times: dict[tuple[int, str], list[float]] = {(i, p): [] for i, _, _, p, _, _ in ready}
   for _ in range(rounds):
-    for peer, p, compiled, _ in ready:
-      times[(peer.name, p)].append(run_timed(compiled.step) / compiled.calls_per_step)
-  for peer, p, compiled, _ in ready:
-    results[(peer.name, p)] = Measurement(peer.name, case, p, "ok",
-                                          times_s=tuple(times[(peer.name, p)]),
-                                          temp_bytes=compiled.temp_bytes,
-                                          peak_bytes=peak_bytes_in_use(platform.device_kind))
-  return [results[(peer.name, p)] for peer in peers for p in PASSES]
+    for i, _, _, p, compiled, _ in ready:
+      times[(i, p)].append(run_timed(compiled.step) / compiled.calls_per_step)
+  for i, peer, case, p, compiled, _ in ready:
+    results[(i, p)] = Measurement(peer.name, case, p, "ok", times_s=tuple(times[(i, p)]),
+                                  temp_bytes=compiled.temp_bytes,
+                                  peak_bytes=peak_bytes_in_use(platform.device_kind))
+  return [results[(i, p)] for i in range(len(entries)) for p in PASSES]
+
+
+def measure_case_interleaved(platform: Platform, peers: Sequence[Peer],
+                             unavailable: dict[str, str | None], case: Case, inputs: Inputs,
+                             reps: int) -> list[Measurement]:
+  """Every peer's passes of one case, timed in rounds (measure_interleaved)."""
+  return measure_interleaved(
+      platform, [(peer, unavailable[peer.name], case, inputs) for peer in peers], reps)
+
+
+def _interleave_groups(cases: Sequence[Case]) -> list[list[Case]]:
+  """The cases timed together under `interleave`: a block-sparse case with its dense twin right
+  after it (block_sparse_cases' order: their ratio is the figure that matters, so both are
+  timed in the same rounds), every other case alone."""
+  groups, i = [], 0
+  while i < len(cases):
+    twin = (cases[i].block_density is not None and i + 1 < len(cases)
+            and cases[i + 1] == cases[i].dense())
+    groups.append(list(cases[i:i + 2 if twin else i + 1]))
+    i += 2 if twin else 1
+  return groups
 
 
 def run(platform: Platform, cases: Sequence[Case], reps: int,
         skip: Sequence[str] = (), interleave: bool = False) -> Iterator[list[Measurement]]:
-  """Measures every peer on every case; yields each case's measurements once they are taken.
-  Peers named in `skip` are recorded as skipped, not run.
+  """Measures every peer on every case; yields each case's measurements once they are taken
+  (under `interleave` a block-sparse case's and its dense twin's together). Peers named in
+  `skip` are recorded as skipped, not run.
 
   Prints progress to stderr: a line per case, or a line per peer and pass as each peer finishes,
   as the platform says. `interleave` times each case's peers and passes in alternating rounds
-  (measure_case_interleaved) instead of one after another. A peer that cannot run a kind of
-  case (Peer.case_unavailable: block-sparse ones) is recorded unavailable for it.
+  (measure_interleaved; a block-sparse case and its dense twin in the same rounds) instead of
+  one after another. A peer that cannot run a kind of case (Peer.case_unavailable: block-sparse
+  ones) is recorded unavailable for it.
   """
   everywhere = {peer.name: SKIPPED_REASON if peer.name in skip else peer.unavailable()
                 for peer in platform.peers}
-  for index, case in enumerate(cases, 1):
-    unavailable = {peer.name: everywhere[peer.name] or peer.case_unavailable(case)
-                   for peer in platform.peers}
-    inputs = make_inputs(case)
-    results: list[Measurement] = []
+
+  def unavailable(peer: Peer, case: Case) -> str | None:
+    return everywhere[peer.name] or peer.case_unavailable(case)
+
+  def log_case(index: int, case: Case, results: Sequence[Measurement]) -> None:
+    if platform.progress == "pass":
+      for measurement in results:
+        log(_pass_progress(index, len(cases), measurement, platform.rate_unit))
+    else:
+      log(_case_progress(index, len(cases), case, results))
+
+  index = 0
+  for group in _interleave_groups(cases) if interleave else [[case] for case in cases]:
     if interleave:
-      results = measure_case_interleaved(platform, platform.peers, unavailable, case, inputs,
-                                         reps)
-      if platform.progress == "pass":
-        for measurement in results:
-          log(_pass_progress(index, len(cases), measurement, platform.rate_unit))
-      else:
-        log(_case_progress(index, len(cases), case, results))
+      results = measure_interleaved(
+          platform, [(peer, unavailable(peer, case), case, make_inputs(case))
+                     for case in group for peer in platform.peers], reps)
+      for case in group:
+        index += 1
+        log_case(index, case, [m for m in results if m.case == case])
       yield results
       continue
+    (case,) = group
+    index += 1
+    inputs = make_inputs(case)
+    results = []
     for peer in platform.peers:
-      peer_results = measure_peer(platform, peer, unavailable[peer.name], case, inputs, reps)
+      peer_results = measure_peer(platform, peer, unavailable(peer, case), case, inputs, reps)
       if platform.progress == "pass":
         for measurement in peer_results:
           log(_pass_progress(index, len(cases), measurement, platform.rate_unit))
