@@ -285,7 +285,10 @@ def _backward(q, k, v, o, lse, has_keys, d_o, q_lens, kv_lens, bias, mask, segme
     # 0 where masked; a row with no key (lse EMPTY_ROW_LSE) has nothing allowed.
     probs = masked_exp(allowed, scores, lse[..., None])
     d_probs = jnp.einsum("btkgh,bskh->bkgts", do5, v_block)
-    d_logits = jnp.where(allowed, probs * (d_probs - delta[..., None]), 0.0)  # masked: none
+    # Masked: no gradient. P == 1 (exactly: the row's only key, or every other key's P below
+    # float32's resolution): dS is exactly 0, as jax.nn's P * (dP - sum P dP) is; delta, formed
+    # from O by another summation than dP, would leave round-off there (issue 13).
+    d_logits = jnp.where(allowed & (probs != 1.0), probs * (d_probs - delta[..., None]), 0.0)
     # The bias's gradient is d_logits; the raw scores' passes through the cap's derivative.
     d_scores = (d_logits if cap_grad is None else d_logits * cap_grad) * config.scale
     dq = dq + jnp.einsum("bkgts,bskh->btkgh", d_scores, k_block)

@@ -40,15 +40,9 @@ GPU_QUICK_CONFIGS = 300
 
 _KNOWN = {known.key: known for known in KNOWN_FAILURES}
 
-# The known failures each run shows today: (run, implementation) -> keys. Seen at bf0f5ea (after
-# the fixes of issue 13 items 2 and 4 for 16-bit inputs and batch 0): on the CPU kernel the
-# float32 output of configuration 114 (logit scale 23) and dq of 1099 (19), 1.14x and 1.39x the
-# bound. Runs not listed show none. The CUDA kernels run 16-bit inputs only, which no known
-# failure concerns.
-_KNOWN_TODAY = {
-    ("full", "cpu"): {"item2-float32"},
-    ("full", "blockwise"): {"item2-float32"},
-}
+# The known failures each run shows today: (run, implementation) -> keys; none since the CPU
+# kernel's float32 fix (see differential.KNOWN_FAILURES). Runs not listed show none.
+_KNOWN_TODAY: dict[tuple[str, str], set[str]] = {}
 
 full_run = pytest.mark.skipif(
     os.environ.get("JAX_FLASH_DIFFERENTIAL") != "full",

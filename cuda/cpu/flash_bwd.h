@@ -33,11 +33,19 @@ struct FlashBwdDelta {
     const int64_t offset = b * sh.seq_q * stride + h * d;
     const T* d_o = static_cast<const T*>(p.d_o) + offset;
     float* delta = p.delta + task * sh.seq_q;
-    // O in float32 where the forward kept it so (AttentionParams::o_float32), else in T.
+    // O in float32 where the forward kept it so (AttentionParams::o_float32), else in T. Summed
+    // in the panels of kKPanel columns that the dP = dO V^T product sums in (tile_gemm.h), one
+    // chain a panel: on a row with a single visible key O = V, and dP - delta is then exactly 0,
+    // as jax.nn's dS is there.
     auto row_dot = [&](const auto* o) {
       for (int64_t i = 0; i < sh.seq_q; ++i) {
         float sum = 0.f;
-        for (int64_t c = 0; c < d; ++c) sum += to_float(o[i * stride + c]) * to_float(d_o[i * stride + c]);
+        for (int64_t c0 = 0; c0 < d; c0 += kKPanel) {
+          float panel = 0.f;
+          for (int64_t c = c0; c < std::min(d, c0 + kKPanel); ++c)
+            panel += to_float(o[i * stride + c]) * to_float(d_o[i * stride + c]);
+          sum = c0 == 0 ? panel : sum + panel;
+        }
         delta[i] = sum;
       }
     };
