@@ -7,8 +7,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_flash import (_context_parallel, _derivatives, _dispatch, _ops, _rounding, _sharding,
-                       _validation)
+from jax_flash import (_context_parallel, _derivatives, _dispatch, _dropout, _ops, _rounding,
+                       _sharding, _validation)
 from jax_flash._blockwise import blockwise_attention
 from jax_flash._dispatch import Implementation
 from jax_flash._reference import attention_reference
@@ -18,13 +18,14 @@ _XLA_PATHS = {"xla": attention_reference, "blockwise": blockwise_attention}
 
 
 # segment_ids: None or (q_ids (B, T), kv_ids (B, S)) int32; alibi_slopes: None or (B, N)
-# float32; block_mask: None or (B, N, Tb, Sb) bool. Like the lengths, none is differentiated
-# (their cotangents are None: zero).
+# float32; block_mask: None or (B, N, Tb, Sb) bool; dropout_seeds: None or (B, N, 4) uint32
+# (jax_flash._dropout.seeds), exactly when config.dropout_rate > 0. Like the lengths, none is
+# differentiated (their cotangents are None: zero).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _flash_attention(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=None,
-                     alibi_slopes=None, block_mask=None):
+                     alibi_slopes=None, block_mask=None, dropout_seeds=None):
   return _sharding.flash_fwd(q, k, v, q_lens, kv_lens, config, segment_ids, alibi_slopes,
-                             block_mask)
+                             block_mask, dropout_seeds)
 
 
 def _output_and_residual(o32, q, config):
@@ -39,20 +40,21 @@ def _output_and_residual(o32, q, config):
 
 
 def _flash_attention_fwd(q, k, v, q_lens, kv_lens, config, segment_ids=None,
-                         alibi_slopes=None, block_mask=None):
+                         alibi_slopes=None, block_mask=None, dropout_seeds=None):
   o32, lse = _sharding.flash_fwd(q, k, v, q_lens, kv_lens, _ops.for_backward(config),
-                                 segment_ids, alibi_slopes, block_mask)
+                                 segment_ids, alibi_slopes, block_mask, dropout_seeds)
   o, o_kept, o_error = _output_and_residual(o32, q, config)
   return (o, lse), (q, k, v, o_kept, o_error, lse, q_lens, kv_lens, segment_ids, alibi_slopes,
-                    block_mask)
+                    block_mask, dropout_seeds)
 
 
 def _flash_attention_bwd(config, residuals, cotangents):
-  q, k, v, o, o_error, lse, q_lens, kv_lens, segment_ids, alibi_slopes, block_mask = residuals
+  (q, k, v, o, o_error, lse, q_lens, kv_lens, segment_ids, alibi_slopes, block_mask,
+   dropout_seeds) = residuals
   d_o, _ = cotangents  # lse leaves through stop_gradient: its cotangent is always zero
   dq, dk, dv = _sharding.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config, segment_ids,
-                                   o_error, alibi_slopes, block_mask)
-  return dq, dk, dv, None, None, None, None, None
+                                   o_error, alibi_slopes, block_mask, dropout_seeds)
+  return dq, dk, dv, None, None, None, None, None, None
 
 
 _flash_attention.defvjp(_flash_attention_fwd, _flash_attention_bwd)
@@ -69,6 +71,10 @@ _flash_attention.defvjp(_flash_attention_fwd, _flash_attention_bwd)
 # exp(c_h - lse) D (o depends on c only through the normaliser: do/dc = -exp(c - lse) o).
 # The join is elementwise over (B, N, T), so it shards as the heads and rows do under jit, and
 # sequence-sharded calls (whose kernels return the rows' global lse) take it as they are.
+# Dropout needs nothing more either: the kernel's o_k = sum_j exp(s_j - lse_k) Z_j v_j joined
+# is sum_j exp(s_j - lse) Z_j v_j, the dropped weights normalised with the sink; the backward
+# kernel's dS = P (dP Z - D) and the sinks' gradient hold as they are (o still depends on c
+# only through the normaliser).
 def _join_sinks(o32, lse, sinks):
   """(o, lse) of the keys and the sinks (N,) from the keys' own (o32 (B, T, N, H) float32,
   lse (B, N, T))."""
@@ -77,39 +83,39 @@ def _join_sinks(o32, lse, sinks):
   return o32 * jnp.swapaxes(weight, 1, 2)[..., None], total
 
 
-# segment_ids, alibi_slopes and block_mask as in _flash_attention (None without them); sinks
-# (N,) differentiable.
+# segment_ids, alibi_slopes, block_mask and dropout_seeds as in _flash_attention (None without
+# them); sinks (N,) differentiable.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _flash_attention_sinks(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids,
-                           sinks, alibi_slopes=None, block_mask=None):
+                           sinks, alibi_slopes=None, block_mask=None, dropout_seeds=None):
   (o, lse), _ = _flash_attention_sinks_fwd(q, k, v, q_lens, kv_lens, config, segment_ids, sinks,
-                                           alibi_slopes, block_mask)
+                                           alibi_slopes, block_mask, dropout_seeds)
   return o, lse
 
 
 def _flash_attention_sinks_fwd(q, k, v, q_lens, kv_lens, config, segment_ids, sinks,
-                               alibi_slopes=None, block_mask=None):
+                               alibi_slopes=None, block_mask=None, dropout_seeds=None):
   # o in float32 from the kernel (also undifferentiated: the join scales it before the one
   # rounding to q's dtype).
   o32, lse = _sharding.flash_fwd(q, k, v, q_lens, kv_lens, _ops.for_backward(config),
-                                 segment_ids, alibi_slopes, block_mask)
+                                 segment_ids, alibi_slopes, block_mask, dropout_seeds)
   o32, lse = _join_sinks(o32.astype(jnp.float32), lse, sinks)
   o, o_kept, o_error = _output_and_residual(o32, q, config)
   return (o, lse), (q, k, v, o_kept, o_error, lse, q_lens, kv_lens, segment_ids, sinks,
-                    alibi_slopes, block_mask)
+                    alibi_slopes, block_mask, dropout_seeds)
 
 
 def _flash_attention_sinks_bwd(config, residuals, cotangents):
   (q, k, v, o, o_error, lse, q_lens, kv_lens, segment_ids, sinks, alibi_slopes,
-   block_mask) = residuals
+   block_mask, dropout_seeds) = residuals
   d_o, _ = cotangents  # lse leaves through stop_gradient
   dq, dk, dv = _sharding.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config, segment_ids,
-                                   o_error, alibi_slopes, block_mask)
+                                   o_error, alibi_slopes, block_mask, dropout_seeds)
   o32 = o if o_error is None else _rounding.join_rounding(o, o_error)
   delta = jnp.einsum("btnh,btnh->bnt", d_o.astype(jnp.float32), o32.astype(jnp.float32))
   dsinks = -jnp.sum(jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse) * delta,
                     axis=(0, 2))
-  return dq, dk, dv, None, None, None, dsinks.astype(sinks.dtype), None, None
+  return dq, dk, dv, None, None, None, dsinks.astype(sinks.dtype), None, None, None
 
 
 _flash_attention_sinks.defvjp(_flash_attention_sinks_fwd, _flash_attention_sinks_bwd)
@@ -133,6 +139,8 @@ def dot_product_attention(
     sinks: jax.typing.ArrayLike | None = None,
     alibi_slopes: jax.typing.ArrayLike | None = None,
     block_mask: jax.typing.ArrayLike | None = None,
+    dropout_rate: float = 0.0,
+    dropout_key: jax.Array | None = None,
     implementation: Implementation | None = None,
     return_residual: bool = False,
     deterministic: bool = False,
@@ -230,6 +238,31 @@ def dot_product_attention(
       kernel, and a sequence-sharded call gathers the sequence (a requested
       ``context_parallel`` raises). Not differentiated. A wrong dtype or shape raises
       ``ValueError`` naming ``block_mask`` and the shape passed.
+    dropout_rate: attention dropout fused into the kernels, as FlashAttention (Dao et al.
+      2022) fuses it: each normalised probability ``p_ij`` is dropped with probability
+      ``dropout_rate`` and the kept ones are scaled by ``1 / (1 - dropout_rate)``, so
+      ``out = (P * keep / (1 - rate)) V``; the lse is that of the undropped softmax. A concrete
+      Python float in ``[0, 1)`` (a static setting; anything else raises ``ValueError`` naming
+      it); ``0`` is no dropout at all (the key is then not used). The mask is never stored:
+      the kernels draw the decision of query row ``i`` and key ``j`` of batch element ``b``
+      and query head ``h`` from a counter-based generator (Philox4x32-10) at that position,
+      and the backward pass draws the same decisions again. Every implementation that takes
+      it drops the same elements: ``jax_flash._dropout.keep_mask(dropout_key, dropout_rate,
+      B, N, T, S)[b, h, i, j]``, so "cpu", "blockwise" and "xla" agree up to rounding; the
+      same key gives the same mask run after run, and (as any JAX key) a new key per step
+      gives a new mask. ``b`` and ``h`` are the indices of the call (under ``vmap`` each
+      mapped call numbers its own batch from 0; under batch or head sharding the global
+      indices). Taken by "cpu" (tiled kernel; such calls never run the split-KV decode
+      kernel), "blockwise" (the decisions of one key block at a time: linear memory) and
+      "xla"; the CUDA kernels raise ``NotImplementedError`` (pass
+      ``implementation="blockwise"`` on a GPU). A sequence-sharded call gathers the sequence
+      (a requested ``context_parallel`` raises). Rows and keys outside every mask get no
+      weight whether dropped or kept.
+    dropout_key: the JAX PRNG key the mask is drawn from, required when ``dropout_rate > 0``
+      (``ValueError`` naming it otherwise): one key, ``jax.random.key(seed)`` (a typed key of
+      the default threefry2x32 implementation) or ``jax.random.PRNGKey(seed)`` (raw
+      ``uint32[2]``); it may be traced. Other shapes and key implementations raise
+      ``ValueError`` naming ``dropout_key``.
     implementation: ``None`` picks the path for the default backend: ``"cpu"`` on the host,
       ``"cuda"`` on NVIDIA GPUs for bfloat16/float16, ``"blockwise"`` there for float32.
       ``"cpu"``/``"cuda"`` force a kernel; ``"blockwise"`` is FlashAttention in plain XLA (key
@@ -266,6 +299,26 @@ def dot_product_attention(
   forward-mode autodiff (jvp) to a custom_vjp function.") under ``jit``, where JAX raises it
   while compiling, outside any jax_flash code.
   """
+  return _dot_product_attention(
+      query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+      local_window_size=local_window_size, q_segment_ids=q_segment_ids,
+      kv_segment_ids=kv_segment_ids, logits_soft_cap=logits_soft_cap, sinks=sinks,
+      alibi_slopes=alibi_slopes, block_mask=block_mask, dropout_rate=dropout_rate,
+      dropout_key=dropout_key, implementation=implementation, return_residual=return_residual,
+      deterministic=deterministic, context_parallel=context_parallel)
+
+
+def _dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,
+                           is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
+                           local_window_size=None, q_segment_ids=None, kv_segment_ids=None,
+                           logits_soft_cap=None, sinks=None, alibi_slopes=None, block_mask=None,
+                           dropout_rate=0.0, dropout_key=None, implementation=None,
+                           return_residual=False, deterministic=False, context_parallel=None,
+                           dropout_shared=False):
+  """dot_product_attention, plus `dropout_shared`: one dropout mask for every batch element and
+  head, keep_mask(dropout_key, dropout_rate, 1, 1, T, S)[0, 0] (jax_flash.flax's
+  broadcast_dropout=True, Flax's semantics)."""
   _dispatch.check_implementation(implementation)
   _context_parallel.check_request(context_parallel)
   if not isinstance(deterministic, bool):
@@ -286,6 +339,8 @@ def dot_product_attention(
   logits_soft_cap = _validation.check_logits_soft_cap(logits_soft_cap)
   sinks = _validation.check_sinks(sinks, heads_q, query_shape)
   alibi_slopes = _validation.check_alibi_slopes(alibi_slopes, heads_q, query_shape)
+  dropout_rate = _validation.check_dropout_rate(dropout_rate)
+  dropout_key = _validation.check_dropout_key(dropout_key, dropout_rate)
   segment_ids = _validation.check_segment_ids(q_segment_ids, kv_segment_ids, batch, seq_q,
                                               seq_k, unbatched)
   block_mask_shape_as_passed = None if block_mask is None else jnp.shape(block_mask)
@@ -303,7 +358,8 @@ def dot_product_attention(
       deterministic=deterministic, logits_soft_cap=logits_soft_cap,
       sinks=None if sinks is None else sinks.shape,
       alibi_slopes=None if alibi_slopes is None else alibi_slopes.shape,
-      block_mask=None if block_mask is None else block_mask_shape_as_passed)
+      block_mask=None if block_mask is None else block_mask_shape_as_passed,
+      dropout_rate=dropout_rate)
   bias = _validation.check_logit_array("bias", bias, batch, heads_q, seq_q, seq_k)
   mask = _validation.check_logit_array("mask", mask, batch, heads_q, seq_q, seq_k)
   implementation = _dispatch.select(implementation, call)
@@ -317,13 +373,17 @@ def dot_product_attention(
   if kv_lens is None:
     kv_lens = jnp.full((batch,), seq_k, jnp.int32)
   window_left, window_right = window if window is not None else (-1, -1)
+  dropout_seeds = None
+  if dropout_rate is not None:
+    dropout_seeds = _dropout.seeds(dropout_key, batch, heads_q, shared=dropout_shared)
   if implementation in _XLA_PATHS:
     with _derivatives.explain_forward_mode("jax_flash.dot_product_attention", implementation):
       out, lse = _XLA_PATHS[implementation](
           query, key, value, q_lens, kv_lens, scale=scale, is_causal=bool(is_causal),
           window_left=window_left, window_right=window_right, bias=bias, mask=mask,
           segment_ids=segment_ids, logits_soft_cap=logits_soft_cap, sinks=sinks,
-          alibi_slopes=alibi_slopes, block_mask=block_mask)
+          alibi_slopes=alibi_slopes, block_mask=block_mask, dropout_rate=dropout_rate,
+          dropout_seeds=dropout_seeds)
   else:
     attention = _flash_attention if sinks is None else _flash_attention_sinks
     out, lse = _ops.call_kernels(
@@ -332,7 +392,7 @@ def dot_product_attention(
         window_right=window_right, deterministic=deterministic,
         context_parallel=context_parallel, segment_ids=segment_ids,
         logits_soft_cap=logits_soft_cap, sinks=sinks, alibi_slopes=alibi_slopes,
-        block_mask=block_mask)
+        block_mask=block_mask, dropout_rate=dropout_rate, dropout_seeds=dropout_seeds)
   lse = jax.lax.stop_gradient(lse)
 
   if unbatched:

@@ -38,8 +38,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_flash._block_sparse import BLOCK_MASK_BLOCK, expand_block_mask
-from jax_flash._reference import (EMPTY_ROW_LSE, MASKED_SCORE, alibi_bias, empty_lse,
-                                  grouped_logit_array, key_mask, masked_exp)
+from jax_flash._reference import (EMPTY_ROW_LSE, MASKED_SCORE, alibi_bias, dropout_multipliers,
+                                  empty_lse, grouped_logit_array, key_mask, masked_exp)
 
 # Keys per scan step. Scores of one step take batch * heads * T * KEY_BLOCK float32s.
 KEY_BLOCK = 512
@@ -54,6 +54,7 @@ class _Config(NamedTuple):
   window_right: int
   block: int  # keys per scan step
   logits_soft_cap: float | None = None  # c: scores become c * tanh(s / c); None: off
+  dropout_rate: float | None = None  # with the seeds (an argument of the passes); None: off
 
 
 def _split_groups(x: jax.Array, heads_k: int) -> jax.Array:
@@ -181,7 +182,18 @@ def _block_scores(q5, k_block, index, q_lens, kv_lens, bias_block, mask_block, c
   return scores, jnp.broadcast_to(allowed, scores.shape), cap_grad
 
 
-def _forward(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, sinks, alibi_slopes, config):
+def _dropout_step(dropout_seeds, index, scores_shape, config: _Config):
+  """Dropout's Z = keep / (1 - rate) of a step's scores (B, K, G, T, block), the kernels'
+  decisions (jax_flash._dropout) drawn for this key block alone; None without dropout."""
+  if dropout_seeds is None:
+    return None
+  _, heads_k, _, seq_q, block = scores_shape
+  return dropout_multipliers(dropout_seeds, config.dropout_rate, heads_k, seq_q, block,
+                             key_offset=index * block)
+
+
+def _forward(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, sinks, alibi_slopes,
+             dropout_seeds, config):
   """(o (B, T, N, H) in float32, lse (B, N, T) float32, has_keys (B, N, T) bool): the caller
   casts o to q's dtype. `has_keys`: which rows the masks leave some key.
 
@@ -218,6 +230,8 @@ def _forward(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, sinks, alibi_slo
     correction = masked_exp(seen, row_max, base)  # 0 until a key was seen
     row_sum = row_sum * correction + jnp.sum(probs, axis=-1)
     new_exponent = jnp.frexp(row_sum)[1]  # 0 for a zero (or NaN) sum
+    z = _dropout_step(dropout_seeds, index, probs.shape, config)
+    probs = probs if z is None else probs * z  # the sum (and lse) keep every probability
     acc = (jnp.ldexp(acc * correction[..., None], (exponent - new_exponent)[..., None]) +
            jnp.einsum("bkgts,bskh->bkgth", jnp.ldexp(probs, -new_exponent[..., None]), v_block))
     return (now_seen, new_max, row_sum, new_exponent, acc), None
@@ -242,7 +256,7 @@ def _forward(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, sinks, alibi_slo
 
 
 def _backward(q, k, v, o, lse, has_keys, d_o, q_lens, kv_lens, bias, mask, segment_ids, sinks,
-              alibi_slopes, config):
+              alibi_slopes, dropout_seeds, config):
   """(dq, dk, dv, dbias, dsinks) in the dtypes of q, k, v, the bias and the sinks (None
   without them); dK and dV summed over each kv head's query heads, dbias over the dims the
   bias broadcasts along.
@@ -285,6 +299,9 @@ def _backward(q, k, v, o, lse, has_keys, d_o, q_lens, kv_lens, bias, mask, segme
     # 0 where masked; a row with no key (lse EMPTY_ROW_LSE) has nothing allowed.
     probs = masked_exp(allowed, scores, lse[..., None])
     d_probs = jnp.einsum("btkgh,bskh->bkgts", do5, v_block)
+    # Dropout: out = (P Z) V, so dV = (P Z)^T dO and P's gradient is dP Z.
+    z = _dropout_step(dropout_seeds, index, probs.shape, config)
+    kept, d_probs = (probs, d_probs) if z is None else (probs * z, d_probs * z)
     # Masked: no gradient. P == 1 (exactly: the row's only key, or every other key's P below
     # float32's resolution): dS is exactly 0, as jax.nn's P * (dP - sum P dP) is; delta, formed
     # from O by another summation than dP, would leave round-off there (issue 13).
@@ -293,7 +310,7 @@ def _backward(q, k, v, o, lse, has_keys, d_o, q_lens, kv_lens, bias, mask, segme
     d_scores = (d_logits if cap_grad is None else d_logits * cap_grad) * config.scale
     dq = dq + jnp.einsum("bkgts,bskh->btkgh", d_scores, k_block)
     dk_block = jnp.einsum("bkgts,btkgh->bskh", d_scores, q5)
-    dv_block = jnp.einsum("bkgts,btkgh->bskh", probs, do5)
+    dv_block = jnp.einsum("bkgts,btkgh->bskh", kept, do5)
     dbias_block = None
     if bias5 is not None and bias5.shape[4] == 1:
       dbias_sum = dbias_sum + bias_gradient(d_logits)
@@ -322,31 +339,34 @@ def _backward(q, k, v, o, lse, has_keys, d_o, q_lens, kv_lens, bias, mask, segme
   return dq.reshape(q.shape).astype(q.dtype), unblock(dk, k), unblock(dv, v), dbias, dsinks
 
 
-# alibi_slopes: None or (N,) float32, not differentiated (its cotangent is None: zero).
-@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
-def _attention(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, sinks, alibi_slopes, config):
+# alibi_slopes: None or (N,) float32; dropout_seeds: None or (B, N, 4) uint32
+# (jax_flash._dropout.seeds). Neither is differentiated (their cotangents are None: zero).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(11,))
+def _attention(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, sinks, alibi_slopes,
+               dropout_seeds, config):
   o32, lse, _ = _forward(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, sinks,
-                         alibi_slopes, config)
+                         alibi_slopes, dropout_seeds, config)
   return o32.astype(q.dtype), lse
 
 
 def _attention_fwd(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, sinks, alibi_slopes,
-                   config):
+                   dropout_seeds, config):
   # The backward forms delta from the output in float32, not rounded to q's dtype (issue 13).
   o32, lse, has_keys = _forward(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, sinks,
-                                alibi_slopes, config)
+                                alibi_slopes, dropout_seeds, config)
   return ((o32.astype(q.dtype), lse),
           (q, k, v, o32, lse, has_keys, q_lens, kv_lens, bias, mask, segment_ids, sinks,
-           alibi_slopes))
+           alibi_slopes, dropout_seeds))
 
 
 def _attention_bwd(config, residuals, cotangents):
   (q, k, v, o, lse, has_keys, q_lens, kv_lens, bias, mask, segment_ids, sinks,
-   alibi_slopes) = residuals
+   alibi_slopes, dropout_seeds) = residuals
   d_o, _ = cotangents  # lse leaves through stop_gradient
   dq, dk, dv, dbias, dsinks = _backward(q, k, v, o, lse, has_keys, d_o, q_lens, kv_lens, bias,
-                                        mask, segment_ids, sinks, alibi_slopes, config)
-  return dq, dk, dv, None, None, dbias, None, None, dsinks, None
+                                        mask, segment_ids, sinks, alibi_slopes, dropout_seeds,
+                                        config)
+  return dq, dk, dv, None, None, dbias, None, None, dsinks, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -355,7 +375,8 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 def blockwise_attention(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bool,
                         window_left: int = -1, window_right: int = -1, bias=None, mask=None,
                         segment_ids=None, logits_soft_cap: float | None = None, sinks=None,
-                        alibi_slopes=None, block_mask=None):
+                        alibi_slopes=None, block_mask=None, dropout_rate: float | None = None,
+                        dropout_seeds=None):
   """Returns (o, lse) as ``attention_reference`` does: o (B, T, N, H) in q's dtype, lse
   (B, N, T) float32, differentiable in q, k, v, the bias and the sinks with a recomputing
   backward pass. `sinks` (N,): one logit per query head in every row's softmax denominator
@@ -368,17 +389,21 @@ def blockwise_attention(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bo
   (q_ids (B, T), kv_ids (B, S)) int32. `block_mask` (B|1, N|1, Tb, Sb) bool: block-sparse
   attention; each step expands only its key block's columns of it to an element mask and
   combines that with `mask` (never the whole (T, S); this path visits every block, the "cpu"
-  kernel skips hidden ones)."""
+  kernel skips hidden ones). `dropout_rate` (None: off)
+  with `dropout_seeds` (B, N, 4) uint32: each step multiplies its normalised probabilities
+  by keep / (1 - rate), the kernels' decisions drawn for its key block alone (no (T, S)
+  array), forward and backward."""
   mask = _Masks(mask, block_mask)
   if k.shape[1] == 0 or q.size == 0:  # no blocks to scan, or no rows (B, T or N is 0)
     lse = empty_lse(q.shape[0], q.shape[2], q.shape[1], sinks)
     return jnp.zeros_like(q), lse
   config = _Config(float(scale), bool(is_causal), int(window_left), int(window_right),
                    min(KEY_BLOCK, k.shape[1]),
-                   None if logits_soft_cap is None else float(logits_soft_cap))
+                   None if logits_soft_cap is None else float(logits_soft_cap),
+                   None if dropout_rate is None else float(dropout_rate))
   if bias is not None:
     bias = bias.astype(jnp.float32)
   if alibi_slopes is not None:
     alibi_slopes = alibi_slopes.astype(jnp.float32)
   return _attention(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, sinks, alibi_slopes,
-                    config)
+                    dropout_seeds if dropout_rate is not None else None, config)

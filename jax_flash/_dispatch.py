@@ -55,6 +55,7 @@ class Capabilities:
   sinks: bool = False  # takes sinks (gpt-oss: one logit per head in every row's denominator)
   alibi_slopes: bool = False  # takes alibi_slopes (ALiBi: slope * (j - i) added to the scores)
   block_mask: bool = False  # takes block_mask (block-sparse attention: hidden blocks skipped)
+  dropout_rate: bool = False  # takes dropout_rate > 0 (fused dropout of the probabilities)
 
 
 def capabilities(name: str) -> Capabilities:
@@ -68,7 +69,7 @@ def capabilities(name: str) -> Capabilities:
         logit_arrays=False, mask_forms=MASK_FORMS,
         deterministic_backward=True,  # always: dQ partials are summed in a fixed order
         ring=True, paged=True, segment_ids=True, logits_soft_cap=True, sinks=True,
-        alibi_slopes=True, block_mask=True)
+        alibi_slopes=True, block_mask=True, dropout_rate=True)
   if name == "cuda":
     cuda = _registry.CUDA_KERNEL_CONSTANTS or {}  # empty where no CUDA kernels were built
     return Capabilities(
@@ -84,7 +85,8 @@ def capabilities(name: str) -> Capabilities:
         logit_arrays=True, mask_forms=MASK_FORMS,
         deterministic_backward=True,  # XLA's products and scans: no atomics
         ring=False, paged=name == "xla",  # "xla": the pages gathered, then the reference
-        segment_ids=True, logits_soft_cap=True, sinks=True, alibi_slopes=True, block_mask=True)
+        segment_ids=True, logits_soft_cap=True, sinks=True, alibi_slopes=True, block_mask=True,
+        dropout_rate=True)
   raise ValueError(f"no implementation named {name!r}")
 
 
@@ -106,6 +108,7 @@ class Call:
   sinks: tuple[int, ...] | None = None  # the shape of the sinks, None without them
   alibi_slopes: tuple[int, ...] | None = None  # the shape of the ALiBi slopes, None without
   block_mask: tuple[int, ...] | None = None  # the shape of the block mask, None without
+  dropout_rate: float | None = None  # the dropout rate, None without dropout (rate 0)
 
   @property
   def head_dim(self) -> int:
@@ -199,12 +202,13 @@ def select(implementation: str | None, call: Call, *,
         f"q_segment_ids{q_ids} and kv_segment_ids{kv_ids} with query{call.query}. "
         f"Implementations {takers} take them: pass implementation='blockwise' on a GPU "
         "(FlashAttention in XLA)")
-  # The score variants and block masks some implementations do not take yet: (argument, how
-  # the call passed it, the pronoun the message uses).
+  # The score variants, block masks and dropout some implementations do not take yet:
+  # (argument, how the call passed it, the pronoun the message uses).
   optional = (("logits_soft_cap", f"logits_soft_cap={call.logits_soft_cap!r}", "it"),
               ("sinks", f"sinks{call.sinks}", "them"),
               ("alibi_slopes", f"alibi_slopes{call.alibi_slopes}", "them"),
-              ("block_mask", f"block_mask{call.block_mask}", "it"))
+              ("block_mask", f"block_mask{call.block_mask}", "it"),
+              ("dropout_rate", f"dropout_rate={call.dropout_rate!r}", "it"))
   for argument, passed, pronoun in optional:
     if getattr(call, argument) is None or getattr(can, argument):
       continue

@@ -66,6 +66,43 @@ def dropout_words(key: jax.Array, batch: int, heads: int, seq_q: int, seq_k: int
   return jnp.select([index == 0, index == 1, index == 2], words[:3], words[3])
 
 
+def seeds(key: jax.Array, batch: int, heads: int, *, shared: bool = False) -> jax.Array:
+  """What the kernels take per (batch element, query head): uint32 (batch, heads, 4), the key's
+  two words and the counter's head and batch words (key0, key1, h, b). With `shared` every
+  (b, h) gets head and batch words 0: one mask for the whole batch and every head (Flax's
+  broadcast_dropout), that of keep_mask(key, rate, 1, 1, T, S)[0, 0]."""
+  k0, k1 = key_words(key)
+  shape = (batch, heads)
+  h = jnp.broadcast_to(jnp.arange(heads, dtype=jnp.uint32)[None, :], shape)
+  b = jnp.broadcast_to(jnp.arange(batch, dtype=jnp.uint32)[:, None], shape)
+  if shared:
+    h, b = jnp.zeros(shape, jnp.uint32), jnp.zeros(shape, jnp.uint32)
+  return jnp.stack([jnp.broadcast_to(k0, shape), jnp.broadcast_to(k1, shape), h, b], axis=-1)
+
+
+def keep_from_seeds(seed_words: jax.Array, rate: float, rows: jax.Array,
+                    cols: jax.Array) -> jax.Array:
+  """The keep decisions of query rows `rows` (T,) and keys `cols` (S,) (int positions) under
+  `seed_words` (..., 4) as seeds() makes them: bool (..., T, S). keep_mask(key, rate, B, N, T,
+  S) is this of seeds(key, B, N), every row and every key; the "blockwise" path asks it for one
+  key block at a time."""
+  seed_words = seed_words[..., None, None, :]
+  r = jnp.asarray(rows).astype(jnp.uint32)[:, None]
+  c = jnp.asarray(cols).astype(jnp.uint32)[None, :]
+  words = philox4x32_10((c // 2, (r // 16) * 8 + r % 8, seed_words[..., 2], seed_words[..., 3]),
+                        (seed_words[..., 0], seed_words[..., 1]))
+  index = 2 * ((r // 8) % 2) + c % 2
+  word = jnp.select([index == 0, index == 1, index == 2], words[:3], words[3])
+  return word >= jnp.uint32(threshold(rate))
+
+
+def multipliers(seed_words: jax.Array, rate: float, rows: jax.Array, cols: jax.Array) -> jax.Array:
+  """Z = keep / (1 - rate) as float32 (..., T, S): what dropout multiplies the normalised
+  probabilities by (keep_from_seeds)."""
+  keep = keep_from_seeds(seed_words, rate, rows, cols)
+  return jnp.where(keep, jnp.float32(1.0 / (1.0 - rate)), jnp.float32(0.0))
+
+
 def keep_mask(key: jax.Array, rate: float, batch: int, heads: int, seq_q: int, seq_k: int) -> jax.Array:
   """Which score elements fused dropout at `rate` keeps: bool (batch, heads, seq_q, seq_k), the
   kernels' own decisions (kept elements are scaled by 1 / (1 - rate))."""

@@ -4,8 +4,9 @@ padded as the kernels need).
 
 Kernel layouts: q, o, dq (..., T, N, H); k, v, dk, dv (..., S, K, H); lse (..., N, T) float32;
 q_lens, kv_lens (...,) int32; segment ids, where given, (..., T) and (..., S) int32, and ALiBi
-slopes, where given, (..., N) float32, and the block mask, where given, (..., N, Tb, Sb) bool
-(the "cpu" kernel only). Leading dimensions are batch;
+slopes, where given, (..., N) float32, the block mask, where given, (..., N, Tb, Sb) bool, and
+the dropout seeds, where given, (..., N, 4) uint32 (jax_flash._dropout.seeds; the "cpu" kernel
+only). Leading dimensions are batch;
 vmap adds more (``broadcast_all``), and the kernels fold them all into one batch dimension.
 """
 
@@ -70,6 +71,10 @@ class KernelConfig:
   # Logit soft-capping c (Gemma 2), 0.0 for off: the "cpu" passes take it as their attribute
   # "logits_soft_cap"; the CUDA kernels do not take it (jax_flash._dispatch refuses it there).
   logits_soft_cap: float = 0.0
+  # Fused dropout's rate, 0.0 for off: the "cpu" passes take it as their attribute
+  # "dropout_rate" (with the seeds operand); the CUDA kernels do not take it (jax_flash._dispatch
+  # refuses it there).
+  dropout_rate: float = 0.0
 
   def attributes(self) -> dict:
     return dict(
@@ -139,11 +144,29 @@ def _block_mask_operands(config: KernelConfig, block_mask) -> tuple[tuple, dict]
   return (block_mask,), {"block_sparse": True}
 
 
+def _dropout_operands(config: KernelConfig, dropout_seeds) -> tuple[tuple, dict]:
+  """The dropout operand and attribute of a kernel call: the "cpu" passes always take the
+  uint32 seeds (..., N, 4) (a (0,) placeholder without) and the rate "dropout_rate" (0.0: off);
+  the "cuda" ones take neither, and no dropout (jax_flash._dispatch refuses it there). The
+  seeds come exactly with a rate > 0."""
+  if (dropout_seeds is None) != (not config.dropout_rate):
+    raise ValueError(f"dropout_rate={config.dropout_rate!r} and dropout seeds go together "
+                     f"(got seeds: {dropout_seeds is not None})")
+  if config.implementation != "cpu":
+    if dropout_seeds is not None:
+      raise NotImplementedError(f"the {config.implementation!r} kernels take no dropout_rate")
+    return (), {}
+  if dropout_seeds is None:
+    return (jnp.zeros((0,), jnp.uint32),), {"dropout_rate": 0.0}
+  return (dropout_seeds,), {"dropout_rate": float(config.dropout_rate)}
+
+
 def _flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig, segment_ids=None,
-               alibi_slopes=None, block_mask=None):
+               alibi_slopes=None, block_mask=None, dropout_seeds=None):
   """Returns (o, lse) with o like q (float32 with config.o_float32) and lse (..., N, T)
   float32. `segment_ids`: None or (q_ids (..., T), kv_ids (..., S)) int32; `alibi_slopes`:
-  None or (..., N) float32 (one slope per batch element and query head)."""
+  None or (..., N) float32 (one slope per batch element and query head); `dropout_seeds`:
+  None or (..., N, 4) uint32, exactly when config.dropout_rate > 0."""
   if segment_ids is not None and config.kv_splits:
     raise ValueError("split-KV decoding takes no segment ids (call_kernels sets kv_splits=0)")
   if alibi_slopes is not None and config.kv_splits:
@@ -152,6 +175,8 @@ def _flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig, segment_ids=None,
     raise ValueError("split-KV decoding takes no block_mask (call_kernels sets kv_splits=0)")
   if config.logits_soft_cap and config.kv_splits:
     raise ValueError("split-KV decoding takes no logits_soft_cap (call_kernels sets kv_splits=0)")
+  if (config.dropout_rate or dropout_seeds is not None) and config.kv_splits:
+    raise ValueError("split-KV decoding takes no dropout (call_kernels sets kv_splits=0)")
   if config.kv_splits and config.implementation == "cuda" and not _decode.cuda_kernel_enabled():
     tiled = dataclasses.replace(config, kv_splits=0, o_float32=True)
     return _split_kv.split_kv_forward(
@@ -173,9 +198,10 @@ def _flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig, segment_ids=None,
   ids, id_attributes = _segment_operands(config, segment_ids)
   alibi, alibi_attributes = _alibi_operands(config, alibi_slopes)
   blocks, block_attributes = _block_mask_operands(config, block_mask)
-  return call(q, k, v, q_lens, kv_lens, *ids, *alibi, *blocks, **config.attributes(),
+  drop, drop_attributes = _dropout_operands(config, dropout_seeds)
+  return call(q, k, v, q_lens, kv_lens, *ids, *alibi, *blocks, *drop, **config.attributes(),
               **id_attributes, **_soft_cap_attribute(config), **alibi_attributes,
-              **block_attributes)
+              **block_attributes, **drop_attributes)
 
 
 # The kernel ops have one derivative, their custom VJP's: differentiating them raises.
@@ -211,14 +237,15 @@ def dq_splits(batch: int, heads_k: int, seq_k: int) -> int:
 
 
 def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig, segment_ids=None,
-               o_error=None, alibi_slopes=None, block_mask=None):
+               o_error=None, alibi_slopes=None, block_mask=None, dropout_seeds=None):
   """Returns (dq, dk, dv); the kernel's workspaces come back as extra outputs and are dropped:
   delta (..., N, T) float32, and the float32 dQ accumulator, flat, of the size the native
   module gives (on the CPU one partial per dQ split; on CUDA one like q, none in deterministic
   mode). `o_error`: None, or the int8 rounding error of a 16-bit o
   (jax_flash._rounding.split_rounding), from which the CUDA kernel forms delta at about float32
   precision (the CPU kernel gets o joined back into float32). `alibi_slopes`: those of the
-  forward (the kernel recomputes the same biased scores; the slopes get no gradient)."""
+  forward (the kernel recomputes the same biased scores; the slopes get no gradient).
+  `dropout_seeds`: those of the forward (the kernel regenerates the same mask)."""
   if o_error is not None and config.implementation != "cuda":
     o, o_error = _rounding.join_rounding(o, o_error), None
   *batch, seq_q, heads_q, head_dim = q.shape
@@ -247,13 +274,14 @@ def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig, segm
   ids, id_attributes = _segment_operands(config, segment_ids)
   alibi, alibi_attributes = _alibi_operands(config, alibi_slopes)
   blocks, block_attributes = _block_mask_operands(config, block_mask)
+  drop, drop_attributes = _dropout_operands(config, dropout_seeds)
   # The CUDA backward's last operand: o_error, or an int8 placeholder with no elements.
   error = ()
   if config.implementation == "cuda":
     error = (jnp.zeros((0,), jnp.int8) if o_error is None else o_error,)
-  dq, dk, dv, _, _ = call(q, k, v, o, lse, d_o, q_lens, kv_lens, *ids, *alibi, *blocks, *error,
-                          **attributes, **id_attributes, **_soft_cap_attribute(config),
-                          **alibi_attributes, **block_attributes)
+  dq, dk, dv, _, _ = call(q, k, v, o, lse, d_o, q_lens, kv_lens, *ids, *alibi, *blocks, *drop,
+                          *error, **attributes, **id_attributes, **_soft_cap_attribute(config),
+                          **alibi_attributes, **block_attributes, **drop_attributes)
   return dq, dk, dv
 
 
@@ -303,6 +331,8 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
                  sinks: jax.Array | None = None,
                  alibi_slopes: jax.Array | None = None,
                  block_mask: jax.Array | None = None,
+                 dropout_rate: float | None = None,
+                 dropout_seeds: jax.Array | None = None,
                  ) -> tuple[jax.Array, jax.Array]:
   """(out, lse) of `attention` with what every entry point does around the kernels: the scale
   made positive (positive_scale) and the head dim zero-padded as `implementation` needs
@@ -322,7 +352,9 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
   head, which vmap and batch sharding fold like any operand); only the tiled kernel takes them,
   so such calls never run the decode kernel. With `block_mask` (B|1, N|1, Tb, Sb) bool
   `attention` gets it broadcast to (B, N, Tb, Sb) after the slopes (None where not given); the
-  tiled kernel only, as the slopes.
+  tiled kernel only, as the slopes. With `dropout_rate` (> 0; KernelConfig.dropout_rate
+  carries it) and `dropout_seeds` (B, N, 4) uint32 (jax_flash._dropout.seeds) `attention` gets
+  the seeds as its keyword argument `dropout_seeds`; the tiled kernel only.
 
   With nothing to compute (B, T or N is 0) or no key for any row (S is 0) no kernel runs: the
   output is zeros (every row empty, lse EMPTY_ROW_LSE), as jax.nn's is, and so are the
@@ -343,11 +375,12 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
   else:
     splits = _decode.kv_splits(implementation, batch, seq_q, heads_q, k.shape[2], k.shape[1])
   if (segment_ids is not None or logits_soft_cap is not None or alibi_slopes is not None
-      or block_mask is not None):
+      or block_mask is not None or dropout_rate is not None):
     splits = 0
   config = KernelConfig(implementation, scale, bool(is_causal), window_left, window_right,
                         deterministic, context_parallel=context_parallel, kv_splits=splits,
-                        logits_soft_cap=0.0 if logits_soft_cap is None else float(logits_soft_cap))
+                        logits_soft_cap=0.0 if logits_soft_cap is None else float(logits_soft_cap),
+                        dropout_rate=0.0 if dropout_rate is None else float(dropout_rate))
   with _derivatives.explain_forward_mode(caller, implementation):
     extra = () if segment_ids is None else (tuple(segment_ids),)
     if sinks is not None or alibi_slopes is not None or block_mask is not None:
@@ -360,5 +393,6 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
       extra += (None,)
     if block_mask is not None:
       extra += (jnp.broadcast_to(block_mask, (batch, heads_q, *block_mask.shape[-2:])),)
-    out, lse = attention(q, k, v, q_lens, kv_lens, config, *extra)
+    dropout = {} if dropout_rate is None else {"dropout_seeds": dropout_seeds}
+    out, lse = attention(q, k, v, q_lens, kv_lens, config, *extra, **dropout)
   return out[..., :head_dim], lse

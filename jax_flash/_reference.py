@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash import _registry
+from jax_flash import _dropout, _registry
 from jax_flash._block_sparse import with_block_mask
 
 # The lse of a row with no key to attend to, as the kernels write it (the most negative float32).
@@ -84,6 +84,18 @@ def alibi_lse_shift(lse, slopes, offset, sign: int = 1) -> jax.Array:
   return jnp.where(lse == EMPTY_ROW_LSE, lse, lse + shift)
 
 
+def dropout_multipliers(dropout_seeds, rate: float, heads_k: int, seq_q: int, seq_k: int,
+                        key_offset=0) -> jax.Array:
+  """(B, K, G, T, S) float32: Z = keep / (1 - rate) of the scores laid out as grouped (query
+  head h = kv head * G + member), for the S keys from position `key_offset` on; `dropout_seeds`
+  (B, N, 4) uint32 (jax_flash._dropout.seeds). The same decisions as the kernels'
+  (jax_flash._dropout.keep_mask)."""
+  batch, heads_q, _ = dropout_seeds.shape
+  seeds5 = dropout_seeds.reshape(batch, heads_k, heads_q // heads_k, 4)
+  return _dropout.multipliers(seeds5, rate, jnp.arange(seq_q),
+                              key_offset + jnp.arange(seq_k))
+
+
 def grouped_logit_array(x, heads_k: int):
   """A (B|1, N|1, T|1, S|1) bias or mask laid out like the grouped scores (B, K, G, T, S): its
   head dim split into (kv head, query head of the group), or (1, 1) when it broadcasts."""
@@ -94,8 +106,13 @@ def grouped_logit_array(x, heads_k: int):
 def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bool,
                         window_left: int = -1, window_right: int = -1, bias=None, mask=None,
                         segment_ids=None, logits_soft_cap: float | None = None, sinks=None,
-                        alibi_slopes=None, block_mask=None):
+                        alibi_slopes=None, block_mask=None, dropout_rate: float | None = None,
+                        dropout_seeds=None):
   """Returns (o, lse): o (B, T, N, H) in q's dtype, lse (B, N, T) float32.
+
+  `dropout_rate` (None: off) with `dropout_seeds` (B, N, 4) uint32 (jax_flash._dropout.seeds):
+  the normalised probabilities are multiplied by keep / (1 - rate) before P V
+  (dropout_multipliers: the kernels' decisions); the lse is not affected.
 
   `block_mask` (B|1, N|1, Tb, Sb) bool (None: off): block-sparse attention, expanded to an
   element mask (jax_flash._block_sparse) and combined with `mask`.
@@ -162,6 +179,8 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bo
     has_keys = jnp.broadcast_to(has_keys, row_sum.shape)
   safe_sum = jnp.where(has_keys, row_sum, 1.0)
   probs = probs / safe_sum
+  if dropout_rate is not None:
+    probs = probs * dropout_multipliers(dropout_seeds, dropout_rate, heads_k, seq_q, seq_k)
   out = jnp.einsum("bkgts,bskh->btkgh", probs, vf, precision="highest")
   out = jnp.where(rows_have_keys, out, 0.0)  # 0 even where a masked value is NaN
   out = out.reshape(batch, seq_q, heads_q, head_dim).astype(q.dtype)

@@ -31,6 +31,12 @@ batch and the query heads (no communication), and their block rows with the sequ
 context-parallel strategy runs over it, which carries them where the shards are whole 64 x 64
 blocks (jax_flash._context_parallel); where no strategy can, a sequence-sharded call gathers the
 sequence, and a requested strategy raises naming block_mask.
+
+Dropout seeds ((B, N, 4) uint32, the "cpu" kernel's: jax_flash._dropout.seeds) come last: they
+shard with the batch and the query heads (no communication; they hold the global batch and head
+indices, so every shard draws the mask of its own elements). The kernels number rows and keys
+from their slices' starts, so no context-parallel strategy carries dropout yet: a
+sequence-sharded call gathers the sequence and a requested strategy raises naming dropout_rate.
 """
 
 from __future__ import annotations
@@ -61,11 +67,15 @@ _IDS_RULE = ", b t, b s"
 _ALIBI_RULE = ", b n"
 # The block mask (b n x y): x query blocks, y key blocks.
 _BLOCKS_RULE = ", b n x y"
+# The dropout seeds (b n w): w their four words.
+_DROPOUT_RULE = ", b n w"
 
 
-def _rule(base: str, error: bool, ids: bool, alibi: bool, blocks: bool = False) -> str:
+def _rule(base: str, error: bool, ids: bool, alibi: bool, blocks: bool = False,
+          dropout: bool = False) -> str:
   extras = (_ERROR_RULE if error else "") + (_IDS_RULE if ids else "") + (
-      _ALIBI_RULE if alibi else "") + (_BLOCKS_RULE if blocks else "")
+      _ALIBI_RULE if alibi else "") + (_BLOCKS_RULE if blocks else "") + (
+      _DROPOUT_RULE if dropout else "")
   return base.replace(" ->", extras + " ->")
 
 
@@ -111,7 +121,8 @@ def _plan(mesh, arg_shapes, config: _ops.KernelConfig, blocks: bool = False) -> 
   """Read off the query's sharding: batch as it is; heads by _heads_plan; a sharded sequence
   runs the strategy _context_parallel.choose picks for the call (or the one it asks for), and
   is gathered where none can run. A block mask (`blocks`) goes only with a strategy that can
-  carry it (_context_parallel.choose)."""
+  carry it (_context_parallel.choose). With dropout (config.dropout_rate) no strategy runs: the
+  sequence is gathered, and a requested strategy raises."""
   q, k = arg_shapes[0], arg_shapes[1]
   batch = _spec_entry(q.sharding, 0)
   seq = _spec_entry(q.sharding, 1)
@@ -119,6 +130,14 @@ def _plan(mesh, arg_shapes, config: _ops.KernelConfig, blocks: bool = False) -> 
     batch = None
   q_heads, kv_heads = _heads_plan(mesh, q.shape, k.shape, _spec_entry(q.sharding, 2))
   strategy = None
+  carried_by_none = (f"dropout (dropout_rate={config.dropout_rate!r})" if config.dropout_rate
+                     else None)
+  if seq is not None and carried_by_none:
+    if config.context_parallel is not None:
+      raise ValueError(f"context_parallel={config.context_parallel!r} cannot run this call: no "
+                       f"context-parallel strategy carries {carried_by_none} yet (without "
+                       "context_parallel the sequence is gathered)")
+    seq = None
   if seq is not None:
     strategy = _context_parallel.choose(
         config.context_parallel, num=_axis_size(mesh, seq), seq_q=q.shape[1], seq_k=k.shape[1],
@@ -138,15 +157,17 @@ def _shardings(mesh, plan: _Plan):
 @dataclasses.dataclass(frozen=True)
 class _Extras:
   """Which optional operands an op takes after the lengths, in this order: o_error (the CUDA
-  backward's), the segment ids (two), the ALiBi slopes."""
+  backward's), the segment ids (two), the ALiBi slopes, the block mask, the dropout seeds."""
   error: bool = False
   ids: bool = False
   alibi: bool = False
   blocks: bool = False  # the block mask, after the slopes
+  dropout: bool = False  # the dropout seeds, last
 
   def split(self, extras) -> tuple:
     """(o_error or None, segment ids or None, alibi slopes or None) of the operands (the block
-    mask, where taken, is the last operand: see block_mask)."""
+    mask and the dropout seeds, where taken, are the last operands: see block_mask and
+    dropout_seeds)."""
     extras = list(extras)
     o_error = extras.pop(0) if self.error else None
     ids = (extras.pop(0), extras.pop(0)) if self.ids else None
@@ -155,7 +176,11 @@ class _Extras:
 
   def block_mask(self, extras):
     """The block mask among the operands, or None."""
-    return extras[-1] if self.blocks else None
+    return extras[len(extras) - 1 - self.dropout] if self.blocks else None
+
+  def dropout_seeds(self, extras):
+    """The dropout seeds among the operands, or None."""
+    return extras[-1] if self.dropout else None
 
   def shardings(self, mesh, plan: _Plan, q_rows) -> tuple:
     """Their shardings: o_error like q; the ids with the batch (and the sequence where a
@@ -168,6 +193,8 @@ class _Extras:
       out += (NamedSharding(mesh, P(plan.batch, plan.q_heads)),)
     if self.blocks:
       out += (NamedSharding(mesh, P(plan.batch, plan.q_heads, plan.seq, None)),)
+    if self.dropout:
+      out += (NamedSharding(mesh, P(plan.batch, plan.q_heads, None)),)
     return out
 
 
@@ -178,7 +205,8 @@ def _fwd_op(extras: _Extras):
   def impl(q, k, v, q_lens, kv_lens, *extras_and_config):
     *rest, config = extras_and_config
     _, ids, alibi = extras.split(rest)
-    return _ops.flash_fwd(q, k, v, q_lens, kv_lens, config, ids, alibi, extras.block_mask(rest))
+    return _ops.flash_fwd(q, k, v, q_lens, kv_lens, config, ids, alibi, extras.block_mask(rest),
+                          extras.dropout_seeds(rest))
 
   def partition(config, mesh, arg_shapes, result_shape):
     plan = _plan(mesh, arg_shapes, config, blocks=extras.blocks)
@@ -200,9 +228,10 @@ def _fwd_op(extras: _Extras):
     q_rows, _, lse, _ = _shardings(mesh, plan)
     return q_rows, lse
 
-  inputs = 5 + 2 * extras.ids + extras.alibi + extras.blocks
+  inputs = 5 + 2 * extras.ids + extras.alibi + extras.blocks + extras.dropout
   return _partitioned(impl, inputs,
-                      _rule(_FWD_RULE, False, extras.ids, extras.alibi, extras.blocks),
+                      _rule(_FWD_RULE, False, extras.ids, extras.alibi, extras.blocks,
+                            extras.dropout),
                       partition, infer)
 
 
@@ -214,7 +243,7 @@ def _bwd_op(extras: _Extras):
     *rest, config = extras_and_config
     o_error, ids, alibi = extras.split(rest)
     return _ops.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config, ids, o_error, alibi,
-                          extras.block_mask(rest))
+                          extras.block_mask(rest), extras.dropout_seeds(rest))
 
   def partition(config, mesh, arg_shapes, result_shape):
     plan = _plan(mesh, arg_shapes, config, blocks=extras.blocks)
@@ -245,9 +274,10 @@ def _bwd_op(extras: _Extras):
     q_rows, kv_rows, _, _ = _shardings(mesh, plan)
     return q_rows, kv_rows, kv_rows
 
-  inputs = 8 + extras.error + 2 * extras.ids + extras.alibi + extras.blocks
+  inputs = 8 + extras.error + 2 * extras.ids + extras.alibi + extras.blocks + extras.dropout
   return _partitioned(impl, inputs,
-                      _rule(_BWD_RULE, extras.error, extras.ids, extras.alibi, extras.blocks),
+                      _rule(_BWD_RULE, extras.error, extras.ids, extras.alibi, extras.blocks,
+                            extras.dropout),
                       partition, infer)
 
 
@@ -259,13 +289,15 @@ def _partitioned(impl, inputs: int, rule: str, partition, infer):
   return op
 
 
-# Every combination of optional operands, each op made once.
-_FWD_OPS = {extras: _fwd_op(extras) for extras in
-            (_Extras(ids=ids, alibi=alibi, blocks=blocks) for ids in (False, True)
-             for alibi in (False, True) for blocks in (False, True))}
-_BWD_OPS = {extras: _bwd_op(extras) for extras in
-            (_Extras(error, ids, alibi, blocks) for error in (False, True) for ids in (False, True)
-             for alibi in (False, True) for blocks in (False, True))}
+# Every combination of optional operands, each op made once (on first use).
+@functools.cache
+def _fwd_op_for(extras: _Extras):
+  return _fwd_op(extras)
+
+
+@functools.cache
+def _bwd_op_for(extras: _Extras):
+  return _bwd_op(extras)
 
 
 def _fold_into_batch(axis_size: int, in_batched, args):
@@ -301,25 +333,30 @@ def _batched_op(partitioned, config: _ops.KernelConfig):
 
 
 def flash_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=None,
-              alibi_slopes=None, block_mask=None):
+              alibi_slopes=None, block_mask=None, dropout_seeds=None):
   """(o, lse) of the forward kernel; q, k, v rank 4, lens rank 1, segment_ids None or
-  (q_ids (B, T), kv_ids (B, S)), alibi_slopes None or (B, N) float32; partitions and vmaps."""
-  op = _FWD_OPS[_Extras(ids=segment_ids is not None, alibi=alibi_slopes is not None,
-                        blocks=block_mask is not None)]
+  (q_ids (B, T), kv_ids (B, S)), alibi_slopes None or (B, N) float32, block_mask None or
+  (B, N, Tb, Sb) bool, dropout_seeds None or (B, N, 4) uint32; partitions and vmaps."""
+  op = _fwd_op_for(_Extras(ids=segment_ids is not None, alibi=alibi_slopes is not None,
+                           blocks=block_mask is not None, dropout=dropout_seeds is not None))
   alibi = () if alibi_slopes is None else (alibi_slopes,)
   blocks = () if block_mask is None else (block_mask,)
+  drop = () if dropout_seeds is None else (dropout_seeds,)
   return _batched_op(op, config)(q, k, v, q_lens, kv_lens, *(segment_ids or ()), *alibi,
-                                 *blocks)
+                                 *blocks, *drop)
 
 
 def flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelConfig,
-              segment_ids=None, o_error=None, alibi_slopes=None, block_mask=None):
+              segment_ids=None, o_error=None, alibi_slopes=None, block_mask=None,
+              dropout_seeds=None):
   """(dq, dk, dv) of the backward kernels; partitions and vmaps like flash_fwd. `o_error`:
   None, or the int8 rounding error of a 16-bit o (CUDA; jax_flash._rounding)."""
-  op = _BWD_OPS[_Extras(o_error is not None, segment_ids is not None, alibi_slopes is not None,
-                        block_mask is not None)]
+  op = _bwd_op_for(_Extras(o_error is not None, segment_ids is not None,
+                           alibi_slopes is not None, block_mask is not None,
+                           dropout_seeds is not None))
   operands = (q, k, v, o, lse, d_o, q_lens, kv_lens)
   operands += (() if o_error is None else (o_error,)) + tuple(segment_ids or ())
   operands += () if alibi_slopes is None else (alibi_slopes,)
   operands += () if block_mask is None else (block_mask,)
+  operands += () if dropout_seeds is None else (dropout_seeds,)
   return _batched_op(op, config)(*operands)

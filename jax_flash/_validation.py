@@ -217,6 +217,47 @@ def check_alibi_slopes(slopes, heads_q: int, query_shape) -> jax.Array | None:
   return jax.lax.stop_gradient(slopes.astype(jnp.float32))
 
 
+def check_dropout_rate(rate) -> float | None:
+  """dropout_rate as a Python float in (0, 1), or None for no dropout (a rate of 0). It must be a
+  concrete real number (not an array or a traced value: it is a static setting of the call, as
+  the kernels' threshold and scale are), 0 <= rate < 1."""
+  if isinstance(rate, (bool, np.bool_)) or not isinstance(rate, numbers.Real):
+    raise ValueError("dropout_rate must be a Python float in [0, 1) (a static setting, not an "
+                     f"array or traced value); got {rate!r}")
+  value = float(rate)
+  if not 0.0 <= value < 1.0:  # NaN fails too
+    raise ValueError(f"dropout_rate must be in [0, 1); got {value!r}")
+  return value or None
+
+
+def check_dropout_key(key, rate: float | None) -> jax.Array | None:
+  """dropout_key as one JAX PRNG key (a typed key whose data is two uint32 words, the default
+  threefry2x32's, or a raw uint32[2] key as jax.random.PRNGKey gives), or None. Required when
+  `rate` (check_dropout_rate's) is not None; checked whenever given. Its values may be
+  traced."""
+  if key is None:
+    if rate is not None:
+      raise ValueError(
+          f"dropout_rate={rate!r} needs a dropout_key: a JAX PRNG key (jax.random.key(seed) or "
+          "jax.random.PRNGKey(seed)) from which the dropout mask is drawn; got dropout_key=None")
+    return None
+  what = ("dropout_key must be one JAX PRNG key: a typed key of the threefry2x32 "
+          "implementation (jax.random.key) or a raw uint32 key of shape (2,) "
+          "(jax.random.PRNGKey)")
+  try:
+    key = jnp.asarray(key) if not hasattr(key, "dtype") else key
+  except TypeError as error:
+    raise ValueError(f"{what}; got {key!r}") from error
+  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    data = jax.random.key_data(key)
+    if key.shape != () or data.shape != (2,) or data.dtype != jnp.uint32:
+      raise ValueError(f"{what}; got a typed key array of shape {key.shape} ({key.dtype}) whose "
+                       f"data is {data.dtype}{data.shape}")
+  elif key.shape != (2,) or key.dtype != jnp.uint32:
+    raise ValueError(f"{what}; got dropout_key{key.shape} {key.dtype}")
+  return key
+
+
 def check_block_mask(block_mask, batch: int, heads_q: int, seq_q: int, seq_k: int,
                      unbatched: bool, query_shape, key_shape) -> jax.Array | None:
   """The block-sparse mask as a rank-4 bool array (B|1, N|1, Tb, Sb), or None.

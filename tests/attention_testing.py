@@ -420,12 +420,15 @@ def check_against_references(case: Case, got: dict) -> None:
 # of a jax_flash result against it, shared by test_softcap and test_alibi.
 
 
-def score_variant_attention(q, k, v, vis, *, scale, cap=None, slopes=None, dtype=None):
+def score_variant_attention(q, k, v, vis, *, scale, cap=None, slopes=None, dropout=None,
+                            dtype=None):
   """(out, lse (..., T, N)) on float32 inputs from the definition, the (T, S) scores
   materialised: s = scale * q.k; with `cap`, s <- cap * tanh(s / cap); with `slopes` (N,),
-  s <- s + slopes[h] * (j - i) for query i and key j; masked by `vis` ((B, T, S) bool), softmax.
-  With `dtype` (16-bit) the scores, each variant's result and the probabilities are rounded to
-  it, as attention in that dtype does. Rows with no visible key give 0 and EMPTY_ROW_LSE."""
+  s <- s + slopes[h] * (j - i) for query i and key j; masked by `vis` ((B, T, S) bool), softmax;
+  with `dropout` ((B, N, T, S) float32 Z = keep / (1 - rate)) the probabilities times Z before
+  P V (the lse is the softmax's). With `dtype` (16-bit) the scores, each variant's result and
+  the probabilities are rounded to it, as attention in that dtype does. Rows with no visible
+  key give 0 and EMPTY_ROW_LSE."""
   unbatched = q.ndim == 3
   if unbatched:
     q, k, v = q[None], k[None], v[None]
@@ -444,6 +447,8 @@ def score_variant_attention(q, k, v, vis, *, scale, cap=None, slopes=None, dtype
   has = vis.any(-1, keepdims=True)
   masked = jnp.where(vis, s, -0.7 * float(np.finfo(np.float32).max))
   p = rnd(jnp.where(has, jax.nn.softmax(masked, axis=-1), 0.0))
+  if dropout is not None:
+    p = rnd(p * jnp.asarray(dropout, F32).reshape(batch, heads_k, group, seq_q, seq_k))
   out = jnp.einsum("bkgts,bskh->btkgh", p, v, precision=HIGHEST).reshape(q.shape)
   lse = jnp.where(has[..., 0], jax.nn.logsumexp(masked, axis=-1), EMPTY_ROW_LSE)
   lse = jnp.moveaxis(lse.reshape(batch, heads_q, seq_q), -1, -2)

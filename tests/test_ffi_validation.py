@@ -62,14 +62,17 @@ Q, KV, ROWS = (B, T, N, H), (B, S, K, H), (B, N, T)
 
 
 # The CPU passes' segment-id operands without ids: int32 placeholders with no elements; and
-# their ALiBi operand without slopes, a float32 one; their block mask without one, a bool one.
+# their ALiBi operand without slopes, a float32 one; their block mask without one, a bool one;
+# their dropout seeds without dropout, a uint32 one.
 NO_IDS = dict(q_segment_ids=((0,), "int32"), kv_segment_ids=((0,), "int32"),
-              alibi_slopes=((0,), "float32"), block_mask=((0,), "bool"))
+              alibi_slopes=((0,), "float32"), block_mask=((0,), "bool"),
+              dropout_seeds=((0,), "uint32"))
 
 
 def attributes(**overrides) -> dict:
   base = dict(scale=0.5, is_causal=False, window_left=np.int64(-1), window_right=np.int64(-1),
-              segment_ids=False, logits_soft_cap=0.0, alibi=False, block_sparse=False)
+              segment_ids=False, logits_soft_cap=0.0, alibi=False, block_sparse=False,
+              dropout_rate=0.0)
   return {**base, **overrides}
 
 
@@ -145,6 +148,12 @@ def with_block_mask(call: Call, shape=(B, N, 1, 1), dtype="bool") -> Call:
   """The block mask switched on, with an operand of this shape (T = 5, S = 7: one block)."""
   call.shapes["block_mask"] = (tuple(shape), dtype)
   return with_attributes(call, block_sparse=True)
+
+
+def with_dropout(call: Call, shape=(B, N, 4), dtype="uint32", rate=0.25) -> Call:
+  """Dropout switched on (a rate > 0), with a seeds operand of this shape."""
+  call.shapes["dropout_seeds"] = (tuple(shape), dtype)
+  return with_attributes(call, dropout_rate=rate)
 
 
 # Errors both passes share (the checks of cuda/common/ffi_params.h): (id, spoil, fragments).
@@ -249,6 +258,19 @@ COMMON_ERRORS = [
     ("blocks_elements", lambda c: with_block_mask(c, shape=(B, N, T, S)), ("block_mask(2, 4, 5, 7) bool",)),
     ("blocks_uint8", lambda c: with_block_mask(c, dtype="uint8"), ("block_mask(2, 4, 1, 1) uint8", "bool")),
     ("blocks_empty_int32", lambda c: with_dtype(c, "int32", "block_mask"), ("block_mask(0,) int32", "bool")),
+    # Dropout: a rate in [0, 1); rate > 0 takes uint32 seeds (batch dims..., N, 4), rate 0 none.
+    ("dropout_on_empty", lambda c: with_attributes(c, dropout_rate=0.5),
+     ("dropout_seeds(0,) uint32", "(..., N, 4)", "q(2, 5, 4, 8)")),
+    ("dropout_off_given", lambda c: with_dropout(c, rate=0.0),
+     ("dropout_rate=0 takes an empty", "dropout_seeds(2, 4, 4) uint32")),
+    ("dropout_rate_1", lambda c: with_dropout(c, rate=1.0), ("dropout_rate", "[0, 1)", "got 1")),
+    ("dropout_rate_negative", lambda c: with_attributes(c, dropout_rate=-0.5),
+     ("dropout_rate", "got -0.5")),
+    ("dropout_rate_nan", lambda c: with_dropout(c, rate=float("nan")), ("dropout_rate", "got nan")),
+    ("dropout_kv_heads", lambda c: with_dropout(c, shape=(B, K, 4)), ("dropout_seeds(2, 2, 4) uint32",)),
+    ("dropout_words", lambda c: with_dropout(c, shape=(B, N, 2)), ("dropout_seeds(2, 4, 2) uint32",)),
+    ("dropout_unbatched", lambda c: with_dropout(c, shape=(N, 4)), ("dropout_seeds(4, 4) uint32",)),
+    ("dropout_int32", lambda c: with_dropout(c, dtype="int32"), ("dropout_seeds(2, 4, 4) int32", "uint32")),
 ]
 
 BWD_ERRORS = [
@@ -289,15 +311,17 @@ def test_bwd_errors(rng, spoil, fragments):
   expect_invalid_argument(spoil(valid_bwd()), rng, fragments)
 
 
-@pytest.mark.parametrize("ids,alibi,blocks", [(False, False, False), (True, False, False),
-                                              (True, True, False), (False, False, True)])
+@pytest.mark.parametrize("ids,alibi,blocks,dropout", [
+    (False, False, False, False), (True, False, False, False), (True, True, False, False),
+    (False, False, True, False), (True, False, True, True)])
 @pytest.mark.parametrize("make", [valid_fwd, valid_bwd], ids=["fwd", "bwd"])
-def test_valid_calls_run(rng, make, ids, alibi, blocks):
+def test_valid_calls_run(rng, make, ids, alibi, blocks, dropout):
   """The calls the error tests spoil are valid as built (so each error is the spoiled field's),
-  with segment ids, ALiBi slopes and a block mask too."""
+  with segment ids, ALiBi slopes, a block mask and dropout too."""
   call = with_ids(make()) if ids else make()
   call = with_alibi(call) if alibi else call
   call = with_block_mask(call) if blocks else call
+  call = with_dropout(call) if dropout else call
   for out in call.run(rng):
     assert np.isfinite(np.asarray(out, np.float32)).all()
 
@@ -333,9 +357,11 @@ def _direct_fwd(q, k, v, q_lens, kv_lens, scale, causal, left, right):
   no_ids = jnp.zeros((0,), jnp.int32)
   no_slopes = jnp.zeros((0,), jnp.float32)
   no_blocks = jnp.zeros((0,), jnp.bool_)
-  return call(q, k, v, q_lens, kv_lens, no_ids, no_ids, no_slopes, no_blocks, scale=float(scale),
-              is_causal=causal, window_left=np.int64(left), window_right=np.int64(right),
-              segment_ids=False, logits_soft_cap=0.0, alibi=False, block_sparse=False)
+  no_seeds = jnp.zeros((0,), jnp.uint32)
+  return call(q, k, v, q_lens, kv_lens, no_ids, no_ids, no_slopes, no_blocks, no_seeds,
+              scale=float(scale), is_causal=causal, window_left=np.int64(left),
+              window_right=np.int64(right), segment_ids=False, logits_soft_cap=0.0, alibi=False,
+              block_sparse=False, dropout_rate=0.0)
 
 
 def _inputs(rng, dtype="float32"):
@@ -391,7 +417,8 @@ def test_wide_window_backward_matches_unbounded(rng, window):
     no_ids = jnp.zeros((0,), jnp.int32)
     return jax.jit(lambda *a: bwd(*a, **attrs))(q, k, v, o, lse, d_o, q_lens, kv_lens, no_ids,
                                                 no_ids, jnp.zeros((0,), jnp.float32),
-                                                jnp.zeros((0,), jnp.bool_))[:3]
+                                                jnp.zeros((0,), jnp.bool_),
+                                                jnp.zeros((0,), jnp.uint32))[:3]
 
   for got, want in zip(grads(window, window), grads(-1, -1)):
     _close(got, want, atol=0)

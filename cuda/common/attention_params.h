@@ -8,6 +8,7 @@
 //   q_segment_ids, kv_segment_ids : (batch, seq_q), (batch, seq_k), int32, or absent
 //   alibi_slopes : (batch, heads_q), float32, or absent
 //   block_mask   : (batch, heads_q, q_blocks, k_blocks), bool, or absent (CPU)
+//   dropout_seeds : (batch, heads_q, 4), uint32, or absent (CPU)
 // "batch" is every leading dimension folded together (vmap adds them).
 #pragma once
 
@@ -80,6 +81,17 @@ struct AttentionParams {
   const uint8_t* block_mask = nullptr;
   int64_t block_mask_q_blocks = 0;  // its last two dimensions
   int64_t block_mask_k_blocks = 0;
+  // Fused dropout (FlashAttention, Dao et al. 2022), or null for none: per (batch, query head)
+  // four words (key0, key1, head, batch), the Philox key and the counter's head and batch words
+  // of common/dropout_bits.h, which gives every score element's keep decision from its row and
+  // key (so nothing T x S is stored, and the backward regenerates the forward's mask). The
+  // head and batch words are the caller's (the global indices under batch or head sharding and
+  // vmap; the same for every element where one mask is shared). The normalised probabilities P
+  // become P * keep / (1 - rate) before P V; the lse is not affected. Only the CPU kernel
+  // reads it (the CUDA handlers take no such operand, and the Python side refuses it there).
+  const uint32_t* dropout_seeds = nullptr;
+  uint32_t dropout_threshold = 0;  // words below it drop their element (dropout_threshold(rate))
+  float dropout_scale = 1.f;       // 1 / (1 - rate): the kept elements' factor
 
   // Whether the block mask lets query block qb of (b, h) see key block kb (true without one).
   bool block_visible(int64_t b, int64_t h, int64_t qb, int64_t kb) const {

@@ -24,16 +24,21 @@ struct PhiloxWords {
   uint32_t w[4];
 };
 
+// Philox4x32-10's constants: the round multipliers and the key schedule's increments. (Plain
+// constexpr, internal linkage: the CPU kernels' per-ISA objects, which must export no symbol
+// outside their own namespace, use them in their vector form of the rounds, cpu/flash_fwd.h.)
+constexpr uint32_t kPhiloxMul0 = 0xD2511F53u, kPhiloxMul1 = 0xCD9E8D57u;
+constexpr uint32_t kPhiloxBump0 = 0x9E3779B9u, kPhiloxBump1 = 0xBB67AE85u;
+constexpr int kPhiloxRounds = 10;
+
 JF_HOST_DEVICE inline PhiloxWords philox4x32_10(PhiloxWords counter, uint32_t key0, uint32_t key1) {
-  constexpr uint32_t kMul0 = 0xD2511F53u, kMul1 = 0xCD9E8D57u;  // the round multipliers
-  constexpr uint32_t kBump0 = 0x9E3779B9u, kBump1 = 0xBB67AE85u;  // the key schedule's increments
-  for (int round = 0; round < 10; ++round) {
-    const uint64_t p0 = static_cast<uint64_t>(kMul0) * counter.w[0];
-    const uint64_t p1 = static_cast<uint64_t>(kMul1) * counter.w[2];
+  for (int round = 0; round < kPhiloxRounds; ++round) {
+    const uint64_t p0 = static_cast<uint64_t>(kPhiloxMul0) * counter.w[0];
+    const uint64_t p1 = static_cast<uint64_t>(kPhiloxMul1) * counter.w[2];
     counter = {{static_cast<uint32_t>(p1 >> 32) ^ counter.w[1] ^ key0, static_cast<uint32_t>(p1),
                 static_cast<uint32_t>(p0 >> 32) ^ counter.w[3] ^ key1, static_cast<uint32_t>(p0)}};
-    key0 += kBump0;
-    key1 += kBump1;
+    key0 += kPhiloxBump0;
+    key1 += kPhiloxBump1;
   }
   return counter;
 }

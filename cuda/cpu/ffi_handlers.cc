@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstdio>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -13,6 +14,7 @@
 #include "cpu/decode.h"
 #include "cpu/kernels.h"
 #include "common/decode_ffi_params.h"
+#include "common/dropout_bits.h"
 #include "common/ffi_params.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -99,12 +101,45 @@ ffi::Error set_block_mask(const ffi::AnyBuffer& mask, bool blocks, const ffi::An
   return ffi::Error::Success();
 }
 
+// Fused dropout: with dropout_rate in (0, 1), dropout_seeds (..., N, 4) uint32, its leading
+// dimensions those of q and N q's query heads (per batch element and query head the Philox key
+// words and the counter's head and batch words: AttentionParams::dropout_seeds); with rate 0,
+// a uint32 operand of no elements (the callers pass a (0,) placeholder). Call after the
+// attention inputs are set (it reads params.shape).
+ffi::Error set_dropout(const ffi::AnyBuffer& seeds, double rate, const ffi::AnyBuffer& q,
+                       AttentionParams& params) {
+  JF_RETURN_IF_ERROR(expect_dtype("dropout_seeds", seeds, ffi::DataType::U32));
+  if (!(rate >= 0.0 && rate < 1.0)) {  // NaN fails too
+    char text[80];
+    std::snprintf(text, sizeof(text), "dropout_rate must be in [0, 1); got %.9g", rate);
+    return invalid(text);
+  }
+  if (rate == 0.0) {
+    if (seeds.element_count() != 0)
+      return invalid("dropout_rate=0 takes an empty dropout_seeds operand; got " + describe("dropout_seeds", seeds));
+    params.dropout_seeds = nullptr;
+    return ffi::Error::Success();
+  }
+  const auto sd = seeds.dimensions(), qd = q.dimensions();
+  bool match = sd.size() + 1 == qd.size();
+  for (size_t i = 0; match && i + 2 < sd.size(); ++i) match = sd[i] == qd[i];
+  if (match) match = sd[sd.size() - 2] == params.shape.heads_q && sd[sd.size() - 1] == 4;
+  if (!match)
+    return invalid(describe("dropout_seeds", seeds) + ": must be q's batch dims, query heads and 4 words (..., N, 4), " +
+                   "for " + describe("q", q));
+  params.dropout_seeds = static_cast<const uint32_t*>(seeds.untyped_data());
+  params.dropout_threshold = dropout_threshold(rate);
+  params.dropout_scale = static_cast<float>(1.0 / (1.0 - rate));
+  return ffi::Error::Success();
+}
+
 ffi::Error run_fwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens, ffi::Result<ffi::AnyBuffer> o,
                    ffi::Result<ffi::AnyBuffer> lse, double scale, bool is_causal, int64_t window_left,
                    int64_t window_right, ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
                    bool segment_ids, double logits_soft_cap, ffi::AnyBuffer alibi_slopes, bool alibi,
-                   ffi::AnyBuffer block_mask, bool block_sparse) {
+                   ffi::AnyBuffer block_mask, bool block_sparse, ffi::AnyBuffer dropout_seeds,
+                   double dropout_rate) {
   FwdParams params;
   JF_RETURN_IF_ERROR(make_fwd_params(q, k, v, q_lens, kv_lens, *o, *lse, scale, is_causal,
                                      window_left, window_right, params));
@@ -112,6 +147,7 @@ ffi::Error run_fwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   JF_RETURN_IF_ERROR(attention_soft_cap(logits_soft_cap, params.logits_soft_cap));
   JF_RETURN_IF_ERROR(set_alibi_slopes(alibi_slopes, alibi, q, params));
   JF_RETURN_IF_ERROR(set_block_mask(block_mask, block_sparse, q, params));
+  JF_RETURN_IF_ERROR(set_dropout(dropout_seeds, dropout_rate, q, params));
   PoolRunner runner{&pool};
   cpu::flash_fwd(params, {&PoolRunner::run, &runner});
   return ffi::Error::Success();
@@ -126,7 +162,8 @@ ffi::Error run_bwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                    ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids, bool segment_ids,
                    int64_t dq_splits, bool /*deterministic: the CPU backward always is*/,
                    double logits_soft_cap, ffi::AnyBuffer alibi_slopes, bool alibi,
-                   ffi::AnyBuffer block_mask, bool block_sparse) {
+                   ffi::AnyBuffer block_mask, bool block_sparse, ffi::AnyBuffer dropout_seeds,
+                   double dropout_rate) {
   BwdParams params;
   JF_RETURN_IF_ERROR(make_bwd_params(q, k, v, o, lse, d_o, q_lens, kv_lens, *dq, *dk, *dv, *delta,
                                      scale, is_causal, window_left, window_right, params));
@@ -134,6 +171,7 @@ ffi::Error run_bwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   JF_RETURN_IF_ERROR(attention_soft_cap(logits_soft_cap, params.logits_soft_cap));
   JF_RETURN_IF_ERROR(set_alibi_slopes(alibi_slopes, alibi, q, params));
   JF_RETURN_IF_ERROR(set_block_mask(block_mask, block_sparse, q, params));
+  JF_RETURN_IF_ERROR(set_dropout(dropout_seeds, dropout_rate, q, params));
   if (dq_splits < 1 || dq_splits > kMaxDqSplits)
     return invalid("dq_splits must be in [1, " + std::to_string(kMaxDqSplits) + "]; got " +
                    std::to_string(dq_splits));
@@ -191,7 +229,8 @@ auto with_segment_ids(Binding binding) {
 // And the score policies: logit soft-capping ("logits_soft_cap", c > 0 or 0 for off;
 // attention_soft_cap checks it) and ALiBi (one more operand after the segment ids, and its
 // switch; set_alibi_slopes checks them), and the block-sparse mask (one more operand and its
-// switch; set_block_mask checks them).
+// switch; set_block_mask checks them), and fused dropout (one more operand and its rate, 0 for
+// off; set_dropout checks them).
 template <typename Binding>
 auto with_score_policies(Binding binding) {
   return std::move(binding)
@@ -199,7 +238,9 @@ auto with_score_policies(Binding binding) {
       .template Arg<ffi::AnyBuffer>()  // alibi_slopes (..., N) float32, or (0,) without
       .template Attr<bool>("alibi")
       .template Arg<ffi::AnyBuffer>()  // block_mask (..., N, Tb, Sb) bool, or (0,) without
-      .template Attr<bool>("block_sparse");
+      .template Attr<bool>("block_sparse")
+      .template Arg<ffi::AnyBuffer>()  // dropout_seeds (..., N, 4) uint32, or (0,) without
+      .template Attr<double>("dropout_rate");
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuFlashFwd, run_fwd,

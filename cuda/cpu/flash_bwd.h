@@ -11,7 +11,9 @@
 // each recomputed score tile as the forward added it (alibi_rows in flash_fwd.h); it depends on
 // neither Q nor K, so dS needs nothing more, and the slopes get no gradient. With a block mask
 // the query tiles are aligned at row 0 (as the mask's blocks) and a tile the mask hides from the
-// key block is skipped: its P is 0.
+// key block is skipped: its P is 0. With dropout (Z = keep / (1 - rate), regenerated per tile
+// as the forward made it: dropout_columns in flash_fwd.h) the forward's O = (P * Z) V gives
+// dV = (P * Z)^T dO and dS = P * (dP * Z - delta), delta = rowsum(dO * O) as without.
 #pragma once
 
 #include <cmath>
@@ -89,9 +91,11 @@ struct FlashBwdMain {
     const bool blocks = p.block_mask != nullptr;
 
     // Scratch tiles: K, K^T, V^T, dK, dV for the key block; Q, dO, P, dS, lse, delta for the
-    // query block, and with soft-capping the cap's derivative per score. P^T and dS^T are read
-    // from P and dS in place (gemm_at).
-    float* k_tile = thread_scratch(5 * bk * dp + 2 * bq * dp + 3 * bq * bk + 2 * bq);
+    // query block, with soft-capping the cap's derivative per score, and with dropout Z and then
+    // P * Z, and Z^T as drawn (rows from a multiple of kDropoutRows). P^T and dS^T are read from P
+    // and dS in place (gemm_at).
+    constexpr int64_t ldz = bq + kDropoutRows;
+    float* k_tile = thread_scratch(5 * bk * dp + 2 * bq * dp + 4 * bq * bk + 2 * bq + bk * ldz);
     float* kt_tile = k_tile + bk * dp;
     float* vt_tile = kt_tile + dp * bk;
     float* dk_acc = vt_tile + dp * bk;
@@ -103,6 +107,8 @@ struct FlashBwdMain {
     float* lse2 = dscores + bq * bk;
     float* delta = lse2 + bq;
     float* cap_grad = delta + bq;  // (bq, bk): 1 - tanh^2 of each raw score, with soft-capping
+    float* dropped = cap_grad + bq * bk;  // (bq, bk): with dropout Z, then P * Z
+    float* dropped_t = dropped + bq * bk;  // (bk, ldz): Z^T, rows from i0 rounded down
 
     const T* k = static_cast<const T*>(p.k) + b * sh.seq_k * kv_stride + hk * d;
     const T* v = static_cast<const T*>(p.v) + b * sh.seq_k * kv_stride + hk * d;
@@ -141,6 +147,7 @@ struct FlashBwdMain {
         float* dq = p.dq_accum + ((split * sh.batch + b) * sh.seq_q * sh.heads_q + h) * dp;
         const int64_t dq_stride = sh.heads_q * dp;
         const Alibi alibi(p.alibi_slopes, b * sh.heads_q + h);
+        const Dropout dropout(p, b, h);
 
         // A block mask: query tiles are its blocks (aligned at row 0), those it hides from this
         // key block never visited.
@@ -179,15 +186,40 @@ struct FlashBwdMain {
             const Vec l = splat(lse2[r]);
             for (int64_t c = 0; c < bk; c += kLanes) store(s + c, exp2_nonpositive(vmin0(load(s + c) - l)));
           }
-          // dV += P^T dO
-          gemm_at(live_cols, dp, rows, 1.f, probs, bk, dos, ldo, dv_acc, dp, true);
-          // dP = dO V^T, then dS = P * (dP - delta)
-          gemm(rows, bk, dp, 1.f, dos, ldo, vt_tile, bk, dscores, bk, false);
-          for (int64_t r = 0; r < rows; ++r) {
-            const Vec dr = splat(delta[r]);
-            for (int64_t c = 0; c < bk; c += kLanes) {
-              const Vec pr = load(probs + r * bk + c);
-              store(dscores + r * bk + c, pr * (load(dscores + r * bk + c) - dr));
+          if (dropout) {
+            // Z over the whole tile width (keys past the sequence get a finite Z; their P is 0),
+            // drawn transposed from the row group i0 falls in, then transposed into place.
+            const int64_t shift = i0 % kDropoutRows;
+            const Vec scale = splat(dropout.scale);
+            dropout_columns(dropout, i0 - shift, shift + rows, j0, bk, [&](int64_t c, int64_t r, IVec keep) {
+              store(dropped_t + c * ldz + r, keep ? scale : Vec{});
+            });
+            for (int64_t r = 0; r < rows; ++r)
+              for (int64_t c = 0; c < bk; ++c) dropped[r * bk + c] = dropped_t[c * ldz + shift + r];
+            // dP = dO V^T, then dS = P * (dP * Z - delta), and P * Z in place of Z
+            gemm(rows, bk, dp, 1.f, dos, ldo, vt_tile, bk, dscores, bk, false);
+            for (int64_t r = 0; r < rows; ++r) {
+              const Vec dr = splat(delta[r]);
+              for (int64_t c = 0; c < bk; c += kLanes) {
+                const int64_t x = r * bk + c;
+                const Vec pr = load(probs + x), z = load(dropped + x);
+                store(dscores + x, pr * (load(dscores + x) * z - dr));
+                store(dropped + x, pr * z);
+              }
+            }
+            // dV += (P * Z)^T dO
+            gemm_at(live_cols, dp, rows, 1.f, dropped, bk, dos, ldo, dv_acc, dp, true);
+          } else {
+            // dV += P^T dO
+            gemm_at(live_cols, dp, rows, 1.f, probs, bk, dos, ldo, dv_acc, dp, true);
+            // dP = dO V^T, then dS = P * (dP - delta)
+            gemm(rows, bk, dp, 1.f, dos, ldo, vt_tile, bk, dscores, bk, false);
+            for (int64_t r = 0; r < rows; ++r) {
+              const Vec dr = splat(delta[r]);
+              for (int64_t c = 0; c < bk; c += kLanes) {
+                const Vec pr = load(probs + r * bk + c);
+                store(dscores + r * bk + c, pr * (load(dscores + r * bk + c) - dr));
+              }
             }
           }
           // Soft-capping: dS by the raw score is dS by the capped one times 1 - tanh^2.

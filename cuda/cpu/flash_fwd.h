@@ -6,6 +6,11 @@
 #include <cmath>
 #include <cstring>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+#include "common/dropout_bits.h"
 #include "common/mask.h"
 #include "cpu/parallel.h"
 #include "cpu/simd.h"
@@ -254,6 +259,137 @@ inline void alibi_rows(float* s, int64_t ld, int64_t rows, int64_t cols, int64_t
   }
 }
 
+// Fused dropout (FlashAttention's), the third tile policy: the keep decision of the score
+// element of query row i and key j is common/dropout_bits.h's Philox word of (i, j) under this
+// (batch, query head)'s seed words, compared with the threshold; both passes regenerate it per
+// tile, so nothing T x S is stored and the backward drops what the forward dropped. The
+// forward zeroes the dropped probabilities before P V and scales the output row by
+// 1 / (1 - rate) where it divides by the row sum (which, like the lse, keeps every
+// probability); the backward forms Z = keep / (1 - rate) per tile (dropout_multipliers). Off
+// (no seeds) the kernels skip it with one branch per tile.
+struct Dropout {
+  uint32_t key0 = 0, key1 = 0;  // the Philox key
+  uint32_t head = 0, batch = 0;  // the counter's head and batch words
+  uint32_t threshold = 0;  // words below it drop their element
+  float scale = 1.f;  // 1 / (1 - rate)
+  bool on = false;
+  Dropout(const AttentionParams& p, int64_t b, int64_t h) {
+    if (!p.dropout_seeds) return;
+    const uint32_t* seed = p.dropout_seeds + (b * p.shape.heads_q + h) * 4;
+    key0 = seed[0], key1 = seed[1], head = seed[2], batch = seed[3];
+    threshold = p.dropout_threshold;
+    scale = p.dropout_scale;
+    on = true;
+  }
+  explicit operator bool() const { return on; }
+};
+
+typedef uint32_t UVec __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+// The same bits as kLanes / 2 64-bit lanes: lane l holds 32-bit lanes 2l (low half) and 2l + 1.
+typedef uint64_t UPairs __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+
+inline UPairs as_pairs(UVec x) {
+  UPairs y;
+  std::memcpy(&y, &x, sizeof(y));
+  return y;
+}
+inline UVec as_lanes(UPairs x) {
+  UVec y;
+  std::memcpy(&y, &x, sizeof(y));
+  return y;
+}
+
+// The 64-bit products of the low halves of x's and k's 64-bit lanes (x86's pmuludq: one
+// instruction, where the compiler makes a general 64-bit product of several).
+inline UPairs mul_low_halves(UPairs x, UPairs k) {
+#if defined(__x86_64__) || defined(__i386__)
+#if JF_SIMD_LANES == 16
+  return reinterpret_cast<UPairs>(_mm512_mul_epu32(reinterpret_cast<__m512i>(x), reinterpret_cast<__m512i>(k)));
+#elif JF_SIMD_LANES == 8
+  return reinterpret_cast<UPairs>(_mm256_mul_epu32(reinterpret_cast<__m256i>(x), reinterpret_cast<__m256i>(k)));
+#else
+  return reinterpret_cast<UPairs>(_mm_mul_epu32(reinterpret_cast<__m128i>(x), reinterpret_cast<__m128i>(k)));
+#endif
+#else
+  return (x & 0xFFFFFFFFull) * (k & 0xFFFFFFFFull);
+#endif
+}
+
+// The high and low 32-bit words of x * k, lane by lane: the even lanes' products and the odd
+// lanes' (shifted down into the low halves) taken apart and interleaved again.
+inline void mul_hi_lo(UVec x, uint32_t k, UVec& hi, UVec& lo) {
+  const UPairs kk = static_cast<uint64_t>(k) - UPairs{};
+  const UPairs even = mul_low_halves(as_pairs(x), kk), odd = mul_low_halves(as_pairs(x) >> 32, kk);
+  hi = as_lanes((even >> 32) | (odd & 0xFFFFFFFF00000000ull));
+  lo = as_lanes((even & 0xFFFFFFFFull) | (odd << 32));
+}
+
+// Philox4x32-10 (common/dropout_bits.h's philox4x32_10) on kLanes counters at once: w[0..3]
+// are the counters' words, lane by lane; they become the four output words.
+inline void philox_lanes(UVec w[4], uint32_t key0, uint32_t key1) {
+  for (int round = 0; round < kPhiloxRounds; ++round) {
+    UVec hi0, lo0, hi1, lo1;
+    mul_hi_lo(w[0], kPhiloxMul0, hi0, lo0);
+    mul_hi_lo(w[2], kPhiloxMul1, hi1, lo1);
+    w[0] = hi1 ^ w[1] ^ key0;
+    w[1] = lo1;
+    w[2] = hi0 ^ w[3] ^ key1;
+    w[3] = lo0;
+    key0 += kPhiloxBump0;
+    key1 += kPhiloxBump1;
+  }
+}
+
+// Rows of a tile of keep decisions that dropout_columns produces together: one group of 16
+// rows (dropout_bits.h's counter covers rows i and i + 8 in one call), two with 16 lanes.
+inline constexpr int64_t kDropoutRows = kLanes > 8 ? 32 : 16;
+
+// The keep decisions of a tile, kLanes query rows a vector, as the forward's transposed scores
+// want them: calls apply(c, r, keep) for every key j0 + c (0 <= c < cols) and every vector of
+// the rows i0 + r, ..., i0 + r + kLanes - 1 (0 <= r < round_up(rows, kDropoutRows), r a multiple
+// of kLanes), `keep` the mask of the lanes whose element dropout keeps. i0 must be a multiple
+// of kDropoutRows. dropout_bits.h's layout: the Philox call of row word w = (i / 16) * 8 + i % 8
+// and key pair j / 2 gives the words of (i, j), (i, j + 1), (i + 8, j), (i + 8, j + 1) (j
+// even); kLanes consecutive row words go through the rounds together, so their words 0 and 1
+// are the keys' decisions for kLanes consecutive rows of one 16-row group (the first 8), words 2
+// and 3 for the next rows (the last 8); with 16 lanes two groups, regrouped by a shuffle.
+template <typename Apply>
+inline void dropout_columns(const Dropout& dropout, int64_t i0, int64_t rows, int64_t j0, int64_t cols,
+                            Apply&& apply) {
+  UVec lanes;
+  for (int l = 0; l < kLanes; ++l) lanes[l] = static_cast<uint32_t>(l);
+  const UVec threshold = dropout.threshold - UVec{};
+  const int64_t pair_begin = j0 / 2, pair_end = (j0 + cols + 1) / 2;  // key pairs (j / 2)
+  for (int64_t span = 0; span < rows; span += kDropoutRows) {
+    const int64_t first_word = (i0 + span) / 2;  // the span's first row word: 8 per 16 rows
+    for (int64_t w0 = 0; w0 < kDropoutRows / 2; w0 += kLanes) {
+      const UVec row_words = static_cast<uint32_t>(first_word + w0) + lanes;
+      for (int64_t pair = pair_begin; pair < pair_end; ++pair) {
+        UVec w[4] = {static_cast<uint32_t>(pair) - UVec{}, row_words, dropout.head - UVec{},
+                     dropout.batch - UVec{}};
+        philox_lanes(w, dropout.key0, dropout.key1);
+        const int64_t c = 2 * pair - j0;  // the tile column of the even key
+        for (int odd = 0; odd < 2; ++odd) {
+          if (c + odd < 0 || c + odd >= cols) continue;
+          const UVec top = w[odd], bottom = w[2 + odd];  // rows +0..7 and +8..15 of a group
+#if JF_SIMD_LANES == 16
+          // Lanes 0-7 are the first group's rows, 8-15 the second's.
+          const UVec first = __builtin_shufflevector(top, bottom, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19,
+                                                     20, 21, 22, 23);
+          const UVec second = __builtin_shufflevector(top, bottom, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
+                                                      26, 27, 28, 29, 30, 31);
+          apply(c + odd, span, first >= threshold);
+          apply(c + odd, span + 16, second >= threshold);
+#else
+          apply(c + odd, span + w0, top >= threshold);
+          apply(c + odd, span + 8 + w0, bottom >= threshold);
+#endif
+        }
+      }
+    }
+  }
+}
+
 // Whether the key range of a row meets the keys [j0, j0 + cols).
 inline bool range_meets(KeyRange keys, int64_t j0, int64_t cols) {
   return max64(keys.begin, j0) < min64(keys.end, j0 + cols);
@@ -334,6 +470,7 @@ struct FlashFwd {
       const float score_scale = p.scale * kLog2e;  // scores in base 2: exp2 instead of exp
       const SoftCap cap(p.logits_soft_cap);
       const Alibi alibi(p.alibi_slopes, b * sh.heads_q + h);
+      const Dropout dropout(p, b, h);
       for (int64_t j0 = blocks ? first.begin / kp * kp : first.begin; j0 < last.end; j0 += kp) {
         const int64_t cols = min64(kp, last.end - j0);
         if (blocks && !p.block_visible(b, h, qb, j0 / kp)) continue;  // block-sparse: skipped
@@ -378,6 +515,13 @@ struct FlashFwd {
             for (int64_t c = 0; c < dp; c += kLanes) store(acc + r * dp + c, load(acc + r * dp + c) * cv);
           }
         }
+        // Dropout: the dropped probabilities of the rows' P (S^T, key c at scores_t[c * qp])
+        // become 0; the row sums above keep them, and 1 / (1 - rate) joins 1 / row sum below.
+        if (dropout)
+          dropout_columns(dropout, i0, live_rows, j0, cols, [&](int64_t c, int64_t r, IVec keep) {
+            float* p = scores_t + c * qp + r;
+            store(p, keep ? load(p) : Vec{});
+          });
         // O += P V, P read from S^T in place.
         gemm_at(live_rows, dp, cols, 1.f, scores_t, qp, vt, ldv, acc, dp, true);
       }
@@ -388,7 +532,7 @@ struct FlashFwd {
     for (int64_t r = 0; r < rows; ++r) {
       const bool empty = r >= live_rows || key_range(p.mask, i0 + r, q_len, kv_len).empty() ||
                          (track_seen && seen[r] == 0.f);
-      const float inv = empty ? 0.f : 1.f / row_sum[r];
+      const float inv = empty ? 0.f : p.dropout_scale / row_sum[r];  // dropout_scale 1: none
       const int64_t out_row = out_offset + r * q_stride;
       if (p.o_float32)
         empty ? store_zeros(d, static_cast<float*>(p.o) + out_row)

@@ -1,0 +1,371 @@
+"""Fused attention dropout (issue 17 item 4): ``dropout_rate`` and ``dropout_key`` on
+dot_product_attention. Each normalised probability p_ij of query head h is multiplied by
+Z = keep / (1 - rate) before P V, keep = jax_flash._dropout.keep_mask(key, rate, B, N, T, S)
+[b, h, i, j] on every path; the lse is the undropped softmax's.
+
+Each path ("cpu" kernel, "blockwise", "xla") is checked against a float32 reference that
+materialises the (T, S) probabilities and multiplies them by that mask
+(attention_testing.score_variant_attention, differentiated by JAX), by the FlashAttention rule
+of tests/attention_testing.py (max error <= 2x the error of the same reference with the input
+dtype's rounding, plus the tiny floor): forward, lse and dq, dk, dv, alone and with causal,
+windows, lengths with empty rows, GQA, T != S, segment ids, a decode shape, unbatched inputs.
+Then: the mask elements themselves read off the output (one-hot values), two runs bit-identical,
+keys that differ give masks that differ, rate 0 is no dropout exactly, sinks, a block mask, the
+errors, the CUDA refusal, vmap, batch- and sequence-sharded calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flash
+from jax_flash import _dispatch, _dropout, _ops
+from tests.attention_testing import (Case, F32, check_score_variant, outputs_and_grads,
+                                     packed_segment_ids, score_variant_references, visible_keys)
+
+IMPLEMENTATIONS = ["cpu", "blockwise", "xla"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DropoutCase:
+  case: Case
+  rate: float = 0.3
+  segment_ids: bool = False  # documents of random lengths, sorted by position
+  seed: int = 5  # the dropout key's
+
+  @property
+  def id(self) -> str:
+    return f"{self.case.id}_p{self.rate}" + ("_ids" if self.segment_ids else "")
+
+  def key(self) -> jax.Array:
+    return jax.random.key(self.seed)
+
+  def ids(self):
+    return packed_segment_ids(self.case) if self.segment_ids else None
+
+  def visible(self) -> np.ndarray:
+    """(B, T, S) bool."""
+    return visible_keys(self.case, self.ids())
+
+  def multipliers(self) -> jax.Array:
+    """(B, N, T, S) float32: keep / (1 - rate), the kernels' own decisions."""
+    c = self.case
+    keep = _dropout.keep_mask(self.key(), self.rate, c.batch, c.heads_q, c.seq_q, c.seq_k)
+    return jnp.where(keep, jnp.float32(1.0 / (1.0 - self.rate)), 0.0)
+
+
+def _live(dc: DropoutCase) -> np.ndarray:
+  live = dc.visible().any(-1)
+  return live[0] if dc.case.rank3 else live
+
+
+@functools.lru_cache(maxsize=16)
+def references(dc: DropoutCase):
+  return score_variant_references(dc.case, dc.case.inputs(), dc.visible(),
+                                  dropout=dc.multipliers())
+
+
+def run(dc: DropoutCase, implementation: str, **extra):
+  q, k, v, g = dc.case.inputs()
+  opts = dc.case.options()
+  ids = dc.ids()
+  if ids is not None:
+    opts.update(q_segment_ids=ids, kv_segment_ids=ids)
+
+  def attention(q, k, v):
+    return jax_flash.dot_product_attention(
+        q, k, v, implementation=implementation, return_residual=True, dropout_rate=dc.rate,
+        dropout_key=dc.key(), **opts, **extra)
+
+  return outputs_and_grads(attention, q, k, v, g)
+
+
+CASES = [
+    # Alone (no mask), GQA 2:1 and T < S, odd sizes across the 16-row groups of the counter.
+    DropoutCase(Case(batch=2, seq_q=50, seq_k=90, heads_q=4, heads_k=2, head_dim=40)),
+    # Several tiles of the CPU kernel both ways, causal, GQA 2:1, bf16, half of P dropped.
+    DropoutCase(Case(batch=1, seq_q=130, seq_k=150, heads_q=2, heads_k=1, head_dim=64,
+                     dtype="bfloat16", is_causal=True), rate=0.5),
+    # T > S, causal (rows past the last key see every key); a low rate.
+    DropoutCase(Case(batch=1, seq_q=150, seq_k=70, heads_q=2, heads_k=2, head_dim=32,
+                     is_causal=True), rate=0.1),
+    # A window (the forward's key tiles then start at odd keys) and lengths, one batch element
+    # with no keys (empty rows), a negative scale, float16.
+    DropoutCase(Case(batch=2, seq_q=65, seq_k=80, heads_q=2, heads_k=2, head_dim=24,
+                     dtype="float16", local_window_size=(8, 3), q_lens=(60, 65), kv_lens=(0, 77),
+                     scale=-0.3), rate=0.2),
+    # Packed documents.
+    DropoutCase(Case(batch=2, seq_q=80, seq_k=80, heads_q=2, heads_k=1, head_dim=16,
+                     is_causal=True), rate=0.4, segment_ids=True),
+    # Unbatched inputs, a high rate.
+    DropoutCase(Case(batch=1, seq_q=40, seq_k=100, heads_q=2, heads_k=2, head_dim=32,
+                     rank3=True), rate=0.8),
+    # A decode shape: the CPU runs it on the tiled kernel (split-KV takes no dropout).
+    DropoutCase(Case(batch=2, seq_q=1, seq_k=300, heads_q=8, heads_k=2, head_dim=32,
+                     kv_lens=(300, 123))),
+]
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dc", CASES, ids=[c.id for c in CASES])
+def test_against_reference(dc, implementation):
+  check_score_variant(run(dc, implementation), *references(dc), _live(dc))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_each_element_is_the_masks(implementation):
+  """With q = 0 every visible key gets weight 1 / S, and with one-hot values (value j is e_j)
+  output column j of query row i in head h is keep[b, h, i, j] / (S (1 - rate)): the mask is
+  read off element by element and must be keep_mask's exactly (rows across the counter's
+  16-row groups, an odd S across its key pairs, GQA: h is the query head)."""
+  batch, seq_q, seq_k, heads_q, heads_k, rate = 2, 37, 41, 4, 2, 0.4
+  q = jnp.zeros((batch, seq_q, heads_q, seq_k), F32)
+  k = jnp.ones((batch, seq_k, heads_k, seq_k), F32)
+  v = jnp.broadcast_to(jnp.eye(seq_k, dtype=F32)[None, :, None, :], k.shape)
+  key = jax.random.key(11)
+  out = jax.jit(lambda q, k, v: jax_flash.dot_product_attention(
+      q, k, v, dropout_rate=rate, dropout_key=key, implementation=implementation))(q, k, v)
+  got = np.rint(np.asarray(out) * seq_k * (1 - rate))  # (B, T, N, S): 0 or 1
+  want = np.asarray(_dropout.keep_mask(key, rate, batch, heads_q, seq_q, seq_k))
+  np.testing.assert_array_equal(got, np.moveaxis(want, 1, 2).astype(np.float64))
+  assert 0.5 < want.mean() < 0.7  # and the mask is not trivial
+
+
+def test_mask_helpers_agree():
+  """keep_from_seeds over every row and key of seeds() is keep_mask; shared seeds give
+  keep_mask's (0, 0) for every batch element and head."""
+  key = jax.random.PRNGKey(3)  # a raw key
+  rows, cols = jnp.arange(21), jnp.arange(35)
+
+  @functools.partial(jax.jit, static_argnums=1)
+  def keep(key, shared):
+    return _dropout.keep_from_seeds(_dropout.seeds(key, 2, 3, shared=shared), 0.3, rows, cols)
+  np.testing.assert_array_equal(keep(key, False), _dropout.keep_mask(key, 0.3, 2, 3, 21, 35))
+  shared = keep(key, True)
+  np.testing.assert_array_equal(shared, jnp.broadcast_to(
+      _dropout.keep_mask(key, 0.3, 1, 1, 21, 35), shared.shape))
+
+
+def _qkv(shape=(1, 40, 2, 16), kv_heads=1, seed=0):
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.standard_normal(shape), F32)
+  k, v = (jnp.asarray(rng.standard_normal((*shape[:2], kv_heads, shape[3])), F32)
+          for _ in range(2))
+  return q, k, v
+
+
+def _value_and_grads(implementation, **options):
+  def loss(q, k, v, key):
+    out = jax_flash.dot_product_attention(q, k, v, dropout_key=key, implementation=implementation,
+                                          **options)
+    return jnp.sum(out * jnp.cos(out)), out
+  return jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_same_key_same_bits_other_key_other_mask(implementation):
+  """Two runs with one key are bit-identical (forward and gradients); another key drops other
+  elements (a different output)."""
+  q, k, v = _qkv()
+  f = _value_and_grads(implementation, dropout_rate=0.25, is_causal=True)
+  (_, a), ga = f(q, k, v, jax.random.key(1))
+  (_, b), gb = f(q, k, v, jax.random.key(1))
+  np.testing.assert_array_equal(a, b)
+  for x, y in zip(ga, gb):
+    np.testing.assert_array_equal(x, y)
+  (_, c), _ = f(q, k, v, jax.random.key(2))
+  assert np.max(np.abs(np.asarray(a - c))) > 0.1
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_rate_zero_is_no_dropout(implementation):
+  """dropout_rate=0 (with or without a key) is the call without dropout, exactly: no mask is
+  drawn and the same program runs."""
+  q, k, v = _qkv()
+
+  @functools.partial(jax.jit, static_argnums=3)
+  def call(q, k, v, rate, key=None):
+    return jax_flash.dot_product_attention(q, k, v, implementation=implementation,
+                                           return_residual=True, dropout_rate=rate,
+                                           dropout_key=key)
+  plain = call(q, k, v, 0.0)
+  got = call(q, k, v, 0.0, jax.random.key(4))
+  np.testing.assert_array_equal(got[0], plain[0])
+  np.testing.assert_array_equal(got[1], plain[1])
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_lse_is_the_undropped_softmaxs(implementation):
+  q, k, v = _qkv()
+  _, want = jax.jit(functools.partial(jax_flash.dot_product_attention, implementation="xla",
+                                      return_residual=True))(q, k, v)
+  _, got = jax.jit(functools.partial(
+      jax_flash.dot_product_attention, implementation=implementation, return_residual=True,
+      dropout_rate=0.6, dropout_key=jax.random.key(0)))(q, k, v)
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("options", [
+    dict(sinks=jnp.asarray([0.5, -1.0, 2.0, 0.0], F32), logits_soft_cap=2.0),
+    dict(alibi_slopes=jnp.asarray([0.25, -0.1, 0.05, 0.0], F32), is_causal=True),
+    dict(block_mask=jnp.asarray([[True, False], [True, True]]), local_window_size=(70, 10)),
+], ids=["sinks_cap", "alibi", "block_mask"])
+@pytest.mark.parametrize("implementation", ["cpu", "blockwise"])
+def test_with_the_other_score_variants(implementation, options):
+  """Dropout beside sinks (which join after the kernel: the dropped weights are normalised with
+  the sink), the soft cap, ALiBi and a block mask: the same outputs and gradients (sinks
+  included) as "xla" with the same key."""
+  q, k, v = _qkv((1, 70, 4, 16), kv_heads=2)
+  rate, key = 0.35, jax.random.key(8)
+
+  def fg(implementation):
+    def loss(q, k, v, sinks):
+      opts = dict(options, sinks=sinks) if sinks is not None else options
+      out, lse = jax_flash.dot_product_attention(
+          q, k, v, dropout_rate=rate, dropout_key=key, implementation=implementation,
+          return_residual=True, **opts)
+      return jnp.sum(out * jnp.sin(out)), (out, lse)
+    return jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True))
+
+  sinks = options.get("sinks")
+  (_, want), want_g = fg("xla")(q, k, v, sinks)
+  (_, got), got_g = fg(implementation)(q, k, v, sinks)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
+  for a, b in zip(got_g, want_g):
+    if b is not None:
+      np.testing.assert_allclose(a, b, rtol=2e-5, atol=5e-5)
+
+
+def test_decode_shapes_run_the_tiled_kernel():
+  """A decode-shaped call with dropout lowers to the tiled forward, not the decode kernel."""
+  q = jnp.ones((2, 1, 8, 32))
+  kv = jnp.ones((2, 300, 2, 32))
+
+  def hlo(**dropout):
+    return jax.jit(lambda q, kv: jax_flash.dot_product_attention(
+        q, kv, kv, implementation="cpu", **dropout)).lower(q, kv).as_text()
+  assert "jax_flash_cpu_decode" in hlo()
+  with_dropout = hlo(dropout_rate=0.1, dropout_key=jax.random.key(0))
+  assert "jax_flash_cpu_decode" not in with_dropout and "jax_flash_cpu_fwd" in with_dropout
+
+
+@pytest.mark.parametrize("rate, key, match", [
+    (1.0, None, r"dropout_rate must be in \[0, 1\); got 1.0"),
+    (-0.1, None, r"dropout_rate must be in \[0, 1\); got -0.1"),
+    (float("nan"), None, r"dropout_rate must be in \[0, 1\); got nan"),
+    (jnp.float32(0.1), None, r"dropout_rate must be a Python float.*got Array"),
+    (True, None, r"dropout_rate must be a Python float.*got True"),
+    ("0.1", None, r"dropout_rate must be a Python float.*got '0.1'"),
+    (0.1, None, r"dropout_rate=0.1 needs a dropout_key.*got dropout_key=None"),
+    (0.1, jnp.zeros((3,), jnp.uint32), r"dropout_key must be one JAX PRNG key.*"
+                                       r"got dropout_key\(3,\) uint32"),
+    (0.1, jnp.zeros((2,), F32), r"dropout_key must be one JAX PRNG key.*float32"),
+    (0.1, jax.random.split(jax.random.key(0)), r"dropout_key must be one JAX PRNG key.*"
+                                               r"typed key array of shape \(2,\)"),
+    (0.1, jax.random.key(0, impl="rbg"), r"dropout_key must be one JAX PRNG key.*"
+                                          r"data is uint32\(4,\)"),
+    (0.1, "key", r"dropout_key must be one JAX PRNG key"),
+])
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_invalid_rate_or_key_raises(rate, key, match, implementation):
+  q = jnp.ones((1, 6, 4, 8))
+  with pytest.raises(ValueError, match=match):
+    jax_flash.dot_product_attention(q, q, q, dropout_rate=rate, dropout_key=key,
+                                    implementation=implementation)
+
+
+def test_a_traced_rate_raises_a_traced_key_is_fine():
+  q = jnp.ones((1, 6, 4, 8))
+  with pytest.raises(ValueError, match="dropout_rate must be a Python float"):
+    jax.jit(lambda r: jax_flash.dot_product_attention(q, q, q, dropout_rate=r,
+                                                      dropout_key=jax.random.key(0)))(0.1)
+  raw = jax.random.PRNGKey(1)
+  got = jax.jit(lambda key: jax_flash.dot_product_attention(q, q, q, dropout_rate=0.5,
+                                                            dropout_key=key))(raw)
+  want = jax_flash.dot_product_attention(q, q, q, dropout_rate=0.5,
+                                         dropout_key=jax.random.wrap_key_data(raw))
+  np.testing.assert_array_equal(got, want)  # a raw key and its typed form: the same mask
+
+
+def test_cuda_kernels_refuse_dropout(monkeypatch):
+  """The CUDA kernels take no dropout: the dispatch raises at trace time, before any custom
+  call, naming the argument, its value and the implementations that take it; where None picks
+  CUDA and where "cuda" is forced (its GPU check stubbed out: this machine has none). A rate of
+  0 is no dropout, which CUDA runs."""
+  q = jnp.ones((2, 8, 2, 16), jnp.bfloat16)
+  key = jax.random.key(0)
+  match = (r"'cuda' kernels .* take no dropout_rate yet; got dropout_rate=0.1 with "
+           r"query\(2, 8, 2, 16\).*'cpu', 'blockwise', 'xla'")
+  monkeypatch.setattr(_dispatch, "default_implementation", lambda dtype: "cuda")
+  with pytest.raises(NotImplementedError, match=match):
+    jax_flash.dot_product_attention(q, q, q, dropout_rate=0.1, dropout_key=key)
+  monkeypatch.setattr(_dispatch, "_check_cuda_runs", lambda: None)
+  with pytest.raises(NotImplementedError, match=match):
+    jax_flash.dot_product_attention(q, q, q, dropout_rate=0.1, dropout_key=key,
+                                    implementation="cuda")
+  call = _dispatch.Call(q.shape, q.dtype, dropout_rate=None)
+  assert _dispatch.select("cuda", call) == "cuda"
+  with pytest.raises(NotImplementedError, match="take no dropout_rate"):
+    _dispatch.select("cuda", dataclasses.replace(call, dropout_rate=0.5))
+  # And the op layer itself never builds a CUDA call with dropout.
+  config = _ops.KernelConfig("cuda", 1.0, False, -1, -1, dropout_rate=0.1)
+  with pytest.raises(NotImplementedError, match="dropout_rate"):
+    _ops._dropout_operands(config, jnp.zeros((2, 2, 4), jnp.uint32))
+
+
+def test_vmap():
+  """vmap over a leading axis with the key unmapped: each mapped call numbers its own batch
+  from 0, so it equals the call on its slice; with mapped keys each slice draws its own."""
+  q, k, v = _qkv((2, 40, 4, 16), kv_heads=2)
+  q, k, v = (x.reshape(2, 1, *x.shape[1:]) for x in (q, k, v))
+
+  def f(q, k, v, key):
+    return jax_flash.dot_product_attention(q, k, v, dropout_rate=0.5, dropout_key=key,
+                                           implementation="cpu")
+  key = jax.random.key(3)
+  got = jax.jit(jax.vmap(f, (0, 0, 0, None)))(q, k, v, key)
+  for i in range(2):
+    np.testing.assert_allclose(got[i], f(q[i], k[i], v[i], key), atol=1e-6)
+  keys = jax.random.split(key)
+  got = jax.jit(jax.vmap(f))(q, k, v, keys)
+  for i in range(2):
+    np.testing.assert_allclose(got[i], f(q[i], k[i], v[i], keys[i]), atol=1e-6)
+
+
+def _sharded_value_and_grads(sharding=None, **cp):
+  def loss(q, k, v):
+    out = jax_flash.dot_product_attention(q, k, v, dropout_rate=0.3,
+                                          dropout_key=jax.random.key(6), is_causal=True,
+                                          implementation="cpu", **cp)
+    return jnp.sum(out * jnp.cos(out))
+  return jax.jit(jax.value_and_grad(loss, (0, 1, 2)))
+
+
+@pytest.mark.parametrize("spec", ["batch", "heads", "sequence"])
+def test_sharded_calls_draw_the_global_mask(spec):
+  """Batch- and head-sharded calls draw each element's mask by its global indices, and a
+  sequence-sharded one gathers the sequence: the same output and gradients as one device. A
+  requested context-parallel strategy raises, naming dropout."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  if len(jax.devices()) < 2:
+    pytest.skip("needs 2 devices")
+  q, k, v = _qkv((2, 64, 4, 16), kv_heads=4)
+  mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+  spec = {"batch": P("x"), "heads": P(None, None, "x", None),
+          "sequence": P(None, "x", None, None)}[spec]
+  sharded = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)]
+  want, want_g = _sharded_value_and_grads()(q, k, v)
+  got, got_g = _sharded_value_and_grads()(*sharded)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  for a, b in zip(got_g, want_g):
+    np.testing.assert_allclose(a, b, atol=2e-5)
+  if spec == P(None, "x", None, None):
+    with pytest.raises(Exception, match="no context-parallel strategy carries dropout"):
+      _sharded_value_and_grads(context_parallel="ring")(*sharded)
