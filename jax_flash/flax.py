@@ -15,18 +15,22 @@ Flax is an optional dependency (``pip install -e ".[examples]"``); import this m
   ``is_causal``, ``num_kv_heads`` (grouped-query attention), ``implementation`` and per-call
   ``query_seq_lengths`` / ``key_value_seq_lengths`` (padding) and ``q_segment_ids`` /
   ``kv_segment_ids`` (packed documents, in place of Flax's
-  ``make_attention_mask(segment_ids, segment_ids, jnp.equal)``). ``decode=True`` keeps Flax's
+  ``make_attention_mask(segment_ids, segment_ids, jnp.equal)``) and ``block_mask``
+  (block-sparse attention). Attention dropout applies as in Flax's modules (``dropout_rate``,
+  ``deterministic=False``, the "dropout" rng stream; ``broadcast_dropout`` shares one mask over
+  the batch and the heads), fused into the kernels. ``decode=True`` keeps Flax's
   autoregressive cache (collection "cache": ``cached_key``, ``cached_value``, ``cache_index``,
   as the stock modules make it, so a cache moves between them too) and attends over its valid
   prefix with the kernels (``_flax_cache.py``).
 
 What FlashAttention cannot honour raises at trace time, never silently: an attention ``mask`` or
 ``bias`` on the kernels (no attention matrix exists to mask; use ``is_causal`` and the sequence
-lengths, or ``implementation="blockwise"``, FlashAttention in XLA, which takes both), active
-dropout, sowing the attention weights (``sow_weights=True`` / ``module=``), the stock modules'
-``decode=True`` with this ``attention_fn`` on the kernels (the stock module passes the cache's
-valid prefix as a mask; the Flash modules pass it as a length), and AQT's replacement einsums
-or a replacement ``einsum_dot_general``. Flax's ``promote_dtype`` hook is honoured.
+lengths, or ``implementation="blockwise"``, FlashAttention in XLA, which takes both), dropout
+on the CUDA kernels (``implementation="blockwise"`` takes it), sowing the attention weights
+(``sow_weights=True`` / ``module=``), the stock modules' ``decode=True`` with this
+``attention_fn`` on the kernels (the stock module passes the cache's valid prefix as a mask;
+the Flash modules pass it as a length), and AQT's replacement einsums or a replacement
+``einsum_dot_general``. Flax's ``promote_dtype`` hook is honoured.
 
 Names that mean something else in Flax: Flax's ``deterministic`` means "no dropout";
 jax_flash's bit-reproducible backward pass is ``deterministic_backward`` here.
@@ -55,7 +59,7 @@ except ModuleNotFoundError as e:
   ) from e
 
 import jax_flash
-from jax_flash import _dispatch, _flax_cache, _validation
+from jax_flash import _attention, _dispatch, _flax_cache, _validation
 from jax_flash._dispatch import Implementation
 
 __all__ = [
@@ -127,6 +131,28 @@ def _flat_segment_ids(name: str, ids, batch_dims: tuple[int, ...], seq: int):
   return ids.reshape(-1, seq)
 
 
+def _fold_block_mask(block_mask, batch_dims: tuple[int, ...], heads: int, seq_q: int, seq_k: int):
+  """A block mask broadcastable to (batch..., N, Tb, Sb) as jax_flash takes it: rank 4 with the
+  batch dims folded into one (kept 1 where they all broadcast); None stays None. Errors name
+  the shape the caller passed (jax_flash checks the folded form again, by its own rule)."""
+  if block_mask is None:
+    return None
+  x = jnp.asarray(block_mask)
+  blocks = jax_flash.block_mask_shape(seq_q, seq_k)
+  want = (*batch_dims, heads, *blocks)
+  given = x.shape
+  if not (2 <= x.ndim <= len(want) and x.shape[-2:] == blocks and
+          all(d in (1, w) for d, w in zip(x.shape[::-1][2:], want[::-1][2:]))):
+    raise ValueError(
+        f"jax_flash.flax: block_mask must be a bool array broadcastable to (batch..., N, Tb, Sb) "
+        f"= {want} (blocks of jax_flash.BLOCK_MASK_BLOCK = {jax_flash.BLOCK_MASK_BLOCK}; "
+        f"leading dims 1 if left out); got block_mask{given}")
+  x = x.reshape((1,) * (len(want) - x.ndim) + x.shape)
+  if all(d == 1 for d in x.shape[:-3]):
+    return x.reshape(1, *x.shape[-3:])
+  return jnp.broadcast_to(x, (*batch_dims, *x.shape[-3:])).reshape(-1, *x.shape[-3:])
+
+
 def _flat_lengths(name: str, lengths, batch_dims: tuple[int, ...]):
   """Per-sequence lengths shaped like the batch dims -> (prod(batch_dims),)."""
   if lengths is None:
@@ -170,6 +196,7 @@ def dot_product_attention(
     logits_soft_cap: float | None = None,
     sinks: jax.Array | None = None,
     alibi_slopes: jax.Array | None = None,
+    block_mask: jax.Array | None = None,
 ) -> jax.Array:
   """FlashAttention with the signature of Flax's ``dot_product_attention``.
 
@@ -189,11 +216,20 @@ def dot_product_attention(
       message for what to use), by the same rule as :func:`jax_flash.dot_product_attention`.
     mask: bool, broadcastable like ``bias`` (True: attend); the same paths take it. On the
       kernels use ``is_causal``, the sequence lengths or ``local_window_size`` instead.
-    broadcast_dropout: accepted for Flax; without dropout it has no effect.
-    dropout_rng: accepted for Flax; without dropout it has no effect.
-    dropout_rate: dropout on the attention weights is not supported yet: a rate > 0 with
-      ``deterministic=False`` raises ``NotImplementedError``; with ``deterministic=True`` (Flax's
-      evaluation mode) there is no dropout to apply.
+    broadcast_dropout: as Flax's: ``True`` (Flax's default) draws one dropout mask of
+      ``(T, S)`` and uses it for every batch element and head; ``False`` draws one per batch
+      element and head. Without dropout it has no effect.
+    dropout_rng: the JAX PRNG key of the dropout mask (Flax's modules pass one from their
+      "dropout" rng stream); required when dropout applies (``ValueError`` naming it
+      otherwise): one key, ``jax.random.key`` (threefry2x32) or ``jax.random.PRNGKey``.
+    dropout_rate: attention dropout, as Flax's: with ``deterministic=False`` and a rate in
+      ``(0, 1)`` each attention weight is dropped with that probability and the kept ones are
+      scaled by ``1 / (1 - dropout_rate)``. Fused into the kernels (never a ``(T, S)`` array;
+      :func:`jax_flash.dot_product_attention`'s ``dropout_rate``): the mask is Philox bits at
+      each weight's position under ``dropout_rng``, not the bits ``jax.random.bernoulli``
+      would draw, so a stock module and a flash one with the same rng drop different weights
+      (at the same rate). Taken by "cpu", "blockwise" and "xla"; the CUDA kernels raise
+      ``NotImplementedError``. A concrete Python float in ``[0, 1)``.
     deterministic: Flax's meaning: True turns dropout off. (jax_flash's reproducible backward is
       ``deterministic_backward``.)
     dtype: the computation dtype: query, key and value are cast to it (default: their common
@@ -243,15 +279,24 @@ def dot_product_attention(
       :func:`jax_flash.dot_product_attention` ("cpu", "blockwise", "xla"). Flax's own functions
       have no such argument; the modules hold no slopes (call this function from your own
       module for that).
+    block_mask: block-sparse attention: a bool array broadcastable to ``(batch..., N, Tb,
+      Sb)``, one bit per block of ``jax_flash.BLOCK_MASK_BLOCK`` query rows x keys,
+      ``(Tb, Sb) = jax_flash.block_mask_shape(T, S)`` (leading dims 1 if left out, each 1 or
+      full); ``False`` hides the block's keys from its queries, on top of every other mask.
+      As in :func:`jax_flash.dot_product_attention` ("cpu", which skips hidden blocks,
+      "blockwise", "xla").
 
   Returns:
     ``(batch..., T, N, H)`` in the computation dtype.
   """
   _dispatch.check_implementation(implementation)
-  if dropout_rate and not deterministic:
-    raise NotImplementedError(
-        f"jax_flash.flax: attention dropout (dropout_rate={dropout_rate}, deterministic=False) "
-        "is not supported yet; use dropout_rate=0.0, or deterministic=True for evaluation")
+  # Dropout applies as in Flax: a rate > 0 without deterministic. Its rng is then required.
+  rate = 0.0 if deterministic else _validation.check_dropout_rate(dropout_rate) or 0.0
+  if rate and dropout_rng is None:
+    raise ValueError(
+        f"jax_flash.flax: dropout applies (dropout_rate={rate!r}, deterministic=False) but "
+        "dropout_rng is None: pass a JAX PRNG key (Flax's modules draw it from their 'dropout' "
+        "rng stream), or deterministic=True for evaluation")
   if module is not None:
     raise NotImplementedError(
         "jax_flash.flax: cannot sow attention weights (sow_weights=True passes `module`): "
@@ -265,7 +310,7 @@ def dot_product_attention(
     raise NotImplementedError(
         f"jax_flash.flax: einsum_dot_general={einsum_dot_general!r} cannot replace the "
         "products inside the FlashAttention kernels; pass None (or jax.lax.dot_general)")
-  del broadcast_dropout, dropout_rng, precision, force_fp32_for_softmax  # see the docstring
+  del precision, force_fp32_for_softmax  # see the docstring
 
   if promote_dtype is None:
     query, key, value = _promote(query, key, value, dtype)
@@ -285,6 +330,8 @@ def dot_product_attention(
   kv_lens = _flat_lengths("key_value_seq_lengths", key_value_seq_lengths, batch_dims)
   q_ids = _flat_segment_ids("q_segment_ids", q_segment_ids, batch_dims, query.shape[-3])
   kv_ids = _flat_segment_ids("kv_segment_ids", kv_segment_ids, batch_dims, key.shape[-3])
+  blocks = _fold_block_mask(block_mask, batch_dims, query.shape[-2], query.shape[-3],
+                            key.shape[-3])
 
   # jax_flash takes (B, T, N, H): fold every batch dim (or none) into one.
   batch = math.prod(batch_dims)
@@ -303,14 +350,17 @@ def dot_product_attention(
                      (jnp.shape(q_segment_ids), jnp.shape(kv_segment_ids)),
                      logits_soft_cap=_validation.check_logits_soft_cap(logits_soft_cap),
                      sinks=None if sinks is None else jnp.shape(sinks),
-                     alibi_slopes=None if alibi_slopes is None else jnp.shape(alibi_slopes)),
+                     alibi_slopes=None if alibi_slopes is None else jnp.shape(alibi_slopes),
+                     block_mask=None if block_mask is None else jnp.shape(block_mask),
+                     dropout_rate=rate or None),
       caller="jax_flash.flax.dot_product_attention", mask_advice=_MASK_HELP)
-  out = jax_flash.dot_product_attention(
+  out = _attention._dot_product_attention(
       query4, key4, value4, bias4, mask4, scale=scale, is_causal=is_causal,
       query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens, local_window_size=local_window_size,
       implementation=implementation, deterministic=deterministic_backward,
       q_segment_ids=q_ids, kv_segment_ids=kv_ids, logits_soft_cap=logits_soft_cap, sinks=sinks,
-      alibi_slopes=alibi_slopes)
+      alibi_slopes=alibi_slopes, block_mask=blocks, dropout_rate=rate,
+      dropout_key=dropout_rng if rate else None, dropout_shared=bool(broadcast_dropout))
   return out.reshape(query.shape)
 
 
@@ -338,7 +388,7 @@ class AttentionFn:
                einsum_dot_general=None, qk_attn_weights_einsum=None,
                attn_weights_value_einsum=None, promote_dtype=None, is_causal=False,
                query_seq_lengths=None, key_value_seq_lengths=None, q_segment_ids=None,
-               kv_segment_ids=None) -> jax.Array:
+               kv_segment_ids=None, block_mask=None) -> jax.Array:
     return dot_product_attention(
         query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
         deterministic, dtype, precision, module, force_fp32_for_softmax=force_fp32_for_softmax,
@@ -348,14 +398,21 @@ class AttentionFn:
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=self.local_window_size, implementation=self.implementation,
         deterministic_backward=self.deterministic_backward, q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids, logits_soft_cap=self.logits_soft_cap)
+        kv_segment_ids=kv_segment_ids, logits_soft_cap=self.logits_soft_cap,
+        block_mask=block_mask)
 
 
-def _no_segment_ids_in_decode(owner: str, q_segment_ids, kv_segment_ids) -> None:
+def _no_segment_ids_in_decode(owner: str, q_segment_ids, kv_segment_ids,
+                              block_mask=None) -> None:
   if q_segment_ids is not None or kv_segment_ids is not None:
     raise NotImplementedError(
         f"{owner}: q_segment_ids/kv_segment_ids with decode=True are not supported yet (the "
         "cache keeps no ids); pass them on calls without decode")
+  if block_mask is not None:
+    raise NotImplementedError(
+        f"{owner}: block_mask with decode=True is not supported (a decode step's one query "
+        "row sits at cache_index, not in the mask's first query block); pass it on calls "
+        "without decode")
 
 
 def make_attention_fn(
@@ -432,10 +489,13 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
     logits_soft_cap: Gemma 2's cap ``c``: scores ``s`` become ``c * tanh(s / c)`` on every call
       (a constructor argument: ``nnx.MultiHeadAttention`` has none); ``None``: no cap.
 
-  ``attention_fn`` cannot be given (the module sets it). ``dropout_rate > 0`` is accepted for
-  evaluation (``deterministic=True``) but raises when dropout would apply; ``sow_weights``
-  raises ``NotImplementedError``; unlike the stock module, ``decode`` may be left unset (it
-  means False).
+  ``attention_fn`` cannot be given (the module sets it). ``dropout_rate > 0`` drops attention
+  weights as the stock module does (``deterministic=False``; the key from the call's ``rngs``,
+  or the constructor's ``rngs.dropout`` stream with ``keep_rngs``; ``broadcast_dropout``
+  shares one mask over the batch and the heads), fused into the kernels (not the stock
+  module's bits: see :func:`dot_product_attention`); ``sow_weights`` raises
+  ``NotImplementedError``; unlike the stock module, ``decode`` may be left unset (it means
+  False).
 
   ``decode=True`` works as in the stock module: ``init_cache(input_shape, dtype)`` (or
   ``nnx.view(module, decode=True, batch_size=..., max_length=...)``) makes the ``nnx.Cache``
@@ -473,8 +533,9 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
                query_seq_lengths: jax.Array | None = None,
                key_value_seq_lengths: jax.Array | None = None, out_sharding=None,
                qkv_sharding=None, q_segment_ids: jax.Array | None = None,
-               kv_segment_ids: jax.Array | None = None) -> jax.Array:
-    """``nnx.MultiHeadAttention.__call__`` plus padding lengths and segment ids.
+               kv_segment_ids: jax.Array | None = None,
+               block_mask: jax.Array | None = None) -> jax.Array:
+    """``nnx.MultiHeadAttention.__call__`` plus padding lengths, segment ids and a block mask.
 
     ``is_causal=True`` makes this call causal (or-ed with the constructor's ``is_causal``).
     ``query_seq_lengths`` / ``key_value_seq_lengths``: int arrays shaped like the batch dims of
@@ -483,10 +544,16 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
     cache's valid prefix further. ``q_segment_ids`` / ``kv_segment_ids``: int32 ``(batch...,
     length)`` document ids of the query and key inputs (for self-attention over packed
     documents pass the same ids as both); a query attends only keys of its document. Not with
-    ``decode``. ``rngs`` is accepted for Flax's signature; with dropout unsupported it is never
-    used.
+    ``decode``. ``block_mask``: block-sparse attention, a bool array broadcastable to
+    ``(batch..., num_heads, Tb, Sb)`` (see :func:`dot_product_attention`); not with ``decode``.
+    ``rngs``: as the stock module's, the dropout key's source (an ``nnx.Rngs``, whose
+    ``dropout`` stream is used, or a stream itself); without it the constructor's
+    (``keep_rngs``).
     """
-    del rngs
+    if rngs is None:
+      rngs = self.rngs
+    elif isinstance(rngs, nnx.Rngs):
+      rngs = rngs.dropout
     decode = bool(self.decode) if decode is None else decode
     inputs_k, inputs_v = _keys_and_values(inputs_q, inputs_k, inputs_v, "nnx.MultiHeadAttention")
     if inputs_q.shape[-1] != self.in_features:
@@ -501,7 +568,8 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
 
     attention_fn, step = self.attention_fn, None
     if decode:
-      _no_segment_ids_in_decode("FlashMultiHeadAttention", q_segment_ids, kv_segment_ids)
+      _no_segment_ids_in_decode("FlashMultiHeadAttention", q_segment_ids, kv_segment_ids,
+                                block_mask)
       if self.cached_key is None or self.cached_value is None or self.cache_index is None:
         raise ValueError("FlashMultiHeadAttention: Autoregressive cache not initialized, call "
                          "``init_cache`` first (decode=True)")
@@ -512,20 +580,27 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
       key_value_seq_lengths, is_causal = step.key_value_seq_lengths, False
       attention_fn = _decoding(attention_fn, "FlashMultiHeadAttention")
 
+    dropout_rng = None
     if self.dropout_rate > 0.0:
       deterministic = deterministic if deterministic is not None else self.deterministic
       if deterministic is None:
         raise ValueError("No `deterministic` argument was provided to FlashMultiHeadAttention "
                          "as either a __call__ argument, class attribute, or nnx.view")
+      if not deterministic:
+        if rngs is None:
+          raise ValueError("FlashMultiHeadAttention: dropout applies (dropout_rate="
+                           f"{self.dropout_rate}, deterministic=False) but no rngs: pass "
+                           "rngs to __call__, or construct the module with keep_rngs=True")
+        dropout_rng = rngs()
     else:
       deterministic = True
     x = attention_fn(
-        query, key, value, mask=mask, dropout_rate=self.dropout_rate,
+        query, key, value, mask=mask, dropout_rng=dropout_rng, dropout_rate=self.dropout_rate,
         broadcast_dropout=self.broadcast_dropout, deterministic=deterministic,
         dtype=self.dtype, precision=self.precision, module=self if sow_weights else None,
         is_causal=is_causal, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids)
+        kv_segment_ids=kv_segment_ids, block_mask=block_mask)
     if step is not None:  # the cache changes only once the call has succeeded
       self.cached_key[...] = step.cached_key
       self.cached_value[...] = step.cached_value
@@ -559,8 +634,10 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
     logits_soft_cap: Gemma 2's cap ``c``: scores ``s`` become ``c * tanh(s / c)`` (a module
       attribute: ``nn.MultiHeadDotProductAttention`` has none); ``None``: no cap.
 
-  ``attention_fn`` must stay unset. ``dropout_rate > 0`` works for evaluation
-  (``deterministic=True``) and raises when dropout would apply; ``sow_weights`` and the
+  ``attention_fn`` must stay unset. ``dropout_rate > 0`` drops attention weights as the stock
+  module does (``deterministic=False``; the call's ``dropout_rng``, else
+  ``make_rng("dropout")``; ``broadcast_dropout`` shares one mask over the batch and the
+  heads), fused into the kernels (not the stock module's bits); ``sow_weights`` and the
   ``*_einsum_cls`` attributes raise ``NotImplementedError``; the deprecated ``inputs_kv`` call
   argument is not taken (use ``inputs_k``).
 
@@ -589,14 +666,16 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
                sow_weights: bool = False, query_seq_lengths: jax.Array | None = None,
                key_value_seq_lengths: jax.Array | None = None,
                q_segment_ids: jax.Array | None = None,
-               kv_segment_ids: jax.Array | None = None) -> jax.Array:
+               kv_segment_ids: jax.Array | None = None,
+               block_mask: jax.Array | None = None) -> jax.Array:
     """``nn.MultiHeadDotProductAttention.__call__`` plus padding lengths: int arrays shaped
     like the batch dims of the inputs; keys past a length are ignored, output rows past a length
     are zero before the output projection (so they equal its bias); in a decode call the key
     lengths narrow the cache's valid prefix further. And segment ids: int32 ``(batch...,
     length)`` document ids of the query and key inputs (packed documents: the same ids as both
-    for self-attention); a query attends only keys of its document. Not in a decode step."""
-    del dropout_rng  # dropout is not supported: never drawn
+    for self-attention); a query attends only keys of its document. Not in a decode step. And
+    a block mask (block-sparse attention: see :func:`dot_product_attention`), not in a decode
+    step either."""
     if self.attention_fn is not nn.dot_product_attention:
       raise ValueError("FlashMultiHeadDotProductAttention computes attention with jax_flash; "
                        "for another attention_fn use nn.MultiHeadDotProductAttention")
@@ -642,7 +721,7 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
       cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
       if initialized:
         owner = "FlashMultiHeadDotProductAttention"
-        _no_segment_ids_in_decode(owner, q_segment_ids, kv_segment_ids)
+        _no_segment_ids_in_decode(owner, q_segment_ids, kv_segment_ids, block_mask)
         # Flax checks the query against the cache (its heads are the query's there).
         _flax_cache.check_new_entry(owner, "query", query,
                                     (*cached_key.value.shape[:-2], self.num_heads, head_dim))
@@ -657,6 +736,8 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
 
     if self.dropout_rate > 0.0:
       deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
+      if not deterministic and dropout_rng is None:
+        dropout_rng = self.make_rng("dropout")
     else:
       deterministic = True
     einsums = {
@@ -664,12 +745,12 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
             ("qk_attn_weights_einsum", self.qk_attn_weights_einsum_cls),
             ("attn_weights_value_einsum", self.attn_weights_value_einsum_cls))}
     x = attention_fn(
-        query, key, value, mask=mask, dropout_rate=self.dropout_rate,
+        query, key, value, mask=mask, dropout_rng=dropout_rng, dropout_rate=self.dropout_rate,
         broadcast_dropout=self.broadcast_dropout, deterministic=deterministic,
         dtype=self.dtype, precision=self.precision, module=self if sow_weights else None,
         force_fp32_for_softmax=self.force_fp32_for_softmax, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids, **einsums)
+        kv_segment_ids=kv_segment_ids, block_mask=block_mask, **einsums)
     return nn.DenseGeneral(
         features=features, axis=(-2, -1), kernel_init=self.out_kernel_init or self.kernel_init,
         bias_init=self.out_bias_init or self.bias_init, use_bias=self.use_bias,

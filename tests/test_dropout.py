@@ -11,7 +11,8 @@ dtype's rounding, plus the tiny floor): forward, lse and dq, dk, dv, alone and w
 windows, lengths with empty rows, GQA, T != S, segment ids, a decode shape, unbatched inputs.
 Then: the mask elements themselves read off the output (one-hot values), two runs bit-identical,
 keys that differ give masks that differ, rate 0 is no dropout exactly, sinks, a block mask, the
-errors, the CUDA refusal, vmap, batch- and sequence-sharded calls.
+errors, the CUDA refusal, vmap, batch- and sequence-sharded calls, the Flax function and
+modules.
 """
 
 from __future__ import annotations
@@ -369,3 +370,116 @@ def test_sharded_calls_draw_the_global_mask(spec):
   if spec == P(None, "x", None, None):
     with pytest.raises(Exception, match="no context-parallel strategy carries dropout"):
       _sharded_value_and_grads(context_parallel="ring")(*sharded)
+
+
+# ---------------------------------------------------------------------------------------------
+# Flax
+
+
+def _flax():
+  pytest.importorskip("flax")
+  import jax_flash.flax as jflax
+  return jflax
+
+
+@pytest.mark.parametrize("broadcast", [False, True])
+@pytest.mark.parametrize("implementation", ["cpu", "xla"])
+def test_flax_function_drops_as_flax(implementation, broadcast):
+  """jax_flash.flax.dot_product_attention with dropout_rng, deterministic=False and any number
+  of batch dims: broadcast_dropout=False is the core call's mask (per batch element and head,
+  the batch dims folded in order); True one (T, S) mask for every batch element and head, as
+  Flax shares its mask: keep_mask(key, rate, 1, 1, T, S)[0, 0]. deterministic=True: none."""
+  jflax = _flax()
+  q, k, v = _qkv((6, 21, 4, 16), kv_heads=2)
+  q, k, v = (x.reshape(2, 3, *x.shape[1:]) for x in (q, k, v))
+  key, rate = jax.random.key(9), 0.4
+  got = jax.jit(functools.partial(
+      jflax.dot_product_attention, dropout_rate=rate, broadcast_dropout=broadcast,
+      deterministic=False, implementation=implementation))(q, k, v, dropout_rng=key)
+
+  @jax.jit
+  def reference(q, k, v, keep):
+    keep = jnp.broadcast_to(keep, (6, 4, 21, 21)).reshape(2, 3, 4, 21, 21)
+    s = jnp.einsum("...tnh,...snh->...nts", q, jnp.repeat(k, 2, axis=-2),
+                   precision="highest") / 4.0
+    p = jax.nn.softmax(s, axis=-1) * keep / (1 - rate)
+    return jnp.einsum("...nts,...snh->...tnh", p, jnp.repeat(v, 2, axis=-2),
+                      precision="highest")
+  keep = _dropout.keep_mask(key, rate, 1 if broadcast else 6, 1 if broadcast else 4, 21, 21)
+  np.testing.assert_allclose(got, reference(q, k, v, keep), atol=2e-6)
+  off = jflax.dot_product_attention(q, k, v, dropout_rng=key, dropout_rate=rate,
+                                    broadcast_dropout=broadcast, deterministic=True)
+  np.testing.assert_array_equal(off, jflax.dot_product_attention(q, k, v))
+
+
+def test_flax_function_needs_the_rng_only_when_dropout_applies(monkeypatch):
+  jflax = _flax()
+  q, _, _ = _qkv((2, 9, 4, 16), kv_heads=2)
+  with pytest.raises(ValueError, match="dropout_rate=0.1, deterministic=False.*dropout_rng is "
+                                       "None"):
+    jflax.dot_product_attention(q, q, q, dropout_rate=0.1, deterministic=False)
+  jflax.dot_product_attention(q, q, q, dropout_rate=0.1, deterministic=True)
+  with pytest.raises(ValueError, match=r"dropout_rate must be in \[0, 1\)"):
+    jflax.dot_product_attention(q, q, q, dropout_rate=1.5, deterministic=False,
+                                dropout_rng=jax.random.key(0))
+  # Where None picks the CUDA kernels, the Flax function refuses dropout by the same rule.
+  monkeypatch.setattr(_dispatch, "default_implementation", lambda dtype: "cuda")
+  with pytest.raises(NotImplementedError, match="take no dropout_rate yet; got "
+                                                "dropout_rate=0.1"):
+    jflax.dot_product_attention(q.astype(jnp.bfloat16), q, q, dtype=jnp.bfloat16,
+                                dropout_rate=0.1, deterministic=False,
+                                dropout_rng=jax.random.key(0))
+
+
+def test_linen_module_drops_as_the_stock_module_draws_its_rng():
+  """FlashMultiHeadDotProductAttention draws the key as nn.MultiHeadDotProductAttention does
+  (the call's dropout_rng, else make_rng("dropout")): the stock module with the flash
+  attention_fn gives the same output; two rngs give different outputs; deterministic=True none.
+  """
+  jflax = _flax()
+  import flax.linen as nn
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 17, 32)), F32)
+  flash = jflax.FlashMultiHeadDotProductAttention(num_heads=4, dropout_rate=0.3,
+                                                  broadcast_dropout=False)
+  stock = nn.MultiHeadDotProductAttention(num_heads=4, dropout_rate=0.3, broadcast_dropout=False,
+                                          attention_fn=jflax.dot_product_attention)
+  variables = flash.init(jax.random.key(0), x, deterministic=True)
+  rngs = {"dropout": jax.random.key(1)}
+  a = flash.apply(variables, x, deterministic=False, rngs=rngs)
+  np.testing.assert_allclose(stock.apply(variables, x, deterministic=False, rngs=rngs), a,
+                             atol=1e-6)
+  b = flash.apply(variables, x, deterministic=False, rngs={"dropout": jax.random.key(2)})
+  assert np.max(np.abs(np.asarray(a - b))) > 1e-2
+  explicit = flash.apply(variables, x, deterministic=False, dropout_rng=jax.random.key(7))
+  np.testing.assert_array_equal(
+      explicit, flash.apply(variables, x, deterministic=False, dropout_rng=jax.random.key(7),
+                            rngs=rngs))  # an explicit dropout_rng takes precedence
+  none = flash.apply(variables, x, deterministic=True)
+  assert np.max(np.abs(np.asarray(a - none))) > 1e-2
+
+
+def test_nnx_module_drops_with_its_rngs():
+  """FlashMultiHeadAttention takes the key as nnx.MultiHeadAttention does: from the call's
+  rngs (an nnx.Rngs' dropout stream), else the constructor's (keep_rngs); without either a
+  ValueError names rngs. Gradients flow through the dropped weights."""
+  jflax = _flax()
+  from flax import nnx
+  x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 17, 32)), F32)
+  flash = jflax.FlashMultiHeadAttention(num_heads=4, in_features=32, dropout_rate=0.3,
+                                        decode=False, rngs=nnx.Rngs(0, dropout=5))
+  stock = nnx.MultiHeadAttention(num_heads=4, in_features=32, dropout_rate=0.3, decode=False,
+                                 attention_fn=jflax.dot_product_attention,
+                                 rngs=nnx.Rngs(0, dropout=5))
+  a = flash(x, deterministic=False, rngs=nnx.Rngs(dropout=3))
+  np.testing.assert_allclose(stock(x, deterministic=False, rngs=nnx.Rngs(dropout=3)), a,
+                             atol=1e-6)
+  kept_rngs = flash(x, deterministic=False)  # the constructor's stream
+  assert np.max(np.abs(np.asarray(a - kept_rngs))) > 1e-2
+  assert np.max(np.abs(np.asarray(a - flash(x, deterministic=True)))) > 1e-2
+  no_rngs = jflax.FlashMultiHeadAttention(num_heads=4, in_features=32, dropout_rate=0.3,
+                                          decode=False, keep_rngs=False, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="rngs"):
+    no_rngs(x, deterministic=False)
+  grads = nnx.grad(lambda m: jnp.sum(m(x, deterministic=False, rngs=nnx.Rngs(dropout=3)) ** 2))(
+      flash)
+  assert all(np.all(np.isfinite(g)) for g in jax.tree_util.tree_leaves(grads))

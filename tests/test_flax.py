@@ -29,6 +29,7 @@ from flax import nnx  # noqa: E402
 
 from attention_testing import assert_within_rule, max_abs, random_array  # noqa: E402
 
+import jax_flash  # noqa: E402
 from jax_flash import flax as jflax  # noqa: E402
 
 F32 = jnp.float32
@@ -506,7 +507,6 @@ def test_flax_arguments_through_stock_modules(rng):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(mask=jnp.ones((2, 1, 9, 9), bool)), "mask.*is_causal=True.*key_value_seq_lengths"),
     (dict(bias=jnp.zeros((2, 1, 9, 9))), "bias"),
-    (dict(dropout_rate=0.1, deterministic=False), "dropout"),
     (dict(module=object()), "sow"),
     (dict(qk_attn_weights_einsum=jnp.einsum, attn_weights_value_einsum=jnp.einsum), "einsum"),
 ])
@@ -549,16 +549,14 @@ def test_nnx_modules_raise_for_what_they_cannot_honour(rng):
     flash(xq, decode=True)
   with pytest.raises(ValueError, match="attention_fn"):
     nnx_mha(jflax.FlashMultiHeadAttention, attention_fn=nnx.dot_product_attention)
+  # Dropout applies (tests/test_dropout.py); in evaluation mode there is none.
   dropout = nnx_mha(jflax.FlashMultiHeadAttention, dropout_rate=0.1)
-  with pytest.raises(NotImplementedError, match="dropout"):
-    dropout(xq, deterministic=False)
   nnx.update(dropout, nnx.state(flash, nnx.Param))
+  assert np.max(np.abs(np.asarray(dropout(xq, deterministic=False) - flash(xq)))) > 1e-3
   assert_close(dropout(xq, deterministic=True), flash(xq))  # evaluation mode: no dropout
-  # The stock module with the flash attention_fn raises the same way.
+  # The stock module with the flash attention_fn refuses a mask the same way.
   stock = nnx_mha(nnx.MultiHeadAttention, dropout_rate=0.1,
                   attention_fn=jflax.dot_product_attention)
-  with pytest.raises(NotImplementedError, match="dropout"):
-    stock(xq, deterministic=False)
   with pytest.raises(NotImplementedError, match="mask"):
     stock(xq, mask=causal_mask(xq), deterministic=True)
 
@@ -571,9 +569,6 @@ def test_linen_modules_raise_for_what_they_cannot_honour(rng):
     flash.apply(variables, xq, mask=causal_mask(xq))
   with pytest.raises(NotImplementedError, match="sow"):
     flash.apply(variables, xq, sow_weights=True, mutable=["intermediates"])
-  with pytest.raises(NotImplementedError, match="dropout"):
-    flash.clone(dropout_rate=0.1).apply(variables, xq, deterministic=False,
-                                        rngs={"dropout": jax.random.key(1)})
   with pytest.raises(NotImplementedError, match="einsum"):
     flash.clone(qk_attn_weights_einsum_cls=lambda: jnp.einsum,
                 attn_weights_value_einsum_cls=lambda: jnp.einsum).apply(variables, xq)
@@ -581,8 +576,67 @@ def test_linen_modules_raise_for_what_they_cannot_honour(rng):
     flash.clone(attention_fn=jflax.dot_product_attention).apply(variables, xq)
   with pytest.raises(ValueError, match="num_kv_heads"):
     flash.clone(num_kv_heads=3).init(jax.random.key(0), xq)
-  # The stock module passes dropout to the flash attention_fn: it raises instead of dropping it.
-  stock = nn.MultiHeadDotProductAttention(HEADS, dropout_rate=0.1,
-                                          attention_fn=jflax.dot_product_attention)
-  with pytest.raises(NotImplementedError, match="dropout"):
-    stock.apply(variables, xq, deterministic=False, rngs={"dropout": jax.random.key(1)})
+  # Dropout applies (the stock module with the flash attention_fn too: tests/test_dropout.py);
+  # without a "dropout" rng Flax's own error says so.
+  with pytest.raises(Exception, match="dropout"):
+    flash.clone(dropout_rate=0.1).apply(variables, xq, deterministic=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Block-sparse masks
+
+
+def _block_mask_inputs(rng, batch_dims):
+  """q, k, v (batch..., T, N|K, H) with T = 80, S = 150 (2 x 3 blocks of 64), and a block mask
+  (batch..., N, 2, 3) whose every query block keeps one key block."""
+  q = random_array(rng, (*batch_dims, 80, 4, 16), F32)
+  k, v = (random_array(rng, (*batch_dims, 150, 2, 16), F32) for _ in range(2))
+  blocks = jnp.asarray(rng.random((*batch_dims, 4, 2, 3)) < 0.5).at[..., 0].set(True)
+  return q, k, v, blocks
+
+
+@pytest.mark.parametrize("batch_dims", [(), (2, 3)])
+def test_attention_fn_takes_a_block_mask(rng, batch_dims):
+  """block_mask passes through jax_flash.flax.dot_product_attention as the segment ids do (the
+  batch dims folded into one): the core call on the folded arrays, on the kernels; broadcast
+  batch dims (left out or 1) too. Flax's element mask from the expanded blocks gives the same
+  on "xla"."""
+  q, k, v, blocks = _block_mask_inputs(rng, batch_dims)
+  got = jflax.dot_product_attention(q, k, v, block_mask=blocks, is_causal=True)
+  fold = lambda x: x.reshape(-1, *x.shape[len(batch_dims):])
+  want = jax_flash.dot_product_attention(fold(q), fold(k), fold(v), block_mask=fold(blocks),
+                                         is_causal=True)
+  assert_close(got, want.reshape(got.shape))
+  elements = jnp.repeat(jnp.repeat(blocks, 64, axis=-2), 64, axis=-1)[..., :80, :150]
+  assert_close(jflax.dot_product_attention(q, k, v, mask=elements, is_causal=True,
+                                           implementation="xla"), got)
+  shared = blocks[(0,) * len(batch_dims)]  # (N, 2, 3): every batch element the same blocks
+  got_shared = jflax.dot_product_attention(q, k, v, block_mask=shared)
+  want_shared = jflax.dot_product_attention(
+      q, k, v, block_mask=jnp.broadcast_to(shared, blocks.shape))
+  assert_close(got_shared, want_shared)
+  with pytest.raises(ValueError, match=re.escape("block_mask(4, 2, 2)")):
+    jflax.dot_product_attention(q, k, v, block_mask=jnp.ones((4, 2, 2), bool))
+  fn = jflax.make_attention_fn(is_causal=True)
+  assert_close(fn(q, k, v, block_mask=blocks), got)
+
+
+def test_modules_take_a_block_mask(rng):
+  """The NNX and Linen modules pass a call's block_mask to their attention (the same as their
+  attention_fn on the projections); not in a decode step."""
+  x = random_array(rng, (2, 80, FEATURES), F32)
+  blocks = jnp.asarray(rng.random((2, HEADS, 2, 2)) < 0.5).at[..., 0].set(True)
+  elements = jnp.repeat(jnp.repeat(blocks, 64, axis=-2), 64, axis=-1)[..., :80, :80]
+  module = nnx_mha(jflax.FlashMultiHeadAttention)
+  masked = nnx_mha(jflax.FlashMultiHeadAttention, implementation="xla")
+  nnx.update(masked, nnx.state(module, nnx.Param))
+  assert_close(module(x, block_mask=blocks), masked(x, mask=elements))
+  linen = jflax.FlashMultiHeadDotProductAttention(HEADS)
+  variables = linen.init(jax.random.key(0), x)
+  assert_close(linen.apply(variables, x, block_mask=blocks),
+               linen.clone(implementation="xla").apply(variables, x, mask=elements))
+  decoder = jflax.FlashMultiHeadDotProductAttention(HEADS, decode=True)
+  cache = decoder.init(jax.random.key(0), x)
+  with pytest.raises(NotImplementedError, match="block_mask with decode=True"):
+    decoder.apply({**variables, "cache": cache["cache"]}, x[:, :1], block_mask=blocks,
+                  mutable=["cache"])

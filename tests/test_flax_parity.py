@@ -7,8 +7,8 @@ implementation (the CPU kernel here) unless a mask array needs "blockwise" or "x
 stock module is compared with itself (dropout off, key/value defaults, Linen vs NNX), the flash
 module is compared with the stock one too, within float32 round-off.
 
-What jax_flash.flax does not do is asserted as such (README, "Flax"): dropout that would apply,
-sowing the attention weights, AQT einsums raise NotImplementedError; complex
+What jax_flash.flax does not do is asserted as such (README, "Flax"): sowing the attention
+weights, AQT einsums raise NotImplementedError; complex
 and float64 inputs a ValueError; a row whose every key is masked gives 0 where Flax gives the
 mean of the values.
 """
@@ -87,18 +87,24 @@ def test_linen_out_initializers():
   np.testing.assert_allclose(params["out"]["bias"], 1.0)
 
 
-def test_linen_dropout_that_would_apply_is_refused():
-  """test_multihead_self_attention_w_dropout / _explicit_dropout: jax_flash has no attention
-  dropout yet, so a rate > 0 with deterministic=False raises, at init and at apply."""
-  x = jnp.ones((4, 2, 3, 5))
-  _, flash = linen_pair(num_heads=8, qkv_features=16, dropout_rate=0.1, deterministic=False,
-                        **ONES)
+def test_linen_dropout():
+  """test_multihead_self_attention_w_dropout / _explicit_dropout: a rate > 0 with
+  deterministic=False drops attention weights at init and at apply; an explicit dropout_rng
+  gives the same output for the same key and another for another key (jax_flash draws its own
+  bits, so the values are not the stock module's: tests/test_dropout.py checks the mask)."""
+  x = jax.random.normal(jax.random.key(5), (4, 2, 3, 5))
+  _, flash = linen_pair(num_heads=8, qkv_features=16, dropout_rate=0.5, deterministic=False,
+                        broadcast_dropout=False)
   rngs = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
-  with pytest.raises(NotImplementedError, match="dropout"):
-    flash.init_with_output(rngs, x)
-  variables = flash.clone(deterministic=True).init(rngs, x)
-  with pytest.raises(NotImplementedError, match="dropout"):
-    flash.apply(variables, x, dropout_rng=jax.random.key(2))
+  y, variables = flash.init_with_output(rngs, x)
+  assert y.shape == x.shape
+  undropped = flash.clone(deterministic=True).apply(variables, x)
+  dropped = flash.apply(variables, x, dropout_rng=jax.random.key(2))
+  assert max_abs(np.asarray(dropped - undropped)) > 1e-3
+  np.testing.assert_array_equal(flash.apply(variables, x, dropout_rng=jax.random.key(2)),
+                                dropped)
+  assert max_abs(np.asarray(flash.apply(variables, x, dropout_rng=jax.random.key(3)) -
+                            dropped)) > 1e-3
 
 
 def test_linen_dropout_disabled():
@@ -296,11 +302,17 @@ def test_nnx_keep_rngs(keep_rngs):
                                          decode=True, rngs=nnx.Rngs(42), dropout_rate=0.5,
                                          keep_rngs=keep_rngs)
   assert (module.rngs is not None) == keep_rngs
-  # With dropout off for evaluation the module runs; with it on it raises.
-  x = jnp.ones((1, 3, 4))
-  module(x, decode=False, deterministic=True)
-  with pytest.raises(NotImplementedError, match="dropout"):
-    module(x, decode=False, deterministic=False, rngs=nnx.Rngs(3))
+  # Dropout off for evaluation, and on: with the call's rngs, or the kept ones; without either
+  # a ValueError names rngs (the stock module's rule).
+  x = jax.random.normal(jax.random.key(0), (1, 3, 4))
+  off = module(x, decode=False, deterministic=True)
+  on = module(x, decode=False, deterministic=False, rngs=nnx.Rngs(3))
+  assert on.shape == off.shape == (1, 3, 4)
+  if keep_rngs:
+    module(x, decode=False, deterministic=False)
+  else:
+    with pytest.raises(ValueError, match="rngs"):
+      module(x, decode=False, deterministic=False)
 
 
 @pytest.mark.parametrize("use_padding", [True, False], ids=["padding", "no_padding"])
