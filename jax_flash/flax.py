@@ -388,7 +388,7 @@ class AttentionFn:
                einsum_dot_general=None, qk_attn_weights_einsum=None,
                attn_weights_value_einsum=None, promote_dtype=None, is_causal=False,
                query_seq_lengths=None, key_value_seq_lengths=None, q_segment_ids=None,
-               kv_segment_ids=None, block_mask=None) -> jax.Array:
+               kv_segment_ids=None, block_mask=None, sinks=None, alibi_slopes=None) -> jax.Array:
     return dot_product_attention(
         query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
         deterministic, dtype, precision, module, force_fp32_for_softmax=force_fp32_for_softmax,
@@ -399,7 +399,18 @@ class AttentionFn:
         local_window_size=self.local_window_size, implementation=self.implementation,
         deterministic_backward=self.deterministic_backward, q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids, logits_soft_cap=self.logits_soft_cap,
-        block_mask=block_mask)
+        block_mask=block_mask, sinks=sinks, alibi_slopes=alibi_slopes)
+
+
+def _alibi_array(alibi_slopes, num_heads: int, owner: str):
+  """A module's fixed ALiBi slopes as a float32 (num_heads,) array (None without)."""
+  if alibi_slopes is None:
+    return None
+  slopes = jnp.asarray(alibi_slopes, jnp.float32)
+  if slopes.shape != (num_heads,):
+    raise ValueError(f"{owner}: alibi_slopes must hold one slope per query head, shape "
+                     f"({num_heads},); got shape {slopes.shape}")
+  return slopes
 
 
 def _no_segment_ids_in_decode(owner: str, q_segment_ids, kv_segment_ids,
@@ -488,6 +499,10 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
     deterministic_backward: bit-reproducible backward pass (see jax_flash).
     logits_soft_cap: Gemma 2's cap ``c``: scores ``s`` become ``c * tanh(s / c)`` on every call
       (a constructor argument: ``nnx.MultiHeadAttention`` has none); ``None``: no cap.
+    sinks: learned attention sinks (gpt-oss): an ``nnx.Param`` ``sinks`` ``(num_heads,)``
+      (``param_dtype``, zeros), one logit per query head joining every row's softmax
+      denominator (see :func:`dot_product_attention`). The stock module has no such parameter.
+    alibi_slopes: fixed ALiBi slopes, one per query head (not a parameter).
 
   ``attention_fn`` cannot be given (the module sets it). ``dropout_rate > 0`` drops attention
   weights as the stock module does (``deterministic=False``; the key from the call's ``rngs``,
@@ -513,6 +528,7 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
                local_window_size: int | tuple[int, int] | None = None,
                implementation: Implementation | None = None,
                deterministic_backward: bool = False, logits_soft_cap: float | None = None,
+               sinks: bool = False, alibi_slopes: tuple[float, ...] | None = None,
                rngs: nnx.Rngs, **kwargs):
     if "attention_fn" in kwargs:
       raise ValueError(
@@ -525,6 +541,9 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
     super().__init__(num_heads, in_features, qkv_features, out_features, num_kv_heads,
                      in_kv_features, attention_fn=attention_fn, rngs=rngs, **kwargs)
     self.is_causal = is_causal
+    self.sinks = nnx.Param(jnp.zeros((num_heads,), self.param_dtype)) if sinks else None
+    _alibi_array(alibi_slopes, num_heads, "FlashMultiHeadAttention")  # checked here, once
+    self.alibi_slopes = None if alibi_slopes is None else tuple(float(x) for x in alibi_slopes)
 
   def __call__(self, inputs_q: jax.Array, inputs_k: jax.Array | None = None,
                inputs_v: jax.Array | None = None, *, mask: jax.Array | None = None,
@@ -600,7 +619,9 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
         dtype=self.dtype, precision=self.precision, module=self if sow_weights else None,
         is_causal=is_causal, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids, block_mask=block_mask)
+        kv_segment_ids=kv_segment_ids, block_mask=block_mask,
+        sinks=None if self.sinks is None else self.sinks[...],
+        alibi_slopes=_alibi_array(self.alibi_slopes, self.num_heads, "FlashMultiHeadAttention"))
     if step is not None:  # the cache changes only once the call has succeeded
       self.cached_key[...] = step.cached_key
       self.cached_value[...] = step.cached_value
@@ -633,6 +654,10 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
     deterministic_backward: bit-reproducible backward pass (see jax_flash).
     logits_soft_cap: Gemma 2's cap ``c``: scores ``s`` become ``c * tanh(s / c)`` (a module
       attribute: ``nn.MultiHeadDotProductAttention`` has none); ``None``: no cap.
+    sinks: learned attention sinks (gpt-oss): a parameter ``sinks`` ``(num_heads,)``
+      (``param_dtype``, zeros), one logit per query head joining every row's softmax
+      denominator (see :func:`dot_product_attention`). The stock module has no such parameter.
+    alibi_slopes: fixed ALiBi slopes, one per query head (not a parameter).
 
   ``attention_fn`` must stay unset. ``dropout_rate > 0`` drops attention weights as the stock
   module does (``deterministic=False``; the call's ``dropout_rng``, else
@@ -658,6 +683,8 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
   implementation: Implementation | None = None
   deterministic_backward: bool = False
   logits_soft_cap: float | None = None
+  sinks: bool = False
+  alibi_slopes: tuple[float, ...] | None = None
 
   @nn.compact
   def __call__(self, inputs_q: jax.Array, inputs_k: jax.Array | None = None,
@@ -750,7 +777,11 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
         dtype=self.dtype, precision=self.precision, module=self if sow_weights else None,
         force_fp32_for_softmax=self.force_fp32_for_softmax, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids, block_mask=block_mask, **einsums)
+        kv_segment_ids=kv_segment_ids, block_mask=block_mask,
+        sinks=(self.param("sinks", nn.initializers.zeros_init(), (self.num_heads,),
+                          self.param_dtype) if self.sinks else None),
+        alibi_slopes=_alibi_array(self.alibi_slopes, self.num_heads,
+                                  "FlashMultiHeadDotProductAttention"), **einsums)
     return nn.DenseGeneral(
         features=features, axis=(-2, -1), kernel_init=self.out_kernel_init or self.kernel_init,
         bias_init=self.out_bias_init or self.bias_init, use_bias=self.use_bias,

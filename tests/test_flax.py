@@ -640,3 +640,57 @@ def test_modules_take_a_block_mask(rng):
   with pytest.raises(NotImplementedError, match="block_mask with decode=True"):
     decoder.apply({**variables, "cache": cache["cache"]}, x[:, :1], block_mask=blocks,
                   mutable=["cache"])
+
+
+def _projected_reference(q, k, v, sinks, slopes):
+  """jax_flash on a module's projections, with the sinks and slopes given directly."""
+  return jax_flash.dot_product_attention(q, k, v, is_causal=True, sinks=sinks,
+                                         alibi_slopes=slopes, implementation="cpu")
+
+
+def test_nnx_module_learns_sinks_and_takes_alibi_slopes(rng):
+  """sinks=True makes a (num_heads,) parameter that joins every row's softmax (and gets a
+  gradient); alibi_slopes are fixed per head: the module equals jax_flash on its projections."""
+  heads, features = 4, 32
+  slopes = (0.5, 0.25, 0.125, 0.0625)
+  module = jflax.FlashMultiHeadAttention(heads, features, is_causal=True, sinks=True,
+                                         alibi_slopes=slopes, implementation="cpu",
+                                         decode=False, rngs=nnx.Rngs(0))
+  assert module.sinks[...].shape == (heads,)
+  module.sinks[...] = jnp.asarray([0.5, -1.0, 2.0, 0.0], jnp.float32)
+  x = random_array(rng, (2, 17, features), jnp.float32)
+  got = module(x)
+  q, k, v = module.query(x), module.key(x), module.value(x)
+  want = module.out(_projected_reference(q, k, v, module.sinks[...], jnp.asarray(slopes)))
+  assert max_abs(got - want) < 1e-5
+
+  def loss(m):
+    return jnp.sum(m(x) ** 2)
+  grads = nnx.grad(loss)(module)
+  assert float(jnp.max(jnp.abs(grads.sinks[...]))) > 0
+  with pytest.raises(ValueError, match="alibi_slopes must hold one slope per query head"):
+    jflax.FlashMultiHeadAttention(heads, features, alibi_slopes=(1.0,), rngs=nnx.Rngs(0))
+
+
+def test_linen_module_learns_sinks_and_takes_alibi_slopes(rng):
+  """The Linen module's sinks parameter and fixed slopes, as the NNX module's."""
+  heads, features = 4, 32
+  slopes = (0.5, 0.25, 0.125, 0.0625)
+  module = jflax.FlashMultiHeadDotProductAttention(
+      num_heads=heads, is_causal=True, sinks=True, alibi_slopes=slopes, implementation="cpu")
+  x = random_array(rng, (2, 17, features), jnp.float32)
+  variables = module.init(jax.random.key(0), x)
+  params = variables["params"]
+  assert params["sinks"].shape == (heads,)
+  params = {**params, "sinks": jnp.asarray([0.5, -1.0, 2.0, 0.0], jnp.float32)}
+  got = module.apply({"params": params}, x)
+
+  def project(name, y):
+    p = params[name]
+    return jnp.einsum("btf,fnh->btnh", y, p["kernel"]) + p["bias"]
+  attention = _projected_reference(project("query", x), project("key", x), project("value", x),
+                                   params["sinks"], jnp.asarray(slopes))
+  want = jnp.einsum("btnh,nhf->btf", attention, params["out"]["kernel"]) + params["out"]["bias"]
+  assert max_abs(got - want) < 1e-5
+  grads = jax.grad(lambda p: jnp.sum(module.apply({"params": p}, x) ** 2))(params)
+  assert float(jnp.max(jnp.abs(grads["sinks"]))) > 0
