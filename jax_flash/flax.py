@@ -402,15 +402,20 @@ class AttentionFn:
         block_mask=block_mask, sinks=sinks, alibi_slopes=alibi_slopes)
 
 
-def _alibi_array(alibi_slopes, num_heads: int, owner: str):
-  """A module's fixed ALiBi slopes as a float32 (num_heads,) array (None without)."""
+def _module_alibi_slopes(alibi_slopes, num_heads: int, owner: str) -> tuple[float, ...] | None:
+  """A module's fixed ALiBi slopes as a tuple of floats (None without), checked when the module
+  is built (each call's own check, _validation.check_alibi_slopes, names the query instead)."""
   if alibi_slopes is None:
     return None
-  slopes = jnp.asarray(alibi_slopes, jnp.float32)
-  if slopes.shape != (num_heads,):
+  slopes = tuple(float(x) for x in alibi_slopes)
+  if len(slopes) != num_heads:
     raise ValueError(f"{owner}: alibi_slopes must hold one slope per query head, shape "
-                     f"({num_heads},); got shape {slopes.shape}")
+                     f"({num_heads},); got shape ({len(slopes)},)")
   return slopes
+
+
+def _slopes_array(alibi_slopes: tuple[float, ...] | None) -> jax.Array | None:
+  return None if alibi_slopes is None else jnp.asarray(alibi_slopes, jnp.float32)
 
 
 def _no_segment_ids_in_decode(owner: str, q_segment_ids, kv_segment_ids,
@@ -542,8 +547,7 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
                      in_kv_features, attention_fn=attention_fn, rngs=rngs, **kwargs)
     self.is_causal = is_causal
     self.sinks = nnx.Param(jnp.zeros((num_heads,), self.param_dtype)) if sinks else None
-    _alibi_array(alibi_slopes, num_heads, "FlashMultiHeadAttention")  # checked here, once
-    self.alibi_slopes = None if alibi_slopes is None else tuple(float(x) for x in alibi_slopes)
+    self.alibi_slopes = _module_alibi_slopes(alibi_slopes, num_heads, "FlashMultiHeadAttention")
 
   def __call__(self, inputs_q: jax.Array, inputs_k: jax.Array | None = None,
                inputs_v: jax.Array | None = None, *, mask: jax.Array | None = None,
@@ -621,7 +625,7 @@ class FlashMultiHeadAttention(nnx.MultiHeadAttention):
         key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids, block_mask=block_mask,
         sinks=None if self.sinks is None else self.sinks[...],
-        alibi_slopes=_alibi_array(self.alibi_slopes, self.num_heads, "FlashMultiHeadAttention"))
+        alibi_slopes=_slopes_array(self.alibi_slopes))
     if step is not None:  # the cache changes only once the call has succeeded
       self.cached_key[...] = step.cached_key
       self.cached_value[...] = step.cached_value
@@ -780,8 +784,7 @@ class FlashMultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
         kv_segment_ids=kv_segment_ids, block_mask=block_mask,
         sinks=(self.param("sinks", nn.initializers.zeros_init(), (self.num_heads,),
                           self.param_dtype) if self.sinks else None),
-        alibi_slopes=_alibi_array(self.alibi_slopes, self.num_heads,
-                                  "FlashMultiHeadDotProductAttention"), **einsums)
+        alibi_slopes=_slopes_array(self.alibi_slopes), **einsums)
     return nn.DenseGeneral(
         features=features, axis=(-2, -1), kernel_init=self.out_kernel_init or self.kernel_init,
         bias_init=self.out_bias_init or self.bias_init, use_bias=self.use_bias,
