@@ -57,13 +57,7 @@ def key_words(key: jax.Array) -> tuple[jax.Array, jax.Array]:
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
 def dropout_words(key: jax.Array, batch: int, heads: int, seq_q: int, seq_k: int) -> jax.Array:
   """The Philox word of every score element: uint32 (batch, heads, seq_q, seq_k)."""
-  b = jnp.arange(batch, dtype=jnp.uint32)[:, None, None, None]
-  h = jnp.arange(heads, dtype=jnp.uint32)[None, :, None, None]
-  r = jnp.arange(seq_q, dtype=jnp.uint32)[None, None, :, None]
-  c = jnp.arange(seq_k, dtype=jnp.uint32)[None, None, None, :]
-  words = philox4x32_10((c // 2, (r // 16) * 8 + r % 8, h, b), key_words(key))
-  index = 2 * ((r // 8) % 2) + c % 2
-  return jnp.select([index == 0, index == 1, index == 2], words[:3], words[3])
+  return words_from_seeds(seeds(key, batch, heads), jnp.arange(seq_q), jnp.arange(seq_k))
 
 
 def seeds(key: jax.Array, batch: int, heads: int, *, shared: bool = False) -> jax.Array:
@@ -80,20 +74,25 @@ def seeds(key: jax.Array, batch: int, heads: int, *, shared: bool = False) -> ja
   return jnp.stack([jnp.broadcast_to(k0, shape), jnp.broadcast_to(k1, shape), h, b], axis=-1)
 
 
-def keep_from_seeds(seed_words: jax.Array, rate: float, rows: jax.Array,
-                    cols: jax.Array) -> jax.Array:
-  """The keep decisions of query rows `rows` (T,) and keys `cols` (S,) (int positions) under
-  `seed_words` (..., 4) as seeds() makes them: bool (..., T, S). keep_mask(key, rate, B, N, T,
-  S) is this of seeds(key, B, N), every row and every key; the "blockwise" path asks it for one
-  key block at a time."""
+def words_from_seeds(seed_words: jax.Array, rows: jax.Array, cols: jax.Array) -> jax.Array:
+  """The Philox word of query rows `rows` (T,) and keys `cols` (S,) (int positions) under
+  `seed_words` (..., 4) as seeds() makes them: uint32 (..., T, S), dropout_bits.h's layout."""
   seed_words = seed_words[..., None, None, :]
   r = jnp.asarray(rows).astype(jnp.uint32)[:, None]
   c = jnp.asarray(cols).astype(jnp.uint32)[None, :]
   words = philox4x32_10((c // 2, (r // 16) * 8 + r % 8, seed_words[..., 2], seed_words[..., 3]),
                         (seed_words[..., 0], seed_words[..., 1]))
   index = 2 * ((r // 8) % 2) + c % 2
-  word = jnp.select([index == 0, index == 1, index == 2], words[:3], words[3])
-  return word >= jnp.uint32(threshold(rate))
+  return jnp.select([index == 0, index == 1, index == 2], words[:3], words[3])
+
+
+def keep_from_seeds(seed_words: jax.Array, rate: float, rows: jax.Array,
+                    cols: jax.Array) -> jax.Array:
+  """The keep decisions of query rows `rows` (T,) and keys `cols` (S,) (int positions) under
+  `seed_words` (..., 4) as seeds() makes them: bool (..., T, S). keep_mask(key, rate, B, N, T,
+  S) is this of seeds(key, B, N), every row and every key; the "blockwise" path asks it for one
+  key block at a time."""
+  return words_from_seeds(seed_words, rows, cols) >= jnp.uint32(threshold(rate))
 
 
 def multipliers(seed_words: jax.Array, rate: float, rows: jax.Array, cols: jax.Array) -> jax.Array:
