@@ -273,18 +273,6 @@ def test_backward_dq_by_the_other_way_on_hopper(family, head_dims):
       "or test_command_buffer_capture or test_jit_training_step_reduces_loss")
 
 
-def test_backward_with_dk_from_registers_on_hopper():
-  """The experimental backward taking dK's dS^T from registers, dV and dK issued before the
-  consumers' barrier (JAX_FLASH_CUDA_BACKWARD=sm90ws_dkrs), passes the reference and
-  deterministic cases of every Hopper backward head dim, the CUDA-graph capture and the training
-  step."""
-  _run_cuda_tests_on_hopper_with(
-      {"JAX_FLASH_CUDA_BACKWARD": "sm90ws_dkrs"},
-      "((test_cuda_matches_reference or test_deterministic_matches_reference) and "
-      "(h40 or h64 or h80 or h96 or h111 or h128)) "
-      "or test_command_buffer_capture or test_jit_training_step_reduces_loss")
-
-
 def test_split_kv_decoding_on_cuda():
   """The experimental split-KV program around the CUDA forward (JAX_FLASH_CUDA_DECODE=split:
   pack-GQA and key chunks for calls without causal mask or window) passes the reference cases,

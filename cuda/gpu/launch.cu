@@ -80,7 +80,6 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
         e = family == KernelFamily::kSm90Ws           ? launch_bwd_main_sm90_ws<T, kD>(p, kDefault, stream)
             : family == KernelFamily::kSm90WsAtomicDq ? launch_bwd_main_sm90_ws<T, kD>(p, V::kAtomicDq, stream)
             : family == KernelFamily::kSm90WsBulkDq   ? launch_bwd_main_sm90_ws<T, kD>(p, V::kBulkDq, stream)
-            : family == KernelFamily::kSm90WsDkRs     ? launch_bwd_main_sm90_ws<T, kD>(p, V::kDkFromRegisters, stream)
                                                       : launch_bwd_main_sm80<T, kD>(p, stream);
       } else {
         e = launch_bwd_main_sm80<T, kD>(p, stream);

@@ -44,17 +44,14 @@ struct TileShapes {
   using Sm90BwdWs = Sm90BwdWsTraits<kHeadDim>;
   using Sm90BwdWsBulkDq = Sm90BwdWsTraits<kHeadDim, true>;
   // 128-row query blocks, dQ split by rows between the consumers (registers allow head dim 64
-  // only); the default there: +8-10% over 64-row blocks with atomics (cuda/PERF_NOTES.md v10).
+  // only), dK from registers; the default there: +8-10% over 64-row blocks with atomics
+  // (cuda/PERF_NOTES.md v10), +8-10% more from dK's registers (v11).
   static constexpr bool kHasSm90BwdBlockM128 = kHeadDim == 64;
   using Sm90BwdWsBlockM128 = Sm90BwdWsTraits<kHeadDim, false, (kHasSm90BwdBlockM128 ? 128 : 64)>;
   // With 64-row query blocks, the backward's dQ by default as measured on the H200 (v6): bulk
   // reductions at head dim 128 (+5-11% over atomics), atomics elsewhere (bulk reductions 25%
   // slower at 64).
   static constexpr bool kSm90BwdBulkDqByDefault = kHeadDim == 128;
-  // Experimental (JAX_FLASH_CUDA_BACKWARD=sm90ws_dkrs): the default's tile with dK from registers,
-  // dV and dK issued before the consumers' barrier.
-  using Sm90BwdWsDkFromRegisters =
-      Sm90BwdWsTraits<kHeadDim, kSm90BwdBulkDqByDefault, (kHasSm90BwdBlockM128 ? 128 : 64), true>;
 };
 
 // Explicit instantiations of a launcher template<T, kHeadDim> for both 16-bit dtypes.

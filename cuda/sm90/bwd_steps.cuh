@@ -109,8 +109,9 @@ __device__ __forceinline__ void issue_key_gradients(float (&dk)[1][Traits::kHead
   wgmma_commit();
 }
 
-// dQ = dS K for warpgroup `group`'s part (as accumulate_gradients says): issued and committed,
-// not waited for.
+// dQ = dS K for warpgroup `group`'s part: its 64 query rows with every head-dim column
+// (Traits::kDqByRows), else its head-dim columns 64 g .. 64 g + 63 of every row (all of them for
+// head dim 64 in warpgroup 0); issued and committed, not waited for.
 template <typename Traits, typename T>
 __device__ __forceinline__ void issue_query_gradient(float (&dq)[1][8][4], uint32_t ds_address, uint32_t k_address,
                                                      int group) {
@@ -126,17 +127,17 @@ __device__ __forceinline__ void issue_query_gradient(float (&dq)[1][8][4], uint3
   wgmma_commit();
 }
 
-// dV += P^T dO (P^T from registers) and dK += dS^T Q (dS^T from shared memory, which keeps
-// registers free for dQ) for the warpgroup's keys if the block sees them (group_live), and
-// dQ = dS K where dq_here: warpgroup g's 64 query rows with every head-dim column
-// (Traits::kDqByRows), else its head-dim columns 64 g .. 64 g + 63 of every row (all of them
-// for head dim 64 in warpgroup 0); issued and waited for.
+// 64-row visits, after the consumers' barrier: dV += P^T dO (P^T from registers) and
+// dK += dS^T Q (dS^T from shared memory, which keeps registers free for dQ) for the warpgroup's
+// keys if the block sees them (group_live), and its part of dQ where dq_here
+// (issue_query_gradient); issued and waited for.
 template <typename Traits, typename T>
 __device__ __forceinline__ void accumulate_gradients(float (&dk)[1][Traits::kHeadDim / 8][4],
                                                      float (&dv)[1][Traits::kHeadDim / 8][4], float (&dq)[1][8][4],
                                                      const float (&pt_float)[1][Traits::kBlockM / 8][4],
                                                      uint32_t q_address, uint32_t do_address, uint32_t ds_address,
                                                      uint32_t k_address, int group, bool group_live, bool dq_here) {
+  static_assert(!Traits::kDkFromRegisters, "128-row visits take dK from registers");
   constexpr int kBM = Traits::kBlockM, kD = Traits::kHeadDim;
   using QTile = typename Traits::QTile;
   using DsTile = typename Traits::DsTile;
@@ -157,9 +158,9 @@ __device__ __forceinline__ void accumulate_gradients(float (&dk)[1][Traits::kHea
       Wgmma<T, kD>::ss_b_transposed(dk[0], DsTile::k_major(ds_address, group * 64, kk),
                                     QTile::n_major(q_address, kk), true);
     wgmma_commit();
-    // At head dim 128, or with 128-row visits (P^T twice the registers), the registers do not
-    // hold dK, dV and dQ in flight at once (ptxas serialises the products, C7512).
-    if constexpr (kD > 64 || Traits::kDqByRows) wgmma_wait<0>();
+    // At head dim 128 the registers do not hold dK, dV and dQ in flight at once (ptxas
+    // serialises the products, C7512).
+    if constexpr (kD > 64) wgmma_wait<0>();
   }
   if (dq_here) issue_query_gradient<Traits, T>(dq, ds_address, k_address, group);
   wgmma_wait<0>();

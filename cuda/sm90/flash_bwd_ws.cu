@@ -30,8 +30,6 @@ cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
 template <typename T, int kHeadDim>
 cudaError_t launch_bwd_main_sm90_ws(const BwdParams& p, Sm90BwdVariant variant, cudaStream_t stream) {
   if (variant == Sm90BwdVariant::kBulkDq) return launch<typename TileShapes<kHeadDim>::Sm90BwdWsBulkDq, T>(p, stream);
-  if (variant == Sm90BwdVariant::kDkFromRegisters)
-    return launch<typename TileShapes<kHeadDim>::Sm90BwdWsDkFromRegisters, T>(p, stream);
   if constexpr (TileShapes<kHeadDim>::kHasSm90BwdBlockM128)
     if (variant == Sm90BwdVariant::kBlockM128)
       return launch<typename TileShapes<kHeadDim>::Sm90BwdWsBlockM128, T>(p, stream);

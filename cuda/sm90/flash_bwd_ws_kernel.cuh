@@ -267,8 +267,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const bool dq_here = !kDeterministic && (Traits::kDqByRows || kD == 128 || group == 0);
     float dq[1][8][4];
     if constexpr (Traits::kDkFromRegisters) {
-      // dV and dK from registers are issued before the barrier: they run while this warpgroup
-      // waits for the other's dS^T.
+      // dV and dK from registers (128-row visits) are issued before the barrier: they run while
+      // this warpgroup waits for the other's dS^T.
       uint32_t pt[kBM / 16][1][4], dst[kBM / 16][1][4];
       accumulator_to_a<T>(dst, dpt);
       accumulator_to_a<T>(pt, st);
@@ -293,6 +293,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       accumulate_gradients<Traits, T>(dk, dv, dq, st, q_address, do_address, ds_address, k_address, group,
                                       group_live, dq_here);
     }
+    // Every lane's reads of the stage (lse, delta) are ordered before lane 0's release of it
+    // by the warp barrier, not only through the consumers' named barrier above.
+    __syncwarp();
     if (lane == 0) Mbarrier(&bars.empty[stage]).arrive();
     if constexpr (Traits::kBulkDq) {
       if (dq_here) {  // the tile, once the writer has read the last visit's

@@ -42,15 +42,17 @@ struct Sm90FwdWsTraits {
 // reductions (else the consumers add it with atomics). kBlockM: query rows a visit, 64, or 128 at
 // head dim 64 (FlashAttention-3's tile there: half the visits, and dQ split by query rows
 // between the warpgroups, 64 rows each, instead of computed by warpgroup 0 alone).
-// kDkFromRegisters (experimental): dK += dS^T Q takes dS^T from registers as dV takes P^T, and
+// kDkFromRegisters (128-row visits): dK += dS^T Q takes dS^T from registers as dV takes P^T, and
 // both products are issued before the consumers' barrier, so they run while a warpgroup waits
-// for the other's dS^T (else dK reads dS^T from shared memory after the barrier).
-template <int kHeadDim_, bool kBulkDq_ = false, int kBlockM_ = 64, bool kDkFromRegisters_ = false>
+// for the other's dS^T (+8-10% bwd at head dim 64, cuda/PERF_NOTES.md v11; with 64-row visits at
+// head dim 128 it measured even, so those keep dK reading dS^T from shared memory after the
+// barrier).
+template <int kHeadDim_, bool kBulkDq_ = false, int kBlockM_ = 64>
 struct Sm90BwdWsTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kBulkDq = kBulkDq_;
   static constexpr int kBlockM = kBlockM_;  // query rows per visit
-  static constexpr bool kDkFromRegisters = kDkFromRegisters_;
+  static constexpr bool kDkFromRegisters = kBlockM == 128;
   static_assert(kBlockM == 64 || (kBlockM == 128 && kHeadDim == 64 && !kBulkDq),
                 "128-row visits at head dim 64 only, with dQ by atomics");
   // Each warpgroup computes dQ for its 64 query rows (128-row visits), else for 64 of the head
