@@ -2,7 +2,8 @@
 // combine pass that merges its key chunks. Contract and layouts: common/decode_params.h (the
 // CPU kernel, cpu/flash_decode.h, computes the same thing).
 //
-// Split kernel: one CTA (4 warps) per (batch b, kv head hk, key chunk, tile of 16 packed rows).
+// Split kernel: one CTA (4 warps) per (batch b, kv head hk, key chunk, tile of 16 packed rows),
+// launched longest sequence first (decode_batch_at).
 // Packed row p of kv head hk is query position t = p / G of query head hk * G + p % G (G query
 // heads per kv head, position-major as on the CPU), so one K/V block in shared memory serves
 // every query head of the group: K/V are read once per group, not once per query head.
@@ -83,6 +84,32 @@ __device__ __forceinline__ int64_t decode_clamp_len(const int32_t* lens, int64_t
   return x < 0 ? 0 : (x > max_len ? max_len : x);
 }
 
+// Batches up to this size are visited longest sequence first (decode_batch_at).
+inline constexpr int64_t kDecodeMaxRankedBatch = 256;
+
+// The batch element of the pos-th group of CTAs in launch order: the longest kv length first
+// (ties in batch order, so equal lengths keep the batch order), so that a ragged batch's long
+// sequences start in the first waves and the short ones fill the last; in batch order the last
+// waves held long CTAs alone on a few SMs. The rank is counted over the lengths in shared memory
+// (B^2 / threads compares a CTA), so past kDecodeMaxRankedBatch elements batch order is kept.
+__device__ __forceinline__ int64_t decode_batch_at(const DecodeParams& p, int64_t pos) {
+  const int64_t batch = p.shape.batch;
+  if (batch > kDecodeMaxRankedBatch) return pos;
+  __shared__ int32_t s_len[kDecodeMaxRankedBatch];
+  __shared__ int32_t s_batch;
+  for (int64_t b = threadIdx.x; b < batch; b += blockDim.x)
+    s_len[b] = static_cast<int32_t>(decode_clamp_len(p.kv_lens, b, p.shape.seq_k));
+  __syncthreads();
+  for (int b = threadIdx.x; b < batch; b += blockDim.x) {
+    const int32_t len = s_len[b];
+    int64_t rank = 0;
+    for (int o = 0; o < batch; ++o) rank += s_len[o] > len || (s_len[o] == len && o < b);
+    if (rank == pos) s_batch = b;
+  }
+  __syncthreads();
+  return s_batch;
+}
+
 // What one CTA of the split kernel computes: its place in the grid, its rows and key chunk.
 struct DecodeTask {
   int64_t b, hk, split;
@@ -101,13 +128,13 @@ struct DecodeTask {
     group = sh.heads_q / sh.heads_k;
     const int64_t packed = sh.seq_q * group;
     const int64_t row_tiles = (packed + kDecodeRowsPerCta - 1) / kDecodeRowsPerCta;
-    int64_t x = blockIdx.x;  // ((b * K + hk) * splits + split) * row_tiles + tile
+    int64_t x = blockIdx.x;  // ((rank(b) * K + hk) * splits + split) * row_tiles + tile
     const int64_t tile = x % row_tiles;
     x /= row_tiles;
     split = x % p.num_splits;
     x /= p.num_splits;
     hk = x % sh.heads_k;
-    b = x / sh.heads_k;
+    b = decode_batch_at(p, x / sh.heads_k);
     q_len = p.q_lens ? decode_clamp_len(p.q_lens, b, sh.seq_q) : sh.seq_q;
     kv_len = decode_clamp_len(p.kv_lens, b, sh.seq_k);
     offset = p.queries_at_end ? kv_len - sh.seq_q : 0;
