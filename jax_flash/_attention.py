@@ -200,10 +200,9 @@ def dot_product_attention(
       sum_j exp(s_ij))``, so a row's weights sum to less than 1. Differentiable (its gradient
       comes back in its dtype). The lse includes it; a row with no visible key gives zeros and
       lse ``sinks[h]``. Every mask, GQA, ``logits_soft_cap`` and sequence-sharded calls
-      combine with it. Taken by "cpu" (the kernels compute the keys' part; the sink joins it in
-      XLA), "blockwise" and "xla"; the CUDA kernels raise ``NotImplementedError`` (pass
-      ``implementation="blockwise"`` on a GPU). A wrong shape or dtype raises ``ValueError``
-      naming ``sinks``.
+      combine with it. Taken by "cpu" and "cuda" (the kernels compute the keys' part in float32;
+      the sink joins it in XLA; on CUDA decode-shaped calls then run the tiled forward),
+      "blockwise" and "xla". A wrong shape or dtype raises ``ValueError`` naming ``sinks``.
     alibi_slopes: ALiBi (Press et al., 2022): ``(N,)``, one slope per query head (float32,
       bfloat16 or float16, computed in float32; exactly ``(N,)``, also for rank-3 inputs).
       The score of query ``i`` and key ``j`` in head ``h`` becomes

@@ -78,7 +78,12 @@ def capabilities(name: str) -> Capabilities:
         mask_forms=MASK_FORMS, deterministic_backward=True, ring=True,
         # jax_flash.paged_attention: the CUDA decode kernel over the pages, or the pages
         # gathered for the tiled forward (chunked prefill; jax_flash._decode.cuda_paged_route)
-        paged=True)
+        paged=True,
+        # sinks: joined to the kernel's float32 o and lse in XLA (jax_flash._attention
+        # ._join_sinks), so the kernels need none of their own; such calls run the tiled forward
+        # (jax_flash._ops.for_backward), whose o can be float32, also where the decode kernel
+        # would have run
+        sinks=True)
   if name in ("xla", "blockwise"):
     return Capabilities(
         name, kernel=False, dtypes=_FLOAT_DTYPES, max_head_dim=None, head_dim_multiple=1,

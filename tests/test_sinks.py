@@ -8,7 +8,8 @@ probability dropped; differentiated by JAX), by the FlashAttention rule of
 tests/attention_testing.py: max error <= 2x the error of the same reference with the input dtype's
 rounding, plus the tiny floor. Forward, lse and dq, dk, dv and dsinks, alone and with causal,
 windows, lengths (empty rows: 0 output, lse = the sink), GQA, T != S, soft cap, segment ids,
-decode shapes, unbatched inputs; then the errors, the CUDA refusal and sharded calls.
+decode shapes, unbatched inputs; then the errors, the CUDA kernels (GPU tests) and sharded
+calls.
 """
 
 from __future__ import annotations
@@ -222,17 +223,37 @@ def test_invalid_sinks_raise(sinks, match):
     jax_flash.dot_product_attention(q, kv, kv, sinks=sinks, implementation="cpu")
 
 
-def test_cuda_kernels_refuse_the_sinks(monkeypatch):
-  """Where None picks the CUDA kernels, sinks raise at trace time naming the argument and the
-  implementations that take them (a forced "cuda" needs a GPU to get that far)."""
+def test_cuda_kernels_take_the_sinks(monkeypatch):
+  """Where None picks the CUDA kernels, a call with sinks runs on them (their float32 o and lse
+  joined with the sinks in XLA, as on the CPU); what they still refuse is refused by name."""
   monkeypatch.setattr(_dispatch, "default_implementation", lambda dtype: "cuda")
   q = jnp.ones((2, 8, 2, 16), jnp.bfloat16)
-  with pytest.raises(NotImplementedError,
-                     match=r"'cuda' kernels .* take no sinks yet; got sinks\(2,\) .*"
-                           r"'cpu', 'blockwise', 'xla'"):
-    jax_flash.dot_product_attention(q, q, q, sinks=jnp.zeros((2,)))
-  with pytest.raises(NotImplementedError, match="sinks"):
-    _dispatch.select(None, _dispatch.Call(q.shape, q.dtype, sinks=(2,)))
+  assert _dispatch.select(None, _dispatch.Call(q.shape, q.dtype, sinks=(2,))) == "cuda"
+  with pytest.raises(NotImplementedError, match=r"'cuda' kernels .* take no logits_soft_cap"):
+    _dispatch.select(None, _dispatch.Call(q.shape, q.dtype, sinks=(2,), logits_soft_cap=2.0))
+
+
+# The CUDA kernels (16-bit inputs; no soft cap or segment ids there yet): GQA and T != S, causal
+# across several tiles, a window with lengths and a batch element with no keys, a decode shape
+# (which runs the tiled forward: its o can be float32 for the join) and a head dim of 128.
+CUDA_CASES = [
+    SinkCase(Case(batch=2, seq_q=50, seq_k=70, heads_q=4, heads_k=2, head_dim=40,
+                  dtype="bfloat16"), sink_mean=3.0),
+    CASES[1],
+    SinkCase(Case(batch=2, seq_q=65, seq_k=80, heads_q=2, heads_k=2, head_dim=64,
+                  dtype="float16", local_window_size=(8, 3), q_lens=(60, 65), kv_lens=(0, 77),
+                  scale=-0.3), sink_dtype="float16"),
+    SinkCase(Case(batch=2, seq_q=1, seq_k=300, heads_q=8, heads_k=2, head_dim=64,
+                  dtype="bfloat16", kv_lens=(300, 123)), sink_mean=3.0),
+    SinkCase(Case(batch=1, seq_q=200, seq_k=333, heads_q=4, heads_k=4, head_dim=128,
+                  dtype="bfloat16", is_causal=True), sink_mean=1.0),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sc", CUDA_CASES, ids=[c.id for c in CUDA_CASES])
+def test_cuda_against_reference(sc):
+  check(sc, run(sc, "cuda"))
 
 
 def test_vmap():
