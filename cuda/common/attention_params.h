@@ -1,8 +1,10 @@
 // Parameters of one attention pass, shared by every backend (the CPU kernel and both CUDA families).
 //
 // Layouts (row-major, innermost last):
-//   q, o, dq, do : (batch, seq_q, heads_q, head_dim)
-//   k, v, dk, dv : (batch, seq_k, heads_k, head_dim)
+//   q, dq        : (batch, seq_q, heads_q, head_dim)
+//   k, dk        : (batch, seq_k, heads_k, head_dim)
+//   v, dv        : (batch, seq_k, heads_k, head_dim_v)
+//   o, do        : (batch, seq_q, heads_q, head_dim_v)
 //   lse, delta   : (batch, heads_q, seq_q), float32
 //   q_lens, kv_lens : (batch,), int32; valid query / key rows per batch element
 //   q_segment_ids, kv_segment_ids : (batch, seq_q), (batch, seq_k), int32, or absent
@@ -38,7 +40,12 @@ struct AttentionShape {
   int64_t seq_k = 0;
   int64_t heads_q = 0;
   int64_t heads_k = 0;
-  int64_t head_dim = 0;
+  int64_t head_dim = 0;  // H: q's and k's
+  // Hv: v's, and so o's, do's and dv's. MLA-style attention (DeepSeek-V2: q/k 192, v 128) has
+  // Hv != H; only the CPU kernels take that (the shared FFI checks refuse it unless the handler
+  // asks for ValueHeadDim::kOwn; the CUDA ones do not). An aggregate initialised without it
+  // (AttentionShape{b, t, s, n, k, h}) gets Hv = H.
+  int64_t head_dim_v = head_dim;
   int64_t group() const { return heads_q / heads_k; }
 };
 

@@ -34,9 +34,9 @@ inline xla::ffi::Error make_decode_params(
     const xla::ffi::AnyBuffer& q_lens, const xla::ffi::AnyBuffer& kv_lens, const xla::ffi::AnyBuffer& o,
     const xla::ffi::AnyBuffer& lse, const xla::ffi::AnyBuffer& o_partial, const xla::ffi::AnyBuffer& lse_partial,
     double scale, bool is_causal, int64_t window_left, int64_t window_right, int64_t num_splits,
-    DecodeParams& params) {
+    DecodeParams& params, ValueHeadDim value_dim = ValueHeadDim::kSameAsQk) {
   JF_RETURN_IF_ERROR(make_fwd_params(q, k, v, q_lens, kv_lens, o, lse, scale, is_causal, window_left,
-                                     window_right, params));
+                                     window_right, params, value_dim));
   return set_decode_splits(num_splits, o_partial, lse_partial, params);
 }
 
@@ -47,9 +47,10 @@ inline std::string describe_paged_operands(const xla::ffi::AnyBuffer& q, const x
          describe("page_table", page_table);
 }
 
-// The paged decode's operands without reading any of them: q (B, T, N, H); key_pages and
-// value_pages (num_pages, page_size, K, H) of q's dtype; page_table (B, pages_per_seq) int32;
-// kv_lens (B,) int32. The CUDA handler stops here (its buffers live on the device; its kernel
+// The paged decode's operands without reading any of them: q (B, T, N, H); key_pages
+// (num_pages, page_size, K, H) and value_pages (num_pages, page_size, K, Hv) of q's dtype, Hv ==
+// H unless `value_dim` is kOwn; o (B, T, N, Hv); page_table (B, pages_per_seq) int32; kv_lens
+// (B,) int32. The CUDA handler stops here (its buffers live on the device; its kernel
 // turns a sequence that reaches a bad entry into NaN); the CPU one goes on to
 // check_page_table_on_host.
 inline xla::ffi::Error make_paged_shape_params(
@@ -57,33 +58,43 @@ inline xla::ffi::Error make_paged_shape_params(
     const xla::ffi::AnyBuffer& page_table, const xla::ffi::AnyBuffer& kv_lens, const xla::ffi::AnyBuffer& o,
     const xla::ffi::AnyBuffer& lse, const xla::ffi::AnyBuffer& o_partial, const xla::ffi::AnyBuffer& lse_partial,
     double scale, bool is_causal, int64_t window_left, int64_t window_right, int64_t num_splits,
-    DecodeParams& params) {
-  const auto qd = q.dimensions(), kd = k_pages.dimensions(), td = page_table.dimensions();
+    DecodeParams& params, ValueHeadDim value_dim = ValueHeadDim::kSameAsQk) {
+  const auto qd = q.dimensions(), kd = k_pages.dimensions(), vd = v_pages.dimensions(),
+             td = page_table.dimensions();
   const std::string operands = describe_paged_operands(q, k_pages, v_pages, page_table);
   if (qd.size() != 4 || kd.size() != 4)
     return invalid("q must be (B, T, N, H) and key_pages/value_pages (num_pages, page_size, K, H); got " +
                    operands);
-  if (!(v_pages.dimensions() == kd)) return invalid("key_pages and value_pages shapes differ; got " + operands);
+  if (vd.size() != 4 || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2])
+    return invalid("key_pages and value_pages shapes differ (beyond value_pages' head dim Hv); got " +
+                   operands);
   if (td.size() != 2 || td[0] != qd[0])
     return invalid("page_table must be (B, pages_per_sequence) with B = q's batch; got " + operands);
   JF_RETURN_IF_ERROR(expect_dtype("page_table", page_table, xla::ffi::DataType::S32));
-  for (int64_t x : {qd[0], qd[1], qd[2], qd[3], kd[0], kd[1], kd[2], kd[3], td[1]})
+  for (int64_t x : {qd[0], qd[1], qd[2], qd[3], kd[0], kd[1], kd[2], kd[3], vd[3], td[1]})
     if (x < 0) return invalid("negative dimension in " + operands);
   if (kd[1] < 1) return invalid("page_size must be >= 1; got " + operands);
   if (td[1] > INT32_MAX / kd[1])
     return invalid("pages_per_sequence * page_size must fit int32 (the lengths are int32); got " + operands);
   AttentionShape& shape = params.shape;
-  shape = AttentionShape{qd[0], qd[1], td[1] * kd[1], qd[2], kd[2], qd[3]};
+  shape = AttentionShape{qd[0], qd[1], td[1] * kd[1], qd[2], kd[2], qd[3], vd[3]};
   if (kd[3] != shape.head_dim)
-    return invalid("q and key_pages/value_pages need the same head dim H; got " + operands);
+    return invalid("q and key_pages need the same head dim H; got " + operands);
+  if (shape.head_dim_v != shape.head_dim && value_dim != ValueHeadDim::kOwn)
+    return invalid("value_pages' head dim Hv=" + std::to_string(shape.head_dim_v) + " differs from q and " +
+                   "key_pages' H=" + std::to_string(shape.head_dim) + ", and this kernel takes Hv == H only " +
+                   "(the CPU kernel takes Hv != H); got " + operands);
   if (shape.heads_k < 1 || shape.heads_q % shape.heads_k != 0)
     return invalid("query heads N must be a multiple of key/value heads K >= 1; got " + operands);
   if (shape.head_dim < 1 || shape.head_dim > kMaxHeadDim)
     return invalid("head dim H=" + std::to_string(shape.head_dim) + " is outside the supported 1.." +
                    std::to_string(kMaxHeadDim) + "; got " + operands);
+  if (shape.head_dim_v < 1 || shape.head_dim_v > kMaxHeadDim)
+    return invalid("value_pages' head dim Hv=" + std::to_string(shape.head_dim_v) + " is outside the " +
+                   "supported 1.." + std::to_string(kMaxHeadDim) + "; got " + operands);
   JF_RETURN_IF_ERROR(attention_dtype(q, k_pages, v_pages, params.dtype));
   JF_RETURN_IF_ERROR(expect_lens("kv_lens", kv_lens, q, shape.batch));
-  JF_RETURN_IF_ERROR(expect_like("o", o, "q", q));
+  JF_RETURN_IF_ERROR(expect_value_rows("o", o, q, shape.head_dim_v, q.element_type()));
   JF_RETURN_IF_ERROR(expect_float32("lse", lse, lse_elements(shape)));
   JF_RETURN_IF_ERROR(attention_scale(scale, params.scale));
   params.mask.causal = is_causal;
@@ -134,10 +145,10 @@ inline xla::ffi::Error make_paged_params(
     const xla::ffi::AnyBuffer& page_table, const xla::ffi::AnyBuffer& kv_lens, const xla::ffi::AnyBuffer& o,
     const xla::ffi::AnyBuffer& lse, const xla::ffi::AnyBuffer& o_partial, const xla::ffi::AnyBuffer& lse_partial,
     double scale, bool is_causal, int64_t window_left, int64_t window_right, int64_t num_splits,
-    DecodeParams& params) {
+    DecodeParams& params, ValueHeadDim value_dim = ValueHeadDim::kSameAsQk) {
   JF_RETURN_IF_ERROR(make_paged_shape_params(q, k_pages, v_pages, page_table, kv_lens, o, lse, o_partial,
                                              lse_partial, scale, is_causal, window_left, window_right,
-                                             num_splits, params));
+                                             num_splits, params, value_dim));
   return check_page_table_on_host(params, describe_paged_operands(q, k_pages, v_pages, page_table));
 }
 
@@ -148,10 +159,10 @@ auto decode_binding() {
       .Ctx<Ctx>()
       .template Arg<ffi::AnyBuffer>()           // q (..., T, N, H)
       .template Arg<ffi::AnyBuffer>()           // k (..., S, K, H)
-      .template Arg<ffi::AnyBuffer>()           // v (..., S, K, H)
+      .template Arg<ffi::AnyBuffer>()           // v (..., S, K, Hv), Hv == H on CUDA
       .template Arg<ffi::AnyBuffer>()           // q_lens (...) int32
       .template Arg<ffi::AnyBuffer>()           // kv_lens (...) int32
-      .template Ret<ffi::AnyBuffer>()           // o (..., T, N, H)
+      .template Ret<ffi::AnyBuffer>()           // o (..., T, N, Hv)
       .template Ret<ffi::AnyBuffer>()           // lse (..., N, T) float32
       .template Ret<ffi::AnyBuffer>()           // o_partial workspace float32
       .template Ret<ffi::AnyBuffer>()           // lse_partial workspace float32
@@ -169,10 +180,10 @@ auto paged_binding() {
       .Ctx<Ctx>()
       .template Arg<ffi::AnyBuffer>()           // q (B, T, N, H)
       .template Arg<ffi::AnyBuffer>()           // key_pages (num_pages, page_size, K, H)
-      .template Arg<ffi::AnyBuffer>()           // value_pages (num_pages, page_size, K, H)
+      .template Arg<ffi::AnyBuffer>()           // value_pages (num_pages, page_size, K, Hv)
       .template Arg<ffi::AnyBuffer>()           // page_table (B, pages_per_sequence) int32
       .template Arg<ffi::AnyBuffer>()           // kv_lens (B,) int32
-      .template Ret<ffi::AnyBuffer>()           // o (B, T, N, H)
+      .template Ret<ffi::AnyBuffer>()           // o (B, T, N, Hv)
       .template Ret<ffi::AnyBuffer>()           // lse (B, N, T) float32
       .template Ret<ffi::AnyBuffer>()           // o_partial workspace float32
       .template Ret<ffi::AnyBuffer>()           // lse_partial workspace float32

@@ -8,11 +8,12 @@
 // directly and the workspaces are unused (they have no elements).
 //
 // Layouts (row-major, innermost last), besides FwdParams':
-//   o_partial   : (num_splits, batch, heads_q, seq_q, head_dim) float32
+//   o_partial   : (num_splits, batch, heads_q, seq_q, head_dim_v) float32
 //   lse_partial : (num_splits, batch, heads_q, seq_q) float32; -inf where the chunk holds no key
 //                 the row sees
 // q_lens may be null: every query row is live (the paged entry point has no query lengths).
-// Paged K/V (paged == true): k and v point to pages (num_pages, page_size, heads_k, head_dim);
+// Paged K/V (paged == true): k and v point to pages (num_pages, page_size, heads_k, head_dim)
+// and (num_pages, page_size, heads_k, head_dim_v);
 // key j of batch element b is row j % page_size of page page_table[b, j / page_size];
 // page_table is (batch, pages_per_seq) int32 and shape.seq_k = pages_per_seq * page_size.
 #pragma once
@@ -43,7 +44,7 @@ struct DecodeParams : FwdParams {
 
 // Elements of the two workspaces for num_splits chunks (none with one chunk).
 inline int64_t decode_o_partial_elements(const AttentionShape& shape, int64_t num_splits) {
-  return num_splits > 1 ? num_splits * shape.batch * shape.heads_q * shape.seq_q * shape.head_dim : 0;
+  return num_splits > 1 ? num_splits * shape.batch * shape.heads_q * shape.seq_q * shape.head_dim_v : 0;
 }
 inline int64_t decode_lse_partial_elements(const AttentionShape& shape, int64_t num_splits) {
   return num_splits > 1 ? num_splits * shape.batch * shape.heads_q * shape.seq_q : 0;

@@ -93,6 +93,26 @@ inline xla::ffi::Error expect_like(const char* name, const xla::ffi::AnyBuffer& 
   return xla::ffi::Error::Success();
 }
 
+// o and do: q's dimensions but for the last, which is v's head dim Hv (one output row per query
+// row and head), and `dtype`.
+inline xla::ffi::Error expect_value_rows(const char* name, const xla::ffi::AnyBuffer& buffer,
+                                         const xla::ffi::AnyBuffer& q, int64_t head_dim_v,
+                                         xla::ffi::DataType dtype) {
+  const auto bd = buffer.dimensions(), qd = q.dimensions();
+  bool match = buffer.element_type() == dtype && bd.size() == qd.size();
+  for (size_t i = 0; match && i < qd.size(); ++i) match = bd[i] == (i + 1 < qd.size() ? qd[i] : head_dim_v);
+  if (!match)
+    return invalid(describe(name, buffer) + ": must match the shape of " + describe("q", q) +
+                   " with v's head dim Hv=" + std::to_string(head_dim_v) + " as its last, and be " +
+                   dtype_string(dtype));
+  return xla::ffi::Error::Success();
+}
+
+// Whether a handler's kernels take a value head dim Hv of their own (v (..., S, K, Hv), o and do
+// (..., T, N, Hv): MLA-style attention): the CPU kernels do; the CUDA ones take Hv == H only,
+// which is the default of every check below.
+enum class ValueHeadDim { kSameAsQk, kOwn };
+
 // q_lens / kv_lens: int32, one entry per batch element of q.
 inline xla::ffi::Error expect_lens(const char* name, const xla::ffi::AnyBuffer& lens,
                                    const xla::ffi::AnyBuffer& q, int64_t batch) {
@@ -103,18 +123,22 @@ inline xla::ffi::Error expect_lens(const char* name, const xla::ffi::AnyBuffer& 
   return xla::ffi::Error::Success();
 }
 
-// q (..., T, N, H), k and v (..., S, K, H) with the same leading dimensions, N a multiple of K,
-// 1 <= H <= kMaxHeadDim; q_lens and kv_lens int32 with one entry per batch element. Every
-// leading dimension is folded into the batch (that is how vmap reaches the kernel).
+// q (..., T, N, H), k (..., S, K, H) and v (..., S, K, Hv) with the same leading dimensions, N a
+// multiple of K, 1 <= H, Hv <= kMaxHeadDim, and Hv == H unless `value_dim` is kOwn; q_lens and
+// kv_lens int32 with one entry per batch element. Every leading dimension is folded into the
+// batch (that is how vmap reaches the kernel).
 inline xla::ffi::Error attention_shape(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuffer& k,
                                        const xla::ffi::AnyBuffer& v, const xla::ffi::AnyBuffer& q_lens,
-                                       const xla::ffi::AnyBuffer& kv_lens, AttentionShape& shape) {
+                                       const xla::ffi::AnyBuffer& kv_lens, AttentionShape& shape,
+                                       ValueHeadDim value_dim = ValueHeadDim::kSameAsQk) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   const std::string operands = describe("q", q) + ", " + describe("k", k) + ", " + describe("v", v);
   if (qd.size() < 3 || kd.size() != qd.size() || vd.size() != qd.size())
     return invalid("q, k and v must have one rank >= 3; got " + operands);
-  if (!(kd == vd)) return invalid("k and v shapes differ; got " + operands);
   const size_t r = qd.size();
+  for (size_t i = 0; i + 1 < r; ++i)
+    if (kd[i] != vd[i])
+      return invalid("k and v shapes differ (beyond v's head dim Hv: v is (..., S, K, Hv)); got " + operands);
   for (size_t i = 0; i < r; ++i) {
     if (qd[i] < 0 || kd[i] < 0) return invalid("negative dimension in " + operands);
     if (i + 3 < r && qd[i] != kd[i])
@@ -126,12 +150,20 @@ inline xla::ffi::Error attention_shape(const xla::ffi::AnyBuffer& q, const xla::
   shape.head_dim = qd[r - 1];
   shape.seq_k = kd[r - 3];
   shape.heads_k = kd[r - 2];
+  shape.head_dim_v = vd[r - 1];
   if (kd[r - 1] != shape.head_dim)
-    return invalid("q (..., T, N, H) and k/v (..., S, K, H) need the same head dim H; got " + operands);
+    return invalid("q (..., T, N, H) and k (..., S, K, H) need the same head dim H; got " + operands);
+  if (shape.head_dim_v != shape.head_dim && value_dim != ValueHeadDim::kOwn)
+    return invalid("v's head dim Hv=" + std::to_string(shape.head_dim_v) + " differs from q and k's H=" +
+                   std::to_string(shape.head_dim) + ", and these kernels take Hv == H only (the CPU " +
+                   "kernels take Hv != H); got " + operands);
   if (shape.heads_k < 1 || shape.heads_q % shape.heads_k != 0)
     return invalid("query heads N must be a multiple of key/value heads K >= 1; got " + operands);
   if (shape.head_dim < 1 || shape.head_dim > kMaxHeadDim)
     return invalid("head dim H=" + std::to_string(shape.head_dim) + " is outside the supported 1.." +
+                   std::to_string(kMaxHeadDim) + "; got " + operands);
+  if (shape.head_dim_v < 1 || shape.head_dim_v > kMaxHeadDim)
+    return invalid("v's head dim Hv=" + std::to_string(shape.head_dim_v) + " is outside the supported 1.." +
                    std::to_string(kMaxHeadDim) + "; got " + operands);
   JF_RETURN_IF_ERROR(expect_lens("q_lens", q_lens, q, shape.batch));
   JF_RETURN_IF_ERROR(expect_lens("kv_lens", kv_lens, q, shape.batch));
@@ -208,15 +240,15 @@ inline xla::ffi::Error set_attention_inputs(const xla::ffi::AnyBuffer& q, const 
                                             const xla::ffi::AnyBuffer& q_lens,
                                             const xla::ffi::AnyBuffer& kv_lens, double scale, bool is_causal,
                                             int64_t window_left, int64_t window_right,
-                                            AttentionParams& params) {
-  JF_RETURN_IF_ERROR(attention_shape(q, k, v, q_lens, kv_lens, params.shape));
+                                            AttentionParams& params,
+                                            ValueHeadDim value_dim = ValueHeadDim::kSameAsQk) {
+  JF_RETURN_IF_ERROR(attention_shape(q, k, v, q_lens, kv_lens, params.shape, value_dim));
   JF_RETURN_IF_ERROR(attention_dtype(q, k, v, params.dtype));
-  // o has q's shape and dtype, or is float32 for 16-bit inputs: the forward's output kept at
-  // full precision for the backward (AttentionParams::o_float32).
+  // o has q's shape with v's head dim and q's dtype, or is float32 for 16-bit inputs: the
+  // forward's output kept at full precision for the backward (AttentionParams::o_float32).
   params.o_float32 = o.element_type() == xla::ffi::DataType::F32 && q.element_type() != xla::ffi::DataType::F32;
-  if (!params.o_float32) JF_RETURN_IF_ERROR(expect_like("o", o, "q", q));
-  else if (!(o.dimensions() == q.dimensions()))
-    return invalid(describe("o", o) + ": must have the shape of " + describe("q", q));
+  JF_RETURN_IF_ERROR(expect_value_rows("o", o, q, params.shape.head_dim_v,
+                                       params.o_float32 ? xla::ffi::DataType::F32 : q.element_type()));
   JF_RETURN_IF_ERROR(attention_scale(scale, params.scale));
   params.mask.causal = is_causal;
   JF_RETURN_IF_ERROR(attention_window("window_left", window_left, params.shape, params.mask.window_left));
@@ -237,9 +269,10 @@ inline xla::ffi::Error make_fwd_params(const xla::ffi::AnyBuffer& q, const xla::
                                        const xla::ffi::AnyBuffer& v, const xla::ffi::AnyBuffer& q_lens,
                                        const xla::ffi::AnyBuffer& kv_lens, const xla::ffi::AnyBuffer& o,
                                        const xla::ffi::AnyBuffer& lse, double scale, bool is_causal,
-                                       int64_t window_left, int64_t window_right, FwdParams& params) {
+                                       int64_t window_left, int64_t window_right, FwdParams& params,
+                                       ValueHeadDim value_dim = ValueHeadDim::kSameAsQk) {
   JF_RETURN_IF_ERROR(set_attention_inputs(q, k, v, o, q_lens, kv_lens, scale, is_causal, window_left,
-                                          window_right, params));
+                                          window_right, params, value_dim));
   JF_RETURN_IF_ERROR(expect_float32("lse", lse, lse_elements(params.shape)));
   params.o = o.untyped_data();
   params.lse = lse.typed_data<float>();
@@ -253,10 +286,11 @@ inline xla::ffi::Error make_bwd_params(
     const xla::ffi::AnyBuffer& o, const xla::ffi::AnyBuffer& lse, const xla::ffi::AnyBuffer& d_o,
     const xla::ffi::AnyBuffer& q_lens, const xla::ffi::AnyBuffer& kv_lens, const xla::ffi::AnyBuffer& dq,
     const xla::ffi::AnyBuffer& dk, const xla::ffi::AnyBuffer& dv, const xla::ffi::AnyBuffer& delta,
-    double scale, bool is_causal, int64_t window_left, int64_t window_right, BwdParams& params) {
+    double scale, bool is_causal, int64_t window_left, int64_t window_right, BwdParams& params,
+    ValueHeadDim value_dim = ValueHeadDim::kSameAsQk) {
   JF_RETURN_IF_ERROR(set_attention_inputs(q, k, v, o, q_lens, kv_lens, scale, is_causal, window_left,
-                                          window_right, params));
-  JF_RETURN_IF_ERROR(expect_like("do", d_o, "q", q));
+                                          window_right, params, value_dim));
+  JF_RETURN_IF_ERROR(expect_value_rows("do", d_o, q, params.shape.head_dim_v, q.element_type()));
   JF_RETURN_IF_ERROR(expect_like("dq", dq, "q", q));
   JF_RETURN_IF_ERROR(expect_like("dk", dk, "k", k));
   JF_RETURN_IF_ERROR(expect_like("dv", dv, "v", v));
@@ -356,10 +390,10 @@ auto fwd_binding() {
       .Ctx<Ctx>()
       .template Arg<ffi::AnyBuffer>()           // q (..., T, N, H)
       .template Arg<ffi::AnyBuffer>()           // k (..., S, K, H)
-      .template Arg<ffi::AnyBuffer>()           // v (..., S, K, H)
+      .template Arg<ffi::AnyBuffer>()           // v (..., S, K, Hv), Hv == H on CUDA
       .template Arg<ffi::AnyBuffer>()           // q_lens (...) int32
       .template Arg<ffi::AnyBuffer>()           // kv_lens (...) int32
-      .template Ret<ffi::AnyBuffer>()           // o (..., T, N, H)
+      .template Ret<ffi::AnyBuffer>()           // o (..., T, N, Hv)
       .template Ret<ffi::AnyBuffer>()           // lse (..., N, T) float32
       .template Attr<double>("scale")           // > 0
       .template Attr<bool>("is_causal")

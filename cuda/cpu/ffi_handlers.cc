@@ -1,5 +1,6 @@
 // XLA FFI handlers for the CPU kernels: shapes and attributes in, FwdParams / BwdParams out, the
-// kernel run on XLA's intra-op thread pool.
+// kernel run on XLA's intra-op thread pool. Every pass takes a value head dim Hv of its own
+// (ValueHeadDim::kOwn: v, o, do, dv (..., Hv) beside q, k, dq, dk (..., H)).
 #include "cpu/ffi_handlers.h"
 
 #include <algorithm>
@@ -142,7 +143,7 @@ ffi::Error run_fwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                    double dropout_rate) {
   FwdParams params;
   JF_RETURN_IF_ERROR(make_fwd_params(q, k, v, q_lens, kv_lens, *o, *lse, scale, is_causal,
-                                     window_left, window_right, params));
+                                     window_left, window_right, params, ValueHeadDim::kOwn));
   JF_RETURN_IF_ERROR(set_segment_ids(q_segment_ids, kv_segment_ids, segment_ids, q, k, params));
   JF_RETURN_IF_ERROR(attention_soft_cap(logits_soft_cap, params.logits_soft_cap));
   JF_RETURN_IF_ERROR(set_alibi_slopes(alibi_slopes, alibi, q, params));
@@ -166,7 +167,8 @@ ffi::Error run_bwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                    double dropout_rate) {
   BwdParams params;
   JF_RETURN_IF_ERROR(make_bwd_params(q, k, v, o, lse, d_o, q_lens, kv_lens, *dq, *dk, *dv, *delta,
-                                     scale, is_causal, window_left, window_right, params));
+                                     scale, is_causal, window_left, window_right, params,
+                                     ValueHeadDim::kOwn));
   JF_RETURN_IF_ERROR(set_segment_ids(q_segment_ids, kv_segment_ids, segment_ids, q, k, params));
   JF_RETURN_IF_ERROR(attention_soft_cap(logits_soft_cap, params.logits_soft_cap));
   JF_RETURN_IF_ERROR(set_alibi_slopes(alibi_slopes, alibi, q, params));
@@ -190,7 +192,8 @@ ffi::Error run_decode(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                       int64_t window_left, int64_t window_right, int64_t num_splits) {
   DecodeParams params;
   JF_RETURN_IF_ERROR(make_decode_params(q, k, v, q_lens, kv_lens, *o, *lse, *o_partial, *lse_partial, scale,
-                                        is_causal, window_left, window_right, num_splits, params));
+                                        is_causal, window_left, window_right, num_splits, params,
+                                        ValueHeadDim::kOwn));
   PoolRunner runner{&pool};
   cpu::flash_decode(params, {&PoolRunner::run, &runner});
   return ffi::Error::Success();
@@ -204,7 +207,7 @@ ffi::Error run_paged(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pa
   DecodeParams params;
   JF_RETURN_IF_ERROR(make_paged_params(q, k_pages, v_pages, page_table, kv_lens, *o, *lse, *o_partial,
                                        *lse_partial, scale, is_causal, window_left, window_right, num_splits,
-                                       params));
+                                       params, ValueHeadDim::kOwn));
   PoolRunner runner{&pool};
   cpu::flash_decode(params, {&PoolRunner::run, &runner});
   return ffi::Error::Success();

@@ -14,6 +14,8 @@
 // key block is skipped: its P is 0. With dropout (Z = keep / (1 - rate), regenerated per tile
 // as the forward made it: dropout_columns in flash_fwd.h) the forward's O = (P * Z) V gives
 // dV = (P * Z)^T dO and dS = P * (dP * Z - delta), delta = rowsum(dO * O) as without.
+// v's head dim Hv may differ from q's and k's H (MLA): O, dO, V and dV are Hv wide, Q, K, dQ and
+// dK H wide; only dP = dO V^T and dV = P^T dO run over Hv.
 #pragma once
 
 #include <cmath>
@@ -25,14 +27,14 @@ namespace jax_flash::cpu::JF_ISA {
 template <typename T>
 struct FlashBwdDelta {
   const BwdParams& p;
-  int64_t dp;
+  int64_t dp;  // H padded: the dQ accumulator's row
   int64_t num_tasks() const { return p.shape.batch * p.shape.heads_q; }
 
   void operator()(int64_t task) const {
     const AttentionShape& sh = p.shape;
-    const int64_t h = task % sh.heads_q, b = task / sh.heads_q, d = sh.head_dim;
-    const int64_t stride = sh.heads_q * d;
-    const int64_t offset = b * sh.seq_q * stride + h * d;
+    const int64_t h = task % sh.heads_q, b = task / sh.heads_q, hv = sh.head_dim_v;  // O's and dO's
+    const int64_t stride = sh.heads_q * hv;
+    const int64_t offset = b * sh.seq_q * stride + h * hv;
     const T* d_o = static_cast<const T*>(p.d_o) + offset;
     float* delta = p.delta + task * sh.seq_q;
     // O in float32 where the forward kept it so (AttentionParams::o_float32), else in T. Summed
@@ -42,9 +44,9 @@ struct FlashBwdDelta {
     auto row_dot = [&](const auto* o) {
       for (int64_t i = 0; i < sh.seq_q; ++i) {
         float sum = 0.f;
-        for (int64_t c0 = 0; c0 < d; c0 += kKPanel) {
+        for (int64_t c0 = 0; c0 < hv; c0 += kKPanel) {
           float panel = 0.f;
-          for (int64_t c = c0; c < std::min(d, c0 + kKPanel); ++c)
+          for (int64_t c = c0; c < std::min(hv, c0 + kKPanel); ++c)
             panel += to_float(o[i * stride + c]) * to_float(d_o[i * stride + c]);
           sum = c0 == 0 ? panel : sum + panel;
         }
@@ -73,7 +75,8 @@ inline void mask_row_segment(float* s, int64_t cols, const int32_t* kv_ids, int3
 template <typename T>
 struct FlashBwdMain {
   const BwdParams& p;
-  int64_t dp;
+  int64_t dp;   // H padded
+  int64_t hvp;  // Hv padded
   int64_t num_tasks() const { return p.shape.batch * p.shape.heads_k * p.dq_splits; }
 
   void operator()(int64_t task) const {
@@ -81,8 +84,9 @@ struct FlashBwdMain {
     const int64_t split = task % p.dq_splits;
     const int64_t hk = (task / p.dq_splits) % sh.heads_k;
     const int64_t b = task / (p.dq_splits * sh.heads_k);
-    const int64_t d = sh.head_dim;
-    const int64_t q_stride = sh.heads_q * d, kv_stride = sh.heads_k * d;
+    const int64_t d = sh.head_dim, hv = sh.head_dim_v;
+    const int64_t q_stride = sh.heads_q * d, k_stride = sh.heads_k * d;
+    const int64_t o_stride = sh.heads_q * hv, v_stride = sh.heads_k * hv;
     const int64_t q_len = clamp_len(p.q_lens, b, sh.seq_q);
     const int64_t kv_len = clamp_len(p.kv_lens, b, sh.seq_k);
     const float score_scale = p.scale * kLog2e;
@@ -93,16 +97,17 @@ struct FlashBwdMain {
     // Scratch tiles: K, K^T, V^T, dK, dV for the key block; Q, dO, P, dS, lse, delta for the
     // query block, with soft-capping the cap's derivative per score, and with dropout Z and then
     // P * Z, and Z^T as drawn (rows from a multiple of kDropoutRows). P^T and dS^T are read from P
-    // and dS in place (gemm_at).
+    // and dS in place (gemm_at). V^T, dV and dO are hvp wide, the others' head dim dp.
     constexpr int64_t ldz = bq + kDropoutRows;
-    float* k_tile = thread_scratch(5 * bk * dp + 2 * bq * dp + 4 * bq * bk + 2 * bq + bk * ldz);
+    float* k_tile = thread_scratch(3 * bk * dp + 2 * bk * hvp + bq * dp + bq * hvp + 4 * bq * bk + 2 * bq +
+                                   bk * ldz);
     float* kt_tile = k_tile + bk * dp;
     float* vt_tile = kt_tile + dp * bk;
-    float* dk_acc = vt_tile + dp * bk;
+    float* dk_acc = vt_tile + hvp * bk;
     float* dv_acc = dk_acc + bk * dp;
-    float* q_tile = dv_acc + bk * dp;
+    float* q_tile = dv_acc + bk * hvp;
     float* do_tile = q_tile + bq * dp;
-    float* probs = do_tile + bq * dp;
+    float* probs = do_tile + bq * hvp;
     float* dscores = probs + bq * bk;
     float* lse2 = dscores + bq * bk;
     float* delta = lse2 + bq;
@@ -110,10 +115,10 @@ struct FlashBwdMain {
     float* dropped = cap_grad + bq * bk;  // (bq, bk): with dropout Z, then P * Z
     float* dropped_t = dropped + bq * bk;  // (bk, ldz): Z^T, rows from i0 rounded down
 
-    const T* k = static_cast<const T*>(p.k) + b * sh.seq_k * kv_stride + hk * d;
-    const T* v = static_cast<const T*>(p.v) + b * sh.seq_k * kv_stride + hk * d;
-    T* dk = static_cast<T*>(p.dk) + b * sh.seq_k * kv_stride + hk * d;
-    T* dv = static_cast<T*>(p.dv) + b * sh.seq_k * kv_stride + hk * d;
+    const T* k = static_cast<const T*>(p.k) + b * sh.seq_k * k_stride + hk * d;
+    const T* v = static_cast<const T*>(p.v) + b * sh.seq_k * v_stride + hk * hv;
+    T* dk = static_cast<T*>(p.dk) + b * sh.seq_k * k_stride + hk * d;
+    T* dv = static_cast<T*>(p.dv) + b * sh.seq_k * v_stride + hk * hv;
     const int64_t key_blocks = ceil_div(sh.seq_k, bk);
 
     for (int64_t kb = split; kb < key_blocks; kb += p.dq_splits) {
@@ -124,8 +129,8 @@ struct FlashBwdMain {
       const int64_t first_row = rows.begin, end_row = rows.end;
       if (end_row <= first_row) {  // no query sees these keys: zero gradients
         for (int64_t r = 0; r < cols; ++r) {
-          store_zeros(d, dk + (j0 + r) * kv_stride);
-          store_zeros(d, dv + (j0 + r) * kv_stride);
+          store_zeros(d, dk + (j0 + r) * k_stride);
+          store_zeros(hv, dv + (j0 + r) * v_stride);
         }
         continue;
       }
@@ -134,14 +139,15 @@ struct FlashBwdMain {
       const int32_t* kv_ids = p.kv_segment_ids ? p.kv_segment_ids + b * sh.seq_k + j0 : nullptr;
       const int32_t* q_ids = p.q_segment_ids ? p.q_segment_ids + b * sh.seq_q : nullptr;
       const IdSpan k_span = kv_ids ? id_span(kv_ids, live_cols) : IdSpan{0, 0};
-      load_rows(k + j0 * kv_stride, kv_stride, live_cols, d, k_tile, dp);
-      load_rows_transposed(k + j0 * kv_stride, kv_stride, live_cols, d, kt_tile, bk, dp);
-      load_rows_transposed(v + j0 * kv_stride, kv_stride, live_cols, d, vt_tile, bk, dp);
-      for (int64_t x = 0; x < bk * dp; ++x) dk_acc[x] = dv_acc[x] = 0.f;
+      load_rows(k + j0 * k_stride, k_stride, live_cols, d, k_tile, dp);
+      load_rows_transposed(k + j0 * k_stride, k_stride, live_cols, d, kt_tile, bk, dp);
+      load_rows_transposed(v + j0 * v_stride, v_stride, live_cols, hv, vt_tile, bk, hvp);
+      for (int64_t x = 0; x < bk * dp; ++x) dk_acc[x] = 0.f;
+      for (int64_t x = 0; x < bk * hvp; ++x) dv_acc[x] = 0.f;
 
       for (int64_t h = hk * sh.group(); h < (hk + 1) * sh.group(); ++h) {
         const T* q = static_cast<const T*>(p.q) + b * sh.seq_q * q_stride + h * d;
-        const T* d_o = static_cast<const T*>(p.d_o) + b * sh.seq_q * q_stride + h * d;
+        const T* d_o = static_cast<const T*>(p.d_o) + b * sh.seq_q * o_stride + h * hv;
         const float* lse = p.lse + (b * sh.heads_q + h) * sh.seq_q;
         const float* delta_h = p.delta + (b * sh.heads_q + h) * sh.seq_q;
         float* dq = p.dq_accum + ((split * sh.batch + b) * sh.seq_q * sh.heads_q + h) * dp;
@@ -163,7 +169,7 @@ struct FlashBwdMain {
           // float32 Q and dO are read where they lie when the head dim needs no padding.
           int64_t ldq, ldo;
           const float* qs = rows_as_tile(q + i0 * q_stride, q_stride, rows, d, q_tile, dp, ldq);
-          const float* dos = rows_as_tile(d_o + i0 * q_stride, q_stride, rows, d, do_tile, dp, ldo);
+          const float* dos = rows_as_tile(d_o + i0 * o_stride, o_stride, rows, hv, do_tile, hvp, ldo);
           for (int64_t r = 0; r < rows; ++r) {
             // A row with no visible key (the forward wrote kEmptyRowLse; inside a visited block
             // only where segment ids leave its document no key) gets +inf: every probability
@@ -197,7 +203,7 @@ struct FlashBwdMain {
             for (int64_t r = 0; r < rows; ++r)
               for (int64_t c = 0; c < bk; ++c) dropped[r * bk + c] = dropped_t[c * ldz + shift + r];
             // dP = dO V^T, then dS = P * (dP * Z - delta), and P * Z in place of Z
-            gemm(rows, bk, dp, 1.f, dos, ldo, vt_tile, bk, dscores, bk, false);
+            gemm(rows, bk, hvp, 1.f, dos, ldo, vt_tile, bk, dscores, bk, false);
             for (int64_t r = 0; r < rows; ++r) {
               const Vec dr = splat(delta[r]);
               for (int64_t c = 0; c < bk; c += kLanes) {
@@ -208,12 +214,12 @@ struct FlashBwdMain {
               }
             }
             // dV += (P * Z)^T dO
-            gemm_at(live_cols, dp, rows, 1.f, dropped, bk, dos, ldo, dv_acc, dp, true);
+            gemm_at(live_cols, hvp, rows, 1.f, dropped, bk, dos, ldo, dv_acc, hvp, true);
           } else {
             // dV += P^T dO
-            gemm_at(live_cols, dp, rows, 1.f, probs, bk, dos, ldo, dv_acc, dp, true);
+            gemm_at(live_cols, hvp, rows, 1.f, probs, bk, dos, ldo, dv_acc, hvp, true);
             // dP = dO V^T, then dS = P * (dP - delta)
-            gemm(rows, bk, dp, 1.f, dos, ldo, vt_tile, bk, dscores, bk, false);
+            gemm(rows, bk, hvp, 1.f, dos, ldo, vt_tile, bk, dscores, bk, false);
             for (int64_t r = 0; r < rows; ++r) {
               const Vec dr = splat(delta[r]);
               for (int64_t c = 0; c < bk; c += kLanes) {
@@ -233,11 +239,11 @@ struct FlashBwdMain {
       }
       for (int64_t r = 0; r < cols; ++r) {
         if (r < live_cols) {
-          store_row(dk_acc + r * dp, d, 1.f, dk + (j0 + r) * kv_stride);
-          store_row(dv_acc + r * dp, d, 1.f, dv + (j0 + r) * kv_stride);
+          store_row(dk_acc + r * dp, d, 1.f, dk + (j0 + r) * k_stride);
+          store_row(dv_acc + r * hvp, hv, 1.f, dv + (j0 + r) * v_stride);
         } else {
-          store_zeros(d, dk + (j0 + r) * kv_stride);
-          store_zeros(d, dv + (j0 + r) * kv_stride);
+          store_zeros(d, dk + (j0 + r) * k_stride);
+          store_zeros(hv, dv + (j0 + r) * v_stride);
         }
       }
     }
@@ -271,7 +277,7 @@ void flash_bwd_typed(const BwdParams& params, const TaskRunner& runner) {
   const int64_t dp = padded_head_dim(params.shape.head_dim);
   FlashBwdDelta<T> delta{params, dp};
   parallel_for(runner, delta.num_tasks(), delta);
-  FlashBwdMain<T> main{params, dp};
+  FlashBwdMain<T> main{params, dp, padded_head_dim(params.shape.head_dim_v)};
   parallel_for(runner, main.num_tasks(), main);
   FlashBwdDq<T> dq{params, dp};
   parallel_for(runner, dq.num_tasks(), dq);

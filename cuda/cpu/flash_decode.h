@@ -3,7 +3,8 @@
 // head). The packed rows of a kv head are its group's query heads at each query position,
 // position-major (row p: position p / group, head hk * group + p % group), so one K/V tile
 // serves every query head of the group. Contiguous and paged K/V differ only in where a key
-// row is read from (key_row).
+// row is read from (key_row). v's head dim Hv may differ from q's and k's H (MLA): V, o and the
+// partial outputs are Hv wide.
 #pragma once
 
 #include <cmath>
@@ -22,7 +23,8 @@ namespace jax_flash::cpu::JF_ISA {
 template <typename T>
 struct FlashDecode {
   const DecodeParams& p;
-  int64_t dp;          // head dim padded to kHeadDimAlign
+  int64_t dp;          // q's and k's head dim H padded to kHeadDimAlign
+  int64_t hvp;         // v's and o's head dim Hv padded likewise
   int64_t group;       // query heads per kv head
   int64_t packed;      // packed query rows per (batch, kv head): seq_q * group
   int64_t row_tiles;   // tiles of kBlockQ packed rows
@@ -30,6 +32,7 @@ struct FlashDecode {
   explicit FlashDecode(const DecodeParams& params)
       : p(params),
         dp(padded_head_dim(params.shape.head_dim)),
+        hvp(padded_head_dim(params.shape.head_dim_v)),
         group(params.shape.group()),
         packed(params.shape.seq_q * params.shape.group()),
         row_tiles(ceil_div(params.shape.seq_q * params.shape.group(), kBlockQ)) {}
@@ -42,16 +45,17 @@ struct FlashDecode {
     return key_range(p.mask, t + offset, q_len + offset, kv_len);
   }
 
-  // Key (or value) row j < seq_k of batch element b and kv head hk. A page table entry is
-  // clamped into [0, num_pages) before use: the handler refuses tables whose entries a sequence
-  // reaches outside that range, and the kernel never trusts them beyond it either.
-  const T* key_row(const void* base, int64_t b, int64_t hk, int64_t j) const {
+  // Key (or value) row j < seq_k of batch element b and kv head hk, rows `width` wide (H for
+  // keys, Hv for values). A page table entry is clamped into [0, num_pages) before use: the
+  // handler refuses tables whose entries a sequence reaches outside that range, and the kernel
+  // never trusts them beyond it either.
+  const T* key_row(const void* base, int64_t width, int64_t b, int64_t hk, int64_t j) const {
     const AttentionShape& sh = p.shape;
     const T* x = static_cast<const T*>(base);
-    if (!p.paged) return x + ((b * sh.seq_k + j) * sh.heads_k + hk) * sh.head_dim;
+    if (!p.paged) return x + ((b * sh.seq_k + j) * sh.heads_k + hk) * width;
     int64_t page = p.page_table[b * p.pages_per_seq + j / p.page_size];
     page = page < 0 ? 0 : (page >= p.num_pages ? p.num_pages - 1 : page);
-    return x + ((page * p.page_size + j % p.page_size) * sh.heads_k + hk) * sh.head_dim;
+    return x + ((page * p.page_size + j % p.page_size) * sh.heads_k + hk) * width;
   }
 
   void operator()(int64_t task) const {
@@ -60,7 +64,7 @@ struct FlashDecode {
     const int64_t tile = (task / p.num_splits) % row_tiles;
     const int64_t hk = (task / (p.num_splits * row_tiles)) % sh.heads_k;
     const int64_t b = task / (p.num_splits * row_tiles * sh.heads_k);
-    const int64_t d = sh.head_dim;
+    const int64_t d = sh.head_dim, hv = sh.head_dim_v;
     const int64_t q_len = p.q_lens ? clamp_len(p.q_lens, b, sh.seq_q) : sh.seq_q;
     const int64_t kv_len = clamp_len(p.kv_lens, b, sh.seq_k);
 
@@ -88,11 +92,12 @@ struct FlashDecode {
     }
 
     const int64_t kp = kBlockK;
-    float* q_tile = thread_scratch(2 * kBlockQ * dp + 2 * dp * kp + kBlockQ * kp + 2 * kBlockQ);
+    float* q_tile =
+        thread_scratch(kBlockQ * dp + kBlockQ * hvp + dp * kp + kp * hvp + kBlockQ * kp + 2 * kBlockQ);
     float* acc = q_tile + kBlockQ * dp;
-    float* kt_tile = acc + kBlockQ * dp;
+    float* kt_tile = acc + kBlockQ * hvp;
     float* v_tile = kt_tile + dp * kp;
-    float* scores = v_tile + kp * dp;
+    float* scores = v_tile + kp * hvp;
     float* row_ref = scores + kBlockQ * kp;
     float* row_sum = row_ref + kBlockQ;
     for (int64_t r = 0; r < rows; ++r) {
@@ -106,15 +111,15 @@ struct FlashDecode {
         load_rows(static_cast<const T*>(p.q) + ((b * sh.seq_q + t) * sh.heads_q + h) * d, 0, 1, d,
                   q_tile + r * dp, dp);
       }
-      for (int64_t x = 0; x < live_rows * dp; ++x) acc[x] = 0.f;
+      for (int64_t x = 0; x < live_rows * hvp; ++x) acc[x] = 0.f;
       const float score_scale = p.scale * kLog2e;  // base-2 scores, as the tiled forward
       for (int64_t j0 = c0; j0 < c1; j0 += kp) {
         const int64_t cols = min64(kp, c1 - j0);
         // K^T (dp x kp, zero padded) and V (cols x dp), row by row: a tile may span pages.
         for (int64_t c = 0; c < cols; ++c) {
-          const T* k = key_row(p.k, b, hk, j0 + c);
+          const T* k = key_row(p.k, d, b, hk, j0 + c);
           for (int64_t e = 0; e < d; ++e) kt_tile[e * kp + c] = to_float(k[e]);
-          load_rows(key_row(p.v, b, hk, j0 + c), 0, 1, d, v_tile + c * dp, dp);
+          load_rows(key_row(p.v, hv, b, hk, j0 + c), 0, 1, hv, v_tile + c * hvp, hvp);
         }
         for (int64_t e = 0; e < dp; ++e)
           for (int64_t c = (e < d ? cols : 0); c < kp; ++c) kt_tile[e * kp + c] = 0.f;
@@ -126,10 +131,10 @@ struct FlashDecode {
           const float correction = softmax_row_update(s, kp, row_ref[r], row_sum[r]);
           if (correction != 1.f) {
             const Vec cv = splat(correction);
-            for (int64_t c = 0; c < dp; c += kLanes) store(acc + r * dp + c, load(acc + r * dp + c) * cv);
+            for (int64_t c = 0; c < hvp; c += kLanes) store(acc + r * hvp + c, load(acc + r * hvp + c) * cv);
           }
         }
-        gemm(live_rows, dp, cols, 1.f, scores, kp, v_tile, dp, acc, dp, true);
+        gemm(live_rows, hvp, cols, 1.f, scores, kp, v_tile, hvp, acc, hvp, true);
       }
     }
 
@@ -139,20 +144,20 @@ struct FlashDecode {
       // is empty by the masks, never by its values: a NaN sum gives NaN, as the tiled forward).
       const bool seen = r < live_rows && !keys[r].empty() && keys[r].begin < c1 && keys[r].end > c0;
       if (p.num_splits == 1) {
-        const int64_t out_row = ((b * sh.seq_q + t) * sh.heads_q + h) * d;
+        const int64_t out_row = ((b * sh.seq_q + t) * sh.heads_q + h) * hv;
         const float inv = seen ? 1.f / row_sum[r] : 0.f;
         if (p.o_float32)
-          seen ? store_row(acc + r * dp, d, inv, static_cast<float*>(p.o) + out_row)
-               : store_zeros(d, static_cast<float*>(p.o) + out_row);
+          seen ? store_row(acc + r * hvp, hv, inv, static_cast<float*>(p.o) + out_row)
+               : store_zeros(hv, static_cast<float*>(p.o) + out_row);
         else
-          seen ? store_row(acc + r * dp, d, inv, static_cast<T*>(p.o) + out_row)
-               : store_zeros(d, static_cast<T*>(p.o) + out_row);
+          seen ? store_row(acc + r * hvp, hv, inv, static_cast<T*>(p.o) + out_row)
+               : store_zeros(hv, static_cast<T*>(p.o) + out_row);
         p.lse[(b * sh.heads_q + h) * sh.seq_q + t] =
             seen ? natural_lse(row_ref[r], row_sum[r]) : kEmptyRowLse;
       } else {
         const int64_t row = ((split * sh.batch + b) * sh.heads_q + h) * sh.seq_q + t;
-        float* o_part = p.o_partial + row * d;
-        seen ? store_row(acc + r * dp, d, 1.f / row_sum[r], o_part) : store_zeros(d, o_part);
+        float* o_part = p.o_partial + row * hv;
+        seen ? store_row(acc + r * hvp, hv, 1.f / row_sum[r], o_part) : store_zeros(hv, o_part);
         p.lse_partial[row] = seen ? natural_lse(row_ref[r], row_sum[r]) : -INFINITY;
       }
     }
@@ -172,7 +177,7 @@ struct DecodeCombine {
   void operator()(int64_t task) const {
     const AttentionShape& sh = p.shape;
     const int64_t h = task % sh.heads_q, b = task / sh.heads_q;
-    const int64_t d = sh.head_dim;
+    const int64_t d = sh.head_dim_v;  // the outputs'
     const int64_t q_len = p.q_lens ? clamp_len(p.q_lens, b, sh.seq_q) : sh.seq_q;
     const int64_t kv_len = clamp_len(p.kv_lens, b, sh.seq_k);
     const int64_t offset = p.queries_at_end ? kv_len - sh.seq_q : 0;

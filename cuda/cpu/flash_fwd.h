@@ -398,12 +398,14 @@ inline bool range_meets(KeyRange keys, int64_t j0, int64_t cols) {
 template <typename T>
 struct FlashFwd {
   const FwdParams& p;
-  int64_t dp;        // head dim padded to kHeadDimAlign
+  int64_t dp;        // q's and k's head dim H padded to kHeadDimAlign
+  int64_t hvp;       // v's and o's head dim Hv padded likewise
   int64_t q_blocks;  // per (batch, head)
 
   explicit FlashFwd(const FwdParams& params)
       : p(params),
         dp(padded_head_dim(params.shape.head_dim)),
+        hvp(padded_head_dim(params.shape.head_dim_v)),
         q_blocks(ceil_div(params.shape.seq_q, kBlockQ)) {}
 
   int64_t num_tasks() const { return p.shape.batch * p.shape.heads_q * q_blocks; }
@@ -415,28 +417,30 @@ struct FlashFwd {
     const int64_t h = (task / q_blocks) % sh.heads_q;
     const int64_t b = task / (q_blocks * sh.heads_q);
     const int64_t hk = h / sh.group();
-    const int64_t d = sh.head_dim;
-    const int64_t q_stride = sh.heads_q * d, kv_stride = sh.heads_k * d;
+    const int64_t d = sh.head_dim, hv = sh.head_dim_v;
+    const int64_t q_stride = sh.heads_q * d, k_stride = sh.heads_k * d;
+    const int64_t o_stride = sh.heads_q * hv, v_stride = sh.heads_k * hv;
     const int64_t q_len = clamp_len(p.q_lens, b, sh.seq_q);
     const int64_t kv_len = clamp_len(p.kv_lens, b, sh.seq_k);
 
     const int64_t i0 = qb * kBlockQ;
     const int64_t rows = min64(kBlockQ, sh.seq_q - i0);
     const int64_t live_rows = max64(0, min64(rows, q_len - i0));
-    const int64_t out_offset = (b * sh.seq_q + i0) * q_stride + h * d;
+    const int64_t out_offset = (b * sh.seq_q + i0) * o_stride + h * hv;
     float* lse = p.lse + (b * sh.heads_q + h) * sh.seq_q + i0;
 
-    // Scratch: Q^T tile, output accumulator, K tile, V tile, transposed scores, row statistics.
+    // Scratch: Q^T tile, output accumulator, K tile, V tile, transposed scores, row statistics
+    // (Q^T and K dp wide, the accumulator and V hvp wide: v's head dim Hv may differ from H).
     // Scores are formed transposed, S^T = K Q^T (keys x query rows): K is then read row by row
     // as it lies (no transposed copy of every K tile; Q^T is made once per task) and the
     // softmax's reductions over keys run down columns, kLanes query rows a vector.
     const int64_t kp = kBlockK;           // key tile rows (128-512 measured no faster)
     const int64_t qp = kBlockQ;           // query columns of S^T, a multiple of kLanes
-    float* qt_tile = thread_scratch(2 * kBlockQ * dp + 2 * kp * dp + kp * qp + 4 * qp);
+    float* qt_tile = thread_scratch(dp * qp + kBlockQ * hvp + kp * dp + kp * hvp + kp * qp + 4 * qp);
     float* acc = qt_tile + dp * qp;
-    float* k_tile = acc + kBlockQ * dp;
+    float* k_tile = acc + kBlockQ * hvp;
     float* v_tile = k_tile + kp * dp;
-    float* scores_t = v_tile + kp * dp;
+    float* scores_t = v_tile + kp * hvp;
     float* row_ref = scores_t + kp * qp;
     float* row_sum = row_ref + qp;
     float* correction = row_sum + qp;
@@ -461,12 +465,12 @@ struct FlashFwd {
         seen[r] = 0.f;
       }
       const IdSpan q_span = q_ids ? id_span(q_ids, live_rows) : IdSpan{0, 0};
-      for (int64_t x = 0; x < live_rows * dp; ++x) acc[x] = 0.f;
+      for (int64_t x = 0; x < live_rows * hvp; ++x) acc[x] = 0.f;
 
       const KeyRange first = key_range(p.mask, i0, q_len, kv_len);
       const KeyRange last = key_range(p.mask, i0 + live_rows - 1, q_len, kv_len);
-      const T* k = static_cast<const T*>(p.k) + b * sh.seq_k * kv_stride + hk * d;
-      const T* v = static_cast<const T*>(p.v) + b * sh.seq_k * kv_stride + hk * d;
+      const T* k = static_cast<const T*>(p.k) + b * sh.seq_k * k_stride + hk * d;
+      const T* v = static_cast<const T*>(p.v) + b * sh.seq_k * v_stride + hk * hv;
       const float score_scale = p.scale * kLog2e;  // scores in base 2: exp2 instead of exp
       const SoftCap cap(p.logits_soft_cap);
       const Alibi alibi(p.alibi_slopes, b * sh.heads_q + h);
@@ -484,8 +488,8 @@ struct FlashFwd {
         }
         // float32 K and V are read where they lie when the head dim needs no padding.
         int64_t ldk, ldv;
-        const float* kt = rows_as_tile(k + j0 * kv_stride, kv_stride, cols, d, k_tile, dp, ldk);
-        const float* vt = rows_as_tile(v + j0 * kv_stride, kv_stride, cols, d, v_tile, dp, ldv);
+        const float* kt = rows_as_tile(k + j0 * k_stride, k_stride, cols, d, k_tile, dp, ldk);
+        const float* vt = rows_as_tile(v + j0 * v_stride, v_stride, cols, hv, v_tile, hvp, ldv);
         gemm(cols, nq, dp, score_scale, kt, ldk, qt_tile, qp, scores_t, qp, false);
         if (cap)
           for (int64_t c = 0; c < cols; ++c) soft_cap(scores_t + c * qp, nq, cap, nullptr);
@@ -512,7 +516,7 @@ struct FlashFwd {
         for (int64_t r = 0; r < live_rows; ++r) {
           if (correction[r] != 1.f) {
             const Vec cv = splat(correction[r]);
-            for (int64_t c = 0; c < dp; c += kLanes) store(acc + r * dp + c, load(acc + r * dp + c) * cv);
+            for (int64_t c = 0; c < hvp; c += kLanes) store(acc + r * hvp + c, load(acc + r * hvp + c) * cv);
           }
         }
         // Dropout: the dropped probabilities of the rows' P (S^T, key c at scores_t[c * qp])
@@ -523,7 +527,7 @@ struct FlashFwd {
             store(p, keep ? load(p) : Vec{});
           });
         // O += P V, P read from S^T in place.
-        gemm_at(live_rows, dp, cols, 1.f, scores_t, qp, vt, ldv, acc, dp, true);
+        gemm_at(live_rows, hvp, cols, 1.f, scores_t, qp, vt, ldv, acc, hvp, true);
       }
     }
 
@@ -533,13 +537,13 @@ struct FlashFwd {
       const bool empty = r >= live_rows || key_range(p.mask, i0 + r, q_len, kv_len).empty() ||
                          (track_seen && seen[r] == 0.f);
       const float inv = empty ? 0.f : p.dropout_scale / row_sum[r];  // dropout_scale 1: none
-      const int64_t out_row = out_offset + r * q_stride;
+      const int64_t out_row = out_offset + r * o_stride;
       if (p.o_float32)
-        empty ? store_zeros(d, static_cast<float*>(p.o) + out_row)
-              : store_row(acc + r * dp, d, inv, static_cast<float*>(p.o) + out_row);
+        empty ? store_zeros(hv, static_cast<float*>(p.o) + out_row)
+              : store_row(acc + r * hvp, hv, inv, static_cast<float*>(p.o) + out_row);
       else
-        empty ? store_zeros(d, static_cast<T*>(p.o) + out_row)
-              : store_row(acc + r * dp, d, inv, static_cast<T*>(p.o) + out_row);
+        empty ? store_zeros(hv, static_cast<T*>(p.o) + out_row)
+              : store_row(acc + r * hvp, hv, inv, static_cast<T*>(p.o) + out_row);
       lse[r] = empty ? kEmptyRowLse : natural_lse(row_ref[r], row_sum[r]);
     }
   }

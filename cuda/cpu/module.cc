@@ -51,12 +51,15 @@ NB_MODULE(_native, m) {
         },
         "Elements of the CPU backward's float32 dQ workspace (what its handler checks).");
   m.def("decode_workspace_elements",
-        [](int64_t num_splits, int64_t batch, int64_t seq_q, int64_t heads_q, int64_t head_dim) {
-          const jax_flash::AttentionShape shape{batch, seq_q, /*seq_k=*/0, heads_q, /*heads_k=*/0, head_dim};
+        [](int64_t num_splits, int64_t batch, int64_t seq_q, int64_t heads_q, int64_t head_dim_v) {
+          // o_partial holds output rows: v's head dim Hv (q's and k's does not enter).
+          const jax_flash::AttentionShape shape{batch,         seq_q,      /*seq_k=*/0, heads_q,
+                                                /*heads_k=*/0, head_dim_v, head_dim_v};
           return nb::make_tuple(jax_flash::decode_o_partial_elements(shape, num_splits),
                                 jax_flash::decode_lse_partial_elements(shape, num_splits));
         },
-        "Elements of the split-KV decode's float32 workspaces (o_partial, lse_partial).");
+        "Elements of the split-KV decode's float32 workspaces (o_partial, lse_partial) for output "
+        "rows of v's head dim head_dim_v.");
   m.def("cpu_kernel_isa", [] { return jax_flash::cpu::kernel_isa(); },
         "The instruction set of the CPU kernel variant this processor runs.");
   m.def("cpu_fma_peak_gflops", [] { return jax_flash::cpu::fma_peak_gflops(); },
