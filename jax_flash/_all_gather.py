@@ -127,7 +127,7 @@ def _slice_fwd(plan: _Slice, q, k, v, q_lens, kv_lens, alibi=None, ids=None, blo
   (B, N, rows / 64, S / 64)."""
   if plan.stop == plan.start:  # nothing visible: every row empty
     batch, rows, heads, _ = q.shape
-    return (_varying_like(jnp.zeros(q.shape, jnp.float32), q),
+    return (_varying_like(jnp.zeros((batch, rows, heads, v.shape[-1]), jnp.float32), q),
             _varying_like(jnp.full((batch, heads, rows), EMPTY_ROW_LSE, jnp.float32), q))
   o, lse = _ops.flash_fwd(q, k[:, plan.start:plan.stop], v[:, plan.start:plan.stop], q_lens,
                           _local_kv_lens(kv_lens, plan), plan.config, _ids_for(plan, ids),

@@ -155,7 +155,13 @@ def dot_product_attention(
   Args:
     query: ``(B, T, N, H)`` or ``(T, N, H)``; float32, bfloat16 or float16.
     key: ``(B, S, K, H)`` or ``(S, K, H)``, ``N % K == 0`` (grouped-query attention).
-    value: same shape and dtype as ``key``.
+    value: ``(B, S, K, Hv)`` or ``(S, K, Hv)``, the dtype of ``key``; ``key``'s shape but for
+      its head dim ``Hv``, which may differ from ``H`` (MLA-style attention, e.g. DeepSeek-V2's
+      ``H = 192``, ``Hv = 128``; the output then has ``Hv``; ``scale`` still defaults to
+      ``1 / sqrt(H)``). Taken by "cpu" (tiled and split-KV decode kernels, forward and
+      backward), "blockwise" and "xla", and by sharded and context-parallel calls on "cpu";
+      the CUDA kernels raise ``NotImplementedError`` (pass ``implementation="blockwise"`` on
+      a GPU).
     bias: added to the scaled logits, broadcastable to ``(B, N, T, S)`` (fewer dims gain
       leading ones; each dim 1 or full), differentiable. Only the ``"blockwise"`` and ``"xla"``
       paths take it: the kernels raise ``NotImplementedError`` (so does ``None`` where it
@@ -284,7 +290,8 @@ def dot_product_attention(
       ``JaxRuntimeError`` with its message). No effect without a sharded sequence.
 
   Returns:
-    The attention output, shaped and typed like ``query``; with ``return_residual``, the pair
+    The attention output, shaped and typed like ``query`` but for its head dim, which is the
+    value's ``Hv`` (``query``'s shape where ``Hv == H``); with ``return_residual``, the pair
     ``(output, lse)``. A query row with no key to attend to gives zeros (and a log-sum-exp of
     the most negative float32), never NaN, whatever the inputs hold; a NaN or inf among what a
     row attends to (or scores that overflow float32) gives NaN there, as in jax.nn. Empty
@@ -324,7 +331,7 @@ def _dot_product_attention(query, key, value, bias=None, mask=None, *, scale=Non
     raise ValueError(f"deterministic must be a bool; got {deterministic!r}")
   query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
   _validation.check_qkv(query, key, value)
-  query_shape = query.shape  # as passed, for the messages
+  query_shape, value_shape = query.shape, value.shape  # as passed, for the messages
   unbatched = query.ndim == 3
   if unbatched:
     query, key, value = query[None], key[None], value[None]
@@ -358,7 +365,8 @@ def _dot_product_attention(query, key, value, bias=None, mask=None, *, scale=Non
       sinks=None if sinks is None else sinks.shape,
       alibi_slopes=None if alibi_slopes is None else alibi_slopes.shape,
       block_mask=None if block_mask is None else block_mask_shape_as_passed,
-      dropout_rate=dropout_rate)
+      dropout_rate=dropout_rate,
+      value=None if value_shape[-1] == head_dim else value_shape)
   bias = _validation.check_logit_array("bias", bias, batch, heads_q, seq_q, seq_k)
   mask = _validation.check_logit_array("mask", mask, batch, heads_q, seq_q, seq_k)
   implementation = _dispatch.select(implementation, call)

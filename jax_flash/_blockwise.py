@@ -194,8 +194,9 @@ def _dropout_step(dropout_seeds, index, scores_shape, config: _Config):
 
 def _forward(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, sinks, alibi_slopes,
              dropout_seeds, config):
-  """(o (B, T, N, H) in float32, lse (B, N, T) float32, has_keys (B, N, T) bool): the caller
-  casts o to q's dtype. `has_keys`: which rows the masks leave some key.
+  """(o (B, T, N, Hv) in float32, lse (B, N, T) float32, has_keys (B, N, T) bool): the caller
+  casts o to q's dtype. `has_keys`: which rows the masks leave some key. Hv is v's head dim
+  (q's and k's H where they agree; MLA-style calls have Hv != H).
 
   `sinks` (N,) (None: off) join each row after the scan, as one more term of its softmax: with
   the keys' lse l and the sink c, the row's lse is logaddexp(l, c) and its output is scaled by
@@ -206,8 +207,8 @@ def _forward(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, sinks, alibi_slo
   finite inputs compute no inf), the running sum and the rescaled accumulator. A NaN or inf
   score among the keys a row attends makes its maximum, and so everything after it, NaN, as in
   jax.nn; a row the masks leave without keys is empty (0 output, EMPTY_ROW_LSE)."""
-  batch, seq_q, heads_q, head_dim = q.shape
-  heads_k = k.shape[2]
+  batch, seq_q, heads_q, _ = q.shape
+  heads_k, head_dim_v = k.shape[2], v.shape[3]
   q5 = _split_groups(q, heads_k)
   bias5, mask5 = _grouped(bias, heads_k), _grouped_masks(mask, heads_k)
   stats_shape = (batch, heads_k, heads_q // heads_k, seq_q)
@@ -238,7 +239,7 @@ def _forward(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, sinks, alibi_slo
 
   init = (jnp.zeros(stats_shape, bool), jnp.full(stats_shape, MASKED_SCORE, jnp.float32),
           jnp.zeros(stats_shape), jnp.zeros(stats_shape, jnp.int32),
-          jnp.zeros(stats_shape + (head_dim,)))
+          jnp.zeros(stats_shape + (head_dim_v,)))
   (has_keys, row_max, row_sum, exponent, acc), _ = jax.lax.scan(
       step, init, _scan_inputs(k, v, bias5, mask5, segment_ids, config.block))
   scaled_sum = jnp.where(has_keys, jnp.ldexp(row_sum, -exponent), 1.0)
@@ -250,7 +251,7 @@ def _forward(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, sinks, alibi_slo
     total = jnp.where(has_keys, jnp.logaddexp(lse, sink4), sink4)
     out = jnp.where(has_keys[..., None], out * jnp.exp(lse - total)[..., None], 0.0)
     lse = total
-  out = jnp.moveaxis(out, 3, 1).reshape(batch, seq_q, heads_q, head_dim)  # float32
+  out = jnp.moveaxis(out, 3, 1).reshape(batch, seq_q, heads_q, head_dim_v)  # float32
   return (out, lse.reshape(batch, heads_q, seq_q),
           jnp.broadcast_to(has_keys, stats_shape).reshape(batch, heads_q, seq_q))
 
@@ -266,7 +267,7 @@ def _backward(q, k, v, o, lse, has_keys, d_o, q_lens, kv_lens, bias, mask, segme
   D = rowsum(dO o) (o_i depends on sink_h only through the normaliser exp(sink_h) +
   sum_j exp(s_ij), whose derivative by sink_h is p_sink = exp(sink_h - lse_i): do_i / dsink_h
   = -p_sink o_i)."""
-  batch, seq_q, heads_q, head_dim = q.shape
+  batch, seq_q, heads_q, _ = q.shape
   seq_k, heads_k = k.shape[1], k.shape[2]
   lse = lse.reshape(batch, heads_k, heads_q // heads_k, seq_q)
   has_keys = has_keys.reshape(lse.shape)
@@ -324,7 +325,7 @@ def _backward(q, k, v, o, lse, has_keys, d_o, q_lens, kv_lens, bias, mask, segme
       _scan_inputs(k, v, bias5, mask5, segment_ids, config.block))
 
   def unblock(x, like):
-    x = jnp.moveaxis(x, 0, 1).reshape(batch, -1, heads_k, head_dim)
+    x = jnp.moveaxis(x, 0, 1).reshape(batch, -1, heads_k, like.shape[-1])
     return x[:, :seq_k].astype(like.dtype)
 
   dbias = None
@@ -377,9 +378,9 @@ def blockwise_attention(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bo
                         segment_ids=None, logits_soft_cap: float | None = None, sinks=None,
                         alibi_slopes=None, block_mask=None, dropout_rate: float | None = None,
                         dropout_seeds=None):
-  """Returns (o, lse) as ``attention_reference`` does: o (B, T, N, H) in q's dtype, lse
-  (B, N, T) float32, differentiable in q, k, v, the bias and the sinks with a recomputing
-  backward pass. `sinks` (N,): one logit per query head in every row's softmax denominator
+  """Returns (o, lse) as ``attention_reference`` does: o (B, T, N, Hv) in q's dtype (Hv: v's
+  head dim, which may differ from q's and k's H), lse (B, N, T) float32, differentiable in q,
+  k, v, the bias and the sinks with a recomputing backward pass. `sinks` (N,): one logit per query head in every row's softmax denominator
   (see attention_reference). `alibi_slopes` (N,) float32: ALiBi's slope * (j - i) added to
   each block's scores after the cap (not differentiated).
   `logits_soft_cap` c caps the scaled scores at c * tanh(s / c) before the bias and masks (the
@@ -396,7 +397,7 @@ def blockwise_attention(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bo
   mask = _Masks(mask, block_mask)
   if k.shape[1] == 0 or q.size == 0:  # no blocks to scan, or no rows (B, T or N is 0)
     lse = empty_lse(q.shape[0], q.shape[2], q.shape[1], sinks)
-    return jnp.zeros_like(q), lse
+    return jnp.zeros((*q.shape[:-1], v.shape[-1]), q.dtype), lse
   config = _Config(float(scale), bool(is_causal), int(window_left), int(window_right),
                    min(KEY_BLOCK, k.shape[1]),
                    None if logits_soft_cap is None else float(logits_soft_cap),

@@ -395,7 +395,8 @@ def context_parallel_attention(
           query.shape, query.dtype, mask_forms=masks, deterministic=deterministic, ring=True,
           segment_ids=None if segment_ids is None else (jnp.shape(q_segment_ids),
                                                         jnp.shape(kv_segment_ids)),
-          block_mask=blocks_passed),
+          block_mask=blocks_passed,
+          value=None if value.shape[-1] == head_dim else value.shape),
       caller=caller)
   q_lens = _validation.check_seq_lengths("query_seq_lengths", query_seq_lengths, batch, seq_q)
   kv_lens = _validation.check_seq_lengths("key_value_seq_lengths", key_value_seq_lengths, batch,

@@ -208,11 +208,11 @@ def kv_splits(implementation: str, batch: int, seq_q: int, heads_q: int, heads_k
 
 
 def workspace_shapes(splits: int, batch: int, seq_q: int, heads_q: int,
-                     head_dim: int) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+                     head_dim_v: int) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
   """The float32 workspaces (partial outputs, partial lse), flat, of the sizes the handlers
-  check (empty with one chunk)."""
+  check (empty with one chunk); `head_dim_v` is the output's (v's) head dim."""
   o_elements, lse_elements = _registry._native.decode_workspace_elements(
-      splits, batch, seq_q, heads_q, head_dim)
+      splits, batch, seq_q, heads_q, head_dim_v)
   return (jax.ShapeDtypeStruct((int(o_elements),), jnp.float32),
           jax.ShapeDtypeStruct((int(lse_elements),), jnp.float32))
 
@@ -229,12 +229,15 @@ def decode_fwd(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bool, windo
                implementation: str = "cpu"):
   """(o, lse) of the contiguous decode kernel of `implementation` ("cpu", or "cuda": 16-bit
   inputs, head dim padded to a multiple of 8), with the tiled forward's arguments and results
-  (q (..., T, N, H), k/v (..., S, K, H); o like q, float32 with o_float32; lse (..., N, T))."""
-  *batch, seq_q, heads_q, head_dim = q.shape
-  workspaces = workspace_shapes(splits, math.prod(batch), seq_q, heads_q, head_dim)
+  (q (..., T, N, H), k (..., S, K, H), v (..., S, K, Hv), Hv == H but on "cpu"; o like q with
+  v's head dim Hv, float32 with o_float32; lse (..., N, T))."""
+  *batch, seq_q, heads_q, _ = q.shape
+  head_dim_v = v.shape[-1]
+  workspaces = workspace_shapes(splits, math.prod(batch), seq_q, heads_q, head_dim_v)
   call = jax.ffi.ffi_call(
       f"jax_flash_{implementation}_decode",
-      (jax.ShapeDtypeStruct(q.shape, jnp.float32 if o_float32 else q.dtype),
+      (jax.ShapeDtypeStruct((*batch, seq_q, heads_q, head_dim_v),
+                            jnp.float32 if o_float32 else q.dtype),
        jax.ShapeDtypeStruct((*batch, heads_q, seq_q), jnp.float32),
        *workspaces),
       vmap_method="broadcast_all")

@@ -56,6 +56,9 @@ class Capabilities:
   alibi_slopes: bool = False  # takes alibi_slopes (ALiBi: slope * (j - i) added to the scores)
   block_mask: bool = False  # takes block_mask (block-sparse attention: hidden blocks skipped)
   dropout_rate: bool = False  # takes dropout_rate > 0 (fused dropout of the probabilities)
+  # takes a value head dim Hv other than the query/key head dim H (MLA: value (..., S, K, Hv),
+  # output (..., T, N, Hv))
+  value_head_dim: bool = False
 
 
 def capabilities(name: str) -> Capabilities:
@@ -69,7 +72,7 @@ def capabilities(name: str) -> Capabilities:
         logit_arrays=False, mask_forms=MASK_FORMS,
         deterministic_backward=True,  # always: dQ partials are summed in a fixed order
         ring=True, paged=True, segment_ids=True, logits_soft_cap=True, sinks=True,
-        alibi_slopes=True, block_mask=True, dropout_rate=True)
+        alibi_slopes=True, block_mask=True, dropout_rate=True, value_head_dim=True)
   if name == "cuda":
     cuda = _registry.CUDA_KERNEL_CONSTANTS or {}  # empty where no CUDA kernels were built
     return Capabilities(
@@ -91,7 +94,7 @@ def capabilities(name: str) -> Capabilities:
         deterministic_backward=True,  # XLA's products and scans: no atomics
         ring=False, paged=name == "xla",  # "xla": the pages gathered, then the reference
         segment_ids=True, logits_soft_cap=True, sinks=True, alibi_slopes=True, block_mask=True,
-        dropout_rate=True)
+        dropout_rate=True, value_head_dim=True)
   raise ValueError(f"no implementation named {name!r}")
 
 
@@ -114,10 +117,18 @@ class Call:
   alibi_slopes: tuple[int, ...] | None = None  # the shape of the ALiBi slopes, None without
   block_mask: tuple[int, ...] | None = None  # the shape of the block mask, None without
   dropout_rate: float | None = None  # the dropout rate, None without dropout (rate 0)
+  # The value's shape as passed where its head dim Hv differs from the query's H; None where
+  # they are equal (the output has Hv).
+  value: tuple[int, ...] | None = None
 
   @property
   def head_dim(self) -> int:
     return self.query[-1]
+
+  @property
+  def value_head_dim(self) -> int:
+    """Hv: the value's (and the output's) head dim."""
+    return self.query[-1] if self.value is None else self.value[-1]
 
 
 def mask_forms(*, is_causal: bool, seq_lengths: bool, local_window: bool) -> frozenset:
@@ -223,12 +234,26 @@ def select(implementation: str | None, call: Call, *,
         f"{caller}: the {name!r} kernels ({picked}) take no {argument} yet; got {passed} with "
         f"query{call.query}. Implementations {takers} take {pronoun}: pass "
         "implementation='blockwise' on a GPU (FlashAttention in XLA)")
+  if call.value is not None and not can.value_head_dim:
+    takers = ", ".join(repr(n) for n in ("cpu", "blockwise", "xla")
+                       if capabilities(n).value_head_dim)
+    raise NotImplementedError(
+        f"{caller}: the {name!r} kernels ({picked}) take no value head dim other than the "
+        f"query/key head dim yet; got query{call.query} (H={call.head_dim}) and "
+        f"value{call.value} (Hv={call.value_head_dim}). Implementations {takers} take it: "
+        "pass implementation='blockwise' (or 'xla') on a GPU")
   if can.max_head_dim is not None and call.head_dim > can.max_head_dim:
     instead = ("ring attention has no path for larger heads" if call.ring else
                "use implementation='blockwise' (or 'xla') for larger heads")
     raise ValueError(
         f"head dim H={call.head_dim} (query{call.query}) is larger than the {name!r} kernels "
         f"support (H <= {can.max_head_dim}); {instead}")
+  if can.max_head_dim is not None and call.value_head_dim > can.max_head_dim:
+    instead = ("ring attention has no path for larger heads" if call.ring else
+               "use implementation='blockwise' (or 'xla') for larger heads")
+    raise ValueError(
+        f"value head dim Hv={call.value_head_dim} (value{call.value}) is larger than the "
+        f"{name!r} kernels support (Hv <= {can.max_head_dim}); {instead}")
   if jnp.dtype(call.dtype) not in can.dtypes:
     wanted = " or ".join(sorted(str(d) for d in can.dtypes))
     instead = ("cast the inputs, or use implementation='cpu' on host devices" if call.ring else

@@ -2,7 +2,9 @@
 what every entry point does around them (:func:`call_kernels`: a positive scale, the head dim
 padded as the kernels need).
 
-Kernel layouts: q, o, dq (..., T, N, H); k, v, dk, dv (..., S, K, H); lse (..., N, T) float32;
+Kernel layouts: q, dq (..., T, N, H); k, dk (..., S, K, H); v, dv (..., S, K, Hv); o, do
+(..., T, N, Hv) (Hv == H but on the "cpu" kernel, which takes v's own head dim Hv: MLA); lse
+(..., N, T) float32;
 q_lens, kv_lens (...,) int32; segment ids, where given, (..., T) and (..., S) int32, and ALiBi
 slopes, where given, (..., N) float32, the block mask, where given, (..., N, Tb, Sb) bool, and
 the dropout seeds, where given, (..., N, 4) uint32 (jax_flash._dropout.seeds; the "cpu" kernel
@@ -89,6 +91,11 @@ def _target(config: KernelConfig, pass_name: str) -> str:
   return f"jax_flash_{config.implementation}_{pass_name}"
 
 
+def _output_shape(q: jax.Array, v: jax.Array) -> tuple[int, ...]:
+  """o's shape: q's with v's head dim Hv."""
+  return (*q.shape[:-1], v.shape[-1])
+
+
 def _lse_shape(q: jax.Array) -> tuple[int, ...]:
   *batch, t, n, _ = q.shape
   return (*batch, n, t)
@@ -144,6 +151,16 @@ def _block_mask_operands(config: KernelConfig, block_mask) -> tuple[tuple, dict]
   return (block_mask,), {"block_sparse": True}
 
 
+def _check_value_head_dim(config: KernelConfig, q, v) -> None:
+  """Only the "cpu" kernels take v's head dim Hv != q's H (jax_flash._dispatch refuses it
+  elsewhere before a call is built; this guards the kernel calls themselves)."""
+  if config.implementation != "cpu" and v.shape[-1] != q.shape[-1]:
+    raise NotImplementedError(
+        f"the {config.implementation!r} kernels take no value head dim Hv other than the "
+        f"query/key head dim H; got q{tuple(q.shape)} and v{tuple(v.shape)}: use "
+        "implementation='blockwise' or 'xla'")
+
+
 def _dropout_operands(config: KernelConfig, dropout_seeds) -> tuple[tuple, dict]:
   """The dropout operand and attribute of a kernel call: the "cpu" passes always take the
   uint32 seeds (..., N, 4) (a (0,) placeholder without) and the rate "dropout_rate" (0.0: off);
@@ -163,10 +180,11 @@ def _dropout_operands(config: KernelConfig, dropout_seeds) -> tuple[tuple, dict]
 
 def _flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig, segment_ids=None,
                alibi_slopes=None, block_mask=None, dropout_seeds=None):
-  """Returns (o, lse) with o like q (float32 with config.o_float32) and lse (..., N, T)
-  float32. `segment_ids`: None or (q_ids (..., T), kv_ids (..., S)) int32; `alibi_slopes`:
-  None or (..., N) float32 (one slope per batch element and query head); `dropout_seeds`:
-  None or (..., N, 4) uint32, exactly when config.dropout_rate > 0."""
+  """Returns (o, lse) with o like q but for its head dim, v's Hv (float32 with
+  config.o_float32), and lse (..., N, T) float32. `segment_ids`: None or (q_ids (..., T),
+  kv_ids (..., S)) int32; `alibi_slopes`: None or (..., N) float32 (one slope per batch element
+  and query head); `dropout_seeds`: None or (..., N, 4) uint32, exactly when
+  config.dropout_rate > 0."""
   if segment_ids is not None and config.kv_splits:
     raise ValueError("split-KV decoding takes no segment ids (call_kernels sets kv_splits=0)")
   if alibi_slopes is not None and config.kv_splits:
@@ -177,6 +195,7 @@ def _flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig, segment_ids=None,
     raise ValueError("split-KV decoding takes no logits_soft_cap (call_kernels sets kv_splits=0)")
   if (config.dropout_rate or dropout_seeds is not None) and config.kv_splits:
     raise ValueError("split-KV decoding takes no dropout (call_kernels sets kv_splits=0)")
+  _check_value_head_dim(config, q, v)
   if config.kv_splits and config.implementation == "cuda" and not _decode.cuda_kernel_enabled():
     tiled = dataclasses.replace(config, kv_splits=0, o_float32=True)
     return _split_kv.split_kv_forward(
@@ -190,7 +209,7 @@ def _flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig, segment_ids=None,
   call = jax.ffi.ffi_call(
       _target(config, "fwd"),
       (
-          jax.ShapeDtypeStruct(q.shape, jnp.float32 if config.o_float32 else q.dtype),
+          jax.ShapeDtypeStruct(_output_shape(q, v), jnp.float32 if config.o_float32 else q.dtype),
           jax.ShapeDtypeStruct(_lse_shape(q), jnp.float32),
       ),
       vmap_method="broadcast_all",
@@ -246,6 +265,7 @@ def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig, segm
   precision (the CPU kernel gets o joined back into float32). `alibi_slopes`: those of the
   forward (the kernel recomputes the same biased scores; the slopes get no gradient).
   `dropout_seeds`: those of the forward (the kernel regenerates the same mask)."""
+  _check_value_head_dim(config, q, v)
   if o_error is not None and config.implementation != "cuda":
     o, o_error = _rounding.join_rounding(o, o_error), None
   *batch, seq_q, heads_q, head_dim = q.shape
@@ -337,7 +357,8 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
   """(out, lse) of `attention` with what every entry point does around the kernels: the scale
   made positive (positive_scale) and the head dim zero-padded as `implementation` needs
   (head_dim_padding), both outside the custom VJP so JAX differentiates them; the padding is
-  sliced off the output again. q, k, v are rank 4 (B, T|S, N|K, H).
+  sliced off the output again. q, k are rank 4 (B, T|S, N|K, H), v (B, S, K, Hv) (Hv != H on
+  the "cpu" kernel only: jax_flash._dispatch refuses it elsewhere); out is (B, T, N, Hv).
 
   On the "cpu" kernel a call with few query rows per kv head runs the split-KV decode kernel
   (jax_flash._decode.kv_splits decides; KernelConfig.kv_splits records it), except with
@@ -361,13 +382,16 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
   gradients."""
   if q.size == 0 or k.shape[1] == 0:
     batch, seq_q, heads_q, _ = q.shape
-    return jnp.zeros_like(q), empty_lse(batch, heads_q, seq_q, sinks)
-  head_dim = q.shape[-1]
+    return jnp.zeros(_output_shape(q, v), q.dtype), empty_lse(batch, heads_q, seq_q, sinks)
+  head_dim_v = v.shape[-1]
   q, scale = positive_scale(q, scale)
-  pad = head_dim_padding(implementation, head_dim)
-  if pad:  # zero columns change no score and give zero output columns
+  # Zero columns change no score (q, k) and give zero output columns (v).
+  pad, pad_v = (head_dim_padding(implementation, x.shape[-1]) for x in (q, v))
+  if pad:
     widths = [(0, 0)] * 3 + [(0, pad)]
-    q, k, v = (jnp.pad(x, widths) for x in (q, k, v))
+    q, k = (jnp.pad(x, widths) for x in (q, k))
+  if pad_v:
+    v = jnp.pad(v, [(0, 0)] * 3 + [(0, pad_v)])
   batch, seq_q, heads_q, _ = q.shape
   if implementation == "cuda" and not _decode.cuda_kernel_enabled():
     splits = cuda_kv_splits(batch, seq_q, heads_q, k.shape[2], k.shape[1], bool(is_causal),
@@ -395,4 +419,4 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
       extra += (jnp.broadcast_to(block_mask, (batch, heads_q, *block_mask.shape[-2:])),)
     dropout = {} if dropout_rate is None else {"dropout_seeds": dropout_seeds}
     out, lse = attention(q, k, v, q_lens, kv_lens, config, *extra, **dropout)
-  return out[..., :head_dim], lse
+  return out[..., :head_dim_v], lse

@@ -25,8 +25,9 @@ def _check_pages(query, key_pages, value_pages, page_table, kv_lengths) -> None:
     raise ValueError(f"{CALLER}: query must be (B, T, N, H); got {shapes}")
   if key_pages.ndim != 4:
     raise ValueError(f"{CALLER}: key_pages must be (num_pages, page_size, K, H); got {shapes}")
-  if value_pages.shape != key_pages.shape:
-    raise ValueError(f"{CALLER}: value_pages must have the shape of key_pages; got {shapes}")
+  if value_pages.ndim != 4 or value_pages.shape[:-1] != key_pages.shape[:-1]:
+    raise ValueError(f"{CALLER}: value_pages must have the shape of key_pages but for the head "
+                     f"dim (num_pages, page_size, K, Hv); got {shapes}")
   batch, _, heads_q, head_dim = query.shape
   _, page_size, heads_k, page_head_dim = key_pages.shape
   if page_size < 1:
@@ -35,6 +36,8 @@ def _check_pages(query, key_pages, value_pages, page_table, kv_lengths) -> None:
     raise ValueError(f"{CALLER}: query and key_pages need the same head dim H; got {shapes}")
   if head_dim == 0:
     raise ValueError(f"{CALLER}: the head dim H=0: query and pages need H >= 1; got {shapes}")
+  if value_pages.shape[-1] == 0:
+    raise ValueError(f"{CALLER}: the value head dim Hv=0: value_pages need Hv >= 1; got {shapes}")
   if heads_k == 0 or heads_q % heads_k:
     raise ValueError(
         f"{CALLER}: the number of query heads N={heads_q} must be a multiple of the number of "
@@ -61,7 +64,7 @@ def _check_pages(query, key_pages, value_pages, page_table, kv_lengths) -> None:
                      f"{query.dtype}")
 
 
-def _select(implementation, query) -> str:
+def _select(implementation, query, value_pages) -> str:
   """The implementation that runs the call: `implementation`, or for None "cpu" on the host and
   "cuda" on an NVIDIA GPU (where the CUDA kernels were built); raises the error that says why
   it cannot run."""
@@ -90,21 +93,31 @@ def _select(implementation, query) -> str:
   can = _dispatch.capabilities(name)
   if not can.paged:
     raise NotImplementedError(f"{CALLER}: implementation {name!r} has no paged form")
-  if can.max_head_dim is not None and query.shape[-1] > can.max_head_dim:
-    raise ValueError(f"{CALLER}: head dim H={query.shape[-1]} (query{query.shape}) is larger "
-                     f"than the {name!r} kernel supports (H <= {can.max_head_dim}); use "
-                     "implementation='xla'")
+  if value_pages.shape[-1] != query.shape[-1] and not can.value_head_dim:
+    raise NotImplementedError(
+        f"{CALLER}: the {name!r} kernel takes no value head dim other than the query/key head "
+        f"dim yet; got query{query.shape} (H={query.shape[-1]}) and "
+        f"value_pages{value_pages.shape} (Hv={value_pages.shape[-1]}); pass "
+        "implementation='xla' (or 'cpu' on host devices)")
+  for what, dim, shape in (("head dim H", query.shape[-1], f"query{query.shape}"),
+                           ("value head dim Hv", value_pages.shape[-1],
+                            f"value_pages{value_pages.shape}")):
+    if can.max_head_dim is not None and dim > can.max_head_dim:
+      raise ValueError(f"{CALLER}: {what}={dim} ({shape}) is larger than the {name!r} kernel "
+                       f"supports ({what.split()[-1]} <= {can.max_head_dim}); use "
+                       "implementation='xla'")
   return name
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
 def _paged_kernel(q, key_pages, value_pages, page_table, kv_lengths, scale, is_causal,
                   window_left, window_right, splits, implementation):
-  batch, seq_q, heads_q, head_dim = q.shape
-  workspaces = _decode.workspace_shapes(splits, batch, seq_q, heads_q, head_dim)
+  batch, seq_q, heads_q, _ = q.shape
+  head_dim_v = value_pages.shape[-1]
+  workspaces = _decode.workspace_shapes(splits, batch, seq_q, heads_q, head_dim_v)
   call = jax.ffi.ffi_call(
       f"jax_flash_{implementation}_paged",
-      (jax.ShapeDtypeStruct(q.shape, q.dtype),
+      (jax.ShapeDtypeStruct((batch, seq_q, heads_q, head_dim_v), q.dtype),
        jax.ShapeDtypeStruct((batch, heads_q, seq_q), jnp.float32), *workspaces),
       # The pages are shared by the batch: a vmapped call runs once per mapped element.
       vmap_method="sequential")
@@ -135,15 +148,16 @@ def _paged_xla(q, key_pages, value_pages, page_table, kv_lengths, *, scale, is_c
   masks as a mask array, jax_flash's reference attention. A sequence whose length reaches a
   page table entry outside [0, num_pages) gets NaN everywhere (XLA cannot raise at run time)."""
   batch, seq_q, _, _ = q.shape
-  num_pages, page_size, heads_k, head_dim = key_pages.shape
+  num_pages, page_size, heads_k, _ = key_pages.shape
   pages_per_seq = page_table.shape[1]
   seq_k = pages_per_seq * page_size
   if num_pages == 0:  # nothing to gather from: every sequence that has a key is refused below
-    key_pages = value_pages = jnp.zeros((1, *key_pages.shape[1:]), key_pages.dtype)
+    key_pages, value_pages = (jnp.zeros((1, *x.shape[1:]), x.dtype)
+                              for x in (key_pages, value_pages))
 
   def gather(pages):
     x = jnp.take(pages, page_table, axis=0, mode="clip")  # (B, pages_per_seq, page_size, K, H)
-    return x.reshape(batch, seq_k, heads_k, head_dim)
+    return x.reshape(batch, seq_k, heads_k, pages.shape[-1])
 
   k, v = gather(key_pages), gather(value_pages)
   i = _query_positions(seq_q, kv_lengths)[:, :, None]  # (B, T, 1)
@@ -220,7 +234,8 @@ def paged_gathered(q, key_pages, value_pages, page_table, kv_lengths, scale, is_
   batch, seq_q, _, _ = q.shape
   num_pages, page_size = key_pages.shape[:2]
   if num_pages == 0:  # nothing to gather from: every sequence that has a key is NaN below
-    key_pages = value_pages = jnp.zeros((1, *key_pages.shape[1:]), key_pages.dtype)
+    key_pages, value_pages = (jnp.zeros((1, *x.shape[1:]), x.dtype)
+                              for x in (key_pages, value_pages))
   window = gathered_window(is_causal, window_left, window_right)
   left, right = window if window is not None else (-1, -1)
   k = _gather_reversed(key_pages, page_table, kv_lengths, page_size)
@@ -260,7 +275,9 @@ def paged_attention(
     query: ``(B, T, N, H)``: the T newest tokens of each sequence (T = 1 for a decode step, more
       for speculative decoding or chunked prefill); float32, bfloat16 or float16.
     key_pages: ``(num_pages, page_size, K, H)``, query's dtype, ``N % K == 0`` (GQA/MQA).
-    value_pages: like ``key_pages``.
+    value_pages: ``(num_pages, page_size, K, Hv)``: like ``key_pages`` but for its head dim
+      ``Hv``, which may differ from ``H`` (MLA-style; the output then has ``Hv``) on "cpu" and
+      "xla"; "cuda" raises ``NotImplementedError`` for ``Hv != H``.
     page_table: ``(B, pages_per_sequence)`` int32: the pages of each sequence, in order.
     kv_lengths: ``(B,)`` int32: how many keys each sequence has, the T query tokens' own
       included (vLLM's ``seq_lens``); clamped to ``[0, pages_per_sequence * page_size]``. A
@@ -288,7 +305,7 @@ def paged_attention(
   gather clamp the entries they read) such a sequence's output and lse are NaN.
 
   Returns:
-    ``(B, T, N, H)`` in query's dtype; with ``return_residual``, ``(out, lse)``.
+    ``(B, T, N, Hv)`` in query's dtype; with ``return_residual``, ``(out, lse)``.
 
   The "cpu" kernel is the split-KV decode kernel of ``dot_product_attention`` (query heads of a
   kv head packed, the key range cut into chunks run in parallel, see ``jax_flash._decode``),
@@ -305,7 +322,7 @@ def paged_attention(
   query, key_pages, value_pages = (jnp.asarray(x) for x in (query, key_pages, value_pages))
   page_table, kv_lengths = jnp.asarray(page_table), jnp.asarray(kv_lengths)
   _check_pages(query, key_pages, value_pages, page_table, kv_lengths)
-  implementation = _select(implementation, query)
+  implementation = _select(implementation, query, value_pages)
   batch, seq_q, heads_q, head_dim = query.shape
   _, page_size, heads_k, _ = key_pages.shape
   seq_k = page_table.shape[1] * page_size
@@ -315,7 +332,7 @@ def paged_attention(
   kv_lengths = jnp.clip(kv_lengths, 0, seq_k)
 
   if query.size == 0 or seq_k == 0:  # no output, or no key for any row
-    out = jnp.zeros_like(query)
+    out = jnp.zeros((*query.shape[:-1], value_pages.shape[-1]), query.dtype)
     lse = jnp.full((batch, heads_q, seq_q), _reference.EMPTY_ROW_LSE, jnp.float32)
   elif implementation == "xla":
     out, lse = _paged_xla(query, key_pages, value_pages, page_table, kv_lengths, scale=scale,
@@ -333,7 +350,7 @@ def paged_attention(
       # with zero columns (which change no score), the pools included (a copy of the cache:
       # use such head dims for tests, not for speed).
       pad = _ops.head_dim_padding("cuda", head_dim)
-      if pad:
+      if pad:  # (Hv == H here: _select refuses another Hv on CUDA)
         widths = [(0, 0)] * 3 + [(0, pad)]
         q, pages_k, pages_v = (jnp.pad(x, widths) for x in (q, pages_k, pages_v))
     else:
@@ -341,7 +358,7 @@ def paged_attention(
     out, lse = _paged_kernel(q, pages_k, pages_v, page_table, kv_lengths,
                              float(kernel_scale), bool(is_causal), window_left, window_right,
                              splits, implementation)
-    out = out[..., :head_dim]
+    out = out[..., :value_pages.shape[-1]]
   lse = jax.lax.stop_gradient(lse)
   if not return_residual:
     return out

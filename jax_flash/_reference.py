@@ -108,7 +108,8 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bo
                         segment_ids=None, logits_soft_cap: float | None = None, sinks=None,
                         alibi_slopes=None, block_mask=None, dropout_rate: float | None = None,
                         dropout_seeds=None):
-  """Returns (o, lse): o (B, T, N, H) in q's dtype, lse (B, N, T) float32.
+  """Returns (o, lse): o (B, T, N, Hv) in q's dtype, lse (B, N, T) float32. q and k are
+  (B, T|S, N|K, H), v (B, S, K, Hv): its head dim Hv may differ from H (MLA-style).
 
   `dropout_rate` (None: off) with `dropout_seeds` (B, N, 4) uint32 (jax_flash._dropout.seeds):
   the normalised probabilities are multiplied by keep / (1 - rate) before P V
@@ -143,7 +144,7 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bo
   seq_k, heads_k = k.shape[1], k.shape[2]
   if seq_k == 0 or q.size == 0:  # nothing to attend to anywhere, or no output
     lse = empty_lse(batch, heads_q, seq_q, sinks)
-    return jnp.zeros_like(q), lse
+    return jnp.zeros((*q.shape[:-1], v.shape[-1]), q.dtype), lse
   group = heads_q // heads_k
   mask = with_block_mask(mask, block_mask, seq_q, seq_k)
   allowed = key_mask(seq_q, seq_k, q_lens, kv_lens, is_causal, window_left, window_right,
@@ -183,7 +184,7 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bo
     probs = probs * dropout_multipliers(dropout_seeds, dropout_rate, heads_k, seq_q, seq_k)
   out = jnp.einsum("bkgts,bskh->btkgh", probs, vf, precision="highest")
   out = jnp.where(rows_have_keys, out, 0.0)  # 0 even where a masked value is NaN
-  out = out.reshape(batch, seq_q, heads_q, head_dim).astype(q.dtype)
+  out = out.reshape(batch, seq_q, heads_q, v.shape[-1]).astype(q.dtype)
   lse = jnp.where(has_keys, jnp.log(safe_sum) + row_max, EMPTY_ROW_LSE)[..., 0]
   if sink5 is not None:  # a row with no visible key: its lse is the sink's alone
     lse = jnp.where(has_keys[..., 0], lse, jnp.broadcast_to(sink5[..., 0], lse.shape))

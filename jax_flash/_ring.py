@@ -106,7 +106,7 @@ def _block_fwd(config, relation, q, k, v, q_lens, kv_lens, ids=(), alibi=None, b
 
   def skip(q, k, v, q_lens, kv_lens, ids, slopes, blocks):
     batch, seq, heads, _ = q.shape
-    return (_varying_like(jnp.zeros(q.shape, jnp.float32), q),
+    return (_varying_like(jnp.zeros((batch, seq, heads, v.shape[-1]), jnp.float32), q),
             _varying_like(jnp.full((batch, heads, seq), EMPTY_ROW_LSE, jnp.float32), q))
 
   def run(cfg):
@@ -185,7 +185,7 @@ def ring_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=No
   parts = len(q_ids)
   chunk_q, chunk_k = q.shape[1] // parts, k.shape[1] // parts
   qs = _split(q, parts, 1)
-  outs = [jnp.zeros(x.shape, jnp.float32) for x in qs]
+  outs = [jnp.zeros((*x.shape[:-1], v.shape[-1]), jnp.float32) for x in qs]  # v's head dim
   lses = [jnp.full((x.shape[0], x.shape[2], x.shape[1]), EMPTY_ROW_LSE, jnp.float32) for x in qs]
   q_seg = _split_ids(segment_ids, parts)[0]
   kv_seg = None if segment_ids is None else segment_ids[1]
@@ -358,7 +358,8 @@ def ring_attention(query, key, value, *, axis_name: str, layout: str = "contiguo
       implementation, _dispatch.Call(
           query.shape, query.dtype, mask_forms=masks, deterministic=deterministic, ring=True,
           segment_ids=None if segment_ids is None else (jnp.shape(q_segment_ids),
-                                                        jnp.shape(kv_segment_ids))),
+                                                        jnp.shape(kv_segment_ids)),
+          value=None if value.shape[-1] == head_dim else value.shape),
       caller="jax_flash.ring_attention")
   num = jax.lax.axis_size(axis_name)
   q_lens = _validation.check_seq_lengths("query_seq_lengths", query_seq_lengths, batch, seq_q * num)

@@ -6,7 +6,8 @@ kernel call here is wrapped, innermost first, in
     without Shardy): batch and head axes shard with no communication at all; a sharded sequence
     axis runs a context-parallel strategy over it (jax_flash._context_parallel: the ring, the
     all-to-all over heads or the all-gather of K/V, by the call's ``context_parallel`` or the
-    automatic choice, causal work balanced by the zig-zag layout); the head dim is kept whole;
+    automatic choice, causal work balanced by the zig-zag layout); the head dims are kept whole
+    (v's, and so the output's, may differ from q's and k's: MLA-style calls on "cpu");
   * ``custom_vmap``, whose rule folds a mapped axis into the batch axis (custom_partitioning has
     no batching rule of its own).
 
@@ -53,16 +54,17 @@ from jax.sharding import PartitionSpec as P
 
 from jax_flash import _context_parallel, _derivatives, _ops, _rounding
 
-# Factors: b batch, t query positions, s key positions, n query heads, k kv heads, h head dim.
+# Factors: b batch, t query positions, s key positions, n query heads, k kv heads, h the head
+# dim of q and k, e the head dim of v (and o, do, dv: MLA-style calls have e != h).
 # The head factors are independent: the partition callback below keeps them consistent (a
 # compound n = (k g) would let Shardy split mesh axes into sub-axes when K does not divide).
-_FWD_RULE = "b t n h, b s k h, b s k h, b, b -> b t n h, b n t"
-_BWD_RULE = ("b t n h, b s k h, b s k h, b t n h, b n t, b t n h, b, b "
-             "-> b t n h, b s k h, b s k h")
+_FWD_RULE = "b t n h, b s k h, b s k e, b, b -> b t n e, b n t"
+_BWD_RULE = ("b t n h, b s k h, b s k e, b t n e, b n t, b t n e, b, b "
+             "-> b t n h, b s k h, b s k e")
 # Optional operands after the lengths, in this order: o's int8 rounding error (the CUDA
 # backward's; jax_flash._rounding), the segment ids q_ids (b t) and kv_ids (b s), the ALiBi
 # slopes (b n).
-_ERROR_RULE = ", b t n h"
+_ERROR_RULE = ", b t n e"
 _IDS_RULE = ", b t, b s"
 _ALIBI_RULE = ", b n"
 # The block mask (b n x y): x query blocks, y key blocks.
@@ -79,8 +81,8 @@ def _rule(base: str, error: bool, ids: bool, alibi: bool, blocks: bool = False,
   return base.replace(" ->", extras + " ->")
 
 
-# Kept whole: the head dim.
-_WHOLE_FACTORS = ("h",)
+# Kept whole: the head dims.
+_WHOLE_FACTORS = ("h", "e")
 
 
 def _axis_size(mesh, axes) -> int:

@@ -108,7 +108,7 @@ def split_kv_forward(forward: Callable[..., tuple[jax.Array, jax.Array]], q: jax
   mask or window), returning o in float32 and lse (B, N, T). q: (B, T, N, H); k, v: (B, S, K, H);
   lengths (B,) int32. Returns o like q's dtype and lse (B, N, T) float32."""
   batch, seq_q, heads_q, _ = q.shape
-  _, seq_k, heads_k, head_dim = k.shape
+  _, seq_k, heads_k, _ = k.shape
   group = heads_q // heads_k
   packed = pack_queries(q, heads_k)
   packed_lens = jnp.clip(q_lens, 0, seq_q) * group  # rows t * G + g live iff t < q_len
@@ -116,8 +116,9 @@ def split_kv_forward(forward: Callable[..., tuple[jax.Array, jax.Array]], q: jax
   pad = chunk * splits - seq_k
   if pad:
     k, v = (jnp.pad(x, [(0, 0), (0, pad), (0, 0), (0, 0)]) for x in (k, v))
-  # Chunks become batch elements: (B, splits, chunk, K, H) -> (B * splits, chunk, K, H).
-  k, v = (x.reshape(batch * splits, chunk, heads_k, head_dim) for x in (k, v))
+  # Chunks become batch elements: (B, splits, chunk, K, H) -> (B * splits, chunk, K, H) (v's
+  # own head dim kept).
+  k, v = (x.reshape(batch * splits, chunk, heads_k, x.shape[-1]) for x in (k, v))
   starts = jnp.arange(splits, dtype=jnp.int32) * chunk
   chunk_lens = jnp.clip(jnp.clip(kv_lens, 0, seq_k)[:, None] - starts[None, :], 0, chunk)
   chunk_q = jnp.broadcast_to(packed[:, None], (batch, splits, *packed.shape[1:]))

@@ -19,21 +19,26 @@ def check_qkv(query: jax.Array, key: jax.Array, value: jax.Array, *,
               any_batch_dims: bool = False) -> None:
   """Shapes and dtypes of query, key and value, each error naming the three shapes: rank 4
   (B, T|S, N|K, H) or rank 3, or with `any_batch_dims` any number of batch dims in front (the
-  caller checks those ranks), then the same batch dims, head dim, dtype; N a multiple of K."""
+  caller checks those ranks), then the same batch dims, head dim, dtype; N a multiple of K.
+  The value's head dim Hv may differ from the query's and key's H (MLA-style attention: the
+  output then has Hv); value has key's shape otherwise."""
   shapes = f"query{query.shape}, key{key.shape}, value{value.shape}"
   if not any_batch_dims and (query.ndim not in (3, 4) or key.ndim != query.ndim
                              or value.ndim != query.ndim):
     raise ValueError(
         "query, key and value must all be rank 4 (B, T|S, N|K, H) or all rank 3 (T|S, N|K, H); "
         f"got {shapes}")
-  if key.shape != value.shape:
-    raise ValueError(f"key and value must have the same shape; got {shapes}")
+  if key.shape[:-1] != value.shape[:-1] or key.ndim != value.ndim:
+    raise ValueError("key and value must have the same shape but for the head dim (value's Hv "
+                     f"may differ from key's H); got {shapes}")
   if query.shape[:-3] != key.shape[:-3]:
     raise ValueError(f"query and key must have the same batch size; got {shapes}")
   if query.shape[-1] != key.shape[-1]:
     raise ValueError(f"query and key must have the same head dim H; got {shapes}")
   if query.shape[-1] == 0:
     raise ValueError(f"the head dim H=0: query, key and value need H >= 1; got {shapes}")
+  if value.shape[-1] == 0:
+    raise ValueError(f"the value head dim Hv=0: value needs Hv >= 1; got {shapes}")
   heads_q, heads_k = query.shape[-2], key.shape[-2]
   if heads_k == 0 or heads_q % heads_k != 0:
     raise ValueError(

@@ -209,7 +209,10 @@ def dot_product_attention(
   Args:
     query: ``(batch..., T, N, H)``; any number of batch dims, including none.
     key: ``(batch..., S, K, H)`` with ``N % K == 0`` (grouped-query attention).
-    value: shaped like ``key``.
+    value: ``(batch..., S, K, Hv)``: shaped like ``key`` but for its head dim ``Hv``, which may
+      differ from ``H`` (as Flax's ``v_depth_per_head``; MLA-style attention), on the paths of
+      :func:`jax_flash.dot_product_attention` that take it ("cpu", "blockwise", "xla"). The
+      modules project q, k and v to one head dim, so they never pass ``Hv != H``.
     bias: broadcastable to ``(batch..., N, T, S)``, added to the scaled logits; only on the
       paths that take it, ``"blockwise"`` and ``"xla"`` (also ``None`` where it picks
       ``"blockwise"``: float32 on a GPU); the kernels raise ``NotImplementedError`` (see the
@@ -287,7 +290,7 @@ def dot_product_attention(
       "blockwise", "xla").
 
   Returns:
-    ``(batch..., T, N, H)`` in the computation dtype.
+    ``(batch..., T, N, Hv)`` in the computation dtype.
   """
   _dispatch.check_implementation(implementation)
   # Dropout applies as in Flax: a rate > 0 without deterministic. Its rng is then required.
@@ -352,7 +355,8 @@ def dot_product_attention(
                      sinks=None if sinks is None else jnp.shape(sinks),
                      alibi_slopes=None if alibi_slopes is None else jnp.shape(alibi_slopes),
                      block_mask=None if block_mask is None else jnp.shape(block_mask),
-                     dropout_rate=rate or None),
+                     dropout_rate=rate or None,
+                     value=None if value.shape[-1] == query.shape[-1] else value.shape),
       caller="jax_flash.flax.dot_product_attention", mask_advice=_MASK_HELP)
   out = _attention._dot_product_attention(
       query4, key4, value4, bias4, mask4, scale=scale, is_causal=is_causal,
@@ -361,7 +365,7 @@ def dot_product_attention(
       q_segment_ids=q_ids, kv_segment_ids=kv_ids, logits_soft_cap=logits_soft_cap, sinks=sinks,
       alibi_slopes=alibi_slopes, block_mask=blocks, dropout_rate=rate,
       dropout_key=dropout_rng if rate else None, dropout_shared=bool(broadcast_dropout))
-  return out.reshape(query.shape)
+  return out.reshape(*query.shape[:-1], value.shape[-1])
 
 
 @dataclasses.dataclass(frozen=True)

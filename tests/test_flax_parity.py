@@ -417,7 +417,8 @@ def test_nnx_gqa():
     ((2, 16, 4, 8), (16, 4, 8), (16, 4, 8), "same number of batch dims"),
     ((2, 16, 4, 8), (3, 16, 4, 8), (3, 16, 4, 8), "same batch dims"),
     ((2, 16, 4, 8), (2, 16, 4, 8), (2, 15, 4, 8), "key and value must have the same shape"),
-    ((2, 16, 4, 8), (2, 16, 4, 7), (2, 16, 4, 8), "key and value must have the same shape"),
+    # value's head dim may differ (Flax's v_depth_per_head), query's and key's may not.
+    ((2, 16, 4, 8), (2, 16, 4, 7), (2, 16, 4, 8), "query and key must have the same head dim"),
     ((2, 16, 4, 8), (2, 16, 4, 7), (2, 16, 4, 7), "same head dim"),
 ], ids=["rank", "batch_dims", "lengths", "kv_depths", "qk_depths"])
 def test_invalid_shapes(q_shape, k_shape, v_shape, match):

@@ -335,7 +335,7 @@ def _bad(**change):
 @pytest.mark.parametrize("change, match", [
     (dict(query=jnp.ones((8, 8, 64))), r"query must be \(B, T, N, H\); got query\(8, 8, 64\)"),
     (dict(key_pages=jnp.ones((21, 16, 2, 2, 64))), r"key_pages must be \(num_pages, page_size"),
-    (dict(value_pages=jnp.ones((21, 16, 2, 32))), r"value_pages must have the shape of key_pages"),
+    (dict(value_pages=jnp.ones((21, 16, 1, 64))), r"value_pages must have the shape of key_pages"),
     (dict(key_pages=jnp.ones((21, 0, 2, 64)), value_pages=jnp.ones((21, 0, 2, 64))),
      r"page_size \(key_pages.shape\[1\]\) must be >= 1"),
     (dict(key_pages=jnp.ones((21, 16, 2, 32)), value_pages=jnp.ones((21, 16, 2, 32))),
