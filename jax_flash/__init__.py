@@ -6,10 +6,10 @@ tiled FlashAttention kernels registered as XLA FFI custom calls.
 
 from jax_flash._attention import dot_product_attention
 from jax_flash._block_sparse import BLOCK_MASK_BLOCK, block_mask_shape
-from jax_flash._context_parallel import context_parallel_attention
+from jax_flash._context_parallel import context_parallel_attention, ring_attention
 from jax_flash._paged import paged_attention
 from jax_flash._registry import cpu_kernel_isa, has_platform
-from jax_flash._ring import ring_attention, zigzag_indices
+from jax_flash._ring import zigzag_indices
 
 __version__ = "0.1.0"
 

@@ -360,7 +360,7 @@ def context_parallel_attention(
     raise ValueError(f"strategy must be one of {STRATEGIES}; got {strategy!r}")
   if layout not in _ring.LAYOUTS:
     raise ValueError(f"layout must be one of {_ring.LAYOUTS}; got {layout!r}")
-  batch, rows_q, heads_q, head_dim = query.shape
+  batch, rows_q, heads_q, _ = query.shape
   rows_k = key.shape[1]
   num = jax.lax.axis_size(axis_name)
   parts = 1 if layout == "contiguous" else 2
@@ -390,12 +390,30 @@ def context_parallel_attention(
     if problem:
       raise ValueError(f"strategy={strategy!r} in layout={layout!r} cannot run query"
                        f"{query.shape}, key{key.shape} over {num} devices: {problem}")
+  return _run_in_shard_map(
+      Strategy(strategy, layout), query, key, value, axis_name=axis_name, caller=caller,
+      masks=masks, seq_q=seq_q, seq_k=seq_k, scale=scale, is_causal=is_causal,
+      window_left=window_left, window_right=window_right, implementation=implementation,
+      deterministic=deterministic, query_seq_lengths=query_seq_lengths,
+      key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
+      segment_id_shapes=None if segment_ids is None else (jnp.shape(q_segment_ids),
+                                                          jnp.shape(kv_segment_ids)),
+      block_mask=block_mask, blocks_passed=blocks_passed, return_residual=return_residual)
+
+
+def _run_in_shard_map(plan: Strategy, query, key, value, *, axis_name, caller: str, masks,
+                      seq_q: int, seq_k: int, scale, is_causal, window_left: int,
+                      window_right: int, implementation, deterministic, query_seq_lengths,
+                      key_value_seq_lengths, segment_ids, segment_id_shapes, block_mask,
+                      blocks_passed, return_residual):
+  """What context_parallel_attention and ring_attention do once their own arguments are
+  checked: the implementation chosen, the global lengths checked (full where absent), `plan`
+  run on the kernels (through _ops.call_kernels: scale, padding) with _attention's VJP."""
+  batch, head_dim = query.shape[0], query.shape[-1]
   implementation = _dispatch.select(
       implementation, _dispatch.Call(
           query.shape, query.dtype, mask_forms=masks, deterministic=deterministic, ring=True,
-          segment_ids=None if segment_ids is None else (jnp.shape(q_segment_ids),
-                                                        jnp.shape(kv_segment_ids)),
-          block_mask=blocks_passed,
+          segment_ids=segment_id_shapes, block_mask=blocks_passed,
           value=None if value.shape[-1] == head_dim else value.shape),
       caller=caller)
   q_lens = _validation.check_seq_lengths("query_seq_lengths", query_seq_lengths, batch, seq_q)
@@ -405,7 +423,6 @@ def context_parallel_attention(
     q_lens = jnp.full((batch,), seq_q, jnp.int32)
   if kv_lens is None:
     kv_lens = jnp.full((batch,), seq_k, jnp.int32)
-  plan = Strategy(strategy, layout)
 
   def attention(q, k, v, q_lens, kv_lens, config, segment_ids=None, alibi=None,
                 block_mask=None):
@@ -419,3 +436,81 @@ def context_parallel_attention(
       caller=caller, segment_ids=segment_ids, block_mask=block_mask)
   lse = jax.lax.stop_gradient(lse)
   return (out, jnp.swapaxes(lse, -1, -2)) if return_residual else out
+
+
+def ring_attention(
+    query: jax.Array, key: jax.Array, value: jax.Array, *, axis_name, layout: str = "contiguous",
+    scale: float | None = None, is_causal: bool = False,
+    query_seq_lengths: jax.Array | None = None, key_value_seq_lengths: jax.Array | None = None,
+    implementation: str | None = None, deterministic: bool = False,
+    return_residual: bool = False, q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    block_mask: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+  """Ring attention over a sequence sharded along `axis_name`, for use inside ``jax.shard_map``
+  (``context_parallel_attention`` with ``strategy="ring"``, which this runs).
+
+  Args:
+    query, key, value: this device's slices, ``(B, T/P, N, H)`` and ``(B, S/P, K, H)``, in the
+      `layout` ("contiguous" or "zigzag", see ``zigzag_indices``); rank 4.
+    axis_name: the mesh axis the sequence is sharded over (P devices).
+    query_seq_lengths, key_value_seq_lengths: global lengths ``(B,)``.
+    q_segment_ids, kv_segment_ids: this device's slices ``(B, T/P)`` and ``(B, S/P)`` int32 of
+      the packed documents' ids (as in ``dot_product_attention``), in `layout`; the key-side
+      ids travel around the ring with K/V.
+    block_mask: block-sparse attention, this device's block rows as
+      ``context_parallel_attention`` takes them: bool broadcastable to ``(B, N, L / 64,
+      ceil(S / 64))`` (L = T/P), the rows of its query blocks in `layout` and every key
+      block's column in the sequence's order; each device's query and key slices (zig-zag:
+      each chunk) must be whole 64-row blocks, else ValueError. Nothing of it travels.
+    The other arguments are those of ``jax_flash.dot_product_attention``, on its kernels
+    (``implementation`` None, "cpu" or "cuda", checked and padded as there); with
+    ``is_causal`` the global query and key positions must coincide (T == S). Local windows,
+    bias and masks are not supported here (``context_parallel_attention`` runs windows with
+    its other strategies).
+
+  Returns:
+    This device's slice of the output (and of the log-sum-exp, ``(B, T/P, N)`` float32, with
+    ``return_residual``). Differentiable once, in reverse mode, as the kernels of
+    ``dot_product_attention`` are.
+  """
+  query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+  _validation.check_qkv(query, key, value)
+  if query.ndim != 4:
+    raise ValueError(f"ring_attention takes rank-4 slices (B, T, N, H); got query{query.shape}")
+  if layout not in _ring.LAYOUTS:
+    raise ValueError(f"layout must be one of {_ring.LAYOUTS}; got {layout!r}")
+  parts = 1 if layout == "contiguous" else 2
+  if query.shape[1] % parts or key.shape[1] % parts:
+    raise ValueError(f"the zigzag layout holds two chunks per device: query{query.shape} and "
+                     f"key{key.shape} need even sequence slices")
+  if is_causal and query.shape[1] != key.shape[1]:
+    raise ValueError("ring_attention with is_causal needs query and key slices of one length "
+                     f"(global T == S); got query{query.shape}, key{key.shape}")
+  caller = "jax_flash.ring_attention"
+  masks = _dispatch.mask_forms(
+      is_causal=bool(is_causal), local_window=False,
+      seq_lengths=query_seq_lengths is not None or key_value_seq_lengths is not None)
+  batch, rows_q, heads_q, _ = query.shape
+  num = jax.lax.axis_size(axis_name)
+  seq_q, seq_k = rows_q * num, key.shape[1] * num
+  segment_ids = _validation.check_segment_ids(q_segment_ids, kv_segment_ids, batch, rows_q,
+                                              key.shape[1], False)
+  blocks_passed = None if block_mask is None else jnp.shape(block_mask)
+  block_mask = _validation.check_block_mask(block_mask, batch, heads_q, rows_q, seq_k, False,
+                                            query.shape, (batch, seq_k, *key.shape[2:]))
+  if block_mask is not None:
+    probe = _ops.KernelConfig("cpu", 1.0, bool(is_causal), -1, -1)
+    problem = _block_mask_problem("ring", layout, num=num, seq_q=seq_q, seq_k=seq_k,
+                                  config=probe)
+    if problem:
+      raise ValueError(f"ring_attention in layout={layout!r} cannot run query{query.shape}, "
+                       f"key{key.shape} over {num} devices: {problem}")
+  return _run_in_shard_map(
+      Strategy("ring", layout), query, key, value, axis_name=axis_name, caller=caller,
+      masks=masks, seq_q=seq_q, seq_k=seq_k, scale=scale, is_causal=is_causal, window_left=-1,
+      window_right=-1, implementation=implementation, deterministic=deterministic,
+      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+      segment_ids=segment_ids,
+      segment_id_shapes=None if segment_ids is None else (jnp.shape(q_segment_ids),
+                                                          jnp.shape(kv_segment_ids)),
+      block_mask=block_mask, blocks_passed=blocks_passed, return_residual=return_residual)

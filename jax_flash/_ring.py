@@ -1,4 +1,6 @@
-"""Context parallelism: ring attention over a sequence sharded along a mesh axis.
+"""Context parallelism: ring attention over a sequence sharded along a mesh axis (the algorithm;
+its entry points, ``jax_flash.ring_attention`` and ``context_parallel_attention``, are
+jax_flash._context_parallel's).
 
 Each device holds a slice of the sequence of every operand. Keys and values travel around the
 ring (``ppermute``) while each device attends its queries to the block it holds; partial
@@ -34,13 +36,12 @@ the hidden blocks.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash import _dispatch, _ops, _validation
+from jax_flash import _ops
 from jax_flash._block_sparse import BLOCK_MASK_BLOCK
 from jax_flash._reference import EMPTY_ROW_LSE, alibi_lse_shift
 
@@ -283,99 +284,3 @@ def ring_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelConfig, s
       dk, dv = jax.lax.ppermute((dk, dv), axis_name, perm)
   dq = jnp.concatenate(dqs, axis=1)
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
-
-
-# segment_ids: None or this device's (q_ids, kv_ids); like the lengths, not differentiated.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _ring(q, k, v, q_lens, kv_lens, segment_ids, config, axis_name, layout):
-  return ring_fwd(q, k, v, q_lens, kv_lens, config, segment_ids, axis_name=axis_name,
-                  layout=layout)
-
-
-def _ring_vjp_fwd(q, k, v, q_lens, kv_lens, segment_ids, config, axis_name, layout):
-  # The merged output in float32 for the backward (as _attention's forward keeps it).
-  out32, lse = ring_fwd(q, k, v, q_lens, kv_lens, _ops.for_backward(config), segment_ids,
-                        axis_name=axis_name, layout=layout)
-  return (out32.astype(q.dtype), lse), (q, k, v, q_lens, kv_lens, segment_ids, out32, lse)
-
-
-def _ring_vjp_bwd(config, axis_name, layout, residuals, cotangents):
-  q, k, v, q_lens, kv_lens, segment_ids, out, lse = residuals
-  d_out, _ = cotangents  # lse leaves under stop_gradient
-  dq, dk, dv = ring_bwd(q, k, v, out, lse, d_out, q_lens, kv_lens, config, segment_ids,
-                        axis_name=axis_name, layout=layout)
-  return dq, dk, dv, None, None, None
-
-
-_ring.defvjp(_ring_vjp_fwd, _ring_vjp_bwd)
-
-
-def ring_attention(query, key, value, *, axis_name: str, layout: str = "contiguous",
-                   scale: float | None = None, is_causal: bool = False,
-                   query_seq_lengths=None, key_value_seq_lengths=None,
-                   implementation: str | None = None, deterministic: bool = False,
-                   return_residual: bool = False, q_segment_ids=None, kv_segment_ids=None):
-  """Attention over a sequence sharded along `axis_name`, for use inside ``jax.shard_map``.
-
-  Args:
-    query, key, value: this device's slices, ``(B, T/P, N, H)`` and ``(B, S/P, K, H)``, in the
-      `layout` ("contiguous" or "zigzag", see ``zigzag_indices``); rank 4.
-    axis_name: the mesh axis the sequence is sharded over (P devices).
-    query_seq_lengths, key_value_seq_lengths: global lengths ``(B,)``.
-    q_segment_ids, kv_segment_ids: this device's slices ``(B, T/P)`` and ``(B, S/P)`` int32 of
-      the packed documents' ids (as in ``dot_product_attention``), in `layout`; the key-side
-      ids travel around the ring with K/V.
-    The other arguments are those of ``jax_flash.dot_product_attention``, on its kernels
-    (``implementation`` None, "cpu" or "cuda", checked and padded as there); with
-    ``is_causal`` the global query and key positions must coincide (T == S). Local windows,
-    bias and masks are not supported here.
-
-  Returns:
-    This device's slice of the output (and of the log-sum-exp, ``(B, T/P, N)`` float32, with
-    ``return_residual``). Differentiable once, in reverse mode, as the kernels of
-    ``dot_product_attention`` are.
-  """
-  query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
-  _validation.check_qkv(query, key, value)
-  if query.ndim != 4:
-    raise ValueError(f"ring_attention takes rank-4 slices (B, T, N, H); got query{query.shape}")
-  if layout not in LAYOUTS:
-    raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
-  parts = 1 if layout == "contiguous" else 2
-  if query.shape[1] % parts or key.shape[1] % parts:
-    raise ValueError(f"the zigzag layout holds two chunks per device: query{query.shape} and "
-                     f"key{key.shape} need even sequence slices")
-  if is_causal and query.shape[1] != key.shape[1]:
-    raise ValueError("ring_attention with is_causal needs query and key slices of one length "
-                     f"(global T == S); got query{query.shape}, key{key.shape}")
-  masks = _dispatch.mask_forms(
-      is_causal=bool(is_causal), local_window=False,
-      seq_lengths=query_seq_lengths is not None or key_value_seq_lengths is not None)
-  batch, seq_q, _, head_dim = query.shape
-  segment_ids = _validation.check_segment_ids(q_segment_ids, kv_segment_ids, batch, seq_q,
-                                              key.shape[1], False)
-  implementation = _dispatch.select(
-      implementation, _dispatch.Call(
-          query.shape, query.dtype, mask_forms=masks, deterministic=deterministic, ring=True,
-          segment_ids=None if segment_ids is None else (jnp.shape(q_segment_ids),
-                                                        jnp.shape(kv_segment_ids)),
-          value=None if value.shape[-1] == head_dim else value.shape),
-      caller="jax_flash.ring_attention")
-  num = jax.lax.axis_size(axis_name)
-  q_lens = _validation.check_seq_lengths("query_seq_lengths", query_seq_lengths, batch, seq_q * num)
-  kv_lens = _validation.check_seq_lengths(
-      "key_value_seq_lengths", key_value_seq_lengths, batch, key.shape[1] * num)
-  if q_lens is None:
-    q_lens = jnp.full((batch,), seq_q * num, jnp.int32)
-  if kv_lens is None:
-    kv_lens = jnp.full((batch,), key.shape[1] * num, jnp.int32)
-
-  def ring(q, k, v, q_lens, kv_lens, config, segment_ids=None):
-    return _ring(q, k, v, q_lens, kv_lens, segment_ids, config, axis_name, layout)
-
-  out, lse = _ops.call_kernels(
-      ring, query, key, value, q_lens, kv_lens, implementation=implementation,
-      scale=_validation.check_scale(scale, head_dim), is_causal=bool(is_causal),
-      deterministic=deterministic, caller="jax_flash.ring_attention", segment_ids=segment_ids)
-  lse = jax.lax.stop_gradient(lse)
-  return (out, jnp.swapaxes(lse, -1, -2)) if return_residual else out

@@ -1,6 +1,6 @@
 """Block-sparse attention under context parallelism (issue 16): every strategy (ring contiguous
 and zig-zag, all-to-all over heads, all-gather of K/V) carries a block_mask, inside shard_map
-(context_parallel_attention: each device passes its block rows) and under jax.jit with a
+(context_parallel_attention and ring_attention: each device passes its block rows) and under jax.jit with a
 sequence-sharded input (dot_product_attention's context_parallel), on simulated 2- and 4-device
 meshes; output, log-sum-exp, dq, dk and dv against the single-device kernel with the same mask.
 
@@ -114,10 +114,18 @@ SHARD_MAP_CASES = [
 ]
 
 
+# jax_flash.ring_attention (the ring strategy's own entry point) takes the same block rows:
+# the first two ring cases again through it.
+RING_ATTENTION_CASES = [(d, "ring_attention", l, t, o) for d, _, l, t, o in SHARD_MAP_CASES[:2]]
+
+
 @pytest.mark.parametrize(
-    "devices,strategy,layout,seq,options", SHARD_MAP_CASES,
-    ids=[f"{d}dev-{s}-{l}-T{t}-{'-'.join(o) or 'full'}" for d, s, l, t, o in SHARD_MAP_CASES])
+    "devices,strategy,layout,seq,options", SHARD_MAP_CASES + RING_ATTENTION_CASES,
+    ids=[f"{d}dev-{s}-{l}-T{t}-{'-'.join(o) or 'full'}"
+         for d, s, l, t, o in SHARD_MAP_CASES + RING_ATTENTION_CASES])
 def test_shard_map_strategies_with_block_mask(devices, strategy, layout, seq, options):
+  """Each strategy inside shard_map (and jax_flash.ring_attention, "ring_attention") against the
+  single-device kernel with the same mask."""
   mesh = _mesh(devices)
   options = dict(options)
   with_ids = options.pop("ids", False)
@@ -130,6 +138,10 @@ def test_shard_map_strategies_with_block_mask(devices, strategy, layout, seq, op
 
   def local(q, k, v, blocks, *ids):
     id_options = {} if not ids else dict(q_segment_ids=ids[0], kv_segment_ids=ids[0])
+    if strategy == "ring_attention":
+      return jax_flash.ring_attention(
+          q, k, v, axis_name="seq", layout=layout, block_mask=blocks, implementation="cpu",
+          return_residual=True, **id_options, **options)
     return jax_flash.context_parallel_attention(
         q, k, v, axis_name="seq", strategy=strategy, layout=layout, block_mask=blocks,
         implementation="cpu", return_residual=True, **id_options, **options)
@@ -243,6 +255,19 @@ def test_shards_of_partial_blocks_gather_the_sequence(devices, seq, options, req
   with pytest.raises(ValueError, match="block_mask"):
     jax.shard_map(local, mesh=mesh, in_specs=(SPEC,) * 3 + (BLOCK_ROWS_SPEC,), out_specs=SPEC)(
         *sharded[:3], jnp.ones((1, heads_q, rows[0] * devices, rows[1]), bool))
+
+
+def test_ring_attention_refuses_partial_blocks():
+  """jax_flash.ring_attention with a block_mask over slices that are not whole 64-row blocks
+  (T = 128 over 4 devices: 32-row slices) raises naming the rule, inside shard_map."""
+  mesh = _mesh(4)
+  q, k, v, _ = _inputs(3, 128, heads_q=2, heads_k=2)
+  rows = jax_flash.block_mask_shape(128 // 4, 128)
+  local = lambda q, k, v, blocks: jax_flash.ring_attention(
+      q, k, v, axis_name="seq", block_mask=blocks, implementation="cpu")
+  with pytest.raises(ValueError, match=r"ring_attention .*block_mask needs each device's query"):
+    jax.shard_map(local, mesh=mesh, in_specs=(SPEC,) * 3 + (BLOCK_ROWS_SPEC,), out_specs=SPEC)(
+        q, k, v, jnp.ones((1, 2, rows[0] * 4, rows[1]), bool))
 
 
 def test_choose_takes_only_layouts_that_carry_the_block_mask():
