@@ -281,29 +281,31 @@ def sharded_bwd(strategy: Strategy, q, k, v, o, lse, d_o, q_lens, kv_lens,
 # ---- inside shard_map ---------------------------------------------------------------------------
 
 
-# segment_ids: None or this device's (q_ids, kv_ids); block_mask: None or this device's block
-# rows (B, N, L/64, S/64). Like the lengths, not differentiated.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _attention(q, k, v, q_lens, kv_lens, segment_ids, block_mask, config, strategy, axis_name):
-  return _run_fwd(strategy, q, k, v, q_lens, kv_lens, config, axis_name, segment_ids,
-                  block_mask=block_mask)
+# segment_ids: None or this device's (q_ids, kv_ids); alibi: None or the slopes (B, N) float32;
+# block_mask: None or this device's block rows (B, N, L/64, S/64). Like the lengths, not
+# differentiated.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _attention(q, k, v, q_lens, kv_lens, segment_ids, alibi, block_mask, config, strategy,
+               axis_name):
+  return _run_fwd(strategy, q, k, v, q_lens, kv_lens, config, axis_name, segment_ids, alibi,
+                  block_mask)
 
 
-def _attention_fwd(q, k, v, q_lens, kv_lens, segment_ids, block_mask, config, strategy,
+def _attention_fwd(q, k, v, q_lens, kv_lens, segment_ids, alibi, block_mask, config, strategy,
                    axis_name):
   # The output in float32 for the backward, as dot_product_attention's forward keeps it.
   out32, lse = _run_fwd(strategy, q, k, v, q_lens, kv_lens, _ops.for_backward(config),
-                        axis_name, segment_ids, block_mask=block_mask)
-  return (out32.astype(q.dtype), lse), (q, k, v, q_lens, kv_lens, segment_ids, block_mask, out32,
-                                        lse)
+                        axis_name, segment_ids, alibi, block_mask)
+  return (out32.astype(q.dtype), lse), (q, k, v, q_lens, kv_lens, segment_ids, alibi,
+                                        block_mask, out32, lse)
 
 
 def _attention_bwd(config, strategy, axis_name, residuals, cotangents):
-  q, k, v, q_lens, kv_lens, segment_ids, block_mask, out, lse = residuals
+  q, k, v, q_lens, kv_lens, segment_ids, alibi, block_mask, out, lse = residuals
   d_out, _ = cotangents  # lse leaves under stop_gradient
   dq, dk, dv = _run_bwd(strategy, q, k, v, out, lse, d_out, q_lens, kv_lens, config, axis_name,
-                        segment_ids, block_mask=block_mask)
-  return dq, dk, dv, None, None, None, None
+                        segment_ids, alibi, block_mask)
+  return dq, dk, dv, None, None, None, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -318,7 +320,8 @@ def context_parallel_attention(
     implementation: str | None = None, deterministic: bool = False,
     return_residual: bool = False, q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
-    block_mask: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+    block_mask: jax.Array | None = None, logits_soft_cap: float | None = None,
+    alibi_slopes: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Attention over a sequence sharded along `axis_name`, for use inside ``jax.shard_map``.
 
   Args:
@@ -344,6 +347,9 @@ def context_parallel_attention(
       Each device's query slice (zig-zag: each chunk) must be whole 64-row blocks, with
       "ring" its key slice (chunks) too, with "all_gather" a window's left size a multiple of
       64; else ValueError.
+    logits_soft_cap, alibi_slopes: as in ``dot_product_attention`` (the slopes ``(N,)``, one
+      per query head, positions the global ones: each block's kernel is handed its slices'
+      offset); on the kernels that take them ("cpu" today).
     The other arguments are those of ``jax_flash.dot_product_attention`` on its kernels
     (``implementation`` None, "cpu" or "cuda").
 
@@ -392,6 +398,7 @@ def context_parallel_attention(
                        f"{query.shape}, key{key.shape} over {num} devices: {problem}")
   return _run_in_shard_map(
       Strategy(strategy, layout), query, key, value, axis_name=axis_name, caller=caller,
+      logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
       masks=masks, seq_q=seq_q, seq_k=seq_k, scale=scale, is_causal=is_causal,
       window_left=window_left, window_right=window_right, implementation=implementation,
       deterministic=deterministic, query_seq_lengths=query_seq_lengths,
@@ -405,15 +412,20 @@ def _run_in_shard_map(plan: Strategy, query, key, value, *, axis_name, caller: s
                       seq_q: int, seq_k: int, scale, is_causal, window_left: int,
                       window_right: int, implementation, deterministic, query_seq_lengths,
                       key_value_seq_lengths, segment_ids, segment_id_shapes, block_mask,
-                      blocks_passed, return_residual):
+                      blocks_passed, return_residual, logits_soft_cap=None, alibi_slopes=None):
   """What context_parallel_attention and ring_attention do once their own arguments are
-  checked: the implementation chosen, the global lengths checked (full where absent), `plan`
-  run on the kernels (through _ops.call_kernels: scale, padding) with _attention's VJP."""
+  checked: the soft cap and ALiBi slopes checked, the implementation chosen, the global lengths
+  checked (full where absent), `plan` run on the kernels (through _ops.call_kernels: scale,
+  padding) with _attention's VJP."""
   batch, head_dim = query.shape[0], query.shape[-1]
+  logits_soft_cap = _validation.check_logits_soft_cap(logits_soft_cap)
+  alibi_slopes = _validation.check_alibi_slopes(alibi_slopes, query.shape[2], query.shape)
   implementation = _dispatch.select(
       implementation, _dispatch.Call(
           query.shape, query.dtype, mask_forms=masks, deterministic=deterministic, ring=True,
           segment_ids=segment_id_shapes, block_mask=blocks_passed,
+          logits_soft_cap=logits_soft_cap,
+          alibi_slopes=None if alibi_slopes is None else alibi_slopes.shape,
           value=None if value.shape[-1] == head_dim else value.shape),
       caller=caller)
   q_lens = _validation.check_seq_lengths("query_seq_lengths", query_seq_lengths, batch, seq_q)
@@ -426,14 +438,15 @@ def _run_in_shard_map(plan: Strategy, query, key, value, *, axis_name, caller: s
 
   def attention(q, k, v, q_lens, kv_lens, config, segment_ids=None, alibi=None,
                 block_mask=None):
-    return _attention(q, k, v, q_lens, kv_lens, segment_ids, block_mask, config, plan,
+    return _attention(q, k, v, q_lens, kv_lens, segment_ids, alibi, block_mask, config, plan,
                       axis_name)
 
   out, lse = _ops.call_kernels(
       attention, query, key, value, q_lens, kv_lens, implementation=implementation,
       scale=_validation.check_scale(scale, head_dim), is_causal=bool(is_causal),
       window_left=window_left, window_right=window_right, deterministic=deterministic,
-      caller=caller, segment_ids=segment_ids, block_mask=block_mask)
+      caller=caller, segment_ids=segment_ids, block_mask=block_mask,
+      logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes)
   lse = jax.lax.stop_gradient(lse)
   return (out, jnp.swapaxes(lse, -1, -2)) if return_residual else out
 
@@ -445,7 +458,8 @@ def ring_attention(
     implementation: str | None = None, deterministic: bool = False,
     return_residual: bool = False, q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
-    block_mask: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+    block_mask: jax.Array | None = None, logits_soft_cap: float | None = None,
+    alibi_slopes: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Ring attention over a sequence sharded along `axis_name`, for use inside ``jax.shard_map``
   (``context_parallel_attention`` with ``strategy="ring"``, which this runs).
 
@@ -462,6 +476,8 @@ def ring_attention(
       ceil(S / 64))`` (L = T/P), the rows of its query blocks in `layout` and every key
       block's column in the sequence's order; each device's query and key slices (zig-zag:
       each chunk) must be whole 64-row blocks, else ValueError. Nothing of it travels.
+    logits_soft_cap, alibi_slopes: as in ``dot_product_attention`` (global positions for the
+      slopes); on the kernels that take them ("cpu" today).
     The other arguments are those of ``jax_flash.dot_product_attention``, on its kernels
     (``implementation`` None, "cpu" or "cuda", checked and padded as there); with
     ``is_causal`` the global query and key positions must coincide (T == S). Local windows,
@@ -507,6 +523,7 @@ def ring_attention(
                        f"key{key.shape} over {num} devices: {problem}")
   return _run_in_shard_map(
       Strategy("ring", layout), query, key, value, axis_name=axis_name, caller=caller,
+      logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
       masks=masks, seq_q=seq_q, seq_k=seq_k, scale=scale, is_causal=is_causal, window_left=-1,
       window_right=-1, implementation=implementation, deterministic=deterministic,
       query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,

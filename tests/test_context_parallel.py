@@ -50,6 +50,17 @@ def _single(q, k, v, g, **options):
   return [np.asarray(x) for x in jax.jit(_vjp_outputs, static_argnums=0)(attention, q, k, v, g)]
 
 
+def _shard_map_results(mesh, local, layout, q, k, v, g):
+  """out, lse, dq, dk, dv of `local` (q, k, v slices -> (out, lse)) under shard_map over the
+  sequence, the inputs held in `layout` (T = 32), returned in the sequence's order."""
+  sharded = jax.shard_map(local, mesh=mesh, in_specs=(SPEC,) * 3,
+                          out_specs=(SPEC, P(None, "seq", None)))
+  order = jax_flash.zigzag_indices(32, DEVICES) if layout == "zigzag" else np.arange(32)
+  got = jax.jit(_vjp_outputs, static_argnums=0)(sharded, q[:, order], k[:, order], v[:, order],
+                                                g[:, order])
+  return [np.asarray(x)[:, np.argsort(order)] for x in got]
+
+
 def _assert_close(got, want):
   for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
     np.testing.assert_allclose(np.asarray(a), b, err_msg=name, **TOLERANCE)
@@ -81,12 +92,32 @@ def test_shard_map_strategies_match_single_device(mesh, strategy, options, layou
   local = lambda q, k, v: jax_flash.context_parallel_attention(
       q, k, v, axis_name="seq", strategy=strategy, layout=layout, implementation="cpu",
       return_residual=True, **options, **lens)
-  sharded = jax.shard_map(local, mesh=mesh, in_specs=(SPEC,) * 3,
-                          out_specs=(SPEC, P(None, "seq", None)))
-  order = jax_flash.zigzag_indices(32, DEVICES) if layout == "zigzag" else np.arange(32)
-  got = jax.jit(_vjp_outputs, static_argnums=0)(sharded, q[:, order], k[:, order], v[:, order],
-                                                g[:, order])
-  _assert_close([np.asarray(x)[:, np.argsort(order)] for x in got], want)
+  _assert_close(_shard_map_results(mesh, local, layout, q, k, v, g), want)
+
+
+@pytest.mark.parametrize("strategy,layout", [
+    ("ring", "contiguous"), ("ring", "zigzag"), ("all_to_all", "zigzag"),
+    ("all_gather", "contiguous"), ("ring_attention", "zigzag")])
+def test_shard_map_soft_cap_and_alibi(mesh, strategy, layout):
+  """logits_soft_cap and alibi_slopes (global positions: each block's kernel gets its slices'
+  offset) inside shard_map, causal, with lengths, through every strategy and ring_attention,
+  against the single device; and they matter (without them the result differs)."""
+  q, k, v, g = _inputs(11 + len(strategy) + len(layout))
+  options = dict(is_causal=True, logits_soft_cap=2.5,
+                 alibi_slopes=jnp.asarray([0.5, -0.25, 0.125, 1.0], jnp.float32),
+                 query_seq_lengths=jnp.asarray([32, 29], jnp.int32),
+                 key_value_seq_lengths=jnp.asarray([32, 21], jnp.int32))
+  want = _single(q, k, v, g, **options)
+  plain = _single(q, k, v, g, is_causal=True)
+  assert not np.allclose(want[0], plain[0], atol=1e-3)
+
+  def local(q, k, v):
+    common = dict(axis_name="seq", layout=layout, implementation="cpu", return_residual=True)
+    if strategy == "ring_attention":
+      return jax_flash.ring_attention(q, k, v, **common, **options)
+    return jax_flash.context_parallel_attention(q, k, v, strategy=strategy, **common, **options)
+
+  _assert_close(_shard_map_results(mesh, local, layout, q, k, v, g), want)
 
 
 @pytest.mark.parametrize("strategy", ["all_to_all", "all_gather"])
