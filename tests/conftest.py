@@ -17,6 +17,43 @@ import pytest
 import jax_flash
 
 
+# The tests run in worker processes (pytest-xdist, one file per worker at a time) on a machine
+# without an NVIDIA driver: their time is mostly XLA compiling many small functions, one core
+# each. With a driver they run in this process, as before: every process would take its own
+# share of the GPU's memory (JAX preallocates 75% of it), and the GPU scripts run them in one.
+MAX_TEST_WORKERS = 4
+
+
+def _worker_count() -> int:
+  """How many worker processes the tests get when the command line does not say (-n): one per
+  core this process may use (at most MAX_TEST_WORKERS), none with an NVIDIA driver present."""
+  if os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia/version"):
+    return 0
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  workers = min(cores or 1, MAX_TEST_WORKERS)
+  return workers if workers > 1 else 0
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+  """`pytest tests` runs in _worker_count() processes when pytest-xdist is installed and the
+  command line gives no -n (`-n 0` or `-p no:xdist`: one process). Files stay whole on a worker
+  (--dist loadfile), in collection order (the module-level caches of compiled functions are
+  shared within a file; the last files are short ones, so the workers finish together). Not
+  with --collect-only, --pdb or -s."""
+  if (not config.pluginmanager.hasplugin("xdist") or os.environ.get("PYTEST_XDIST_WORKER")
+      or config.option.numprocesses is not None or config.option.collectonly
+      or config.option.usepdb or config.option.capture == "no"):
+    return
+  workers = _worker_count()
+  if not workers:
+    return
+  config.option.numprocesses = workers
+  if config.option.dist == "no":
+    config.option.dist = "loadfile"
+    config.option.loadscopereorder = False  # xdist >= 3.6 would sort the files by test count
+
+
 def _has_gpu() -> bool:
   try:
     return bool(jax.devices("gpu")) and jax_flash.has_platform("cuda")
