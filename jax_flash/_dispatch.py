@@ -1,7 +1,7 @@
 """Which implementation runs an attention call, and whether it can: the one place that decides.
 
-Every entry point (``dot_product_attention``, ``ring_attention``, the Flax functions and
-modules) describes its call as a :class:`Call` and asks :func:`select`, which
+Every entry point (``dot_product_attention``, ``ring_attention``, ``paged_attention``, the Flax
+functions and modules) describes its call as a :class:`Call` and asks :func:`select`, which
 
 1. resolves ``implementation=None`` for the default backend and the input dtype (``"cpu"`` on
    the host; on NVIDIA GPUs ``"cuda"`` for bfloat16/float16 and ``"blockwise"`` for float32);
@@ -120,6 +120,9 @@ class Call:
   # The value's shape as passed where its head dim Hv differs from the query's H; None where
   # they are equal (the output has Hv).
   value: tuple[int, ...] | None = None
+  # jax_flash.paged_attention's call: only implementations with a paged form run it, and the
+  # messages name those ("cpu", "xla"), not "blockwise".
+  paged: bool = False
 
   @property
   def head_dim(self) -> int:
@@ -218,6 +221,8 @@ def select(implementation: str | None, call: Call, *,
         f"q_segment_ids{q_ids} and kv_segment_ids{kv_ids} with query{call.query}. "
         f"Implementations {takers} take them: pass implementation='blockwise' on a GPU "
         "(FlashAttention in XLA)")
+  if call.paged and not can.paged:
+    raise NotImplementedError(f"{caller}: implementation {name!r} has no paged form")
   # The score variants, block masks and dropout some implementations do not take yet:
   # (argument, how the call passed it, the pronoun the message uses).
   optional = (("logits_soft_cap", f"logits_soft_cap={call.logits_soft_cap!r}", "it"),
@@ -229,11 +234,13 @@ def select(implementation: str | None, call: Call, *,
     if getattr(call, argument) is None or getattr(can, argument):
       continue
     takers = ", ".join(repr(n) for n in ("cpu", "blockwise", "xla")
-                       if getattr(capabilities(n), argument))
+                       if getattr(capabilities(n), argument)
+                       and (capabilities(n).paged or not call.paged))
+    instead = ("implementation='xla' (the pages gathered into a contiguous cache, plain XLA)"
+               if call.paged else "implementation='blockwise' on a GPU (FlashAttention in XLA)")
     raise NotImplementedError(
         f"{caller}: the {name!r} kernels ({picked}) take no {argument} yet; got {passed} with "
-        f"query{call.query}. Implementations {takers} take {pronoun}: pass "
-        "implementation='blockwise' on a GPU (FlashAttention in XLA)")
+        f"query{call.query}. Implementations {takers} take {pronoun}: pass {instead}")
   if call.value is not None and not can.value_head_dim:
     takers = ", ".join(repr(n) for n in ("cpu", "blockwise", "xla")
                        if capabilities(n).value_head_dim)

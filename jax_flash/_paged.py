@@ -1,5 +1,5 @@
 """jax_flash.paged_attention: decoding attention over a paged KV cache (vLLM / FlashAttention's
-``flash_attn_with_kvcache(block_table=...)`` layout), forward only."""
+``flash_attn_with_kvcache(block_table=...)`` layout), forward only on the kernels."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash import _decode, _dispatch, _ops, _reference, _registry, _validation
+from jax_flash import _attention, _decode, _dispatch, _ops, _reference, _registry, _validation
 
 CALLER = "jax_flash.paged_attention"
 PAGED_IMPLEMENTATIONS = (None, "cpu", "xla", "cuda")
@@ -64,10 +64,12 @@ def _check_pages(query, key_pages, value_pages, page_table, kv_lengths) -> None:
                      f"{query.dtype}")
 
 
-def _select(implementation, query, value_pages) -> str:
+def _select(implementation, query, value_pages, *, logits_soft_cap=None, sinks=None,
+            alibi_slopes=None) -> str:
   """The implementation that runs the call: `implementation`, or for None "cpu" on the host and
   "cuda" on an NVIDIA GPU (where the CUDA kernels were built); raises the error that says why
-  it cannot run."""
+  it cannot run. The score variants (soft cap, sinks, ALiBi slopes, validated) go through
+  jax_flash._dispatch.select, as dot_product_attention's do."""
   if implementation not in PAGED_IMPLEMENTATIONS:
     raise ValueError(f"{CALLER}: implementation must be one of {PAGED_IMPLEMENTATIONS}; got "
                      f"{implementation!r}")
@@ -106,6 +108,14 @@ def _select(implementation, query, value_pages) -> str:
       raise ValueError(f"{CALLER}: {what}={dim} ({shape}) is larger than the {name!r} kernel "
                        f"supports ({what.split()[-1]} <= {can.max_head_dim}); use "
                        "implementation='xla'")
+  call = _dispatch.Call(
+      query.shape, query.dtype, logits_soft_cap=logits_soft_cap,
+      sinks=None if sinks is None else sinks.shape,
+      alibi_slopes=None if alibi_slopes is None else alibi_slopes.shape,
+      value=None if value_pages.shape[-1] == query.shape[-1] else value_pages.shape, paged=True)
+  # None resolves to `name` there too: "cpu" on the host, "cuda" for 16-bit inputs on a GPU
+  # (float32 on a GPU was refused above).
+  _dispatch.select(implementation, call, caller=CALLER)
   return name
 
 
@@ -142,11 +152,20 @@ def _query_positions(seq_q: int, kv_lengths):
   return kv_lengths[:, None] - seq_q + jnp.arange(seq_q)[None, :]
 
 
+def _paged_alibi_bias(slopes, positions, seq_k: int):
+  """(B, N, T, S) float32: ALiBi's slopes[h] * (j - p) of key j and the query row at position
+  p (`positions` (B, T), bottom-right as the masks place it); j - p formed as an integer and
+  converted once, as the kernels form it."""
+  distance = jnp.arange(seq_k, dtype=jnp.int32)[None, None, :] - positions[:, :, None]
+  return slopes[None, :, None, None] * distance.astype(jnp.float32)[:, None]
+
+
 def _paged_xla(q, key_pages, value_pages, page_table, kv_lengths, *, scale, is_causal,
-               window_left, window_right):
+               window_left, window_right, logits_soft_cap=None, sinks=None, alibi_slopes=None):
   """The plain-XLA path: pages gathered into a contiguous (B, S, K, H) cache, the bottom-right
-  masks as a mask array, jax_flash's reference attention. A sequence whose length reaches a
-  page table entry outside [0, num_pages) gets NaN everywhere (XLA cannot raise at run time)."""
+  masks as a mask array, ALiBi's bottom-right bias as a bias array, jax_flash's reference
+  attention (the cap and the sinks as there). A sequence whose length reaches a page table
+  entry outside [0, num_pages) gets NaN everywhere (XLA cannot raise at run time)."""
   batch, seq_q, _, _ = q.shape
   num_pages, page_size, heads_k, _ = key_pages.shape
   pages_per_seq = page_table.shape[1]
@@ -160,7 +179,8 @@ def _paged_xla(q, key_pages, value_pages, page_table, kv_lengths, *, scale, is_c
     return x.reshape(batch, seq_k, heads_k, pages.shape[-1])
 
   k, v = gather(key_pages), gather(value_pages)
-  i = _query_positions(seq_q, kv_lengths)[:, :, None]  # (B, T, 1)
+  positions = _query_positions(seq_q, kv_lengths)  # (B, T)
+  i = positions[:, :, None]
   j = jnp.arange(seq_k)[None, None, :]
   allowed = j < kv_lengths[:, None, None]
   if is_causal:
@@ -170,8 +190,10 @@ def _paged_xla(q, key_pages, value_pages, page_table, kv_lengths, *, scale, is_c
   if window_right >= 0:
     allowed &= j <= i + window_right
   q_lens = jnp.full((batch,), seq_q, jnp.int32)
+  bias = None if alibi_slopes is None else _paged_alibi_bias(alibi_slopes, positions, seq_k)
   out, lse = _reference.attention_reference(
-      q, k, v, q_lens, kv_lengths, scale=scale, is_causal=False, mask=allowed[:, None])
+      q, k, v, q_lens, kv_lengths, scale=scale, is_causal=False, mask=allowed[:, None],
+      bias=bias, logits_soft_cap=logits_soft_cap, sinks=sinks)
   return _nan_where_bad_entry(out, lse, page_table, kv_lengths, page_size, num_pages)
 
 
@@ -220,17 +242,39 @@ def _gather_reversed(pages, page_table, kv_lengths, page_size: int):
   return pages.at[page, source % page_size].get(mode="promise_in_bounds")  # (B, S, K, H)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _forward_o_float32(q, k, v, q_lens, kv_lens, config, *extra):
+  """The kernels' forward with o in float32 (for_backward's config: on CUDA the tiled forward,
+  whose o can be float32, where the decode kernel would run), for the sinks' join."""
+  return _ops.flash_fwd(q, k, v, q_lens, kv_lens, _ops.for_backward(config), *extra)
+
+
 def paged_gathered(q, key_pages, value_pages, page_table, kv_lengths, scale, is_causal,
-                   window_left, window_right, implementation):
-  """(out (B, T, N, H), lse (B, N, T)) of the paged call by the tiled forward of
-  `implementation` ("cuda" for chunked prefill, or any kernel in tests): each sequence's keys
-  gathered, in reverse order, into a contiguous (B, pages_per_sequence * page_size, K, H) cache
-  (one gather from each pool, entries clamped), the query rows reversed too, the bottom-right
-  masks as the window of gathered_window, the lengths as key_value_seq_lengths; the rows put
-  back in order. A sequence whose length reaches an entry outside [0, num_pages) is NaN, as on
-  "xla". Reads the cache once per 128 query rows (the tiled forward's) for one extra copy of
-  the batch's K/V (the gathered cache, temporary memory)."""
+                   window_left, window_right, implementation, *, logits_soft_cap=None,
+                   alibi_slopes=None, o_float32=False):
+  """(out (B, T, N, Hv), lse (B, N, T)) of the paged call by the contiguous forward of
+  `implementation` (the tiled forward, or on "cpu" the contiguous decode kernel where the
+  shapes take it; "cuda" for chunked prefill, the kernels for the score variants, or any
+  kernel in tests): each sequence's keys gathered, in reverse order, into a contiguous
+  (B, pages_per_sequence * page_size, K, H) cache (one gather from each pool, entries
+  clamped), the query rows reversed too, the bottom-right masks as the window of
+  gathered_window, the lengths as key_value_seq_lengths; the rows put back in order. A
+  sequence whose length reaches an entry outside [0, num_pages) is NaN, as on "xla". Reads
+  the cache once per 128 query rows (the tiled forward's) for one extra copy of the batch's K/V
+  (the gathered cache, temporary memory).
+
+  `logits_soft_cap` goes to the kernels as it is. `alibi_slopes` (N,) float32 go negated: on
+  the reversed keys j' = L - 1 - j and rows t' = T - 1 - t the kernels' -slope * (j' - t') is
+  slope * (j - p), p = L - T + t the row's position, exactly (the integers are negated). With
+  `o_float32` out is float32 (for the sinks' join); else q's dtype."""
+  return _paged_gathered(q, key_pages, value_pages, page_table, kv_lengths, alibi_slopes, scale,
+                         is_causal, window_left, window_right, implementation, logits_soft_cap,
+                         o_float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=tuple(range(6, 13)))
+def _paged_gathered(q, key_pages, value_pages, page_table, kv_lengths, alibi_slopes, scale,
+                    is_causal, window_left, window_right, implementation, logits_soft_cap,
+                    o_float32):
   batch, seq_q, _, _ = q.shape
   num_pages, page_size = key_pages.shape[:2]
   if num_pages == 0:  # nothing to gather from: every sequence that has a key is NaN below
@@ -242,13 +286,31 @@ def paged_gathered(q, key_pages, value_pages, page_table, kv_lengths, scale, is_
   v = _gather_reversed(value_pages, page_table, kv_lengths, page_size)
   q_lens = jnp.full((batch,), seq_q, jnp.int32)
   out, lse = _ops.call_kernels(
-      _ops.flash_fwd, q[:, ::-1], k, v, q_lens, kv_lengths, implementation=implementation,
-      scale=scale, is_causal=False, window_left=left, window_right=right, caller=CALLER)
+      _forward_o_float32 if o_float32 else _ops.flash_fwd, q[:, ::-1], k, v, q_lens,
+      kv_lengths, implementation=implementation, scale=scale, is_causal=False,
+      window_left=left, window_right=right, caller=CALLER, logits_soft_cap=logits_soft_cap,
+      alibi_slopes=None if alibi_slopes is None else -alibi_slopes)
   out, lse = out[:, ::-1], lse[..., ::-1]
   return _nan_where_bad_entry(out, lse, page_table, kv_lengths, page_size, num_pages)
 
 
-paged_gathered.defvjp(_refuse_differentiation, _refuse_differentiation)
+_paged_gathered.defvjp(_refuse_differentiation, _refuse_differentiation)
+
+
+def _kernel_route(implementation: str, query, heads_k: int, *, logits_soft_cap, sinks,
+                  alibi_slopes) -> str:
+  """How the kernels run a paged call: "kernel" (the paged decode kernel reading the pages) or
+  "gather" (paged_gathered). The paged kernels take no soft cap or slopes, and write o in the
+  input dtype, so sinks (joined in XLA to a float32 o, as dot_product_attention joins them)
+  stay on the kernel for float32 inputs only; on CUDA chunked prefill gathers too
+  (jax_flash._decode.cuda_paged_route)."""
+  if logits_soft_cap is not None or alibi_slopes is not None:
+    return "gather"
+  if sinks is not None and query.dtype != jnp.float32:
+    return "gather"
+  if implementation == "cuda":
+    return _decode.cuda_paged_route(query.shape[1], query.shape[2], heads_k)
+  return "kernel"
 
 
 def paged_attention(
@@ -261,10 +323,13 @@ def paged_attention(
     scale: float | None = None,
     is_causal: bool = False,
     local_window_size: int | tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: jax.typing.ArrayLike | None = None,
+    alibi_slopes: jax.typing.ArrayLike | None = None,
     implementation: str | None = None,
     return_residual: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
-  """Attention of new query tokens over a paged KV cache: forward only (inference).
+  """Attention of new query tokens over a paged KV cache: forward only (inference) on the kernels.
 
   The cache layout of vLLM and of FlashAttention's ``flash_attn_with_kvcache(block_table=...)``:
   each sequence's keys and values live in fixed-size pages of one shared pool, listed in order
@@ -289,6 +354,21 @@ def paged_attention(
       ``j <= p``. Rows whose position is negative (``kv_lengths[b] < T``) see no key.
     local_window_size: ``w`` or ``(left, right)``: row at position ``p`` attends keys
       ``p - left <= j <= p + right`` (positions as for ``is_causal``).
+    logits_soft_cap: ``c`` (Gemma 2): every score ``s = scale * q.k`` becomes
+      ``c * tanh(s / c)`` before ALiBi, the masks and the softmax; validated as in
+      ``dot_product_attention`` (a concrete float > 0, or ``None``). "cpu" and "xla"; "cuda"
+      as in ``dot_product_attention`` (where its kernels take no cap, ``NotImplementedError``
+      naming it while tracing).
+    sinks: ``(N,)`` float32/bfloat16/float16, one logit per query head that joins every row's
+      softmax denominator without a value (gpt-oss), as in ``dot_product_attention``; the lse
+      includes it, and a row with no key gives zeros and lse ``sinks[h]``. "cpu", "cuda" and
+      "xla": the kernels' o and lse are joined with the sinks in XLA (o in float32, rounded
+      once), so that the gradient of the sinks exists on every path (see below).
+    alibi_slopes: ``(N,)`` float32/bfloat16/float16, one slope per query head: the score of
+      the row at position ``p`` (as for ``is_causal``: ``kv_lengths[b] - T + t``) and key
+      ``j`` gains ``alibi_slopes[h] * (j - p)``, after the soft cap, before the masks (so a
+      decode step's bias is that of its row in the full causal ``dot_product_attention``).
+      Not differentiated. "cpu" and "xla"; "cuda" as for the cap.
     implementation: ``None`` (the "cpu" kernel on host devices, "cuda" on an NVIDIA GPU),
       ``"cpu"``, ``"cuda"`` (bfloat16/float16; float32 raises ``NotImplementedError``: use
       "xla"), or ``"xla"`` (the pages gathered into a contiguous cache, then plain XLA;
@@ -315,15 +395,25 @@ def paged_attention(
   batch's K/V in temporary memory) for the tiled forward, which reads K/V once per 128 query
   rows where the decode kernel's 16-row tiles would read them once per tile
   (``jax_flash._decode.cuda_paged_route``; ``JAX_FLASH_CUDA_DECODE=tiled`` gathers for every
-  shape). The kernels have no derivative: differentiating the call raises
-  ``NotImplementedError`` ("xla" differentiates). Under ``vmap`` the kernels run once per
-  mapped element.
+  shape). The paged kernels take no soft cap or ALiBi and write o in the input dtype: a call
+  with ``logits_soft_cap`` or ``alibi_slopes``, or with ``sinks`` on 16-bit inputs, gathers
+  the pages the same way for the contiguous forward (on "cpu" the contiguous decode kernel
+  where the shape takes it, else the tiled one; on "cuda" the tiled one, whose o is float32
+  for the sinks' join), and float32 calls with ``sinks`` alone keep the paged kernel. The
+  kernels have no derivative: differentiating the call in ``query`` or the pages raises
+  ``NotImplementedError``; the sinks, joined in XLA, differentiate on every path ("xla"
+  differentiates all but the slopes). Under ``vmap`` the paged kernels run once per mapped
+  element.
   """
   query, key_pages, value_pages = (jnp.asarray(x) for x in (query, key_pages, value_pages))
   page_table, kv_lengths = jnp.asarray(page_table), jnp.asarray(kv_lengths)
   _check_pages(query, key_pages, value_pages, page_table, kv_lengths)
-  implementation = _select(implementation, query, value_pages)
   batch, seq_q, heads_q, head_dim = query.shape
+  logits_soft_cap = _validation.check_logits_soft_cap(logits_soft_cap)
+  sinks = _validation.check_sinks(sinks, heads_q, query.shape)
+  alibi_slopes = _validation.check_alibi_slopes(alibi_slopes, heads_q, query.shape)
+  implementation = _select(implementation, query, value_pages, logits_soft_cap=logits_soft_cap,
+                           sinks=sinks, alibi_slopes=alibi_slopes)
   _, page_size, heads_k, _ = key_pages.shape
   seq_k = page_table.shape[1] * page_size
   window = _validation.check_window(local_window_size, seq_q + seq_k)
@@ -331,16 +421,22 @@ def paged_attention(
   scale = _validation.check_scale(scale, head_dim)
   kv_lengths = jnp.clip(kv_lengths, 0, seq_k)
 
+  join_sinks = False  # the kernels' (o, lse) of the keys, to be joined with the sinks
   if query.size == 0 or seq_k == 0:  # no output, or no key for any row
     out = jnp.zeros((*query.shape[:-1], value_pages.shape[-1]), query.dtype)
-    lse = jnp.full((batch, heads_q, seq_q), _reference.EMPTY_ROW_LSE, jnp.float32)
+    lse = _reference.empty_lse(batch, heads_q, seq_q, sinks)
   elif implementation == "xla":
     out, lse = _paged_xla(query, key_pages, value_pages, page_table, kv_lengths, scale=scale,
                           is_causal=bool(is_causal), window_left=window_left,
-                          window_right=window_right)
-  elif implementation == "cuda" and _decode.cuda_paged_route(seq_q, heads_q, heads_k) == "gather":
+                          window_right=window_right, logits_soft_cap=logits_soft_cap,
+                          sinks=sinks, alibi_slopes=alibi_slopes)
+  elif _kernel_route(implementation, query, heads_k, logits_soft_cap=logits_soft_cap,
+                     sinks=sinks, alibi_slopes=alibi_slopes) == "gather":
     out, lse = paged_gathered(query, key_pages, value_pages, page_table, kv_lengths, scale,
-                              bool(is_causal), window_left, window_right, implementation)
+                              bool(is_causal), window_left, window_right, implementation,
+                              logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
+                              o_float32=sinks is not None)
+    join_sinks = sinks is not None
   else:
     q, kernel_scale = _ops.positive_scale(query, scale)
     pages_k, pages_v = key_pages, value_pages
@@ -359,6 +455,10 @@ def paged_attention(
                              float(kernel_scale), bool(is_causal), window_left, window_right,
                              splits, implementation)
     out = out[..., :value_pages.shape[-1]]
+    join_sinks = sinks is not None  # (float32 inputs: _kernel_route)
+  if join_sinks:  # o in float32 here, rounded to the input dtype once, after the join
+    out, lse = _attention._join_sinks(out.astype(jnp.float32), lse, sinks)
+    out = out.astype(query.dtype)
   lse = jax.lax.stop_gradient(lse)
   if not return_residual:
     return out
