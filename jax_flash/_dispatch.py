@@ -14,6 +14,7 @@ functions and modules) describes its call as a :class:`Call` and asks :func:`sel
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Literal
 
 import jax
@@ -28,6 +29,15 @@ IMPLEMENTATIONS = (None, "cpu", "cuda", "xla", "blockwise")
 MASK_FORMS = frozenset({"causal", "seq_lengths", "local_window"})
 
 _FLOAT_DTYPES = frozenset(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
+
+# Experimental until a GPU run has tested them: the CUDA kernels' soft cap and ALiBi slopes
+# (cuda/gpu/score_mods.cuh) are taken only with this variable set to 1 (read at each call).
+CUDA_SCORE_MODS_VARIABLE = "JAX_FLASH_CUDA_SCORE_MODS"
+
+
+def cuda_score_mods_enabled() -> bool:
+  """Whether the "cuda" kernels take logits_soft_cap and alibi_slopes (the variable is 1)."""
+  return os.environ.get(CUDA_SCORE_MODS_VARIABLE, "") == "1"
 _HALF_DTYPES = frozenset(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16))
 
 _KERNEL_MASK_ADVICE = (
@@ -86,7 +96,10 @@ def capabilities(name: str) -> Capabilities:
         # ._join_sinks), so the kernels need none of their own; such calls run the tiled forward
         # (jax_flash._ops.for_backward), whose o can be float32, also where the decode kernel
         # would have run
-        sinks=True)
+        sinks=True,
+        # the soft cap and ALiBi: the kernels' kScoreMods instantiations (cuda/gpu/
+        # score_mods.cuh), the tiled kernels only (jax_flash._ops.call_kernels); experimental
+        logits_soft_cap=cuda_score_mods_enabled(), alibi_slopes=cuda_score_mods_enabled())
   if name in ("xla", "blockwise"):
     return Capabilities(
         name, kernel=False, dtypes=_FLOAT_DTYPES, max_head_dim=None, head_dim_multiple=1,

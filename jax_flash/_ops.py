@@ -116,23 +116,14 @@ def _segment_operands(config: KernelConfig, segment_ids) -> tuple[tuple, dict]:
 
 
 def _soft_cap_attribute(config: KernelConfig) -> dict:
-  """The soft-cap attribute of a kernel call: the "cpu" passes always take "logits_soft_cap"
-  (0.0: off); the "cuda" ones take none, and no cap (jax_flash._dispatch refuses it there)."""
-  if config.implementation != "cpu":
-    if config.logits_soft_cap:
-      raise NotImplementedError(f"the {config.implementation!r} kernels take no logits_soft_cap")
-    return {}
+  """The soft-cap attribute of a kernel call: the "cpu" and "cuda" passes always take
+  "logits_soft_cap" (0.0: off)."""
   return {"logits_soft_cap": float(config.logits_soft_cap)}
 
 
 def _alibi_operands(config: KernelConfig, alibi_slopes) -> tuple[tuple, dict]:
-  """The ALiBi operand and attribute of a kernel call: the "cpu" passes always take the float32
-  slopes (..., N) (a (0,) placeholder without) and the switch `alibi`; the "cuda" ones take
-  neither, and no slopes (jax_flash._dispatch refuses them there before a call is built)."""
-  if config.implementation != "cpu":
-    if alibi_slopes is not None:
-      raise NotImplementedError(f"the {config.implementation!r} kernels take no alibi_slopes")
-    return (), {}
+  """The ALiBi operand and attribute of a kernel call: the "cpu" and "cuda" passes always take
+  the float32 slopes (..., N) (a (0,) placeholder without) and the switch `alibi`."""
   if alibi_slopes is None:
     return (jnp.zeros((0,), jnp.float32),), {"alibi": False}
   return (alibi_slopes,), {"alibi": True}

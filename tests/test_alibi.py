@@ -7,8 +7,8 @@ that materialises the (T, S) bias (plain jax.numpy, differentiated by JAX), by t
 rule of tests/attention_testing.py: max error <= 2x the error of the same reference with the input
 dtype's rounding, plus the tiny floor. Forward, lse and dq, dk, dv, alone and with causal,
 windows, lengths, GQA, T != S, soft cap, segment ids, decode shapes, unbatched inputs; then the
-position convention in closed form, the slopes' zero gradient, the errors, the CUDA refusal,
-vmap, batch-, head- and sequence-sharded calls (each context-parallel strategy) and the Flax
+position convention in closed form, the slopes' zero gradient, the errors, the CUDA kernels
+(GPU tests), vmap, batch-, head- and sequence-sharded calls (each context-parallel strategy) and the Flax
 function.
 """
 
@@ -224,26 +224,54 @@ def test_16_bit_slopes_are_taken_as_float32():
   np.testing.assert_array_equal(a, b)  # the geometric slopes are powers of two
 
 
-def test_cuda_kernels_refuse_the_slopes(monkeypatch):
-  """The CUDA kernels take no slopes: the dispatch raises at trace time, before any custom call,
-  naming the argument, its shape and the implementations that take it; where None picks CUDA
-  and where "cuda" is forced (its GPU check stubbed out: this machine has none)."""
+def test_cuda_kernels_take_the_slopes_when_enabled(monkeypatch):
+  """The CUDA kernels' slopes (their kScoreMods instantiations) are experimental: without
+  JAX_FLASH_CUDA_SCORE_MODS=1 the dispatch raises at trace time, before any custom call, naming
+  the argument, its shape and the implementations that take it; with it a call with slopes where
+  None picks CUDA runs on them, and the op layer builds the CUDA call with the slopes and their
+  switch."""
   q = jnp.ones((2, 8, 2, 16), jnp.bfloat16)
-  match = (r"'cuda' kernels .* take no alibi_slopes yet; got alibi_slopes\(2,\) with "
-           r"query\(2, 8, 2, 16\).*'cpu', 'blockwise', 'xla'")
   monkeypatch.setattr(_dispatch, "default_implementation", lambda dtype: "cuda")
-  with pytest.raises(NotImplementedError, match=match):
+  monkeypatch.delenv(_dispatch.CUDA_SCORE_MODS_VARIABLE, raising=False)
+  with pytest.raises(NotImplementedError,
+                     match=r"'cuda' kernels .* take no alibi_slopes yet; got alibi_slopes\(2,\) "
+                           r"with query\(2, 8, 2, 16\).*'cpu', 'blockwise', 'xla'"):
     jax_flash.dot_product_attention(q, q, q, alibi_slopes=jnp.ones(2))
-  monkeypatch.setattr(_dispatch, "_check_cuda_runs", lambda: None)
-  with pytest.raises(NotImplementedError, match=match):
-    jax_flash.dot_product_attention(q, q, q, alibi_slopes=jnp.ones(2), implementation="cuda")
-  with pytest.raises(NotImplementedError, match=match):
-    jax.jit(lambda q: jax_flash.dot_product_attention(
-        q, q, q, alibi_slopes=jnp.ones(2), implementation="cuda"))(q)
-  # And the op layer itself never builds a CUDA call with slopes.
+  monkeypatch.setenv(_dispatch.CUDA_SCORE_MODS_VARIABLE, "1")
+  assert _dispatch.select(None, _dispatch.Call(q.shape, q.dtype, alibi_slopes=(2,))) == "cuda"
   config = _ops.KernelConfig("cuda", 1.0, False, -1, -1)
-  with pytest.raises(NotImplementedError, match="alibi_slopes"):
-    _ops._alibi_operands(config, jnp.ones((2, 2)))
+  slopes = jnp.ones((2, 2))
+  operands, attributes = _ops._alibi_operands(config, slopes)
+  assert operands[0] is slopes and attributes == {"alibi": True}
+  operands, attributes = _ops._alibi_operands(config, None)
+  assert operands[0].shape == (0,) and attributes == {"alibi": False}
+
+
+# The CUDA kernels (16-bit inputs): the CPU cases' shapes in bf16/f16 (no segment ids on CUDA),
+# and head dims that take the Hopper kernels (64, 128) and the mma.sync ones (256 backward).
+CUDA_CASES = [
+    AlibiCase(Case(batch=2, seq_q=50, seq_k=90, heads_q=4, heads_k=2, head_dim=40,
+                   dtype="bfloat16")),
+    CASES[1],
+    AlibiCase(Case(batch=1, seq_q=150, seq_k=70, heads_q=2, heads_k=2, head_dim=32,
+                   dtype="float16", is_causal=True), slopes="mixed"),
+    AlibiCase(Case(batch=2, seq_q=65, seq_k=80, heads_q=2, heads_k=2, head_dim=24,
+                   dtype="bfloat16", local_window_size=(8, 3), q_lens=(60, 65),
+                   kv_lens=(0, 77), scale=-0.3), slopes="mixed", cap=1.5),
+    AlibiCase(Case(batch=2, seq_q=1, seq_k=300, heads_q=8, heads_k=2, head_dim=32,
+                   dtype="bfloat16", kv_lens=(300, 123))),
+    AlibiCase(Case(batch=1, seq_q=200, seq_k=333, heads_q=4, heads_k=4, head_dim=128,
+                   dtype="bfloat16", is_causal=True), cap=4.0),
+    AlibiCase(Case(batch=1, seq_q=100, seq_k=140, heads_q=2, heads_k=1, head_dim=256,
+                   dtype="bfloat16"), slopes="mixed"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ac", CUDA_CASES, ids=[c.id for c in CUDA_CASES])
+def test_cuda_against_reference(ac, monkeypatch):
+  monkeypatch.setenv(_dispatch.CUDA_SCORE_MODS_VARIABLE, "1")
+  check(ac, run(ac, "cuda"))
 
 
 def test_vmap():

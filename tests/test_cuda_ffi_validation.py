@@ -3,7 +3,8 @@ attributes the Python API never passes (issue 13 item 3 on the GPU): each must f
 that names the operand, before any kernel runs. The checks they share with the CPU handlers
 (cuda/common/ffi_params.h) are covered operand by operand in test_ffi_validation.py; here the
 CUDA handlers' own (16-bit inputs only, the padded head dim, the dQ workspace of each mode) and a
-sample of the shared ones through the CUDA binding. Marked `gpu`.
+sample of the shared ones through the CUDA binding (the soft cap and ALiBi slopes among them).
+Marked `gpu`.
 
 Under compute-sanitizer (no invalid access on any error path; `SANITIZE=1 .ci/gpu/check.sh` runs
 it): compute-sanitizer --tool memcheck python3 -m pytest -q -m gpu tests/test_cuda_ffi_validation.py
@@ -25,14 +26,15 @@ Q, KV, ROWS = (B, T, N, H), (B, S, K, H), (B, N, T)
 
 
 def attributes(**overrides) -> dict:
-  base = dict(scale=0.25, is_causal=False, window_left=np.int64(-1), window_right=np.int64(-1))
+  base = dict(scale=0.25, is_causal=False, window_left=np.int64(-1), window_right=np.int64(-1),
+              logits_soft_cap=0.0, alibi=False)
   return {**base, **overrides}
 
 
 def valid_fwd(dtype: str = "bfloat16") -> Call:
   return Call("jax_flash_cuda_fwd",
               dict(q=(Q, dtype), k=(KV, dtype), v=(KV, dtype), q_lens=((B,), "int32"),
-                   kv_lens=((B,), "int32")),
+                   kv_lens=((B,), "int32"), alibi_slopes=((0,), "float32")),
               dict(o=(Q, dtype), lse=(ROWS, "float32")), attributes())
 
 
@@ -46,7 +48,7 @@ def valid_bwd(dtype: str = "bfloat16", deterministic: bool = False, o_error: boo
   return Call("jax_flash_cuda_bwd",
               dict(q=(Q, dtype), k=(KV, dtype), v=(KV, dtype), o=(Q, dtype), lse=(ROWS, "float32"),
                    do=(Q, dtype), q_lens=((B,), "int32"), kv_lens=((B,), "int32"),
-                   o_error=(Q if o_error else (0,), "int8")),
+                   alibi_slopes=((0,), "float32"), o_error=(Q if o_error else (0,), "int8")),
               dict(dq=(Q, dtype), dk=(KV, dtype), dv=(KV, dtype), delta=(ROWS, "float32"),
                    dq_accum=((dq_accum_elements(deterministic),), "float32")),
               attributes(deterministic=deterministic))
@@ -88,6 +90,10 @@ ERRORS = [
     ("head_dim_300", lambda c: with_shapes(c, (B, T, N, 304), (B, S, K, 304)), ("head dim H=304",)),
     ("scale_nan", lambda c: with_attributes(c, scale=float("nan")), ("scale", "got nan")),
     ("window_left_-2", lambda c: with_attributes(c, window_left=np.int64(-2)), ("window_left", "got -2")),
+    ("soft_cap_negative", lambda c: with_attributes(c, logits_soft_cap=-1.0), ("logits_soft_cap",)),
+    ("alibi_without_slopes", lambda c: with_attributes(c, alibi=True), ("alibi_slopes(0,) float32",)),
+    ("alibi_slopes_shape", lambda c: with_shape(with_attributes(c, alibi=True), "alibi_slopes", (B, N + 1)),
+     ("alibi_slopes(2, 5) float32",)),
 ]
 
 BWD_ERRORS = [

@@ -6,7 +6,7 @@ from that definition (plain jax.numpy, differentiated by JAX), by the FlashAtten
 tests/attention_testing.py: max error <= 2x the error of the same reference with the input dtype's
 rounding, plus the tiny floor. Forward, lse and dq, dk, dv, alone and with causal, windows,
 lengths, GQA, T != S, segment ids, unbatched inputs; then the limits (a huge c is no cap, a tiny
-one saturates) and the errors.
+one saturates), the errors and the CUDA kernels (GPU tests).
 """
 
 from __future__ import annotations
@@ -179,17 +179,52 @@ def test_ints_and_numpy_floats_are_taken():
   np.testing.assert_array_equal(a, b)
 
 
-def test_cuda_kernels_refuse_the_cap(monkeypatch):
-  """Where None picks the CUDA kernels, the cap raises at trace time naming the argument and
-  the implementations that take it (a forced "cuda" needs a GPU to get that far)."""
+def test_cuda_kernels_take_the_cap_when_enabled(monkeypatch):
+  """The CUDA kernels' cap (their kScoreMods instantiations) is experimental: without
+  JAX_FLASH_CUDA_SCORE_MODS=1 the dispatch refuses it at trace time, naming the argument and the
+  implementations that take it; with it, a capped call where None picks CUDA runs on them."""
   monkeypatch.setattr(_dispatch, "default_implementation", lambda dtype: "cuda")
+  monkeypatch.delenv(_dispatch.CUDA_SCORE_MODS_VARIABLE, raising=False)
   q = jnp.ones((2, 8, 2, 16), jnp.bfloat16)
+  call = _dispatch.Call(q.shape, q.dtype, logits_soft_cap=30.0)
   with pytest.raises(NotImplementedError,
                      match=r"'cuda' kernels .* take no logits_soft_cap yet; got "
                            r"logits_soft_cap=30.0 .*'cpu', 'blockwise', 'xla'"):
     jax_flash.dot_product_attention(q, q, q, logits_soft_cap=30.0)
-  with pytest.raises(NotImplementedError, match="logits_soft_cap"):
-    _dispatch.select(None, _dispatch.Call(q.shape, q.dtype, logits_soft_cap=30.0))
+  monkeypatch.setenv(_dispatch.CUDA_SCORE_MODS_VARIABLE, "1")
+  assert _dispatch.select(None, call) == "cuda"
+
+
+# The CUDA kernels (16-bit inputs): the CPU cases' shapes in bf16/f16 (no segment ids on CUDA),
+# and head dims that take the Hopper kernels (64, 128) and the mma.sync ones (256 backward).
+CUDA_CASES = [
+    CapCase(Case(batch=2, seq_q=70, seq_k=90, heads_q=4, heads_k=2, head_dim=40,
+                 dtype="bfloat16"), cap=2.0, q_gain=3.0),
+    CASES[1],
+    CapCase(Case(batch=2, seq_q=65, seq_k=80, heads_q=2, heads_k=2, head_dim=24,
+                 dtype="float16", local_window_size=(8, 3), q_lens=(60, 65), kv_lens=(0, 77),
+                 scale=-0.3), cap=1.5, q_gain=2.0),
+    CapCase(Case(batch=2, seq_q=1, seq_k=300, heads_q=8, heads_k=2, head_dim=32,
+                 dtype="bfloat16", kv_lens=(300, 123)), cap=2.0, q_gain=3.0),
+    CapCase(Case(batch=1, seq_q=200, seq_k=333, heads_q=4, heads_k=4, head_dim=128,
+                 dtype="bfloat16", is_causal=True), cap=4.0, q_gain=4.0),
+    CapCase(Case(batch=1, seq_q=100, seq_k=140, heads_q=2, heads_k=1, head_dim=256,
+                 dtype="bfloat16"), cap=3.0, q_gain=4.0),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cc", CUDA_CASES, ids=[c.id for c in CUDA_CASES])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
+def test_cuda_against_reference(cc, deterministic, monkeypatch):
+  monkeypatch.setenv(_dispatch.CUDA_SCORE_MODS_VARIABLE, "1")
+  if deterministic and cc is not CUDA_CASES[1]:
+    pytest.skip("deterministic: one case")
+  q, k, v, g, _ = cc.inputs()
+  attention = lambda q, k, v: jax_flash.dot_product_attention(
+      q, k, v, implementation="cuda", return_residual=True, logits_soft_cap=cc.cap,
+      deterministic=deterministic, **cc.case.options())
+  check(cc, outputs_and_grads(attention, q, k, v, g))
 
 
 def test_flax_module_and_attention_fn():

@@ -15,13 +15,16 @@
 #include "gpu/epilogue.cuh"
 #include "gpu/mask.cuh"
 #include "gpu/ptx.cuh"
+#include "gpu/score_mods.cuh"
 #include "gpu/softmax.cuh"
 #include "sm80/traits.cuh"
 #include "sm80/warp_gemm.cuh"
 
 namespace jax_flash::cuda {
 
-template <typename Traits, typename T>
+// kScoreMods: the call has a soft cap or ALiBi slopes (gpu/score_mods.cuh), applied to every
+// tile's scores before its masks.
+template <typename Traits, typename T, bool kScoreMods>
 __global__ void __launch_bounds__(Traits::kThreads)
     flash_fwd_kernel(const __grid_constant__ FwdParams p) {
   constexpr int kBM = Traits::kBlockM, kBN = Traits::kBlockN, kD = Traits::kHeadDim;
@@ -43,7 +46,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
 
   OnlineSoftmax<kMT> softmax;
   float o[kMT][kD / 8][4] = {};
-  const float scale_log2 = p.scale * kLog2e;
+  const float softmax_scale = kScoreMods ? ScoreMods::kSoftmaxScale : p.scale;
+  const float scale_log2 = softmax_scale * kLog2e;
 
   const int n_first = blk.n_first, n_last = blk.n_last;
   if (n_last >= n_first) {
@@ -76,6 +80,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
       warp_gemm<QTile, false, KVTile, false, kD / 16>(s, s_q, warp_m0, s_k + stage * KVTile::kElements, 0,
                                                       lane);
       const int64_t n0 = static_cast<int64_t>(n_block) * kBN;
+      if constexpr (kScoreMods) ScoreMods(p, task.b, task.h).apply(s, m0 + warp_m0, n0, lane);
       if (blk.needs_mask(n0)) mask_scores(s, p.mask, m0 + warp_m0, n0, task.q_len, task.kv_len, lane);
 
       if (softmax.must_rescale(s, scale_log2)) softmax.rescale(o, scale_log2);
@@ -100,7 +105,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
 
   // Epilogue: normalise, write O (zeros for rows with nothing to attend) and the log-sum-exp.
   store_output<T>(p.o, p.o_float32, task.q_offset, task.q_stride, p.lse + task.stat_offset + m0, o, softmax,
-               p.scale, warp_m0, blk.rows, p.shape.head_dim, p.mask, m0, task.q_len, task.kv_len,
+               softmax_scale, warp_m0, blk.rows, p.shape.head_dim, p.mask, m0, task.q_len, task.kv_len,
                lane);
 }
 

@@ -21,7 +21,15 @@ cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
   if (cudaError_t e = make_head_tensor_map(&params.d_o, p.d_o, p.dtype, s.batch, s.seq_q, s.heads_q, s.head_dim,
                                            Traits::kBlockM))
     return e;
-  auto kernel = p.deterministic ? flash_bwd_sm90_ws_kernel<Traits, T, true> : flash_bwd_sm90_ws_kernel<Traits, T, false>;
+  // The run-time switches as template constants (score modifications not with 128-row visits:
+  // their registers would spill; launch_bwd_main_sm90_ws takes 64-row ones for such calls).
+  auto kernel = p.deterministic ? flash_bwd_sm90_ws_kernel<Traits, T, true, false>
+                                : flash_bwd_sm90_ws_kernel<Traits, T, false, false>;
+  if constexpr (Traits::kBlockM == 64)
+    if (has_score_mods(p))
+      kernel = p.deterministic ? flash_bwd_sm90_ws_kernel<Traits, T, true, true>
+                               : flash_bwd_sm90_ws_kernel<Traits, T, false, true>;
+  if (Traits::kBlockM != 64 && has_score_mods(p)) return cudaErrorInvalidValue;
   return launch_with_smem(kernel, key_block_grid<Traits>(s), Traits::kThreads, Traits::kSmemBytes, stream, params);
 }
 
@@ -31,7 +39,7 @@ template <typename T, int kHeadDim>
 cudaError_t launch_bwd_main_sm90_ws(const BwdParams& p, Sm90BwdVariant variant, cudaStream_t stream) {
   if (variant == Sm90BwdVariant::kBulkDq) return launch<typename TileShapes<kHeadDim>::Sm90BwdWsBulkDq, T>(p, stream);
   if constexpr (TileShapes<kHeadDim>::kHasSm90BwdBlockM128)
-    if (variant == Sm90BwdVariant::kBlockM128)
+    if (variant == Sm90BwdVariant::kBlockM128 && !has_score_mods(p))
       return launch<typename TileShapes<kHeadDim>::Sm90BwdWsBlockM128, T>(p, stream);
   return launch<typename TileShapes<kHeadDim>::Sm90BwdWs, T>(p, stream);
 }

@@ -28,6 +28,7 @@
 #include "gpu/fragments.cuh"
 #include "gpu/mask.cuh"
 #include "gpu/ptx.cuh"
+#include "gpu/score_mods.cuh"
 #include "gpu/smem_tile.cuh"
 #include "gpu/softmax.cuh"
 #include "gpu/tile_io.cuh"
@@ -80,7 +81,9 @@ struct BwdWsBarriers {
 // kDeterministic: p.deterministic as a constant (dQ is then left to its own kernel). Whether a
 // warpgroup computes dQ must be known to the compiler: behind a run-time branch ptxas serialises
 // the dQ product at head dim 128 (C7512, "insufficient register resources").
-template <typename Traits, typename T, bool kDeterministic>
+// kScoreMods: the call has a soft cap or ALiBi slopes (gpu/score_mods.cuh): each visit's S^T is
+// modified before its masks and dP^T takes the cap's chain rule.
+template <typename Traits, typename T, bool kDeterministic, bool kScoreMods>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams params) {
 #if JF_SM90A
@@ -215,7 +218,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int64_t n0 = task.n0;
   float dk[1][kD / 8][4] = {};
   float dv[1][kD / 8][4] = {};
-  const float scale_log2 = p.scale * kLog2e;
+  const float scale_log2 = (kScoreMods ? ScoreMods::kSoftmaxScale : p.scale) * kLog2e;
   const uint32_t k_address = smem_address(smem.k), v_address = smem_address(smem.v);
   // The two consumer warpgroups meet on named barrier 1 (id 0 is __syncthreads').
   auto consumers_sync = [] { named_barrier_sync(1, kConsumerThreads); };
@@ -247,8 +250,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       fence_registers(st[0]);
       fence_registers(dpt[0]);
 
+      if constexpr (kScoreMods) ScoreMods(p, task.b, visit.h).apply_transposed(st, n0 + warp_key0, m0, lane);
       if (!group_blocks.whole(visit.mb))
         mask_transposed_scores(st, p.mask, n0 + warp_key0, m0, q_len, kv_len, lane);
+      if constexpr (kScoreMods)
+        ScoreMods(p, task.b, visit.h)
+            .fold_chain_rule_transposed(dpt, st, smem.delta + stage * kBM, n0 + warp_key0, m0, lane);
       probabilities_and_ds<kBM>(st, dpt, smem.lse2 + stage * kBM, smem.delta + stage * kBM, scale_log2, p.scale,
                                 lane);
     } else {

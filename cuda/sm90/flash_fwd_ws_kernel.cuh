@@ -23,6 +23,7 @@
 #include "gpu/epilogue.cuh"
 #include "gpu/fragments.cuh"
 #include "gpu/mask.cuh"
+#include "gpu/score_mods.cuh"
 #include "gpu/softmax.cuh"
 #include "gpu/tile_io.cuh"
 #include "sm90/barrier.cuh"
@@ -63,7 +64,9 @@ struct FwdWsBarriers {
   uint64_t q_full, q_empty, k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
 };
 
-template <typename Traits, typename T>
+// kScoreMods: the call has a soft cap or ALiBi slopes (gpu/score_mods.cuh), applied to every
+// block's scores before its masks.
+template <typename Traits, typename T, bool kScoreMods>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdTmaParams params) {
 #if JF_SM90A
@@ -163,7 +166,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   claim_registers<Traits::kConsumerRegisters>();
   const int group = warp / 4 - 1;
   const int warp_m0 = group * 64 + warp % 4 * 16;  // this warp's first row in the block
-  const float scale_log2 = p.scale * kLog2e;
+  const float softmax_scale = kScoreMods ? ScoreMods::kSoftmaxScale : p.scale;
+  const float scale_log2 = softmax_scale * kLog2e;
   const uint32_t q_address = smem_address(smem.q);
   constexpr int kTurnThreads = 128 * Traits::kConsumers;
   // Ping-pong: warpgroup g issues its products after barrier 1 + g completes and then lets the
@@ -193,6 +197,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       auto phase_of = [&](int i) { return ((ring + i) / kStages) & 1; };
       auto mask_block = [&](float (&s)[1][kBN / 8][4], int i) {
         const int64_t n0 = static_cast<int64_t>(blk.n_last - i) * kBN;
+        if constexpr (kScoreMods) ScoreMods(p, task.b, task.h).apply(s, m0 + warp_m0, n0, lane);
         if (blk.needs_mask(n0)) mask_scores(s, p.mask, m0 + warp_m0, n0, task.q_len, task.kv_len, lane);
       };
       if constexpr (Traits::kPingPong)
@@ -252,7 +257,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
 
     store_output<T>(p.o, p.o_float32, task.q_offset, task.q_stride, p.lse + task.stat_offset + m0, o, softmax,
-                    p.scale, warp_m0, blk.rows, p.shape.head_dim, p.mask, m0, task.q_len, task.kv_len, lane);
+                    softmax_scale, warp_m0, blk.rows, p.shape.head_dim, p.mask, m0, task.q_len, task.kv_len, lane);
   }
 #endif  // JF_SM90A
 }

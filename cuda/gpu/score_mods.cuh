@@ -1,0 +1,120 @@
+// Score modifications in the CUDA kernels: dot_product_attention's logits_soft_cap (Gemma 2) and
+// alibi_slopes (ALiBi), on a tile of raw scores q.k in registers, before the masks (the CPU
+// kernel's order, cpu/flash_fwd.h):
+//   s = scale q.k;  s = c tanh(s / c) with a cap c;  s += slope (j - i) with slopes,
+// i and j the row and key indices the masks use. Kernels instantiated with kScoreMods (chosen
+// per call where either is present: the plain kernels stay as they are) apply them; their
+// softmax then works in score units (ScoreMods::kSoftmaxScale). The backward's dS gets the
+// cap's chain rule, 1 - tanh^2, folded into dP (fold_chain_rule). Fragment layouts: a thread's
+// element (mt, nt, e) of an m16n8 accumulator is row 16 mt + lane / 4 (+ 8 for e >= 2), column
+// 8 nt + 2 (lane % 4) + e % 2; the backward's transposed tiles hold keys in rows and queries in
+// columns.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "common/attention_params.h"
+
+namespace jax_flash::cuda {
+
+// Whether a call needs the kScoreMods kernels (host side, where the launchers choose).
+inline bool has_score_mods(const AttentionParams& p) {
+  return p.logits_soft_cap > 0.f || p.alibi_slopes != nullptr;
+}
+
+struct ScoreMods {
+  // The scale the softmax and the lse then use: the scores are in score units already.
+  static constexpr float kSoftmaxScale = 1.f;
+
+  float scale;
+  float cap, inv_cap;  // cap 0: none
+  float slope;         // 0 without slopes
+
+  // For batch element b and query head h of the call.
+  __device__ __forceinline__ ScoreMods(const AttentionParams& p, int64_t b, int64_t h)
+      : scale(p.scale),
+        cap(p.logits_soft_cap),
+        inv_cap(p.logits_soft_cap > 0.f ? 1.f / p.logits_soft_cap : 0.f),
+        slope(p.alibi_slopes ? p.alibi_slopes[b * p.shape.heads_q + h] : 0.f) {}
+
+  // The modified score of raw score x at (query i, key j). NaN stays NaN.
+  __device__ __forceinline__ float apply(float x, int64_t i, int64_t j) const {
+    float s = x * scale;
+    if (cap > 0.f) s = cap * tanhf(s * inv_cap);
+    return s + slope * static_cast<float>(j - i);
+  }
+
+  // d(modified score) / d(scale q.k) at a modified (and masked: -inf) score s: 1 - tanh^2 with a
+  // cap (tanh recovered from s less the bias), else 1; 0 where masked.
+  __device__ __forceinline__ float chain_rule(float s, int64_t i, int64_t j) const {
+    if (!(cap > 0.f)) return 1.f;
+    const float t = (s - slope * static_cast<float>(j - i)) * inv_cap;
+    return fmaxf(0.f, fmaf(-t, t, 1.f));  // -inf (masked) gives 0; NaN stays in P
+  }
+
+  // A warp's kMTiles x kNTiles tile of raw scores, its first row query m0 and column key n0.
+  template <int kMTiles, int kNTiles>
+  __device__ __forceinline__ void apply(float (&s)[kMTiles][kNTiles][4], int64_t m0, int64_t n0, int lane) const {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          s[mt][nt][e] = apply(s[mt][nt][e], m0 + mt * 16 + lane / 4 + (e / 2) * 8, n0 + nt * 8 + (lane % 4) * 2 + e % 2);
+  }
+
+  // The transposed tile of the Hopper backward: rows keys from key0 (this thread's lane / 4
+  // and + 8), columns queries from query0.
+  template <int kNTiles>
+  __device__ __forceinline__ void apply_transposed(float (&s)[1][kNTiles][4], int64_t key0, int64_t query0,
+                                                   int lane) const {
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        s[0][nt][e] = apply(s[0][nt][e], query0 + nt * 8 + (lane % 4) * 2 + e % 2, key0 + lane / 4 + (e / 2) * 8);
+  }
+
+  // dp <- delta + chain_rule (dp - delta) on a tile (s modified and masked; delta per row), so
+  // that the kernels' dS = scale P (dP - delta) becomes scale P (dP - delta) (1 - tanh^2).
+  template <int kMTiles, int kNTiles>
+  __device__ __forceinline__ void fold_chain_rule(float (&dp)[kMTiles][kNTiles][4],
+                                                  const float (&s)[kMTiles][kNTiles][4],
+                                                  const float (&delta)[kMTiles][2], int64_t m0, int64_t n0,
+                                                  int lane) const {
+    if (!(cap > 0.f)) return;
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float d = delta[mt][e / 2];
+          const float f = chain_rule(s[mt][nt][e], m0 + mt * 16 + lane / 4 + (e / 2) * 8,
+                                     n0 + nt * 8 + (lane % 4) * 2 + e % 2);
+          dp[mt][nt][e] = fmaf(f, dp[mt][nt][e] - d, d);
+        }
+  }
+
+  // The same on the transposed tiles (delta per query column, from shared memory).
+  template <int kNTiles>
+  __device__ __forceinline__ void fold_chain_rule_transposed(float (&dpt)[1][kNTiles][4],
+                                                             const float (&st)[1][kNTiles][4],
+                                                             const float* delta, int64_t key0, int64_t query0,
+                                                             int lane) const {
+    if (!(cap > 0.f)) return;
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int column = nt * 8 + (lane % 4) * 2 + e % 2;
+        const float d = delta[column];
+        const float f = chain_rule(st[0][nt][e], query0 + column, key0 + lane / 4 + (e / 2) * 8);
+        dpt[0][nt][e] = fmaf(f, dpt[0][nt][e] - d, d);
+      }
+  }
+};
+
+}  // namespace jax_flash::cuda
