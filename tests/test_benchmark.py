@@ -214,3 +214,110 @@ def test_interleave_times_a_block_sparse_case_with_its_dense_twin():
   assert [[m.case for m in group if m.peer == "jax_flash" and m.pass_name == "fwd"]
           for group in groups] == [cases[:2], cases[2:]]
   assert all(m.ok for group in groups for m in group if m.peer == "jax_flash")
+
+
+# Score variants (--logits-soft-cap, --alibi, --sinks, --dropout-rate): jax_flash plain and with
+# the variant in the same run.
+TINY_CPU_RUN = ["--platform", "cpu", "--seqs", "64", "--causal", "yes", "--reps", "1"]
+DEFAULT_CPU_HEADER = ("| seq | hdim | causal | pass | jax_flash ms | GFLOP/s | xla GFLOP/s | "
+                      "torch GFLOP/s | flash/xla | flash/torch | temp MiB flash | temp MiB xla |")
+
+
+def table_lines(capsys):
+  """The lines of the table main() printed, from its header on."""
+  lines = capsys.readouterr().out.splitlines()
+  return lines[next(i for i, line in enumerate(lines) if line.startswith("| seq |")):]
+
+
+def test_default_table_has_no_variant_columns(capsys):
+  """Without a variant flag the table's header is the one it always was, no variant anywhere."""
+  assert benchmark.main([*TINY_CPU_RUN, "--skip", "xla", "torch"]) == 0
+  out = capsys.readouterr().out
+  header = next(line for line in out.splitlines() if line.startswith("| seq |"))
+  assert header in (DEFAULT_CPU_HEADER, DEFAULT_CPU_HEADER + " flash % FMA peak |")
+  assert "variant" not in out and "SCORE_MODS" not in out
+
+
+def test_cli_score_variant_columns(tmp_path, capsys):
+  """--alibi --logits-soft-cap: jax_flash plain and with the variant on the same case, the
+  variant's rate and its time over the plain one's; XLA (through jax.nn: ALiBi only, as a bias)
+  and PyTorch's flash kernel unavailable for it, with the reason; recorded in results.json and
+  said above the table with the CUDA score modifications' switch."""
+  import json
+
+  assert benchmark.main([*TINY_CPU_RUN, "--alibi", "--logits-soft-cap", "30",
+                         "--out", str(tmp_path)]) == 0
+  lines = table_lines(capsys)
+  header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+  for column in ("jax_flash GFLOP/s", "jax_flash+variant GFLOP/s", "variant/plain time",
+                 "xla+variant GFLOP/s", "flash+v/xla+v", "temp MiB flash+v"):
+    assert column in header
+  fwd = dict(zip(header, (cell.strip() for cell in lines[2].strip("|").split("|"))))
+  assert fwd["pass"] == "fwd" and fwd["variant/plain time"].endswith("x")
+  assert fwd["xla+variant GFLOP/s"] == "unavailable"
+  table = (tmp_path / "table.md").read_text()
+  assert "- xla+variant unavailable: jax.nn.dot_product_attention takes no logits_soft_cap" in table
+  assert "logits_soft_cap=30, alibi_slopes" in table and "JAX_FLASH_CUDA_SCORE_MODS=" in table
+  results = json.loads((tmp_path / "results.json").read_text())
+  assert results["settings"]["variant"] == dict(logits_soft_cap=30.0, alibi=True, sinks=False,
+                                                dropout_rate=None)
+  assert "jax_flash_cuda_score_mods" in results["environment"]
+  ran = {(m["peer"], m["pass"]) for m in results["measurements"] if m["status"] == "ok"}
+  assert {("jax_flash", "fwd+bwd"), ("jax_flash+variant", "fwd+bwd")} <= ran
+
+
+def test_cli_refused_variant_is_unavailable(monkeypatch, capsys):
+  """A variant the jax_flash kernel refuses at trace time (NotImplementedError, as the CUDA
+  kernels refuse dropout) reads 'unavailable' with the reason; the plain kernel still runs."""
+  import jax_flash
+
+  original = jax_flash.dot_product_attention
+
+  def refusing(*args, dropout_rate=0.0, **kwargs):
+    if dropout_rate:
+      raise NotImplementedError("'cuda' does not take dropout_rate (test)")
+    return original(*args, **kwargs)
+
+  monkeypatch.setattr(jax_flash, "dot_product_attention", refusing)
+  assert benchmark.main([*TINY_CPU_RUN, "--dropout-rate", "0.1", "--skip", "xla", "torch"]) == 0
+  lines = table_lines(capsys)
+  header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+  rows = [dict(zip(header, (c.strip() for c in line.strip("|").split("|"))))
+          for line in lines[2:] if line.startswith("| 64 |")]
+  assert [row["pass"] for row in rows] == ["fwd", "bwd", "fwd+bwd"]
+  assert all(row["jax_flash+variant GFLOP/s"] == "unavailable" for row in rows)
+  assert all(row["jax_flash GFLOP/s"] != "unavailable" for row in rows)
+  assert ("- jax_flash+variant unavailable: NotImplementedError: 'cuda' does not take "
+          "dropout_rate (test)") in lines
+  assert "- xla+variant unavailable: skipped (--skip)" in lines
+
+
+def test_gpu_variant_peers_say_what_they_take():
+  """On the GPU platform: cuDNN and XLA through jax.nn take ALiBi (as a bias) and nothing else,
+  Pallas nothing; each cell of a peer that cannot take the variant says why."""
+  from jax_flash.benchmark.variants import Variant, with_variant
+
+  platform = with_variant(benchmark.GPU, Variant(logits_soft_cap=30.0, dropout_rate=0.1))
+  assert [p.name for p in platform.peers] == [
+      "jax_flash", "jax_flash+variant", "cudnn+variant", "tokamax+variant", "xla+variant",
+      "pallas+variant"]
+  measurements = [m for results in benchmark.run(platform, [GPU_CASE], reps=1,
+                                                 skip=("tokamax+variant",)) for m in results]
+  assert all(not m.ok for m in measurements)
+  table = benchmark.format_table(platform, benchmark.with_backward(measurements))
+  for peer in ("cudnn", "xla"):
+    assert (f"- {peer}+variant unavailable: jax.nn.dot_product_attention takes no "
+            "logits_soft_cap, dropout_rate") in table
+  assert "- pallas+variant unavailable: Pallas' mha takes no logits_soft_cap" in table
+  alibi = with_variant(benchmark.GPU, Variant(alibi=True))
+  assert {p.name: p.unavailable() for p in alibi.peers[2:]}["cudnn+variant"] is None
+
+
+def test_variant_arguments_are_checked():
+  for bad in (["--logits-soft-cap", "0"], ["--logits-soft-cap", "inf"], ["--dropout-rate", "1"],
+              ["--alibi", "--block-density", "0.5"], ["--sinks", "--preset", "decode"]):
+    with pytest.raises(SystemExit):
+      benchmark.parse_args(["--platform", "cpu", *bad])
+  args = benchmark.parse_args(["--platform", "cpu", "--sinks", "--dropout-rate", "0.2"])
+  assert args.variant.features() == ("sinks", "dropout_rate")
+  assert benchmark.parse_args(["--platform", "cpu"]).variant is None

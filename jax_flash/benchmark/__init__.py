@@ -4,6 +4,7 @@
                                   [--head-dims 64,128,256] [--causal both|yes|no]
                                   [--reps N] [--out DIR] [--quick] [--deterministic]
                                   [--skip PEER ...] [--block-density D]
+                                  [--logits-soft-cap C] [--alibi] [--sinks] [--dropout-rate R]
 
 Each platform (`platforms`) has a list of cases (`cases`), a list of peers (`peers`) and a table
 layout (`columns`):
@@ -41,6 +42,16 @@ kernel, cuDNN, Pallas, tokamax, and jax_flash's CUDA kernels for now) read "unav
 With --deterministic, jax_flash runs with `deterministic=True` (its bit-reproducible backward),
 beside the same peers. --skip leaves peers out (recorded as unavailable, "skipped (--skip)").
 
+With a score variant (`variants`: --logits-soft-cap C, --alibi, --sinks, --dropout-rate R, any
+combination), each case times the plain jax_flash ("jax_flash") and jax_flash with the variant
+("jax_flash+variant") on the same inputs, and every other peer with the variant ("cudnn+variant",
+...) where it takes it; the table gives the variant's rate (the same FLOP count as the plain
+kernel's) and its time over the plain one's ("variant/plain time"), and above it the variant and
+the value of JAX_FLASH_CUDA_SCORE_MODS (also in results.json: settings' "variant", environment's
+"jax_flash_cuda_score_mods"). A peer that cannot take the variant, or a case its kernel refuses
+at trace time (NotImplementedError: the CUDA kernels' dropout, or their soft cap and ALiBi
+without JAX_FLASH_CUDA_SCORE_MODS=1), reads "unavailable" with the reason.
+
 With --out DIR: results.json (environment, settings, every measurement) and table.md, rewritten
 after each case so that an interrupted run keeps what it measured (`report`), and plot.png at the
 end (`plot`).
@@ -58,6 +69,7 @@ from jax_flash.benchmark.plot import write_plot
 from jax_flash.benchmark.provenance import accelerator_packages, environment
 from jax_flash.benchmark.report import TABLE_PASSES, format_table, with_backward, write_results
 from jax_flash.benchmark.runner import measure_peer, run
+from jax_flash.benchmark.variants import Variant, with_variant
 
 # The name examples/bench_ring.py imports (from the single-file module this package replaces).
 _accelerator_packages = accelerator_packages
@@ -68,6 +80,6 @@ __all__ = [
     "Row", "accelerator_packages", "block_sparse_cases", "check_fits", "cpu_cases", "environment",
     "failure_reason",
     "flash_peer", "format_table", "gpu_cases", "jax_peer", "main", "make_inputs", "measure_peer",
-    "parse_args", "peak_bytes_in_use", "positive_ints", "run", "time_step", "with_backward",
-    "with_deterministic_flash", "write_plot", "write_results",
+    "parse_args", "peak_bytes_in_use", "positive_ints", "run", "time_step", "Variant",
+    "with_backward", "with_deterministic_flash", "with_variant", "write_plot", "write_results",
 ]

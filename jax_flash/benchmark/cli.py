@@ -8,12 +8,14 @@ import os
 import pathlib
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 
 import json
+
+from jax_flash._dispatch import CUDA_SCORE_MODS_VARIABLE
 
 from jax_flash.benchmark.cases import (DECODE_SHORT_FRACTION, DecodeCase, block_sparse_cases,
                                        decode_cases, decode_inputs)
@@ -27,6 +29,8 @@ from jax_flash.benchmark.plot import write_plot
 from jax_flash.benchmark.report import (block_sparse_speedups, format_table, with_backward,
                                         write_results)
 from jax_flash.benchmark.runner import log, run
+from jax_flash.benchmark.variants import (DROPOUT_SEED, SINKS_SEED, VARIANT_SUFFIX, Variant,
+                                          variant_caption, with_variant)
 
 
 def positive_ints(text: str) -> list[int]:
@@ -40,15 +44,30 @@ def positive_ints(text: str) -> list[int]:
   return values
 
 
-def density(text: str) -> float:
-  """A block density: a number in (0, 1]."""
+def _number(text: str, accept: Callable[[float], bool], expected: str) -> float:
+  """An argument that is a number `accept` takes (never NaN); else an error naming `expected`."""
   try:
     value = float(text)
   except ValueError:
-    value = 0.0
-  if not 0.0 < value <= 1.0:
-    raise argparse.ArgumentTypeError(f"expected a fraction of the blocks in (0, 1], got {text!r}")
+    value = float("nan")
+  if value != value or not accept(value):
+    raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
   return value
+
+
+def density(text: str) -> float:
+  """A block density: a number in (0, 1]."""
+  return _number(text, lambda v: 0.0 < v <= 1.0, "a fraction of the blocks in (0, 1]")
+
+
+def soft_cap(text: str) -> float:
+  """A logit soft cap: a finite number > 0."""
+  return _number(text, lambda v: 0.0 < v < float("inf"), "a finite soft cap > 0")
+
+
+def dropout_rate(text: str) -> float:
+  """A dropout rate: a number in (0, 1)."""
+  return _number(text, lambda v: 0.0 < v < 1.0, "a dropout rate in (0, 1)")
 
 
 def _per_platform(attribute: str) -> str:
@@ -112,6 +131,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                            "the same run; FLOP rates count only the computed blocks; peers "
                            "that take no mask read 'unavailable' for the sparse rows (XLA takes "
                            "it expanded to a (T, S) bool mask; the CUDA kernels take none yet)")
+  variant = parser.add_argument_group(
+      "score variants",
+      "with any of these, each case times jax_flash twice on the same inputs, plain and with "
+      "the variant (all the options given together), and the table gives the variant's rate "
+      "and its time over the plain one's ('variant/plain time'); every other peer runs with "
+      "the variant where it takes it (jax.nn's cudnn and xla take ALiBi only, as a (1, N, T, "
+      "S) bias array formed in the step), else its cells read 'unavailable' with the reason, "
+      "as does a case the jax_flash kernel refuses (on a GPU: dropout; the soft cap and ALiBi "
+      f"unless {CUDA_SCORE_MODS_VARIABLE}=1). The sinks and slopes are constants (not "
+      "differentiated)")
+  variant.add_argument("--logits-soft-cap", type=soft_cap, metavar="C",
+                       help="logits_soft_cap=C (Gemma 2's tanh cap of the scores)")
+  variant.add_argument("--alibi", action="store_true",
+                       help="alibi_slopes: ALiBi's geometric slopes 2^(-8h/N), one per head")
+  variant.add_argument("--sinks", action="store_true",
+                       help=f"sinks: a random normal logit per head (seed {SINKS_SEED}, mean 0)")
+  variant.add_argument("--dropout-rate", type=dropout_rate, metavar="R",
+                       help=f"dropout_rate=R with a fixed dropout_key (seed {DROPOUT_SEED})")
   parser.add_argument("--preset", choices=("decode",),
                       help="decode: the decoding shapes of issue 15 (B64 T1 32/8 S8192, also "
                            "ragged: every other sequence at S/8; B16 T1 16/16 S16384, B32 T4 "
@@ -132,6 +169,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.error("--reps must be at least 1")
   if args.block_density is not None and args.preset is not None:
     parser.error("--block-density does not apply to --preset")
+  args.variant = variant_of(args)
+  if args.variant is not None and (args.preset is not None or args.block_density is not None):
+    parser.error("the score variants (--logits-soft-cap, --alibi, --sinks, --dropout-rate) do "
+                 "not apply to --preset or --block-density")
   if args.decode_reduce is not None and (args.preset != "decode" or args.decode_reduce < 1):
     parser.error("--decode-reduce takes a positive integer, with --preset decode")
   if args.cases is not None:
@@ -154,6 +195,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.error(f"--head-dims: the {platform.name} table has no head dim column (its cases "
                  f"have head dim {','.join(map(str, platform.default_head_dims))})")
   return args
+
+
+def variant_of(args: argparse.Namespace) -> Variant | None:
+  """The score variant the arguments ask for, None without one."""
+  variant = Variant(logits_soft_cap=args.logits_soft_cap, alibi=args.alibi, sinks=args.sinks,
+                    dropout_rate=args.dropout_rate)
+  return variant if variant.features() else None
 
 
 def with_machine_fraction(platform: Platform, env: dict[str, object],
@@ -200,18 +248,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     cases = block_sparse_cases(cases, args.block_density)
     platform = with_block_sparse(platform)
   env = environment(platform)
+  skip = list(args.skip)
+  if args.variant is not None:
+    platform = with_variant(platform, args.variant, args.deterministic)
+    skip = [name + VARIANT_SUFFIX for name in skip]
   platform, caption = with_machine_fraction(platform, env, cases[0].dtype if cases else "")
   if caption is not None:
     caption += (f"; load average {os.getloadavg()[0]:.2f} at the start"
                 + ("; peers timed in alternating rounds (--interleave)" if args.interleave else ""))
+  if args.variant is not None:
+    caption = "\n".join(filter(None, (caption, variant_caption(args.variant))))
   settings = dict(seqs=list(seqs), head_dims=list(head_dims), causal=args.causal,
                   reps=args.reps, warm_up_runs=platform.warm_up_runs,
                   time_budget_s=TIME_BUDGET_S, quick=args.quick, cases=len(cases),
                   deterministic=args.deterministic, skip=list(args.skip),
                   dtype=cases[0].dtype if cases else args.dtype, interleave=args.interleave,
-                  load_average=list(os.getloadavg()), block_density=args.block_density)
+                  load_average=list(os.getloadavg()), block_density=args.block_density,
+                  variant=None if args.variant is None else dataclasses.asdict(args.variant))
   measurements: list[Measurement] = []
-  for results in run(platform, cases, args.reps, args.skip, interleave=args.interleave):
+  for results in run(platform, cases, args.reps, skip, interleave=args.interleave):
     measurements.extend(results)
     if args.out is not None:
       reported = with_backward(measurements)

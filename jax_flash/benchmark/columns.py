@@ -53,8 +53,9 @@ def rate_column(peer: Peer, unit: RateUnit, header: str | None = None) -> Column
                 lambda row: _ok_cell(row.results[peer.name], lambda m: f"{m.flop_rate(unit):.1f}"))
 
 
-def ratio_column(subject: Peer, peer: Peer) -> Column:
-  """How many times faster the subject is than the peer."""
+def ratio_column(subject: Peer, peer: Peer, header: str | None = None) -> Column:
+  """How many times faster the subject is than the peer (the peer's time over the subject's;
+  header "<subject label>/<peer label>" unless given)."""
 
   def cell(row: Row) -> str:
     mine, theirs = row.results[subject.name], row.results[peer.name]
@@ -62,7 +63,7 @@ def ratio_column(subject: Peer, peer: Peer) -> Column:
       return "-"
     return f"{theirs.median_s / mine.median_s:.2f}x"
 
-  return Column(f"{subject.label}/{peer.label}", cell)
+  return Column(header or f"{subject.label}/{peer.label}", cell)
 
 
 def temp_column(peer: Peer) -> Column:

@@ -82,11 +82,13 @@ GPU = Platform(
 )
 
 PLATFORMS = {"cpu": CPU, "gpu": GPU}
+# The jax_flash kernels each platform times.
+FLASH_KERNELS = {"cpu": "cpu", "gpu": "cuda"}
 
 
 def with_deterministic_flash(platform: Platform) -> Platform:
   """The platform with its jax_flash peer (the first) running the deterministic backward."""
-  kernel = {"cpu": "cpu", "gpu": "cuda"}[platform.name]
+  kernel = FLASH_KERNELS[platform.name]
   return dataclasses.replace(
       platform, peers=(flash_peer(kernel, platform.device_kind, deterministic=True),
                        *platform.peers[1:]))

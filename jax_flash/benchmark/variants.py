@@ -1,0 +1,242 @@
+"""Score variants (--logits-soft-cap, --alibi, --sinks, --dropout-rate): jax_flash timed with
+them beside the plain jax_flash kernel, on the same inputs in the same run, and every other peer
+timed with them where it takes them.
+
+A variant run's peers are the plain jax_flash (the baseline, named "jax_flash"), jax_flash with
+the variant ("jax_flash+variant") and each other peer with the variant ("cudnn+variant", ...).
+A peer that cannot take the variant is unavailable with the reason: for the whole run when it
+has no such option (jax.nn.dot_product_attention takes ALiBi only, as a bias array; Pallas' mha
+and PyTorch's flash kernel take none of them), per case when its kernel refuses the call at
+trace time (a NotImplementedError: the CUDA kernels refuse dropout, and the soft cap and ALiBi
+unless JAX_FLASH_CUDA_SCORE_MODS=1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_flash
+from jax_flash._dispatch import CUDA_SCORE_MODS_VARIABLE
+from jax_flash.benchmark.cases import Case
+from jax_flash.benchmark.columns import (BLOCKS_COLUMN, CAUSAL_COLUMN, HEAD_DIM_COLUMN,
+                                         PASS_COLUMN, SEQ_COLUMN, rate_column, ratio_column,
+                                         temp_column, time_column)
+from jax_flash.benchmark.measure import failure_reason
+from jax_flash.benchmark.peers import AttentionFn, Peer, jax_peer
+from jax_flash.benchmark.platforms import FLASH_KERNELS, Platform
+
+# Appended to a peer's name (results, rate columns) and label (ratio, memory columns) when it
+# runs the variant.
+VARIANT_SUFFIX = "+variant"
+VARIANT_LABEL_SUFFIX = "+v"
+# The seeds of the sink logits and of the dropout key: fixed, so that every run and every
+# peer of a run computes the same thing.
+SINKS_SEED = 0
+DROPOUT_SEED = 0
+# The columns that say which case and pass a row is, kept from the platform's layout.
+_KEY_COLUMNS = (SEQ_COLUMN, HEAD_DIM_COLUMN, CAUSAL_COLUMN, BLOCKS_COLUMN, PASS_COLUMN)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  """What the variant adds to each call: a logit soft cap, ALiBi slopes (geometric, one per
+  head), sink logits (one per head), dropout at a rate (a fixed key)."""
+
+  logits_soft_cap: float | None = None
+  alibi: bool = False
+  sinks: bool = False
+  dropout_rate: float | None = None
+
+  def features(self) -> tuple[str, ...]:
+    """The jax_flash keywords the variant sets."""
+    return tuple(name for name, on in (("logits_soft_cap", self.logits_soft_cap is not None),
+                                       ("alibi_slopes", self.alibi), ("sinks", self.sinks),
+                                       ("dropout_rate", self.dropout_rate is not None)) if on)
+
+  def describe(self) -> str:
+    """One line for the table's caption."""
+    parts = []
+    if self.logits_soft_cap is not None:
+      parts.append(f"logits_soft_cap={self.logits_soft_cap:g}")
+    if self.alibi:
+      parts.append("alibi_slopes 2^(-8h/N), h = 1..N")
+    if self.sinks:
+      parts.append(f"sinks: a random normal logit per head (seed {SINKS_SEED}, mean 0)")
+    if self.dropout_rate is not None:
+      parts.append(f"dropout_rate={self.dropout_rate:g} (key seed {DROPOUT_SEED})")
+    return ", ".join(parts)
+
+  def flash_options(self, heads: int) -> dict[str, object]:
+    """jax_flash.dot_product_attention's keywords for `heads` query heads."""
+    options: dict[str, object] = {}
+    if self.logits_soft_cap is not None:
+      options["logits_soft_cap"] = self.logits_soft_cap
+    if self.alibi:
+      options["alibi_slopes"] = jnp.asarray(alibi_slopes(heads))
+    if self.sinks:
+      options["sinks"] = jnp.asarray(sink_logits(heads))
+    if self.dropout_rate is not None:
+      options.update(dropout_rate=self.dropout_rate, dropout_key=jax.random.key(DROPOUT_SEED))
+    return options
+
+
+def alibi_slopes(heads: int) -> np.ndarray:
+  """ALiBi's geometric slopes, 2^(-8h/N) for heads h = 1..N (the paper's for N a power of 2)."""
+  return (2.0 ** (-8.0 * np.arange(1, heads + 1) / heads)).astype(np.float32)
+
+
+def sink_logits(heads: int) -> np.ndarray:
+  """A random normal logit per head (seed SINKS_SEED), less their mean."""
+  logits = np.random.default_rng(SINKS_SEED).standard_normal(heads)
+  return (logits - logits.mean()).astype(np.float32)
+
+
+def alibi_bias(query: jax.Array, key: jax.Array) -> jax.Array:
+  """ALiBi as the (1, N, T, S) bias array jax.nn takes: slope_h * (j - i), the query's dtype
+  (formed in the step, as a jax.nn user forms it)."""
+  heads, t, s = query.shape[2], query.shape[1], key.shape[1]
+  distance = jnp.arange(s, dtype=jnp.float32)[None, :] - jnp.arange(t, dtype=jnp.float32)[:, None]
+  slopes = jnp.asarray(alibi_slopes(heads))[:, None, None]
+  return (slopes * distance)[None].astype(query.dtype)
+
+
+def _join(features: tuple[str, ...]) -> str:
+  return ", ".join(features)
+
+
+def _flash_attention(kernel: str, deterministic: bool, variant: Variant) -> AttentionFn:
+  def attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
+                is_causal: bool) -> jax.Array:
+    return jax_flash.dot_product_attention(query, key, value, is_causal=is_causal,
+                                           implementation=kernel, deterministic=deterministic,
+                                           **variant.flash_options(query.shape[2]))
+  return attention
+
+
+def _jax_nn_attention(implementation: str) -> AttentionFn:
+  """jax.nn.dot_product_attention with ALiBi as a bias array (the only variant it takes)."""
+  def attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
+                is_causal: bool) -> jax.Array:
+    return jax.nn.dot_product_attention(query, key, value, bias=alibi_bias(query, key),
+                                        is_causal=is_causal, implementation=implementation)
+  return attention
+
+
+def _tokamax_attention(variant: Variant) -> AttentionFn:
+  """tokamax's Mosaic attention with the soft cap and ALiBi (as a bias array) where its
+  dot_product_attention has such parameters, else a NotImplementedError naming them."""
+  def attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
+                is_causal: bool) -> jax.Array:
+    import tokamax
+
+    parameters = inspect.signature(tokamax.dot_product_attention).parameters
+    options: dict[str, object] = {}
+    if variant.logits_soft_cap is not None:
+      options["logits_soft_cap"] = variant.logits_soft_cap
+    if variant.alibi:
+      options["bias"] = alibi_bias(query, key)
+    lacking = [name for name in options if name not in parameters]
+    if lacking:
+      raise NotImplementedError(f"this tokamax's dot_product_attention takes no {_join(lacking)}")
+    return tokamax.dot_product_attention(query, key, value, is_causal=is_causal,
+                                         implementation="mosaic", **options)
+  return attention
+
+
+def _variant_attention(name: str, kernel: str, deterministic: bool,
+                       variant: Variant) -> AttentionFn | str:
+  """Peer `name`'s attention with the variant, or why it takes none."""
+  features = variant.features()
+  if name == "jax_flash":
+    return _flash_attention(kernel, deterministic, variant)
+  if name in ("cudnn", "xla"):
+    lacking = tuple(f for f in features if f != "alibi_slopes")
+    if lacking:
+      return f"jax.nn.dot_product_attention takes no {_join(lacking)}"
+    return _jax_nn_attention(name)
+  if name == "tokamax":
+    lacking = tuple(f for f in features if f in ("sinks", "dropout_rate"))
+    if lacking:
+      return f"tokamax's dot_product_attention is not given {_join(lacking)} here"
+    return _tokamax_attention(variant)
+  who = {"pallas": "Pallas' mha", "torch": "its flash kernel (the one timed)"}.get(name, name)
+  return f"{who} takes no {_join(features)}"
+
+
+@functools.lru_cache(maxsize=64)
+def _refusal(attention: AttentionFn, case: Case) -> str | None:
+  """Why `attention` refuses the case at trace time (a NotImplementedError in its forward or
+  backward), or None; other errors are left to the run, which records them as failures."""
+  shape = jax.ShapeDtypeStruct((case.batch, case.seq, case.heads, case.head_dim),
+                               jnp.dtype(case.dtype))
+
+  def forward_backward(q, k, v, d_out):
+    _, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, is_causal=case.causal), q, k, v)
+    return vjp(d_out)
+
+  try:
+    jax.eval_shape(forward_backward, shape, shape, shape, shape)
+  except NotImplementedError as e:
+    return failure_reason(e)
+  except Exception:  # noqa: BLE001  (not a refusal: the run records what it is)
+    return None
+  return None
+
+
+def variant_peer(peer: Peer, device_kind: str, kernel: str, deterministic: bool,
+                 variant: Variant) -> Peer:
+  """`peer` running the variant: unavailable, with the reason, where it takes none of it or
+  its kernel refuses a case."""
+  name, label = peer.name + VARIANT_SUFFIX, peer.label + VARIANT_LABEL_SUFFIX
+  attention = _variant_attention(peer.name, kernel, deterministic, variant)
+  if isinstance(attention, str):
+    reason = attention
+    return Peer(name=name, label=label, unavailable=lambda: peer.unavailable() or reason,
+                build=peer.build)
+  return jax_peer(name, label, device_kind, attention, peer.unavailable,
+                  lambda case: peer.case_unavailable(case) or _refusal(attention, case))
+
+
+def with_variant(platform: Platform, variant: Variant, deterministic: bool = False) -> Platform:
+  """The platform for a variant run: the plain jax_flash, then every peer with the variant;
+  its table keeps the platform's case columns and, for the variant peers, the rate, ratio and
+  memory columns the platform has for their plain selves, with jax_flash's plain rate and the
+  variant's time over the plain one's after jax_flash's variant rate."""
+  kernel = FLASH_KERNELS[platform.name]
+  plain, *others = platform.peers
+  flash = variant_peer(plain, platform.device_kind, kernel, deterministic, variant)
+  others = [variant_peer(p, platform.device_kind, kernel, deterministic, variant)
+            for p in others]
+  headers = {column.header for column in platform.columns}
+  unit = platform.rate_unit
+
+  def base(peer: Peer) -> Peer:
+    return next(p for p in platform.peers if p.name + VARIANT_SUFFIX == peer.name)
+
+  columns = [c for c in platform.columns if c in _KEY_COLUMNS]
+  if time_column(plain).header in headers:
+    columns += [time_column(plain), time_column(flash)]
+  columns += [rate_column(plain, unit), rate_column(flash, unit),
+              ratio_column(plain, flash, header="variant/plain time")]
+  columns += [rate_column(p, unit) for p in others
+              if rate_column(base(p), unit).header in headers]
+  columns += [ratio_column(flash, p) for p in others
+              if ratio_column(plain, base(p)).header in headers]
+  if temp_column(plain).header in headers:
+    columns += [temp_column(plain), temp_column(flash)]
+  columns += [temp_column(p) for p in others if temp_column(base(p)).header in headers]
+  return dataclasses.replace(platform, peers=(plain, flash, *others), columns=tuple(columns))
+
+
+def variant_caption(variant: Variant) -> str:
+  """The caption line of a variant run: the variant and the CUDA score modifications'
+  switch."""
+  return (f"variant (jax_flash+variant, and each peer that takes it): {variant.describe()}; "
+          f"{CUDA_SCORE_MODS_VARIABLE}={os.environ.get(CUDA_SCORE_MODS_VARIABLE, '(unset)')}")
