@@ -120,11 +120,15 @@ def test_no_import_circle():
 
 
 def test_layers():
-  """ring_attention sits below the public dot_product_attention (they share the dispatch and
-  op layers), and the op layer knows nothing of partitioning or the public API."""
+  """ring_attention and context_parallel_attention (jax_flash._context_parallel, over the ring
+  algorithm of jax_flash._ring) sit below the public dot_product_attention (they share the
+  dispatch and op layers), and the op layer knows nothing of partitioning or the public API."""
   graph = import_graph()
-  assert "jax_flash._attention" not in reachable(graph, "jax_flash._ring")
-  assert {"jax_flash._dispatch", "jax_flash._ops"} <= graph["jax_flash._ring"]
+  for entry in ("jax_flash._ring", "jax_flash._context_parallel"):
+    assert "jax_flash._attention" not in reachable(graph, entry), entry
+  assert {"jax_flash._dispatch", "jax_flash._ops", "jax_flash._ring"} <= graph[
+      "jax_flash._context_parallel"]
+  assert "jax_flash._ops" in graph["jax_flash._ring"]
   below_ops = reachable(graph, "jax_flash._ops")
   assert not below_ops & {"jax_flash._attention", "jax_flash._sharding", "jax_flash._ring",
                           "jax_flash.flax"}, below_ops
