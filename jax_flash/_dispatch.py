@@ -185,6 +185,11 @@ def _check_cuda_runs() -> None:
         "implementation='cpu' or 'xla'")
 
 
+def _takers(supports) -> str:
+  """The implementations whose capabilities `supports` accepts, for a message ("'cpu', 'xla')."""
+  return ", ".join(repr(n) for n in ("cpu", "blockwise", "xla") if supports(capabilities(n)))
+
+
 def select(implementation: str | None, call: Call, *,
            caller: str = "jax_flash.dot_product_attention",
            mask_advice: str | None = None) -> str:
@@ -227,8 +232,7 @@ def select(implementation: str | None, call: Call, *,
         f"They never build the (T, S) scores. {mask_advice or _KERNEL_MASK_ADVICE}")
   if call.segment_ids is not None and not can.segment_ids:
     q_ids, kv_ids = call.segment_ids
-    takers = ", ".join(repr(n) for n in ("cpu", "blockwise", "xla")
-                       if capabilities(n).segment_ids)
+    takers = _takers(lambda other: other.segment_ids)
     raise NotImplementedError(
         f"{caller}: the {name!r} kernels ({picked}) take no segment ids yet; got "
         f"q_segment_ids{q_ids} and kv_segment_ids{kv_ids} with query{call.query}. "
@@ -246,17 +250,14 @@ def select(implementation: str | None, call: Call, *,
   for argument, passed, pronoun in optional:
     if getattr(call, argument) is None or getattr(can, argument):
       continue
-    takers = ", ".join(repr(n) for n in ("cpu", "blockwise", "xla")
-                       if getattr(capabilities(n), argument)
-                       and (capabilities(n).paged or not call.paged))
+    takers = _takers(lambda other: getattr(other, argument) and (other.paged or not call.paged))
     instead = ("implementation='xla' (the pages gathered into a contiguous cache, plain XLA)"
                if call.paged else "implementation='blockwise' on a GPU (FlashAttention in XLA)")
     raise NotImplementedError(
         f"{caller}: the {name!r} kernels ({picked}) take no {argument} yet; got {passed} with "
         f"query{call.query}. Implementations {takers} take {pronoun}: pass {instead}")
   if call.value is not None and not can.value_head_dim:
-    takers = ", ".join(repr(n) for n in ("cpu", "blockwise", "xla")
-                       if capabilities(n).value_head_dim)
+    takers = _takers(lambda other: other.value_head_dim)
     raise NotImplementedError(
         f"{caller}: the {name!r} kernels ({picked}) take no value head dim other than the "
         f"query/key head dim yet; got query{call.query} (H={call.head_dim}) and "
