@@ -466,8 +466,10 @@ def outputs_and_grads(attention, q, k, v, g) -> dict:
 
 def score_variant_references(case: Case, inputs, vis, **variant) -> tuple[dict, dict]:
   """(ref32, refd) of score_variant_attention(**variant) on `inputs` (q, k, v, g): float32 on
-  the upcast inputs, and rounded to the case's dtype (ref32 itself for float32); the cotangent
-  zeroed on rows with no visible key (the function is 0 there)."""
+  the upcast inputs, and rounded to the case's dtype (ref32 itself for float32): its
+  intermediates, and its out, dq, dk and dv as attention in that dtype returns them (as
+  `references`' in-dtype run does; lse stays float32). The cotangent is zeroed on rows with no
+  visible key (the function is 0 there)."""
   q, k, v, g = inputs
   live = vis.any(-1)
   live = live[0] if case.rank3 else live
@@ -478,7 +480,10 @@ def score_variant_references(case: Case, inputs, vis, **variant) -> tuple[dict, 
   ref32 = outputs_and_grads(f32, *upcast, g)
   if case.dtype == "float32":
     return ref32, ref32
-  return ref32, outputs_and_grads(functools.partial(f32, dtype=case.jdtype), *upcast, g)
+  refd = outputs_and_grads(functools.partial(f32, dtype=case.jdtype), *upcast, g)
+  for name in ("out", "dq", "dk", "dv"):
+    refd[name] = np.asarray(jnp.asarray(refd[name]).astype(case.jdtype), np.float64)
+  return ref32, refd
 
 
 def check_score_variant(got: dict, ref32: dict, refd: dict, live: np.ndarray) -> None:
