@@ -13,14 +13,24 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "common/attention_params.h"
+#include "gpu/ptx.cuh"
 
 namespace jax_flash::cuda {
 
 // Whether a call needs the kScoreMods kernels (host side, where the launchers choose).
 inline bool has_score_mods(const AttentionParams& p) {
   return p.logits_soft_cap > 0.f || p.alibi_slopes != nullptr;
+}
+
+// tanh(x) = 1 - 2 / (2^(2 x log2 e) + 1) by the fast exponential and reciprocal: two MUFU
+// operations, where tanhf's accurate path costs several more in a loop that already spends one on
+// every score. Absolute error below 1e-6 (the cap scales it; relative error near 0 does not
+// matter to a softmax input); +-inf give +-1 (__fdividef(2, inf) is 0), NaN stays NaN.
+__device__ __forceinline__ float fast_tanh(float x) {
+  return 1.f - __fdividef(2.f, fast_exp2(x * (2.f * 1.4426950408889634f)) + 1.f);
 }
 
 struct ScoreMods {
@@ -31,38 +41,63 @@ struct ScoreMods {
   float cap, inv_cap;  // cap 0: none
   float slope;         // 0 without slopes
 
-  // For batch element b and query head h of the call.
+  // For batch element b and query head h of the call (once per tile task: it reads the slope).
   __device__ __forceinline__ ScoreMods(const AttentionParams& p, int64_t b, int64_t h)
       : scale(p.scale),
         cap(p.logits_soft_cap),
         inv_cap(p.logits_soft_cap > 0.f ? 1.f / p.logits_soft_cap : 0.f),
         slope(p.alibi_slopes ? p.alibi_slopes[b * p.shape.heads_q + h] : 0.f) {}
 
-  // The modified score of raw score x at (query i, key j). NaN stays NaN.
-  __device__ __forceinline__ float apply(float x, int64_t i, int64_t j) const {
+  // The modified score of raw score x whose key index less query index, j - i, is `offset`
+  // (exact in float below 2^24). NaN stays NaN.
+  // kCap: cap > 0 (the tiles below branch once, not per score).
+  template <bool kCap>
+  __device__ __forceinline__ float apply(float x, float offset) const {
     float s = x * scale;
-    if (cap > 0.f) s = cap * tanhf(s * inv_cap);
-    return s + slope * static_cast<float>(j - i);
+    if constexpr (kCap) s = cap * fast_tanh(s * inv_cap);
+    return fmaf(slope, offset, s);
   }
 
   // d(modified score) / d(scale q.k) at a modified (and masked: -inf) score s: 1 - tanh^2 with a
   // cap (tanh recovered from s less the bias), else 1; 0 where masked.
-  __device__ __forceinline__ float chain_rule(float s, int64_t i, int64_t j) const {
-    if (!(cap > 0.f)) return 1.f;
-    const float t = (s - slope * static_cast<float>(j - i)) * inv_cap;
+  __device__ __forceinline__ float chain_rule(float s, float offset) const {
+    const float t = fmaf(-slope, offset, s) * inv_cap;
     return fmaxf(0.f, fmaf(-t, t, 1.f));  // -inf (masked) gives 0; NaN stays in P
+  }
+
+  // The offsets j - i of an m16n8 accumulator tile are this thread's j - i at its first element
+  // (`base`, one conversion a tile) plus a constant of the element's place; the additions are
+  // exact, so every kernel (and the backward's recomputation) gets the same float offset.
+  // Plain tiles (queries in rows from m0, keys in columns from n0):
+  __device__ __forceinline__ static float tile_base(int64_t m0, int64_t n0, int lane) {
+    return static_cast<float>(static_cast<int>(n0 - m0) + (lane % 4) * 2 - lane / 4);
+  }
+  __device__ __forceinline__ static constexpr int tile_step(int mt, int nt, int e) {
+    return nt * 8 + e % 2 - mt * 16 - (e / 2) * 8;
+  }
+  // The Hopper backward's transposed tiles (keys in rows from key0, queries in columns from
+  // query0):
+  __device__ __forceinline__ static float transposed_base(int64_t key0, int64_t query0, int lane) {
+    return static_cast<float>(static_cast<int>(key0 - query0) + lane / 4 - (lane % 4) * 2);
+  }
+  __device__ __forceinline__ static constexpr int transposed_step(int nt, int e) {
+    return (e / 2) * 8 - nt * 8 - e % 2;
   }
 
   // A warp's kMTiles x kNTiles tile of raw scores, its first row query m0 and column key n0.
   template <int kMTiles, int kNTiles>
   __device__ __forceinline__ void apply(float (&s)[kMTiles][kNTiles][4], int64_t m0, int64_t n0, int lane) const {
+    const float base = tile_base(m0, n0, lane);
+    auto each = [&](auto capped) {
 #pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
+      for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt)
+        for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          s[mt][nt][e] = apply(s[mt][nt][e], m0 + mt * 16 + lane / 4 + (e / 2) * 8, n0 + nt * 8 + (lane % 4) * 2 + e % 2);
+          for (int e = 0; e < 4; ++e)
+            s[mt][nt][e] = apply<decltype(capped)::value>(s[mt][nt][e], base + tile_step(mt, nt, e));
+    };
+    if (cap > 0.f) each(std::true_type{}); else each(std::false_type{});
   }
 
   // The transposed tile of the Hopper backward: rows keys from key0 (this thread's lane / 4
@@ -70,11 +105,15 @@ struct ScoreMods {
   template <int kNTiles>
   __device__ __forceinline__ void apply_transposed(float (&s)[1][kNTiles][4], int64_t key0, int64_t query0,
                                                    int lane) const {
+    const float base = transposed_base(key0, query0, lane);
+    auto each = [&](auto capped) {
 #pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt)
+      for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
-        s[0][nt][e] = apply(s[0][nt][e], query0 + nt * 8 + (lane % 4) * 2 + e % 2, key0 + lane / 4 + (e / 2) * 8);
+        for (int e = 0; e < 4; ++e)
+          s[0][nt][e] = apply<decltype(capped)::value>(s[0][nt][e], base + transposed_step(nt, e));
+    };
+    if (cap > 0.f) each(std::true_type{}); else each(std::false_type{});
   }
 
   // dp <- delta + chain_rule (dp - delta) on a tile (s modified and masked; delta per row), so
@@ -85,6 +124,7 @@ struct ScoreMods {
                                                   const float (&delta)[kMTiles][2], int64_t m0, int64_t n0,
                                                   int lane) const {
     if (!(cap > 0.f)) return;
+    const float base = tile_base(m0, n0, lane);
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -92,8 +132,7 @@ struct ScoreMods {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const float d = delta[mt][e / 2];
-          const float f = chain_rule(s[mt][nt][e], m0 + mt * 16 + lane / 4 + (e / 2) * 8,
-                                     n0 + nt * 8 + (lane % 4) * 2 + e % 2);
+          const float f = chain_rule(s[mt][nt][e], base + tile_step(mt, nt, e));
           dp[mt][nt][e] = fmaf(f, dp[mt][nt][e] - d, d);
         }
   }
@@ -105,13 +144,13 @@ struct ScoreMods {
                                                              const float* delta, int64_t key0, int64_t query0,
                                                              int lane) const {
     if (!(cap > 0.f)) return;
+    const float base = transposed_base(key0, query0, lane);
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int column = nt * 8 + (lane % 4) * 2 + e % 2;
-        const float d = delta[column];
-        const float f = chain_rule(st[0][nt][e], query0 + column, key0 + lane / 4 + (e / 2) * 8);
+        const float d = delta[nt * 8 + (lane % 4) * 2 + e % 2];
+        const float f = chain_rule(st[0][nt][e], base + transposed_step(nt, e));
         dpt[0][nt][e] = fmaf(f, dpt[0][nt][e] - d, d);
       }
   }

@@ -195,9 +195,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (count > 0) {
       auto stage_of = [&](int i) { return (ring + i) % kStages; };
       auto phase_of = [&](int i) { return ((ring + i) / kStages) & 1; };
+      const ScoreMods mods(p, task.b, task.h);  // unused (and not read) without kScoreMods
       auto mask_block = [&](float (&s)[1][kBN / 8][4], int i) {
         const int64_t n0 = static_cast<int64_t>(blk.n_last - i) * kBN;
-        if constexpr (kScoreMods) ScoreMods(p, task.b, task.h).apply(s, m0 + warp_m0, n0, lane);
+        if constexpr (kScoreMods) mods.apply(s, m0 + warp_m0, n0, lane);
         if (blk.needs_mask(n0)) mask_scores(s, p.mask, m0 + warp_m0, n0, task.q_len, task.kv_len, lane);
       };
       if constexpr (Traits::kPingPong)
