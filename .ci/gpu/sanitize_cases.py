@@ -2,10 +2,16 @@
 CUDA kernel family and pass on shapes that hit tile edges, T != S, head dims 40/96/256, lengths,
 windows, GQA, deterministic, and the differentiated forward that writes o in float32.
 
-  compute-sanitizer --tool memcheck python3 .ci/gpu/sanitize_cases.py
+  compute-sanitizer --tool memcheck python3 .ci/gpu/sanitize_cases.py [--score-mods]
+
+--score-mods: every call with a soft cap and ALiBi slopes too (the kernels' kScoreMods
+instantiations, switched on here through JAX_FLASH_CUDA_SCORE_MODS).
 """
 
 from __future__ import annotations
+
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +32,9 @@ CASES = [
 
 
 def main() -> None:
+  score_mods = "--score-mods" in sys.argv[1:]
+  if score_mods:
+    os.environ["JAX_FLASH_CUDA_SCORE_MODS"] = "1"
   for i, (b, t, s, n, kh, h, causal, window, lengths, det) in enumerate(CASES):
     ks = jax.random.split(jax.random.key(i), 4)
     q = jax.random.normal(ks[0], (b, t, n, h), jnp.bfloat16)
@@ -34,6 +43,9 @@ def main() -> None:
     d_o = jax.random.normal(ks[3], (b, t, n, h), jnp.bfloat16)
     kwargs = dict(is_causal=causal, local_window_size=window, implementation="cuda",
                   deterministic=det)
+    if score_mods:
+      kwargs["logits_soft_cap"] = 5.0
+      kwargs["alibi_slopes"] = 2.0 ** (-8.0 * jnp.arange(1, n + 1, dtype=jnp.float32) / n)
     if lengths:
       kwargs["query_seq_lengths"] = jnp.array([max(1, t - 3)] * b, jnp.int32)
       kwargs["key_value_seq_lengths"] = jnp.array([max(1, s // 2)] * b, jnp.int32)
@@ -43,7 +55,7 @@ def main() -> None:
     jax.block_until_ready((out, grads, plain))
     finite = all(bool(jnp.isfinite(x.astype(jnp.float32)).all()) for x in (out, plain, *grads))
     print(f"case {i}: B{b} T{t} S{s} N{n}/{kh} H{h} causal={causal} window={window} "
-          f"lengths={lengths} deterministic={det}: finite={finite}")
+          f"lengths={lengths} deterministic={det} score_mods={score_mods}: finite={finite}")
 
 
 if __name__ == "__main__":
