@@ -14,7 +14,6 @@ functions and modules) describes its call as a :class:`Call` and asks :func:`sel
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Literal
 
 import jax
@@ -30,14 +29,6 @@ MASK_FORMS = frozenset({"causal", "seq_lengths", "local_window"})
 
 _FLOAT_DTYPES = frozenset(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 
-# Experimental until a GPU run has tested them: the CUDA kernels' soft cap and ALiBi slopes
-# (cuda/gpu/score_mods.cuh) are taken only with this variable set to 1 (read at each call).
-CUDA_SCORE_MODS_VARIABLE = "JAX_FLASH_CUDA_SCORE_MODS"
-
-
-def cuda_score_mods_enabled() -> bool:
-  """Whether the "cuda" kernels take logits_soft_cap and alibi_slopes (the variable is 1)."""
-  return os.environ.get(CUDA_SCORE_MODS_VARIABLE, "") == "1"
 _HALF_DTYPES = frozenset(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16))
 
 _KERNEL_MASK_ADVICE = (
@@ -98,8 +89,8 @@ def capabilities(name: str) -> Capabilities:
         # would have run
         sinks=True,
         # the soft cap and ALiBi: the kernels' kScoreMods instantiations (cuda/gpu/
-        # score_mods.cuh), the tiled kernels only (jax_flash._ops.call_kernels); experimental
-        logits_soft_cap=cuda_score_mods_enabled(), alibi_slopes=cuda_score_mods_enabled())
+        # score_mods.cuh), the tiled kernels only (jax_flash._ops.call_kernels)
+        logits_soft_cap=True, alibi_slopes=True)
   if name in ("xla", "blockwise"):
     return Capabilities(
         name, kernel=False, dtypes=_FLOAT_DTYPES, max_head_dim=None, head_dim_multiple=1,

@@ -224,20 +224,11 @@ def test_16_bit_slopes_are_taken_as_float32():
   np.testing.assert_array_equal(a, b)  # the geometric slopes are powers of two
 
 
-def test_cuda_kernels_take_the_slopes_when_enabled(monkeypatch):
-  """The CUDA kernels' slopes (their kScoreMods instantiations) are experimental: without
-  JAX_FLASH_CUDA_SCORE_MODS=1 the dispatch raises at trace time, before any custom call, naming
-  the argument, its shape and the implementations that take it; with it a call with slopes where
-  None picks CUDA runs on them, and the op layer builds the CUDA call with the slopes and their
-  switch."""
+def test_cuda_kernels_take_the_slopes(monkeypatch):
+  """A call with slopes where None picks CUDA runs on the CUDA kernels (their kScoreMods
+  instantiations), and the op layer builds the CUDA call with the slopes and their switch."""
   q = jnp.ones((2, 8, 2, 16), jnp.bfloat16)
   monkeypatch.setattr(_dispatch, "default_implementation", lambda dtype: "cuda")
-  monkeypatch.delenv(_dispatch.CUDA_SCORE_MODS_VARIABLE, raising=False)
-  with pytest.raises(NotImplementedError,
-                     match=r"'cuda' kernels .* take no alibi_slopes yet; got alibi_slopes\(2,\) "
-                           r"with query\(2, 8, 2, 16\).*'cpu', 'blockwise', 'xla'"):
-    jax_flash.dot_product_attention(q, q, q, alibi_slopes=jnp.ones(2))
-  monkeypatch.setenv(_dispatch.CUDA_SCORE_MODS_VARIABLE, "1")
   assert _dispatch.select(None, _dispatch.Call(q.shape, q.dtype, alibi_slopes=(2,))) == "cuda"
   config = _ops.KernelConfig("cuda", 1.0, False, -1, -1)
   slopes = jnp.ones((2, 2))
@@ -269,8 +260,7 @@ CUDA_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("ac", CUDA_CASES, ids=[c.id for c in CUDA_CASES])
-def test_cuda_against_reference(ac, monkeypatch):
-  monkeypatch.setenv(_dispatch.CUDA_SCORE_MODS_VARIABLE, "1")
+def test_cuda_against_reference(ac):
   check(ac, run(ac, "cuda"))
 
 

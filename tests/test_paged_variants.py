@@ -228,18 +228,16 @@ def test_invalid_arguments_raise_as_in_dot_product_attention(bad):
 
 @pytest.mark.parametrize("argument, value", [("logits_soft_cap", 30.0),
                                              ("alibi_slopes", jnp.ones((8,), F32))])
-def test_cuda_refuses_the_cap_and_the_slopes_at_trace_time(monkeypatch, argument, value):
-  """Where the CUDA kernels take neither (dispatch's rule, as for dot_product_attention):
-  refused by name while tracing, naming the paged paths that take it (the check for a GPU
-  stubbed out: this machine may have none)."""
+def test_cuda_takes_the_cap_and_the_slopes_by_gathering(monkeypatch, argument, value):
+  """dispatch lets the soft cap and the slopes through to CUDA (the check for a GPU stubbed
+  out: this machine may have none), and the call gathers the pages for the tiled kernels, whose
+  kScoreMods instantiations take them (the paged decode kernel takes neither)."""
   monkeypatch.setattr(_dispatch, "_check_cuda_runs", lambda: None)
-  monkeypatch.delenv("JAX_FLASH_CUDA_SCORE_MODS", raising=False)  # (experimental CUDA cap/ALiBi)
-  case = dataclasses.replace(CASES[0], dtype="bfloat16")
-  match = (rf"paged_attention: the 'cuda' kernels \(implementation='cuda'\) take no {argument} "
-           r"yet; got .* Implementations 'cpu', 'xla' take .*: pass implementation='xla'")
-  with pytest.raises(NotImplementedError, match=match):
-    jax.make_jaxpr(lambda *a: jax_flash.paged_attention(
-        *a, implementation="cuda", **{argument: value}))(*case.inputs())
+  q, _, vp, _, _ = dataclasses.replace(CASES[0], dtype="bfloat16").inputs()
+  assert _paged._select("cuda", q, vp, **{argument: value}) == "cuda"
+  options = dict(logits_soft_cap=None, sinks=None, alibi_slopes=None)
+  options[argument] = value
+  assert _paged._kernel_route("cuda", q, 2, **options) == "gather"
 
 
 def test_cuda_takes_the_sinks(monkeypatch):
@@ -253,14 +251,15 @@ def test_cuda_takes_the_sinks(monkeypatch):
     _dispatch.select("blockwise", call, caller="jax_flash.paged_attention")
 
 
-# On the GPU: bfloat16/float16 with sinks, T = 1 (gathered for the tiled forward: the decode
-# kernel's o is 16-bit) and chunked prefill.
+# On the GPU: bfloat16/float16 with each variant, T = 1 (gathered for the tiled kernels: the
+# decode kernel's o is 16-bit and it takes no cap or slopes) and chunked prefill.
 CUDA_CASES = [dataclasses.replace(CASES[0], dtype="bfloat16"), CASES[1],
               dataclasses.replace(CASES[2], dtype="float16")]
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("case", CUDA_CASES, ids=_case_id)
-def test_cuda_sinks_against_the_reference(case):
-  out, lse = run(case, "cuda", "sinks")
-  check(case, "sinks", out, lse)
+def test_cuda_against_the_reference(case, variant):
+  out, lse = run(case, "cuda", variant)
+  check(case, variant, out, lse)

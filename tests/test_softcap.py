@@ -179,20 +179,13 @@ def test_ints_and_numpy_floats_are_taken():
   np.testing.assert_array_equal(a, b)
 
 
-def test_cuda_kernels_take_the_cap_when_enabled(monkeypatch):
-  """The CUDA kernels' cap (their kScoreMods instantiations) is experimental: without
-  JAX_FLASH_CUDA_SCORE_MODS=1 the dispatch refuses it at trace time, naming the argument and the
-  implementations that take it; with it, a capped call where None picks CUDA runs on them."""
+def test_cuda_kernels_take_the_cap(monkeypatch):
+  """A capped call where None picks CUDA runs on the CUDA kernels (their kScoreMods
+  instantiations), and the op layer passes the cap to them as an attribute."""
   monkeypatch.setattr(_dispatch, "default_implementation", lambda dtype: "cuda")
-  monkeypatch.delenv(_dispatch.CUDA_SCORE_MODS_VARIABLE, raising=False)
   q = jnp.ones((2, 8, 2, 16), jnp.bfloat16)
-  call = _dispatch.Call(q.shape, q.dtype, logits_soft_cap=30.0)
-  with pytest.raises(NotImplementedError,
-                     match=r"'cuda' kernels .* take no logits_soft_cap yet; got "
-                           r"logits_soft_cap=30.0 .*'cpu', 'blockwise', 'xla'"):
-    jax_flash.dot_product_attention(q, q, q, logits_soft_cap=30.0)
-  monkeypatch.setenv(_dispatch.CUDA_SCORE_MODS_VARIABLE, "1")
-  assert _dispatch.select(None, call) == "cuda"
+  assert _dispatch.select(None, _dispatch.Call(q.shape, q.dtype, logits_soft_cap=30.0)) == "cuda"
+  assert _dispatch.capabilities("cuda").logits_soft_cap
 
 
 # The CUDA kernels (16-bit inputs): the CPU cases' shapes in bf16/f16 (no segment ids on CUDA),
@@ -216,8 +209,7 @@ CUDA_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("cc", CUDA_CASES, ids=[c.id for c in CUDA_CASES])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
-def test_cuda_against_reference(cc, deterministic, monkeypatch):
-  monkeypatch.setenv(_dispatch.CUDA_SCORE_MODS_VARIABLE, "1")
+def test_cuda_against_reference(cc, deterministic):
   if deterministic and cc is not CUDA_CASES[1]:
     pytest.skip("deterministic: one case")
   q, k, v, g, _ = cc.inputs()

@@ -5,12 +5,11 @@ windows, GQA, deterministic, and the differentiated forward that writes o in flo
   compute-sanitizer --tool memcheck python3 .ci/gpu/sanitize_cases.py [--score-mods]
 
 --score-mods: every call with a soft cap and ALiBi slopes too (the kernels' kScoreMods
-instantiations, switched on here through JAX_FLASH_CUDA_SCORE_MODS).
+instantiations).
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
 import jax
@@ -33,8 +32,6 @@ CASES = [
 
 def main() -> None:
   score_mods = "--score-mods" in sys.argv[1:]
-  if score_mods:
-    os.environ["JAX_FLASH_CUDA_SCORE_MODS"] = "1"
   for i, (b, t, s, n, kh, h, causal, window, lengths, det) in enumerate(CASES):
     ks = jax.random.split(jax.random.key(i), 4)
     q = jax.random.normal(ks[0], (b, t, n, h), jnp.bfloat16)

@@ -46,11 +46,10 @@ With a score variant (`variants`: --logits-soft-cap C, --alibi, --sinks, --dropo
 combination), each case times the plain jax_flash ("jax_flash") and jax_flash with the variant
 ("jax_flash+variant") on the same inputs, and every other peer with the variant ("cudnn+variant",
 ...) where it takes it; the table gives the variant's rate (the same FLOP count as the plain
-kernel's) and its time over the plain one's ("variant/plain time"), and above it the variant and
-the value of JAX_FLASH_CUDA_SCORE_MODS (also in results.json: settings' "variant", environment's
-"jax_flash_cuda_score_mods"). A peer that cannot take the variant, or a case its kernel refuses
-at trace time (NotImplementedError: the CUDA kernels' dropout, or their soft cap and ALiBi
-without JAX_FLASH_CUDA_SCORE_MODS=1), reads "unavailable" with the reason.
+kernel's) and its time over the plain one's ("variant/plain time"), and above it the variant
+(also in results.json: settings' "variant"). A peer that cannot take the variant, or a case its
+kernel refuses at trace time (NotImplementedError: the CUDA kernels' dropout), reads
+"unavailable" with the reason.
 
 With --out DIR: results.json (environment, settings, every measurement) and table.md, rewritten
 after each case so that an interrupted run keeps what it measured (`report`), and plot.png at the

@@ -15,7 +15,6 @@ import jax.numpy as jnp
 
 import json
 
-from jax_flash._dispatch import CUDA_SCORE_MODS_VARIABLE
 
 from jax_flash.benchmark.cases import (DECODE_SHORT_FRACTION, DecodeCase, block_sparse_cases,
                                        decode_cases, decode_inputs)
@@ -138,8 +137,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
       "and its time over the plain one's ('variant/plain time'); every other peer runs with "
       "the variant where it takes it (jax.nn's cudnn and xla take ALiBi only, as a (1, N, T, "
       "S) bias array formed in the step), else its cells read 'unavailable' with the reason, "
-      "as does a case the jax_flash kernel refuses (on a GPU: dropout; the soft cap and ALiBi "
-      f"unless {CUDA_SCORE_MODS_VARIABLE}=1). The sinks and slopes are constants (not "
+      "as does a case the jax_flash kernel refuses (on a GPU: dropout). The sinks and slopes "
+      "are constants (not "
       "differentiated)")
   variant.add_argument("--logits-soft-cap", type=soft_cap, metavar="C",
                        help="logits_soft_cap=C (Gemma 2's tanh cap of the scores)")

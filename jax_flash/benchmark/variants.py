@@ -7,8 +7,7 @@ the variant ("jax_flash+variant") and each other peer with the variant ("cudnn+v
 A peer that cannot take the variant is unavailable with the reason: for the whole run when it
 has no such option (jax.nn.dot_product_attention takes ALiBi only, as a bias array; Pallas' mha
 and PyTorch's flash kernel take none of them), per case when its kernel refuses the call at
-trace time (a NotImplementedError: the CUDA kernels refuse dropout, and the soft cap and ALiBi
-unless JAX_FLASH_CUDA_SCORE_MODS=1).
+trace time (a NotImplementedError: the CUDA kernels refuse dropout).
 """
 
 from __future__ import annotations
@@ -16,14 +15,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jax_flash
-from jax_flash._dispatch import CUDA_SCORE_MODS_VARIABLE
 from jax_flash.benchmark.cases import Case
 from jax_flash.benchmark.columns import (BLOCKS_COLUMN, CAUSAL_COLUMN, HEAD_DIM_COLUMN,
                                          PASS_COLUMN, SEQ_COLUMN, rate_column, ratio_column,
@@ -236,7 +233,5 @@ def with_variant(platform: Platform, variant: Variant, deterministic: bool = Fal
 
 
 def variant_caption(variant: Variant) -> str:
-  """The caption line of a variant run: the variant and the CUDA score modifications'
-  switch."""
-  return (f"variant (jax_flash+variant, and each peer that takes it): {variant.describe()}; "
-          f"{CUDA_SCORE_MODS_VARIABLE}={os.environ.get(CUDA_SCORE_MODS_VARIABLE, '(unset)')}")
+  """The caption line of a variant run."""
+  return f"variant (jax_flash+variant, and each peer that takes it): {variant.describe()}"
