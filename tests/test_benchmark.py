@@ -320,3 +320,165 @@ def test_variant_arguments_are_checked():
   args = benchmark.parse_args(["--platform", "cpu", "--sinks", "--dropout-rate", "0.2"])
   assert args.variant.features() == ("sinks", "dropout_rate")
   assert benchmark.parse_args(["--platform", "cpu"]).variant is None
+
+
+# Packed documents (--packed-documents D): jax_flash with segment ids beside itself on the same
+# tokens as separate rows, and the peers that can express the packed mask.
+PACKED_CASE = benchmark.Case(batch=1, seq=256, heads=4, head_dim=32, dtype="float32",
+                             causal=True, documents=4)
+PACKED_CPU_RUN = ["--platform", "cpu", "--seqs", "256", "--head-dims", "32", "--causal", "yes",
+                  "--reps", "1", "--packed-documents", "4"]
+
+
+def table_rows(lines):
+  """The table's header cells and its rows as dicts by header (lines from table_lines)."""
+  def cells(line):
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+  header = cells(lines[0])
+  return header, [dict(zip(header, cells(line))) for line in lines[2:] if line.startswith("| ")]
+
+
+def test_packed_flops_count_only_the_document_pairs():
+  """A packed case's FLOPs: D documents of (S/D)^2 pairs, halved when causal (a hand count),
+  the same as the separate rows' (B*D rows of S/D tokens); ids sorted, end to end."""
+  forward = 4 * 4 * 64**2 * 4 * 32 / 2  # 4 * documents * (256/4)^2 * heads * head dim, causal
+  assert PACKED_CASE.flops("fwd") == forward
+  assert PACKED_CASE.flops("fwd+bwd") == 3.5 * forward
+  separate = benchmark.Case(batch=4, seq=64, heads=4, head_dim=32, dtype="float32", causal=True)
+  assert PACKED_CASE.flops("fwd") == separate.flops("fwd")
+  non_causal = dataclasses.replace(PACKED_CASE, causal=False)
+  assert non_causal.flops("fwd") == 2 * forward
+  np.testing.assert_array_equal(PACKED_CASE.document_ids(), np.repeat(np.arange(4), 64))
+  assert benchmark.packed_cases([PACKED_CASE.dense()], 4)[0].documents == 4
+  with pytest.raises(ValueError, match="seq 256 is not divisible by 3"):
+    benchmark.packed_cases([PACKED_CASE], 3)
+
+
+def test_packed_outputs_agree():
+  """The peers of a packed case compute the same attention: each document on its own."""
+  import torch
+
+  from jax_flash.benchmark import peers
+
+  for causal in (True, False):
+    case = dataclasses.replace(PACKED_CASE, seq=128, heads=2, causal=causal)
+    q, k, v, _ = benchmark.make_inputs(case).arrays()
+    documents = [slice(i * 32, (i + 1) * 32) for i in range(4)]
+    reference = np.concatenate([jax.nn.dot_product_attention(q[:, d], k[:, d], v[:, d],
+                                                             is_causal=causal)
+                                for d in documents], axis=1)
+    for peer in (peers.FLASH_CPU, peers.XLA_CPU, peers.separate_flash_peer("cpu", "cpu")):
+      out = peer.build.args[0](q, k, v, is_causal=causal, documents=4)
+      np.testing.assert_allclose(out, reference, atol=2e-5, err_msg=peer.name)
+    q_t, k_t, v_t = (torch.from_numpy(np.ascontiguousarray(x.swapaxes(1, 2))) for x in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(q_t, k_t, v_t,
+                                                           attn_mask=peers.torch_attn_mask(case))
+    np.testing.assert_allclose(out.numpy().swapaxes(1, 2), reference, atol=2e-5)
+
+
+def test_cli_packed_documents(tmp_path, capsys, monkeypatch):
+  """--packed-documents 4 on the CPU: jax_flash packed and its separate-rows baseline, their
+  rates and time ratio; XLA with the mask; PyTorch's flash kernel with an attn_mask (or
+  unavailable saying so); the FLOPs of a packed row, the switch in the caption, the settings."""
+  import json
+
+  monkeypatch.delenv("JAX_FLASH_CUDA_SEGMENT_IDS", raising=False)
+  assert benchmark.main([*PACKED_CPU_RUN, "--out", str(tmp_path)]) == 0
+  lines = table_lines(capsys)
+  header, rows = table_rows(lines)
+  assert header[:10] == ["seq", "hdim", "causal", "docs", "pass", "jax_flash_separate ms",
+                         "jax_flash ms", "jax_flash_separate GFLOP/s", "jax_flash GFLOP/s",
+                         "packed/separate time"]
+  for column in ("xla GFLOP/s", "torch GFLOP/s", "flash/xla", "temp MiB flash sep"):
+    assert column in header
+  assert [row["pass"] for row in rows] == ["fwd", "bwd", "fwd+bwd"]
+  assert all(row["docs"] == "4x64" for row in rows)
+  for row in (rows[0], rows[2]):  # fwd, fwd+bwd (bwd is derived, and may not be at --reps 1)
+    ratio = float(row["packed/separate time"].rstrip("x"))
+    assert ratio == pytest.approx(float(row["jax_flash ms"]) / float(row["jax_flash_separate ms"]),
+                                  rel=0.05, abs=0.01)  # the ms cells are rounded
+  table = (tmp_path / "table.md").read_text()
+  assert "FLOPs count only the pairs within documents" in table
+  assert "JAX_FLASH_CUDA_SEGMENT_IDS=(unset)" in table
+  results = json.loads((tmp_path / "results.json").read_text())
+  assert results["settings"]["packed_documents"] == 4
+  assert results["settings"]["block_density"] is None and results["settings"]["variant"] is None
+  assert results["environment"]["jax_flash_cuda_segment_ids"] is None
+  by_peer = {(m["peer"], m["pass"]): m for m in results["measurements"]}
+  for peer in ("jax_flash", "jax_flash_separate", "xla"):
+    for pass_name in ("fwd", "fwd+bwd"):
+      m = by_peer[(peer, pass_name)]
+      assert m["status"] == "ok" and m["documents"] == 4, m
+      assert m["flop"] == PACKED_CASE.flops(pass_name)
+  assert by_peer[("jax_flash", "fwd")]["flop"] == 4 * 4 * 64**2 * 4 * 32 / 2
+  torch_fwd = by_peer[("torch", "fwd")]
+  assert torch_fwd["status"] == "ok" or "attn_mask" in torch_fwd["reason"]
+
+
+def test_cli_refused_segment_ids_are_unavailable(monkeypatch, capsys):
+  """A kernel that refuses segment ids at trace time (the CUDA kernels without
+  JAX_FLASH_CUDA_SEGMENT_IDS=1) leaves jax_flash's packed cells 'unavailable' with the
+  NotImplementedError's reason; the separate rows still run, the caption shows the switch."""
+  import jax_flash
+
+  original = jax_flash.dot_product_attention
+
+  def refusing(*args, q_segment_ids=None, kv_segment_ids=None, **kwargs):
+    if q_segment_ids is not None:
+      raise NotImplementedError("'cuda' takes no segment ids yet (test)")
+    return original(*args, **kwargs)
+
+  monkeypatch.setattr(jax_flash, "dot_product_attention", refusing)
+  monkeypatch.setenv("JAX_FLASH_CUDA_SEGMENT_IDS", "0")
+  assert benchmark.main([*PACKED_CPU_RUN, "--seqs", "128", "--skip", "xla", "torch"]) == 0
+  out = capsys.readouterr().out
+  assert "JAX_FLASH_CUDA_SEGMENT_IDS=0" in out
+  lines = out.splitlines()
+  _, rows = table_rows(lines[next(i for i, line in enumerate(lines)
+                                  if line.startswith("| seq |")):])
+  assert all(row["jax_flash GFLOP/s"] == "unavailable" for row in rows)
+  assert all(row["jax_flash_separate GFLOP/s"] not in ("unavailable", "fails") for row in rows)
+  assert all(row["packed/separate time"] == "-" for row in rows)
+  assert ("- jax_flash unavailable: NotImplementedError: 'cuda' takes no segment ids yet "
+          "(test)") in lines
+
+
+def test_gpu_packed_peers():
+  """On the GPU platform: jax_flash, its separate rows, then every peer with the packed mask
+  (cuDNN, tokamax and XLA a bool mask, Pallas segment ids), their columns as the platform has
+  them; the caption says how each takes the documents and shows the switch."""
+  from jax_flash.benchmark.packed import packed_caption
+
+  platform = benchmark.with_packed_documents(benchmark.GPU)
+  assert [p.name for p in platform.peers] == [
+      "jax_flash", "jax_flash_separate", "cudnn", "tokamax", "xla", "pallas"]
+  headers = [column.header for column in platform.columns]
+  assert headers[:8] == ["seq", "hdim", "causal", "docs", "pass", "jax_flash_separate TFLOP/s",
+                         "jax_flash TFLOP/s", "packed/separate time"]
+  for header in ("cudnn TFLOP/s", "tokamax TFLOP/s", "flash/cudnn", "flash/pallas",
+                 "temp MiB flash sep", "temp MiB xla"):
+    assert header in headers
+  packed = dataclasses.replace(GPU_CASE, documents=2)
+  assert platform.peers[1].case_unavailable(GPU_CASE) is not None
+  assert platform.peers[4].case_unavailable(packed) is None  # xla: no probe needed
+  caption = packed_caption(platform, 16)
+  assert "cudnn: a (B, 1, T, S) bool mask formed in the step" in caption
+  assert "pallas: its (B, T) segment ids" in caption and "torch" not in caption
+
+
+def test_packed_documents_arguments_are_checked(capsys):
+  """A seq that D does not divide is refused naming the flag and the seq; D is a positive
+  integer; the mode does not combine with the other modes."""
+  with pytest.raises(SystemExit):
+    benchmark.parse_args(["--platform", "cpu", "--seqs", "256,200", "--packed-documents", "16"])
+  assert "--packed-documents 16: seq 200 is not divisible by 16" in capsys.readouterr().err
+  for bad in (["--packed-documents", "0"], ["--packed-documents", "1.5"],
+              ["--packed-documents", "4", "--block-density", "0.5"],
+              ["--packed-documents", "4", "--alibi"],
+              ["--packed-documents", "4", "--preset", "decode"]):
+    with pytest.raises(SystemExit):
+      benchmark.parse_args(["--platform", "cpu", "--seqs", "256", *bad])
+  args = benchmark.parse_args(["--platform", "cpu", "--seqs", "256", "--packed-documents", "4"])
+  assert args.packed_documents == 4
+  assert benchmark.parse_args(["--platform", "cpu"]).packed_documents is None

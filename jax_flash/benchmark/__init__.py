@@ -5,6 +5,7 @@
                                   [--reps N] [--out DIR] [--quick] [--deterministic]
                                   [--skip PEER ...] [--block-density D]
                                   [--logits-soft-cap C] [--alibi] [--sinks] [--dropout-rate R]
+                                  [--packed-documents D]
 
 Each platform (`platforms`) has a list of cases (`cases`), a list of peers (`peers`) and a table
 layout (`columns`):
@@ -51,17 +52,37 @@ kernel's) and its time over the plain one's ("variant/plain time"), and above it
 kernel refuses at trace time (NotImplementedError: the CUDA kernels' dropout), reads
 "unavailable" with the reason.
 
+With --packed-documents D (`packed`), every case is packed: each row holds D documents of seq/D
+tokens end to end (ids sorted; every seq must be divisible by D), and a token attends only
+within its document (causal within it in the causal cases). jax_flash runs it with
+q_segment_ids = kv_segment_ids, and beside it, on the same inputs, "jax_flash_separate" runs
+the same tokens as batch*D separate rows of seq/D (the inputs reshaped: the baseline of issue
+16); the table gives the docs column ("16x1024"), both rates and jax_flash's packed time over
+the separate one's ("packed/separate time"). The other peers run the packed mask where they
+can express it: jax.nn's xla and cudnn and tokamax a (B, 1, T, S) bool mask formed in the step,
+Pallas its segment ids, PyTorch's CPU flash kernel a bool attn_mask (the causal mask folded
+in); else, or where a kernel refuses the call at trace time (a NotImplementedError; cuDNN also
+a ValueError), they read "unavailable" with the reason. The CUDA kernels take segment ids only
+with JAX_FLASH_CUDA_SEGMENT_IDS=1 (experimental): without it jax_flash's packed cells read
+"unavailable", and the caption (and results.json's environment) shows the switch. A packed
+row's FLOPs count only the pairs within documents (1/D of the dense convention's: each of D
+documents (seq/D)^2, halved when causal), which is also what the separate rows compute, so
+the rates compare. results.json: settings' "packed_documents", each measurement's
+"documents".
+
 With --out DIR: results.json (environment, settings, every measurement) and table.md, rewritten
 after each case so that an interrupted run keeps what it measured (`report`), and plot.png at the
 end (`plot`).
 """
 
 from jax_flash.benchmark.cases import (FWD_BWD_FLOP_FACTOR, PASSES, Case, Inputs,
-                                       block_sparse_cases, cpu_cases, gpu_cases, make_inputs)
+                                       block_sparse_cases, cpu_cases, document_ids, gpu_cases,
+                                       make_inputs, packed_cases)
 from jax_flash.benchmark.cli import main, parse_args, positive_ints
 from jax_flash.benchmark.columns import Column, Row
 from jax_flash.benchmark.measure import (TIME_BUDGET_S, Compiled, Measurement, check_fits,
                                          failure_reason, peak_bytes_in_use, time_step)
+from jax_flash.benchmark.packed import packed_caption, with_packed_documents
 from jax_flash.benchmark.peers import TOKAMAX_GPU, Peer, flash_peer, jax_peer
 from jax_flash.benchmark.platforms import CPU, GPU, PLATFORMS, Platform, with_deterministic_flash
 from jax_flash.benchmark.plot import write_plot
@@ -76,9 +97,10 @@ _accelerator_packages = accelerator_packages
 __all__ = [
     "CPU", "FWD_BWD_FLOP_FACTOR", "GPU", "PASSES", "PLATFORMS", "TABLE_PASSES", "TIME_BUDGET_S",
     "TOKAMAX_GPU", "Case", "Column", "Compiled", "Inputs", "Measurement", "Peer", "Platform",
-    "Row", "accelerator_packages", "block_sparse_cases", "check_fits", "cpu_cases", "environment",
-    "failure_reason",
+    "Row", "accelerator_packages", "block_sparse_cases", "check_fits", "cpu_cases",
+    "document_ids", "environment", "failure_reason",
     "flash_peer", "format_table", "gpu_cases", "jax_peer", "main", "make_inputs", "measure_peer",
-    "parse_args", "peak_bytes_in_use", "positive_ints", "run", "time_step", "Variant",
-    "with_backward", "with_deterministic_flash", "with_variant", "write_plot", "write_results",
+    "packed_caption", "packed_cases", "parse_args", "peak_bytes_in_use", "positive_ints", "run",
+    "time_step", "Variant", "with_backward", "with_deterministic_flash",
+    "with_packed_documents", "with_variant", "write_plot", "write_results",
 ]

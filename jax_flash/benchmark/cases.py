@@ -25,7 +25,10 @@ BLOCK_MASK_SEED = 0
 @dataclasses.dataclass(frozen=True)
 class Case:
   """One attention problem: self-attention of `seq` tokens, shapes (B, S, N, H); with
-  `block_density` block-sparse, under block_mask() (None: dense, no block mask)."""
+  `block_density` block-sparse, under block_mask() (None: dense, no block mask); with
+  `documents` D packed: each row holds D documents of seq / D tokens end to end
+  (document_ids), and a token attends only within its document (None: one sequence a row).
+  """
 
   batch: int
   seq: int
@@ -34,10 +37,12 @@ class Case:
   dtype: str
   causal: bool
   block_density: float | None = None
+  documents: int | None = None
 
   def flops(self, pass_name: str) -> float:
     """FLOPs of one pass by the FlashAttention convention; a block-sparse case counts only the
-    blocks its mask lets through (computed_fraction)."""
+    blocks its mask lets through, a packed one only the pairs within documents
+    (computed_fraction)."""
     forward = 4.0 * self.batch * self.seq**2 * self.heads * self.head_dim
     if self.causal:
       forward /= 2
@@ -53,18 +58,38 @@ class Case:
     return _block_mask(self.seq, self.block_density)
 
   def computed_fraction(self) -> float:
-    """The share of the dense convention's FLOPs a block-sparse case computes (1 when dense):
-    its visible blocks, each a whole block, a diagonal one half a block when causal (so that
-    an all-True mask gives 1 exactly), over the dense count. Blocks above the diagonal of a
-    causal case compute nothing whatever the mask says."""
+    """The share of the dense convention's FLOPs the case computes (1 when dense, one sequence
+    a row).
+
+    Block-sparse: its visible blocks, each a whole block, a diagonal one half a block when
+    causal (so that an all-True mask gives 1 exactly), over the dense count; blocks above the
+    diagonal of a causal case compute nothing whatever the mask says. Packed: 1 / D, the
+    document-diagonal pairs (D documents of (S/D)^2 pairs each, halved when causal as the
+    convention halves S^2), which is also what D separate rows of S/D tokens compute.
+    """
+    fraction = 1.0 if self.documents is None else 1.0 / self.documents
     mask = self.block_mask()
     if mask is None:
-      return 1.0
-    return _visible_blocks(mask, self.causal) / _visible_blocks(np.ones_like(mask), self.causal)
+      return fraction
+    return fraction * (_visible_blocks(mask, self.causal)
+                       / _visible_blocks(np.ones_like(mask), self.causal))
 
   def dense(self) -> Case:
     """The same problem without a block mask."""
     return dataclasses.replace(self, block_density=None)
+
+  def document_ids(self) -> np.ndarray | None:
+    """A packed case's (S,) int32 document id of each token (None when not packed)."""
+    return None if self.documents is None else document_ids(self.seq, self.documents)
+
+
+def document_ids(seq: int, documents: int) -> np.ndarray:
+  """(seq,) int32: `documents` documents of seq // documents tokens, end to end, ids sorted
+  (0, ..., 0, 1, ..., D - 1)."""
+  if documents < 1 or seq % documents:
+    raise ValueError(f"packed documents: seq {seq} is not divisible by {documents} documents "
+                     "(each row holds D documents of seq / D tokens)")
+  return np.arange(seq, dtype=np.int32) // (seq // documents)
 
 
 @functools.lru_cache(maxsize=8)
@@ -90,6 +115,14 @@ def block_sparse_cases(cases: Sequence[Case], density: float) -> list[Case]:
   """Each case block-sparse at `density`, followed by its dense twin (timed in the same run)."""
   return [c for case in cases
           for c in (dataclasses.replace(case, block_density=density), case.dense())]
+
+
+def packed_cases(cases: Sequence[Case], documents: int) -> list[Case]:
+  """Each case packed: rows of `documents` documents (a ValueError naming the seq where it is
+  not divisible by `documents`)."""
+  for case in cases:
+    document_ids(case.seq, documents)  # raises for a seq it does not divide
+  return [dataclasses.replace(case, documents=documents) for case in cases]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,11 +17,12 @@ import json
 
 
 from jax_flash.benchmark.cases import (DECODE_SHORT_FRACTION, DecodeCase, block_sparse_cases,
-                                       decode_cases, decode_inputs)
+                                       decode_cases, decode_inputs, packed_cases)
 from jax_flash.benchmark.columns import HEAD_DIM_COLUMN, peak_fraction_column
 from jax_flash.benchmark.provenance import environment
 from jax_flash.benchmark.measure import (ACCELERATOR_CALLS_PER_STEP, TIME_BUDGET_S, Measurement,
                                          compile_step, failure_reason, time_step)
+from jax_flash.benchmark.packed import packed_caption, with_packed_documents
 from jax_flash.benchmark.platforms import (PLATFORMS, Platform, no_devices, with_block_sparse,
                                            with_deterministic_flash)
 from jax_flash.benchmark.plot import write_plot
@@ -67,6 +68,11 @@ def soft_cap(text: str) -> float:
 def dropout_rate(text: str) -> float:
   """A dropout rate: a number in (0, 1)."""
   return _number(text, lambda v: 0.0 < v < 1.0, "a dropout rate in (0, 1)")
+
+
+def documents(text: str) -> int:
+  """A number of documents per row: a positive integer."""
+  return int(_number(text, lambda v: v >= 1 and v == int(v), "a positive integer"))
 
 
 def _per_platform(attribute: str) -> str:
@@ -123,6 +129,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--skip", nargs="+", default=[], metavar="PEER",
                       help="peers not to run, for a shorter run (their cells read "
                            f"'unavailable'); jax_flash cannot be skipped ({_peer_names()})")
+  parser.add_argument("--packed-documents", type=documents, metavar="D",
+                      help="packed cases: each row holds D documents of seq/D tokens end to end "
+                           "(every seq must be divisible by D); jax_flash takes q_segment_ids = "
+                           "kv_segment_ids (causal within each document in the causal cases) "
+                           "and is timed beside itself on the same tokens as batch*D separate "
+                           "rows of seq/D ('jax_flash_separate'), with the time ratio "
+                           "('packed/separate time'); the other peers run where they can "
+                           "express the packed mask (jax.nn's xla and cudnn and tokamax a "
+                           "(B, 1, T, S) bool mask formed in the step, Pallas segment ids, "
+                           "PyTorch a bool attn_mask), else read 'unavailable' with the reason, "
+                           "as does jax_flash where its kernel refuses segment ids (the CUDA "
+                           "kernels without JAX_FLASH_CUDA_SEGMENT_IDS=1); FLOP rates count "
+                           "only the pairs within documents")
   parser.add_argument("--block-density", type=density, metavar="D",
                       help="block-sparse cases: each case with a random block mask (64 x 64 "
                            "blocks, a fraction D of them set, fixed seed, every query block "
@@ -172,6 +191,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   if args.variant is not None and (args.preset is not None or args.block_density is not None):
     parser.error("the score variants (--logits-soft-cap, --alibi, --sinks, --dropout-rate) do "
                  "not apply to --preset or --block-density")
+  if args.packed_documents is not None and (
+      args.preset is not None or args.block_density is not None or args.variant is not None):
+    parser.error("--packed-documents does not apply to --preset, --block-density or the score "
+                 "variants")
   if args.decode_reduce is not None and (args.preset != "decode" or args.decode_reduce < 1):
     parser.error("--decode-reduce takes a positive integer, with --preset decode")
   if args.cases is not None:
@@ -185,6 +208,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   args.seqs = [n for group in args.seqs for n in group] if args.seqs else None
   args.head_dims = [n for group in args.head_dims for n in group] if args.head_dims else None
   platform = PLATFORMS[args.platform]
+  for seq in case_seqs(args, platform) if args.packed_documents is not None else ():
+    if seq % args.packed_documents:
+      parser.error(f"--packed-documents {args.packed_documents}: seq {seq} is not divisible by "
+                   f"{args.packed_documents} (each row holds {args.packed_documents} documents "
+                   f"of seq/{args.packed_documents} tokens)")
   allowed = skippable(platform)
   for name in args.skip:
     if name not in allowed:
@@ -194,6 +222,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.error(f"--head-dims: the {platform.name} table has no head dim column (its cases "
                  f"have head dim {','.join(map(str, platform.default_head_dims))})")
   return args
+
+
+def case_seqs(args: argparse.Namespace, platform: Platform) -> tuple[int, ...]:
+  """The sequence lengths the arguments ask for on `platform`."""
+  if args.seqs:
+    return tuple(args.seqs)
+  return platform.quick_seqs if args.quick else platform.default_seqs
 
 
 def variant_of(args: argparse.Namespace) -> Variant | None:
@@ -236,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2
   if args.preset == "decode":
     return run_decode(platform, args)
-  seqs = args.seqs or (platform.quick_seqs if args.quick else platform.default_seqs)
+  seqs = case_seqs(args, platform)
   head_dims = args.head_dims or (
       platform.quick_head_dims if args.quick else platform.default_head_dims)
   causal_modes = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
@@ -246,6 +281,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.block_density is not None:
     cases = block_sparse_cases(cases, args.block_density)
     platform = with_block_sparse(platform)
+  if args.packed_documents is not None:
+    cases = packed_cases(cases, args.packed_documents)
+    platform = with_packed_documents(platform, args.deterministic)
   env = environment(platform)
   skip = list(args.skip)
   if args.variant is not None:
@@ -255,15 +293,18 @@ def main(argv: Sequence[str] | None = None) -> int:
   if caption is not None:
     caption += (f"; load average {os.getloadavg()[0]:.2f} at the start"
                 + ("; peers timed in alternating rounds (--interleave)" if args.interleave else ""))
-  if args.variant is not None:
-    caption = "\n".join(filter(None, (caption, variant_caption(args.variant))))
+  mode_caption = (variant_caption(args.variant) if args.variant is not None
+                  else packed_caption(platform, args.packed_documents)
+                  if args.packed_documents is not None else None)
+  caption = "\n".join(filter(None, (caption, mode_caption))) or None
   settings = dict(seqs=list(seqs), head_dims=list(head_dims), causal=args.causal,
                   reps=args.reps, warm_up_runs=platform.warm_up_runs,
                   time_budget_s=TIME_BUDGET_S, quick=args.quick, cases=len(cases),
                   deterministic=args.deterministic, skip=list(args.skip),
                   dtype=cases[0].dtype if cases else args.dtype, interleave=args.interleave,
                   load_average=list(os.getloadavg()), block_density=args.block_density,
-                  variant=None if args.variant is None else dataclasses.asdict(args.variant))
+                  variant=None if args.variant is None else dataclasses.asdict(args.variant),
+                  packed_documents=args.packed_documents)
   measurements: list[Measurement] = []
   for results in run(platform, cases, args.reps, skip, interleave=args.interleave):
     measurements.extend(results)
@@ -276,6 +317,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.block_density is not None:  # one line per peer: the block-sparse rows
       measurements = [m for m in measurements if m.case.block_density is not None]
       title += f", block density {args.block_density:g}"
+    if args.packed_documents is not None:
+      title += f", {args.packed_documents} documents per row"
     try:
       write_plot(args.out / "plot.png", platform, measurements, title)
     except Exception as e:  # the plot only shows what results.json holds: warn, lose nothing

@@ -34,6 +34,9 @@ PASS_COLUMN = Column("pass", lambda row: row.pass_name)
 # Block-sparse runs: the share of the dense FLOPs a row's case computes ("dense": no block mask).
 BLOCKS_COLUMN = Column("blocks", lambda row: "dense" if row.case.block_density is None
                        else f"{100 * row.case.computed_fraction():.1f}%")
+# Packed-document runs: the documents of a row and their length ("16x1024").
+DOCUMENTS_COLUMN = Column("docs", lambda row: "-" if row.case.documents is None
+                          else f"{row.case.documents}x{row.case.seq // row.case.documents}")
 
 
 def _ok_cell(measurement: Measurement, value: Callable[[Measurement], str]) -> str:

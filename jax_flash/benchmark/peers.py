@@ -3,7 +3,8 @@
 A peer builds, for one case, a step per pass that runs the forward pass to completion and one that
 runs forward and backward; or it reports why it is unavailable (a package that does not import, a
 kernel this build lacks), everywhere or for a kind of case (block-sparse cases: only the peers
-that can express a block mask run them).
+that can express a block mask run them; packed-document cases: only those that take segment ids
+or a mask, and whose kernel does not refuse them at trace time).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import math
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import jax_flash
@@ -26,19 +28,98 @@ from jax_flash.benchmark.measure import (ACCELERATOR_CALLS_PER_STEP, Compiled, P
                                          compile_step, failure_reason)
 
 # An attention function over (B, S, N, H) arrays: (query, key, value, is_causal) -> output; for a
-# block-sparse case also block_mask=(Tb, Sb) bool.
+# block-sparse case also block_mask=(Tb, Sb) bool, for a packed case documents=D (an int).
 AttentionFn = Callable[..., jax.Array]
 
 NO_BLOCK_MASK = "takes no block mask (block-sparse cases run jax_flash's 'cpu' kernel and XLA)"
+NO_DOCUMENTS = "takes no segment ids or mask (packed documents)"
+# A case's kinds a peer runs: a reason it does not, None where it does.
+CaseKinds = Callable[[Case], str | None]
 
 
-def _dense_only(reason: str) -> Callable[[Case], str | None]:
-  """A peer's case_unavailable: `reason` for block-sparse cases, None for dense ones."""
-  return lambda case: None if case.block_density is None else reason
+def case_kinds(block_sparse: str | None = NO_BLOCK_MASK,
+               packed: str | None = NO_DOCUMENTS) -> CaseKinds:
+  """A peer's case_unavailable: `block_sparse` for block-sparse cases and `packed` for
+  packed-document ones (each a reason, or None where the peer runs them); None for the rest."""
+
+  def unavailable(case: Case) -> str | None:
+    if case.block_density is not None and block_sparse is not None:
+      return block_sparse
+    if case.documents is not None and packed is not None:
+      return packed
+    return None
+
+  return unavailable
 
 
 def _any_case(case: Case) -> str | None:
   return None
+
+
+def _case_call(attention: AttentionFn, case: Case) -> Callable[..., jax.Array]:
+  """attention as the case calls it: (q, k, v, *blocks) -> output, its block mask (if any) the
+  last argument, its documents (if packed) a constant."""
+
+  def forward(q: jax.Array, k: jax.Array, v: jax.Array, *blocks: jax.Array) -> jax.Array:
+    options: dict[str, object] = dict(block_mask=blocks[0]) if blocks else {}
+    if case.documents is not None:
+      options["documents"] = case.documents
+    return attention(q, k, v, is_causal=case.causal, **options)
+
+  return forward
+
+
+def trace_refusal(attention: AttentionFn, case: Case,
+                  refused: tuple[type[Exception], ...] = (NotImplementedError,)) -> str | None:
+  """Why `attention` refuses the case at trace time (one of the `refused` errors, by default a
+  NotImplementedError, in its forward or backward), or None; other errors are left to the run,
+  which records them as failures. Not cached: the CUDA kernels read their switches at each
+  call."""
+  shape = jax.ShapeDtypeStruct((case.batch, case.seq, case.heads, case.head_dim),
+                               jnp.dtype(case.dtype))
+  mask = case.block_mask()
+  blocks = () if mask is None else (jax.ShapeDtypeStruct(mask.shape, mask.dtype),)
+  forward = _case_call(attention, case)
+
+  def forward_backward(q, k, v, d_out, *blocks):
+    _, vjp = jax.vjp(lambda q, k, v: forward(q, k, v, *blocks), q, k, v)
+    return vjp(d_out)
+
+  try:
+    jax.eval_shape(forward_backward, shape, shape, shape, shape, *blocks)
+  except refused as e:
+    return failure_reason(e)
+  except Exception:  # noqa: BLE001  (not a refusal: the run records what it is)
+    return None
+  return None
+
+
+def probed(attention: AttentionFn, kinds: CaseKinds,
+           refused: tuple[type[Exception], ...] = (NotImplementedError,)) -> CaseKinds:
+  """`kinds`, and for a packed case it runs, the refusal of `attention` at trace time
+  (trace_refusal: the CUDA kernels refuse segment ids without their switch)."""
+
+  def unavailable(case: Case) -> str | None:
+    reason = kinds(case)
+    if reason is None and case.documents is not None:
+      reason = trace_refusal(attention, case, refused)
+    return reason
+
+  return unavailable
+
+
+def segment_ids(query: jax.Array, documents: int) -> jax.Array:
+  """(B, T) int32 segment ids of a packed case's rows (cases.document_ids), formed in the step
+  (a constant XLA folds)."""
+  batch, seq = query.shape[:2]
+  return jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32) // (seq // documents), (batch, seq))
+
+
+def segment_mask(query: jax.Array, documents: int) -> jax.Array:
+  """The (B, 1, T, S) bool mask of a packed case's self-attention, formed in the step from its
+  segment ids as a jax.nn user forms it: query and key in the same document."""
+  ids = segment_ids(query, documents)
+  return ids[:, None, :, None] == ids[:, None, None, :]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,15 +152,13 @@ def _build_jax(attention: AttentionFn, device_kind: str, case: Case,
   random output cotangent (those of sum(output · cotangent)): given only the gradients, XLA
   would drop the product P·V of its forward pass (and report less temp memory), while PyTorch
   and jax_flash compute it.
-  A block-sparse case's block mask is one more argument of both (attention's block_mask).
+  A block-sparse case's block mask is one more argument of both (attention's block_mask); a
+  packed case's documents are a constant (attention's documents).
   """
   device = jax.devices(device_kind)[0]
   q, k, v, d_out = (jax.device_put(x, device) for x in inputs.arrays())
   blocks = () if inputs.block_mask is None else (jax.device_put(inputs.block_mask, device),)
-
-  def forward(q: jax.Array, k: jax.Array, v: jax.Array, *blocks: jax.Array) -> jax.Array:
-    sparse = dict(block_mask=blocks[0]) if blocks else {}
-    return attention(q, k, v, is_causal=case.causal, **sparse)
+  forward = _case_call(attention, case)
 
   def forward_backward(q: jax.Array, k: jax.Array, v: jax.Array, d_out: jax.Array,
                        *blocks: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
@@ -94,9 +173,9 @@ def _build_jax(attention: AttentionFn, device_kind: str, case: Case,
 
 def jax_peer(name: str, label: str, device_kind: str, attention: AttentionFn,
              unavailable: Callable[[], str | None] = lambda: None,
-             case_unavailable: Callable[[Case], str | None] = _dense_only(NO_BLOCK_MASK)) -> Peer:
-  """A peer that runs `attention` under jax.jit on the platform's JAX device (by default dense
-  cases only: `attention` takes no block_mask)."""
+             case_unavailable: CaseKinds = case_kinds()) -> Peer:
+  """A peer that runs `attention` under jax.jit on the platform's JAX device (by default
+  neither block-sparse nor packed cases: `attention` takes no block_mask or documents)."""
   return Peer(name=name, label=label, unavailable=unavailable,
               build=functools.partial(_build_jax, attention, device_kind),
               case_unavailable=case_unavailable)
@@ -108,27 +187,66 @@ def _jax_flash_unavailable(kernel: str) -> str | None:
   return f"this jax_flash build has no {kernel!r} kernels"
 
 
+def _flash_attention(kernel: str, deterministic: bool, query: jax.Array, key: jax.Array,
+                     value: jax.Array, *, is_causal: bool, block_mask: jax.Array | None = None,
+                     documents: int | None = None) -> jax.Array:
+  """jax_flash's `kernel`; a packed case with q_segment_ids = kv_segment_ids (segment_ids)."""
+  ids = None if documents is None else segment_ids(query, documents)
+  return jax_flash.dot_product_attention(
+      query, key, value, is_causal=is_causal, block_mask=block_mask, q_segment_ids=ids,
+      kv_segment_ids=ids, implementation=kernel, deterministic=deterministic)
+
+
 def flash_peer(kernel: str, device_kind: str, deterministic: bool = False) -> Peer:
   """jax_flash's `kernel` ("cpu" or "cuda") on the `device_kind` device; block-sparse cases
-  with their block_mask on the kernels that take one (the CUDA kernels refuse it)."""
-  attention = functools.partial(jax_flash.dot_product_attention, implementation=kernel,
-                                deterministic=deterministic)
+  with their block_mask on the kernels that take one (the CUDA kernels refuse it); packed
+  cases with segment ids, unavailable where the kernel refuses them at trace time (the CUDA
+  kernels without JAX_FLASH_CUDA_SEGMENT_IDS=1)."""
+  attention = functools.partial(_flash_attention, kernel, deterministic)
   takes_blocks = _dispatch.capabilities(kernel).block_mask
-  sparse = _any_case if takes_blocks else _dense_only(
-      f"the {kernel!r} kernels take no block_mask yet")
+  kinds = case_kinds(block_sparse=None if takes_blocks
+                     else f"the {kernel!r} kernels take no block_mask yet", packed=None)
   return jax_peer("jax_flash", "flash", device_kind, attention,
-                  functools.partial(_jax_flash_unavailable, kernel), sparse)
+                  functools.partial(_jax_flash_unavailable, kernel), probed(attention, kinds))
 
 
-def _xla_attention(query: jax.Array, key: jax.Array, value: jax.Array, *, is_causal: bool,
-                   block_mask: jax.Array | None = None) -> jax.Array:
-  """jax.nn.dot_product_attention(implementation="xla"); a block mask expanded to the (T, S)
-  bool element mask it takes (T x S bytes, besides its T x S scores)."""
-  mask = None
+def _separate_attention(kernel: str, deterministic: bool, query: jax.Array, key: jax.Array,
+                        value: jax.Array, *, is_causal: bool, documents: int) -> jax.Array:
+  """jax_flash's `kernel` on a packed case's documents as separate rows: (B, S, N, H) arrays
+  reshaped to (B * D, S / D, N, H) (the same tokens, no copy) and the output back."""
+
+  def rows(x: jax.Array) -> jax.Array:
+    return x.reshape(x.shape[0] * documents, x.shape[1] // documents, *x.shape[2:])
+
+  out = jax_flash.dot_product_attention(rows(query), rows(key), rows(value), is_causal=is_causal,
+                                        implementation=kernel, deterministic=deterministic)
+  return out.reshape(query.shape[0], query.shape[1], *out.shape[2:])
+
+
+def separate_flash_peer(kernel: str, device_kind: str, deterministic: bool = False) -> Peer:
+  """The baseline of packed cases ("jax_flash_separate"): jax_flash's `kernel` on the same
+  tokens as B * D separate rows of S / D tokens, one document each (packed cases only)."""
+  attention = functools.partial(_separate_attention, kernel, deterministic)
+  return jax_peer("jax_flash_separate", "flash sep", device_kind, attention,
+                  functools.partial(_jax_flash_unavailable, kernel),
+                  lambda case: None if case.documents is not None and case.block_density is None
+                  else "runs packed-document cases only (their documents as separate rows)")
+
+
+def _jax_nn_attention(implementation: str, query: jax.Array, key: jax.Array, value: jax.Array,
+                      *, is_causal: bool, block_mask: jax.Array | None = None,
+                      documents: int | None = None) -> jax.Array:
+  """jax.nn.dot_product_attention(implementation=...); a block mask expanded to the (T, S)
+  bool element mask it takes (T x S bytes, besides its T x S scores), a packed case's
+  documents as a (B, 1, T, S) bool mask (segment_mask), both formed in the step."""
+  masks = []
   if block_mask is not None:
-    mask = expand_block_mask(block_mask, query.shape[1], key.shape[1])[None, None]
+    masks.append(expand_block_mask(block_mask, query.shape[1], key.shape[1])[None, None])
+  if documents is not None:
+    masks.append(segment_mask(query, documents))
+  mask = functools.reduce(jnp.logical_and, masks) if masks else None
   return jax.nn.dot_product_attention(query, key, value, mask=mask, is_causal=is_causal,
-                                      implementation="xla")
+                                      implementation=implementation)
 
 
 def _pallas_unavailable() -> str | None:
@@ -140,18 +258,22 @@ def _pallas_unavailable() -> str | None:
 
 
 def _pallas_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
-                      is_causal: bool) -> jax.Array:
-  """Pallas' Triton FlashAttention on (B, T, N, H) arrays, scaled by 1/sqrt(H) as jax.nn is.
+                      is_causal: bool, documents: int | None = None) -> jax.Array:
+  """Pallas' Triton FlashAttention on (B, T, N, H) arrays, scaled by 1/sqrt(H) as jax.nn is;
+  a packed case with its (B, T) segment ids.
 
   Its signature has changed between JAX versions: `segment_ids`, `sm_scale` and `causal` are
-  passed only where `mha` has them, and a causal case fails where it has no `causal`.
+  passed only where `mha` has them, and a causal or packed case fails where it has no
+  `causal` or `segment_ids`.
   """
   from jax.experimental.pallas.ops.gpu import attention as pallas_attention
 
   parameters = inspect.signature(pallas_attention.mha).parameters
   options: dict[str, object] = {}
   if "segment_ids" in parameters:
-    options["segment_ids"] = None
+    options["segment_ids"] = None if documents is None else segment_ids(query, documents)
+  elif documents is not None:
+    raise NotImplementedError("this JAX's Pallas mha has no `segment_ids` parameter")
   if "sm_scale" in parameters:
     options["sm_scale"] = 1.0 / math.sqrt(query.shape[-1])
   if "causal" in parameters:
@@ -176,9 +298,11 @@ def _tokamax_unavailable() -> str | None:
 
 
 def _tokamax_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
-                       is_causal: bool) -> jax.Array:
+                       is_causal: bool, documents: int | None = None) -> jax.Array:
   """tokamax's Mosaic GPU FlashAttention (a Pallas kernel for Hopper) on (B, T, N, H) arrays,
-  scaled by 1/sqrt(H) by default as jax.nn is.
+  scaled by 1/sqrt(H) by default as jax.nn is; a packed case with the (B, 1, T, S) bool mask
+  (segment_mask) where its dot_product_attention has a `mask` parameter, else a
+  NotImplementedError.
 
   `implementation="mosaic"` holds tokamax to that kernel: left to choose, it falls back to
   Triton or XLA without a word where Mosaic does not apply, and the figure would not say which
@@ -186,8 +310,13 @@ def _tokamax_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
   """
   import tokamax
 
+  options = {}
+  if documents is not None:
+    if "mask" not in inspect.signature(tokamax.dot_product_attention).parameters:
+      raise NotImplementedError("this tokamax's dot_product_attention takes no mask")
+    options["mask"] = segment_mask(query, documents)
   return tokamax.dot_product_attention(query, key, value, is_causal=is_causal,
-                                       implementation="mosaic")
+                                       implementation="mosaic", **options)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,9 +331,51 @@ def _torch_unavailable() -> str | None:
   return None
 
 
+@functools.lru_cache(maxsize=1)
+def _torch_flash_mask_refusal() -> str | None:
+  """Why PyTorch's CPU flash kernel takes no bool attn_mask here (a tiny forward and backward
+  held to it), None where it takes one."""
+  import torch
+  from torch.nn.attention import SDPBackend, sdpa_kernel
+
+  q = torch.randn(1, 1, 8, 8, requires_grad=True)
+  mask = torch.ones(8, 8, dtype=torch.bool).tril()[None, None]
+  try:
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+      torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask).sum().backward()
+  except RuntimeError as e:
+    return f"its CPU flash kernel takes no attn_mask here ({failure_reason(e)})"
+  return None
+
+
+def _torch_case_unavailable(case: Case) -> str | None:
+  """PyTorch's flash kernel runs dense cases, and packed ones where it takes an attn_mask."""
+  if case.block_density is not None:
+    return "its flash kernel (the one timed) takes no block mask"
+  return None if case.documents is None else _torch_flash_mask_refusal()
+
+
+def torch_attn_mask(case: Case):
+  """A packed case's (B, 1, T, S) bool attn_mask for PyTorch (a broadcast view of one (T, S)
+  mask), the causal mask folded in (PyTorch takes is_causal or attn_mask, not both); None for
+  other cases."""
+  import torch
+
+  ids = case.document_ids()
+  if ids is None:
+    return None
+  ids = torch.from_numpy(ids)
+  allowed = ids[:, None] == ids[None, :]
+  if case.causal:
+    allowed &= torch.ones_like(allowed).tril()
+  return allowed.expand(case.batch, 1, case.seq, case.seq)
+
+
 def _build_torch_cpu(case: Case, inputs: Inputs) -> dict[str, Prepare]:
   """Passes of PyTorch's CPU scaled_dot_product_attention, held to its flash kernel, on
-  (B, N, S, H) tensors of the case's dtype with a thread per usable core."""
+  (B, N, S, H) tensors of the case's dtype with a thread per usable core; a packed case with a
+  (B, 1, T, S) bool attn_mask of its documents, the causal mask folded in (PyTorch takes
+  is_causal or attn_mask, not both), made before the steps."""
   import torch
   from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -215,8 +386,9 @@ def _build_torch_cpu(case: Case, inputs: Inputs) -> dict[str, Prepare]:
   q, k, v, d_out = (torch.from_numpy(np.ascontiguousarray(
       x.swapaxes(1, 2).astype(np.float32))).to(dtype) for x in inputs.arrays())
   leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-  attention = functools.partial(
-      torch.nn.functional.scaled_dot_product_attention, is_causal=case.causal)
+  mask = torch_attn_mask(case)
+  options = dict(is_causal=case.causal) if mask is None else dict(attn_mask=mask)
+  attention = functools.partial(torch.nn.functional.scaled_dot_product_attention, **options)
 
   def fwd() -> None:
     with torch.no_grad(), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -234,15 +406,23 @@ def _build_torch_cpu(case: Case, inputs: Inputs) -> dict[str, Prepare]:
 # ---------------------------------------------------------------------------------------------
 # The peers of each platform
 
+# XLA takes every kind of case; the rest take packed cases where they do not refuse them at
+# trace time (cuDNN through jax.nn raises ValueError for what it does not support).
+_XLA = functools.partial(_jax_nn_attention, "xla")
+_CUDNN = functools.partial(_jax_nn_attention, "cudnn")
+_PACKED_TOO = case_kinds(packed=None)
+
 FLASH_CPU = flash_peer("cpu", "cpu")
-XLA_CPU = jax_peer("xla", "xla", "cpu", _xla_attention, case_unavailable=_any_case)
+XLA_CPU = jax_peer("xla", "xla", "cpu", _XLA, case_unavailable=case_kinds(None, None))
 TORCH_CPU = Peer(name="torch", label="torch", unavailable=_torch_unavailable,
-                 build=_build_torch_cpu,
-                 case_unavailable=_dense_only("its flash kernel (the one timed) takes no mask"))
+                 build=_build_torch_cpu, case_unavailable=_torch_case_unavailable)
 
 FLASH_GPU = flash_peer("cuda", "gpu")
-CUDNN_GPU = jax_peer("cudnn", "cudnn", "gpu",
-                     functools.partial(jax.nn.dot_product_attention, implementation="cudnn"))
-TOKAMAX_GPU = jax_peer("tokamax", "tokamax", "gpu", _tokamax_attention, _tokamax_unavailable)
-XLA_GPU = jax_peer("xla", "xla", "gpu", _xla_attention, case_unavailable=_any_case)
-PALLAS_GPU = jax_peer("pallas", "pallas", "gpu", _pallas_attention, _pallas_unavailable)
+CUDNN_GPU = jax_peer("cudnn", "cudnn", "gpu", _CUDNN,
+                     case_unavailable=probed(_CUDNN, _PACKED_TOO,
+                                             (NotImplementedError, ValueError)))
+TOKAMAX_GPU = jax_peer("tokamax", "tokamax", "gpu", _tokamax_attention, _tokamax_unavailable,
+                       probed(_tokamax_attention, _PACKED_TOO))
+XLA_GPU = jax_peer("xla", "xla", "gpu", _XLA, case_unavailable=case_kinds(None, None))
+PALLAS_GPU = jax_peer("pallas", "pallas", "gpu", _pallas_attention, _pallas_unavailable,
+                      probed(_pallas_attention, _PACKED_TOO))

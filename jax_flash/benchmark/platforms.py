@@ -9,9 +9,9 @@ from typing import Literal
 import jax
 
 from jax_flash.benchmark.cases import Case, cpu_cases, gpu_cases
-from jax_flash.benchmark.columns import (BLOCKS_COLUMN, CAUSAL_COLUMN, HEAD_DIM_COLUMN,
-                                         PASS_COLUMN, SEQ_COLUMN, Column, rate_column,
-                                         ratio_column, temp_column, time_column)
+from jax_flash.benchmark.columns import (BLOCKS_COLUMN, CAUSAL_COLUMN, DOCUMENTS_COLUMN,
+                                         HEAD_DIM_COLUMN, PASS_COLUMN, SEQ_COLUMN, Column,
+                                         rate_column, ratio_column, temp_column, time_column)
 from jax_flash.benchmark.measure import RateUnit, failure_reason
 from jax_flash.benchmark.peers import (CUDNN_GPU, FLASH_CPU, FLASH_GPU, PALLAS_GPU, TOKAMAX_GPU,
                                        TORCH_CPU, XLA_CPU, XLA_GPU, Peer, flash_peer)
@@ -94,12 +94,50 @@ def with_deterministic_flash(platform: Platform) -> Platform:
                        *platform.peers[1:]))
 
 
+# The columns that say which case and pass a row is (kept by beside_baseline).
+KEY_COLUMNS = (SEQ_COLUMN, HEAD_DIM_COLUMN, CAUSAL_COLUMN, BLOCKS_COLUMN, DOCUMENTS_COLUMN,
+               PASS_COLUMN)
+
+
+def with_case_column(platform: Platform, column: Column) -> Platform:
+  """The platform's table with `column` after the causal one."""
+  columns = list(platform.columns)
+  columns.insert(columns.index(CAUSAL_COLUMN) + 1, column)
+  return dataclasses.replace(platform, columns=tuple(columns))
+
+
 def with_block_sparse(platform: Platform) -> Platform:
   """The platform's table with the blocks column (a row's share of the dense FLOPs, or
   "dense") after the causal one, for a run of block-sparse cases beside their dense twins."""
-  columns = list(platform.columns)
-  columns.insert(columns.index(CAUSAL_COLUMN) + 1, BLOCKS_COLUMN)
-  return dataclasses.replace(platform, columns=tuple(columns))
+  return with_case_column(platform, BLOCKS_COLUMN)
+
+
+def beside_baseline(platform: Platform, baseline: Peer, subject: Peer, others: Sequence[Peer],
+                    ratio_header: str,
+                    base: Callable[[Peer], Peer] = lambda peer: peer) -> tuple[Column, ...]:
+  """The table of a run that times jax_flash (`subject`) beside a baseline of jax_flash
+  (`baseline`) on the same inputs: the platform's case columns (KEY_COLUMNS); the baseline's
+  and the subject's times (where the platform has a time column for jax_flash), rates, and the
+  subject's time over the baseline's (`ratio_header`); then each other peer's rate, the
+  subject's speed over it and the memory columns, where the platform's layout has them for
+  jax_flash and for the peer's `base` (the platform peer it was made from)."""
+  flash, unit = platform.peers[0], platform.rate_unit
+  headers = {column.header for column in platform.columns}
+
+  def has(column: Column) -> bool:
+    return column.header in headers
+
+  columns = [c for c in platform.columns if c in KEY_COLUMNS]
+  if has(time_column(flash)):
+    columns += [time_column(baseline), time_column(subject)]
+  columns += [rate_column(baseline, unit), rate_column(subject, unit),
+              ratio_column(baseline, subject, header=ratio_header)]
+  columns += [rate_column(p, unit) for p in others if has(rate_column(base(p), unit))]
+  columns += [ratio_column(subject, p) for p in others if has(ratio_column(flash, base(p)))]
+  if has(temp_column(flash)):
+    columns += [temp_column(baseline), temp_column(subject)]
+  columns += [temp_column(p) for p in others if has(temp_column(base(p)))]
+  return tuple(columns)
 
 
 def no_devices(device_kind: str) -> str | None:

@@ -60,22 +60,26 @@ def _case_progress(index: int, total: int, case: Case, results: Sequence[Measure
     cells = [f"{r.median_s * 1e3:.2f}" if r.ok else r.status for r in results if r.peer == peer]
     parts.append(f"{peer} {'/'.join(cells)}")
   causal = "Y" if case.causal else "N"
-  return (f"[{index}/{total}] seq {case.seq} causal {causal}{_density(case)} ms "
+  return (f"[{index}/{total}] seq {case.seq} causal {causal}{_case_kind(case)} ms "
           f"({'/'.join(PASSES)}): " + ", ".join(parts))
 
 
-def _density(case: Case) -> str:
-  """' blocks 25%' for a block-sparse case (the share of the dense FLOPs it computes)."""
-  if case.block_density is None:
-    return ""
-  return f" blocks {100 * case.computed_fraction():.1f}%"
+def _case_kind(case: Case) -> str:
+  """' blocks 25%' for a block-sparse case (the share of the dense FLOPs it computes),
+  ' docs 16x1024' for a packed one; '' for the rest."""
+  kind = ""
+  if case.block_density is not None:
+    kind += f" blocks {100 * case.computed_fraction():.1f}%"
+  if case.documents is not None:
+    kind += f" docs {case.documents}x{case.seq // case.documents}"
+  return kind
 
 
 def _pass_progress(index: int, total: int, measurement: Measurement, unit: RateUnit) -> str:
   """One line per peer and pass of a case: its median time and rate, or why it did not run."""
   m, case = measurement, measurement.case
   where = (f"[{index}/{total}] seq {case.seq} hdim {case.head_dim} "
-           f"causal {'Y' if case.causal else 'N'}{_density(case)} {m.peer} {m.pass_name}:")
+           f"causal {'Y' if case.causal else 'N'}{_case_kind(case)} {m.peer} {m.pass_name}:")
   if m.ok:
     result = (f"{m.median_s * 1e3:.3f} ms {m.flop_rate(unit):.1f} {unit} "
               f"({len(m.times_s)} reps)")

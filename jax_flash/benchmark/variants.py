@@ -13,7 +13,6 @@ trace time (a NotImplementedError: the CUDA kernels refuse dropout).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 
 import jax
@@ -21,13 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_flash
-from jax_flash.benchmark.cases import Case
-from jax_flash.benchmark.columns import (BLOCKS_COLUMN, CAUSAL_COLUMN, HEAD_DIM_COLUMN,
-                                         PASS_COLUMN, SEQ_COLUMN, rate_column, ratio_column,
-                                         temp_column, time_column)
-from jax_flash.benchmark.measure import failure_reason
-from jax_flash.benchmark.peers import AttentionFn, Peer, jax_peer
-from jax_flash.benchmark.platforms import FLASH_KERNELS, Platform
+from jax_flash.benchmark.peers import AttentionFn, Peer, jax_peer, trace_refusal
+from jax_flash.benchmark.platforms import FLASH_KERNELS, Platform, beside_baseline
 
 # Appended to a peer's name (results, rate columns) and label (ratio, memory columns) when it
 # runs the variant.
@@ -37,8 +31,6 @@ VARIANT_LABEL_SUFFIX = "+v"
 # peer of a run computes the same thing.
 SINKS_SEED = 0
 DROPOUT_SEED = 0
-# The columns that say which case and pass a row is, kept from the platform's layout.
-_KEY_COLUMNS = (SEQ_COLUMN, HEAD_DIM_COLUMN, CAUSAL_COLUMN, BLOCKS_COLUMN, PASS_COLUMN)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,26 +159,6 @@ def _variant_attention(name: str, kernel: str, deterministic: bool,
   return f"{who} takes no {_join(features)}"
 
 
-@functools.lru_cache(maxsize=64)
-def _refusal(attention: AttentionFn, case: Case) -> str | None:
-  """Why `attention` refuses the case at trace time (a NotImplementedError in its forward or
-  backward), or None; other errors are left to the run, which records them as failures."""
-  shape = jax.ShapeDtypeStruct((case.batch, case.seq, case.heads, case.head_dim),
-                               jnp.dtype(case.dtype))
-
-  def forward_backward(q, k, v, d_out):
-    _, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, is_causal=case.causal), q, k, v)
-    return vjp(d_out)
-
-  try:
-    jax.eval_shape(forward_backward, shape, shape, shape, shape)
-  except NotImplementedError as e:
-    return failure_reason(e)
-  except Exception:  # noqa: BLE001  (not a refusal: the run records what it is)
-    return None
-  return None
-
-
 def variant_peer(peer: Peer, device_kind: str, kernel: str, deterministic: bool,
                  variant: Variant) -> Peer:
   """`peer` running the variant: unavailable, with the reason, where it takes none of it or
@@ -198,7 +170,7 @@ def variant_peer(peer: Peer, device_kind: str, kernel: str, deterministic: bool,
     return Peer(name=name, label=label, unavailable=lambda: peer.unavailable() or reason,
                 build=peer.build)
   return jax_peer(name, label, device_kind, attention, peer.unavailable,
-                  lambda case: peer.case_unavailable(case) or _refusal(attention, case))
+                  lambda case: peer.case_unavailable(case) or trace_refusal(attention, case))
 
 
 def with_variant(platform: Platform, variant: Variant, deterministic: bool = False) -> Platform:
@@ -211,25 +183,12 @@ def with_variant(platform: Platform, variant: Variant, deterministic: bool = Fal
   flash = variant_peer(plain, platform.device_kind, kernel, deterministic, variant)
   others = [variant_peer(p, platform.device_kind, kernel, deterministic, variant)
             for p in others]
-  headers = {column.header for column in platform.columns}
-  unit = platform.rate_unit
 
   def base(peer: Peer) -> Peer:
     return next(p for p in platform.peers if p.name + VARIANT_SUFFIX == peer.name)
 
-  columns = [c for c in platform.columns if c in _KEY_COLUMNS]
-  if time_column(plain).header in headers:
-    columns += [time_column(plain), time_column(flash)]
-  columns += [rate_column(plain, unit), rate_column(flash, unit),
-              ratio_column(plain, flash, header="variant/plain time")]
-  columns += [rate_column(p, unit) for p in others
-              if rate_column(base(p), unit).header in headers]
-  columns += [ratio_column(flash, p) for p in others
-              if ratio_column(plain, base(p)).header in headers]
-  if temp_column(plain).header in headers:
-    columns += [temp_column(plain), temp_column(flash)]
-  columns += [temp_column(p) for p in others if temp_column(base(p)).header in headers]
-  return dataclasses.replace(platform, peers=(plain, flash, *others), columns=tuple(columns))
+  columns = beside_baseline(platform, plain, flash, others, "variant/plain time", base)
+  return dataclasses.replace(platform, peers=(plain, flash, *others), columns=columns)
 
 
 def variant_caption(variant: Variant) -> str:
