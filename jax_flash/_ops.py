@@ -102,17 +102,29 @@ def _lse_shape(q: jax.Array) -> tuple[int, ...]:
 
 
 def _segment_operands(config: KernelConfig, segment_ids) -> tuple[tuple, dict]:
-  """The segment-id operands and attribute of a kernel call: the "cpu" passes always take two
-  int32 operands and the switch `segment_ids` ((0,) placeholders without ids); the "cuda" ones
-  take none, and no ids (jax_flash._dispatch refuses them there before a call is built)."""
-  if config.implementation != "cpu":
-    if segment_ids is not None:
-      raise NotImplementedError(f"the {config.implementation!r} kernels take no segment ids")
-    return (), {}
+  """The segment-id operands and attribute of a kernel call: the "cpu" and "cuda" passes always
+  take the two int32 id arrays and the switch `segment_ids` ((0,) placeholders without ids); the
+  "cuda" ones then also take the ids' spans (segment_id_spans; (0,) placeholders without)."""
   if segment_ids is None:
     empty = jnp.zeros((0,), jnp.int32)
-    return (empty, empty), {"segment_ids": False}
-  return tuple(segment_ids), {"segment_ids": True}
+    ids = (empty, empty)
+  else:
+    ids = tuple(segment_ids)
+  if config.implementation == "cuda":
+    rows = _registry.CUDA_KERNEL_CONSTANTS["segment_id_span_rows"]
+    ids += (ids if segment_ids is None else tuple(segment_id_spans(x, rows) for x in ids))
+  return ids, {"segment_ids": segment_ids is not None}
+
+
+def segment_id_spans(ids: jax.Array, rows: int) -> jax.Array:
+  """(..., ceil(L / rows), 2) int32: the (lowest, highest) id of every run of `rows` ids of
+  `ids` (..., L) from 0 (the last run padded with its own last id). The CUDA kernels take them
+  with rows = their segment_id_span_rows, and narrow each tile's walk to the blocks whose spans
+  can meet its own (cuda/gpu/segment_ids.cuh)."""
+  length = ids.shape[-1]
+  padded = jnp.pad(ids, [(0, 0)] * (ids.ndim - 1) + [(0, -length % rows)], mode="edge")
+  runs = padded.reshape(*ids.shape[:-1], -1, rows)
+  return jnp.stack([runs.min(-1), runs.max(-1)], axis=-1).astype(jnp.int32)
 
 
 def _soft_cap_attribute(config: KernelConfig) -> dict:

@@ -3,7 +3,8 @@ attributes the Python API never passes (issue 13 item 3 on the GPU): each must f
 that names the operand, before any kernel runs. The checks they share with the CPU handlers
 (cuda/common/ffi_params.h) are covered operand by operand in test_ffi_validation.py; here the
 CUDA handlers' own (16-bit inputs only, the padded head dim, the dQ workspace of each mode) and a
-sample of the shared ones through the CUDA binding (the soft cap and ALiBi slopes among them).
+sample of the shared ones through the CUDA binding (the segment ids and their spans, the soft cap
+and ALiBi slopes among them).
 Marked `gpu`.
 
 Under compute-sanitizer (no invalid access on any error path; `SANITIZE=1 .ci/gpu/check.sh` runs
@@ -17,7 +18,7 @@ import pytest
 
 from jax_flash import _registry
 from test_ffi_validation import (Call, expect_invalid_argument, with_attributes, with_dtype,
-                                 with_shape, with_shapes)
+                                 with_ids, with_shape, with_shapes)
 
 pytestmark = pytest.mark.gpu
 
@@ -25,16 +26,21 @@ B, T, S, N, K, H = 2, 5, 7, 4, 2, 16  # a head dim the CUDA kernels take unpadde
 Q, KV, ROWS = (B, T, N, H), (B, S, K, H), (B, N, T)
 
 
+# The CUDA passes' segment-id operands without ids: the ids and their spans, int32 placeholders.
+NO_IDS = dict(q_segment_ids=((0,), "int32"), kv_segment_ids=((0,), "int32"),
+              q_segment_id_spans=((0,), "int32"), kv_segment_id_spans=((0,), "int32"))
+
+
 def attributes(**overrides) -> dict:
   base = dict(scale=0.25, is_causal=False, window_left=np.int64(-1), window_right=np.int64(-1),
-              logits_soft_cap=0.0, alibi=False)
+              segment_ids=False, logits_soft_cap=0.0, alibi=False)
   return {**base, **overrides}
 
 
 def valid_fwd(dtype: str = "bfloat16") -> Call:
   return Call("jax_flash_cuda_fwd",
               dict(q=(Q, dtype), k=(KV, dtype), v=(KV, dtype), q_lens=((B,), "int32"),
-                   kv_lens=((B,), "int32"), alibi_slopes=((0,), "float32")),
+                   kv_lens=((B,), "int32"), **NO_IDS, alibi_slopes=((0,), "float32")),
               dict(o=(Q, dtype), lse=(ROWS, "float32")), attributes())
 
 
@@ -47,7 +53,7 @@ def valid_bwd(dtype: str = "bfloat16", deterministic: bool = False, o_error: boo
   placeholder."""
   return Call("jax_flash_cuda_bwd",
               dict(q=(Q, dtype), k=(KV, dtype), v=(KV, dtype), o=(Q, dtype), lse=(ROWS, "float32"),
-                   do=(Q, dtype), q_lens=((B,), "int32"), kv_lens=((B,), "int32"),
+                   do=(Q, dtype), q_lens=((B,), "int32"), kv_lens=((B,), "int32"), **NO_IDS,
                    alibi_slopes=((0,), "float32"), o_error=(Q if o_error else (0,), "int8")),
               dict(dq=(Q, dtype), dk=(KV, dtype), dv=(KV, dtype), delta=(ROWS, "float32"),
                    dq_accum=((dq_accum_elements(deterministic),), "float32")),
@@ -94,6 +100,16 @@ ERRORS = [
     ("alibi_without_slopes", lambda c: with_attributes(c, alibi=True), ("alibi_slopes(0,) float32",)),
     ("alibi_slopes_shape", lambda c: with_shape(with_attributes(c, alibi=True), "alibi_slopes", (B, N + 1)),
      ("alibi_slopes(2, 5) float32",)),
+    ("segment_ids_on_empty", lambda c: with_attributes(c, segment_ids=True),
+     ("q_segment_ids(0,) int32", "without its last two dims")),
+    ("segment_ids_without_spans", lambda c: with_ids(c),
+     ("q_segment_id_spans(0,) int32", "(lo, hi) of every 64 ids", "q_segment_ids(2, 5) int32")),
+    ("segment_id_spans_short",
+     lambda c: with_shape(with_shape(with_ids(c), "q_segment_id_spans", (B, 1, 2)),
+                          "kv_segment_id_spans", (B, 1, 1)),
+     ("kv_segment_id_spans(2, 1, 1) int32", "kv_segment_ids(2, 7) int32")),
+    ("segment_id_spans_without_ids", lambda c: with_shape(c, "q_segment_id_spans", (B, 1, 2)),
+     ("segment_ids=false takes empty segment-id span operands", "q_segment_id_spans(2, 1, 2) int32")),
 ]
 
 BWD_ERRORS = [

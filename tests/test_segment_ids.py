@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_flash
 from attention_testing import (F32, assert_within_rule, key_visibility, max_abs, random_array)
-from jax_flash import _dispatch
+from jax_flash import _dispatch, _ops
 from jax_flash._reference import EMPTY_ROW_LSE
 
 IMPLEMENTATIONS = ["cpu", "blockwise", "xla"]
@@ -337,16 +337,94 @@ def test_dtype_must_be_int32(dtype, advice):
                                     kv_segment_ids=jnp.zeros((2, 8), dtype))
 
 
-def test_cuda_kernels_refuse_segment_ids(monkeypatch):
-  """Where None picks the CUDA kernels (a GPU with 16-bit inputs), segment ids raise
-  NotImplementedError naming them and the paths that take them, as bias/mask do."""
+def test_cuda_kernels_take_segment_ids_when_enabled(monkeypatch):
+  """The CUDA kernels' segment ids are experimental: where None picks the CUDA kernels (a GPU
+  with 16-bit inputs) and JAX_FLASH_CUDA_SEGMENT_IDS is not 1, segment ids raise
+  NotImplementedError naming them and the paths that take them, as bias/mask do; with it the
+  call runs on them."""
   monkeypatch.setattr(_dispatch, "default_implementation", lambda dtype: "cuda")
+  monkeypatch.delenv(_dispatch.CUDA_SEGMENT_IDS_VARIABLE, raising=False)
   q, k, v = (x.astype(jnp.bfloat16) for x in _qkv())
   ids = jnp.zeros((2, 8), jnp.int32)
   with pytest.raises(NotImplementedError,
                      match=r"'cuda' kernels .* take no segment ids yet; got q_segment_ids\(2, 8\) "
                            r"and kv_segment_ids\(2, 8\).*'cpu', 'blockwise', 'xla'"):
     jax_flash.dot_product_attention(q, k, v, q_segment_ids=ids, kv_segment_ids=ids)
+  monkeypatch.setenv(_dispatch.CUDA_SEGMENT_IDS_VARIABLE, "1")
+  call = _dispatch.Call(q.shape, q.dtype, segment_ids=((2, 8), (2, 8)))
+  assert _dispatch.select(None, call) == "cuda"
+
+
+@pytest.mark.parametrize("length, rows", [(1, 64), (64, 64), (65, 64), (200, 64), (10, 4)])
+def test_segment_id_spans(length, rows):
+  """The CUDA kernels' id spans: the lowest and highest id of every run of `rows` ids from 0
+  (the last run shorter), for any ids, batched."""
+  ids = np.random.default_rng(length).integers(-5, 5, size=(3, length)).astype(np.int32)
+  got = np.asarray(_ops.segment_id_spans(jnp.asarray(ids), rows))
+  runs = -(-length // rows)
+  assert got.shape == (3, runs, 2) and got.dtype == np.int32
+  for b in range(3):
+    for r in range(runs):
+      run = ids[b, r * rows:(r + 1) * rows]
+      assert tuple(got[b, r]) == (run.min(), run.max())
+
+
+# On the GPU (experimental: JAX_FLASH_CUDA_SEGMENT_IDS=1): the cases above in 16 bits, head dims
+# that take the Hopper kernels (64, 128) and the mma.sync backward (256), documents straddling
+# the 64- and 128-row blocks, unsorted ids, and the deterministic backward.
+CUDA_CASES = {
+    "causal_h64": Case(dtype="bfloat16", seq_q=300, seq_k=300, head_dim=64, is_causal=True),
+    "window_lengths_h128": Case(dtype="bfloat16", seq_q=260, seq_k=200, head_dim=128,
+                                window=(70, 9), q_lens=(255, 130), kv_lens=(200, 77)),
+    "mqa_t_ne_s_h40": Case(dtype="float16", seq_q=90, seq_k=333, heads_q=4, heads_k=1,
+                           head_dim=40, is_causal=True),
+    "unsorted_h64": Case(dtype="bfloat16", sorted_ids=False, seq_q=150, seq_k=170, head_dim=64),
+    "h256": Case(dtype="bfloat16", seq_q=140, seq_k=130, head_dim=256, is_causal=True),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
+@pytest.mark.parametrize("name", list(CUDA_CASES))
+def test_cuda_matches_reference(name, deterministic, monkeypatch):
+  monkeypatch.setenv(_dispatch.CUDA_SEGMENT_IDS_VARIABLE, "1")
+  case = CUDA_CASES[name]
+  q, k, v, g = case.inputs()
+  q_ids, kv_ids = (jnp.asarray(x) for x in case.ids())
+  attention = lambda q, k, v: jax_flash.dot_product_attention(
+      q, k, v, q_segment_ids=q_ids, kv_segment_ids=kv_ids, implementation="cuda",
+      return_residual=True, deterministic=deterministic, **case.options())
+  check(case, _grads(attention, q, k, v, g))
+
+
+@pytest.mark.gpu
+def test_cuda_packed_row_equals_separate_rows(monkeypatch):
+  """A row of eight documents of 64..448 tokens (lengths that straddle the kernels' blocks),
+  causal, head dim 128: each document's output and gradients as if it ran alone (the kernels
+  skip the blocks of other documents, and must lose nothing by it)."""
+  monkeypatch.setenv(_dispatch.CUDA_SEGMENT_IDS_VARIABLE, "1")
+  lengths = [64, 200, 127, 448, 65, 300, 129, 203]
+  seq = sum(lengths)
+  rng = np.random.default_rng(7)
+  q, k, v, g = (random_array(rng, (1, seq, 4, 128), dt)
+                for dt in (jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, F32))
+  ids = jnp.asarray(np.repeat(np.arange(len(lengths)), lengths)[None].astype(np.int32))
+
+  def grads(q, k, v, g, ids):
+    attention = lambda q, k, v: jax_flash.dot_product_attention(
+        q, k, v, is_causal=True, implementation="cuda", return_residual=True,
+        **({} if ids is None else dict(q_segment_ids=ids, kv_segment_ids=ids)))
+    return _grads(attention, q, k, v, g)
+
+  packed = grads(q, k, v, g, ids)
+  start = 0
+  for n in lengths:
+    part = slice(start, start + n)
+    alone = grads(*(x[:, part] for x in (q, k, v, g)), None)
+    for name in ("out", "lse", "dq", "dk", "dv"):
+      got = packed[name][:, :, part] if name == "lse" else packed[name][:, part]
+      np.testing.assert_allclose(got, alone[name], atol=2e-2, rtol=2e-2, err_msg=name)
+    start += n
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,14 +2,16 @@
 CUDA kernel family and pass on shapes that hit tile edges, T != S, head dims 40/96/256, lengths,
 windows, GQA, deterministic, and the differentiated forward that writes o in float32.
 
-  compute-sanitizer --tool memcheck python3 .ci/gpu/sanitize_cases.py [--score-mods]
+  compute-sanitizer --tool memcheck python3 .ci/gpu/sanitize_cases.py [--score-mods] [--segment-ids]
 
---score-mods: every call with a soft cap and ALiBi slopes too (the kernels' kScoreMods
-instantiations).
+--score-mods: every call with a soft cap and ALiBi slopes too; --segment-ids: with packed
+documents (ids sorted, documents of 1..40 tokens, so that they straddle every block edge; sets
+JAX_FLASH_CUDA_SEGMENT_IDS=1). Both run the kernels' general (kGeneral) instantiations.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import jax
@@ -32,6 +34,9 @@ CASES = [
 
 def main() -> None:
   score_mods = "--score-mods" in sys.argv[1:]
+  segment_ids = "--segment-ids" in sys.argv[1:]
+  if segment_ids:
+    os.environ["JAX_FLASH_CUDA_SEGMENT_IDS"] = "1"
   for i, (b, t, s, n, kh, h, causal, window, lengths, det) in enumerate(CASES):
     ks = jax.random.split(jax.random.key(i), 4)
     q = jax.random.normal(ks[0], (b, t, n, h), jnp.bfloat16)
@@ -43,6 +48,14 @@ def main() -> None:
     if score_mods:
       kwargs["logits_soft_cap"] = 5.0
       kwargs["alibi_slopes"] = 2.0 ** (-8.0 * jnp.arange(1, n + 1, dtype=jnp.float32) / n)
+    if segment_ids:
+      # Document starts drawn per batch element; the key side's are the query side's where
+      # T == S, else their own.
+      def ids(key, length):
+        starts = jax.random.randint(key, (b, length), 0, 40) == 0
+        return jnp.cumsum(starts, axis=1).astype(jnp.int32)
+      kwargs["q_segment_ids"] = ids(ks[0], t)
+      kwargs["kv_segment_ids"] = kwargs["q_segment_ids"] if t == s else ids(ks[1], s)
     if lengths:
       kwargs["query_seq_lengths"] = jnp.array([max(1, t - 3)] * b, jnp.int32)
       kwargs["key_value_seq_lengths"] = jnp.array([max(1, s // 2)] * b, jnp.int32)
@@ -52,7 +65,8 @@ def main() -> None:
     jax.block_until_ready((out, grads, plain))
     finite = all(bool(jnp.isfinite(x.astype(jnp.float32)).all()) for x in (out, plain, *grads))
     print(f"case {i}: B{b} T{t} S{s} N{n}/{kh} H{h} causal={causal} window={window} "
-          f"lengths={lengths} deterministic={det} score_mods={score_mods}: finite={finite}")
+          f"lengths={lengths} deterministic={det} score_mods={score_mods} "
+          f"segment_ids={segment_ids}: finite={finite}")
 
 
 if __name__ == "__main__":

@@ -62,23 +62,25 @@ struct AttentionParams {
   const int32_t* kv_lens = nullptr;
   // Segment ids (packed documents), or null for none: query row i of batch b attends key j only
   // when q_segment_ids[b * seq_q + i] == kv_segment_ids[b * seq_k + j], on top of the masks
-  // above. Only the CPU kernel reads them (the CUDA handlers take no segment-id operands).
+  // above. The CUDA kernels also read their spans: (lo, hi) int32 pairs of each run of
+  // kSegmentIdSpanRows rows (keys) from 0, batch element by batch element (gpu/segment_ids.cuh);
+  // the CPU kernel forms its own.
   const int32_t* q_segment_ids = nullptr;
   const int32_t* kv_segment_ids = nullptr;
+  const int32_t* q_segment_id_spans = nullptr;   // (batch, ceil(seq_q / kSegmentIdSpanRows), 2)
+  const int32_t* kv_segment_id_spans = nullptr;  // (batch, ceil(seq_k / kSegmentIdSpanRows), 2)
   // o is float32 while the inputs are 16-bit: the forward's output kept at full precision when
   // it is differentiated, so that the backward forms delta = rowsum(dO * O) from it and not from
   // O rounded to 16 bits (issue 13: that rounding cost dQ/dK their accuracy on peaked softmaxes).
   bool o_float32 = false;
   // Logit soft-capping (Gemma 2): with c > 0 every score s = scale * q.k becomes c * tanh(s / c)
-  // before the masks and the softmax; 0 is off. Only the CPU kernel reads it (the CUDA handlers
-  // take no such attribute, and the Python side refuses it there).
+  // before the masks and the softmax; 0 is off.
   float logits_soft_cap = 0.f;
   // ALiBi, or null for none: the score of query row i and key j of batch b, head h gains
   // alibi_slopes[b * heads_q + h] * (j - i), after the soft cap and before the masks and the
   // softmax. i and j are the positions the masks use (row and key indices, top-left aligned, so
   // j - i is what causal masking compares with 0). One slope per (batch, query head): vmap and
-  // batch sharding fold into the batch like every other operand. Only the CPU kernel reads it
-  // (the CUDA handlers take no such operand, and the Python side refuses it there).
+  // batch sharding fold into the batch like every other operand.
   const float* alibi_slopes = nullptr;
   // Block-sparse mask, or null for none: bool (one byte) per (batch, query head, query block,
   // key block), blocks of the CPU kernel's tiles (kBlockQ query rows x kBlockK keys, aligned at
@@ -132,6 +134,10 @@ struct BwdParams : AttentionParams {
 
 // The largest head dim any kernel takes (the Python side reads it from the native module).
 inline constexpr int64_t kMaxHeadDim = 256;
+
+// The rows (keys) of a run whose segment-id span the CUDA kernels read (AttentionParams::
+// q_segment_id_spans; the Python side reads it from the CUDA module).
+inline constexpr int64_t kSegmentIdSpanRows = 64;
 
 // The log-sum-exp stored for a query row that attends to nothing: finite, and exp(x - lse) of
 // any other finite value is 0, so merging partial results treats such a row as empty.

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <string>
+#include <utility>
 
 #include "common/attention_params.h"
 #include "xla/ffi/api/ffi.h"
@@ -357,6 +358,41 @@ inline xla::ffi::Error set_segment_ids(const xla::ffi::AnyBuffer& q_ids, const x
   return xla::ffi::Error::Success();
 }
 
+// The CUDA kernels' spans of the segment ids (AttentionParams::q_segment_id_spans): with ids,
+// q_spans (..., ceil(T / kSegmentIdSpanRows), 2) and kv_spans (..., ceil(S / ...), 2) int32, the
+// leading dimensions those of the ids; without, both empty. Call after set_segment_ids.
+inline xla::ffi::Error set_segment_id_spans(const xla::ffi::AnyBuffer& q_spans, const xla::ffi::AnyBuffer& kv_spans,
+                                            const xla::ffi::AnyBuffer& q_ids, const xla::ffi::AnyBuffer& kv_ids,
+                                            AttentionParams& params) {
+  JF_RETURN_IF_ERROR(expect_dtype("q_segment_id_spans", q_spans, xla::ffi::DataType::S32));
+  JF_RETURN_IF_ERROR(expect_dtype("kv_segment_id_spans", kv_spans, xla::ffi::DataType::S32));
+  if (!params.q_segment_ids) {
+    if (q_spans.element_count() != 0 || kv_spans.element_count() != 0)
+      return invalid("segment_ids=false takes empty segment-id span operands; got " +
+                     describe("q_segment_id_spans", q_spans) + ", " + describe("kv_segment_id_spans", kv_spans));
+    params.q_segment_id_spans = params.kv_segment_id_spans = nullptr;
+    return xla::ffi::Error::Success();
+  }
+  // The ids' leading dims, then the runs of their last dim and 2.
+  auto spans_match = [](const xla::ffi::AnyBuffer& spans, const xla::ffi::AnyBuffer& ids) {
+    const auto sd = spans.dimensions(), id = ids.dimensions();
+    if (sd.size() != id.size() + 1) return false;
+    for (size_t i = 0; i + 1 < id.size(); ++i)
+      if (sd[i] != id[i]) return false;
+    return sd[id.size() - 1] == (id[id.size() - 1] + kSegmentIdSpanRows - 1) / kSegmentIdSpanRows &&
+           sd[id.size()] == 2;
+  };
+  if (!spans_match(q_spans, q_ids))
+    return invalid(describe("q_segment_id_spans", q_spans) + ": must be the (lo, hi) of every " +
+                   std::to_string(kSegmentIdSpanRows) + " ids of " + describe("q_segment_ids", q_ids));
+  if (!spans_match(kv_spans, kv_ids))
+    return invalid(describe("kv_segment_id_spans", kv_spans) + ": must be the (lo, hi) of every " +
+                   std::to_string(kSegmentIdSpanRows) + " ids of " + describe("kv_segment_ids", kv_ids));
+  params.q_segment_id_spans = q_spans.typed_data<int32_t>();
+  params.kv_segment_id_spans = kv_spans.typed_data<int32_t>();
+  return xla::ffi::Error::Success();
+}
+
 // ALiBi slopes: with `alibi`, alibi_slopes (..., N) float32, its leading dimensions those of q
 // and its last q's query heads (one slope per batch element and query head; vmap adds leading
 // dimensions to it as to q); without, a float32 operand of no elements (the callers pass a (0,)
@@ -423,6 +459,17 @@ auto bwd_binding() {
       .template Attr<bool>("is_causal")
       .template Attr<int64_t>("window_left")
       .template Attr<int64_t>("window_right");
+}
+
+// Segment ids: two more operands after the shared ones (operands decode in order among
+// operands, attributes by name) and their switch; set_segment_ids checks them.
+template <typename Binding>
+auto with_segment_ids(Binding binding) {
+  namespace ffi = xla::ffi;
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()  // q_segment_ids (..., T) int32, or (0,) without
+      .template Arg<ffi::AnyBuffer>()  // kv_segment_ids (..., S) int32, or (0,) without
+      .template Attr<bool>("segment_ids");
 }
 
 }  // namespace jax_flash

@@ -219,16 +219,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuFlashDecode, run_decode, decode_binding<ffi::T
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuFlashPaged, run_paged, paged_binding<ffi::ThreadPool>());
 
-// The CPU passes take segment ids too (the CUDA ones do not): two more operands after the shared
-// ones (operands decode in order among operands, attributes by name) and their switch.
-template <typename Binding>
-auto with_segment_ids(Binding binding) {
-  return std::move(binding)
-      .template Arg<ffi::AnyBuffer>()  // q_segment_ids (..., T) int32, or (0,) without
-      .template Arg<ffi::AnyBuffer>()  // kv_segment_ids (..., S) int32, or (0,) without
-      .template Attr<bool>("segment_ids");
-}
-
 // And the score policies: logit soft-capping ("logits_soft_cap", c > 0 or 0 for off;
 // attention_soft_cap checks it) and ALiBi (one more operand after the segment ids, and its
 // switch; set_alibi_slopes checks them), and the block-sparse mask (one more operand and its

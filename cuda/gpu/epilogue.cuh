@@ -6,6 +6,7 @@
 #include "common/attention_params.h"
 #include "common/mask.h"
 #include "gpu/ptx.cuh"
+#include "gpu/segment_ids.cuh"
 #include "gpu/softmax.cuh"
 
 namespace jax_flash::cuda {
@@ -17,13 +18,17 @@ namespace jax_flash::cuda {
 // from row0 of the block, whose first row is query m0 (rows past `rows` and columns past
 // head_dim skipped). A row is empty, and gets 0 and kEmptyRowLse, when the masks leave it no key;
 // never because of its values: a NaN sum (a NaN or inf in the inputs) gives a NaN row and lse,
-// as jax.nn does.
+// as jax.nn does. The general kernels pass `seen` (gpu/segment_ids.cuh: with segment ids, which
+// rows the masks left some key; all of them without); the rows it lacks are empty too.
 template <typename T, int kMTiles, int kDTiles>
 __device__ __forceinline__ void store_output(void* o_base, bool o_float32, int64_t offset, int64_t row_stride,
                                              float* lse, const float (&o)[kMTiles][kDTiles][4],
                                              const OnlineSoftmax<kMTiles>& softmax, float scale, int row0,
                                              int rows, int64_t head_dim, const MaskParams& mask, int64_t m0,
-                                             int64_t q_len, int64_t kv_len, int lane) {
+                                             int64_t q_len, int64_t kv_len, int lane,
+                                             const SeenRows<kMTiles>* seen = nullptr) {
+  // (`seen` is a pointer only to be optional at compile time: callers pass a local's address
+  // or nothing, never a run-time choice, so that it stays in registers.)
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -31,8 +36,10 @@ __device__ __forceinline__ void store_output(void* o_base, bool o_float32, int64
       const int row = row0 + mt * 16 + half * 8 + lane / 4;
       const float sum = quad_sum(softmax.sum[mt][half]);
       const float sum_rounded = quad_sum(softmax.sum_rounded[mt][half]);
+      bool unseen = false;
+      if (seen) unseen = !seen->any(mt, half);
       if (row >= rows) continue;
-      const bool empty = key_range(mask, m0 + row, q_len, kv_len).empty();
+      const bool empty = unseen || key_range(mask, m0 + row, q_len, kv_len).empty();
       const float inv = empty ? 0.f : 1.f / (o_float32 ? sum_rounded : sum);
 #pragma unroll
       for (int dt = 0; dt < kDTiles; ++dt) {

@@ -38,11 +38,16 @@ ffi::Error check_cuda_inputs(const ffi::AnyBuffer& q, const AttentionShape& shap
 ffi::Error run_fwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens, ffi::Result<ffi::AnyBuffer> o,
                    ffi::Result<ffi::AnyBuffer> lse, double scale, bool is_causal, int64_t window_left,
-                   int64_t window_right, double logits_soft_cap, ffi::AnyBuffer alibi_slopes, bool alibi) {
+                   int64_t window_right, ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
+                   bool segment_ids, ffi::AnyBuffer q_segment_id_spans, ffi::AnyBuffer kv_segment_id_spans,
+                   double logits_soft_cap, ffi::AnyBuffer alibi_slopes, bool alibi) {
   FwdParams params;
   JF_RETURN_IF_ERROR(make_fwd_params(q, k, v, q_lens, kv_lens, *o, *lse, scale, is_causal,
                                      window_left, window_right, params));
   JF_RETURN_IF_ERROR(check_cuda_inputs(q, params.shape, params.dtype));
+  JF_RETURN_IF_ERROR(set_segment_ids(q_segment_ids, kv_segment_ids, segment_ids, q, k, params));
+  JF_RETURN_IF_ERROR(
+      set_segment_id_spans(q_segment_id_spans, kv_segment_id_spans, q_segment_ids, kv_segment_ids, params));
   JF_RETURN_IF_ERROR(attention_soft_cap(logits_soft_cap, params.logits_soft_cap));
   JF_RETURN_IF_ERROR(set_alibi_slopes(alibi_slopes, alibi, q, params));
   if (cudaError_t e = cuda::launch_flash_fwd(params, stream)) return cuda_error("forward launch", e);
@@ -55,12 +60,16 @@ ffi::Error run_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                    ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                    ffi::Result<ffi::AnyBuffer> delta, ffi::Result<ffi::AnyBuffer> dq_accum,
                    double scale, bool is_causal, int64_t window_left, int64_t window_right,
-                   bool deterministic, double logits_soft_cap, ffi::AnyBuffer alibi_slopes, bool alibi,
-                   ffi::AnyBuffer o_error) {
+                   bool deterministic, ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
+                   bool segment_ids, ffi::AnyBuffer q_segment_id_spans, ffi::AnyBuffer kv_segment_id_spans,
+                   double logits_soft_cap, ffi::AnyBuffer alibi_slopes, bool alibi, ffi::AnyBuffer o_error) {
   BwdParams params;
   JF_RETURN_IF_ERROR(make_bwd_params(q, k, v, o, lse, d_o, q_lens, kv_lens, *dq, *dk, *dv, *delta,
                                      scale, is_causal, window_left, window_right, params));
   JF_RETURN_IF_ERROR(check_cuda_inputs(q, params.shape, params.dtype));
+  JF_RETURN_IF_ERROR(set_segment_ids(q_segment_ids, kv_segment_ids, segment_ids, q, k, params));
+  JF_RETURN_IF_ERROR(
+      set_segment_id_spans(q_segment_id_spans, kv_segment_id_spans, q_segment_ids, kv_segment_ids, params));
   JF_RETURN_IF_ERROR(attention_soft_cap(logits_soft_cap, params.logits_soft_cap));
   JF_RETURN_IF_ERROR(set_alibi_slopes(alibi_slopes, alibi, q, params));
   JF_RETURN_IF_ERROR(set_o_error(o_error, o, params));
@@ -72,12 +81,16 @@ ffi::Error run_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   return ffi::Error::Success();
 }
 
-// The score modifications the CUDA kernels take (gpu/score_mods.cuh), as the CPU passes take
-// them: logit soft-capping ("logits_soft_cap", c > 0 or 0 for off; attention_soft_cap checks it)
-// and ALiBi (one more operand and its switch; set_alibi_slopes checks them).
+// After the segment ids (with_segment_ids, as the CPU passes take them): their spans
+// (gpu/segment_ids.cuh; set_segment_id_spans checks them), then the score modifications
+// (gpu/score_mods.cuh), as the CPU passes take them: logit soft-capping ("logits_soft_cap",
+// c > 0 or 0 for off; attention_soft_cap checks it) and ALiBi (one more operand and its switch;
+// set_alibi_slopes checks them).
 template <typename Binding>
-auto with_score_mods(Binding binding) {
+auto with_kernel_options(Binding binding) {
   return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()  // q_segment_id_spans (..., ceil(T / 64), 2) int32, or (0,)
+      .template Arg<ffi::AnyBuffer>()  // kv_segment_id_spans (..., ceil(S / 64), 2) int32, or (0,)
       .template Attr<double>("logits_soft_cap")
       .template Arg<ffi::AnyBuffer>()  // alibi_slopes (..., N) float32, or (0,) without
       .template Attr<bool>("alibi");
@@ -85,12 +98,13 @@ auto with_score_mods(Binding binding) {
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaFlashFwd, run_fwd, with_score_mods(fwd_binding<ffi::PlatformStream<cudaStream_t>>()),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaFlashFwd, run_fwd,
+                              with_kernel_options(with_segment_ids(fwd_binding<ffi::PlatformStream<cudaStream_t>>())),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaFlashBwd, run_bwd,
-                              with_score_mods(bwd_binding<ffi::PlatformStream<cudaStream_t>>()
-                                                  .Attr<bool>("deterministic"))  // dQ without atomics
+                              with_kernel_options(with_segment_ids(bwd_binding<ffi::PlatformStream<cudaStream_t>>()
+                                                                       .Attr<bool>("deterministic")))  // no atomics
                                   .Arg<ffi::AnyBuffer>(),  // o_error int8, o's shape or empty
                               {ffi::Traits::kCmdBufferCompatible});
 

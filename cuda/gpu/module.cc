@@ -30,6 +30,7 @@ NB_MODULE(_native_cuda, m) {
     nb::dict c;
     c["head_dim_multiple"] = jax_flash::cuda::kHeadDimMultiple;
     c["max_head_dim"] = jax_flash::kMaxHeadDim;
+    c["segment_id_span_rows"] = jax_flash::kSegmentIdSpanRows;
     c["decode_rows_per_cta"] = jax_flash::cuda::kDecodeRowsPerCta;
     c["decode_block_n"] = jax_flash::cuda::kDecodeBlockN;
     c["decode_max_head_dim"] = jax_flash::cuda::kDecodeMaxHeadDim;

@@ -2,8 +2,8 @@
 // alibi_slopes (ALiBi), on a tile of raw scores q.k in registers, before the masks (the CPU
 // kernel's order, cpu/flash_fwd.h):
 //   s = scale q.k;  s = c tanh(s / c) with a cap c;  s += slope (j - i) with slopes,
-// i and j the row and key indices the masks use. Kernels instantiated with kScoreMods (chosen
-// per call where either is present: the plain kernels stay as they are) apply them; their
+// i and j the row and key indices the masks use. The general kernels (kGeneral, chosen per call
+// where either is present: the plain kernels stay as they are) apply them; their
 // softmax then works in score units (ScoreMods::kSoftmaxScale). The backward's dS gets the
 // cap's chain rule, 1 - tanh^2, folded into dP (fold_chain_rule). Fragment layouts: a thread's
 // element (mt, nt, e) of an m16n8 accumulator is row 16 mt + lane / 4 (+ 8 for e >= 2), column
@@ -19,9 +19,11 @@
 
 namespace jax_flash::cuda {
 
-// Whether a call needs the kScoreMods kernels (host side, where the launchers choose).
-inline bool has_score_mods(const AttentionParams& p) {
-  return p.logits_soft_cap > 0.f || p.alibi_slopes != nullptr;
+// Whether a call takes the general kernels (kGeneral: host side, where the launchers choose):
+// those instantiated with the score modifications here and the segment ids of
+// gpu/segment_ids.cuh; the plain calls' kernels hold none of their code.
+inline bool general_kernel(const AttentionParams& p) {
+  return p.logits_soft_cap > 0.f || p.alibi_slopes != nullptr || p.q_segment_ids != nullptr;
 }
 
 // tanh by the hardware's approximation (one MUFU operation; relative error 2^-11, below the

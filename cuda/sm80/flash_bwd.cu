@@ -10,7 +10,7 @@ namespace jax_flash::cuda {
 template <typename T, int kHeadDim>
 cudaError_t launch_bwd_main_sm80(const BwdParams& p, cudaStream_t stream) {
   using Traits = typename TileShapes<kHeadDim>::Sm80Bwd;
-  auto kernel = has_score_mods(p) ? flash_bwd_kernel<Traits, T, true> : flash_bwd_kernel<Traits, T, false>;
+  auto kernel = general_kernel(p) ? flash_bwd_kernel<Traits, T, true> : flash_bwd_kernel<Traits, T, false>;
   return launch_with_smem(kernel, key_block_grid<Traits>(p.shape), Traits::kThreads, Traits::kSmemBytes, stream, p);
 }
 
@@ -19,7 +19,7 @@ cudaError_t launch_bwd_dq_sm80(const BwdParams& p, cudaStream_t stream) {
   using Traits = typename TileShapes<kHeadDim>::Sm80BwdDq;
   // Q and dO, and two stages of K and of V.
   constexpr int kSmemBytes = 2 * (2 * Traits::QTile::kElements + 4 * Traits::KVTile::kElements);
-  auto kernel = has_score_mods(p) ? flash_bwd_dq_kernel<Traits, T, true> : flash_bwd_dq_kernel<Traits, T, false>;
+  auto kernel = general_kernel(p) ? flash_bwd_dq_kernel<Traits, T, true> : flash_bwd_dq_kernel<Traits, T, false>;
   return launch_with_smem(kernel, query_block_grid<Traits>(p.shape), Traits::kThreads, kSmemBytes, stream, p);
 }
 

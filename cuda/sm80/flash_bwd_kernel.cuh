@@ -18,6 +18,7 @@
 #include "gpu/mask.cuh"
 #include "gpu/ptx.cuh"
 #include "gpu/score_mods.cuh"
+#include "gpu/segment_ids.cuh"
 #include "gpu/softmax.cuh"
 #include "gpu/tile_io.cuh"
 #include "sm80/traits.cuh"
@@ -77,9 +78,11 @@ __device__ __forceinline__ void subtract_rounded(float (&x)[kMTiles][kNTiles][4]
       }
 }
 
-// kScoreMods (both kernels): the call has a soft cap or ALiBi slopes (gpu/score_mods.cuh): S is
-// modified before its masks and dP takes the cap's chain rule.
-template <typename Traits, typename T, bool kScoreMods>
+// kGeneral (both kernels): the call has a soft cap or ALiBi slopes (gpu/score_mods.cuh): S is
+// modified before its masks and dP takes the cap's chain rule; or segment ids
+// (gpu/segment_ids.cuh): the walk narrowed to the blocks whose ids can meet, the id mask where a
+// tile's rows and keys do not all share one id.
+template <typename Traits, typename T, bool kGeneral>
 __global__ void __launch_bounds__(Traits::kThreads)
     flash_bwd_kernel(const __grid_constant__ BwdParams p) {
   constexpr int kBM = Traits::kBlockM, kBN = Traits::kBlockN, kD = Traits::kHeadDim;
@@ -101,7 +104,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
 
   const AttentionShape& sh = p.shape;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const KeyBlockTask<kBM, kBN> task(p);
+  KeyBlockTask<kBM, kBN> task(p);
+  if constexpr (kGeneral) narrow_key_block(task, SegmentIds(p, task.b), lane);
   using Visit = typename KeyBlockTask<kBM, kBN>::Visit;
   const int b = task.b;
   const int64_t q_len = task.q_len, kv_len = task.kv_len, q_stride = task.q_stride, kv_stride = task.kv_stride;
@@ -122,7 +126,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
   float dk[Kv::kMTiles][Kv::kNTiles][4] = {};
   float dv[Kv::kMTiles][Kv::kNTiles][4] = {};
   const int sdp_m0 = Sdp::row0(warp), sdp_n0 = Sdp::col0(warp);
-  const float scale_log2 = (kScoreMods ? ScoreMods::kSoftmaxScale : p.scale) * kLog2e;
+  const float scale_log2 = (kGeneral ? ScoreMods::kSoftmaxScale : p.scale) * kLog2e;
 
   const int iterations = task.iterations;
   if (iterations > 0) {
@@ -161,10 +165,18 @@ __global__ void __launch_bounds__(Traits::kThreads)
     load_row_statistics(lse2, row_delta, lse, delta, m0 + sdp_m0, q_len, lane);
     const KeyRange first = key_range(p.mask, m0, q_len, kv_len);
     const KeyRange last = key_range(p.mask, min64(m0 + kBM, q_len) - 1, q_len, kv_len);
-    if constexpr (kScoreMods) ScoreMods(p, b, h).apply(s, m0 + sdp_m0, n0 + sdp_n0, lane);
-    if (m0 + kBM > q_len || n0 < last.begin || n0 + kBN > first.end)
+    bool id_mask = false;
+    if constexpr (kGeneral) {
+      ScoreMods(p, b, h).apply(s, m0 + sdp_m0, n0 + sdp_n0, lane);
+      if (p.q_segment_ids)
+        id_mask = needs_id_mask(SegmentIds(p, b), m0, min64(m0 + kBM, sh.seq_q), n0, min64(n0 + kBN, sh.seq_k));
+    }
+    if (id_mask)
+      mask_with_ids(s, SegmentIds(p, b), p.mask, m0 + sdp_m0, n0 + sdp_n0, q_len, kv_len, lane,
+                    static_cast<SeenRows<Sdp::kMTiles>*>(nullptr));
+    else if (m0 + kBM > q_len || n0 < last.begin || n0 + kBN > first.end)
       mask_scores(s, p.mask, m0 + sdp_m0, n0 + sdp_n0, q_len, kv_len, lane);
-    if constexpr (kScoreMods) ScoreMods(p, b, h).fold_chain_rule(dp, s, row_delta, m0 + sdp_m0, n0 + sdp_n0, lane);
+    if constexpr (kGeneral) ScoreMods(p, b, h).fold_chain_rule(dp, s, row_delta, m0 + sdp_m0, n0 + sdp_n0, lane);
     probabilities_and_ds(s, dp, lse2, row_delta, p.scale, scale_log2);
     store_accumulator<PTile>(s_p, s, sdp_m0, sdp_n0, lane);
     store_accumulator<PTile>(s_ds, dp, sdp_m0, sdp_n0, lane);
@@ -220,7 +232,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
              sh.head_dim, lane);
 }
 
-template <typename Traits, typename T, bool kScoreMods>
+template <typename Traits, typename T, bool kGeneral>
 __global__ void __launch_bounds__(Traits::kThreads)
     flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
   constexpr int kBM = Traits::kBlockM, kBN = Traits::kBlockN, kD = Traits::kHeadDim;
@@ -235,7 +247,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
   T* s_v = s_k + 2 * KVTile::kElements;  // two stages
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const QueryBlockTask<kBM, kBN> task(p);
+  QueryBlockTask<kBM, kBN> task(p);
+  if constexpr (kGeneral) narrow_query_block(task.blk, SegmentIds(p, task.b), lane);
   const QueryBlock<kBM, kBN>& blk = task.blk;
   const int64_t m0 = blk.m0, q_len = task.q_len, kv_len = task.kv_len;
   const int warp_m0 = warp * kMT * 16;
@@ -244,7 +257,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
   load_row_statistics(lse2, row_delta, p.lse + task.stat_offset, p.delta + task.stat_offset, m0 + warp_m0, q_len,
                       lane);
   float dq[kMT][kD / 8][4] = {};
-  const float scale_log2 = (kScoreMods ? ScoreMods::kSoftmaxScale : p.scale) * kLog2e;
+  const float scale_log2 = (kGeneral ? ScoreMods::kSoftmaxScale : p.scale) * kLog2e;
 
   const int n_first = blk.n_first, n_last = blk.n_last;
   if (n_last >= n_first) {
@@ -274,10 +287,15 @@ __global__ void __launch_bounds__(Traits::kThreads)
       warp_gemm<QTile, false, KVTile, false, kD / 16>(s, s_q, warp_m0, tile_k, 0, lane);
       warp_gemm<QTile, false, KVTile, false, kD / 16>(dp, s_do, warp_m0, tile_v, 0, lane);
       const int64_t n0 = static_cast<int64_t>(n_block) * kBN;
-      if constexpr (kScoreMods) ScoreMods(p, task.b, task.h).apply(s, m0 + warp_m0, n0, lane);
-      if (blk.needs_mask(n0)) mask_scores(s, p.mask, m0 + warp_m0, n0, q_len, kv_len, lane);
-      if constexpr (kScoreMods)
+      if constexpr (kGeneral) {
+        ScoreMods(p, task.b, task.h).apply(s, m0 + warp_m0, n0, lane);
+        SeenRows<kMT> unused(true);
+        mask_forward_block<kBN>(s, p, task.b, m0, m0 + blk.live_rows, blk.needs_mask(n0), m0 + warp_m0, n0, q_len,
+                                kv_len, lane, unused);
         ScoreMods(p, task.b, task.h).fold_chain_rule(dp, s, row_delta, m0 + warp_m0, n0, lane);
+      } else if (blk.needs_mask(n0)) {
+        mask_scores(s, p.mask, m0 + warp_m0, n0, q_len, kv_len, lane);
+      }
       probabilities_and_ds(s, dp, lse2, row_delta, p.scale, scale_log2);
       uint32_t ds[kBN / 16][kMT][4];
       accumulator_to_a<T>(ds, dp);

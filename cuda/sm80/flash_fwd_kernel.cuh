@@ -16,15 +16,16 @@
 #include "gpu/mask.cuh"
 #include "gpu/ptx.cuh"
 #include "gpu/score_mods.cuh"
+#include "gpu/segment_ids.cuh"
 #include "gpu/softmax.cuh"
 #include "sm80/traits.cuh"
 #include "sm80/warp_gemm.cuh"
 
 namespace jax_flash::cuda {
 
-// kScoreMods: the call has a soft cap or ALiBi slopes (gpu/score_mods.cuh), applied to every
-// tile's scores before its masks.
-template <typename Traits, typename T, bool kScoreMods>
+// kGeneral: the call has a soft cap or ALiBi slopes (gpu/score_mods.cuh), applied to every
+// tile's scores before its masks, or segment ids (gpu/segment_ids.cuh).
+template <typename Traits, typename T, bool kGeneral>
 __global__ void __launch_bounds__(Traits::kThreads)
     flash_fwd_kernel(const __grid_constant__ FwdParams p) {
   constexpr int kBM = Traits::kBlockM, kBN = Traits::kBlockN, kD = Traits::kHeadDim;
@@ -37,8 +38,10 @@ __global__ void __launch_bounds__(Traits::kThreads)
   T* s_v = s_k + 2 * KVTile::kElements;  // two stages
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const QueryBlockTask<kBM, kBN> task(p);
+  QueryBlockTask<kBM, kBN> task(p);
+  if constexpr (kGeneral) narrow_query_block(task.blk, SegmentIds(p, task.b), lane);
   const QueryBlock<kBM, kBN>& blk = task.blk;
+  SeenRows<kMT> seen(!(kGeneral && p.q_segment_ids));  // rows that met a key, with segment ids
   const int64_t m0 = blk.m0;
   const int warp_m0 = warp * kMT * 16;
   const T* k = static_cast<const T*>(p.k);
@@ -46,7 +49,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
 
   OnlineSoftmax<kMT> softmax;
   float o[kMT][kD / 8][4] = {};
-  const float softmax_scale = kScoreMods ? ScoreMods::kSoftmaxScale : p.scale;
+  const float softmax_scale = kGeneral ? ScoreMods::kSoftmaxScale : p.scale;
   const float scale_log2 = softmax_scale * kLog2e;
 
   const int n_first = blk.n_first, n_last = blk.n_last;
@@ -80,8 +83,13 @@ __global__ void __launch_bounds__(Traits::kThreads)
       warp_gemm<QTile, false, KVTile, false, kD / 16>(s, s_q, warp_m0, s_k + stage * KVTile::kElements, 0,
                                                       lane);
       const int64_t n0 = static_cast<int64_t>(n_block) * kBN;
-      if constexpr (kScoreMods) ScoreMods(p, task.b, task.h).apply(s, m0 + warp_m0, n0, lane);
-      if (blk.needs_mask(n0)) mask_scores(s, p.mask, m0 + warp_m0, n0, task.q_len, task.kv_len, lane);
+      if constexpr (kGeneral) {
+        ScoreMods(p, task.b, task.h).apply(s, m0 + warp_m0, n0, lane);
+        mask_forward_block<kBN>(s, p, task.b, m0, m0 + blk.live_rows, blk.needs_mask(n0), m0 + warp_m0, n0,
+                                task.q_len, task.kv_len, lane, seen);
+      } else if (blk.needs_mask(n0)) {
+        mask_scores(s, p.mask, m0 + warp_m0, n0, task.q_len, task.kv_len, lane);
+      }
 
       if (softmax.must_rescale(s, scale_log2)) softmax.rescale(o, scale_log2);
       softmax.exponentiate(s, scale_log2);
@@ -106,7 +114,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
   // Epilogue: normalise, write O (zeros for rows with nothing to attend) and the log-sum-exp.
   store_output<T>(p.o, p.o_float32, task.q_offset, task.q_stride, p.lse + task.stat_offset + m0, o, softmax,
                softmax_scale, warp_m0, blk.rows, p.shape.head_dim, p.mask, m0, task.q_len, task.kv_len,
-               lane);
+               lane, kGeneral ? &seen : nullptr);
 }
 
 }  // namespace jax_flash::cuda

@@ -26,10 +26,10 @@ cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
   auto kernel = p.deterministic ? flash_bwd_sm90_ws_kernel<Traits, T, true, false>
                                 : flash_bwd_sm90_ws_kernel<Traits, T, false, false>;
   if constexpr (Traits::kBlockM == 64)
-    if (has_score_mods(p))
+    if (general_kernel(p))
       kernel = p.deterministic ? flash_bwd_sm90_ws_kernel<Traits, T, true, true>
                                : flash_bwd_sm90_ws_kernel<Traits, T, false, true>;
-  if (Traits::kBlockM != 64 && has_score_mods(p)) return cudaErrorInvalidValue;
+  if (Traits::kBlockM != 64 && general_kernel(p)) return cudaErrorInvalidValue;
   return launch_with_smem(kernel, key_block_grid<Traits>(s), Traits::kThreads, Traits::kSmemBytes, stream, params);
 }
 
@@ -39,7 +39,7 @@ template <typename T, int kHeadDim>
 cudaError_t launch_bwd_main_sm90_ws(const BwdParams& p, Sm90BwdVariant variant, cudaStream_t stream) {
   if (variant == Sm90BwdVariant::kBulkDq) return launch<typename TileShapes<kHeadDim>::Sm90BwdWsBulkDq, T>(p, stream);
   if constexpr (TileShapes<kHeadDim>::kHasSm90BwdBlockM128)
-    if (variant == Sm90BwdVariant::kBlockM128 && !has_score_mods(p))
+    if (variant == Sm90BwdVariant::kBlockM128 && !general_kernel(p))
       return launch<typename TileShapes<kHeadDim>::Sm90BwdWsBlockM128, T>(p, stream);
   return launch<typename TileShapes<kHeadDim>::Sm90BwdWs, T>(p, stream);
 }

@@ -29,6 +29,7 @@
 #include "gpu/mask.cuh"
 #include "gpu/ptx.cuh"
 #include "gpu/score_mods.cuh"
+#include "gpu/segment_ids.cuh"
 #include "gpu/smem_tile.cuh"
 #include "gpu/softmax.cuh"
 #include "gpu/tile_io.cuh"
@@ -81,9 +82,11 @@ struct BwdWsBarriers {
 // kDeterministic: p.deterministic as a constant (dQ is then left to its own kernel). Whether a
 // warpgroup computes dQ must be known to the compiler: behind a run-time branch ptxas serialises
 // the dQ product at head dim 128 (C7512, "insufficient register resources").
-// kScoreMods: the call has a soft cap or ALiBi slopes (gpu/score_mods.cuh): each visit's S^T is
-// modified before its masks and dP^T takes the cap's chain rule.
-template <typename Traits, typename T, bool kDeterministic, bool kScoreMods>
+// kGeneral: the call has a soft cap or ALiBi slopes (gpu/score_mods.cuh): each visit's S^T is
+// modified before its masks and dP^T takes the cap's chain rule; or segment ids
+// (gpu/segment_ids.cuh): the visits narrowed to the query blocks whose ids can meet the keys',
+// the id mask where a warpgroup's keys and the block's rows do not all share one id.
+template <typename Traits, typename T, bool kDeterministic, bool kGeneral>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams params) {
 #if JF_SM90A
@@ -113,7 +116,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   __syncthreads();
 
   const AttentionShape& sh = p.shape;
-  const KeyBlockTask<kBM, kBN> task(p);
+  KeyBlockTask<kBM, kBN> task(p);
+  if constexpr (kGeneral) narrow_key_block(task, SegmentIds(p, task.b), lane);  // warp-collective: every role
   using Visit = typename KeyBlockTask<kBM, kBN>::Visit;
   const int iterations = task.iterations;
 
@@ -218,7 +222,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int64_t n0 = task.n0;
   float dk[1][kD / 8][4] = {};
   float dv[1][kD / 8][4] = {};
-  const float scale_log2 = (kScoreMods ? ScoreMods::kSoftmaxScale : p.scale) * kLog2e;
+  const float scale_log2 = (kGeneral ? ScoreMods::kSoftmaxScale : p.scale) * kLog2e;
   const uint32_t k_address = smem_address(smem.k), v_address = smem_address(smem.v);
   // The two consumer warpgroups meet on named barrier 1 (id 0 is __syncthreads').
   auto consumers_sync = [] { named_barrier_sync(1, kConsumerThreads); };
@@ -243,17 +247,30 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // where some query of the block does not see some key). A warpgroup none of whose keys the
     // block's queries see has P^T = dS^T = 0: it skips the products and stores a zero dS^T.
     float st[1][kBM / 8][4], dpt[1][kBM / 8][4];
-    const bool group_live = group_blocks.live(visit.mb);
+    bool group_live = group_blocks.live(visit.mb);
+    // With segment ids: none of this warpgroup's keys may share an id with the block's rows
+    // (then it is not live either), or all of them one id (no id mask).
+    bool id_mask = false;
+    if constexpr (kGeneral)
+      if (group_live && p.q_segment_ids) {
+        const SegmentIds ids(p, task.b);
+        const IdSpan keys = ids.keys_span(group_key0, min64(group_key0 + 64, sh.seq_k));
+        const IdSpan rows = ids.rows_span(m0, min64(m0 + kBM, sh.seq_q));
+        group_live = rows.meets(keys);
+        id_mask = !rows.same_single_id(keys);
+      }
     if (group_live) {
       issue_transposed_scores<Traits, T>(st, dpt, k_address, v_address, q_address, do_address, group);
       wgmma_wait<0>();
       fence_registers(st[0]);
       fence_registers(dpt[0]);
 
-      if constexpr (kScoreMods) ScoreMods(p, task.b, visit.h).apply_transposed(st, n0 + warp_key0, m0, lane);
-      if (!group_blocks.whole(visit.mb))
+      if constexpr (kGeneral) ScoreMods(p, task.b, visit.h).apply_transposed(st, n0 + warp_key0, m0, lane);
+      if (id_mask)
+        mask_transposed_with_ids(st, SegmentIds(p, task.b), p.mask, n0 + warp_key0, m0, q_len, kv_len, lane);
+      else if (!group_blocks.whole(visit.mb))
         mask_transposed_scores(st, p.mask, n0 + warp_key0, m0, q_len, kv_len, lane);
-      if constexpr (kScoreMods)
+      if constexpr (kGeneral)
         ScoreMods(p, task.b, visit.h)
             .fold_chain_rule_transposed(dpt, st, smem.delta + stage * kBM, n0 + warp_key0, m0, lane);
       probabilities_and_ds<kBM>(st, dpt, smem.lse2 + stage * kBM, smem.delta + stage * kBM, scale_log2, p.scale,

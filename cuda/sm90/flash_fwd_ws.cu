@@ -27,7 +27,7 @@ cudaError_t launch(const FwdParams& p, bool persistent, cudaStream_t stream) {
     return e;
   // A persistent CTA takes tiles two at a time.
   const int64_t ctas = persistent ? std::min<int64_t>((tiles + 1) / 2, std::max(1, device_sm_count())) : tiles;
-  auto kernel = has_score_mods(p) ? flash_fwd_sm90_ws_kernel<Traits, T, true> : flash_fwd_sm90_ws_kernel<Traits, T, false>;
+  auto kernel = general_kernel(p) ? flash_fwd_sm90_ws_kernel<Traits, T, true> : flash_fwd_sm90_ws_kernel<Traits, T, false>;
   return launch_with_smem(kernel, dim3(static_cast<unsigned>(ctas)), Traits::kThreads, Traits::kSmemBytes, stream,
                           params);
 }

@@ -24,6 +24,7 @@
 #include "gpu/fragments.cuh"
 #include "gpu/mask.cuh"
 #include "gpu/score_mods.cuh"
+#include "gpu/segment_ids.cuh"
 #include "gpu/softmax.cuh"
 #include "gpu/tile_io.cuh"
 #include "sm90/barrier.cuh"
@@ -64,9 +65,10 @@ struct FwdWsBarriers {
   uint64_t q_full, q_empty, k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
 };
 
-// kScoreMods: the call has a soft cap or ALiBi slopes (gpu/score_mods.cuh), applied to every
-// block's scores before its masks.
-template <typename Traits, typename T, bool kScoreMods>
+// kGeneral: the call has a soft cap or ALiBi slopes (gpu/score_mods.cuh), applied to every
+// block's scores before its masks, or segment ids (gpu/segment_ids.cuh: they narrow each tile's
+// key blocks, for the producer and the consumers alike).
+template <typename Traits, typename T, bool kGeneral>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdTmaParams params) {
 #if JF_SM90A
@@ -100,7 +102,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // (ring / kStages)-th round), and Q's buffer is filled once per tile with keys.
   auto task_of = [&](int t) {
     const auto tile = scheduler.tile(t);
-    return QueryBlockTask<kBM, kBN>(p, tile.m_block, tile.head, tile.batch);
+    QueryBlockTask<kBM, kBN> task(p, tile.m_block, tile.head, tile.batch);
+    if constexpr (kGeneral) narrow_query_block(task.blk, SegmentIds(p, task.b), lane);  // warp-collective
+    return task;
   };
 
   if (warp < 4) {
@@ -166,7 +170,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   claim_registers<Traits::kConsumerRegisters>();
   const int group = warp / 4 - 1;
   const int warp_m0 = group * 64 + warp % 4 * 16;  // this warp's first row in the block
-  const float softmax_scale = kScoreMods ? ScoreMods::kSoftmaxScale : p.scale;
+  const float softmax_scale = kGeneral ? ScoreMods::kSoftmaxScale : p.scale;
   const float scale_log2 = softmax_scale * kLog2e;
   const uint32_t q_address = smem_address(smem.q);
   constexpr int kTurnThreads = 128 * Traits::kConsumers;
@@ -191,15 +195,21 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const int64_t m0 = blk.m0;
     OnlineSoftmax<1> softmax;
     float o[1][kD / 8][4] = {};
+    SeenRows<1> seen(!(kGeneral && p.q_segment_ids));  // rows that met a key, with segment ids
 
     if (count > 0) {
       auto stage_of = [&](int i) { return (ring + i) % kStages; };
       auto phase_of = [&](int i) { return ((ring + i) / kStages) & 1; };
-      const ScoreMods mods(p, task.b, task.h);  // unused (and not read) without kScoreMods
+      const ScoreMods mods(p, task.b, task.h);  // unused (and not read) without kGeneral
       auto mask_block = [&](float (&s)[1][kBN / 8][4], int i) {
         const int64_t n0 = static_cast<int64_t>(blk.n_last - i) * kBN;
-        if constexpr (kScoreMods) mods.apply(s, m0 + warp_m0, n0, lane);
-        if (blk.needs_mask(n0)) mask_scores(s, p.mask, m0 + warp_m0, n0, task.q_len, task.kv_len, lane);
+        if constexpr (kGeneral) {
+          mods.apply(s, m0 + warp_m0, n0, lane);
+          mask_forward_block<kBN>(s, p, task.b, m0, m0 + blk.live_rows, blk.needs_mask(n0), m0 + warp_m0, n0,
+                                  task.q_len, task.kv_len, lane, seen);
+        } else if (blk.needs_mask(n0)) {
+          mask_scores(s, p.mask, m0 + warp_m0, n0, task.q_len, task.kv_len, lane);
+        }
       };
       if constexpr (Traits::kPingPong)
         if (group == 1) named_barrier_arrive(1, kTurnThreads);  // warpgroup 0 goes first
@@ -258,7 +268,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
 
     store_output<T>(p.o, p.o_float32, task.q_offset, task.q_stride, p.lse + task.stat_offset + m0, o, softmax,
-                    softmax_scale, warp_m0, blk.rows, p.shape.head_dim, p.mask, m0, task.q_len, task.kv_len, lane);
+                    softmax_scale, warp_m0, blk.rows, p.shape.head_dim, p.mask, m0, task.q_len, task.kv_len, lane,
+                    kGeneral ? &seen : nullptr);
   }
 #endif  // JF_SM90A
 }
