@@ -16,14 +16,12 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from jax_flash._dispatch import CUDA_SEGMENT_IDS_VARIABLE
 from jax_flash.benchmark.columns import DOCUMENTS_COLUMN
 from jax_flash.benchmark.peers import separate_flash_peer
 from jax_flash.benchmark.platforms import (FLASH_KERNELS, Platform, beside_baseline,
                                            with_case_column)
 
-# The CUDA kernels' experimental segment-ids switch (jax_flash._dispatch's
-# cuda_segment_ids_enabled: they take segment ids only where it is "1").
-CUDA_SEGMENT_IDS_VARIABLE = "JAX_FLASH_CUDA_SEGMENT_IDS"
 # The ratio column: jax_flash's packed time over the separate rows' time.
 RATIO_HEADER = "packed/separate time"
 

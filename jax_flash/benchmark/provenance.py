@@ -10,8 +10,8 @@ import sys
 import jax
 
 import jax_flash
+from jax_flash._dispatch import CUDA_SEGMENT_IDS_VARIABLE
 from jax_flash.benchmark.machine import cpu_model, cpu_vector_flags, usable_cores
-from jax_flash.benchmark.packed import CUDA_SEGMENT_IDS_VARIABLE
 from jax_flash.benchmark.platforms import Platform
 
 
