@@ -273,6 +273,22 @@ def test_backward_dq_by_the_other_way_on_hopper(family, head_dims):
       "or test_command_buffer_capture or test_jit_training_step_reduces_loss")
 
 
+def test_general_backward_on_128_row_blocks_on_hopper():
+  """JAX_FLASH_CUDA_BACKWARD=sm90ws_m128 (experimental): calls with a soft cap, ALiBi slopes or
+  segment ids at head dims 33..64 on the 128-row backward pass their reference cases."""
+  major = int(jax.devices("gpu")[0].compute_capability.split(".")[0])
+  if major != 9:
+    pytest.skip("the kernel choice only differs on compute capability 9.x")
+  tests = os.path.dirname(os.path.abspath(__file__))
+  result = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
+       *(os.path.join(tests, f) for f in ("test_softcap.py", "test_alibi.py", "test_segment_ids.py")),
+       "-k", "cuda and (h40 or h64)"],
+      env=dict(os.environ, JAX_FLASH_CUDA_BACKWARD="sm90ws_m128"), capture_output=True, text=True,
+      timeout=900)
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
 def test_split_kv_decoding_on_cuda():
   """The experimental split-KV program around the CUDA forward (JAX_FLASH_CUDA_DECODE=split:
   pack-GQA and key chunks for calls without causal mask or window) passes the reference cases,

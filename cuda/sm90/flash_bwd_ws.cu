@@ -21,15 +21,13 @@ cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
   if (cudaError_t e = make_head_tensor_map(&params.d_o, p.d_o, p.dtype, s.batch, s.seq_q, s.heads_q, s.head_dim,
                                            Traits::kBlockM))
     return e;
-  // The run-time switches as template constants (score modifications not with 128-row visits:
-  // their registers would spill; launch_bwd_main_sm90_ws takes 64-row ones for such calls).
+  // The run-time switches as template constants (general calls take 64-row visits by default:
+  // with 128-row ones their registers spill; see launch_bwd_main_sm90_ws).
   auto kernel = p.deterministic ? flash_bwd_sm90_ws_kernel<Traits, T, true, false>
                                 : flash_bwd_sm90_ws_kernel<Traits, T, false, false>;
-  if constexpr (Traits::kBlockM == 64)
-    if (general_kernel(p))
-      kernel = p.deterministic ? flash_bwd_sm90_ws_kernel<Traits, T, true, true>
-                               : flash_bwd_sm90_ws_kernel<Traits, T, false, true>;
-  if (Traits::kBlockM != 64 && general_kernel(p)) return cudaErrorInvalidValue;
+  if (general_kernel(p))
+    kernel = p.deterministic ? flash_bwd_sm90_ws_kernel<Traits, T, true, true>
+                             : flash_bwd_sm90_ws_kernel<Traits, T, false, true>;
   return launch_with_smem(kernel, key_block_grid<Traits>(s), Traits::kThreads, Traits::kSmemBytes, stream, params);
 }
 
@@ -39,7 +37,7 @@ template <typename T, int kHeadDim>
 cudaError_t launch_bwd_main_sm90_ws(const BwdParams& p, Sm90BwdVariant variant, cudaStream_t stream) {
   if (variant == Sm90BwdVariant::kBulkDq) return launch<typename TileShapes<kHeadDim>::Sm90BwdWsBulkDq, T>(p, stream);
   if constexpr (TileShapes<kHeadDim>::kHasSm90BwdBlockM128)
-    if (variant == Sm90BwdVariant::kBlockM128 && !general_kernel(p))
+    if ((variant == Sm90BwdVariant::kBlockM128 && !general_kernel(p)) || variant == Sm90BwdVariant::kBlockM128General)
       return launch<typename TileShapes<kHeadDim>::Sm90BwdWsBlockM128, T>(p, stream);
   return launch<typename TileShapes<kHeadDim>::Sm90BwdWs, T>(p, stream);
 }
