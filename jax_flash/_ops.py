@@ -110,9 +110,11 @@ def _segment_operands(config: KernelConfig, segment_ids) -> tuple[tuple, dict]:
     ids = (empty, empty)
   else:
     ids = tuple(segment_ids)
-  if config.implementation == "cuda":
+  if config.implementation == "cuda" and segment_ids is None:
+    ids += ids
+  elif config.implementation == "cuda":
     rows = _registry.CUDA_KERNEL_CONSTANTS["segment_id_span_rows"]
-    ids += (ids if segment_ids is None else tuple(segment_id_spans(x, rows) for x in ids))
+    ids += tuple(segment_id_spans(x, rows) for x in ids)
   return ids, {"segment_ids": segment_ids is not None}
 
 
