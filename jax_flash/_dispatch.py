@@ -99,7 +99,7 @@ def capabilities(name: str) -> Capabilities:
         # (jax_flash._ops.for_backward), whose o can be float32, also where the decode kernel
         # would have run
         sinks=True,
-        # the soft cap and ALiBi: the kernels' kScoreMods instantiations (cuda/gpu/
+        # the soft cap and ALiBi: the kernels' kGeneral instantiations (cuda/gpu/
         # score_mods.cuh), the tiled kernels only (jax_flash._ops.call_kernels)
         logits_soft_cap=True, alibi_slopes=True,
         # segment ids: the same kernels' (cuda/gpu/segment_ids.cuh), experimental

@@ -225,7 +225,7 @@ def test_16_bit_slopes_are_taken_as_float32():
 
 
 def test_cuda_kernels_take_the_slopes(monkeypatch):
-  """A call with slopes where None picks CUDA runs on the CUDA kernels (their kScoreMods
+  """A call with slopes where None picks CUDA runs on the CUDA kernels (their kGeneral
   instantiations), and the op layer builds the CUDA call with the slopes and their switch."""
   q = jnp.ones((2, 8, 2, 16), jnp.bfloat16)
   monkeypatch.setattr(_dispatch, "default_implementation", lambda dtype: "cuda")

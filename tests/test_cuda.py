@@ -221,21 +221,24 @@ def test_jit_training_step_reduces_loss():
   assert losses[-1] < losses[0]
 
 
-def _run_in_subprocess(env_overrides: dict, *pytest_args: str) -> subprocess.CompletedProcess:
-  """pytest on this file in a subprocess with the environment overrides (the kernel choices are
-  read once per process)."""
+def _run_in_subprocess(env_overrides: dict, *pytest_args: str,
+                       files: tuple[str, ...] = ("test_cuda.py",)) -> subprocess.CompletedProcess:
+  """pytest on `files` (of this folder; this file by default) in a subprocess with the
+  environment overrides (the kernel choices are read once per process)."""
+  here = os.path.dirname(os.path.abspath(__file__))
   return subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "gpu",
-       os.path.abspath(__file__), *pytest_args],
+       *(os.path.join(here, f) for f in files), *pytest_args],
       env=dict(os.environ, **env_overrides), capture_output=True, text=True, timeout=900)
 
 
-def _run_cuda_tests_on_hopper_with(env_overrides: dict, selection: str) -> None:
-  """Runs the CUDA reference tests matching `selection` under the overrides, on Hopper."""
+def _run_cuda_tests_on_hopper_with(env_overrides: dict, selection: str,
+                                   files: tuple[str, ...] = ("test_cuda.py",)) -> None:
+  """Runs the CUDA tests of `files` matching `selection` under the overrides, on Hopper."""
   major = int(jax.devices("gpu")[0].compute_capability.split(".")[0])
   if major != 9:
     pytest.skip("the kernel choice only differs on compute capability 9.x")
-  result = _run_in_subprocess(env_overrides, "-k", selection)
+  result = _run_in_subprocess(env_overrides, "-k", selection, files=files)
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
@@ -276,17 +279,9 @@ def test_backward_dq_by_the_other_way_on_hopper(family, head_dims):
 def test_general_backward_on_128_row_blocks_on_hopper():
   """JAX_FLASH_CUDA_BACKWARD=sm90ws_m128 (experimental): calls with a soft cap, ALiBi slopes or
   segment ids at head dims 33..64 on the 128-row backward pass their reference cases."""
-  major = int(jax.devices("gpu")[0].compute_capability.split(".")[0])
-  if major != 9:
-    pytest.skip("the kernel choice only differs on compute capability 9.x")
-  tests = os.path.dirname(os.path.abspath(__file__))
-  result = subprocess.run(
-      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
-       *(os.path.join(tests, f) for f in ("test_softcap.py", "test_alibi.py", "test_segment_ids.py")),
-       "-k", "cuda and (h40 or h64)"],
-      env=dict(os.environ, JAX_FLASH_CUDA_BACKWARD="sm90ws_m128"), capture_output=True, text=True,
-      timeout=900)
-  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  _run_cuda_tests_on_hopper_with(
+      {"JAX_FLASH_CUDA_BACKWARD": "sm90ws_m128"}, "cuda and (h40 or h64)",
+      files=("test_softcap.py", "test_alibi.py", "test_segment_ids.py"))
 
 
 def test_split_kv_decoding_on_cuda():

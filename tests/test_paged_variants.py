@@ -231,7 +231,7 @@ def test_invalid_arguments_raise_as_in_dot_product_attention(bad):
 def test_cuda_takes_the_cap_and_the_slopes_by_gathering(monkeypatch, argument, value):
   """dispatch lets the soft cap and the slopes through to CUDA (the check for a GPU stubbed
   out: this machine may have none), and the call gathers the pages for the tiled kernels, whose
-  kScoreMods instantiations take them (the paged decode kernel takes neither)."""
+  kGeneral instantiations take them (the paged decode kernel takes neither)."""
   monkeypatch.setattr(_dispatch, "_check_cuda_runs", lambda: None)
   q, _, vp, _, _ = dataclasses.replace(CASES[0], dtype="bfloat16").inputs()
   assert _paged._select("cuda", q, vp, **{argument: value}) == "cuda"

@@ -180,7 +180,7 @@ def test_ints_and_numpy_floats_are_taken():
 
 
 def test_cuda_kernels_take_the_cap(monkeypatch):
-  """A capped call where None picks CUDA runs on the CUDA kernels (their kScoreMods
+  """A capped call where None picks CUDA runs on the CUDA kernels (their kGeneral
   instantiations), and the op layer passes the cap to them as an attribute."""
   monkeypatch.setattr(_dispatch, "default_implementation", lambda dtype: "cuda")
   q = jnp.ones((2, 8, 2, 16), jnp.bfloat16)

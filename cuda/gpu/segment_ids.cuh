@@ -89,23 +89,29 @@ __device__ inline int2 runs_meeting(const int2* spans, int begin, int end, IdSpa
   return make_int2(first, last);
 }
 
+// Blocks [first, last] of kBlock rows (keys) narrowed to those between the first and the last
+// whose runs (`spans`, `runs` of them) meet `span`: {first, first - 1} when none does.
+// Warp-collective.
+template <int kBlock>
+__device__ inline int2 narrow_blocks(int first, int last, const int2* spans, int runs, IdSpan span, int lane) {
+  const int begin = static_cast<int>(static_cast<int64_t>(first) * kBlock / kSegmentIdSpanRows);
+  const int end = static_cast<int>(
+      min64((static_cast<int64_t>(last + 1) * kBlock + kSegmentIdSpanRows - 1) / kSegmentIdSpanRows, runs));
+  const int2 meeting = runs_meeting(spans, begin, end, span, lane);
+  if (meeting.y < 0) return make_int2(first, first - 1);
+  return make_int2(max(first, static_cast<int>(static_cast<int64_t>(meeting.x) * kSegmentIdSpanRows / kBlock)),
+                   min(last, static_cast<int>((static_cast<int64_t>(meeting.y + 1) * kSegmentIdSpanRows - 1) / kBlock)));
+}
+
 // A query block's key blocks [n_first, n_last] narrowed to those between the first and the last
 // whose keys' ids can meet its rows' (none: n_last < n_first). Warp-collective.
 template <int kBlockM, int kBlockN>
 __device__ inline void narrow_query_block(QueryBlock<kBlockM, kBlockN>& blk, const SegmentIds& ids, int lane) {
   if (!ids.present() || blk.n_last < blk.n_first) return;
-  const IdSpan rows = ids.rows_span(blk.m0, blk.m0 + blk.live_rows);
-  const int begin = static_cast<int>(static_cast<int64_t>(blk.n_first) * kBlockN / kSegmentIdSpanRows);
-  const int end = static_cast<int>(
-      min64((static_cast<int64_t>(blk.n_last + 1) * kBlockN + kSegmentIdSpanRows - 1) / kSegmentIdSpanRows,
-            ids.kv_runs));
-  const int2 runs = runs_meeting(ids.kv_spans, begin, end, rows, lane);
-  if (runs.y < 0) {
-    blk.n_last = blk.n_first - 1;
-    return;
-  }
-  blk.n_first = max(blk.n_first, static_cast<int>(static_cast<int64_t>(runs.x) * kSegmentIdSpanRows / kBlockN));
-  blk.n_last = min(blk.n_last, static_cast<int>((static_cast<int64_t>(runs.y + 1) * kSegmentIdSpanRows - 1) / kBlockN));
+  const int2 blocks = narrow_blocks<kBlockN>(blk.n_first, blk.n_last, ids.kv_spans, ids.kv_runs,
+                                             ids.rows_span(blk.m0, blk.m0 + blk.live_rows), lane);
+  blk.n_first = blocks.x;
+  blk.n_last = blocks.y;
 }
 
 // A key block's visits narrowed to the query blocks between the first and the last whose rows'
@@ -113,21 +119,10 @@ __device__ inline void narrow_query_block(QueryBlock<kBlockM, kBlockN>& blk, con
 template <int kBlockM, int kBlockN>
 __device__ inline void narrow_key_block(KeyBlockTask<kBlockM, kBlockN>& task, const SegmentIds& ids, int lane) {
   if (!ids.present() || task.mb_count == 0) return;
-  const IdSpan keys = ids.keys_span(task.n0, task.n0 + task.live_keys);
-  const int mb_last = task.mb_first + task.mb_count - 1;
-  const int begin = static_cast<int>(static_cast<int64_t>(task.mb_first) * kBlockM / kSegmentIdSpanRows);
-  const int end = static_cast<int>(
-      min64((static_cast<int64_t>(mb_last + 1) * kBlockM + kSegmentIdSpanRows - 1) / kSegmentIdSpanRows,
-            ids.q_runs));
-  const int2 runs = runs_meeting(ids.q_spans, begin, end, keys, lane);
-  if (runs.y < 0) {
-    task.mb_count = 0;
-  } else {
-    const int first = max(task.mb_first, static_cast<int>(static_cast<int64_t>(runs.x) * kSegmentIdSpanRows / kBlockM));
-    const int last = min(mb_last, static_cast<int>((static_cast<int64_t>(runs.y + 1) * kSegmentIdSpanRows - 1) / kBlockM));
-    task.mb_first = first;
-    task.mb_count = last - first + 1;
-  }
+  const int2 blocks = narrow_blocks<kBlockM>(task.mb_first, task.mb_first + task.mb_count - 1, ids.q_spans, ids.q_runs,
+                                             ids.keys_span(task.n0, task.n0 + task.live_keys), lane);
+  task.mb_first = blocks.x;
+  task.mb_count = blocks.y - blocks.x + 1;
   task.iterations = task.mb_count * task.heads_per_kv;
 }
 
@@ -247,20 +242,20 @@ __device__ __forceinline__ void mask_transposed_with_ids(float (&s)[1][kNTiles][
 // query block's rows [row0, row1)), for batch element b: with ids, the id mask where the
 // block's rows and keys do not all share one id (with the range mask, noting the rows that keep
 // a key), else the range mask where `range_mask` (QueryBlock::needs_mask), noting with ids the
-// rows whose range meets the block. The ids' pointers and the rows' span are formed here from p
-// (kernel parameters), not kept in registers across the key loop.
+// rows whose range meets the block (`seen` null: not tracked). The ids' pointers and the rows'
+// span are formed here from p (kernel parameters), not kept in registers across the key loop.
 template <int kBlockN, int kMTiles, int kNTiles>
 __device__ __forceinline__ void mask_forward_block(float (&s)[kMTiles][kNTiles][4], const AttentionParams& p,
                                                    int64_t b, int64_t row0, int64_t row1, bool range_mask, int64_t m0,
                                                    int64_t n0, int64_t q_len, int64_t kv_len, int lane,
-                                                   SeenRows<kMTiles>& seen) {
+                                                   SeenRows<kMTiles>* seen) {
   if (p.q_segment_ids) {
     const SegmentIds ids(p, b);
-    if (!ids.rows_span(row0, row1).same_single_id(ids.keys_span(n0, min64(n0 + kBlockN, ids.seq_k)))) {
-      mask_with_ids(s, ids, p.mask, m0, n0, q_len, kv_len, lane, &seen);
+    if (needs_id_mask(ids, row0, row1, n0, min64(n0 + kBlockN, ids.seq_k))) {
+      mask_with_ids(s, ids, p.mask, m0, n0, q_len, kv_len, lane, seen);
       return;
     }
-    seen.note_ranges(p.mask, m0, n0, n0 + kBlockN, q_len, kv_len, lane);
+    if (seen) seen->note_ranges(p.mask, m0, n0, n0 + kBlockN, q_len, kv_len, lane);
   }
   if (range_mask) mask_scores(s, p.mask, m0, n0, q_len, kv_len, lane);
 }

@@ -289,9 +289,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
       const int64_t n0 = static_cast<int64_t>(n_block) * kBN;
       if constexpr (kGeneral) {
         ScoreMods(p, task.b, task.h).apply(s, m0 + warp_m0, n0, lane);
-        SeenRows<kMT> unused(true);
         mask_forward_block<kBN>(s, p, task.b, m0, m0 + blk.live_rows, blk.needs_mask(n0), m0 + warp_m0, n0, q_len,
-                                kv_len, lane, unused);
+                                kv_len, lane, static_cast<SeenRows<kMT>*>(nullptr));
         ScoreMods(p, task.b, task.h).fold_chain_rule(dp, s, row_delta, m0 + warp_m0, n0, lane);
       } else if (blk.needs_mask(n0)) {
         mask_scores(s, p.mask, m0 + warp_m0, n0, q_len, kv_len, lane);
