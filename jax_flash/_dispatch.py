@@ -14,7 +14,6 @@ functions and modules) describes its call as a :class:`Call` and asks :func:`sel
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Literal
 
 import jax
@@ -29,16 +28,6 @@ IMPLEMENTATIONS = (None, "cpu", "cuda", "xla", "blockwise")
 MASK_FORMS = frozenset({"causal", "seq_lengths", "local_window"})
 
 _FLOAT_DTYPES = frozenset(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
-
-# Experimental until a GPU run has tested them: the CUDA kernels' segment ids
-# (cuda/gpu/segment_ids.cuh) are taken only with this variable set to 1 (read at each call).
-CUDA_SEGMENT_IDS_VARIABLE = "JAX_FLASH_CUDA_SEGMENT_IDS"
-
-
-def cuda_segment_ids_enabled() -> bool:
-  """Whether the "cuda" kernels take q_segment_ids / kv_segment_ids (the variable is 1)."""
-  return os.environ.get(CUDA_SEGMENT_IDS_VARIABLE, "") == "1"
-
 
 _HALF_DTYPES = frozenset(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16))
 
@@ -102,8 +91,9 @@ def capabilities(name: str) -> Capabilities:
         # the soft cap and ALiBi: the kernels' kGeneral instantiations (cuda/gpu/
         # score_mods.cuh), the tiled kernels only (jax_flash._ops.call_kernels)
         logits_soft_cap=True, alibi_slopes=True,
-        # segment ids: the same kernels' (cuda/gpu/segment_ids.cuh), experimental
-        segment_ids=cuda_segment_ids_enabled())
+        # segment ids: the same kernels' (cuda/gpu/segment_ids.cuh: blocks whose ids cannot
+        # meet are skipped)
+        segment_ids=True)
   if name in ("xla", "blockwise"):
     return Capabilities(
         name, kernel=False, dtypes=_FLOAT_DTYPES, max_head_dim=None, head_dim_multiple=1,

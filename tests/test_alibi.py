@@ -238,7 +238,7 @@ def test_cuda_kernels_take_the_slopes(monkeypatch):
   assert operands[0].shape == (0,) and attributes == {"alibi": False}
 
 
-# The CUDA kernels (16-bit inputs): the CPU cases' shapes in bf16/f16 (no segment ids on CUDA),
+# The CUDA kernels (16-bit inputs): the CPU cases' shapes in bf16/f16 (without segment ids),
 # and head dims that take the Hopper kernels (64, 128) and the mma.sync ones (256 backward).
 CUDA_CASES = [
     AlibiCase(Case(batch=2, seq_q=50, seq_k=90, heads_q=4, heads_k=2, head_dim=40,

@@ -400,13 +400,14 @@ def test_packed_torch_mask_agrees(causal):
   np.testing.assert_allclose(out.numpy().swapaxes(1, 2), reference, atol=2e-5)
 
 
-def test_cli_packed_documents(tmp_path, capsys, monkeypatch):
+def test_cli_packed_documents(tmp_path, capsys):
   """--packed-documents 4 on the CPU: jax_flash packed and its separate-rows baseline, their
   rates and time ratio; XLA with the mask; PyTorch's flash kernel with an attn_mask (or
-  unavailable saying so); the FLOPs of a packed row, the switch in the caption, the settings."""
+  unavailable saying so); the FLOPs of a packed row, the caption, the settings. The CUDA
+  kernels' segment ids have no switch any more: neither the caption nor the environment
+  record names one."""
   import json
 
-  monkeypatch.delenv("JAX_FLASH_CUDA_SEGMENT_IDS", raising=False)
   assert benchmark.main([*PACKED_CPU_RUN, "--out", str(tmp_path)]) == 0
   lines = table_lines(capsys)
   header, rows = table_rows(lines)
@@ -423,11 +424,11 @@ def test_cli_packed_documents(tmp_path, capsys, monkeypatch):
                                   rel=0.05, abs=0.01)  # the ms cells are rounded
   table = (tmp_path / "table.md").read_text()
   assert "FLOPs count only the pairs within documents" in table
-  assert "JAX_FLASH_CUDA_SEGMENT_IDS=(unset)" in table
+  assert "SEGMENT_IDS" not in table
   results = json.loads((tmp_path / "results.json").read_text())
   assert results["settings"]["packed_documents"] == 4
   assert results["settings"]["block_density"] is None and results["settings"]["variant"] is None
-  assert results["environment"]["jax_flash_cuda_segment_ids"] is None
+  assert not any("segment_ids" in name for name in results["environment"])
   by_peer = {(m["peer"], m["pass"]): m for m in results["measurements"]}
   for peer in ("jax_flash", "jax_flash_separate", "xla"):
     for pass_name in ("fwd", "fwd+bwd"):
@@ -443,9 +444,9 @@ def test_cli_packed_documents(tmp_path, capsys, monkeypatch):
 
 
 def test_cli_refused_segment_ids_are_unavailable(monkeypatch, capsys):
-  """A kernel that refuses segment ids at trace time (the CUDA kernels without
-  JAX_FLASH_CUDA_SEGMENT_IDS=1) leaves jax_flash's packed cells 'unavailable' with the
-  NotImplementedError's reason; the separate rows still run, the caption shows the switch."""
+  """A kernel that refuses segment ids at trace time (none does now: the "cpu" and "cuda"
+  kernels both take them; here a stand-in refuses) leaves jax_flash's packed cells
+  'unavailable' with the NotImplementedError's reason; the separate rows still run."""
   import jax_flash
 
   original = jax_flash.dot_product_attention
@@ -456,10 +457,8 @@ def test_cli_refused_segment_ids_are_unavailable(monkeypatch, capsys):
     return original(*args, **kwargs)
 
   monkeypatch.setattr(jax_flash, "dot_product_attention", refusing)
-  monkeypatch.setenv("JAX_FLASH_CUDA_SEGMENT_IDS", "0")
   assert benchmark.main([*PACKED_CPU_RUN, "--seqs", "128", "--skip", "xla", "torch"]) == 0
   out = capsys.readouterr().out
-  assert "JAX_FLASH_CUDA_SEGMENT_IDS=0" in out
   lines = out.splitlines()
   _, rows = table_rows(lines[next(i for i, line in enumerate(lines)
                                   if line.startswith("| seq |")):])
@@ -473,7 +472,8 @@ def test_cli_refused_segment_ids_are_unavailable(monkeypatch, capsys):
 def test_gpu_packed_peers():
   """On the GPU platform: jax_flash, its separate rows, then every peer with the packed mask
   (cuDNN, tokamax and XLA a bool mask, Pallas segment ids), their columns as the platform has
-  them; the caption says how each takes the documents and shows the switch."""
+  them; the caption says how each takes the documents (and names no switch: the CUDA kernels
+  take segment ids by default)."""
   from jax_flash.benchmark.packed import packed_caption
 
   platform = benchmark.with_packed_documents(benchmark.GPU)
@@ -491,6 +491,7 @@ def test_gpu_packed_peers():
   caption = packed_caption(platform, 16)
   assert "cudnn: a (B, 1, T, S) bool mask formed in the step" in caption
   assert "pallas: its (B, T) segment ids" in caption and "torch" not in caption
+  assert "jax_flash: q_segment_ids = kv_segment_ids" in caption and "SEGMENT_IDS" not in caption
 
 
 def test_packed_documents_arguments_are_checked(capsys):

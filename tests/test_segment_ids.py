@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_flash
 from attention_testing import (F32, assert_within_rule, key_visibility, max_abs, random_array)
-from jax_flash import _dispatch, _ops
+from jax_flash import _decode, _dispatch, _ops, _registry
 from jax_flash._reference import EMPTY_ROW_LSE
 
 IMPLEMENTATIONS = ["cpu", "blockwise", "xla"]
@@ -337,22 +338,64 @@ def test_dtype_must_be_int32(dtype, advice):
                                     kv_segment_ids=jnp.zeros((2, 8), dtype))
 
 
-def test_cuda_kernels_take_segment_ids_when_enabled(monkeypatch):
-  """The CUDA kernels' segment ids are experimental: where None picks the CUDA kernels (a GPU
-  with 16-bit inputs) and JAX_FLASH_CUDA_SEGMENT_IDS is not 1, segment ids raise
-  NotImplementedError naming them and the paths that take them, as bias/mask do; with it the
-  call runs on them."""
+def _ffi_calls(fn, *args) -> list[tuple[str, dict, list]]:
+  """(target name, attributes, operand avals) of every ffi_call that tracing fn(*args) binds,
+  in order (traced only: nothing is lowered or run)."""
+  found = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "ffi_call":
+        found.append((eqn.params["target_name"], dict(eqn.params["attributes"]),
+                      [v.aval for v in eqn.invars]))
+      for param in eqn.params.values():
+        for sub in param if isinstance(param, (tuple, list)) else (param,):
+          inner = getattr(sub, "jaxpr", sub)
+          if hasattr(inner, "eqns"):
+            walk(inner)
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return found
+
+
+def _loss(q, k, v, **options):
+  return jax_flash.dot_product_attention(q, k, v, **options).astype(jnp.float32).sum()
+
+
+def test_cuda_kernels_take_segment_ids(monkeypatch):
+  """The CUDA kernels take segment ids by default, with no switch: where None picks them (a GPU
+  with 16-bit inputs) or "cuda" is forced, a call with ids is theirs (it used to raise
+  NotImplementedError at trace time), and its forward and backward trace to the CUDA custom
+  calls with segment_ids=True and the ids and their spans as operands. A GPU host with the CUDA
+  kernels built is simulated (an H200's SM count): the calls are traced, never run. 128 rows:
+  without ids too the call takes the tiled kernels, not the decode kernel."""
+  monkeypatch.setattr(_registry, "has_platform", lambda platform: platform in ("cpu", "cuda"))
+  monkeypatch.setattr(_registry, "cuda_gpu_present", lambda: True)
+  monkeypatch.setattr(_registry, "CUDA_KERNEL_CONSTANTS", dict(
+      head_dim_multiple=8, max_head_dim=256, decode_rows_per_cta=16, decode_block_n=64,
+      decode_max_head_dim=256, segment_id_span_rows=64))
+  monkeypatch.setattr(_registry, "_native_cuda",
+                      types.SimpleNamespace(dq_accum_elements=lambda *args: 64))
+  monkeypatch.setattr(_decode, "_cuda_sm_count", lambda: 132)
   monkeypatch.setattr(_dispatch, "default_implementation", lambda dtype: "cuda")
-  monkeypatch.delenv(_dispatch.CUDA_SEGMENT_IDS_VARIABLE, raising=False)
-  q, k, v = (x.astype(jnp.bfloat16) for x in _qkv())
-  ids = jnp.zeros((2, 8), jnp.int32)
-  with pytest.raises(NotImplementedError,
-                     match=r"'cuda' kernels .* take no segment ids yet; got q_segment_ids\(2, 8\) "
-                           r"and kv_segment_ids\(2, 8\).*'cpu', 'blockwise', 'xla'"):
-    jax_flash.dot_product_attention(q, k, v, q_segment_ids=ids, kv_segment_ids=ids)
-  monkeypatch.setenv(_dispatch.CUDA_SEGMENT_IDS_VARIABLE, "1")
-  call = _dispatch.Call(q.shape, q.dtype, segment_ids=((2, 8), (2, 8)))
-  assert _dispatch.select(None, call) == "cuda"
+  assert _dispatch.capabilities("cuda").segment_ids
+  q, k, v = (x.astype(jnp.bfloat16) for x in _qkv(t=128, s=128))
+  ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), 32)[None].repeat(2, axis=0)  # (2, 128)
+  call = _dispatch.Call(q.shape, q.dtype, segment_ids=((2, 128), (2, 128)))
+  for implementation in (None, "cuda"):
+    assert _dispatch.select(implementation, call) == "cuda"
+    for with_ids in (True, False):
+      options = dict(q_segment_ids=ids, kv_segment_ids=ids) if with_ids else {}
+      loss = functools.partial(_loss, implementation=implementation, **options)
+      calls = _ffi_calls(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
+      assert [name for name, _, _ in calls] == ["jax_flash_cuda_fwd", "jax_flash_cuda_bwd"]
+      for name, attributes, operands in calls:
+        assert bool(attributes["segment_ids"]) is with_ids, (name, implementation)
+        # Its int32 operands besides the lengths (B,): the ids (B, T), (B, S) and their spans
+        # (B, runs of 64 ids, 2), or (0,) placeholders without ids.
+        got = [tuple(x.shape) for x in operands if x.dtype == jnp.int32 and x.shape != (2,)]
+        want = [(2, 128), (2, 128), (2, 2, 2), (2, 2, 2)] if with_ids else [(0,)] * 4
+        assert got == want, (name, implementation, operands)
 
 
 @pytest.mark.parametrize("length, rows", [(1, 64), (64, 64), (65, 64), (200, 64), (10, 4)])
@@ -369,7 +412,7 @@ def test_segment_id_spans(length, rows):
       assert tuple(got[b, r]) == (run.min(), run.max())
 
 
-# On the GPU (experimental: JAX_FLASH_CUDA_SEGMENT_IDS=1): the cases above in 16 bits, head dims
+# On the GPU (the CUDA kernels take segment ids by default): the cases above in 16 bits, head dims
 # that take the Hopper kernels (64, 128) and the mma.sync backward (256), documents straddling
 # the 64- and 128-row blocks, unsorted ids, and the deterministic backward.
 CUDA_CASES = {
@@ -386,8 +429,7 @@ CUDA_CASES = {
 @pytest.mark.gpu
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
 @pytest.mark.parametrize("name", list(CUDA_CASES))
-def test_cuda_matches_reference(name, deterministic, monkeypatch):
-  monkeypatch.setenv(_dispatch.CUDA_SEGMENT_IDS_VARIABLE, "1")
+def test_cuda_matches_reference(name, deterministic):
   case = CUDA_CASES[name]
   q, k, v, g = case.inputs()
   q_ids, kv_ids = (jnp.asarray(x) for x in case.ids())
@@ -398,11 +440,10 @@ def test_cuda_matches_reference(name, deterministic, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_cuda_packed_row_equals_separate_rows(monkeypatch):
+def test_cuda_packed_row_equals_separate_rows():
   """A row of eight documents of 64..448 tokens (lengths that straddle the kernels' blocks),
   causal, head dim 128: each document's output and gradients as if it ran alone (the kernels
   skip the blocks of other documents, and must lose nothing by it)."""
-  monkeypatch.setenv(_dispatch.CUDA_SEGMENT_IDS_VARIABLE, "1")
   lengths = [64, 200, 127, 448, 65, 300, 129, 203]
   seq = sum(lengths)
   rng = np.random.default_rng(7)
@@ -422,8 +463,8 @@ def test_cuda_packed_row_equals_separate_rows(monkeypatch):
     part = slice(start, start + n)
     alone = grads(*(x[:, part] for x in (q, k, v, g)), None)
     for name in ("out", "lse", "dq", "dk", "dv"):
-      got = packed[name][:, :, part] if name == "lse" else packed[name][:, part]
-      np.testing.assert_allclose(got, alone[name], atol=2e-2, rtol=2e-2, err_msg=name)
+      np.testing.assert_allclose(packed[name][:, part], alone[name], atol=2e-2, rtol=2e-2,
+                                 err_msg=f"{name} of the document of {n} tokens at {start}")
     start += n
 
 

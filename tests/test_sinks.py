@@ -229,12 +229,13 @@ def test_cuda_kernels_take_the_sinks(monkeypatch):
   monkeypatch.setattr(_dispatch, "default_implementation", lambda dtype: "cuda")
   q = jnp.ones((2, 8, 2, 16), jnp.bfloat16)
   assert _dispatch.select(None, _dispatch.Call(q.shape, q.dtype, sinks=(2,))) == "cuda"
-  with pytest.raises(NotImplementedError, match=r"'cuda' kernels .* take no segment ids"):
-    _dispatch.select(None, _dispatch.Call(q.shape, q.dtype, sinks=(2,),
-                                          segment_ids=((2, 8), (2, 8))))
+  assert _dispatch.select(None, _dispatch.Call(q.shape, q.dtype, sinks=(2,),
+                                               segment_ids=((2, 8), (2, 8)))) == "cuda"
+  with pytest.raises(NotImplementedError, match=r"'cuda' kernels .* take no dropout_rate"):
+    _dispatch.select(None, _dispatch.Call(q.shape, q.dtype, sinks=(2,), dropout_rate=0.1))
 
 
-# The CUDA kernels (16-bit inputs; no segment ids there yet): GQA and T != S, causal
+# The CUDA kernels (16-bit inputs): GQA and T != S, causal
 # across several tiles, a window with lengths and a batch element with no keys, a decode shape
 # (which runs the tiled forward: its o can be float32 for the join) and a head dim of 128.
 CUDA_CASES = [

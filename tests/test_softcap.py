@@ -188,7 +188,7 @@ def test_cuda_kernels_take_the_cap(monkeypatch):
   assert _dispatch.capabilities("cuda").logits_soft_cap
 
 
-# The CUDA kernels (16-bit inputs): the CPU cases' shapes in bf16/f16 (no segment ids on CUDA),
+# The CUDA kernels (16-bit inputs): the CPU cases' shapes in bf16/f16 (without segment ids),
 # and head dims that take the Hopper kernels (64, 128) and the mma.sync ones (256 backward).
 CUDA_CASES = [
     CapCase(Case(batch=2, seq_q=70, seq_k=90, heads_q=4, heads_k=2, head_dim=40,

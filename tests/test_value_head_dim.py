@@ -534,9 +534,12 @@ def test_cuda_handler_refuses_it(rng):
   """The CUDA handlers take Hv == H only (the shared checks' default), whoever calls them."""
   operands = dict(q=((B, T, N, 16), "bfloat16"), k=((B, S, K, 16), "bfloat16"),
                   v=((B, S, K, 8), "bfloat16"), q_lens=((B,), "int32"), kv_lens=((B,), "int32"),
+                  q_segment_ids=((0,), "int32"), kv_segment_ids=((0,), "int32"),
+                  q_segment_id_spans=((0,), "int32"), kv_segment_id_spans=((0,), "int32"),
                   alibi_slopes=((0,), "float32"))
   outputs = dict(o=((B, T, N, 8), "bfloat16"), lse=((B, N, T), "float32"))
   attributes = dict(scale=0.5, is_causal=False, window_left=np.int64(-1),
-                    window_right=np.int64(-1), logits_soft_cap=0.0, alibi=False)
+                    window_right=np.int64(-1), segment_ids=False, logits_soft_cap=0.0,
+                    alibi=False)
   with pytest.raises(FFI_ERROR, match=_pattern("Hv=8 differs", "H=16", "Hv == H only")):
     _call("jax_flash_cuda_fwd", rng, operands, outputs, attributes)

@@ -5,13 +5,12 @@ windows, GQA, deterministic, and the differentiated forward that writes o in flo
   compute-sanitizer --tool memcheck python3 .ci/gpu/sanitize_cases.py [--score-mods] [--segment-ids]
 
 --score-mods: every call with a soft cap and ALiBi slopes too; --segment-ids: with packed
-documents (ids sorted, documents of 1..40 tokens, so that they straddle every block edge; sets
-JAX_FLASH_CUDA_SEGMENT_IDS=1). Both run the kernels' general (kGeneral) instantiations.
+documents (ids sorted, documents of 1..40 tokens, so that they straddle every block edge).
+Both run the kernels' general (kGeneral) instantiations.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
 import jax
@@ -35,8 +34,6 @@ CASES = [
 def main() -> None:
   score_mods = "--score-mods" in sys.argv[1:]
   segment_ids = "--segment-ids" in sys.argv[1:]
-  if segment_ids:
-    os.environ["JAX_FLASH_CUDA_SEGMENT_IDS"] = "1"
   for i, (b, t, s, n, kh, h, causal, window, lengths, det) in enumerate(CASES):
     ks = jax.random.split(jax.random.key(i), 4)
     q = jax.random.normal(ks[0], (b, t, n, h), jnp.bfloat16)

@@ -29,9 +29,8 @@ std::optional<KernelFamily> read_override(const char* variable, bool forward, st
   if (forward && v == "sm90ws_grid") return KernelFamily::kSm90WsGrid;
   if (!forward && v == "sm90ws_atomicdq") return KernelFamily::kSm90WsAtomicDq;
   if (!forward && v == "sm90ws_bulkdq") return KernelFamily::kSm90WsBulkDq;
-  if (!forward && v == "sm90ws_m128") return KernelFamily::kSm90WsM128;
   error += std::string(error.empty() ? "" : "; ") + "jax_flash: " + variable + "=" + v + " is not one of " +
-           (forward ? "sm80, sm90ws, sm90ws_grid" : "sm80, sm90ws, sm90ws_atomicdq, sm90ws_bulkdq, sm90ws_m128");
+           (forward ? "sm80, sm90ws, sm90ws_grid" : "sm80, sm90ws, sm90ws_atomicdq, sm90ws_bulkdq");
   return std::nullopt;
 }
 

@@ -3,16 +3,13 @@
 // (sm80) family everywhere else. Two environment variables, read once per process, override the
 // choice for experiments and comparisons:
 //   JAX_FLASH_CUDA_FORWARD  = sm80 | sm90ws | sm90ws_grid                (default on Hopper: sm90ws)
-//   JAX_FLASH_CUDA_BACKWARD = sm80 | sm90ws | sm90ws_atomicdq | sm90ws_bulkdq | sm90ws_m128
-//                                                                          (default on Hopper: sm90ws)
+//   JAX_FLASH_CUDA_BACKWARD = sm80 | sm90ws | sm90ws_atomicdq | sm90ws_bulkdq (default on Hopper: sm90ws)
 // The forward's sm90ws runs on a persistent grid, sm90ws_grid is the same kernel on a CTA per
 // tile. The backward's sm90ws runs the variant measured fastest for the head dim (TileShapes:
 // 128-row query blocks with dK from registers at head dim 64, bulk dQ reductions at 128, atomics
 // elsewhere); sm90ws_atomicdq and sm90ws_bulkdq force 64-row query blocks with dQ added by atomics
-// or by bulk reductions from shared memory. sm90ws_m128 is sm90ws with the general calls (soft
-// cap, ALiBi, segment ids) at head dims 33..64 on 128-row query blocks too (by default they take
-// 64-row ones; experimental: never run). A Hopper choice only applies on Hopper, and only where a
-// Hopper kernel exists.
+// or by bulk reductions from shared memory (the general calls too: soft cap, ALiBi, segment ids).
+// A Hopper choice only applies on Hopper, and only where a Hopper kernel exists.
 #pragma once
 
 #include <string>
@@ -21,8 +18,8 @@ namespace jax_flash::cuda {
 
 // The kernel family of a pass: mma.sync (sm80) or warp-specialised wgmma (sm90ws); for the forward
 // also sm90ws on a CTA per tile (sm90ws_grid), for the backward sm90ws with 64-row query blocks
-// and dQ forced to atomics or to bulk reductions, or with general calls on 128-row blocks.
-enum class KernelFamily { kSm80, kSm90Ws, kSm90WsGrid, kSm90WsAtomicDq, kSm90WsBulkDq, kSm90WsM128 };
+// and dQ forced to atomics or to bulk reductions.
+enum class KernelFamily { kSm80, kSm90Ws, kSm90WsGrid, kSm90WsAtomicDq, kSm90WsBulkDq };
 
 // Empty when the variables are unset or hold a known value; else a message naming the variable,
 // its value and the values it takes (the FFI handlers return it as an error).

@@ -77,9 +77,7 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
         constexpr V kDefault = TileShapes<kD>::kHasSm90BwdBlockM128  ? V::kBlockM128
                                : TileShapes<kD>::kSm90BwdBulkDqByDefault ? V::kBulkDq
                                                                          : V::kAtomicDq;
-        constexpr V kM128 = TileShapes<kD>::kHasSm90BwdBlockM128 ? V::kBlockM128General : kDefault;
         e = family == KernelFamily::kSm90Ws           ? launch_bwd_main_sm90_ws<T, kD>(p, kDefault, stream)
-            : family == KernelFamily::kSm90WsM128     ? launch_bwd_main_sm90_ws<T, kD>(p, kM128, stream)
             : family == KernelFamily::kSm90WsAtomicDq ? launch_bwd_main_sm90_ws<T, kD>(p, V::kAtomicDq, stream)
             : family == KernelFamily::kSm90WsBulkDq   ? launch_bwd_main_sm90_ws<T, kD>(p, V::kBulkDq, stream)
                                                       : launch_bwd_main_sm80<T, kD>(p, stream);

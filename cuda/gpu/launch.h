@@ -39,10 +39,10 @@ template <typename T, int kHeadDim>
 cudaError_t launch_bwd_main_sm80(const BwdParams& params, cudaStream_t stream);
 // The warp-specialised main backward's variants (sm90/flash_bwd_ws_kernel.cuh): 64-row query
 // blocks with dQ added by atomics from the math warps or by bulk reductions from shared memory,
-// or (head dim 64) 128-row query blocks with dQ by atomics, split by rows, and dK from registers.
-// kBlockM128 takes the plain calls only (general ones take the 64-row variant of the head dim);
-// kBlockM128General takes both (JAX_FLASH_CUDA_BACKWARD=sm90ws_m128).
-enum class Sm90BwdVariant { kAtomicDq, kBulkDq, kBlockM128, kBlockM128General };
+// or (head dim 64) 128-row query blocks with dQ by atomics, split by rows, and dK from registers
+// (general calls included: with the soft cap or ALiBi 1.04-1.10x faster than 64-row visits,
+// session 15, though their registers spill 40 bytes).
+enum class Sm90BwdVariant { kAtomicDq, kBulkDq, kBlockM128 };
 template <typename T, int kHeadDim>
 cudaError_t launch_bwd_main_sm90_ws(const BwdParams& params, Sm90BwdVariant variant, cudaStream_t stream);
 // The deterministic mode's dQ kernel (mma.sync on every GPU).

@@ -21,8 +21,7 @@ cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
   if (cudaError_t e = make_head_tensor_map(&params.d_o, p.d_o, p.dtype, s.batch, s.seq_q, s.heads_q, s.head_dim,
                                            Traits::kBlockM))
     return e;
-  // The run-time switches as template constants (general calls take 64-row visits by default:
-  // with 128-row ones their registers spill; see launch_bwd_main_sm90_ws).
+  // The run-time switches as template constants.
   auto kernel = p.deterministic ? flash_bwd_sm90_ws_kernel<Traits, T, true, false>
                                 : flash_bwd_sm90_ws_kernel<Traits, T, false, false>;
   if (general_kernel(p))
@@ -37,8 +36,7 @@ template <typename T, int kHeadDim>
 cudaError_t launch_bwd_main_sm90_ws(const BwdParams& p, Sm90BwdVariant variant, cudaStream_t stream) {
   if (variant == Sm90BwdVariant::kBulkDq) return launch<typename TileShapes<kHeadDim>::Sm90BwdWsBulkDq, T>(p, stream);
   if constexpr (TileShapes<kHeadDim>::kHasSm90BwdBlockM128)
-    if ((variant == Sm90BwdVariant::kBlockM128 && !general_kernel(p)) || variant == Sm90BwdVariant::kBlockM128General)
-      return launch<typename TileShapes<kHeadDim>::Sm90BwdWsBlockM128, T>(p, stream);
+    if (variant == Sm90BwdVariant::kBlockM128) return launch<typename TileShapes<kHeadDim>::Sm90BwdWsBlockM128, T>(p, stream);
   return launch<typename TileShapes<kHeadDim>::Sm90BwdWs, T>(p, stream);
 }
 

@@ -62,9 +62,9 @@ the separate one's ("packed/separate time"). The other peers run the packed mask
 can express it: jax.nn's xla and cudnn and tokamax a (B, 1, T, S) bool mask formed in the step,
 Pallas its segment ids, PyTorch's CPU flash kernel a bool attn_mask (the causal mask folded
 in); else, or where a kernel refuses the call at trace time (a NotImplementedError; cuDNN also
-a ValueError), they read "unavailable" with the reason. The CUDA kernels take segment ids only
-with JAX_FLASH_CUDA_SEGMENT_IDS=1 (experimental): without it jax_flash's packed cells read
-"unavailable", and the caption (and results.json's environment) shows the switch. A packed
+a ValueError), they read "unavailable" with the reason. jax_flash's "cpu" and "cuda" kernels
+both take segment ids (each skips the blocks whose ids cannot meet: a row of sorted documents
+visits only the blocks along their diagonals). A packed
 row's FLOPs count only the pairs within documents (1/D of the dense convention's: each of D
 documents (seq/D)^2, halved when causal), which is also what the separate rows compute, so
 the rates compare. results.json: settings' "packed_documents", each measurement's

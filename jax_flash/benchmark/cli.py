@@ -138,10 +138,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                            "('packed/separate time'); the other peers run where they can "
                            "express the packed mask (jax.nn's xla and cudnn and tokamax a "
                            "(B, 1, T, S) bool mask formed in the step, Pallas segment ids, "
-                           "PyTorch a bool attn_mask), else read 'unavailable' with the reason, "
-                           "as does jax_flash where its kernel refuses segment ids (the CUDA "
-                           "kernels without JAX_FLASH_CUDA_SEGMENT_IDS=1); FLOP rates count "
-                           "only the pairs within documents")
+                           "PyTorch a bool attn_mask), else read 'unavailable' with the reason "
+                           "(jax_flash's cpu and cuda kernels both take segment ids); FLOP rates "
+                           "count only the pairs within documents")
   parser.add_argument("--block-density", type=density, metavar="D",
                       help="block-sparse cases: each case with a random block mask (64 x 64 "
                            "blocks, a fraction D of them set, fixed seed, every query block "

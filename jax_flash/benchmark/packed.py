@@ -5,8 +5,8 @@ Every case of a packed run is packed (cases.packed_cases; Case.documents). The p
 documents as each can express them (peers: jax_flash q_segment_ids = kv_segment_ids, jax.nn
 and tokamax a (B, 1, T, S) bool mask formed in the step, Pallas its segment ids, PyTorch a
 bool attn_mask), or read "unavailable" with the reason: where they have no such argument, or
-their kernel refuses the call at trace time (the CUDA kernels' segment ids without
-JAX_FLASH_CUDA_SEGMENT_IDS=1, a NotImplementedError). Beside them runs the baseline,
+their kernel refuses the call at trace time (a NotImplementedError). jax_flash's "cpu" and
+"cuda" kernels both take segment ids. Beside them runs the baseline,
 "jax_flash_separate": jax_flash on the same inputs as B * D rows of S / D tokens, and the
 table gives jax_flash's packed time over it ("packed/separate time").
 """
@@ -14,9 +14,7 @@ table gives jax_flash's packed time over it ("packed/separate time").
 from __future__ import annotations
 
 import dataclasses
-import os
 
-from jax_flash._dispatch import CUDA_SEGMENT_IDS_VARIABLE
 from jax_flash.benchmark.columns import DOCUMENTS_COLUMN
 from jax_flash.benchmark.peers import separate_flash_peer
 from jax_flash.benchmark.platforms import (FLASH_KERNELS, Platform, beside_baseline,
@@ -39,14 +37,9 @@ def with_packed_documents(platform: Platform, deterministic: bool = False) -> Pl
   return dataclasses.replace(platform, peers=(flash, separate, *others), columns=columns)
 
 
-def cuda_segment_ids_switch() -> str:
-  """The CUDA kernels' segment-ids switch as set in this process ("(unset)" without it)."""
-  return f"{CUDA_SEGMENT_IDS_VARIABLE}={os.environ.get(CUDA_SEGMENT_IDS_VARIABLE, '(unset)')}"
-
-
 def packed_caption(platform: Platform, documents: int) -> str:
   """The caption line of a packed run: how each of the platform's peers takes the documents,
-  how FLOPs count, and the CUDA kernels' segment-ids switch."""
+  and how FLOPs count."""
   mask = "a (B, 1, T, S) bool mask formed in the step"
   forms = {"jax_flash": "q_segment_ids = kv_segment_ids",
            "jax_flash_separate": f"the same tokens as batch*{documents} separate rows",
@@ -57,4 +50,4 @@ def packed_caption(platform: Platform, documents: int) -> str:
   return (f"packed documents: {documents} per row of seq/{documents} tokens each, end to end "
           f"(ids sorted), causal within each document in the causal cases; {peers}. FLOPs "
           f"count only the pairs within documents (1/{documents} of a dense row's), so packed "
-          f"and separate rates compare; {cuda_segment_ids_switch()}")
+          f"and separate rates compare")

@@ -73,8 +73,7 @@ def trace_refusal(attention: AttentionFn, case: Case,
                   refused: tuple[type[Exception], ...] = (NotImplementedError,)) -> str | None:
   """Why `attention` refuses the case at trace time (one of the `refused` errors, by default a
   NotImplementedError, in its forward or backward), or None; other errors are left to the run,
-  which records them as failures. Not cached: the CUDA kernels read their switches at each
-  call."""
+  which records them as failures. Not cached: each probe traces the call afresh."""
   shape = jax.ShapeDtypeStruct((case.batch, case.seq, case.heads, case.head_dim),
                                jnp.dtype(case.dtype))
   mask = case.block_mask()
@@ -97,7 +96,8 @@ def trace_refusal(attention: AttentionFn, case: Case,
 def probed(attention: AttentionFn, kinds: CaseKinds,
            refused: tuple[type[Exception], ...] = (NotImplementedError,)) -> CaseKinds:
   """`kinds`, and for a packed case it runs, the refusal of `attention` at trace time
-  (trace_refusal: the CUDA kernels refuse segment ids without their switch)."""
+  (trace_refusal: e.g. cuDNN's ValueError for a call it does not support; jax_flash's "cpu"
+  and "cuda" kernels both take segment ids)."""
 
   def unavailable(case: Case) -> str | None:
     reason = kinds(case)
@@ -200,8 +200,8 @@ def _flash_attention(kernel: str, deterministic: bool, query: jax.Array, key: ja
 def flash_peer(kernel: str, device_kind: str, deterministic: bool = False) -> Peer:
   """jax_flash's `kernel` ("cpu" or "cuda") on the `device_kind` device; block-sparse cases
   with their block_mask on the kernels that take one (the CUDA kernels refuse it); packed
-  cases with segment ids, unavailable where the kernel refuses them at trace time (the CUDA
-  kernels without JAX_FLASH_CUDA_SEGMENT_IDS=1)."""
+  cases with segment ids (both kernels take them; unavailable where a kernel refuses a call at
+  trace time)."""
   attention = functools.partial(_flash_attention, kernel, deterministic)
   takes_blocks = _dispatch.capabilities(kernel).block_mask
   kinds = case_kinds(block_sparse=None if takes_blocks

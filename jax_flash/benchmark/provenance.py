@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
-import os
 import sys
 
 import jax
 
 import jax_flash
-from jax_flash._dispatch import CUDA_SEGMENT_IDS_VARIABLE
 from jax_flash.benchmark.machine import cpu_model, cpu_vector_flags, usable_cores
 from jax_flash.benchmark.platforms import Platform
 
@@ -69,6 +67,4 @@ def environment(platform: Platform) -> dict[str, object]:
                                     if platform.name == "cpu" else None),
       torch=package_version("torch"),
       tokamax=package_version("tokamax"),
-      # Whether the CUDA kernels take segment ids (experimental; None: unset).
-      jax_flash_cuda_segment_ids=os.environ.get(CUDA_SEGMENT_IDS_VARIABLE),
   )
