@@ -23,11 +23,12 @@ start) for every score of a row; the slice's lse is moved by slope times that, a
 for its backward kernel (jax_flash._reference.alibi_lse_shift). The offset is traced (the
 query slice's start depends on the device), so the plans, and the switch, are unchanged.
 
-Block masks (one bool per 64 x 64 block, jax_flash.BLOCK_MASK_BLOCK): each device holds the block
-rows of its queries, with every key block's column in the sequence's order (B, N, L/64, S/64);
+Block masks (one bool per 128 x 128 block, jax_flash.BLOCK_MASK_BLOCK): each device holds the
+block rows of its queries, with every key block's column in the sequence's order (B, N, L/128,
+S/128);
 nothing is gathered. A slice's kernel takes its rows and the columns of its key range, so the
 query chunks must be whole blocks and each key range must start on a block: a range cut by a
-window's left edge starts at a block boundary only when the left size is a multiple of 64
+window's left edge starts at a block boundary only when the left size is a multiple of 128
 (block_aligned; jax_flash._context_parallel falls back where not). Its end may cut a block (the
 kernel's last key block is then partial, as the mask's last column is at S).
 """
@@ -124,7 +125,7 @@ def _slice_fwd(plan: _Slice, q, k, v, q_lens, kv_lens, alibi=None, ids=None, blo
   """(o float32, lse) of one query slice (q_lens local to it) against the gathered K/V;
   `alibi`: None or (slopes (B, N), the slice's first global query row); `ids`: None or
   (the slice's query ids, the gathered key ids); `blocks`: None or the block mask of its rows
-  (B, N, rows / 64, S / 64)."""
+  (B, N, rows / 128, S / 128)."""
   if plan.stop == plan.start:  # nothing visible: every row empty
     batch, rows, heads, _ = q.shape
     return (_varying_like(jnp.zeros((batch, rows, heads, v.shape[-1]), jnp.float32), q),
@@ -196,7 +197,7 @@ def all_gather_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_
   """(o, lse) over a sequence sharded along `axis_name`, with _ops.flash_fwd's arguments and
   results (this device's query slices in `layout`, its K/V slices in `kv_layout`, by default
   the same, the segment ids with them; q_lens and kv_lens global; the ALiBi slopes (B, N) of
-  this device's heads; the block mask (B, N, L / 64, S / 64) of its query rows, in `layout`,
+  this device's heads; the block mask (B, N, L / 128, S / 128) of its query rows, in `layout`,
   every key block in the sequence's order: see block_aligned). Inside shard_map or a
   partitioned lowering."""
   num = jax.lax.axis_size(axis_name)

@@ -19,10 +19,11 @@ which keeps "all-to-all only" true of the compiled program.
 ALiBi slopes ((B, N), per head) need no communication: each device takes the slopes of the head
 slice it receives, and the kernel sees the whole sequence, so its positions are the global ones.
 
-Block masks (B, N, L/64, S/64: the block rows of each device's queries, every key block's column)
-go by one more all-to-all, as the queries do: heads split, block rows gathered, so the kernel
-gets the whole (T/64, S/64) mask of its head slice. Each device's query slice (zig-zag chunk)
-must be whole 64-row blocks (jax_flash._context_parallel checks it).
+Block masks (B, N, L/128, S/128: the block rows of each device's queries, every key block's
+column; blocks of jax_flash.BLOCK_MASK_BLOCK) go by one more all-to-all, as the queries do: heads
+split, block rows gathered, so the kernel gets the whole (T/128, S/128) mask of its head slice.
+Each device's query slice (zig-zag chunk) must be whole 128-row blocks
+(jax_flash._context_parallel checks it).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def _gather_ids(ids, axis_name, layout: str, num: int):
 
 
 def _blocks_to_heads(block_mask, axis_name, layout: str, num: int):
-  """(B, N, L/64, S/64) block rows -> (B, N/P, T/64, S/64), the rows in natural order (None
+  """(B, N, L/128, S/128) block rows -> (B, N/P, T/128, S/128), the rows in natural order (None
   without a block mask)."""
   if block_mask is None:
     return None

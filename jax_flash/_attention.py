@@ -229,20 +229,26 @@ def dot_product_attention(
     block_mask: block-sparse attention (FlashAttention, Dao et al. 2022, section 3.3): a bool
       array broadcastable to ``(B, N, Tb, Sb)`` (``(N, Tb, Sb)`` for rank-3 inputs; fewer
       dims gain leading ones, B and N each 1 or full, Tb and Sb exact), one bit per block of
-      ``jax_flash.BLOCK_MASK_BLOCK = (block_q, block_k)`` query rows x keys (the "cpu"
-      kernel's tiles, 64 x 64), blocks aligned at query 0 and key 0, the last partial:
+      ``jax_flash.BLOCK_MASK_BLOCK = (block_q, block_k) = (128, 128)`` query rows x keys
+      (a multiple of every kernel's tiles, so that each tile lies inside one block and a
+      hidden one is skipped whole: the "cpu" kernel's tiles are 64 x 64, the CUDA kernels'
+      64 or 128 rows/keys; FlexAttention's default block is 128 too), blocks aligned at
+      query 0 and key 0, the last partial:
       ``(Tb, Sb) = jax_flash.block_mask_shape(T, S) = (ceil(T / block_q),
       ceil(S / block_k))``. ``False`` hides every key of the key block from every query of
       the query block, on top of every other mask (causal, window, lengths, segment ids,
       ``mask``); a row left no key gives zeros and lse the most negative float32, as any
-      empty row. The "cpu" kernel never visits a hidden block, forward or backward (its time
-      falls with the density; the keys and values there are never read); "blockwise" and
-      "xla" expand it to an element mask (``(B|1, N|1, T, S)`` bool, quadratic memory) and
-      visit every block. The CUDA kernels raise ``NotImplementedError`` (pass
-      ``implementation="blockwise"`` on a GPU); such calls never run the split-KV decode
-      kernel, and a sequence-sharded call gathers the sequence (a requested
-      ``context_parallel`` raises). Not differentiated. A wrong dtype or shape raises
-      ``ValueError`` naming ``block_mask`` and the shape passed.
+      empty row. The "cpu" kernel never visits a tile of a hidden block, forward or
+      backward (its time falls with the density; the keys and values there are never read);
+      "xla" expands it to an element mask (``(B|1, N|1, T, S)`` bool, quadratic memory),
+      "blockwise" only each scan step's columns (memory linear in S), and both visit every
+      block. The CUDA kernels raise ``NotImplementedError`` (pass
+      ``implementation="blockwise"`` on a GPU) unless ``JAX_FLASH_CUDA_BLOCK_SPARSE=1`` is
+      set (experimental: they then walk only the live blocks; see the README); such calls
+      never run the split-KV decode kernel. A sequence-sharded call carries it where the shards are whole blocks
+      (128-row query slices, see ``jax_flash.context_parallel_attention``), else gathers the
+      sequence (a requested ``context_parallel`` raises). Not differentiated. A wrong dtype
+      or shape raises ``ValueError`` naming ``block_mask`` and the shape passed.
     dropout_rate: attention dropout fused into the kernels, as FlashAttention (Dao et al.
       2022) fuses it: each normalised probability ``p_ij`` is dropped with probability
       ``dropout_rate`` and the kept ones are scaled by ``1 / (1 - dropout_rate)``, so

@@ -23,9 +23,9 @@ Unlike the kernels it also takes jax.nn's ``bias`` and ``mask`` arrays: each sca
 applies the slice of its key block (arrays with no key dim broadcast over every block), and the
 backward pass returns the bias's gradient, summed over the dims it broadcasts along.
 
-A block mask (``block_mask``, one bool per 64 x 64 block) is sliced per step too: each step takes
-the block mask's columns of its keys and expands only those to a (T, KEY_BLOCK) element mask, so
-memory stays linear in S (the block mask itself holds T S / 4096 bools). Hidden blocks are
+A block mask (``block_mask``, one bool per 128 x 128 block) is sliced per step too: each step
+takes the block mask's columns of its keys and expands only those to a (T, KEY_BLOCK) element
+mask, so memory stays linear in S (the block mask itself holds T S / 16384 bools). Hidden blocks are
 masked, not skipped, as segment ids are.
 """
 

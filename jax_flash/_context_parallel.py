@@ -42,15 +42,15 @@ moved with them by the zig-zag relayout; the ring passes the key-side ids around
 all-gather gathers them with K/V, the all-to-all gathers both sides' ids whole (they are per
 position, not per head) by all-to-all.
 
-Block masks (block-sparse attention: one bool per 64 x 64 block, jax_flash.BLOCK_MASK_BLOCK) go
-with every strategy where the shards are whole blocks: each device holds the block rows of its
+Block masks (block-sparse attention: one bool per 128 x 128 block, jax_flash.BLOCK_MASK_BLOCK)
+go with every strategy where the shards are whole blocks: each device holds the block rows of its
 own queries (sharded and moved by the zig-zag relayout like the queries), with every key block's
-column in the sequence's order (B, N, L/64, S/64). The ring cuts each visiting K/V chunk's
+column in the sequence's order (B, N, L/128, S/128). The ring cuts each visiting K/V chunk's
 columns from them (nothing travels; a pair the mask hides whole is skipped), the all-gather each
 query slice's key range, the all-to-all sends them with the queries (heads split, rows
 gathered). The rule (_block_mask_problem): each device's query slice, in the zig-zag layout each
-of its two chunks, is a multiple of 64 rows; for the ring the key slices (chunks) too; for the
-all-gather a window's left size is a multiple of 64 (its key ranges start on a block). Where no
+of its two chunks, is a multiple of 128 rows; for the ring the key slices (chunks) too; for the
+all-gather a window's left size is a multiple of 128 (its key ranges start on a block). Where no
 strategy and layout meets it, the automatic choice gathers the sequence (as without a strategy),
 and a requested strategy raises.
 """
@@ -232,7 +232,7 @@ def _relayout_ids(strategy: Strategy, segment_ids, axis_name):
 
 
 def _relayout_blocks(strategy: Strategy, block_mask, axis_name):
-  """The block mask's rows (B, N, L/64, S/64) moved as the queries are (its columns are every
+  """The block mask's rows (B, N, L/128, S/128) moved as the queries are (its columns are every
   key block's, in the sequence's order, whatever the layout)."""
   if block_mask is None or not strategy.relayout:
     return block_mask
@@ -282,7 +282,7 @@ def sharded_bwd(strategy: Strategy, q, k, v, o, lse, d_o, q_lens, kv_lens,
 
 
 # segment_ids: None or this device's (q_ids, kv_ids); alibi: None or the slopes (B, N) float32;
-# block_mask: None or this device's block rows (B, N, L/64, S/64). Like the lengths, not
+# block_mask: None or this device's block rows (B, N, L/128, S/128). Like the lengths, not
 # differentiated.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
 def _attention(q, k, v, q_lens, kv_lens, segment_ids, alibi, block_mask, config, strategy,
@@ -340,13 +340,13 @@ def context_parallel_attention(
       the packed documents' ids (as in ``dot_product_attention``), in `layout`; both or
       neither.
     block_mask: block-sparse attention (as in ``dot_product_attention``): this device's block
-      rows, bool broadcastable to ``(B, N, L / 64, ceil(S / 64))`` (blocks of
-      ``jax_flash.BLOCK_MASK_BLOCK``; L = T/P this device's query rows): the rows of its query
-      blocks, in `layout` (zig-zag: the whole mask's rows ``jax_flash.zigzag_indices(T // 64,
-      P)`` sharded like the queries), and every key block's column, in the sequence's order.
-      Each device's query slice (zig-zag: each chunk) must be whole 64-row blocks, with
-      "ring" its key slice (chunks) too, with "all_gather" a window's left size a multiple of
-      64; else ValueError.
+      rows, bool broadcastable to ``(B, N, L / 128, ceil(S / 128))`` (blocks of
+      ``jax_flash.BLOCK_MASK_BLOCK`` = (128, 128); L = T/P this device's query rows): the rows
+      of its query blocks, in `layout` (zig-zag: the whole mask's rows
+      ``jax_flash.zigzag_indices(T // 128, P)`` sharded like the queries), and every key
+      block's column, in the sequence's order. Each device's query slice (zig-zag: each chunk)
+      must be whole 128-row blocks, with "ring" its key slice (chunks) too, with "all_gather"
+      a window's left size a multiple of 128; else ValueError.
     logits_soft_cap, alibi_slopes: as in ``dot_product_attention`` (the slopes ``(N,)``, one
       per query head, positions the global ones: each block's kernel is handed its slices'
       offset); on the kernels that take them ("cpu" today).
@@ -472,10 +472,11 @@ def ring_attention(
       the packed documents' ids (as in ``dot_product_attention``), in `layout`; the key-side
       ids travel around the ring with K/V.
     block_mask: block-sparse attention, this device's block rows as
-      ``context_parallel_attention`` takes them: bool broadcastable to ``(B, N, L / 64,
-      ceil(S / 64))`` (L = T/P), the rows of its query blocks in `layout` and every key
+      ``context_parallel_attention`` takes them: bool broadcastable to ``(B, N, L / 128,
+      ceil(S / 128))`` (L = T/P), the rows of its query blocks in `layout` and every key
       block's column in the sequence's order; each device's query and key slices (zig-zag:
-      each chunk) must be whole 64-row blocks, else ValueError. Nothing of it travels.
+      each chunk) must be whole 128-row (128-key) blocks, else ValueError. Nothing of it
+      travels.
     logits_soft_cap, alibi_slopes: as in ``dot_product_attention`` (global positions for the
       slopes); on the kernels that take them ("cpu" today).
     The other arguments are those of ``jax_flash.dot_product_attention``, on its kernels

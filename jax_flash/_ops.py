@@ -143,17 +143,40 @@ def _alibi_operands(config: KernelConfig, alibi_slopes) -> tuple[tuple, dict]:
   return (alibi_slopes,), {"alibi": True}
 
 
-def _block_mask_operands(config: KernelConfig, block_mask) -> tuple[tuple, dict]:
-  """The block-mask operand and attribute of a kernel call: the "cpu" passes always take the
-  bool block mask (..., N, Tb, Sb) (a (0,) placeholder without) and the switch `block_sparse`;
-  the "cuda" ones take neither, and no mask (jax_flash._dispatch refuses it there)."""
-  if config.implementation != "cpu":
-    if block_mask is not None:
-      raise NotImplementedError(f"the {config.implementation!r} kernels take no block_mask")
-    return (), {}
+def _block_mask_operands(config: KernelConfig, block_mask, heads_k: int,
+                         backward: bool = False) -> tuple[tuple, dict]:
+  """The block-mask operands and attribute of a kernel call, with the switch `block_sparse`:
+  the "cpu" passes take the bool block mask (..., N, Tb, Sb) itself ((0,) placeholder without);
+  the "cuda" ones the lists block_sparse_lists forms from it, the forward two and the backward
+  four ((0,) int32 placeholders without)."""
+  sparse = {"block_sparse": block_mask is not None}
+  if config.implementation == "cpu":
+    return ((jnp.zeros((0,), jnp.bool_) if block_mask is None else block_mask),), sparse
   if block_mask is None:
-    return (jnp.zeros((0,), jnp.bool_),), {"block_sparse": False}
-  return (block_mask,), {"block_sparse": True}
+    return (jnp.zeros((0,), jnp.int32),) * (4 if backward else 2), sparse
+  lists = block_sparse_lists(block_mask, heads_k)
+  return (lists if backward else lists[:2]), sparse
+
+
+def block_sparse_lists(block_mask: jax.Array, heads_k: int) -> tuple[jax.Array, ...]:
+  """What the CUDA kernels read of a bool block mask (..., N, Tb, Sb) (cuda/gpu/block_sparse.cuh),
+  all int32: per (..., query head, query block) the live key blocks in ascending order, then
+  the rest ((..., N, Tb, Sb)), and their count ((..., N, Tb)); per (..., kv head, key block) the
+  live (query head in the group, query block) pairs as head * Tb + block, ascending
+  ((..., K, Sb, N / K * Tb)), and their count ((..., K, Sb))."""
+  *batch, heads_q, q_blocks, k_blocks = block_mask.shape
+  group = heads_q // heads_k
+  by_query = block_mask.astype(jnp.bool_)
+  by_key = by_query.reshape(*batch, heads_k, group, q_blocks, k_blocks)
+  by_key = jnp.moveaxis(by_key, -1, -3).reshape(*batch, heads_k, k_blocks, group * q_blocks)
+
+  def live_first(mask):  # indices of the set entries first, each part ascending
+    return jnp.argsort(~mask, axis=-1, stable=True).astype(jnp.int32)
+
+  def count(mask):
+    return mask.sum(axis=-1, dtype=jnp.int32)
+
+  return live_first(by_query), count(by_query), live_first(by_key), count(by_key)
 
 
 def _check_value_head_dim(config: KernelConfig, q, v) -> None:
@@ -221,7 +244,7 @@ def _flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig, segment_ids=None,
   )
   ids, id_attributes = _segment_operands(config, segment_ids)
   alibi, alibi_attributes = _alibi_operands(config, alibi_slopes)
-  blocks, block_attributes = _block_mask_operands(config, block_mask)
+  blocks, block_attributes = _block_mask_operands(config, block_mask, k.shape[-2])
   drop, drop_attributes = _dropout_operands(config, dropout_seeds)
   return call(q, k, v, q_lens, kv_lens, *ids, *alibi, *blocks, *drop, **config.attributes(),
               **id_attributes, **_soft_cap_attribute(config), **alibi_attributes,
@@ -298,7 +321,7 @@ def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig, segm
   )
   ids, id_attributes = _segment_operands(config, segment_ids)
   alibi, alibi_attributes = _alibi_operands(config, alibi_slopes)
-  blocks, block_attributes = _block_mask_operands(config, block_mask)
+  blocks, block_attributes = _block_mask_operands(config, block_mask, heads_k, backward=True)
   drop, drop_attributes = _dropout_operands(config, dropout_seeds)
   # The CUDA backward's last operand: o_error, or an int8 placeholder with no elements.
   error = ()

@@ -24,9 +24,9 @@ runs the kernel with the local query ids and the visiting key ids. A row that se
 block gets 0 and EMPTY_ROW_LSE there, which weighs nothing in the merge, so a row with no key in
 any block ends at 0 and EMPTY_ROW_LSE as on one device.
 
-Block masks (block-sparse attention, one bool per 64 x 64 block, jax_flash.BLOCK_MASK_BLOCK):
+Block masks (block-sparse attention, one bool per 128 x 128 block, jax_flash.BLOCK_MASK_BLOCK):
 each device holds the block rows of its own queries, every key block's column, in the order of
-the whole sequence (B, N, L/64, S/64); nothing travels. Each block pair takes its query chunk's
+the whole sequence (B, N, L/128, S/128); nothing travels. Each block pair takes its query chunk's
 rows and the visiting key chunk's columns (a dynamic slice at the chunk's first key block), so
 every chunk must be whole blocks (jax_flash._context_parallel checks it). A pair whose block
 mask hides every block is skipped like an invisible causal pair; within a pair the kernel skips
@@ -155,7 +155,7 @@ def _alibi_pair(alibi_slopes, q_id, k_id, chunk_q: int, chunk_k: int):
 
 
 def _pair_blocks(rows, k_id, chunk_k: int):
-  """The block mask of a block pair: its query chunk's block `rows` (B, N, chunk_q / 64, S / 64),
+  """The block mask of a block pair: its query chunk's block `rows` (B, N, chunk_q / 128, S / 128),
   cut to the columns of key chunk `k_id` (traced: the visiting chunk); None without a mask."""
   if rows is None:
     return None
@@ -177,7 +177,7 @@ def ring_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=No
              axis_name, layout: str, alibi_slopes=None, block_mask=None):
   """(o, lse) of the ring over `axis_name`, with _ops.flash_fwd's arguments and results (this
   device's slices in `layout`, segment ids too; q_lens and kv_lens global; the ALiBi slopes
-  (B, N) of this device's heads; the block mask (B, N, L / 64, S / 64) of this device's query
+  (B, N) of this device's heads; the block mask (B, N, L / 128, S / 128) of this device's query
   rows, in `layout`, and every key block, in the sequence's order; each chunk whole blocks).
   Inside shard_map or a partitioned lowering."""
   num = jax.lax.axis_size(axis_name)

@@ -29,7 +29,7 @@ context-parallel strategy takes this device's slopes as they are (jax_flash._con
 
 Block masks ((B, N, Tb, Sb) bool, the "cpu" kernel's) come after the slopes: they shard with the
 batch and the query heads (no communication), and their block rows with the sequence where a
-context-parallel strategy runs over it, which carries them where the shards are whole 64 x 64
+context-parallel strategy runs over it, which carries them where the shards are whole 128 x 128
 blocks (jax_flash._context_parallel); where no strategy can, a sequence-sharded call gathers the
 sequence, and a requested strategy raises naming block_mask.
 

@@ -500,3 +500,39 @@ def check_score_variant(got: dict, ref32: dict, refd: dict, live: np.ndarray) ->
     dead = np.broadcast_to(~live[..., None, None], got[name].shape)
     assert np.all(got[name][dead] == 0), name
   assert np.all(got["lse"][np.broadcast_to(~live[..., None], got["lse"].shape)] == EMPTY_ROW_LSE)
+
+
+def ffi_calls(fn, *args) -> list[tuple[str, dict, list, list]]:
+  """(target name, attributes, operand avals, result avals) of every ffi_call that tracing
+  fn(*args) binds, in order, nested jaxprs included (traced only: nothing is lowered or run)."""
+  found = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "ffi_call":
+        found.append((eqn.params["target_name"], dict(eqn.params["attributes"]),
+                      [v.aval for v in eqn.invars], [v.aval for v in eqn.outvars]))
+      for param in eqn.params.values():
+        for sub in param if isinstance(param, (tuple, list)) else (param,):
+          inner = getattr(sub, "jaxpr", sub)
+          if hasattr(inner, "eqns"):
+            walk(inner)
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return found
+
+
+def simulate_cuda_host(monkeypatch) -> None:
+  """This CPU machine as a GPU host with the CUDA kernels built (an H200's SM count, stand-in
+  constants and dQ workspace size), for tests that trace CUDA calls without running them."""
+  import types
+
+  from jax_flash import _decode, _registry
+  monkeypatch.setattr(_registry, "has_platform", lambda platform: platform in ("cpu", "cuda"))
+  monkeypatch.setattr(_registry, "cuda_gpu_present", lambda: True)
+  monkeypatch.setattr(_registry, "CUDA_KERNEL_CONSTANTS", dict(
+      head_dim_multiple=8, max_head_dim=256, decode_rows_per_cta=16, decode_block_n=64,
+      decode_max_head_dim=256, segment_id_span_rows=64))
+  monkeypatch.setattr(_registry, "_native_cuda",
+                      types.SimpleNamespace(dq_accum_elements=lambda *args: 64))
+  monkeypatch.setattr(_decode, "_cuda_sm_count", lambda: 132)

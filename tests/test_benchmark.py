@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+import jax_flash
 from jax_flash import benchmark
 
 CASE = benchmark.Case(batch=2, seq=1024, heads=4, head_dim=64, dtype="bfloat16", causal=True)
@@ -124,7 +125,8 @@ def test_skip_tokamax():
   assert "- tokamax unavailable: skipped (--skip)" in table
 
 
-SPARSE_CASE = benchmark.Case(batch=1, seq=256, heads=2, head_dim=32, dtype="float32",
+# 4 x 4 blocks of jax_flash.BLOCK_MASK_BLOCK (128 x 128).
+SPARSE_CASE = benchmark.Case(batch=1, seq=512, heads=2, head_dim=32, dtype="float32",
                              causal=True, block_density=0.5)
 
 
@@ -134,6 +136,7 @@ def test_block_sparse_flops_count_only_the_computed_blocks():
   so an all-True mask counts exactly the dense FLOPs."""
   mask = SPARSE_CASE.block_mask()
   assert mask.shape == (4, 4) and mask.dtype == bool and np.all(np.diagonal(mask))
+  assert mask.shape == jax_flash.block_mask_shape(SPARSE_CASE.seq, SPARSE_CASE.seq)
   np.testing.assert_array_equal(mask, SPARSE_CASE.block_mask())
   below = np.tril(mask, -1).sum()
   fraction = (below + 0.5 * 4) / (6 + 0.5 * 4)  # of 6 blocks below the diagonal and 4 on it
@@ -167,7 +170,7 @@ def test_cli_block_density(tmp_path):
   block-sparse one (the same result), the table has a blocks column and the speed-up lines."""
   import json
 
-  assert benchmark.main(["--platform", "cpu", "--seqs", "256", "--head-dims", "32", "--causal",
+  assert benchmark.main(["--platform", "cpu", "--seqs", "512", "--head-dims", "32", "--causal",
                          "yes", "--reps", "1", "--block-density", "0.5", "--skip", "torch",
                          "--out", str(tmp_path)]) == 0
   results = json.loads((tmp_path / "results.json").read_text())
@@ -178,11 +181,11 @@ def test_cli_block_density(tmp_path):
     for density in (0.5, None):
       assert {(peer, density, "fwd"), (peer, density, "fwd+bwd")} <= ran
   sparse = [m for m in results["measurements"] if m["block_density"] == 0.5]
-  assert all(m["flop"] < 0.9 * benchmark.Case(1, 256, 4, 32, "float32", True).flops(m["pass"])
+  assert all(m["flop"] < 0.9 * benchmark.Case(1, 512, 4, 32, "float32", True).flops(m["pass"])
              for m in sparse)
   table = (tmp_path / "table.md").read_text()
   assert "| causal | blocks | pass |" in table and "| dense | fwd |" in table
-  assert "- jax_flash block-sparse (" in table and "density 0.5) against dense, seq 256" in table
+  assert "- jax_flash block-sparse (" in table and "density 0.5) against dense, seq 512" in table
   for bad in ("0", "1.5", "x"):
     with pytest.raises(SystemExit):
       benchmark.parse_args(["--block-density", bad])
@@ -207,7 +210,7 @@ def test_block_sparse_outputs_agree():
 def test_interleave_times_a_block_sparse_case_with_its_dense_twin():
   """--interleave times a block-sparse case and its dense twin in the same rounds (one group:
   their ratio is the figure that matters); other cases alone."""
-  small = dataclasses.replace(SPARSE_CASE, seq=128)
+  small = dataclasses.replace(SPARSE_CASE, seq=256)  # 2 x 2 blocks
   cases = benchmark.block_sparse_cases([small, dataclasses.replace(small, causal=False)], 0.5)
   groups = list(benchmark.run(benchmark.CPU, cases, reps=1, skip=("xla", "torch"),
                               interleave=True))

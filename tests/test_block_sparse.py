@@ -1,7 +1,7 @@
 """Block-sparse attention (issue 16 item 2): ``block_mask``, one bool per (query block, key block)
-of ``jax_flash.BLOCK_MASK_BLOCK`` (the CPU kernel's 64 x 64 tiles), broadcastable to
-(B, N, ceil(T / 64), ceil(S / 64)); False hides the key block from the query block, on top of
-every other mask.
+of ``jax_flash.BLOCK_MASK_BLOCK`` (128 x 128: each holds 2 x 2 of the CPU kernel's 64 x 64
+tiles), broadcastable to (B, N, ceil(T / 128), ceil(S / 128)); False hides the key block from
+the query block, on top of every other mask.
 
 Each path ("cpu" kernel, "blockwise", "xla") is checked against a float32 reference written here
 that expands the block mask to an element mask (plain jax.numpy, differentiated by JAX), by the
@@ -9,8 +9,9 @@ FlashAttention rule of tests/attention_testing.py: forward, lse and dq, dk, dv, 
 densities (all True == dense, all-False rows: empty rows), with causal, windows, lengths, GQA,
 T != S with partial last blocks, segment ids; sinks, ALiBi and soft cap against "xla"; then
 broadcasting over batch and heads, vmap, batch/head/sequence sharding, the errors, the CUDA
-refusal at trace time, decode shapes, and that the kernel never reads a hidden block (NaN keys
-and values there do not reach the output).
+refusal at trace time, decode shapes, that the kernel never reads a hidden block (NaN keys
+and values there do not reach the output), and that the CPU kernel's tiles take the bit of the
+mask block holding them (a hidden block among visible ones, windows starting mid-block).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash import _dispatch, _ops, _registry
+from jax_flash import _dispatch, _registry
 from jax_flash._reference import EMPTY_ROW_LSE
 from tests.attention_testing import (F32, HIGHEST, Case, assert_within_rule, gradient_magnitude,
                                      packed_segment_ids, rounded, visible_keys)
@@ -32,10 +33,18 @@ from tests.attention_testing import (F32, HIGHEST, Case, assert_within_rule, gra
 IMPLEMENTATIONS = ["cpu", "blockwise", "xla"]
 
 
-def test_block_size_is_the_cpu_kernels_tile():
-  assert jax_flash.BLOCK_MASK_BLOCK == (_registry.KERNEL_CONSTANTS["cpu_block_q"],
-                                        _registry.KERNEL_CONSTANTS["cpu_block_k"])
+def test_block_size_is_128_a_multiple_of_the_cpu_kernels_tile():
+  """The block is its own constant of the native module (128 x 128), not the CPU kernel's tile
+  (64 x 64), which divides it."""
+  constants = _registry.KERNEL_CONSTANTS
+  assert jax_flash.BLOCK_MASK_BLOCK == (128, 128)
+  assert jax_flash.BLOCK_MASK_BLOCK == (constants["block_mask_block_q"],
+                                        constants["block_mask_block_k"])
+  assert constants["block_mask_block_q"] % constants["cpu_block_q"] == 0
+  assert constants["block_mask_block_k"] % constants["cpu_block_k"] == 0
+  assert constants["block_mask_block_q"] > constants["cpu_block_q"]  # tiles straddle below
   assert jax_flash.block_mask_shape(1, 1) == (1, 1)
+  assert jax_flash.block_mask_shape(300, 400) == (3, 4)
   bq, bk = jax_flash.BLOCK_MASK_BLOCK
   assert jax_flash.block_mask_shape(bq, bk + 1) == (1, 2)
   assert jax_flash.block_mask_shape(3 * bq - 1, 2 * bk) == (3, 2)
@@ -178,31 +187,33 @@ def check(sc: SparseCase, got: dict) -> None:
 
 
 CASES = [
-    # Dense (all True) == no block mask; T != S, both with partial last blocks, GQA.
-    SparseCase(Case(batch=2, seq_q=100, seq_k=150, heads_q=4, heads_k=2, head_dim=32),
+    # Dense (all True) == no block mask; T != S, both with partial last blocks (2 x 3 blocks),
+    # GQA.
+    SparseCase(Case(batch=2, seq_q=200, seq_k=300, heads_q=4, heads_k=2, head_dim=32),
                density=1.0),
-    # Half the blocks, causal, GQA 4:1, T < S, partial blocks, one query block with no key
-    # block (empty rows).
-    SparseCase(Case(batch=1, seq_q=150, seq_k=200, heads_q=4, heads_k=1, head_dim=40,
+    # Half the blocks, causal, GQA 4:1, T < S, partial blocks (3 x 4), one query block with no
+    # key block (empty rows).
+    SparseCase(Case(batch=1, seq_q=300, seq_k=400, heads_q=4, heads_k=1, head_dim=40,
                     is_causal=True), density=0.5, empty_rows=True),
-    # Sparse (25%), T > S, bf16, mask over (N, Tb, Sb) broadcast over the batch.
-    SparseCase(Case(batch=2, seq_q=200, seq_k=130, heads_q=2, heads_k=2, head_dim=32,
+    # Sparse (25%), T > S (4 x 3 blocks), bf16, mask over (N, Tb, Sb) broadcast over the batch.
+    SparseCase(Case(batch=2, seq_q=400, seq_k=260, heads_q=2, heads_k=2, head_dim=32,
                     dtype="bfloat16"), density=0.25, shape="heads"),
-    # A window and lengths with an empty batch element, mask (B, 1, Tb, Sb) over the heads.
-    SparseCase(Case(batch=2, seq_q=140, seq_k=140, heads_q=2, heads_k=2, head_dim=16,
-                    local_window_size=(70, 20), q_lens=(130, 140), kv_lens=(0, 137)),
+    # A window and lengths with an empty batch element, mask (B, 1, Tb, Sb) over the heads:
+    # windows starting and ending inside blocks (3 x 3).
+    SparseCase(Case(batch=2, seq_q=300, seq_k=300, heads_q=2, heads_k=2, head_dim=16,
+                    local_window_size=(150, 40), q_lens=(280, 300), kv_lens=(0, 277)),
                density=0.6, shape="batch"),
-    # Packed documents with segment ids, causal, one (Tb, Sb) mask for everything.
-    SparseCase(Case(batch=2, seq_q=192, seq_k=192, heads_q=2, heads_k=1, head_dim=16,
+    # Packed documents with segment ids, causal, one (Tb, Sb) mask for everything (3 x 3).
+    SparseCase(Case(batch=2, seq_q=384, seq_k=384, heads_q=2, heads_k=1, head_dim=16,
                     is_causal=True), density=0.7, shape="blocks", segment_ids=True),
-    # Unbatched inputs: (N, Tb, Sb).
-    SparseCase(Case(batch=1, seq_q=70, seq_k=129, heads_q=2, heads_k=2, head_dim=32,
+    # Unbatched inputs: (N, Tb, Sb) (2 x 3).
+    SparseCase(Case(batch=1, seq_q=140, seq_k=260, heads_q=2, heads_k=2, head_dim=32,
                     rank3=True), density=0.5),
     # A decode shape (the CPU runs it on the tiled kernel), lengths.
     SparseCase(Case(batch=2, seq_q=1, seq_k=300, heads_q=8, heads_k=2, head_dim=32,
                     kv_lens=(300, 123)), density=0.5),
     # Keys over three of "blockwise"'s scan steps (512, 512, 76): each step expands its own
-    # columns of the block mask (jax_flash._blockwise._step_mask), the last one partial.
+    # columns of the block mask (4, 4, 1: jax_flash._blockwise._step_mask), the last partial.
     SparseCase(Case(batch=1, seq_q=130, seq_k=1100, heads_q=2, heads_k=1, head_dim=16),
                density=0.4, empty_rows=True),
 ]
@@ -252,13 +263,14 @@ def test_hidden_blocks_are_never_read():
   value there gives NaN, as in jax.nn.)"""
   implementation = "cpu"
   rng = np.random.default_rng(3)
-  b, t, s, n, h = 1, 130, 200, 2, 32
+  b, t, s, n, h = 1, 300, 400, 2, 32
   q = jnp.asarray(rng.standard_normal((b, t, n, h)), F32)
   k = np.asarray(rng.standard_normal((b, s, n, h)), np.float32)
   v = np.asarray(rng.standard_normal((b, s, n, h)), np.float32)
-  clean_k, clean_v = jnp.asarray(k), jnp.asarray(v)
-  k[:, 64:128] = np.nan
-  v[:, 64:128] = np.nan
+  # Copies: jnp.asarray may share a NumPy buffer on the CPU, which the NaNs below would reach.
+  clean_k, clean_v = jnp.asarray(k.copy()), jnp.asarray(v.copy())
+  k[:, 128:256] = np.nan  # key block 1: both of the CPU kernel's 64-key tiles in it
+  v[:, 128:256] = np.nan
   k, v = jnp.asarray(k), jnp.asarray(v)
   tb, sb = jax_flash.block_mask_shape(t, s)
   mask = np.ones((tb, sb), bool)
@@ -272,15 +284,68 @@ def test_hidden_blocks_are_never_read():
   for got, ref in ((dq, wdq), (dk, wdk), (dv, wdv)):
     assert np.all(np.isfinite(got))
     np.testing.assert_allclose(got, ref, atol=1e-5)
-  assert np.all(np.asarray(dk[:, 64:128]) == 0) and np.all(np.asarray(dv[:, 64:128]) == 0)
-  # Hidden from query block 0 only: rows 0..63 never see the NaNs.
+  assert np.all(np.asarray(dk[:, 128:256]) == 0) and np.all(np.asarray(dv[:, 128:256]) == 0)
+  # Hidden from query block 0 only: rows 0..127 (two query tiles) never see the NaNs.
   mask = np.ones((tb, sb), bool)
   mask[0, 1] = False
   out = jax_flash.dot_product_attention(q, k, v, block_mask=jnp.asarray(mask),
                                         implementation=implementation)
   ref = jax_flash.dot_product_attention(q, clean_k, clean_v, block_mask=jnp.asarray(mask),
                                         implementation="xla")
-  np.testing.assert_allclose(out[:, :64], ref[:, :64], atol=1e-5)
+  np.testing.assert_allclose(out[:, :128], ref[:, :128], atol=1e-5)
+  assert np.all(np.isnan(np.asarray(out[:, 128:])))  # the others do (the NaNs are real)
+
+
+STRADDLE_OPTIONS = [
+    dict(),
+    # Causal with a window: a query tile's first key (row - 100) lies mid-block, so its key
+    # tiles start at a multiple of 64 inside a mask block (the bit is still that block's).
+    dict(is_causal=True, local_window_size=(100, 0)),
+    # Both edges mid-block: the backward's query tiles start at a multiple of 64 inside a block.
+    dict(local_window_size=(70, 90)),
+]
+
+
+@pytest.mark.parametrize("options", STRADDLE_OPTIONS,
+                         ids=["full", "causal_window", "window"])
+def test_cpu_tiles_take_the_bit_of_their_mask_block(options):
+  """Each 128 x 128 mask block holds 2 x 2 of the CPU kernel's 64 x 64 tiles: a tile is visited
+  iff the bit of the block holding it is set. One block hidden among visible ones, one visible
+  among hidden ones and a checkerboard of blocks (one per batch element; T = 320, S = 448: 3 x 4
+  blocks, the last query block one tile, the last key block partial), against "xla" (the mask
+  expanded element-wise), output, lse and gradients. A tile reading another block's bit (e.g.
+  its own 64 x 64 index) hides or shows half a block and fails here."""
+  rng = np.random.default_rng(11)
+  t, s, n, nk, h = 320, 448, 2, 1, 32
+  q = jnp.asarray(rng.standard_normal((3, t, n, h)), F32)
+  k = jnp.asarray(rng.standard_normal((3, s, nk, h)), F32)
+  v = jnp.asarray(rng.standard_normal((3, s, nk, h)), F32)
+  g = jnp.asarray(rng.standard_normal((3, t, n, h)), F32)
+  tb, sb = jax_flash.block_mask_shape(t, s)
+  assert (tb, sb) == (3, 4)
+  one_hidden = np.ones((tb, sb), bool)
+  one_hidden[1, 1] = False
+  one_visible = np.zeros((tb, sb), bool)
+  one_visible[1, 1] = one_visible[2, 2] = one_visible[0, 0] = True
+  checkerboard = (np.arange(tb)[:, None] + np.arange(sb)[None, :]) % 2 == 0
+  mask = jnp.asarray(np.stack([one_hidden, one_visible, checkerboard])[:, None])  # (3, 1, 3, 4)
+
+  def grads(implementation):
+    def loss(q, k, v):
+      out, lse = jax_flash.dot_product_attention(
+          q, k, v, block_mask=mask, implementation=implementation, return_residual=True,
+          **options)
+      return jnp.sum(out * g), (out, lse)
+    (_, (out, lse)), dqkv = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
+    return out, lse, *dqkv
+
+  got, want = grads("cpu"), grads("xla")
+  for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-5, err_msg=name)
+  # Not vacuous: the mask changes every batch element's output.
+  dense = jax_flash.dot_product_attention(q, k, v, implementation="cpu", **options)
+  for b in range(3):
+    assert not np.allclose(got[0][b], dense[b], atol=1e-3)
 
 
 def test_decode_shapes_run_the_tiled_kernel():
@@ -290,42 +355,45 @@ def test_decode_shapes_run_the_tiled_kernel():
     return jax.jit(lambda q, kv: jax_flash.dot_product_attention(
         q, kv, kv, implementation="cpu", **blocks)).lower(q, kv).as_text()
   assert "jax_flash_cpu_decode" in hlo()
-  with_mask = hlo(block_mask=jnp.ones((1, 5), bool))
+  with_mask = hlo(block_mask=jnp.ones((1, 3), bool))
   assert "jax_flash_cpu_decode" not in with_mask and "jax_flash_cpu_fwd" in with_mask
 
 
 @pytest.mark.parametrize("block_mask, match", [
     (np.ones((1, 2, 2), bool), r"block_mask must be a bool array broadcastable to \(2, 4, 3, 2\)"
-                               r".*64 x 64.*query\(2, 130, 4, 8\).*got block_mask\(1, 2, 2\)"),
+                               r".*128 x 128.*query\(2, 300, 4, 8\).*got block_mask\(1, 2, 2\)"),
     (np.ones((3, 3), bool), r"got block_mask\(3, 3\)"),
     (np.ones((3,), bool), r"got block_mask\(3,\)"),
     (np.ones((2, 2, 3, 2), bool), r"got block_mask\(2, 2, 3, 2\)"),  # N=4: 2 is not 1 or 4
     (np.ones((1, 2, 4, 3, 2), bool), r"got block_mask\(1, 2, 4, 3, 2\)"),
     (np.ones((3, 2), np.int32), r"got int32 block_mask\(3, 2\)"),
-    (np.ones((2, 4, 130, 70), bool), r"got block_mask\(2, 4, 130, 70\)"),  # an element mask
+    (np.ones((2, 4, 300, 150), bool), r"got block_mask\(2, 4, 300, 150\)"),  # an element mask
+    (np.ones((2, 4, 5, 3), bool), r"got block_mask\(2, 4, 5, 3\)"),  # 64 x 64 blocks' shape
     ("x", r"block_mask must be a bool array"),
 ])
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_invalid_masks_raise(block_mask, match, implementation):
-  q = jnp.ones((2, 130, 4, 8))
-  kv = jnp.ones((2, 70, 2, 8))
+  q = jnp.ones((2, 300, 4, 8))
+  kv = jnp.ones((2, 150, 2, 8))
   with pytest.raises(ValueError, match=match):
     jax_flash.dot_product_attention(q, kv, kv, block_mask=block_mask,
                                     implementation=implementation)
 
 
 def test_rank3_takes_at_most_rank3_masks():
-  q = jnp.ones((70, 2, 8))
+  q = jnp.ones((140, 2, 8))
   jax_flash.dot_product_attention(q, q, q, block_mask=jnp.ones((2, 2, 2), bool))
   match = r"broadcastable to \(2, 2, 2\).*got block_mask\(1, 2, 2, 2\)"
   with pytest.raises(ValueError, match=match):
     jax_flash.dot_product_attention(q, q, q, block_mask=jnp.ones((1, 2, 2, 2), bool))
 
 
-def test_cuda_kernels_refuse_the_block_mask(monkeypatch):
-  """The CUDA kernels take no block mask: the dispatch raises at trace time, before any custom
-  call, naming the argument, its shape and the implementations that take it; where None picks
-  CUDA and where "cuda" is forced (its GPU check stubbed out: this machine has none)."""
+def test_cuda_kernels_refuse_the_block_mask_without_their_switch(monkeypatch):
+  """Without JAX_FLASH_CUDA_BLOCK_SPARSE=1 (experimental: tests/test_cuda_block_sparse.py) the
+  CUDA kernels take no block mask: the dispatch raises at trace time, before any custom call,
+  naming the argument, its shape and the implementations that take it; where None picks CUDA
+  and where "cuda" is forced (its GPU check stubbed out: this machine has none)."""
+  monkeypatch.delenv(_dispatch.CUDA_BLOCK_SPARSE_VARIABLE, raising=False)
   q = jnp.ones((2, 8, 2, 16), jnp.bfloat16)
   mask = jnp.ones((1, 1), bool)
   match = (r"'cuda' kernels .* take no block_mask yet; got block_mask\(1, 1\) with "
@@ -339,9 +407,6 @@ def test_cuda_kernels_refuse_the_block_mask(monkeypatch):
   with pytest.raises(NotImplementedError, match=match):
     jax.jit(lambda q: jax_flash.dot_product_attention(
         q, q, q, block_mask=mask, implementation="cuda"))(q)
-  config = _ops.KernelConfig("cuda", 1.0, False, -1, -1)
-  with pytest.raises(NotImplementedError, match="block_mask"):
-    _ops._block_mask_operands(config, jnp.ones((2, 2, 1, 1), bool))
 
 
 def test_vmap_mapped_and_unmapped_masks():
@@ -364,7 +429,7 @@ def test_vmap_mapped_and_unmapped_masks():
 @pytest.mark.parametrize("spec", ["batch", "heads", "sequence"])
 def test_sharded_calls(spec):
   """Batch and head sharding carry the mask with no communication; a sequence-sharded call
-  whose shards are not whole 64 x 64 blocks (T = 100 over 2 devices) gathers the sequence, and a
+  whose shards are not whole 128 x 128 blocks (T = 200 over 2 devices) gathers the sequence, and a
   requested strategy raises naming block_mask (context-parallel strategies carrying the mask:
   tests/test_context_parallel_block_mask.py)."""
   from jax.sharding import NamedSharding, PartitionSpec as P

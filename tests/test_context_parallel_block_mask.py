@@ -6,7 +6,7 @@ meshes; output, log-sum-exp, dq, dk and dv against the single-device kernel with
 
 The masks are random, with one query block row hidden whole in every (batch, head) (empty rows:
 0 output, EMPTY_ROW_LSE, no gradient), combined with causal masks, lengths and segment ids. The
-rule (jax_flash._context_parallel._block_mask_problem): shards of whole 64 x 64 blocks; where
+rule (jax_flash._context_parallel._block_mask_problem): shards of whole 128 x 128 blocks; where
 no strategy meets it, the automatic choice gathers the sequence (still the right answer) and a
 requested strategy raises naming block_mask. The compiled HLO shows the ring carries the mask
 with collective-permutes only: the sequence is not gathered.
@@ -103,14 +103,15 @@ def _assert_matches(got: dict, want: dict, block_mask: np.ndarray, dense: dict |
 
 
 SHARD_MAP_CASES = [
-    # devices, strategy, layout, sequence length, options
-    (4, "ring", "contiguous", 256, dict()),
-    (4, "ring", "zigzag", 512, dict(is_causal=True, ids=True)),
-    (2, "ring", "zigzag", 256, dict(is_causal=True)),
-    (4, "all_to_all", "contiguous", 256, dict(is_causal=True, ids=True)),
-    (4, "all_to_all", "zigzag", 512, dict()),
-    (4, "all_gather", "contiguous", 256, dict(is_causal=True, ids=True)),
-    (2, "all_gather", "zigzag", 256, dict(is_causal=True, local_window_size=(64, 0))),
+    # devices, strategy, layout, sequence length, options (slices and zig-zag chunks of one
+    # or two 128-row blocks)
+    (4, "ring", "contiguous", 512, dict()),
+    (4, "ring", "zigzag", 1024, dict(is_causal=True, ids=True)),
+    (2, "ring", "zigzag", 512, dict(is_causal=True)),
+    (4, "all_to_all", "contiguous", 512, dict(is_causal=True, ids=True)),
+    (4, "all_to_all", "zigzag", 1024, dict()),
+    (4, "all_gather", "contiguous", 512, dict(is_causal=True, ids=True)),
+    (2, "all_gather", "zigzag", 512, dict(is_causal=True, local_window_size=(128, 0))),
 ]
 
 
@@ -163,16 +164,16 @@ def test_shard_map_strategies_with_block_mask(devices, strategy, layout, seq, op
 
 JIT_CASES = [
     # devices, context_parallel, sequence length, options, collectives of forward + backward
-    (4, "ring:contiguous", 256, dict(), {"collective-permute"}),
-    (4, "ring:zigzag", 512, dict(is_causal=True, ids=True), {"collective-permute"}),
-    (2, "all_to_all", 256, dict(is_causal=True), {"all-to-all"}),
-    (4, "all_gather", 512, dict(is_causal=True, ids=True),
+    (4, "ring:contiguous", 512, dict(), {"collective-permute"}),
+    (4, "ring:zigzag", 1024, dict(is_causal=True, ids=True), {"collective-permute"}),
+    (2, "all_to_all", 512, dict(is_causal=True), {"all-to-all"}),
+    (4, "all_gather", 1024, dict(is_causal=True, ids=True),
      {"all-gather", "reduce-scatter", "collective-permute"}),
-    # automatic, causal: the ring, zig-zag where each chunk is whole blocks (T = 512 over 4:
-    # 64-row chunks), else contiguous (T = 256 over 4: 32-row chunks, 64-row slices)
-    (4, None, 512, dict(is_causal=True), {"collective-permute"}),
-    (4, None, 256, dict(is_causal=True, query_seq_lengths=(256, 200),
-                        key_value_seq_lengths=(230, 256)), {"collective-permute"}),
+    # automatic, causal: the ring, zig-zag where each chunk is whole blocks (T = 1024 over 4:
+    # 128-row chunks), else contiguous (T = 512 over 4: 64-row chunks, 128-row slices)
+    (4, None, 1024, dict(is_causal=True), {"collective-permute"}),
+    (4, None, 512, dict(is_causal=True, query_seq_lengths=(512, 400),
+                        key_value_seq_lengths=(460, 512)), {"collective-permute"}),
 ]
 
 
@@ -219,10 +220,12 @@ def test_jit_sequence_sharded_with_block_mask(devices, context_parallel, seq, op
 
 FALLBACK_CASES = [
     # devices, sequence length, options, the strategies to request: none can carry the mask
-    (2, 160, dict(), ("ring", "all_to_all", "all_gather")),  # 80-row slices
+    (2, 320, dict(), ("ring", "all_to_all", "all_gather")),  # 160-row slices
+    # 64-row slices: whole blocks of the CPU kernel's tiles, not of the mask's
+    (4, 256, dict(), ("ring", "all_to_all", "all_gather")),
     # 2 heads over 4 devices: no all-to-all; no ring with a window; the all-gather's key
-    # ranges start 40 keys before each 64-row slice: inside a block
-    (4, 256, dict(local_window_size=(40, 8)), ("all_gather",)),
+    # ranges start 80 keys before each 128-row slice: inside a block
+    (4, 512, dict(local_window_size=(80, 8)), ("all_gather",)),
 ]
 
 
@@ -230,7 +233,7 @@ FALLBACK_CASES = [
                          ids=[f"{d}dev-T{t}-{'-'.join(o) or 'full'}"
                               for d, t, o, _ in FALLBACK_CASES])
 def test_shards_of_partial_blocks_gather_the_sequence(devices, seq, options, requests):
-  """Where the shards are not whole 64 x 64 blocks the automatic choice gathers the sequence
+  """Where the shards are not whole 128 x 128 blocks the automatic choice gathers the sequence
   (the right answer, an all-gather in the program) and a requested strategy raises naming
   block_mask; so does context_parallel_attention."""
   mesh = _mesh(devices)
@@ -258,11 +261,11 @@ def test_shards_of_partial_blocks_gather_the_sequence(devices, seq, options, req
 
 
 def test_ring_attention_refuses_partial_blocks():
-  """jax_flash.ring_attention with a block_mask over slices that are not whole 64-row blocks
-  (T = 128 over 4 devices: 32-row slices) raises naming the rule, inside shard_map."""
+  """jax_flash.ring_attention with a block_mask over slices that are not whole 128-row blocks
+  (T = 256 over 4 devices: 64-row slices) raises naming the rule, inside shard_map."""
   mesh = _mesh(4)
-  q, k, v, _ = _inputs(3, 128, heads_q=2, heads_k=2)
-  rows = jax_flash.block_mask_shape(128 // 4, 128)
+  q, k, v, _ = _inputs(3, 256, heads_q=2, heads_k=2)
+  rows = jax_flash.block_mask_shape(256 // 4, 256)
   local = lambda q, k, v, blocks: jax_flash.ring_attention(
       q, k, v, axis_name="seq", block_mask=blocks, implementation="cpu")
   with pytest.raises(ValueError, match=r"ring_attention .*block_mask needs each device's query"):
@@ -278,24 +281,27 @@ def test_choose_takes_only_layouts_that_carry_the_block_mask():
   full = _ops.KernelConfig("cpu", 1.0, False, -1, -1)
   choose = functools.partial(_context_parallel.choose, block_mask=True)
   Strategy = _context_parallel.Strategy
-  assert choose(None, num=4, seq_q=512, seq_k=512, heads_q=4, config=causal) == Strategy(
+  assert choose(None, num=4, seq_q=1024, seq_k=1024, heads_q=4, config=causal) == Strategy(
       "ring", "zigzag", relayout=True)
-  assert choose(None, num=4, seq_q=256, seq_k=256, heads_q=4, config=causal) == Strategy("ring")
-  assert choose(None, num=4, seq_q=128, seq_k=128, heads_q=4, config=causal) is None
-  assert _context_parallel.choose(None, num=4, seq_q=128, seq_k=128, heads_q=4,
+  assert choose(None, num=4, seq_q=512, seq_k=512, heads_q=4, config=causal) == Strategy("ring")
+  # 64-row slices (whole CPU tiles, not whole 128-row mask blocks): no strategy.
+  assert choose(None, num=4, seq_q=256, seq_k=256, heads_q=4, config=causal) is None
+  assert _context_parallel.choose(None, num=4, seq_q=256, seq_k=256, heads_q=4,
                                   config=causal) == Strategy("ring", "zigzag", relayout=True)
-  # 96-key slices: not the ring; the all-to-all where the heads split, else the all-gather.
-  assert choose(None, num=2, seq_q=256, seq_k=192, heads_q=4, config=full) == Strategy(
+  # 192-key slices: not the ring; the all-to-all where the heads split, else the all-gather.
+  assert choose(None, num=2, seq_q=512, seq_k=384, heads_q=4, config=full) == Strategy(
       "all_to_all")
-  assert choose(None, num=2, seq_q=256, seq_k=192, heads_q=3, config=full) == Strategy(
+  assert choose(None, num=2, seq_q=512, seq_k=384, heads_q=3, config=full) == Strategy(
       "all_gather")
-  with pytest.raises(ValueError, match="block_mask needs each device's query zig-zag chunk"):
-    choose("ring:zigzag", num=4, seq_q=256, seq_k=256, heads_q=4, config=causal)
+  with pytest.raises(ValueError, match="block_mask needs each device's query zig-zag chunk to "
+                                       "be whole 128-row blocks"):
+    choose("ring:zigzag", num=4, seq_q=512, seq_k=512, heads_q=4, config=causal)
   with pytest.raises(ValueError, match="ring with a block_mask needs each device's key slice"):
-    choose("ring", num=2, seq_q=256, seq_k=192, heads_q=4, config=full)
-  window = _ops.KernelConfig("cpu", 1.0, False, 100, 0)
-  with pytest.raises(ValueError, match="left size of local_window_size \\(100\\) must be a"):
-    choose("all_gather", num=2, seq_q=256, seq_k=256, heads_q=4, config=window)
+    choose("ring", num=2, seq_q=512, seq_k=384, heads_q=4, config=full)
+  window = _ops.KernelConfig("cpu", 1.0, False, 64, 0)
+  with pytest.raises(ValueError, match="left size of local_window_size \\(64\\) must be a "
+                                       "multiple of 128"):
+    choose("all_gather", num=2, seq_q=512, seq_k=512, heads_q=4, config=window)
   window = _ops.KernelConfig("cpu", 1.0, False, 128, 0)
-  assert choose("all_gather", num=2, seq_q=256, seq_k=256, heads_q=4, config=window) == Strategy(
+  assert choose("all_gather", num=2, seq_q=512, seq_k=512, heads_q=4, config=window) == Strategy(
       "all_gather")

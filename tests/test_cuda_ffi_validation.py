@@ -31,16 +31,23 @@ NO_IDS = dict(q_segment_ids=((0,), "int32"), kv_segment_ids=((0,), "int32"),
               q_segment_id_spans=((0,), "int32"), kv_segment_id_spans=((0,), "int32"))
 
 
+# The block mask's lists without a block mask (the forward takes the first two).
+NO_BLOCKS = dict(kv_block_lists=((0,), "int32"), kv_block_counts=((0,), "int32"),
+                 q_block_visits=((0,), "int32"), q_block_visit_counts=((0,), "int32"))
+NO_FWD_BLOCKS = {k: NO_BLOCKS[k] for k in ("kv_block_lists", "kv_block_counts")}
+TB, SB = 1, 1  # mask blocks of 128 rows / keys: T = 5 and S = 7 make one each
+
+
 def attributes(**overrides) -> dict:
   base = dict(scale=0.25, is_causal=False, window_left=np.int64(-1), window_right=np.int64(-1),
-              segment_ids=False, logits_soft_cap=0.0, alibi=False)
+              segment_ids=False, logits_soft_cap=0.0, alibi=False, block_sparse=False)
   return {**base, **overrides}
 
 
 def valid_fwd(dtype: str = "bfloat16") -> Call:
   return Call("jax_flash_cuda_fwd",
               dict(q=(Q, dtype), k=(KV, dtype), v=(KV, dtype), q_lens=((B,), "int32"),
-                   kv_lens=((B,), "int32"), **NO_IDS, alibi_slopes=((0,), "float32")),
+                   kv_lens=((B,), "int32"), **NO_IDS, alibi_slopes=((0,), "float32"), **NO_FWD_BLOCKS),
               dict(o=(Q, dtype), lse=(ROWS, "float32")), attributes())
 
 
@@ -54,7 +61,8 @@ def valid_bwd(dtype: str = "bfloat16", deterministic: bool = False, o_error: boo
   return Call("jax_flash_cuda_bwd",
               dict(q=(Q, dtype), k=(KV, dtype), v=(KV, dtype), o=(Q, dtype), lse=(ROWS, "float32"),
                    do=(Q, dtype), q_lens=((B,), "int32"), kv_lens=((B,), "int32"), **NO_IDS,
-                   alibi_slopes=((0,), "float32"), o_error=(Q if o_error else (0,), "int8")),
+                   alibi_slopes=((0,), "float32"), **NO_BLOCKS,
+                   o_error=(Q if o_error else (0,), "int8")),
               dict(dq=(Q, dtype), dk=(KV, dtype), dv=(KV, dtype), delta=(ROWS, "float32"),
                    dq_accum=((dq_accum_elements(deterministic),), "float32")),
               attributes(deterministic=deterministic))
@@ -110,7 +118,28 @@ ERRORS = [
      ("kv_segment_id_spans(2, 1, 1) int32", "kv_segment_ids(2, 7) int32")),
     ("segment_id_spans_without_ids", lambda c: with_shape(c, "q_segment_id_spans", (B, 1, 2)),
      ("segment_ids=false takes empty segment-id span operands", "q_segment_id_spans(2, 1, 2) int32")),
+    ("block_lists_without_switch", lambda c: with_shape(c, "kv_block_lists", (B, N, TB, SB)),
+     ("block_sparse=false takes empty block-list operands", "kv_block_lists(2, 4, 1, 1) int32")),
+    ("block_sparse_on_empty", lambda c: with_attributes(c, block_sparse=True),
+     ("kv_block_lists(0,) int32", "(N, Tb, Sb)", "ceil(T / 128)")),
+    ("block_counts_shape", lambda c: with_shape(with_shape(with_attributes(c, block_sparse=True),
+                                                           "kv_block_lists", (B, N, TB, SB)),
+                                                "kv_block_counts", (B, N, TB + 1)),
+     ("kv_block_counts(2, 4, 2) int32", "(N, Tb)")),
+    ("block_lists_int16", lambda c: with_dtype(c, "int16", "kv_block_lists"),
+     ("kv_block_lists(0,) int16", "int32")),
 ]
+
+def with_block_lists(call: Call) -> Call:
+  """`call` block-sparse, with lists of the right shapes (the forward's two, the backward's
+  four)."""
+  call = with_attributes(call, block_sparse=True)
+  call = with_shape(with_shape(call, "kv_block_lists", (B, N, TB, SB)), "kv_block_counts", (B, N, TB))
+  if "q_block_visits" in call.shapes:
+    call = with_shape(with_shape(call, "q_block_visits", (B, K, SB, N // K * TB)),
+                      "q_block_visit_counts", (B, K, SB))
+  return call
+
 
 BWD_ERRORS = [
     ("dq_accum_short", lambda c: with_shape(c, "dq_accum", (dq_accum_elements(False) - 1,)),
@@ -124,7 +153,20 @@ BWD_ERRORS = [
     ("o_error_int16", lambda c: with_dtype(c, "int16", "o_error"), ("o_error(0,) int16", "must be int8")),
     ("o_error_beside_float32_o", lambda c: with_shape(with_dtype(c, "float32", "o"), "o_error", Q),
      ("o_error(2, 5, 4, 16) int8", "shape of a 16-bit", "o(2, 5, 4, 16) float32")),
+    ("q_block_visits_shape", lambda c: with_shape(with_block_lists(c), "q_block_visits", (B, K, SB, TB)),
+     ("q_block_visits(2, 2, 1, 1) int32", "(K, Sb, N / K * Tb)")),
+    ("q_block_visit_counts_without_switch", lambda c: with_shape(c, "q_block_visit_counts", (B, K, SB)),
+     ("block_sparse=false takes empty block-list operands", "q_block_visit_counts(2, 2, 1) int32")),
 ]
+
+
+@pytest.mark.parametrize("make", [valid_fwd, valid_bwd], ids=["fwd", "bwd"])
+def test_block_sparse_call_with_its_lists_runs(rng, make):
+  """The lists' shapes as the handlers expect them (their values random in 0..7 from the test's
+  operand builder, mostly out of range, which the kernels clamp: no access outside the arrays;
+  compute-sanitizer's memcheck of this file checks that)."""
+  outputs = with_block_lists(make()).run(rng)
+  assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in outputs[:2])
 
 
 @pytest.mark.parametrize("spoil,fragments", [e[1:] for e in ERRORS], ids=[e[0] for e in ERRORS])

@@ -16,7 +16,7 @@ import pytest
 import jax_flash
 from jax_flash import _dispatch, _native, _ops, _registry
 from jax_flash._reference import EMPTY_ROW_LSE
-from attention_testing import random_array, reference_f32
+from attention_testing import ffi_calls, random_array, reference_f32
 
 F32, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
 FAKE_CUDA_CONSTANTS = dict(head_dim_multiple=8, max_head_dim=256, decode_rows_per_cta=16,
@@ -177,20 +177,7 @@ def test_constants_come_from_the_native_module():
 
 def ffi_result_shapes(fn, *args) -> list[tuple[tuple[int, ...], ...]]:
   """The result shapes of every ffi_call that tracing fn(*args) binds (nothing is lowered)."""
-  found = []
-
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name == "ffi_call":
-        found.append(tuple(tuple(v.aval.shape) for v in eqn.outvars))
-      for param in eqn.params.values():
-        for sub in param if isinstance(param, (tuple, list)) else (param,):
-          inner = getattr(sub, "jaxpr", sub)
-          if hasattr(inner, "eqns"):
-            walk(inner)
-
-  walk(jax.make_jaxpr(fn)(*args).jaxpr)
-  return found
+  return [tuple(tuple(x.shape) for x in results) for *_, results in ffi_calls(fn, *args)]
 
 
 def test_cuda_workspace_size_comes_from_the_cuda_module(gpu_host, monkeypatch):

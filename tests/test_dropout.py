@@ -215,6 +215,7 @@ def test_lse_is_the_undropped_softmaxs(implementation):
 @pytest.mark.parametrize("options", [
     dict(sinks=jnp.asarray([0.5, -1.0, 2.0, 0.0], F32), logits_soft_cap=2.0),
     dict(alibi_slopes=jnp.asarray([0.25, -0.1, 0.05, 0.0], F32), is_causal=True),
+    # T = S = 140: 2 x 2 blocks of 128 (rows 118..127 would see keys 128..137 but for the mask)
     dict(block_mask=jnp.asarray([[True, False], [True, True]]), local_window_size=(70, 10)),
 ], ids=["sinks_cap", "alibi", "block_mask"])
 @pytest.mark.parametrize("implementation", ["cpu", "blockwise"])
@@ -222,7 +223,7 @@ def test_with_the_other_score_variants(implementation, options):
   """Dropout beside sinks (which join after the kernel: the dropped weights are normalised with
   the sink), the soft cap, ALiBi and a block mask: the same outputs and gradients (sinks
   included) as "xla" with the same key."""
-  q, k, v = _qkv((1, 70, 4, 16), kv_heads=2)
+  q, k, v = _qkv((1, 140, 4, 16), kv_heads=2)
   rate, key = 0.35, jax.random.key(8)
 
   def fg(implementation):

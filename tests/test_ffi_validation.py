@@ -150,6 +150,25 @@ def with_block_mask(call: Call, shape=(B, N, 1, 1), dtype="bool") -> Call:
   return with_attributes(call, block_sparse=True)
 
 
+# Sequences of several blocks of the block mask's 128 x 128 (and more of 64 x 64, the CPU
+# kernel's tiles): T = 200, S = 300 are (2, 3) blocks, (4, 5) of 64.
+LONG_T, LONG_S = 200, 300
+
+
+def with_long_sequences(call: Call) -> Call:
+  """The call on T = LONG_T queries and S = LONG_S keys (everything shaped by them)."""
+  q_shape = (B, LONG_T, N, H)
+  call = with_shapes(call, q_shape, (B, LONG_S, K, H))
+  for name in ("lse", "delta"):
+    for table in (call.shapes, call.outputs):
+      if name in table:
+        table[name] = ((B, N, LONG_T), table[name][1])
+  if "dq_accum" in call.outputs:
+    splits = int(call.attributes["dq_splits"])
+    call.outputs["dq_accum"] = ((dq_accum_elements(splits, q_shape),), "float32")
+  return call
+
+
 def with_dropout(call: Call, shape=(B, N, 4), dtype="uint32", rate=0.25) -> Call:
   """Dropout switched on (a rate > 0), with a seeds operand of this shape."""
   call.shapes["dropout_seeds"] = (tuple(shape), dtype)
@@ -249,7 +268,13 @@ COMMON_ERRORS = [
      ("alibi_slopes(0,) float16", "float32")),
     # Block mask: the switch and the operand must agree; bool (batch dims..., N, Tb, Sb).
     ("blocks_on_empty", lambda c: with_attributes(c, block_sparse=True),
-     ("block_mask(0,) bool", "(1, 1) blocks of 64 x 64", "q(2, 5, 4, 8)")),
+     ("block_mask(0,) bool", "(1, 1) blocks of 128 x 128", "q(2, 5, 4, 8)")),
+    # Blocks of 128 x 128, not of the CPU kernel's 64 x 64 tiles: T = 200, S = 300 take (2, 3).
+    ("blocks_of_64", lambda c: with_block_mask(with_long_sequences(c), shape=(B, N, 4, 5)),
+     ("block_mask(2, 4, 4, 5) bool", "(2, 3) blocks of 128 x 128", "q(2, 200, 4, 8)",
+      "seq_k 300")),
+    ("blocks_short_by_one", lambda c: with_block_mask(with_long_sequences(c), shape=(B, N, 2, 2)),
+     ("block_mask(2, 4, 2, 2) bool", "(2, 3) blocks")),
     ("blocks_off_given", lambda c: with_attributes(with_block_mask(c), block_sparse=False),
      ("block_sparse=false takes an empty", "block_mask(2, 4, 1, 1) bool")),
     ("blocks_unbatched", lambda c: with_block_mask(c, shape=(N, 1, 1)), ("block_mask(4, 1, 1) bool",)),
@@ -322,6 +347,14 @@ def test_valid_calls_run(rng, make, ids, alibi, blocks, dropout):
   call = with_alibi(call) if alibi else call
   call = with_block_mask(call) if blocks else call
   call = with_dropout(call) if dropout else call
+  for out in call.run(rng):
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+
+
+@pytest.mark.parametrize("make", [valid_fwd, valid_bwd], ids=["fwd", "bwd"])
+def test_block_mask_of_several_blocks_runs(rng, make):
+  """T = 200, S = 300 with their (2, 3) block mask of 128 x 128 blocks: taken, finite."""
+  call = with_block_mask(with_long_sequences(make()), shape=(B, N, 2, 3))
   for out in call.run(rng):
     assert np.isfinite(np.asarray(out, np.float32)).all()
 

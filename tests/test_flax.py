@@ -587,10 +587,10 @@ def test_linen_modules_raise_for_what_they_cannot_honour(rng):
 
 
 def _block_mask_inputs(rng, batch_dims):
-  """q, k, v (batch..., T, N|K, H) with T = 80, S = 150 (2 x 3 blocks of 64), and a block mask
+  """q, k, v (batch..., T, N|K, H) with T = 160, S = 300 (2 x 3 blocks of 128), and a block mask
   (batch..., N, 2, 3) whose every query block keeps one key block."""
-  q = random_array(rng, (*batch_dims, 80, 4, 16), F32)
-  k, v = (random_array(rng, (*batch_dims, 150, 2, 16), F32) for _ in range(2))
+  q = random_array(rng, (*batch_dims, 160, 4, 16), F32)
+  k, v = (random_array(rng, (*batch_dims, 300, 2, 16), F32) for _ in range(2))
   blocks = jnp.asarray(rng.random((*batch_dims, 4, 2, 3)) < 0.5).at[..., 0].set(True)
   return q, k, v, blocks
 
@@ -607,7 +607,7 @@ def test_attention_fn_takes_a_block_mask(rng, batch_dims):
   want = jax_flash.dot_product_attention(fold(q), fold(k), fold(v), block_mask=fold(blocks),
                                          is_causal=True)
   assert_close(got, want.reshape(got.shape))
-  elements = jnp.repeat(jnp.repeat(blocks, 64, axis=-2), 64, axis=-1)[..., :80, :150]
+  elements = jnp.repeat(jnp.repeat(blocks, 128, axis=-2), 128, axis=-1)[..., :160, :300]
   assert_close(jflax.dot_product_attention(q, k, v, mask=elements, is_causal=True,
                                            implementation="xla"), got)
   shared = blocks[(0,) * len(batch_dims)]  # (N, 2, 3): every batch element the same blocks
@@ -624,9 +624,9 @@ def test_attention_fn_takes_a_block_mask(rng, batch_dims):
 def test_modules_take_a_block_mask(rng):
   """The NNX and Linen modules pass a call's block_mask to their attention (the same as their
   attention_fn on the projections); not in a decode step."""
-  x = random_array(rng, (2, 80, FEATURES), F32)
+  x = random_array(rng, (2, 160, FEATURES), F32)
   blocks = jnp.asarray(rng.random((2, HEADS, 2, 2)) < 0.5).at[..., 0].set(True)
-  elements = jnp.repeat(jnp.repeat(blocks, 64, axis=-2), 64, axis=-1)[..., :80, :80]
+  elements = jnp.repeat(jnp.repeat(blocks, 128, axis=-2), 128, axis=-1)[..., :160, :160]
   module = nnx_mha(jflax.FlashMultiHeadAttention)
   masked = nnx_mha(jflax.FlashMultiHeadAttention, implementation="xla")
   nnx.update(masked, nnx.state(module, nnx.Param))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import types
 
 import jax
 import jax.numpy as jnp
@@ -25,8 +24,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_flash
-from attention_testing import (F32, assert_within_rule, key_visibility, max_abs, random_array)
-from jax_flash import _decode, _dispatch, _ops, _registry
+from attention_testing import (F32, assert_within_rule, ffi_calls, key_visibility, max_abs,
+                               random_array, simulate_cuda_host)
+from jax_flash import _dispatch, _ops
 from jax_flash._reference import EMPTY_ROW_LSE
 
 IMPLEMENTATIONS = ["cpu", "blockwise", "xla"]
@@ -338,26 +338,6 @@ def test_dtype_must_be_int32(dtype, advice):
                                     kv_segment_ids=jnp.zeros((2, 8), dtype))
 
 
-def _ffi_calls(fn, *args) -> list[tuple[str, dict, list]]:
-  """(target name, attributes, operand avals) of every ffi_call that tracing fn(*args) binds,
-  in order (traced only: nothing is lowered or run)."""
-  found = []
-
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name == "ffi_call":
-        found.append((eqn.params["target_name"], dict(eqn.params["attributes"]),
-                      [v.aval for v in eqn.invars]))
-      for param in eqn.params.values():
-        for sub in param if isinstance(param, (tuple, list)) else (param,):
-          inner = getattr(sub, "jaxpr", sub)
-          if hasattr(inner, "eqns"):
-            walk(inner)
-
-  walk(jax.make_jaxpr(fn)(*args).jaxpr)
-  return found
-
-
 def _loss(q, k, v, **options):
   return jax_flash.dot_product_attention(q, k, v, **options).astype(jnp.float32).sum()
 
@@ -369,14 +349,7 @@ def test_cuda_kernels_take_segment_ids(monkeypatch):
   calls with segment_ids=True and the ids and their spans as operands. A GPU host with the CUDA
   kernels built is simulated (an H200's SM count): the calls are traced, never run. 128 rows:
   without ids too the call takes the tiled kernels, not the decode kernel."""
-  monkeypatch.setattr(_registry, "has_platform", lambda platform: platform in ("cpu", "cuda"))
-  monkeypatch.setattr(_registry, "cuda_gpu_present", lambda: True)
-  monkeypatch.setattr(_registry, "CUDA_KERNEL_CONSTANTS", dict(
-      head_dim_multiple=8, max_head_dim=256, decode_rows_per_cta=16, decode_block_n=64,
-      decode_max_head_dim=256, segment_id_span_rows=64))
-  monkeypatch.setattr(_registry, "_native_cuda",
-                      types.SimpleNamespace(dq_accum_elements=lambda *args: 64))
-  monkeypatch.setattr(_decode, "_cuda_sm_count", lambda: 132)
+  simulate_cuda_host(monkeypatch)
   monkeypatch.setattr(_dispatch, "default_implementation", lambda dtype: "cuda")
   assert _dispatch.capabilities("cuda").segment_ids
   q, k, v = (x.astype(jnp.bfloat16) for x in _qkv(t=128, s=128))
@@ -387,14 +360,16 @@ def test_cuda_kernels_take_segment_ids(monkeypatch):
     for with_ids in (True, False):
       options = dict(q_segment_ids=ids, kv_segment_ids=ids) if with_ids else {}
       loss = functools.partial(_loss, implementation=implementation, **options)
-      calls = _ffi_calls(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
-      assert [name for name, _, _ in calls] == ["jax_flash_cuda_fwd", "jax_flash_cuda_bwd"]
-      for name, attributes, operands in calls:
+      calls = ffi_calls(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
+      assert [name for name, *_ in calls] == ["jax_flash_cuda_fwd", "jax_flash_cuda_bwd"]
+      for name, attributes, operands, _ in calls:
         assert bool(attributes["segment_ids"]) is with_ids, (name, implementation)
         # Its int32 operands besides the lengths (B,): the ids (B, T), (B, S) and their spans
-        # (B, runs of 64 ids, 2), or (0,) placeholders without ids.
+        # (B, runs of 64 ids, 2), or (0,) placeholders without ids; then the block mask's
+        # placeholders (none here: the forward's two, the backward's four).
         got = [tuple(x.shape) for x in operands if x.dtype == jnp.int32 and x.shape != (2,)]
         want = [(2, 128), (2, 128), (2, 2, 2), (2, 2, 2)] if with_ids else [(0,)] * 4
+        want += [(0,)] * (2 if name.endswith("fwd") else 4)
         assert got == want, (name, implementation, operands)
 
 

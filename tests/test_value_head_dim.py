@@ -151,10 +151,10 @@ def test_sinks_dropout_and_block_mask_combine_with_it():
   """The options the references above leave out, together, on the kernel against "xla" (which
   drops the same elements): sinks (joined after the kernel, their gradient from o and dO of Hv
   values), fused dropout and a block mask."""
-  vc = ValueCase(C(batch=1, seq_q=70, seq_k=130, heads_q=2, heads_k=1, head_dim=48,
+  vc = ValueCase(C(batch=1, seq_q=140, seq_k=260, heads_q=2, heads_k=1, head_dim=48,
                    is_causal=True), 24)
   q, k, v, g = vc.inputs()
-  blocks = np.random.default_rng(5).random(jax_flash.block_mask_shape(70, 130)) < 0.7
+  blocks = np.random.default_rng(5).random(jax_flash.block_mask_shape(140, 260)) < 0.7
   blocks[np.arange(2), np.arange(2)] = True
   sinks = jnp.asarray([0.3, -0.5], F32)
   results = {}
@@ -536,10 +536,11 @@ def test_cuda_handler_refuses_it(rng):
                   v=((B, S, K, 8), "bfloat16"), q_lens=((B,), "int32"), kv_lens=((B,), "int32"),
                   q_segment_ids=((0,), "int32"), kv_segment_ids=((0,), "int32"),
                   q_segment_id_spans=((0,), "int32"), kv_segment_id_spans=((0,), "int32"),
-                  alibi_slopes=((0,), "float32"))
+                  alibi_slopes=((0,), "float32"), kv_block_lists=((0,), "int32"),
+                  kv_block_counts=((0,), "int32"))
   outputs = dict(o=((B, T, N, 8), "bfloat16"), lse=((B, N, T), "float32"))
   attributes = dict(scale=0.5, is_causal=False, window_left=np.int64(-1),
                     window_right=np.int64(-1), segment_ids=False, logits_soft_cap=0.0,
-                    alibi=False)
+                    alibi=False, block_sparse=False)
   with pytest.raises(FFI_ERROR, match=_pattern("Hv=8 differs", "H=16", "Hv == H only")):
     _call("jax_flash_cuda_fwd", rng, operands, outputs, attributes)

@@ -9,7 +9,8 @@
 //   q_lens, kv_lens : (batch,), int32; valid query / key rows per batch element
 //   q_segment_ids, kv_segment_ids : (batch, seq_q), (batch, seq_k), int32, or absent
 //   alibi_slopes : (batch, heads_q), float32, or absent
-//   block_mask   : (batch, heads_q, q_blocks, k_blocks), bool, or absent (CPU)
+//   block_mask   : (batch, heads_q, q_blocks, k_blocks), bool, or absent (CPU); blocks of
+//                  kBlockMaskRows x kBlockMaskKeys (128 x 128)
 //   dropout_seeds : (batch, heads_q, 4), uint32, or absent (CPU)
 // "batch" is every leading dimension folded together (vmap adds them).
 #pragma once
@@ -25,6 +26,16 @@
 namespace jax_flash {
 
 enum class Dtype : int { kFloat32, kBFloat16, kFloat16 };
+
+// One block of the block-sparse mask (AttentionParams::block_mask): kBlockMaskRows query rows x
+// kBlockMaskKeys keys, aligned at row 0 and key 0 (the last blocks partial). Its own size, not
+// any kernel's tile: 128 so that every tile of every kernel (the CPU kernel's 64 x 64, the CUDA
+// kernels' 64 or 128 rows/keys) lies inside one mask block and is skipped whole when the
+// block's bit is 0 (with 64 x 64 blocks a 128 x 128 CUDA tile would straddle four bits, and a
+// random mask at 25% density leaves 68% of such tiles with some bit set). FlexAttention's
+// default block is 128 x 128 too. The Python side reads these (jax_flash.BLOCK_MASK_BLOCK).
+inline constexpr int64_t kBlockMaskRows = 128;
+inline constexpr int64_t kBlockMaskKeys = 128;
 
 // The masks jax.nn.dot_product_attention supports are all "key ranges per query row":
 // query row i of batch b attends keys j in [key_begin(i), key_end(i)).
@@ -83,13 +94,22 @@ struct AttentionParams {
   // batch sharding fold into the batch like every other operand.
   const float* alibi_slopes = nullptr;
   // Block-sparse mask, or null for none: bool (one byte) per (batch, query head, query block,
-  // key block), blocks of the CPU kernel's tiles (kBlockQ query rows x kBlockK keys, aligned at
-  // row and key 0). 0 hides every key of the key block from every row of the query block, on
-  // top of the masks above; the CPU kernels never visit such a tile. Only the CPU kernel reads
-  // it (the CUDA handlers take no such operand, and the Python side refuses it there).
+  // key block), blocks of kBlockMaskRows query rows x kBlockMaskKeys keys (128 x 128, aligned at
+  // row and key 0; each holds whole tiles of the kernels). 0 hides every key of the key block
+  // from every row of the query block, on top of the masks above; the CPU kernels never visit
+  // a tile of such a block. Only the CPU kernel reads it (the CUDA handlers take no such
+  // operand, and the Python side refuses it there).
   const uint8_t* block_mask = nullptr;
-  int64_t block_mask_q_blocks = 0;  // its last two dimensions
+  int64_t block_mask_q_blocks = 0;  // its last two dimensions (the CUDA lists' too)
   int64_t block_mask_k_blocks = 0;
+  // The block mask as the CUDA kernels read it (gpu/block_sparse.cuh), or null: per (batch, query
+  // head, query block) the live key blocks ascending (k_blocks slots) and their count; per
+  // (batch, kv head, key block) the live (query head in group, query block) entries ascending
+  // (heads_q / heads_k * q_blocks slots) and their count. Formed in XLA beside the call.
+  const int32_t* kv_block_lists = nullptr;
+  const int32_t* kv_block_counts = nullptr;
+  const int32_t* q_block_visits = nullptr;
+  const int32_t* q_block_visit_counts = nullptr;
   // Fused dropout (FlashAttention, Dao et al. 2022), or null for none: per (batch, query head)
   // four words (key0, key1, head, batch), the Philox key and the counter's head and batch words
   // of common/dropout_bits.h, which gives every score element's keep decision from its row and
@@ -102,7 +122,10 @@ struct AttentionParams {
   uint32_t dropout_threshold = 0;  // words below it drop their element (dropout_threshold(rate))
   float dropout_scale = 1.f;       // 1 / (1 - rate): the kept elements' factor
 
-  // Whether the block mask lets query block qb of (b, h) see key block kb (true without one).
+  // Whether the block mask lets query block qb of (b, h) see key block kb (true without one):
+  // qb and kb index mask blocks (rows qb * kBlockMaskRows.., keys kb * kBlockMaskKeys..), not a
+  // kernel's tiles; a tile at row i0 and key j0 takes the bit (i0 / kBlockMaskRows,
+  // j0 / kBlockMaskKeys).
   bool block_visible(int64_t b, int64_t h, int64_t qb, int64_t kb) const {
     if (!block_mask) return true;
     return block_mask[((b * shape.heads_q + h) * block_mask_q_blocks + qb) * block_mask_k_blocks + kb] != 0;

@@ -67,9 +67,10 @@ struct PoolRunner {
 // float32 copy of dQ, and the bound keeps the workspace size arithmetic far from overflow.
 constexpr int64_t kMaxDqSplits = 64;
 
-// The block-sparse mask: with `blocks`, block_mask (..., N, ceil(T / kBlockQ), ceil(S / kBlockK))
-// bool, its leading dimensions those of q (vmap adds leading dimensions to it as to q), N q's
-// query heads; without, a bool operand of no elements (the callers pass a (0,) placeholder).
+// The block-sparse mask: with `blocks`, block_mask (..., N, ceil(T / kBlockMaskRows),
+// ceil(S / kBlockMaskKeys)) bool (blocks of 128 x 128: attention_params.h), its leading
+// dimensions those of q (vmap adds leading dimensions to it as to q), N q's query heads;
+// without, a bool operand of no elements (the callers pass a (0,) placeholder).
 // Call after the attention inputs are set (it reads params.shape).
 ffi::Error set_block_mask(const ffi::AnyBuffer& mask, bool blocks, const ffi::AnyBuffer& q,
                           AttentionParams& params) {
@@ -81,8 +82,8 @@ ffi::Error set_block_mask(const ffi::AnyBuffer& mask, bool blocks, const ffi::An
     return ffi::Error::Success();
   }
   const AttentionShape& sh = params.shape;
-  const int64_t q_blocks = (sh.seq_q + cpu::kBlockQ - 1) / cpu::kBlockQ;
-  const int64_t k_blocks = (sh.seq_k + cpu::kBlockK - 1) / cpu::kBlockK;
+  const int64_t q_blocks = (sh.seq_q + kBlockMaskRows - 1) / kBlockMaskRows;
+  const int64_t k_blocks = (sh.seq_k + kBlockMaskKeys - 1) / kBlockMaskKeys;
   const auto md = mask.dimensions(), qd = q.dimensions();
   bool match = md.size() == qd.size();
   for (size_t i = 0; match && i + 3 < qd.size(); ++i) match = md[i] == qd[i];
@@ -93,7 +94,7 @@ ffi::Error set_block_mask(const ffi::AnyBuffer& mask, bool blocks, const ffi::An
   if (!match)
     return invalid(describe("block_mask", mask) + ": must be q's batch dims, query heads and (" +
                    std::to_string(q_blocks) + ", " + std::to_string(k_blocks) +
-                   ") blocks of " + std::to_string(cpu::kBlockQ) + " x " + std::to_string(cpu::kBlockK) +
+                   ") blocks of " + std::to_string(kBlockMaskRows) + " x " + std::to_string(kBlockMaskKeys) +
                    " (..., N, ceil(T / block_q), ceil(S / block_k)), for " + describe("q", q) + " and seq_k " +
                    std::to_string(sh.seq_k));
   params.block_mask = static_cast<const uint8_t*>(mask.untyped_data());

@@ -10,10 +10,12 @@
 // per tile from the raw scores (soft_cap in flash_fwd.h). ALiBi's bias slope * (j - i) is added to
 // each recomputed score tile as the forward added it (alibi_rows in flash_fwd.h); it depends on
 // neither Q nor K, so dS needs nothing more, and the slopes get no gradient. With a block mask
-// the query tiles are aligned at row 0 (as the mask's blocks) and a tile the mask hides from the
-// key block is skipped: its P is 0. With dropout (Z = keep / (1 - rate), regenerated per tile
-// as the forward made it: dropout_columns in flash_fwd.h) the forward's O = (P * Z) V gives
-// dV = (P * Z)^T dO and dS = P * (dP * Z - delta), delta = rowsum(dO * O) as without.
+// the query tiles are aligned at row 0 (on the tile grid: each of kBlockQ rows inside one
+// kBlockMaskRows mask block, as each key block of kBlockK keys inside one kBlockMaskKeys one)
+// and a tile whose mask block is hidden is skipped: its P is 0. With dropout (Z = keep /
+// (1 - rate), regenerated per tile as the forward made it: dropout_columns in flash_fwd.h) the
+// forward's O = (P * Z) V gives dV = (P * Z)^T dO and dS = P * (dP * Z - delta), delta =
+// rowsum(dO * O) as without.
 // v's head dim Hv may differ from q's and k's H (MLA): O, dO, V and dV are Hv wide, Q, K, dQ and
 // dK H wide; only dP = dO V^T and dV = P^T dO run over Hv.
 #pragma once
@@ -155,11 +157,12 @@ struct FlashBwdMain {
         const Alibi alibi(p.alibi_slopes, b * sh.heads_q + h);
         const Dropout dropout(p, b, h);
 
-        // A block mask: query tiles are its blocks (aligned at row 0), those it hides from this
-        // key block never visited.
+        // A block mask: query tiles on the tile grid (aligned at row 0, each inside one mask
+        // block), those whose mask block (i0 / kBlockMaskRows, j0 / kBlockMaskKeys) it hides
+        // never visited.
         for (int64_t i0 = blocks ? first_row / bq * bq : first_row; i0 < end_row; i0 += bq) {
           const int64_t rows = min64(bq, end_row - i0);
-          if (blocks && !p.block_visible(b, h, i0 / bq, kb)) continue;
+          if (blocks && !p.block_visible(b, h, i0 / kBlockMaskRows, j0 / kBlockMaskKeys)) continue;
           bool split_ids = false;
           if (q_ids) {
             const IdSpan q_span = id_span(q_ids + i0, rows);

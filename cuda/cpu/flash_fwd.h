@@ -54,6 +54,11 @@ inline void mask_row(float* s, int64_t j0, int64_t cols, int64_t padded_cols, Ke
 // keys more than 2^-121 below the max (not 2^-127) round to 0, far under float32's precision.
 inline constexpr float kSumHeadroom = 6.f;
 static_assert(kBlockK <= 64, "a block's probabilities sum to at most 2^kSumHeadroom");
+// A block mask's blocks (kBlockMaskRows x kBlockMaskKeys, attention_params.h) hold whole tiles:
+// a tile on the tile grid (rows from a multiple of kBlockQ, keys from a multiple of kBlockK)
+// lies inside one mask block, whose bit decides it whole.
+static_assert(kBlockMaskRows % kBlockQ == 0 && kBlockMaskKeys % kBlockK == 0,
+              "the CPU tiles must divide the block mask's block");
 
 inline float raised_reference(float old_ref, float tile_max, float old_sum) {
   const float headroom = tile_max + kSumHeadroom;
@@ -450,8 +455,10 @@ struct FlashFwd {
     // Segment ids of this block's rows and of the batch element's keys (null without).
     const int32_t* q_ids = p.q_segment_ids ? p.q_segment_ids + b * sh.seq_q + i0 : nullptr;
     const int32_t* kv_ids = p.kv_segment_ids ? p.kv_segment_ids + b * sh.seq_k : nullptr;
-    // A block mask: key tiles are its blocks (aligned at key 0), those it hides never visited,
-    // and `seen` decides empty rows as with segment ids.
+    // A block mask: key tiles on the tile grid (aligned at key 0, kBlockK keys, so each inside
+    // one kBlockMaskKeys mask block), those whose block it hides from this tile's rows (inside
+    // mask block row i0 / kBlockMaskRows) never visited; `seen` decides empty rows as with
+    // segment ids.
     const bool blocks = p.block_mask != nullptr;
     const bool track_seen = kv_ids || blocks;
 
@@ -475,9 +482,11 @@ struct FlashFwd {
       const SoftCap cap(p.logits_soft_cap);
       const Alibi alibi(p.alibi_slopes, b * sh.heads_q + h);
       const Dropout dropout(p, b, h);
+      const int64_t mask_block_row = i0 / kBlockMaskRows;  // this tile's row of mask blocks
       for (int64_t j0 = blocks ? first.begin / kp * kp : first.begin; j0 < last.end; j0 += kp) {
         const int64_t cols = min64(kp, last.end - j0);
-        if (blocks && !p.block_visible(b, h, qb, j0 / kp)) continue;  // block-sparse: skipped
+        // Block-sparse: a tile of a hidden mask block is skipped.
+        if (blocks && !p.block_visible(b, h, mask_block_row, j0 / kBlockMaskKeys)) continue;
         // Segment ids: a tile whose keys' ids cannot meet the rows' is skipped whole; one where
         // rows and keys share a single id needs no element mask.
         bool split_ids = false;

@@ -40,6 +40,9 @@ NB_MODULE(_native, m) {
     c["empty_row_lse"] = jax_flash::kEmptyRowLse;
     c["cpu_block_q"] = jax_flash::cpu::kBlockQ;
     c["cpu_block_k"] = jax_flash::cpu::kBlockK;
+    // The block-sparse mask's block (jax_flash.BLOCK_MASK_BLOCK), its own size, not the tiles'.
+    c["block_mask_block_q"] = jax_flash::kBlockMaskRows;
+    c["block_mask_block_k"] = jax_flash::kBlockMaskKeys;
     c["cpu_head_dim_align"] = jax_flash::cpu::kHeadDimAlign;
     c["max_decode_splits"] = jax_flash::kMaxDecodeSplits;
     return c;

@@ -8,6 +8,7 @@
 
 #include "common/attention_params.h"
 #include "common/mask.h"
+#include "gpu/block_sparse.cuh"
 #include "gpu/tile_io.cuh"
 
 namespace jax_flash::cuda {
@@ -64,6 +65,9 @@ struct QueryBlockTask {
   int chunks;  // 16-byte chunks of a row's head dim
   QueryBlock<kBlockM, kBlockN> blk;
   int64_t q_offset, kv_offset, stat_offset;
+  // The key blocks visited, walked from the last (keys.descending(i)): [blk.n_first, blk.n_last],
+  // or with a block mask its live ones there (walk_keys, after any narrowing of blk).
+  TileWalk<kBlockN> keys;
 
   // The CTA's task on query_block_grid.
   template <typename Params>
@@ -85,7 +89,16 @@ struct QueryBlockTask {
         blk(p.mask, m_block, p.shape.seq_q, q_len, kv_len),
         q_offset((b * p.shape.seq_q + blk.m0) * q_stride + h * p.shape.head_dim),
         kv_offset(b * p.shape.seq_k * kv_stride + hk * p.shape.head_dim),
-        stat_offset((static_cast<int64_t>(b) * p.shape.heads_q + h) * p.shape.seq_q) {}
+        stat_offset((static_cast<int64_t>(b) * p.shape.heads_q + h) * p.shape.seq_q),
+        keys(blk.n_first, blk.n_last) {}
+
+  // The walk over blk's key blocks again (after segment ids narrowed them), with kSparse the
+  // block mask's live ones only (gpu/block_sparse.cuh).
+  template <bool kSparse>
+  __device__ void walk_keys(const AttentionParams& p) {
+    keys = kSparse ? key_tile_walk<kBlockN>(p, b, h, blk.m0, blk.n_first, blk.n_last)
+                   : TileWalk<kBlockN>(blk.n_first, blk.n_last);
+  }
 
   // Rows [0, rows) of key block n_block's K or V (from `base`, k or v) into a shared tile.
   template <typename Tile, int kThreads, typename T>
@@ -110,6 +123,7 @@ template <int kBlockM, int kBlockN>
 struct KeyBlockTask {
   struct Visit {
     int h, mb;  // query head, query block
+    int e;      // block-sparse: the entry of `visits` it belongs to (0 otherwise)
   };
   int b, hk, heads_per_kv;
   int64_t q_len, kv_len, q_stride, kv_stride;
@@ -119,6 +133,13 @@ struct KeyBlockTask {
   int mb_first = 0, mb_count = 0;
   int iterations = 0;
   int64_t kv_offset, q_batch_offset;
+  // Block-sparse (walk_visits): this key block's live (head in group, query block) entries, as
+  // gpu/block_sparse.cuh describes them, or null; the query blocks of the mask.
+  const int32_t* visits = nullptr;
+  int visit_count = 0, mask_q_blocks = 0;
+  static constexpr int kQueryTilesPerBlock = static_cast<int>(kBlockMaskRows / kBlockM);
+  static_assert(kBlockMaskRows % kBlockM == 0 && kBlockMaskKeys % kBlockN == 0,
+                "every backward tile lies in one block of the block mask");
 
   __device__ explicit KeyBlockTask(const BwdParams& p)
       : b(static_cast<int>(blockIdx.z)),
@@ -140,15 +161,67 @@ struct KeyBlockTask {
     iterations = mb_count * heads_per_kv;
   }
 
-  // Iteration it visits query block mb_first + it % mb_count of query head hk * heads_per_kv +
-  // it / mb_count, kept as two counters (no division in the loop).
-  __device__ Visit first_visit() const { return {hk * heads_per_kv, mb_first}; }
+  // With kSparse and a block mask, the visits become the mask's live (head, query block) pairs
+  // of this key block within [mb_first, mb_first + mb_count) (call after any narrowing).
+  template <bool kSparse>
+  __device__ void walk_visits(const BwdParams& p) {
+    if (!kSparse || p.q_block_visits == nullptr) return;
+    mask_q_blocks = static_cast<int>(p.block_mask_q_blocks);
+    const int64_t row = (static_cast<int64_t>(b) * p.shape.heads_k + hk) * p.block_mask_k_blocks + n0 / kBlockMaskKeys;
+    const int entries = heads_per_kv * mask_q_blocks;
+    visits = p.q_block_visits + row * entries;
+    const int n = __ldg(p.q_block_visit_counts + row);
+    visit_count = n < 0 ? 0 : (n > entries ? entries : n);
+    iterations = 0;
+    for (int e = 0; e < visit_count; ++e) {
+      const int first = entry_first(e), last = entry_last(e);
+      if (last >= first) iterations += last - first + 1;
+    }
+  }
+
+  // Dense: iteration it visits query block mb_first + it % mb_count of query head hk *
+  // heads_per_kv + it / mb_count, kept as two counters (no division in the loop). Sparse: the
+  // query blocks of each entry in turn.
+  __device__ Visit first_visit() const {
+    if (visits != nullptr) return entry_visit(0);
+    return {hk * heads_per_kv, mb_first, 0};
+  }
   __device__ Visit next_visit(Visit v) const {
-    return v.mb + 1 < mb_first + mb_count ? Visit{v.h, v.mb + 1} : Visit{v.h + 1, mb_first};
+    if (visits != nullptr) {
+      if ((v.mb + 1) % kQueryTilesPerBlock != 0 && v.mb + 1 < mb_first + mb_count) return {v.h, v.mb + 1, v.e};
+      return entry_visit(v.e + 1);
+    }
+    return v.mb + 1 < mb_first + mb_count ? Visit{v.h, v.mb + 1, 0} : Visit{v.h + 1, mb_first, 0};
   }
   // Live query rows of a visit's block (0 past q_len).
   __device__ int rows(Visit v) const {
     return static_cast<int>(max64(0, min64(kBlockM, q_len - static_cast<int64_t>(v.mb) * kBlockM)));
+  }
+
+ private:
+  // Entry e's query head in the group and mask block (clamped into range: see block_sparse.cuh).
+  __device__ int entry_head(int e) const {
+    const int v = __ldg(visits + e) / mask_q_blocks;
+    return v < 0 ? 0 : (v >= heads_per_kv ? heads_per_kv - 1 : v);
+  }
+  __device__ int entry_block(int e) const {
+    const int v = __ldg(visits + e) % mask_q_blocks;
+    return v < 0 ? 0 : v;
+  }
+  // The query tiles of entry e within [mb_first, mb_first + mb_count).
+  __device__ int entry_first(int e) const {
+    const int t = entry_block(e) * kQueryTilesPerBlock;
+    return t > mb_first ? t : mb_first;
+  }
+  __device__ int entry_last(int e) const {
+    const int t = entry_block(e) * kQueryTilesPerBlock + kQueryTilesPerBlock - 1, end = mb_first + mb_count - 1;
+    return t < end ? t : end;
+  }
+  // The first visit of the first entry from e on that has one.
+  __device__ Visit entry_visit(int e) const {
+    for (; e < visit_count; ++e)
+      if (entry_last(e) >= entry_first(e)) return {hk * heads_per_kv + entry_head(e), entry_first(e), e};
+    return {hk * heads_per_kv, mb_first, e};
   }
 };
 

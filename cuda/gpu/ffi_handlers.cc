@@ -5,6 +5,7 @@
 
 #include <cuda_runtime.h>
 
+#include <initializer_list>
 #include <string>
 #include <utility>
 
@@ -35,12 +36,67 @@ ffi::Error check_cuda_inputs(const ffi::AnyBuffer& q, const AttentionShape& shap
   return ffi::Error::Success();
 }
 
+// The block mask's lists (gpu/block_sparse.cuh; jax_flash._ops.block_sparse_lists forms them):
+// with block_sparse, kv_lists (..., N, Tb, Sb) and kv_counts (..., N, Tb), and for the backward
+// (q_visits non-null) q_visits (..., K, Sb, N / K * Tb) and q_counts (..., K, Sb), all int32,
+// with Tb, Sb = ceil(T / 128), ceil(S / 128) and q's batch dims; without, every one empty.
+ffi::Error set_block_lists(const ffi::AnyBuffer& kv_lists, const ffi::AnyBuffer& kv_counts,
+                           const ffi::AnyBuffer* q_visits, const ffi::AnyBuffer* q_counts, bool block_sparse,
+                           const ffi::AnyBuffer& q, AttentionParams& params) {
+  const ffi::AnyBuffer* buffers[] = {&kv_lists, &kv_counts, q_visits, q_counts};
+  const char* names[] = {"kv_block_lists", "kv_block_counts", "q_block_visits", "q_block_visit_counts"};
+  for (int i = 0; i < 4; ++i)
+    if (buffers[i]) JF_RETURN_IF_ERROR(expect_dtype(names[i], *buffers[i], ffi::DataType::S32));
+  if (!block_sparse) {
+    for (int i = 0; i < 4; ++i)
+      if (buffers[i] && buffers[i]->element_count() != 0)
+        return invalid(std::string("block_sparse=false takes empty block-list operands; got ") +
+                       describe(names[i], *buffers[i]));
+    return ffi::Error::Success();
+  }
+  const AttentionShape& sh = params.shape;
+  const int64_t tb = (sh.seq_q + kBlockMaskRows - 1) / kBlockMaskRows;
+  const int64_t sb = (sh.seq_k + kBlockMaskKeys - 1) / kBlockMaskKeys;
+  const auto qd = q.dimensions();
+  // q's batch dims, then `tail`.
+  auto matches = [&](const ffi::AnyBuffer& buffer, std::initializer_list<int64_t> tail) {
+    const auto d = buffer.dimensions();
+    if (d.size() != qd.size() - 3 + tail.size()) return false;
+    for (size_t i = 0; i + 3 < qd.size(); ++i)
+      if (d[i] != qd[i]) return false;
+    size_t i = qd.size() - 3;
+    for (int64_t t : tail)
+      if (d[i++] != t) return false;
+    return true;
+  };
+  const std::string blocks = " (Tb, Sb = ceil(T / " + std::to_string(kBlockMaskRows) + "), ceil(S / " +
+                             std::to_string(kBlockMaskKeys) + ")) for " + describe("q", q);
+  if (!matches(kv_lists, {sh.heads_q, tb, sb}))
+    return invalid(describe("kv_block_lists", kv_lists) + ": must be q's batch dims and (N, Tb, Sb)" + blocks);
+  if (!matches(kv_counts, {sh.heads_q, tb}))
+    return invalid(describe("kv_block_counts", kv_counts) + ": must be q's batch dims and (N, Tb)" + blocks);
+  const int64_t group = sh.heads_q / sh.heads_k;
+  if (q_visits && !matches(*q_visits, {sh.heads_k, sb, group * tb}))
+    return invalid(describe("q_block_visits", *q_visits) + ": must be q's batch dims and (K, Sb, N / K * Tb)" +
+                   blocks);
+  if (q_counts && !matches(*q_counts, {sh.heads_k, sb}))
+    return invalid(describe("q_block_visit_counts", *q_counts) + ": must be q's batch dims and (K, Sb)" + blocks);
+  params.block_mask_q_blocks = tb;
+  params.block_mask_k_blocks = sb;
+  params.kv_block_lists = kv_lists.typed_data<int32_t>();
+  params.kv_block_counts = kv_counts.typed_data<int32_t>();
+  if (q_visits) params.q_block_visits = q_visits->typed_data<int32_t>();
+  if (q_counts) params.q_block_visit_counts = q_counts->typed_data<int32_t>();
+  return ffi::Error::Success();
+}
+
 ffi::Error run_fwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens, ffi::Result<ffi::AnyBuffer> o,
                    ffi::Result<ffi::AnyBuffer> lse, double scale, bool is_causal, int64_t window_left,
                    int64_t window_right, ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
                    bool segment_ids, ffi::AnyBuffer q_segment_id_spans, ffi::AnyBuffer kv_segment_id_spans,
-                   double logits_soft_cap, ffi::AnyBuffer alibi_slopes, bool alibi) {
+                   double logits_soft_cap, ffi::AnyBuffer alibi_slopes, bool alibi, ffi::AnyBuffer kv_block_lists,
+                   ffi::AnyBuffer kv_block_counts, bool block_sparse) {
   FwdParams params;
   JF_RETURN_IF_ERROR(make_fwd_params(q, k, v, q_lens, kv_lens, *o, *lse, scale, is_causal,
                                      window_left, window_right, params));
@@ -50,6 +106,7 @@ ffi::Error run_fwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
       set_segment_id_spans(q_segment_id_spans, kv_segment_id_spans, q_segment_ids, kv_segment_ids, params));
   JF_RETURN_IF_ERROR(attention_soft_cap(logits_soft_cap, params.logits_soft_cap));
   JF_RETURN_IF_ERROR(set_alibi_slopes(alibi_slopes, alibi, q, params));
+  JF_RETURN_IF_ERROR(set_block_lists(kv_block_lists, kv_block_counts, nullptr, nullptr, block_sparse, q, params));
   if (cudaError_t e = cuda::launch_flash_fwd(params, stream)) return cuda_error("forward launch", e);
   return ffi::Error::Success();
 }
@@ -62,7 +119,9 @@ ffi::Error run_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                    double scale, bool is_causal, int64_t window_left, int64_t window_right,
                    bool deterministic, ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
                    bool segment_ids, ffi::AnyBuffer q_segment_id_spans, ffi::AnyBuffer kv_segment_id_spans,
-                   double logits_soft_cap, ffi::AnyBuffer alibi_slopes, bool alibi, ffi::AnyBuffer o_error) {
+                   double logits_soft_cap, ffi::AnyBuffer alibi_slopes, bool alibi, ffi::AnyBuffer kv_block_lists,
+                   ffi::AnyBuffer kv_block_counts, ffi::AnyBuffer q_block_visits, ffi::AnyBuffer q_block_visit_counts,
+                   bool block_sparse, ffi::AnyBuffer o_error) {
   BwdParams params;
   JF_RETURN_IF_ERROR(make_bwd_params(q, k, v, o, lse, d_o, q_lens, kv_lens, *dq, *dk, *dv, *delta,
                                      scale, is_causal, window_left, window_right, params));
@@ -72,6 +131,8 @@ ffi::Error run_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
       set_segment_id_spans(q_segment_id_spans, kv_segment_id_spans, q_segment_ids, kv_segment_ids, params));
   JF_RETURN_IF_ERROR(attention_soft_cap(logits_soft_cap, params.logits_soft_cap));
   JF_RETURN_IF_ERROR(set_alibi_slopes(alibi_slopes, alibi, q, params));
+  JF_RETURN_IF_ERROR(set_block_lists(kv_block_lists, kv_block_counts, &q_block_visits, &q_block_visit_counts,
+                                     block_sparse, q, params));
   JF_RETURN_IF_ERROR(set_o_error(o_error, o, params));
   JF_RETURN_IF_ERROR(
       expect_float32("dq_accum", *dq_accum, cuda::dq_accum_elements(params.shape, deterministic)));
@@ -85,7 +146,8 @@ ffi::Error run_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
 // (gpu/segment_ids.cuh; set_segment_id_spans checks them), then the score modifications
 // (gpu/score_mods.cuh), as the CPU passes take them: logit soft-capping ("logits_soft_cap",
 // c > 0 or 0 for off; attention_soft_cap checks it) and ALiBi (one more operand and its switch;
-// set_alibi_slopes checks them).
+// set_alibi_slopes checks them), then the block mask's lists (set_block_lists): the forward's
+// two, the backward's four, and the switch "block_sparse".
 template <typename Binding>
 auto with_kernel_options(Binding binding) {
   return std::move(binding)
@@ -93,18 +155,24 @@ auto with_kernel_options(Binding binding) {
       .template Arg<ffi::AnyBuffer>()  // kv_segment_id_spans (..., ceil(S / 64), 2) int32, or (0,)
       .template Attr<double>("logits_soft_cap")
       .template Arg<ffi::AnyBuffer>()  // alibi_slopes (..., N) float32, or (0,) without
-      .template Attr<bool>("alibi");
+      .template Attr<bool>("alibi")
+      .template Arg<ffi::AnyBuffer>()   // kv_block_lists (..., N, Tb, Sb) int32, or (0,)
+      .template Arg<ffi::AnyBuffer>();  // kv_block_counts (..., N, Tb) int32, or (0,)
 }
 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaFlashFwd, run_fwd,
-                              with_kernel_options(with_segment_ids(fwd_binding<ffi::PlatformStream<cudaStream_t>>())),
+                              with_kernel_options(with_segment_ids(fwd_binding<ffi::PlatformStream<cudaStream_t>>()))
+                                  .Attr<bool>("block_sparse"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaFlashBwd, run_bwd,
                               with_kernel_options(with_segment_ids(bwd_binding<ffi::PlatformStream<cudaStream_t>>()
                                                                        .Attr<bool>("deterministic")))  // no atomics
+                                  .Arg<ffi::AnyBuffer>()   // q_block_visits (..., K, Sb, N / K * Tb) int32, or (0,)
+                                  .Arg<ffi::AnyBuffer>()   // q_block_visit_counts (..., K, Sb) int32, or (0,)
+                                  .Attr<bool>("block_sparse")
                                   .Arg<ffi::AnyBuffer>(),  // o_error int8, o's shape or empty
                               {ffi::Traits::kCmdBufferCompatible});
 

@@ -20,10 +20,12 @@
 namespace jax_flash::cuda {
 
 // Whether a call takes the general kernels (kGeneral: host side, where the launchers choose):
-// those instantiated with the score modifications here and the segment ids of
-// gpu/segment_ids.cuh; the plain calls' kernels hold none of their code.
+// those instantiated with the score modifications here, the segment ids of gpu/segment_ids.cuh
+// and the block mask's walks of gpu/block_sparse.cuh; the plain calls' kernels hold none of
+// their code.
 inline bool general_kernel(const AttentionParams& p) {
-  return p.logits_soft_cap > 0.f || p.alibi_slopes != nullptr || p.q_segment_ids != nullptr;
+  return p.logits_soft_cap > 0.f || p.alibi_slopes != nullptr || p.q_segment_ids != nullptr ||
+         p.kv_block_lists != nullptr;
 }
 
 // tanh by the hardware's approximation (one MUFU operation; relative error 2^-11, below the

@@ -241,8 +241,9 @@ __device__ __forceinline__ void mask_transposed_with_ids(float (&s)[1][kNTiles][
 // The masks of a forward's key block [n0, n0 + kBlockN) on a warp's rows from m0 (those of the
 // query block's rows [row0, row1)), for batch element b: with ids, the id mask where the
 // block's rows and keys do not all share one id (with the range mask, noting the rows that keep
-// a key), else the range mask where `range_mask` (QueryBlock::needs_mask), noting with ids the
-// rows whose range meets the block (`seen` null: not tracked). The ids' pointers and the rows'
+// a key), else the range mask where `range_mask` (QueryBlock::needs_mask), noting with ids or a
+// block mask (whose hidden blocks are never visited) the rows whose range meets the block
+// (`seen` null: not tracked). The ids' pointers and the rows'
 // span are formed here from p (kernel parameters), not kept in registers across the key loop.
 template <int kBlockN, int kMTiles, int kNTiles>
 __device__ __forceinline__ void mask_forward_block(float (&s)[kMTiles][kNTiles][4], const AttentionParams& p,
@@ -256,6 +257,8 @@ __device__ __forceinline__ void mask_forward_block(float (&s)[kMTiles][kNTiles][
       return;
     }
     if (seen) seen->note_ranges(p.mask, m0, n0, n0 + kBlockN, q_len, kv_len, lane);
+  } else if (seen && p.kv_block_lists) {
+    seen->note_ranges(p.mask, m0, n0, n0 + kBlockN, q_len, kv_len, lane);
   }
   if (range_mask) mask_scores(s, p.mask, m0, n0, q_len, kv_len, lane);
 }

@@ -106,6 +106,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   KeyBlockTask<kBM, kBN> task(p);
   if constexpr (kGeneral) narrow_key_block(task, SegmentIds(p, task.b), lane);
+  task.template walk_visits<kGeneral>(p);  // a block mask's live query blocks only
   using Visit = typename KeyBlockTask<kBM, kBN>::Visit;
   const int b = task.b;
   const int64_t q_len = task.q_len, kv_len = task.kv_len, q_stride = task.q_stride, kv_stride = task.kv_stride;
@@ -248,7 +249,10 @@ __global__ void __launch_bounds__(Traits::kThreads)
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   QueryBlockTask<kBM, kBN> task(p);
-  if constexpr (kGeneral) narrow_query_block(task.blk, SegmentIds(p, task.b), lane);
+  if constexpr (kGeneral) {
+    narrow_query_block(task.blk, SegmentIds(p, task.b), lane);
+    task.template walk_keys<true>(p);  // a block mask's live key blocks only
+  }
   const QueryBlock<kBM, kBN>& blk = task.blk;
   const int64_t m0 = blk.m0, q_len = task.q_len, kv_len = task.kv_len;
   const int warp_m0 = warp * kMT * 16;
@@ -259,8 +263,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
   float dq[kMT][kD / 8][4] = {};
   const float scale_log2 = (kGeneral ? ScoreMods::kSoftmaxScale : p.scale) * kLog2e;
 
-  const int n_first = blk.n_first, n_last = blk.n_last;
-  if (n_last >= n_first) {
+  const int count = task.keys.count;
+  if (count > 0) {
     auto load_kv = [&](int n_block, int stage) {
       task.template load_keys<KVTile, kThreads>(s_k + stage * KVTile::kElements, static_cast<const T*>(p.k),
                                                 n_block, tid);
@@ -269,15 +273,16 @@ __global__ void __launch_bounds__(Traits::kThreads)
     };
     task.template load_queries<QTile, kThreads>(s_q, static_cast<const T*>(p.q), tid);
     task.template load_queries<QTile, kThreads>(s_do, static_cast<const T*>(p.d_o), tid);
-    load_kv(n_first, 0);
+    load_kv(task.keys.ascending(0), 0);
     cp_async_commit();
 
-    for (int n_block = n_first, stage = 0; n_block <= n_last; ++n_block, stage ^= 1) {
+    for (int i = 0, stage = 0; i < count; ++i, stage ^= 1) {
+      const int n_block = task.keys.ascending(i);
       // This block's K and V have landed and every warp is done with the other stage.
       cp_async_wait<0>();
       __syncthreads();
-      if (n_block < n_last) {
-        load_kv(n_block + 1, stage ^ 1);
+      if (i + 1 < count) {
+        load_kv(task.keys.ascending(i + 1), stage ^ 1);
         cp_async_commit();
       }
       const T* tile_k = s_k + stage * KVTile::kElements;

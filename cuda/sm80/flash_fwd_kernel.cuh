@@ -39,9 +39,13 @@ __global__ void __launch_bounds__(Traits::kThreads)
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   QueryBlockTask<kBM, kBN> task(p);
-  if constexpr (kGeneral) narrow_query_block(task.blk, SegmentIds(p, task.b), lane);
+  if constexpr (kGeneral) {
+    narrow_query_block(task.blk, SegmentIds(p, task.b), lane);
+    task.template walk_keys<true>(p);  // a block mask's live key blocks only
+  }
   const QueryBlock<kBM, kBN>& blk = task.blk;
-  SeenRows<kMT> seen(!(kGeneral && p.q_segment_ids));  // rows that met a key, with segment ids
+  // Rows that met a key, with segment ids or a block mask (their rows may see no key).
+  SeenRows<kMT> seen(!(kGeneral && (p.q_segment_ids || p.kv_block_lists)));
   const int64_t m0 = blk.m0;
   const int warp_m0 = warp * kMT * 16;
   const T* k = static_cast<const T*>(p.k);
@@ -52,26 +56,28 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const float softmax_scale = kGeneral ? ScoreMods::kSoftmaxScale : p.scale;
   const float scale_log2 = softmax_scale * kLog2e;
 
-  const int n_first = blk.n_first, n_last = blk.n_last;
-  if (n_last >= n_first) {
+  const int count = task.keys.count;  // key blocks, visited last first
+  if (count > 0) {
     auto load_k = [&](int n_block, int stage) {
       task.template load_keys<KVTile, kThreads>(s_k + stage * KVTile::kElements, k, n_block, tid);
     };
     auto load_v = [&](int n_block, int stage) {
       task.template load_keys<KVTile, kThreads>(s_v + stage * KVTile::kElements, v, n_block, tid);
     };
-    // Groups in flight, oldest first: (Q, K[n_last]), V[n_last], then per iteration K, V of
-    // the next block.
+    // Groups in flight, oldest first: (Q, K of the first block visited), its V, then per
+    // iteration K, V of the next block.
     task.template load_queries<QTile, kThreads>(s_q, static_cast<const T*>(p.q), tid);
-    load_k(n_last, 0);
+    load_k(task.keys.descending(0), 0);
     cp_async_commit();
-    load_v(n_last, 0);
+    load_v(task.keys.descending(0), 0);
     cp_async_commit();
 
-    for (int n_block = n_last, stage = 0; n_block >= n_first; --n_block, stage ^= 1) {
-      const bool prefetch = n_block > n_first;
+    for (int i = 0, stage = 0; i < count; ++i, stage ^= 1) {
+      const int n_block = task.keys.descending(i);
+      const bool prefetch = i + 1 < count;
+      const int next_block = prefetch ? task.keys.descending(i + 1) : n_block;
       if (prefetch) {
-        load_k(n_block - 1, stage ^ 1);
+        load_k(next_block, stage ^ 1);
         cp_async_commit();
         cp_async_wait<2>();  // this stage's K has landed
       } else {
@@ -98,7 +104,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
       if (p.o_float32) softmax.template add_rounded_sums<T>(pa);  // differentiated calls only
 
       if (prefetch) {
-        load_v(n_block - 1, stage ^ 1);
+        load_v(next_block, stage ^ 1);
         cp_async_commit();
         cp_async_wait<2>();  // this stage's V has landed
       } else {

@@ -118,6 +118,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const AttentionShape& sh = p.shape;
   KeyBlockTask<kBM, kBN> task(p);
   if constexpr (kGeneral) narrow_key_block(task, SegmentIds(p, task.b), lane);  // warp-collective: every role
+  task.template walk_visits<kGeneral>(p);  // a block mask's live query blocks only
   using Visit = typename KeyBlockTask<kBM, kBN>::Visit;
   const int iterations = task.iterations;
 

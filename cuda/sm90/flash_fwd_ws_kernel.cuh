@@ -103,7 +103,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto task_of = [&](int t) {
     const auto tile = scheduler.tile(t);
     QueryBlockTask<kBM, kBN> task(p, tile.m_block, tile.head, tile.batch);
-    if constexpr (kGeneral) narrow_query_block(task.blk, SegmentIds(p, task.b), lane);  // warp-collective
+    if constexpr (kGeneral) {
+      narrow_query_block(task.blk, SegmentIds(p, task.b), lane);  // warp-collective
+      task.template walk_keys<true>(p);  // a block mask's live key blocks only
+    }
     return task;
   };
 
@@ -120,7 +123,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     for (int t = scheduler.first(); t < scheduler.total; t = scheduler.next(t)) {
       const QueryBlockTask<kBM, kBN> task = task_of(t);
       const QueryBlock<kBM, kBN>& blk = task.blk;
-      const int count = blk.n_last - blk.n_first + 1;  // key blocks, visited last first
+      const int count = task.keys.count;  // key blocks, visited last first
       if (count <= 0) continue;
       if (lane == 0) {
         Mbarrier(&bars.q_empty).wait((q_round & 1) ^ 1);
@@ -131,7 +134,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       ++q_round;
       for (int i = 0; i < count; ++i, ++ring) {
         const int stage = ring % kStages, phase = (ring / kStages) & 1;
-        const int64_t n0 = static_cast<int64_t>(blk.n_last - i) * kBN;
+        const int64_t n0 = static_cast<int64_t>(task.keys.descending(i)) * kBN;
         if (lane == 0) {
           Mbarrier(&bars.k_empty[stage]).wait(phase ^ 1);
           const Mbarrier k_full(&bars.k_full[stage]);
@@ -191,18 +194,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   for (int t = scheduler.first(); t < scheduler.total; t = scheduler.next(t)) {
     const QueryBlockTask<kBM, kBN> task = task_of(t);
     const QueryBlock<kBM, kBN>& blk = task.blk;
-    const int count = blk.n_last - blk.n_first + 1;
+    const int count = task.keys.count;
     const int64_t m0 = blk.m0;
     OnlineSoftmax<1> softmax;
     float o[1][kD / 8][4] = {};
-    SeenRows<1> seen(!(kGeneral && p.q_segment_ids));  // rows that met a key, with segment ids
+    // Rows that met a key, with segment ids or a block mask (their rows may see no key).
+    SeenRows<1> seen(!(kGeneral && (p.q_segment_ids || p.kv_block_lists)));
 
     if (count > 0) {
       auto stage_of = [&](int i) { return (ring + i) % kStages; };
       auto phase_of = [&](int i) { return ((ring + i) / kStages) & 1; };
       const ScoreMods mods(p, task.b, task.h);  // unused (and not read) without kGeneral
       auto mask_block = [&](float (&s)[1][kBN / 8][4], int i) {
-        const int64_t n0 = static_cast<int64_t>(blk.n_last - i) * kBN;
+        const int64_t n0 = static_cast<int64_t>(task.keys.descending(i)) * kBN;
         if constexpr (kGeneral) {
           mods.apply(s, m0 + warp_m0, n0, lane);
           mask_forward_block<kBN>(s, p, task.b, m0, m0 + blk.live_rows, blk.needs_mask(n0), m0 + warp_m0, n0,

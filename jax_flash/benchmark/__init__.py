@@ -30,8 +30,8 @@ FLOPs). Memory: XLA's compiled temp bytes of each pass (the figure to compare), 
 peak bytes in use after it where the runtime reports them (a high-water mark over the whole
 process, so it only grows). Absolute times drift between machines; compare peers of one run.
 
-With --block-density D, every case runs block-sparse (``block_mask``: a random mask of 64 x 64
-blocks, a fraction D of them set, seed cases.BLOCK_MASK_SEED, every query block row's diagonal
+With --block-density D, every case runs block-sparse (``block_mask``: a random mask of 128 x 128
+blocks (jax_flash.BLOCK_MASK_BLOCK), a fraction D of them set, seed cases.BLOCK_MASK_SEED, every query block row's diagonal
 block set, shared by batch and heads), each followed by its dense twin (no mask) in the same run;
 the table gains a "blocks" column (the share of the dense FLOPs a row computes) and, below it,
 jax_flash's block-sparse speed-up over dense per case and pass. A block-sparse row's FLOPs count

@@ -142,8 +142,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                            "(jax_flash's cpu and cuda kernels both take segment ids); FLOP rates "
                            "count only the pairs within documents")
   parser.add_argument("--block-density", type=density, metavar="D",
-                      help="block-sparse cases: each case with a random block mask (64 x 64 "
-                           "blocks, a fraction D of them set, fixed seed, every query block "
+                      help="block-sparse cases: each case with a random block mask (128 x 128 "
+                           "blocks, jax_flash.BLOCK_MASK_BLOCK, a fraction D of them set, fixed seed, every query block "
                            "row's diagonal block set) followed by its dense twin (no mask) in "
                            "the same run; FLOP rates count only the computed blocks; peers "
                            "that take no mask read 'unavailable' for the sparse rows (XLA takes "
