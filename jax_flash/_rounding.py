@@ -31,11 +31,16 @@ STEP_BITS = 8
 
 
 def _step(hi32: jax.Array, dtype) -> jax.Array:
-  """ulp(hi) / 256 in float32, from hi's float32 exponent field (a normal power of two)."""
+  """ulp(hi) / 256 in float32, from hi's float32 exponent field (a normal power of two, built
+  from its bits: jnp.ldexp lowers to frexp and a float power per element, which made this
+  element-wise pass over o, the size of the output, compute-heavy)."""
   field = (jax.lax.bitcast_convert_type(hi32, jnp.uint32) >> 23) & 0xFF
-  field = jnp.maximum(field.astype(jnp.int32), _MIN_EXPONENT_FIELD[jnp.dtype(dtype)])
-  exponent = field - 127 - _MANTISSA_BITS[jnp.dtype(dtype)] - STEP_BITS
-  return jnp.ldexp(jnp.float32(1), exponent)
+  field = jnp.maximum(field, jnp.uint32(_MIN_EXPONENT_FIELD[jnp.dtype(dtype)]))
+  # The step's exponent field, field - (mantissa bits + STEP_BITS): at least 1 (the minimum
+  # field above keeps the step normal), at most 254 - 15 (inf and NaN's 255 give a finite step,
+  # which split_rounding does not use there).
+  step_field = field - jnp.uint32(_MANTISSA_BITS[jnp.dtype(dtype)] + STEP_BITS)
+  return jax.lax.bitcast_convert_type(step_field << 23, jnp.float32)
 
 
 def widen_exactly(hi: jax.Array) -> jax.Array:

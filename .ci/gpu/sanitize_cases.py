@@ -3,14 +3,18 @@ CUDA kernel family and pass on shapes that hit tile edges, T != S, head dims 40/
 windows, GQA, deterministic, and the differentiated forward that writes o in float32.
 
   compute-sanitizer --tool memcheck python3 .ci/gpu/sanitize_cases.py [--score-mods] [--segment-ids]
+      [--block-sparse]
 
 --score-mods: every call with a soft cap and ALiBi slopes too; --segment-ids: with packed
-documents (ids sorted, documents of 1..40 tokens, so that they straddle every block edge).
-Both run the kernels' general (kGeneral) instantiations.
+documents (ids sorted, documents of 1..40 tokens, so that they straddle every block edge);
+--block-sparse: with a random block mask (half the 128 x 128 blocks; sets
+JAX_FLASH_CUDA_BLOCK_SPARSE=1, experimental). Each runs the kernels' general (kGeneral)
+instantiations.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import jax
@@ -34,6 +38,9 @@ CASES = [
 def main() -> None:
   score_mods = "--score-mods" in sys.argv[1:]
   segment_ids = "--segment-ids" in sys.argv[1:]
+  block_sparse = "--block-sparse" in sys.argv[1:]
+  if block_sparse:
+    os.environ["JAX_FLASH_CUDA_BLOCK_SPARSE"] = "1"
   for i, (b, t, s, n, kh, h, causal, window, lengths, det) in enumerate(CASES):
     ks = jax.random.split(jax.random.key(i), 4)
     q = jax.random.normal(ks[0], (b, t, n, h), jnp.bfloat16)
@@ -53,6 +60,9 @@ def main() -> None:
         return jnp.cumsum(starts, axis=1).astype(jnp.int32)
       kwargs["q_segment_ids"] = ids(ks[0], t)
       kwargs["kv_segment_ids"] = kwargs["q_segment_ids"] if t == s else ids(ks[1], s)
+    if block_sparse:
+      tb, sb = jax_flash.block_mask_shape(t, s)
+      kwargs["block_mask"] = jax.random.bernoulli(ks[2], 0.5, (b, n, tb, sb))
     if lengths:
       kwargs["query_seq_lengths"] = jnp.array([max(1, t - 3)] * b, jnp.int32)
       kwargs["key_value_seq_lengths"] = jnp.array([max(1, s // 2)] * b, jnp.int32)
@@ -63,7 +73,7 @@ def main() -> None:
     finite = all(bool(jnp.isfinite(x.astype(jnp.float32)).all()) for x in (out, plain, *grads))
     print(f"case {i}: B{b} T{t} S{s} N{n}/{kh} H{h} causal={causal} window={window} "
           f"lengths={lengths} deterministic={det} score_mods={score_mods} "
-          f"segment_ids={segment_ids}: finite={finite}")
+          f"segment_ids={segment_ids} block_sparse={block_sparse}: finite={finite}")
 
 
 if __name__ == "__main__":
