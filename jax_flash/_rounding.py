@@ -37,8 +37,8 @@ def _step(hi32: jax.Array, dtype) -> jax.Array:
   field = (jax.lax.bitcast_convert_type(hi32, jnp.uint32) >> 23) & 0xFF
   field = jnp.maximum(field, jnp.uint32(_MIN_EXPONENT_FIELD[jnp.dtype(dtype)]))
   # The step's exponent field, field - (mantissa bits + STEP_BITS): at least 1 (the minimum
-  # field above keeps the step normal), at most 254 - 15 (inf and NaN's 255 give a finite step,
-  # which split_rounding does not use there).
+  # field above keeps the step normal), at most 255 - 15 (inf and NaN's field 255 give a finite
+  # step, which split_rounding does not use there).
   step_field = field - jnp.uint32(_MANTISSA_BITS[jnp.dtype(dtype)] + STEP_BITS)
   return jax.lax.bitcast_convert_type(step_field << 23, jnp.float32)
 

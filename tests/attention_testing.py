@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jax_flash
+from jax_flash import _decode, _registry
 from jax_flash._reference import EMPTY_ROW_LSE
 
 F32 = jnp.float32
@@ -525,9 +527,6 @@ def ffi_calls(fn, *args) -> list[tuple[str, dict, list, list]]:
 def simulate_cuda_host(monkeypatch) -> None:
   """This CPU machine as a GPU host with the CUDA kernels built (an H200's SM count, stand-in
   constants and dQ workspace size), for tests that trace CUDA calls without running them."""
-  import types
-
-  from jax_flash import _decode, _registry
   monkeypatch.setattr(_registry, "has_platform", lambda platform: platform in ("cpu", "cuda"))
   monkeypatch.setattr(_registry, "cuda_gpu_present", lambda: True)
   monkeypatch.setattr(_registry, "CUDA_KERNEL_CONSTANTS", dict(

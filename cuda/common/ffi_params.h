@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <initializer_list>
 #include <string>
 #include <utility>
 
@@ -66,6 +67,21 @@ inline int64_t leading_product(xla::ffi::Span<const int64_t> dims, size_t traili
   int64_t n = 1;
   for (size_t i = 0; i + trailing < dims.size(); ++i) n *= dims[i];
   return n;
+}
+
+// Whether `buffer` is shaped q's batch dims (all but q's last three: (..., T, N, H)) followed by
+// `tail`: how every per-(batch, head) operand (ALiBi slopes, block masks and their lists) is
+// laid out, vmap adding leading dims to it as to q.
+inline bool has_batch_dims_then(const xla::ffi::AnyBuffer& buffer, const xla::ffi::AnyBuffer& q,
+                                std::initializer_list<int64_t> tail) {
+  const auto d = buffer.dimensions(), qd = q.dimensions();
+  if (d.size() + 3 != qd.size() + tail.size()) return false;
+  size_t i = 0;
+  for (; i + 3 < qd.size(); ++i)
+    if (d[i] != qd[i]) return false;
+  for (int64_t t : tail)
+    if (d[i++] != t) return false;
+  return true;
 }
 
 inline xla::ffi::Error expect_dtype(const char* name, const xla::ffi::AnyBuffer& buffer,
@@ -406,11 +422,7 @@ inline xla::ffi::Error set_alibi_slopes(const xla::ffi::AnyBuffer& slopes, bool 
     params.alibi_slopes = nullptr;
     return xla::ffi::Error::Success();
   }
-  const auto sd = slopes.dimensions(), qd = q.dimensions();
-  bool match = sd.size() + 2 == qd.size();
-  for (size_t i = 0; match && i + 1 < sd.size(); ++i) match = sd[i] == qd[i];
-  if (match) match = sd[sd.size() - 1] == params.shape.heads_q;
-  if (!match)
+  if (!has_batch_dims_then(slopes, q, {params.shape.heads_q}))
     return invalid(describe("alibi_slopes", slopes) + ": must be q's batch dims and query heads (..., N), " +
                    "one slope per batch element and query head, for " + describe("q", q));
   params.alibi_slopes = slopes.typed_data<float>();

@@ -84,14 +84,7 @@ ffi::Error set_block_mask(const ffi::AnyBuffer& mask, bool blocks, const ffi::An
   const AttentionShape& sh = params.shape;
   const int64_t q_blocks = (sh.seq_q + kBlockMaskRows - 1) / kBlockMaskRows;
   const int64_t k_blocks = (sh.seq_k + kBlockMaskKeys - 1) / kBlockMaskKeys;
-  const auto md = mask.dimensions(), qd = q.dimensions();
-  bool match = md.size() == qd.size();
-  for (size_t i = 0; match && i + 3 < qd.size(); ++i) match = md[i] == qd[i];
-  if (match) {
-    const size_t r = md.size();
-    match = md[r - 3] == sh.heads_q && md[r - 2] == q_blocks && md[r - 1] == k_blocks;
-  }
-  if (!match)
+  if (!has_batch_dims_then(mask, q, {sh.heads_q, q_blocks, k_blocks}))
     return invalid(describe("block_mask", mask) + ": must be q's batch dims, query heads and (" +
                    std::to_string(q_blocks) + ", " + std::to_string(k_blocks) +
                    ") blocks of " + std::to_string(kBlockMaskRows) + " x " + std::to_string(kBlockMaskKeys) +

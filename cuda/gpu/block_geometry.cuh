@@ -92,12 +92,10 @@ struct QueryBlockTask {
         stat_offset((static_cast<int64_t>(b) * p.shape.heads_q + h) * p.shape.seq_q),
         keys(blk.n_first, blk.n_last) {}
 
-  // The walk over blk's key blocks again (after segment ids narrowed them), with kSparse the
-  // block mask's live ones only (gpu/block_sparse.cuh).
-  template <bool kSparse>
+  // The walk over blk's key blocks again (after segment ids narrowed them), with a block mask
+  // its live ones only (gpu/block_sparse.cuh). The general kernels only.
   __device__ void walk_keys(const AttentionParams& p) {
-    keys = kSparse ? key_tile_walk<kBlockN>(p, b, h, blk.m0, blk.n_first, blk.n_last)
-                   : TileWalk<kBlockN>(blk.n_first, blk.n_last);
+    keys = key_tile_walk<kBlockN>(p, b, h, blk.m0, blk.n_first, blk.n_last);
   }
 
   // Rows [0, rows) of key block n_block's K or V (from `base`, k or v) into a shared tile.

@@ -5,7 +5,6 @@
 
 #include <cuda_runtime.h>
 
-#include <initializer_list>
 #include <string>
 #include <utility>
 
@@ -57,29 +56,17 @@ ffi::Error set_block_lists(const ffi::AnyBuffer& kv_lists, const ffi::AnyBuffer&
   const AttentionShape& sh = params.shape;
   const int64_t tb = (sh.seq_q + kBlockMaskRows - 1) / kBlockMaskRows;
   const int64_t sb = (sh.seq_k + kBlockMaskKeys - 1) / kBlockMaskKeys;
-  const auto qd = q.dimensions();
-  // q's batch dims, then `tail`.
-  auto matches = [&](const ffi::AnyBuffer& buffer, std::initializer_list<int64_t> tail) {
-    const auto d = buffer.dimensions();
-    if (d.size() != qd.size() - 3 + tail.size()) return false;
-    for (size_t i = 0; i + 3 < qd.size(); ++i)
-      if (d[i] != qd[i]) return false;
-    size_t i = qd.size() - 3;
-    for (int64_t t : tail)
-      if (d[i++] != t) return false;
-    return true;
-  };
   const std::string blocks = " (Tb, Sb = ceil(T / " + std::to_string(kBlockMaskRows) + "), ceil(S / " +
                              std::to_string(kBlockMaskKeys) + ")) for " + describe("q", q);
-  if (!matches(kv_lists, {sh.heads_q, tb, sb}))
+  if (!has_batch_dims_then(kv_lists, q, {sh.heads_q, tb, sb}))
     return invalid(describe("kv_block_lists", kv_lists) + ": must be q's batch dims and (N, Tb, Sb)" + blocks);
-  if (!matches(kv_counts, {sh.heads_q, tb}))
+  if (!has_batch_dims_then(kv_counts, q, {sh.heads_q, tb}))
     return invalid(describe("kv_block_counts", kv_counts) + ": must be q's batch dims and (N, Tb)" + blocks);
   const int64_t group = sh.heads_q / sh.heads_k;
-  if (q_visits && !matches(*q_visits, {sh.heads_k, sb, group * tb}))
+  if (q_visits && !has_batch_dims_then(*q_visits, q, {sh.heads_k, sb, group * tb}))
     return invalid(describe("q_block_visits", *q_visits) + ": must be q's batch dims and (K, Sb, N / K * Tb)" +
                    blocks);
-  if (q_counts && !matches(*q_counts, {sh.heads_k, sb}))
+  if (q_counts && !has_batch_dims_then(*q_counts, q, {sh.heads_k, sb}))
     return invalid(describe("q_block_visit_counts", *q_counts) + ": must be q's batch dims and (K, Sb)" + blocks);
   params.block_mask_q_blocks = tb;
   params.block_mask_k_blocks = sb;

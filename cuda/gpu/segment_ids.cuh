@@ -132,13 +132,21 @@ __device__ inline bool needs_id_mask(const SegmentIds& ids, int64_t m0, int64_t 
   return !ids.rows_span(m0, m1).same_single_id(ids.keys_span(n0, n1));
 }
 
+// Whether a call's rows must be tracked as having met a visible key (SeenRows): with segment ids
+// or a block mask a row may see no key although its range does; otherwise the range masks
+// decide empty rows alone.
+__device__ __forceinline__ bool tracks_seen_rows(const AttentionParams& p) {
+  return p.q_segment_ids != nullptr || p.kv_block_lists != nullptr;
+}
+
 // Which of a warp's rows (kMTiles 16-row tiles; this thread's rows lane / 4 and + 8 of each) have
 // met a key the masks let through, from this thread's columns; any() combines the quad's.
 template <int kMTiles>
 struct SeenRows {
   bool seen[kMTiles][2];
 
-  // Without segment ids every row counts as seen (the range masks decide empty rows alone).
+  // Untracked (tracks_seen_rows false), every row counts as seen: the range masks decide empty
+  // rows alone.
   __device__ explicit SeenRows(bool all) {
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) seen[mt][0] = seen[mt][1] = all;
@@ -256,10 +264,8 @@ __device__ __forceinline__ void mask_forward_block(float (&s)[kMTiles][kNTiles][
       mask_with_ids(s, ids, p.mask, m0, n0, q_len, kv_len, lane, seen);
       return;
     }
-    if (seen) seen->note_ranges(p.mask, m0, n0, n0 + kBlockN, q_len, kv_len, lane);
-  } else if (seen && p.kv_block_lists) {
-    seen->note_ranges(p.mask, m0, n0, n0 + kBlockN, q_len, kv_len, lane);
   }
+  if (seen && tracks_seen_rows(p)) seen->note_ranges(p.mask, m0, n0, n0 + kBlockN, q_len, kv_len, lane);
   if (range_mask) mask_scores(s, p.mask, m0, n0, q_len, kv_len, lane);
 }
 

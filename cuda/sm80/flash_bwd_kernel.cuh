@@ -251,7 +251,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
   QueryBlockTask<kBM, kBN> task(p);
   if constexpr (kGeneral) {
     narrow_query_block(task.blk, SegmentIds(p, task.b), lane);
-    task.template walk_keys<true>(p);  // a block mask's live key blocks only
+    task.walk_keys(p);  // a block mask's live key blocks only
   }
   const QueryBlock<kBM, kBN>& blk = task.blk;
   const int64_t m0 = blk.m0, q_len = task.q_len, kv_len = task.kv_len;

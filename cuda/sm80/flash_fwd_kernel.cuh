@@ -41,11 +41,10 @@ __global__ void __launch_bounds__(Traits::kThreads)
   QueryBlockTask<kBM, kBN> task(p);
   if constexpr (kGeneral) {
     narrow_query_block(task.blk, SegmentIds(p, task.b), lane);
-    task.template walk_keys<true>(p);  // a block mask's live key blocks only
+    task.walk_keys(p);  // a block mask's live key blocks only
   }
   const QueryBlock<kBM, kBN>& blk = task.blk;
-  // Rows that met a key, with segment ids or a block mask (their rows may see no key).
-  SeenRows<kMT> seen(!(kGeneral && (p.q_segment_ids || p.kv_block_lists)));
+  SeenRows<kMT> seen(!(kGeneral && tracks_seen_rows(p)));  // rows that met a key
   const int64_t m0 = blk.m0;
   const int warp_m0 = warp * kMT * 16;
   const T* k = static_cast<const T*>(p.k);

@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     QueryBlockTask<kBM, kBN> task(p, tile.m_block, tile.head, tile.batch);
     if constexpr (kGeneral) {
       narrow_query_block(task.blk, SegmentIds(p, task.b), lane);  // warp-collective
-      task.template walk_keys<true>(p);  // a block mask's live key blocks only
+      task.walk_keys(p);  // a block mask's live key blocks only
     }
     return task;
   };
@@ -198,8 +198,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const int64_t m0 = blk.m0;
     OnlineSoftmax<1> softmax;
     float o[1][kD / 8][4] = {};
-    // Rows that met a key, with segment ids or a block mask (their rows may see no key).
-    SeenRows<1> seen(!(kGeneral && (p.q_segment_ids || p.kv_block_lists)));
+    SeenRows<1> seen(!(kGeneral && tracks_seen_rows(p)));  // rows that met a key
 
     if (count > 0) {
       auto stage_of = [&](int i) { return (ring + i) % kStages; };
