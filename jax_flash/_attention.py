@@ -238,14 +238,12 @@ def dot_product_attention(
       ceil(S / block_k))``. ``False`` hides every key of the key block from every query of
       the query block, on top of every other mask (causal, window, lengths, segment ids,
       ``mask``); a row left no key gives zeros and lse the most negative float32, as any
-      empty row. The "cpu" kernel never visits a tile of a hidden block, forward or
-      backward (its time falls with the density; the keys and values there are never read);
+      empty row. The "cpu" and "cuda" kernels never visit a tile of a hidden block, forward
+      or backward (their time falls with the density; the keys and values there are never
+      read);
       "xla" expands it to an element mask (``(B|1, N|1, T, S)`` bool, quadratic memory),
       "blockwise" only each scan step's columns (memory linear in S), and both visit every
-      block. The CUDA kernels raise ``NotImplementedError`` (pass
-      ``implementation="blockwise"`` on a GPU) unless ``JAX_FLASH_CUDA_BLOCK_SPARSE=1`` is
-      set (experimental: they then walk only the live blocks; see the README); such calls
-      never run the split-KV decode kernel. A sequence-sharded call carries it where the shards are whole blocks
+      block. Such calls never run the split-KV decode kernel. A sequence-sharded call carries it where the shards are whole blocks
       (128-row query slices, see ``jax_flash.context_parallel_attention``), else gathers the
       sequence (a requested ``context_parallel`` raises). Not differentiated. A wrong dtype
       or shape raises ``ValueError`` naming ``block_mask`` and the shape passed.

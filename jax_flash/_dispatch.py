@@ -14,7 +14,6 @@ functions and modules) describes its call as a :class:`Call` and asks :func:`sel
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Literal
 
 import jax
@@ -31,16 +30,6 @@ MASK_FORMS = frozenset({"causal", "seq_lengths", "local_window"})
 _FLOAT_DTYPES = frozenset(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 
 _HALF_DTYPES = frozenset(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16))
-
-# Block-sparse attention in the CUDA kernels (cuda/gpu/block_sparse.cuh) is experimental: taken
-# only with this variable set to 1 (read per call), until it has run on a GPU.
-CUDA_BLOCK_SPARSE_VARIABLE = "JAX_FLASH_CUDA_BLOCK_SPARSE"
-
-
-def cuda_block_sparse_enabled() -> bool:
-  """Whether the CUDA kernels take block_mask (JAX_FLASH_CUDA_BLOCK_SPARSE=1)."""
-  return os.environ.get(CUDA_BLOCK_SPARSE_VARIABLE, "") == "1"
-
 
 _KERNEL_MASK_ADVICE = (
     "Express a mask as is_causal / query_seq_lengths / key_value_seq_lengths / "
@@ -105,9 +94,8 @@ def capabilities(name: str) -> Capabilities:
         # segment ids: the same kernels' (cuda/gpu/segment_ids.cuh: blocks whose ids cannot
         # meet are skipped)
         segment_ids=True,
-        # block_mask: the same kernels walk only the live blocks (cuda/gpu/block_sparse.cuh);
-        # experimental, behind JAX_FLASH_CUDA_BLOCK_SPARSE=1
-        block_mask=cuda_block_sparse_enabled())
+        # block_mask: the same kernels walk only the live blocks (cuda/gpu/block_sparse.cuh)
+        block_mask=True)
   if name in ("xla", "blockwise"):
     return Capabilities(
         name, kernel=False, dtypes=_FLOAT_DTYPES, max_head_dim=None, head_dim_multiple=1,

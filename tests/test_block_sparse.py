@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash import _dispatch, _registry
+from jax_flash import _registry
 from jax_flash._reference import EMPTY_ROW_LSE
 from tests.attention_testing import (F32, HIGHEST, Case, assert_within_rule, gradient_magnitude,
                                      packed_segment_ids, rounded, visible_keys)
@@ -386,27 +386,6 @@ def test_rank3_takes_at_most_rank3_masks():
   match = r"broadcastable to \(2, 2, 2\).*got block_mask\(1, 2, 2, 2\)"
   with pytest.raises(ValueError, match=match):
     jax_flash.dot_product_attention(q, q, q, block_mask=jnp.ones((1, 2, 2, 2), bool))
-
-
-def test_cuda_kernels_refuse_the_block_mask_without_their_switch(monkeypatch):
-  """Without JAX_FLASH_CUDA_BLOCK_SPARSE=1 (experimental: tests/test_cuda_block_sparse.py) the
-  CUDA kernels take no block mask: the dispatch raises at trace time, before any custom call,
-  naming the argument, its shape and the implementations that take it; where None picks CUDA
-  and where "cuda" is forced (its GPU check stubbed out: this machine has none)."""
-  monkeypatch.delenv(_dispatch.CUDA_BLOCK_SPARSE_VARIABLE, raising=False)
-  q = jnp.ones((2, 8, 2, 16), jnp.bfloat16)
-  mask = jnp.ones((1, 1), bool)
-  match = (r"'cuda' kernels .* take no block_mask yet; got block_mask\(1, 1\) with "
-           r"query\(2, 8, 2, 16\).*'cpu', 'blockwise', 'xla'")
-  monkeypatch.setattr(_dispatch, "default_implementation", lambda dtype: "cuda")
-  with pytest.raises(NotImplementedError, match=match):
-    jax_flash.dot_product_attention(q, q, q, block_mask=mask)
-  monkeypatch.setattr(_dispatch, "_check_cuda_runs", lambda: None)
-  with pytest.raises(NotImplementedError, match=match):
-    jax_flash.dot_product_attention(q, q, q, block_mask=mask, implementation="cuda")
-  with pytest.raises(NotImplementedError, match=match):
-    jax.jit(lambda q: jax_flash.dot_product_attention(
-        q, q, q, block_mask=mask, implementation="cuda"))(q)
 
 
 def test_vmap_mapped_and_unmapped_masks():

@@ -1,5 +1,4 @@
-"""Block-sparse attention in the CUDA kernels (issue 16 item 2; experimental behind
-JAX_FLASH_CUDA_BLOCK_SPARSE=1): the lists XLA forms for them (jax_flash._ops.block_sparse_lists,
+"""Block-sparse attention in the CUDA kernels (issue 16 item 2): the lists XLA forms for them (jax_flash._ops.block_sparse_lists,
 checked against numpy here, on the CPU), the operands a CUDA call traces to (on the CPU, a GPU
 host simulated), and on a GPU (marked `gpu`) the kernels against the float32 reference of
 tests/test_block_sparse.py by the FlashAttention rule: Hopper forward and backward (head dims
@@ -17,7 +16,7 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash import _dispatch, _ops
+from jax_flash import _ops
 from attention_testing import Case, ffi_calls, simulate_cuda_host
 from test_block_sparse import SparseCase, check, run
 
@@ -60,9 +59,8 @@ def test_lists_match_a_loop(shape, heads_k):
     np.testing.assert_array_equal(np.asarray(g), want, err_msg=name)
 
 
-def test_cuda_calls_take_the_lists_behind_the_switch(monkeypatch):
-  """Without JAX_FLASH_CUDA_BLOCK_SPARSE=1 "cuda" refuses a block mask at trace time; with it,
-  forward and backward trace to the CUDA custom calls with block_sparse=True and the lists of
+def test_cuda_calls_take_the_lists(monkeypatch):
+  """Forward and backward trace to the CUDA custom calls with block_sparse=True and the lists of
   the mask's shape: the forward the two per query block, the backward all four."""
   simulate_cuda_host(monkeypatch)
   batch, seq_q, seq_k, heads_q, heads_k = 2, 300, 200, 4, 2
@@ -77,10 +75,6 @@ def test_cuda_calls_take_the_lists_behind_the_switch(monkeypatch):
     return jax_flash.dot_product_attention(q, k, v, implementation="cuda",
                                            block_mask=mask).astype(jnp.float32).sum()
 
-  monkeypatch.delenv(_dispatch.CUDA_BLOCK_SPARSE_VARIABLE, raising=False)
-  with pytest.raises(NotImplementedError, match="block_mask"):
-    ffi_calls(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
-  monkeypatch.setenv(_dispatch.CUDA_BLOCK_SPARSE_VARIABLE, "1")
   calls = ffi_calls(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
   assert [name for name, *_ in calls] == ["jax_flash_cuda_fwd", "jax_flash_cuda_bwd"]
   lists = [(batch, heads_q, tb, sb), (batch, heads_q, tb)]
@@ -118,7 +112,6 @@ CUDA_CASES = [
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
 @pytest.mark.parametrize("sc", CUDA_CASES, ids=[c.id for c in CUDA_CASES])
 def test_cuda_against_reference(sc, deterministic, monkeypatch):
-  monkeypatch.setenv(_dispatch.CUDA_BLOCK_SPARSE_VARIABLE, "1")
   if deterministic:
     original = jax_flash.dot_product_attention
     monkeypatch.setattr(jax_flash, "dot_product_attention",
@@ -127,13 +120,12 @@ def test_cuda_against_reference(sc, deterministic, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_cuda_never_reads_a_hidden_block(monkeypatch):
+def test_cuda_never_reads_a_hidden_block():
   """NaN keys and values in a key block hidden from every query block: the output and gradients
   equal those of the same call with zeros there (a kernel that read them would turn them into
   NaN; the hidden keys' own dK and dV are 0 both ways). Deterministic, so that dQ is
   bit-identical between the two runs (atomics add in any order: 1-ulp differences, session
   15's call 5)."""
-  monkeypatch.setenv(_dispatch.CUDA_BLOCK_SPARSE_VARIABLE, "1")
   rng = np.random.default_rng(3)
   seq, heads = 512, 2
   q, k, v = (jnp.asarray(rng.standard_normal((1, seq, heads, 128)), jnp.bfloat16) for _ in range(3))

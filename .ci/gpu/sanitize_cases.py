@@ -7,14 +7,12 @@ windows, GQA, deterministic, and the differentiated forward that writes o in flo
 
 --score-mods: every call with a soft cap and ALiBi slopes too; --segment-ids: with packed
 documents (ids sorted, documents of 1..40 tokens, so that they straddle every block edge);
---block-sparse: with a random block mask (half the 128 x 128 blocks; sets
-JAX_FLASH_CUDA_BLOCK_SPARSE=1, experimental). Each runs the kernels' general (kGeneral)
+--block-sparse: with a random block mask (half the 128 x 128 blocks). Each runs the kernels' general (kGeneral)
 instantiations.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
 import jax
@@ -39,8 +37,6 @@ def main() -> None:
   score_mods = "--score-mods" in sys.argv[1:]
   segment_ids = "--segment-ids" in sys.argv[1:]
   block_sparse = "--block-sparse" in sys.argv[1:]
-  if block_sparse:
-    os.environ["JAX_FLASH_CUDA_BLOCK_SPARSE"] = "1"
   for i, (b, t, s, n, kh, h, causal, window, lengths, det) in enumerate(CASES):
     ks = jax.random.split(jax.random.key(i), 4)
     q = jax.random.normal(ks[0], (b, t, n, h), jnp.bfloat16)

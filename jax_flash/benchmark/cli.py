@@ -147,7 +147,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                            "row's diagonal block set) followed by its dense twin (no mask) in "
                            "the same run; FLOP rates count only the computed blocks; peers "
                            "that take no mask read 'unavailable' for the sparse rows (XLA takes "
-                           "it expanded to a (T, S) bool mask; the CUDA kernels take none yet)")
+                           "it expanded to a (T, S) bool mask)")
   variant = parser.add_argument_group(
       "score variants",
       "with any of these, each case times jax_flash twice on the same inputs, plain and with "
