@@ -41,9 +41,15 @@ def _output_and_residual(o32, q, config):
 
 def _flash_attention_fwd(q, k, v, q_lens, kv_lens, config, segment_ids=None,
                          alibi_slopes=None, block_mask=None, dropout_seeds=None):
-  o32, lse = _sharding.flash_fwd(q, k, v, q_lens, kv_lens, _ops.for_backward(config),
-                                 segment_ids, alibi_slopes, block_mask, dropout_seeds)
-  o, o_kept, o_error = _output_and_residual(o32, q, config)
+  fwd_config = _ops.for_backward(config, split=True)
+  outputs = _sharding.flash_fwd(q, k, v, q_lens, kv_lens, fwd_config, segment_ids,
+                                alibi_slopes, block_mask, dropout_seeds)
+  if fwd_config.o_split:  # the CUDA kernel split o itself
+    o, lse, o_error = outputs
+    o_kept = o
+  else:
+    o32, lse = outputs
+    o, o_kept, o_error = _output_and_residual(o32, q, config)
   return (o, lse), (q, k, v, o_kept, o_error, lse, q_lens, kv_lens, segment_ids, alibi_slopes,
                     block_mask, dropout_seeds)
 

@@ -62,6 +62,11 @@ class KernelConfig:
   # residual, so delta = rowsum(dO * O) is formed from O at full precision, not from O rounded
   # to 16 bits (that rounding cost dq/dk their accuracy on peaked softmaxes: issue 13).
   o_float32: bool = False
+  # forward, "cuda" only: the differentiated call's o split for the backward by the kernel
+  # itself: o rounded to the 16-bit dtype and its int8 rounding error (jax_flash._rounding), so
+  # the forward returns (o, lse, o_error). Instead of o_float32, whose float32 o XLA would then
+  # read back to split (4 bytes an element written, 4 read and 3 written again, not 3).
+  o_split: bool = False
   # A sequence-sharded call under jax.jit: the strategy asked for (None: the automatic choice;
   # see jax_flash._context_parallel). Not a kernel attribute.
   context_parallel: str | None = None
@@ -209,7 +214,8 @@ def _dropout_operands(config: KernelConfig, dropout_seeds) -> tuple[tuple, dict]
 def _flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig, segment_ids=None,
                alibi_slopes=None, block_mask=None, dropout_seeds=None):
   """Returns (o, lse) with o like q but for its head dim, v's Hv (float32 with
-  config.o_float32), and lse (..., N, T) float32. `segment_ids`: None or (q_ids (..., T),
+  config.o_float32), and lse (..., N, T) float32; with config.o_split (o, lse, o_error), o_error
+  o's int8 rounding error (jax_flash._rounding). `segment_ids`: None or (q_ids (..., T),
   kv_ids (..., S)) int32; `alibi_slopes`: None or (..., N) float32 (one slope per batch element
   and query head); `dropout_seeds`: None or (..., N, 4) uint32, exactly when
   config.dropout_rate > 0."""
@@ -234,28 +240,30 @@ def _flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig, segment_ids=None,
                               is_causal=config.is_causal, window_left=config.window_left,
                               window_right=config.window_right, splits=config.kv_splits,
                               o_float32=config.o_float32, implementation=config.implementation)
-  call = jax.ffi.ffi_call(
-      _target(config, "fwd"),
-      (
-          jax.ShapeDtypeStruct(_output_shape(q, v), jnp.float32 if config.o_float32 else q.dtype),
-          jax.ShapeDtypeStruct(_lse_shape(q), jnp.float32),
-      ),
-      vmap_method="broadcast_all",
+  if config.o_split and (config.implementation != "cuda" or config.o_float32):
+    raise ValueError(f"o_split is for the 'cuda' kernels' 16-bit o; got {config}")
+  results = (
+      jax.ShapeDtypeStruct(_output_shape(q, v), jnp.float32 if config.o_float32 else q.dtype),
+      jax.ShapeDtypeStruct(_lse_shape(q), jnp.float32),
   )
+  if config.implementation == "cuda":  # its last result: o_error, or no elements for none
+    results += (jax.ShapeDtypeStruct(_output_shape(q, v) if config.o_split else (0,), jnp.int8),)
+  call = jax.ffi.ffi_call(_target(config, "fwd"), results, vmap_method="broadcast_all")
   ids, id_attributes = _segment_operands(config, segment_ids)
   alibi, alibi_attributes = _alibi_operands(config, alibi_slopes)
   blocks, block_attributes = _block_mask_operands(config, block_mask, k.shape[-2])
   drop, drop_attributes = _dropout_operands(config, dropout_seeds)
-  return call(q, k, v, q_lens, kv_lens, *ids, *alibi, *blocks, *drop, **config.attributes(),
-              **id_attributes, **_soft_cap_attribute(config), **alibi_attributes,
-              **block_attributes, **drop_attributes)
+  outputs = call(q, k, v, q_lens, kv_lens, *ids, *alibi, *blocks, *drop, **config.attributes(),
+                 **id_attributes, **_soft_cap_attribute(config), **alibi_attributes,
+                 **block_attributes, **drop_attributes)
+  return outputs if config.o_split else outputs[:2]
 
 
 # The kernel ops have one derivative, their custom VJP's: differentiating them raises.
 flash_fwd = _derivatives.first_order_only(_flash_fwd, nondiff_argnums=(5,))
 
 
-def for_backward(config: KernelConfig) -> KernelConfig:
+def for_backward(config: KernelConfig, split: bool = False) -> KernelConfig:
   """`config` for the forward of a differentiated call: its output o in float32 (a no-op for
   float32 inputs), so that the backward forms delta = rowsum(dO * O) from O at full precision
   and not from O rounded to 16 bits (issue 13: that rounding cost dq/dk their accuracy on peaked
@@ -264,8 +272,13 @@ def for_backward(config: KernelConfig) -> KernelConfig:
   A differentiated call of decode shape runs the tiled CUDA forward, not the decode kernel:
   the tiled one also normalises o by the sum of the rounded P its P V used (which the decode
   kernel's chunk merge does not keep), and without it the CUDA differential run kept 11 dq/dk
-  misses on such calls (examples/results/h200/session11/)."""
-  if config.implementation == "cuda" and config.kv_splits:
+  misses on such calls (examples/results/h200/session11/).
+
+  With `split` (for a caller that keeps o in 16 bits with its rounding error), a CUDA call's
+  kernel forms them itself (o_split), the CPU's still returns float32 o."""
+  if config.implementation == "cuda":
+    if split:
+      return dataclasses.replace(config, kv_splits=0, o_split=True)
     return dataclasses.replace(config, kv_splits=0, o_float32=True)
   return dataclasses.replace(config, o_float32=True)
 

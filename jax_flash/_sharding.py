@@ -59,6 +59,8 @@ from jax_flash import _context_parallel, _derivatives, _ops, _rounding
 # The head factors are independent: the partition callback below keeps them consistent (a
 # compound n = (k g) would let Shardy split mesh axes into sub-axes when K does not divide).
 _FWD_RULE = "b t n h, b s k h, b s k e, b, b -> b t n e, b n t"
+# The forward that also returns o's int8 rounding error (KernelConfig.o_split).
+_FWD_SPLIT_RULE = _FWD_RULE + ", b t n e"
 _BWD_RULE = ("b t n h, b s k h, b s k e, b t n e, b n t, b t n e, b, b "
              "-> b t n h, b s k h, b s k e")
 # Optional operands after the lengths, in this order: o's int8 rounding error (the CUDA
@@ -159,7 +161,8 @@ def _shardings(mesh, plan: _Plan):
 @dataclasses.dataclass(frozen=True)
 class _Extras:
   """Which optional operands an op takes after the lengths, in this order: o_error (the CUDA
-  backward's), the segment ids (two), the ALiBi slopes, the block mask, the dropout seeds."""
+  backward's), the segment ids (two), the ALiBi slopes, the block mask, the dropout seeds. For
+  the forward, `error` is a third result instead: o's rounding error (KernelConfig.o_split)."""
   error: bool = False
   ids: bool = False
   alibi: bool = False
@@ -202,7 +205,8 @@ class _Extras:
 
 def _fwd_op(extras: _Extras):
   """The partitioned forward taking `extras` after the lengths, its config the static
-  argument after them."""
+  argument after them (extras.error: o's rounding error a third result, not an operand)."""
+  split, extras = extras.error, dataclasses.replace(extras, error=False)
 
   def impl(q, k, v, q_lens, kv_lens, *extras_and_config):
     *rest, config = extras_and_config
@@ -217,23 +221,30 @@ def _fwd_op(extras: _Extras):
     def lower(q, k, v, q_lens, kv_lens, *rest):
       if plan.seq is not None:
         _, ids, alibi = extras.split(rest)
-        return _context_parallel.sharded_fwd(plan.strategy, q, k, v, q_lens, kv_lens, config,
-                                             ids, alibi, extras.block_mask(rest),
-                                             axis_name=plan.seq)
+        # The strategies merge float32 partial outputs: o is split after them.
+        whole = dataclasses.replace(config, o_split=False, o_float32=True) if split else config
+        o, lse = _context_parallel.sharded_fwd(plan.strategy, q, k, v, q_lens, kv_lens, whole,
+                                               ids, alibi, extras.block_mask(rest),
+                                               axis_name=plan.seq)
+        if not split:
+          return o, lse
+        o, o_error = _rounding.split_rounding(o, q.dtype)
+        return o, lse, o_error
       return impl(q, k, v, q_lens, kv_lens, *rest, config)
 
-    return (mesh, lower, (q_rows, lse),
+    results = (q_rows, lse, q_rows) if split else (q_rows, lse)
+    return (mesh, lower, results,
             (q_rows, kv_rows, kv_rows, lens, lens, *extras.shardings(mesh, plan, q_rows)))
 
   def infer(config, mesh, arg_shapes, result_shape):
     plan = _plan(mesh, arg_shapes, config, blocks=extras.blocks)
     q_rows, _, lse, _ = _shardings(mesh, plan)
-    return q_rows, lse
+    return (q_rows, lse, q_rows) if split else (q_rows, lse)
 
   inputs = 5 + 2 * extras.ids + extras.alibi + extras.blocks + extras.dropout
   return _partitioned(impl, inputs,
-                      _rule(_FWD_RULE, False, extras.ids, extras.alibi, extras.blocks,
-                            extras.dropout),
+                      _rule(_FWD_SPLIT_RULE if split else _FWD_RULE, False, extras.ids,
+                            extras.alibi, extras.blocks, extras.dropout),
                       partition, infer)
 
 
@@ -336,11 +347,12 @@ def _batched_op(partitioned, config: _ops.KernelConfig):
 
 def flash_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=None,
               alibi_slopes=None, block_mask=None, dropout_seeds=None):
-  """(o, lse) of the forward kernel; q, k, v rank 4, lens rank 1, segment_ids None or
+  """(o, lse) of the forward kernel ((o, lse, o_error) with config.o_split); q, k, v rank 4, lens rank 1, segment_ids None or
   (q_ids (B, T), kv_ids (B, S)), alibi_slopes None or (B, N) float32, block_mask None or
   (B, N, Tb, Sb) bool, dropout_seeds None or (B, N, 4) uint32; partitions and vmaps."""
-  op = _fwd_op_for(_Extras(ids=segment_ids is not None, alibi=alibi_slopes is not None,
-                           blocks=block_mask is not None, dropout=dropout_seeds is not None))
+  op = _fwd_op_for(_Extras(error=config.o_split, ids=segment_ids is not None,
+                           alibi=alibi_slopes is not None, blocks=block_mask is not None,
+                           dropout=dropout_seeds is not None))
   alibi = () if alibi_slopes is None else (alibi_slopes,)
   blocks = () if block_mask is None else (block_mask,)
   drop = () if dropout_seeds is None else (dropout_seeds,)

@@ -147,6 +147,29 @@ def test_backward_forms_delta_from_o_and_its_rounding_error():
                                atol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("head_dim,causal", [(64, True), (128, False), (96, True), (256, False)])
+def test_forward_splits_o_as_xla_would(dtype, head_dim, causal):
+  """A differentiated call's forward writes the 16-bit o and its int8 rounding error itself
+  (KernelConfig.o_split): bit for bit the split_rounding of the float32 o the same kernel
+  writes with o_float32 (both normalised by the rounded P's sum), and the same lse; empty rows
+  (past the query lengths) 0 both ways. Hopper and sm80 forwards by head dim (256: 64-key
+  tiles)."""
+  from jax_flash import _ops, _rounding
+  rng = np.random.default_rng(head_dim)
+  q, k, v = (jnp.asarray(2 * rng.standard_normal((2, 200, 4, head_dim)), dtype) for _ in range(3))
+  q_lens = jnp.asarray([200, 150], jnp.int32)
+  kv_lens = jnp.asarray([200, 180], jnp.int32)
+  config = _ops.KernelConfig("cuda", head_dim**-0.5, causal, -1, -1)
+  o, lse, o_error = _ops.flash_fwd(q, k, v, q_lens, kv_lens, _ops.for_backward(config, split=True))
+  o32, lse32 = _ops.flash_fwd(q, k, v, q_lens, kv_lens, _ops.for_backward(config))
+  hi, want_error = _rounding.split_rounding(o32, dtype)
+  np.testing.assert_array_equal(np.asarray(o).view(np.uint16), np.asarray(hi).view(np.uint16))
+  np.testing.assert_array_equal(np.asarray(o_error), np.asarray(want_error))
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse32))
+  assert np.abs(np.asarray(o_error, np.int32)).max() > 64  # the errors are there to compare
+
+
 def test_deterministic_is_bit_identical():
   case = C(batch=2, seq_q=1024, seq_k=1024, heads_q=8, heads_k=2, head_dim=128,
            dtype="bfloat16", is_causal=True)
@@ -244,10 +267,12 @@ def _run_cuda_tests_on_hopper_with(env_overrides: dict, selection: str,
 
 def test_mma_sync_kernels_on_hopper():
   """On Hopper head dims 33..128 run the wgmma kernels; the mma.sync ones (what A100s run) must
-  pass the same cases there too, dQ by atomics and deterministic."""
+  pass the same cases there too, dQ by atomics and deterministic, and split o as the Hopper
+  forward does."""
   _run_cuda_tests_on_hopper_with(
       {"JAX_FLASH_CUDA_FORWARD": "sm80", "JAX_FLASH_CUDA_BACKWARD": "sm80"},
-      "(test_cuda_matches_reference or test_deterministic_matches_reference) and (h64 or h128)")
+      "((test_cuda_matches_reference or test_deterministic_matches_reference) and (h64 or h128)) "
+      "or test_forward_splits_o_as_xla_would")
 
 
 def test_forward_on_a_cta_per_tile_on_hopper():

@@ -44,11 +44,14 @@ def attributes(**overrides) -> dict:
   return {**base, **overrides}
 
 
-def valid_fwd(dtype: str = "bfloat16") -> Call:
+def valid_fwd(dtype: str = "bfloat16", o_error: bool = False) -> Call:
+  """With `o_error`, the kernel also writes o's int8 rounding error (a differentiated call's
+  split o: KernelConfig.o_split); else that result is the empty placeholder."""
   return Call("jax_flash_cuda_fwd",
               dict(q=(Q, dtype), k=(KV, dtype), v=(KV, dtype), q_lens=((B,), "int32"),
                    kv_lens=((B,), "int32"), **NO_IDS, alibi_slopes=((0,), "float32"), **NO_FWD_BLOCKS),
-              dict(o=(Q, dtype), lse=(ROWS, "float32")), attributes())
+              dict(o=(Q, dtype), lse=(ROWS, "float32"), o_error=(Q if o_error else (0,), "int8")),
+              attributes())
 
 
 def dq_accum_elements(deterministic: bool) -> int:
@@ -74,6 +77,12 @@ def test_valid_calls_run(rng, make, dtype):
   """The calls the error cases spoil are valid: the errors below come from the spoiled field."""
   outputs = make(dtype).run(rng)
   assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in outputs[:2])
+
+
+def test_forward_writing_the_rounding_error_of_o_runs(rng):
+  o, lse, o_error = valid_fwd(o_error=True).run(rng)
+  assert np.isfinite(np.asarray(o, np.float32)).all() and np.isfinite(np.asarray(lse)).all()
+  assert np.asarray(o_error).dtype == np.int8 and np.asarray(o_error).shape == Q
 
 
 def test_backward_with_the_rounding_error_of_o_runs(rng):
@@ -141,6 +150,16 @@ def with_block_lists(call: Call) -> Call:
   return call
 
 
+# The forward's o_error is a result: the same checks as the backward's operand.
+FWD_ERRORS = [
+    ("o_error_shape", lambda c: with_shape(c, "o_error", (B, T, N, H - 8)),
+     ("o_error(2, 5, 4, 8) int8", "shape of a 16-bit")),
+    ("o_error_int16", lambda c: with_dtype(c, "int16", "o_error"), ("o_error(0,) int16", "must be int8")),
+    ("o_error_beside_float32_o", lambda c: with_shape(with_dtype(c, "float32", "o"), "o_error", Q),
+     ("o_error(2, 5, 4, 16) int8", "shape of a 16-bit", "o(2, 5, 4, 16) float32")),
+]
+
+
 BWD_ERRORS = [
     ("dq_accum_short", lambda c: with_shape(c, "dq_accum", (dq_accum_elements(False) - 1,)),
      ("dq_accum(", "elements, expected")),
@@ -173,6 +192,11 @@ def test_block_sparse_call_with_its_lists_runs(rng, make):
 @pytest.mark.parametrize("make", [valid_fwd, valid_bwd], ids=["fwd", "bwd"])
 def test_errors(rng, make, spoil, fragments):
   expect_invalid_argument(spoil(make()), rng, fragments)
+
+
+@pytest.mark.parametrize("spoil,fragments", [e[1:] for e in FWD_ERRORS], ids=[e[0] for e in FWD_ERRORS])
+def test_fwd_errors(rng, spoil, fragments):
+  expect_invalid_argument(spoil(valid_fwd()), rng, fragments)
 
 
 @pytest.mark.parametrize("spoil,fragments", [e[1:] for e in BWD_ERRORS], ids=[e[0] for e in BWD_ERRORS])

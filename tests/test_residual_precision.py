@@ -47,6 +47,28 @@ def test_differentiated_forward_writes_float32_output():
   assert forward and all("-> (tensor<2x32x2x128xbf16>" in line for line in forward), forward
 
 
+def test_cuda_forward_splits_its_output_itself(monkeypatch):
+  """On CUDA (a GPU host simulated: traced only) the differentiated forward's custom call
+  returns the 16-bit o and its int8 rounding error itself (KernelConfig.o_split), not o in
+  float32 for XLA to split; the backward takes both; the undifferentiated call's third result
+  is empty."""
+  from attention_testing import ffi_calls, simulate_cuda_host
+  simulate_cuda_host(monkeypatch)
+  q, k, v, _ = _peaked_inputs(0, jnp.bfloat16)
+  attention = lambda q: jax_flash.dot_product_attention(q, k, v, implementation="cuda")
+  (fwd, _, _, fwd_results), (bwd, _, bwd_operands, _) = ffi_calls(
+      jax.grad(lambda q: attention(q).astype(jnp.float32).sum()), q)
+  assert (fwd, bwd) == ("jax_flash_cuda_fwd", "jax_flash_cuda_bwd")
+  assert [(r.shape, r.dtype) for r in fwd_results] == [
+      (q.shape, jnp.bfloat16), ((2, 2, 32), jnp.float32), (q.shape, jnp.int8)]
+  assert (q.shape, jnp.int8) in [(x.shape, x.dtype) for x in bwd_operands]
+  rows = jnp.concatenate([q] * 4, axis=1)  # T = 128: the tiled forward, not the decode kernel
+  ((name, _, _, plain_results),) = ffi_calls(attention, rows)
+  assert name == "jax_flash_cuda_fwd"
+  assert [(r.shape, r.dtype) for r in plain_results][::2] == [(rows.shape, jnp.bfloat16),
+                                                             ((0,), jnp.int8)]
+
+
 def test_delta_from_float32_output_meets_the_rule():
   dtype, scale = jnp.bfloat16, 2.0
   config = _ops.KernelConfig("cpu", scale, False, -1, -1)

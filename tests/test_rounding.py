@@ -94,9 +94,8 @@ def test_refuses_other_dtypes():
     _rounding.split_rounding(jnp.zeros(3, jnp.float32), jnp.float32)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_the_kernels_decoder_gives_the_same_float32(tmp_path, dtype):
-  """Bit for bit, over random values, subnormal 16-bit values and the clamped tie (k = 127)."""
+def _check_program(tmp_path) -> pathlib.Path:
+  """tests/cpp/rounding_residual_check.cc built (skips without a C++ compiler)."""
   compiler = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
   if compiler is None:
     pytest.skip("no C++ compiler")
@@ -104,6 +103,13 @@ def test_the_kernels_decoder_gives_the_same_float32(tmp_path, dtype):
   subprocess.run([compiler, "-std=c++17", "-O1", f"-I{ROOT / 'cuda'}",
                   str(ROOT / "tests" / "cpp" / "rounding_residual_check.cc"), "-o", str(binary)],
                  check=True)
+  return binary
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_kernels_decoder_gives_the_same_float32(tmp_path, dtype):
+  """Bit for bit, over random values, subnormal 16-bit values and the clamped tie (k = 127)."""
+  binary = _check_program(tmp_path)
   x = _values(dtype, 5000, seed=1)
   if dtype == jnp.float16:  # its subnormals (normal float32 numbers)
     x = np.concatenate([x, np.float32(2.0**-14) * np.float32([0.3, 0.77, 0.01, 1.5])])
@@ -117,3 +123,23 @@ def test_the_kernels_decoder_gives_the_same_float32(tmp_path, dtype):
   ours = np.asarray(_rounding.join_rounding(hi, jnp.asarray(k))).view(np.uint32)
   assert np.abs(k).max() == 127
   np.testing.assert_array_equal(native, ours)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_kernels_encoder_gives_the_same_error(tmp_path, dtype):
+  """The CUDA forward's own split (rounding_error, which its epilogue applies to each element
+  and its 16-bit rounding) gives split_rounding's k: over random values, ties (k = +-128
+  clamped), values that overflow the 16-bit dtype, inf and NaN (k 0)."""
+  binary = _check_program(tmp_path)
+  x = _values(dtype, 5000, seed=2)
+  big = 70000.0 if dtype == jnp.float16 else 3.4e38
+  x = np.concatenate([x, np.float32([big, -big, np.inf, -np.inf, np.nan, 0.0, -0.0])])
+  hi, k = _rounding.split_rounding(jnp.asarray(x), dtype)
+  hi32 = np.asarray(_rounding.widen_exactly(hi))
+  lines = "".join(f"{a:08x} {h:08x} {int(dtype == jnp.float16)}\n"
+                  for a, h in zip(x.view(np.uint32), hi32.view(np.uint32)))
+  out = subprocess.run([str(binary), "encode"], input=lines, check=True, capture_output=True,
+                       text=True).stdout
+  native = np.array([int(w) for w in out.split()], np.int64)
+  assert {-128, 127} <= set(np.asarray(k).tolist())
+  np.testing.assert_array_equal(native, np.asarray(k, np.int64))

@@ -135,6 +135,12 @@ struct AttentionParams {
 struct FwdParams : AttentionParams {
   void* o = nullptr;
   float* lse = nullptr;
+  // A differentiated call's 16-bit o split for the backward (CUDA): o rounded to 16 bits, its
+  // rounding error here as int8 in units of ulp/256 (common/rounding_residual.h), o's shape;
+  // null for none. Instead of o in float32 (o_float32), which XLA would then split.
+  int8_t* o_error = nullptr;
+  // Whether o is the backward's residual (normalised by the sum of the rounded P its P V used).
+  JF_HOST_DEVICE bool for_backward() const { return o_float32 || o_error != nullptr; }
 };
 
 struct BwdParams : AttentionParams {

@@ -339,6 +339,21 @@ inline xla::ffi::Error set_o_error(const xla::ffi::AnyBuffer& o_error, const xla
   return xla::ffi::Error::Success();
 }
 
+// The CUDA forward's optional o_error result (FwdParams::o_error): int8 of o's shape beside a
+// 16-bit o, or no elements for none.
+inline xla::ffi::Error set_o_error(xla::ffi::AnyBuffer& o_error, const xla::ffi::AnyBuffer& o, FwdParams& params) {
+  JF_RETURN_IF_ERROR(expect_dtype("o_error", o_error, xla::ffi::DataType::S8));
+  if (o_error.element_count() == 0) {
+    params.o_error = nullptr;
+    return xla::ffi::Error::Success();
+  }
+  if (params.o_float32 || !(o_error.dimensions() == o.dimensions()))
+    return invalid(describe("o_error", o_error) + ": must be empty or have the shape of a 16-bit " +
+                   describe("o", o));
+  params.o_error = o_error.typed_data<int8_t>();
+  return xla::ffi::Error::Success();
+}
+
 // Segment ids (packed documents): with `segment_ids`, q_segment_ids (..., T) and kv_segment_ids
 // (..., S), int32, their leading dimensions those of q and k (vmap adds the same ones to all);
 // without, both hold no elements (the callers pass int32 (0,) placeholders). Call after the

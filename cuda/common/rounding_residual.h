@@ -4,6 +4,7 @@
 // from hi alone. tests/test_rounding.py checks this decoder against the Python one.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -28,6 +29,16 @@ JF_HOST_DEVICE inline float rounding_step(float hi, bool float16) {
   float step;
   std::memcpy(&step, &step_bits, sizeof step);
   return step;
+}
+
+// k of o = hi + k step(hi): o's rounding error o - hi (exact in float32) in steps of hi, rounded
+// to nearest even and clamped to int8, 0 where hi or the error is not finite; hi is o rounded to
+// the 16-bit dtype, given in float32. As jax_flash._rounding.split_rounding forms it.
+JF_HOST_DEVICE inline int8_t rounding_error(float o, float hi, bool float16) {
+  const float error = o - hi;
+  if (!(std::isfinite(hi) && std::isfinite(error))) return 0;
+  const float k = std::rint(error / rounding_step(hi, float16));
+  return static_cast<int8_t>(k < -128.f ? -128.f : (k > 127.f ? 127.f : k));
 }
 
 // o in float32 from hi and k.

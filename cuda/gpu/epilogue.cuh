@@ -1,27 +1,47 @@
 // The forward's epilogue: normalised output rows and their log-sum-exp, from registers.
 #pragma once
 
+#include <cuda_fp16.h>
+
 #include <cstdint>
+#include <type_traits>
 
 #include "common/attention_params.h"
 #include "common/mask.h"
+#include "common/rounding_residual.h"
 #include "gpu/ptx.cuh"
 #include "gpu/segment_ids.cuh"
 #include "gpu/softmax.cuh"
 
 namespace jax_flash::cuda {
 
-// Writes a warp's normalised O rows and their log-sum-exp: O (for the backward, o_float32:
-// normalised by the sum of the 16-bit P it was built from; lse from the unrounded sum:
-// OnlineSoftmax) at element `offset` of o (16-bit T,
-// or float32 when o_float32: the output kept for the backward, AttentionParams::o_float32), rows
+// Writes a warp's normalised O rows and their log-sum-exp: O (for the backward, o_float32 or
+// o_error: normalised by the sum of the 16-bit P it was built from; lse from the unrounded sum:
+// OnlineSoftmax) at element `offset` of o (16-bit T, or float32 when o_float32: the output kept
+// for the backward, AttentionParams::o_float32; with o_error, non-null, each element's int8
+// rounding error at the same offset there: FwdParams::o_error), rows
 // from row0 of the block, whose first row is query m0 (rows past `rows` and columns past
 // head_dim skipped). A row is empty, and gets 0 and kEmptyRowLse, when the masks leave it no key;
 // never because of its values: a NaN sum (a NaN or inf in the inputs) gives a NaN row and lse,
 // as jax.nn does. The general kernels pass `seen` (gpu/segment_ids.cuh: with segment ids, which
 // rows the masks left some key; all of them without); the rows it lacks are empty too.
+// Two adjacent elements of a differentiated call's o: rounded to T at `hi`, their rounding
+// errors as int8 at `error` (common/rounding_residual.h).
+template <typename T>
+__device__ __forceinline__ void store_split_pair(T* hi, int8_t* error, float x, float y) {
+  const uint32_t packed = MmaOp<T>::pack(x, y);
+  *reinterpret_cast<uint32_t*>(hi) = packed;
+  const T* rounded = reinterpret_cast<const T*>(&packed);
+  constexpr bool kFloat16 = std::is_same_v<T, __half>;
+  const int8_t ex = rounding_error(x, static_cast<float>(rounded[0]), kFloat16);
+  const int8_t ey = rounding_error(y, static_cast<float>(rounded[1]), kFloat16);
+  *reinterpret_cast<uint16_t*>(error) = static_cast<uint16_t>(static_cast<uint8_t>(ex) |
+                                                              static_cast<uint16_t>(static_cast<uint8_t>(ey)) << 8);
+}
+
 template <typename T, int kMTiles, int kDTiles>
-__device__ __forceinline__ void store_output(void* o_base, bool o_float32, int64_t offset, int64_t row_stride,
+__device__ __forceinline__ void store_output(void* o_base, bool o_float32, int8_t* o_error, int64_t offset,
+                                             int64_t row_stride,
                                              float* lse, const float (&o)[kMTiles][kDTiles][4],
                                              const OnlineSoftmax<kMTiles>& softmax, float scale, int row0,
                                              int rows, int64_t head_dim, const MaskParams& mask, int64_t m0,
@@ -40,7 +60,7 @@ __device__ __forceinline__ void store_output(void* o_base, bool o_float32, int64
       if (seen) unseen = !seen->any(mt, half);
       if (row >= rows) continue;
       const bool empty = unseen || key_range(mask, m0 + row, q_len, kv_len).empty();
-      const float inv = empty ? 0.f : 1.f / (o_float32 ? sum_rounded : sum);
+      const float inv = empty ? 0.f : 1.f / (o_float32 || o_error ? sum_rounded : sum);
 #pragma unroll
       for (int dt = 0; dt < kDTiles; ++dt) {
         const int col = dt * 8 + (lane % 4) * 2;
@@ -50,8 +70,10 @@ __device__ __forceinline__ void store_output(void* o_base, bool o_float32, int64
         if (o_float32)
           *reinterpret_cast<float2*>(static_cast<float*>(o_base) + at) = empty ? make_float2(0.f, 0.f)
                                                                                : make_float2(x, y);
-        else
+        else if (o_error == nullptr)
           *reinterpret_cast<uint32_t*>(static_cast<T*>(o_base) + at) = empty ? 0u : MmaOp<T>::pack(x, y);
+        else
+          store_split_pair<T>(static_cast<T*>(o_base) + at, o_error + at, empty ? 0.f : x, empty ? 0.f : y);
       }
       if (lane % 4 == 0) lse[row] = empty ? kEmptyRowLse : softmax.max[mt][half] * scale + logf(sum);
     }

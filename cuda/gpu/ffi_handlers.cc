@@ -83,7 +83,7 @@ ffi::Error run_fwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                    int64_t window_right, ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
                    bool segment_ids, ffi::AnyBuffer q_segment_id_spans, ffi::AnyBuffer kv_segment_id_spans,
                    double logits_soft_cap, ffi::AnyBuffer alibi_slopes, bool alibi, ffi::AnyBuffer kv_block_lists,
-                   ffi::AnyBuffer kv_block_counts, bool block_sparse) {
+                   ffi::AnyBuffer kv_block_counts, bool block_sparse, ffi::Result<ffi::AnyBuffer> o_error) {
   FwdParams params;
   JF_RETURN_IF_ERROR(make_fwd_params(q, k, v, q_lens, kv_lens, *o, *lse, scale, is_causal,
                                      window_left, window_right, params));
@@ -94,6 +94,7 @@ ffi::Error run_fwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   JF_RETURN_IF_ERROR(attention_soft_cap(logits_soft_cap, params.logits_soft_cap));
   JF_RETURN_IF_ERROR(set_alibi_slopes(alibi_slopes, alibi, q, params));
   JF_RETURN_IF_ERROR(set_block_lists(kv_block_lists, kv_block_counts, nullptr, nullptr, block_sparse, q, params));
+  JF_RETURN_IF_ERROR(set_o_error(*o_error, *o, params));
   if (cudaError_t e = cuda::launch_flash_fwd(params, stream)) return cuda_error("forward launch", e);
   return ffi::Error::Success();
 }
@@ -151,7 +152,8 @@ auto with_kernel_options(Binding binding) {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaFlashFwd, run_fwd,
                               with_kernel_options(with_segment_ids(fwd_binding<ffi::PlatformStream<cudaStream_t>>()))
-                                  .Attr<bool>("block_sparse"),
+                                  .Attr<bool>("block_sparse")
+                                  .Ret<ffi::AnyBuffer>(),  // o_error int8, o's shape (o 16-bit) or empty
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaFlashBwd, run_bwd,

@@ -152,6 +152,11 @@ struct SeenRows {
     for (int mt = 0; mt < kMTiles; ++mt) seen[mt][0] = seen[mt][1] = all;
   }
 
+  // A block every row of the tile sees whole (no range mask, no id mask): all rows see keys.
+  __device__ __forceinline__ void note_all() {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) seen[mt][0] = seen[mt][1] = true;
+  }
   // Rows whose key range meets keys [n0, n1) of a block without the id mask (its rows and keys
   // share one id): they see those keys.
   __device__ __forceinline__ void note_ranges(const MaskParams& mask, int64_t m0, int64_t n0, int64_t n1, int64_t q_len,
@@ -265,7 +270,12 @@ __device__ __forceinline__ void mask_forward_block(float (&s)[kMTiles][kNTiles][
       return;
     }
   }
-  if (seen && tracks_seen_rows(p)) seen->note_ranges(p.mask, m0, n0, n0 + kBlockN, q_len, kv_len, lane);
+  // Without the range mask every row sees the whole block (QueryBlock::needs_mask): the rows'
+  // ranges need not be formed (a block-sparse call's interior tiles).
+  if (seen && tracks_seen_rows(p)) {
+    if (range_mask) seen->note_ranges(p.mask, m0, n0, n0 + kBlockN, q_len, kv_len, lane);
+    else seen->note_all();
+  }
   if (range_mask) mask_scores(s, p.mask, m0, n0, q_len, kv_len, lane);
 }
 

@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
       softmax.exponentiate(s, scale_log2);
       uint32_t pa[kBN / 16][kMT][4];
       accumulator_to_a<T>(pa, s);
-      if (p.o_float32) softmax.template add_rounded_sums<T>(pa);  // differentiated calls only
+      if (p.for_backward()) softmax.template add_rounded_sums<T>(pa);  // differentiated calls only
 
       if (prefetch) {
         load_v(next_block, stage ^ 1);
@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
   }
 
   // Epilogue: normalise, write O (zeros for rows with nothing to attend) and the log-sum-exp.
-  store_output<T>(p.o, p.o_float32, task.q_offset, task.q_stride, p.lse + task.stat_offset + m0, o, softmax,
+  store_output<T>(p.o, p.o_float32, p.o_error, task.q_offset, task.q_stride, p.lse + task.stat_offset + m0, o, softmax,
                softmax_scale, warp_m0, blk.rows, p.shape.head_dim, p.mask, m0, task.q_len, task.kv_len,
                lane, kGeneral ? &seen : nullptr);
 }

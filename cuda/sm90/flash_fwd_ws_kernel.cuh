@@ -230,7 +230,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       softmax.exponentiate(s, scale_log2);
       uint32_t pa[kBN / 16][1][4];
       accumulator_to_a<T>(pa, s);
-      if (p.o_float32) softmax.template add_rounded_sums<T>(pa);  // differentiated calls only
+      if (p.for_backward()) softmax.template add_rounded_sums<T>(pa);  // differentiated calls only
 
       for (int i = 0; i + 1 < count; ++i) {
         const int stage = stage_of(i), next = stage_of(i + 1);
@@ -255,7 +255,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         release(&bars.v_empty[stage]);
         if (moved) softmax.rescale_output(o);
         accumulator_to_a<T>(pa, s);
-        if (p.o_float32) softmax.template add_rounded_sums<T>(pa);  // differentiated calls only
+        if (p.for_backward()) softmax.template add_rounded_sums<T>(pa);  // differentiated calls only
       }
       // Warpgroup 1's last pass_turn (or its first arrival) is still to be taken.
       if constexpr (Traits::kPingPong)
@@ -270,7 +270,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       ++q_round;
     }
 
-    store_output<T>(p.o, p.o_float32, task.q_offset, task.q_stride, p.lse + task.stat_offset + m0, o, softmax,
+    store_output<T>(p.o, p.o_float32, p.o_error, task.q_offset, task.q_stride, p.lse + task.stat_offset + m0, o, softmax,
                     softmax_scale, warp_m0, blk.rows, p.shape.head_dim, p.mask, m0, task.q_len, task.kv_len, lane,
                     kGeneral ? &seen : nullptr);
   }
