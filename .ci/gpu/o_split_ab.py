@@ -3,8 +3,8 @@
 "kernel": the forward kernel writes the 16-bit o and its int8 rounding error itself
 (KernelConfig.o_split, the default); "xla": the forward writes o in float32 and XLA splits it
 (jax_flash._rounding.split_rounding; before session 16). Each case times jax.grad of a sum of
-the output against a fixed cotangent, both ways in alternating rounds, with cuDNN through jax.nn
-in the same rounds; bf16, 16k tokens / hidden 2048 shapes (the benchmark's grid).
+the output against a fixed cotangent, both ways in rounds, with cuDNN through jax.nn in the same rounds
+(each of the three first in turn); bf16, 16k tokens / hidden 2048 shapes (the benchmark's grid).
 
   usage: python3 .ci/gpu/o_split_ab.py [--seqs 4096 8192] [--head-dims 64 128] [--rounds 5]
 """
@@ -66,8 +66,10 @@ def main() -> None:
         for _ in range(2):  # warm-up
           for run in steps.values():
             run()
-        for _ in range(args.rounds):
-          for name, run in steps.items():
+        names = list(steps)
+        for r in range(args.rounds):  # each way first in turn (the first of a round ran slower)
+          for name in names[r % len(names):] + names[:r % len(names)]:
+            run = steps[name]
             reps, start = 10, time.perf_counter()
             for _ in range(reps):
               run()

@@ -37,7 +37,15 @@ JF_HOST_DEVICE inline float rounding_step(float hi, bool float16) {
 JF_HOST_DEVICE inline int8_t rounding_error(float o, float hi, bool float16) {
   const float error = o - hi;
   if (!(std::isfinite(hi) && std::isfinite(error))) return 0;
-  const float k = std::rint(error / rounding_step(hi, float16));
+  // error / step as error times 1 / step, exact: both powers of two, normal (the step's exponent
+  // field is 1..240, its reciprocal's 254 minus that), so no division in the forward's epilogue.
+  const float step = rounding_step(hi, float16);
+  uint32_t step_bits, inverse_bits;
+  std::memcpy(&step_bits, &step, sizeof step_bits);
+  inverse_bits = (254u - (step_bits >> 23)) << 23;
+  float inverse;
+  std::memcpy(&inverse, &inverse_bits, sizeof inverse);
+  const float k = std::rint(error * inverse);
   return static_cast<int8_t>(k < -128.f ? -128.f : (k > 127.f ? 127.f : k));
 }
 

@@ -132,12 +132,24 @@ __device__ inline bool needs_id_mask(const SegmentIds& ids, int64_t m0, int64_t 
   return !ids.rows_span(m0, m1).same_single_id(ids.keys_span(n0, n1));
 }
 
-// Whether a call's rows must be tracked as having met a visible key (SeenRows): with segment ids
-// or a block mask a row may see no key although its range does; otherwise the range masks
-// decide empty rows alone.
+// Whether a call's rows must be tracked as having met a visible key (SeenRows): with segment ids,
+// or a block mask beside a local window, a row may see no key of the tiles visited although its
+// range meets the key range; otherwise the range masks and the tile's count decide empty rows
+// (untracked_seen_rows).
+//
+// A block mask alone (with causal masking and lengths) needs no tracking: a query tile lies in
+// one block row and its rows' ranges are [0, end) or all keys, so every live row sees the first
+// key of every tile visited (a tile of a causal diagonal block starts at or before the tile's
+// first row, and a 64-key tile past it shares its 128-key block, hence its bit, with the one that
+// does); a tile none of whose blocks is live visits nothing, and its rows are all empty.
 __device__ __forceinline__ bool tracks_seen_rows(const AttentionParams& p) {
-  return p.q_segment_ids != nullptr || p.kv_block_lists != nullptr;
+  return p.q_segment_ids != nullptr ||
+         (p.kv_block_lists != nullptr && (p.mask.window_left >= 0 || p.mask.window_right >= 0));
 }
+
+// The rows seen without tracking: all of them where the tile visits some key block, none where it
+// visits none (whose rows then have no key either way: its range masks, or its hidden blocks).
+__device__ __forceinline__ bool untracked_seen_rows(int visited_key_blocks) { return visited_key_blocks > 0; }
 
 // Which of a warp's rows (kMTiles 16-row tiles; this thread's rows lane / 4 and + 8 of each) have
 // met a key the masks let through, from this thread's columns; any() combines the quad's.

@@ -44,7 +44,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
     task.walk_keys(p);  // a block mask's live key blocks only
   }
   const QueryBlock<kBM, kBN>& blk = task.blk;
-  SeenRows<kMT> seen(!(kGeneral && tracks_seen_rows(p)));  // rows that met a key
+  SeenRows<kMT> seen(!(kGeneral && tracks_seen_rows(p)) && untracked_seen_rows(task.keys.count));  // rows that met a key
   const int64_t m0 = blk.m0;
   const int warp_m0 = warp * kMT * 16;
   const T* k = static_cast<const T*>(p.k);

@@ -198,7 +198,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const int64_t m0 = blk.m0;
     OnlineSoftmax<1> softmax;
     float o[1][kD / 8][4] = {};
-    SeenRows<1> seen(!(kGeneral && tracks_seen_rows(p)));  // rows that met a key
+    SeenRows<1> seen(!(kGeneral && tracks_seen_rows(p)) && untracked_seen_rows(count));  // rows that met a key
 
     if (count > 0) {
       auto stage_of = [&](int i) { return (ring + i) % kStages; };
