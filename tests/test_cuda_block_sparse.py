@@ -102,6 +102,10 @@ CUDA_CASES = [
     # Head dim 256 (Hopper forward with 64-key blocks, mma.sync backward), float16, 25%.
     SparseCase(Case(batch=1, seq_q=260, seq_k=390, heads_q=2, heads_k=1, head_dim=256,
                     dtype="float16"), density=0.25),
+    # A local window beside the mask (the one case whose forward tracks which rows met a key:
+    # a row's window may lie in hidden blocks while its tile visits others), head dim 128.
+    SparseCase(Case(batch=1, seq_q=500, seq_k=460, heads_q=2, heads_k=1, head_dim=128,
+                    dtype="bfloat16", local_window_size=(40, 10)), density=0.5),
     # With segment ids (both narrowings at once), causal, head dim 64.
     SparseCase(Case(batch=1, seq_q=400, seq_k=400, heads_q=2, heads_k=2, head_dim=64,
                     dtype="bfloat16", is_causal=True), density=0.6, segment_ids=True),
