@@ -285,6 +285,18 @@ def test_forward_on_a_cta_per_tile_on_hopper():
       "or test_command_buffer_capture or test_jit_training_step_reduces_loss")
 
 
+def test_block_sparse_on_the_plain_kernels_on_hopper():
+  """Experimental: block-sparse calls that need nothing else of the general kernels (no cap,
+  ALiBi, ids or window) on the plain Hopper kernels walking the block mask
+  (JAX_FLASH_CUDA_FORWARD=JAX_FLASH_CUDA_BACKWARD=sm90ws_walk, head dims 64 and 128) pass the
+  block-sparse reference cases (the others take the general kernels as by default), and a hidden
+  block's keys are never read."""
+  _run_cuda_tests_on_hopper_with(
+      {"JAX_FLASH_CUDA_FORWARD": "sm90ws_walk", "JAX_FLASH_CUDA_BACKWARD": "sm90ws_walk"},
+      "test_cuda_against_reference or test_cuda_never_reads_a_hidden_block",
+      files=("test_cuda_block_sparse.py",))
+
+
 # The default backward visits 128-row query blocks at head dims 33..64 and adds dQ by bulk
 # reductions at 65..128 (gpu/tile_shapes.cuh); each override runs 64-row blocks a way the default
 # does not use at those head dims.

@@ -2,8 +2,9 @@
 // wgmma (sm90ws) kernels, wherever gpu/tile_shapes.cuh has one for the head dim; the mma.sync
 // (sm80) family everywhere else. Two environment variables, read once per process, override the
 // choice for experiments and comparisons:
-//   JAX_FLASH_CUDA_FORWARD  = sm80 | sm90ws | sm90ws_grid                (default on Hopper: sm90ws)
-//   JAX_FLASH_CUDA_BACKWARD = sm80 | sm90ws | sm90ws_atomicdq | sm90ws_bulkdq (default on Hopper: sm90ws)
+//   JAX_FLASH_CUDA_FORWARD  = sm80 | sm90ws | sm90ws_grid | sm90ws_walk  (default on Hopper: sm90ws)
+//   JAX_FLASH_CUDA_BACKWARD = sm80 | sm90ws | sm90ws_walk | sm90ws_atomicdq | sm90ws_bulkdq
+//                             (default on Hopper: sm90ws)
 // The forward's sm90ws runs on a persistent grid, sm90ws_grid is the same kernel on a CTA per
 // tile. The backward's sm90ws runs the variant measured fastest for the head dim (TileShapes:
 // 128-row query blocks with dK from registers at head dim 64, bulk dQ reductions at 128, atomics
@@ -19,7 +20,10 @@ namespace jax_flash::cuda {
 // The kernel family of a pass: mma.sync (sm80) or warp-specialised wgmma (sm90ws); for the forward
 // also sm90ws on a CTA per tile (sm90ws_grid), for the backward sm90ws with 64-row query blocks
 // and dQ forced to atomics or to bulk reductions.
-enum class KernelFamily { kSm80, kSm90Ws, kSm90WsGrid, kSm90WsAtomicDq, kSm90WsBulkDq };
+// sm90ws_walk (experimental, both passes): sm90ws, with block-sparse calls that need nothing else
+// of the general kernels on the plain kernel walking the block mask (head dims 64 and 128; the
+// backward's deterministic calls excepted).
+enum class KernelFamily { kSm80, kSm90Ws, kSm90WsGrid, kSm90WsWalk, kSm90WsAtomicDq, kSm90WsBulkDq };
 
 // Empty when the variables are unset or hold a known value; else a message naming the variable,
 // its value and the values it takes (the FFI handlers return it as an error).

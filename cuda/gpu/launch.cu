@@ -49,8 +49,9 @@ cudaError_t launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
     using T = typename decltype(type)::type;
     constexpr int kD = decltype(head_dim)::value;
     if constexpr (TileShapes<kD>::kHasSm90Fwd) {
-      if (family == KernelFamily::kSm90Ws) return launch_fwd_sm90_ws<T, kD>(p, true, stream);
-      if (family == KernelFamily::kSm90WsGrid) return launch_fwd_sm90_ws<T, kD>(p, false, stream);
+      if (family == KernelFamily::kSm90Ws) return launch_fwd_sm90_ws<T, kD>(p, true, false, stream);
+      if (family == KernelFamily::kSm90WsGrid) return launch_fwd_sm90_ws<T, kD>(p, false, false, stream);
+      if (family == KernelFamily::kSm90WsWalk) return launch_fwd_sm90_ws<T, kD>(p, true, true, stream);
     }
     return launch_fwd_sm80<T, kD>(p, stream);
   });
@@ -77,9 +78,10 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
         constexpr V kDefault = TileShapes<kD>::kHasSm90BwdBlockM128  ? V::kBlockM128
                                : TileShapes<kD>::kSm90BwdBulkDqByDefault ? V::kBulkDq
                                                                          : V::kAtomicDq;
-        e = family == KernelFamily::kSm90Ws           ? launch_bwd_main_sm90_ws<T, kD>(p, kDefault, stream)
-            : family == KernelFamily::kSm90WsAtomicDq ? launch_bwd_main_sm90_ws<T, kD>(p, V::kAtomicDq, stream)
-            : family == KernelFamily::kSm90WsBulkDq   ? launch_bwd_main_sm90_ws<T, kD>(p, V::kBulkDq, stream)
+        e = family == KernelFamily::kSm90Ws           ? launch_bwd_main_sm90_ws<T, kD>(p, kDefault, false, stream)
+            : family == KernelFamily::kSm90WsWalk     ? launch_bwd_main_sm90_ws<T, kD>(p, kDefault, true, stream)
+            : family == KernelFamily::kSm90WsAtomicDq ? launch_bwd_main_sm90_ws<T, kD>(p, V::kAtomicDq, false, stream)
+            : family == KernelFamily::kSm90WsBulkDq   ? launch_bwd_main_sm90_ws<T, kD>(p, V::kBulkDq, false, stream)
                                                       : launch_bwd_main_sm80<T, kD>(p, stream);
       } else {
         e = launch_bwd_main_sm80<T, kD>(p, stream);

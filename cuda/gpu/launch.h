@@ -32,9 +32,10 @@ cudaError_t launch_flash_bwd(const BwdParams& params, cudaStream_t stream);
 template <typename T, int kHeadDim>
 cudaError_t launch_fwd_sm80(const FwdParams& params, cudaStream_t stream);
 // The warp-specialised TMA forward (sm90/flash_fwd_ws_kernel.cuh), on a persistent grid or a CTA
-// per tile.
+// per tile; with `block_walk` (experimental) block-sparse calls that need nothing else of the
+// general kernels run the plain one walking the block mask.
 template <typename T, int kHeadDim>
-cudaError_t launch_fwd_sm90_ws(const FwdParams& params, bool persistent, cudaStream_t stream);
+cudaError_t launch_fwd_sm90_ws(const FwdParams& params, bool persistent, bool block_walk, cudaStream_t stream);
 template <typename T, int kHeadDim>
 cudaError_t launch_bwd_main_sm80(const BwdParams& params, cudaStream_t stream);
 // The warp-specialised main backward's variants (sm90/flash_bwd_ws_kernel.cuh): 64-row query
@@ -44,7 +45,8 @@ cudaError_t launch_bwd_main_sm80(const BwdParams& params, cudaStream_t stream);
 // session 15, though their registers spill 40 bytes).
 enum class Sm90BwdVariant { kAtomicDq, kBulkDq, kBlockM128 };
 template <typename T, int kHeadDim>
-cudaError_t launch_bwd_main_sm90_ws(const BwdParams& params, Sm90BwdVariant variant, cudaStream_t stream);
+cudaError_t launch_bwd_main_sm90_ws(const BwdParams& params, Sm90BwdVariant variant, bool block_walk,
+                                    cudaStream_t stream);
 // The deterministic mode's dQ kernel (mma.sync on every GPU).
 template <typename T, int kHeadDim>
 cudaError_t launch_bwd_dq_sm80(const BwdParams& params, cudaStream_t stream);

@@ -28,6 +28,15 @@ inline bool general_kernel(const AttentionParams& p) {
          p.kv_block_lists != nullptr;
 }
 
+// Whether a block-sparse call needs nothing of the general kernels but the block mask's walk (no
+// score modification, segment ids or local window): then its rows need no tracking either
+// (gpu/segment_ids.cuh's tracks_seen_rows), and a plain kernel with the walk can run it
+// (JAX_FLASH_CUDA_FORWARD=sm90ws_walk, experimental).
+inline bool plain_block_walk_suffices(const AttentionParams& p) {
+  return p.kv_block_lists != nullptr && p.logits_soft_cap <= 0.f && p.alibi_slopes == nullptr &&
+         p.q_segment_ids == nullptr && p.mask.window_left < 0 && p.mask.window_right < 0;
+}
+
 // tanh by the hardware's approximation (one MUFU operation; relative error 2^-11, below the
 // rounding of a 16-bit score, and the CUDA kernels take 16-bit inputs only). The softmax's
 // exponential is already one MUFU operation per score and the forward is bound by them: tanhf

@@ -86,7 +86,10 @@ struct BwdWsBarriers {
 // modified before its masks and dP^T takes the cap's chain rule; or segment ids
 // (gpu/segment_ids.cuh): the visits narrowed to the query blocks whose ids can meet the keys',
 // the id mask where a warpgroup's keys and the block's rows do not all share one id.
-template <typename Traits, typename T, bool kDeterministic, bool kGeneral>
+// kBlockWalk (experimental, JAX_FLASH_CUDA_BACKWARD=sm90ws_walk): the plain kernel walking a block
+// mask's live visits, for block-sparse calls that need nothing else of the general kernels
+// (plain_block_walk_suffices).
+template <typename Traits, typename T, bool kDeterministic, bool kGeneral, bool kBlockWalk = false>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams params) {
 #if JF_SM90A
@@ -118,7 +121,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const AttentionShape& sh = p.shape;
   KeyBlockTask<kBM, kBN> task(p);
   if constexpr (kGeneral) narrow_key_block(task, SegmentIds(p, task.b), lane);  // warp-collective: every role
-  task.template walk_visits<kGeneral>(p);  // a block mask's live query blocks only
+  task.template walk_visits<kGeneral || kBlockWalk>(p);  // a block mask's live query blocks only
   using Visit = typename KeyBlockTask<kBM, kBN>::Visit;
   const int iterations = task.iterations;
 

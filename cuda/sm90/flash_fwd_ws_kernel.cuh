@@ -68,7 +68,10 @@ struct FwdWsBarriers {
 // kGeneral: the call has a soft cap or ALiBi slopes (gpu/score_mods.cuh), applied to every
 // block's scores before its masks, or segment ids (gpu/segment_ids.cuh: they narrow each tile's
 // key blocks, for the producer and the consumers alike).
-template <typename Traits, typename T, bool kGeneral>
+// kBlockWalk (experimental, JAX_FLASH_CUDA_FORWARD=sm90ws_walk): the plain kernel walking a block
+// mask's live key blocks (gpu/block_sparse.cuh), for block-sparse calls that need nothing else of
+// the general kernels (plain_block_walk_suffices: no score modification, ids or window).
+template <typename Traits, typename T, bool kGeneral, bool kBlockWalk = false>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdTmaParams params) {
 #if JF_SM90A
@@ -106,6 +109,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if constexpr (kGeneral) {
       narrow_query_block(task.blk, SegmentIds(p, task.b), lane);  // warp-collective
       task.walk_keys(p);  // a block mask's live key blocks only
+    } else if constexpr (kBlockWalk) {
+      task.walk_keys(p);
     }
     return task;
   };
@@ -272,7 +277,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
     store_output<T>(p.o, p.o_float32, p.o_error, task.q_offset, task.q_stride, p.lse + task.stat_offset + m0, o, softmax,
                     softmax_scale, warp_m0, blk.rows, p.shape.head_dim, p.mask, m0, task.q_len, task.kv_len, lane,
-                    kGeneral ? &seen : nullptr);
+                    kGeneral || kBlockWalk ? &seen : nullptr);
   }
 #endif  // JF_SM90A
 }
