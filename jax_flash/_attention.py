@@ -117,8 +117,7 @@ def _flash_attention_sinks_bwd(config, residuals, cotangents):
   d_o, _ = cotangents  # lse leaves through stop_gradient
   dq, dk, dv = _sharding.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config, segment_ids,
                                    o_error, alibi_slopes, block_mask, dropout_seeds)
-  o32 = o if o_error is None else _rounding.join_rounding(o, o_error)
-  delta = jnp.einsum("btnh,btnh->bnt", d_o.astype(jnp.float32), o32.astype(jnp.float32))
+  delta = _ops.delta_rows(o, d_o, o_error)
   dsinks = -jnp.sum(jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse) * delta,
                     axis=(0, 2))
   return dq, dk, dv, None, None, None, dsinks.astype(sinks.dtype), None, None, None

@@ -296,16 +296,26 @@ def dq_splits(batch: int, heads_k: int, seq_k: int) -> int:
   return max(1, wanted)
 
 
+def delta_rows(o, d_o, o_error=None) -> jax.Array:
+  """delta = rowsum(dO * O), (..., N, T) float32, from o (float32, or 16-bit joined with its int8
+  rounding error `o_error`: jax_flash._rounding) and the output cotangent d_o (..., T, N, Hv).
+  Products and sums in float32 element-wise (not a dot, which XLA may run in TF32 on a GPU)."""
+  o32 = o.astype(jnp.float32) if o_error is None else _rounding.join_rounding(o, o_error)
+  return jnp.swapaxes(jnp.sum(o32 * d_o.astype(jnp.float32), axis=-1), -1, -2)
+
+
 def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig, segment_ids=None,
                o_error=None, alibi_slopes=None, block_mask=None, dropout_seeds=None):
   """Returns (dq, dk, dv); the kernel's workspaces come back as extra outputs and are dropped:
-  delta (..., N, T) float32, and the float32 dQ accumulator, flat, of the size the native
-  module gives (on the CPU one partial per dQ split; on CUDA one like q, none in deterministic
-  mode). `o_error`: None, or the int8 rounding error of a 16-bit o
-  (jax_flash._rounding.split_rounding), from which the CUDA kernel forms delta at about float32
-  precision (the CPU kernel gets o joined back into float32). `alibi_slopes`: those of the
-  forward (the kernel recomputes the same biased scores; the slopes get no gradient).
-  `dropout_seeds`: those of the forward (the kernel regenerates the same mask)."""
+  on the CPU delta (..., N, T) float32, and the float32 dQ accumulator, flat, of the size the
+  native module gives (on the CPU one partial per dQ split; on CUDA one like q, none in
+  deterministic mode). `o_error`: None, or the int8 rounding error of a 16-bit o
+  (jax_flash._rounding.split_rounding): the CPU kernel gets o joined back into float32; on CUDA
+  XLA forms delta from both here (delta_rows) and the kernels take delta instead of o, so that o
+  and its error are dead before the call's dQ accumulator is live (the fwd+bwd's peak memory).
+  `alibi_slopes`: those of the forward (the kernel recomputes the same biased scores; the slopes
+  get no gradient). `dropout_seeds`: those of the forward (the kernel regenerates the same
+  mask)."""
   _check_value_head_dim(config, q, v)
   if o_error is not None and config.implementation != "cuda":
     o, o_error = _rounding.join_rounding(o, o_error), None
@@ -314,35 +324,30 @@ def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig, segm
   batch_size = math.prod(batch)
   attributes = config.attributes()
   attributes["deterministic"] = bool(config.deterministic)
+  results = (
+      jax.ShapeDtypeStruct(q.shape, q.dtype),
+      jax.ShapeDtypeStruct(k.shape, k.dtype),
+      jax.ShapeDtypeStruct(v.shape, v.dtype),
+  )
   if config.implementation == "cpu":
     splits = dq_splits(batch_size, heads_k, seq_k)
     elements = _registry.cpu_dq_accum_elements(splits, batch_size, seq_q, heads_q, head_dim)
     attributes["dq_splits"] = np.int64(splits)
+    results += (jax.ShapeDtypeStruct(_lse_shape(q), jnp.float32),)  # delta
+    rows = (o, lse)
   else:
     elements = _registry.cuda_dq_accum_elements(batch_size, seq_q, heads_q, head_dim,
                                                 bool(config.deterministic))
-  call = jax.ffi.ffi_call(
-      _target(config, "bwd"),
-      (
-          jax.ShapeDtypeStruct(q.shape, q.dtype),
-          jax.ShapeDtypeStruct(k.shape, k.dtype),
-          jax.ShapeDtypeStruct(v.shape, v.dtype),
-          jax.ShapeDtypeStruct(_lse_shape(q), jnp.float32),  # delta
-          jax.ShapeDtypeStruct((elements,), jnp.float32),  # dQ accumulator
-      ),
-      vmap_method="broadcast_all",
-  )
+    rows = (lse, delta_rows(o, d_o, o_error))
+  results += (jax.ShapeDtypeStruct((elements,), jnp.float32),)  # dQ accumulator
+  call = jax.ffi.ffi_call(_target(config, "bwd"), results, vmap_method="broadcast_all")
   ids, id_attributes = _segment_operands(config, segment_ids)
   alibi, alibi_attributes = _alibi_operands(config, alibi_slopes)
   blocks, block_attributes = _block_mask_operands(config, block_mask, heads_k, backward=True)
   drop, drop_attributes = _dropout_operands(config, dropout_seeds)
-  # The CUDA backward's last operand: o_error, or an int8 placeholder with no elements.
-  error = ()
-  if config.implementation == "cuda":
-    error = (jnp.zeros((0,), jnp.int8) if o_error is None else o_error,)
-  dq, dk, dv, _, _ = call(q, k, v, o, lse, d_o, q_lens, kv_lens, *ids, *alibi, *blocks, *drop,
-                          *error, **attributes, **id_attributes, **_soft_cap_attribute(config),
-                          **alibi_attributes, **block_attributes, **drop_attributes)
+  dq, dk, dv, *_ = call(q, k, v, *rows, d_o, q_lens, kv_lens, *ids, *alibi, *blocks, *drop,
+                        **attributes, **id_attributes, **_soft_cap_attribute(config),
+                        **alibi_attributes, **block_attributes, **drop_attributes)
   return dq, dk, dv
 
 

@@ -9,8 +9,9 @@ bytes) plus an int8 `k`, o's rounding error in units of 1/256 of the 16-bit ulp:
     o ~= hi + k * step(hi),    step(hi) = ulp(hi) / 256,    k = rint((o - hi) / step) in [-128, 127]
 
 which holds about 8 more significant bits (16 for bfloat16, 19 for float16): as good as float32 for
-delta. The CUDA backward's prepare kernel decodes it with the same step (cuda/common/
-rounding_residual.h); join_rounding is the XLA form, for the paths that need float32 o.
+delta. The CUDA forward's epilogue writes it (cuda/common/rounding_residual.h, bit for bit
+split_rounding); join_rounding gives the float32 o back, from which XLA forms the CUDA
+backward's delta and the paths that need float32 o take it.
 """
 
 from __future__ import annotations

@@ -26,10 +26,10 @@ forward (sm90/flash_fwd_ws_kernel.cuh, sm80/flash_fwd_kernel.cuh, gpu/softmax.cu
   - O = acc * (1/l) in float32; lse = max*scale + log(l) (one FFMA), natural log, float32;
   - the output rounded to the input dtype (also the residual the backward reads: CUDA keeps o in
     16 bits, _ops.for_backward).
-backward (gpu/bwd_preprocess.cuh, sm90/bwd_steps.cuh, sm80/flash_bwd_kernel.cuh,
-  gpu/bwd_postprocess.cuh)
-  - delta D = sum_h O_h dO_h in float32, each thread 8 elements at a time (FFMA chain), then a
-    butterfly of shuffles (prepare_threads_per_row threads a row);
+backward (sm90/bwd_steps.cuh, sm80/flash_bwd_kernel.cuh, gpu/bwd_postprocess.cuh)
+  - delta D = sum_h O_h dO_h in float32: until session 16 the prepare kernel's (each thread 8
+    elements at a time, FFMA chain, then a butterfly of shuffles: delta_prepare), since then
+    XLA's reduction beside the call (another float32 order; delta_prepare stands in for it);
   - P = exp2(min(S*c - lse*log2e, 0)) in float32 (unrounded); dP = dO V^T on the tensor cores;
   - dS = (scale * P) * (dP - D) in float32, then ROUNDED to the input dtype for both dK = dS^T Q
     and dQ = dS K; dV = P~^T dO with P rounded; float32 accumulation, one final rounding of dq,
@@ -231,7 +231,8 @@ def prepare_threads_per_row(head_dim: int) -> int:
 
 
 def delta_prepare(o: np.ndarray, do: np.ndarray, compiled_dim: int) -> np.ndarray:
-  """flash_bwd_prepare_kernel's D: per thread, FFMA over its 8-element groups, then a butterfly.
+  """The former flash_bwd_prepare_kernel's D (a float32 order standing in for XLA's reduction,
+  which forms D now): per thread, FFMA over its 8-element groups, then a butterfly.
   o, do: (..., H) float64 carrying float32 values."""
   h = o.shape[-1]
   threads = prepare_threads_per_row(compiled_dim)

@@ -126,7 +126,7 @@ def test_deterministic_matches_reference(case):
 def test_backward_forms_delta_from_o_and_its_rounding_error():
   """A differentiated 16-bit call keeps the 16-bit o plus its int8 rounding error for the
   backward (jax_flash._rounding; issue 13 item 2), and the step-by-step result equals the
-  backward given o in float32 (what the prepare kernel decodes it to, to float32 rounding)."""
+  backward given o in float32 (what XLA forms delta from: join_rounding, to float32 rounding)."""
   import jax_flash
   from jax_flash import _ops, _rounding
   rng = np.random.default_rng(5)

@@ -58,15 +58,13 @@ def dq_accum_elements(deterministic: bool) -> int:
   return _registry.cuda_dq_accum_elements(B, T, N, H, deterministic)
 
 
-def valid_bwd(dtype: str = "bfloat16", deterministic: bool = False, o_error: bool = False) -> Call:
-  """With `o_error`, o's int8 rounding error beside it (jax_flash._rounding); else the empty
-  placeholder."""
+def valid_bwd(dtype: str = "bfloat16", deterministic: bool = False) -> Call:
+  """The CUDA backward takes delta = rowsum(dO * O), formed by XLA, in place of o."""
   return Call("jax_flash_cuda_bwd",
-              dict(q=(Q, dtype), k=(KV, dtype), v=(KV, dtype), o=(Q, dtype), lse=(ROWS, "float32"),
-                   do=(Q, dtype), q_lens=((B,), "int32"), kv_lens=((B,), "int32"), **NO_IDS,
-                   alibi_slopes=((0,), "float32"), **NO_BLOCKS,
-                   o_error=(Q if o_error else (0,), "int8")),
-              dict(dq=(Q, dtype), dk=(KV, dtype), dv=(KV, dtype), delta=(ROWS, "float32"),
+              dict(q=(Q, dtype), k=(KV, dtype), v=(KV, dtype), lse=(ROWS, "float32"),
+                   delta=(ROWS, "float32"), do=(Q, dtype), q_lens=((B,), "int32"),
+                   kv_lens=((B,), "int32"), **NO_IDS, alibi_slopes=((0,), "float32"), **NO_BLOCKS),
+              dict(dq=(Q, dtype), dk=(KV, dtype), dv=(KV, dtype),
                    dq_accum=((dq_accum_elements(deterministic),), "float32")),
               attributes(deterministic=deterministic))
 
@@ -85,11 +83,6 @@ def test_forward_writing_the_rounding_error_of_o_runs(rng):
   assert np.asarray(o_error).dtype == np.int8 and np.asarray(o_error).shape == Q
 
 
-def test_backward_with_the_rounding_error_of_o_runs(rng):
-  outputs = valid_bwd(o_error=True).run(rng)
-  assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in outputs[:3])
-
-
 def test_deterministic_backward_takes_no_dq_workspace(rng):
   valid_bwd(deterministic=True).run(rng)
   expect_invalid_argument(with_attributes(valid_bwd(deterministic=True), deterministic=False), rng,
@@ -104,7 +97,6 @@ ERRORS = [
      ("head dim padded to a multiple of 8", "q(2, 5, 4, 12)")),
     ("k_f16_q_bf16", lambda c: with_dtype(c, "float16", "k", "v"),
      ("one dtype", "q(2, 5, 4, 16) bfloat16", "k(2, 7, 2, 16) float16")),
-    ("o_shape", lambda c: with_shape(c, "o", (B, T, N, H + 8)), ("o(2, 5, 4, 24)", "must match")),
     ("lse_short", lambda c: with_shape(c, "lse", (B, N, T - 1)), ("lse(2, 4, 4) float32", "expected 40")),
     ("kv_lens_int16", lambda c: with_dtype(c, "int16", "kv_lens"), ("kv_lens(2,) int16", "int32")),
     ("heads_not_multiple", lambda c: with_shapes(c, (B, T, 3, H), KV),
@@ -150,8 +142,9 @@ def with_block_lists(call: Call) -> Call:
   return call
 
 
-# The forward's o_error is a result: the same checks as the backward's operand.
+# The forward's o and its o_error result (a differentiated call's split o).
 FWD_ERRORS = [
+    ("o_shape", lambda c: with_shape(c, "o", (B, T, N, H + 8)), ("o(2, 5, 4, 24)", "must match")),
     ("o_error_shape", lambda c: with_shape(c, "o_error", (B, T, N, H - 8)),
      ("o_error(2, 5, 4, 8) int8", "shape of a 16-bit")),
     ("o_error_int16", lambda c: with_dtype(c, "int16", "o_error"), ("o_error(0,) int16", "must be int8")),
@@ -167,11 +160,7 @@ BWD_ERRORS = [
     ("delta_short", lambda c: with_shape(c, "delta", (B, N)), ("delta(2, 4) float32", "expected 40")),
     ("dk_dtype", lambda c: with_dtype(c, "float16", "dk"), ("dk(2, 7, 2, 16) float16", "must match")),
     ("do_shape", lambda c: with_shape(c, "do", (B, T + 1, N, H)), ("do(2, 6, 4, 16)", "must match")),
-    ("o_error_shape", lambda c: with_shape(c, "o_error", (B, T, N, H - 8)),
-     ("o_error(2, 5, 4, 8) int8", "shape of a 16-bit")),
-    ("o_error_int16", lambda c: with_dtype(c, "int16", "o_error"), ("o_error(0,) int16", "must be int8")),
-    ("o_error_beside_float32_o", lambda c: with_shape(with_dtype(c, "float32", "o"), "o_error", Q),
-     ("o_error(2, 5, 4, 16) int8", "shape of a 16-bit", "o(2, 5, 4, 16) float32")),
+    ("delta_bf16", lambda c: with_dtype(c, "bfloat16", "delta"), ("delta(2, 4, 5) bfloat16",)),
     ("q_block_visits_shape", lambda c: with_shape(with_block_lists(c), "q_block_visits", (B, K, SB, TB)),
      ("q_block_visits(2, 2, 1, 1) int32", "(K, Sb, N / K * Tb)")),
     ("q_block_visit_counts_without_switch", lambda c: with_shape(c, "q_block_visit_counts", (B, K, SB)),

@@ -50,8 +50,9 @@ def test_differentiated_forward_writes_float32_output():
 def test_cuda_forward_splits_its_output_itself(monkeypatch):
   """On CUDA (a GPU host simulated: traced only) the differentiated forward's custom call
   returns the 16-bit o and its int8 rounding error itself (KernelConfig.o_split), not o in
-  float32 for XLA to split; the backward takes both; the undifferentiated call's third result
-  is empty."""
+  float32 for XLA to split; the backward's call takes neither but delta = rowsum(dO * O), which
+  XLA forms from both beside it (so they are dead when its dQ accumulator is live); the
+  undifferentiated call's third result is empty."""
   from attention_testing import ffi_calls, simulate_cuda_host
   simulate_cuda_host(monkeypatch)
   q, k, v, _ = _peaked_inputs(0, jnp.bfloat16)
@@ -61,7 +62,11 @@ def test_cuda_forward_splits_its_output_itself(monkeypatch):
   assert (fwd, bwd) == ("jax_flash_cuda_fwd", "jax_flash_cuda_bwd")
   assert [(r.shape, r.dtype) for r in fwd_results] == [
       (q.shape, jnp.bfloat16), ((2, 2, 32), jnp.float32), (q.shape, jnp.int8)]
-  assert (q.shape, jnp.int8) in [(x.shape, x.dtype) for x in bwd_operands]
+  rows = ((2, 2, 32), jnp.float32)
+  assert [(x.shape, x.dtype) for x in bwd_operands[:6]] == [
+      (q.shape, jnp.bfloat16), (k.shape, jnp.bfloat16), (v.shape, jnp.bfloat16), rows, rows,
+      (q.shape, jnp.bfloat16)]  # q, k, v, lse, delta, do
+  assert all(x.dtype != jnp.int8 for x in bwd_operands)
   rows = jnp.concatenate([q] * 4, axis=1)  # T = 128: the tiled forward, not the decode kernel
   ((name, _, _, plain_results),) = ffi_calls(attention, rows)
   assert name == "jax_flash_cuda_fwd"
@@ -96,7 +101,7 @@ def test_delta_from_float32_output_meets_the_rule():
 def test_delta_from_the_int8_rounding_error_meets_the_rule():
   """dot_product_attention's CUDA residual: the 16-bit o plus its int8 rounding error
   (jax_flash._rounding), here joined back for the CPU kernel, meets the rule on the inputs
-  above as the float32 o does (the CUDA prepare kernel decodes it the same way: test_rounding)."""
+  above as the float32 o does (the CUDA backward's delta is formed from it the same way, in XLA)."""
   dtype, scale = jnp.bfloat16, 2.0
   config = _ops.KernelConfig("cpu", scale, False, -1, -1)
   for seed in range(6):

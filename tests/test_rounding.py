@@ -1,5 +1,5 @@
 """The backward's 16-bit-plus-int8 residual o (jax_flash/_rounding.py, issue 13 item 2): its
-precision, its edge values, and the C++ decoder the CUDA prepare kernel uses
+precision, its edge values, and the C++ encoder and decoder the CUDA forward's epilogue uses
 (cuda/common/rounding_residual.h, compiled here into a small program) against the Python one."""
 
 from __future__ import annotations

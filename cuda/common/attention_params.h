@@ -144,17 +144,18 @@ struct FwdParams : AttentionParams {
 };
 
 struct BwdParams : AttentionParams {
-  const void* o = nullptr;
-  // With a 16-bit o: o's rounding error as int8 in units of ulp/256 (common/rounding_residual.h),
-  // so delta is formed from o at about float32 precision; null for none. CUDA only.
-  const int8_t* o_error = nullptr;
+  const void* o = nullptr;  // CPU only (the CUDA kernels take delta instead)
   const void* d_o = nullptr;
   const float* lse = nullptr;
   void* dq = nullptr;
   void* dk = nullptr;
   void* dv = nullptr;
+  // (batch, heads_q, seq_q): rowsum(dO * O). The CPU kernel's workspace (returned to XLA as an
+  // extra output, so no memory is hidden from it), formed from o; the CUDA kernels' input, formed
+  // by XLA beside the call (jax_flash._ops._flash_bwd), so that o and its rounding error are no
+  // longer live when the call's dQ accumulator is.
+  float* delta = nullptr;
   // Workspaces, returned to XLA as extra outputs so no memory is hidden from it.
-  float* delta = nullptr;        // (batch, heads_q, seq_q): rowsum(dO * O)
   float* dq_accum = nullptr;     // float32 dQ partials (layout per backend; unused when
                                  // deterministic on CUDA)
   int64_t dq_splits = 1;         // CPU: key blocks are dealt round-robin to this many partials

@@ -250,22 +250,16 @@ inline xla::ffi::Error attention_window(const char* name, int64_t window, const 
   return xla::ffi::Error::Success();
 }
 
-// Checks the operands both passes take (q, k, v, o and the lengths) and the mask/scale
-// attributes, and fills the fields of `params` they determine.
+// Checks the operands every pass takes (q, k, v and the lengths) and the mask/scale attributes,
+// and fills the fields of `params` they determine.
 inline xla::ffi::Error set_attention_inputs(const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuffer& k,
-                                            const xla::ffi::AnyBuffer& v, const xla::ffi::AnyBuffer& o,
-                                            const xla::ffi::AnyBuffer& q_lens,
+                                            const xla::ffi::AnyBuffer& v, const xla::ffi::AnyBuffer& q_lens,
                                             const xla::ffi::AnyBuffer& kv_lens, double scale, bool is_causal,
                                             int64_t window_left, int64_t window_right,
                                             AttentionParams& params,
                                             ValueHeadDim value_dim = ValueHeadDim::kSameAsQk) {
   JF_RETURN_IF_ERROR(attention_shape(q, k, v, q_lens, kv_lens, params.shape, value_dim));
   JF_RETURN_IF_ERROR(attention_dtype(q, k, v, params.dtype));
-  // o has q's shape with v's head dim and q's dtype, or is float32 for 16-bit inputs: the
-  // forward's output kept at full precision for the backward (AttentionParams::o_float32).
-  params.o_float32 = o.element_type() == xla::ffi::DataType::F32 && q.element_type() != xla::ffi::DataType::F32;
-  JF_RETURN_IF_ERROR(expect_value_rows("o", o, q, params.shape.head_dim_v,
-                                       params.o_float32 ? xla::ffi::DataType::F32 : q.element_type()));
   JF_RETURN_IF_ERROR(attention_scale(scale, params.scale));
   params.mask.causal = is_causal;
   JF_RETURN_IF_ERROR(attention_window("window_left", window_left, params.shape, params.mask.window_left));
@@ -278,6 +272,16 @@ inline xla::ffi::Error set_attention_inputs(const xla::ffi::AnyBuffer& q, const 
   return xla::ffi::Error::Success();
 }
 
+// Checks o against q (after set_attention_inputs): q's shape with v's head dim and q's dtype, or
+// float32 for 16-bit inputs: the forward's output kept at full precision for the backward
+// (AttentionParams::o_float32).
+inline xla::ffi::Error set_output_rows(const xla::ffi::AnyBuffer& o, const xla::ffi::AnyBuffer& q,
+                                       AttentionParams& params) {
+  params.o_float32 = o.element_type() == xla::ffi::DataType::F32 && q.element_type() != xla::ffi::DataType::F32;
+  return expect_value_rows("o", o, q, params.shape.head_dim_v,
+                           params.o_float32 ? xla::ffi::DataType::F32 : q.element_type());
+}
+
 // Rows of lse and delta: (batch, heads_q, seq_q).
 inline int64_t lse_elements(const AttentionShape& shape) { return shape.batch * shape.heads_q * shape.seq_q; }
 
@@ -288,32 +292,32 @@ inline xla::ffi::Error make_fwd_params(const xla::ffi::AnyBuffer& q, const xla::
                                        const xla::ffi::AnyBuffer& lse, double scale, bool is_causal,
                                        int64_t window_left, int64_t window_right, FwdParams& params,
                                        ValueHeadDim value_dim = ValueHeadDim::kSameAsQk) {
-  JF_RETURN_IF_ERROR(set_attention_inputs(q, k, v, o, q_lens, kv_lens, scale, is_causal, window_left,
-                                          window_right, params, value_dim));
+  JF_RETURN_IF_ERROR(set_attention_inputs(q, k, v, q_lens, kv_lens, scale, is_causal, window_left, window_right,
+                                          params, value_dim));
+  JF_RETURN_IF_ERROR(set_output_rows(o, q, params));
   JF_RETURN_IF_ERROR(expect_float32("lse", lse, lse_elements(params.shape)));
   params.o = o.untyped_data();
   params.lse = lse.typed_data<float>();
   return xla::ffi::Error::Success();
 }
 
-// Checks the backward's operands and fills every field of `params` they determine (all but the
-// dQ accumulator, whose form is the backend's).
-inline xla::ffi::Error make_bwd_params(
+// Checks the backward's operands but o (and o_error) and fills every field of `params` they
+// determine (all but the dQ accumulator, whose form is the backend's). delta is the CPU kernel's
+// workspace (it forms delta = rowsum(dO * O) from o), the CUDA kernels' input (XLA forms it).
+inline xla::ffi::Error make_bwd_params_without_o(
     const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuffer& k, const xla::ffi::AnyBuffer& v,
-    const xla::ffi::AnyBuffer& o, const xla::ffi::AnyBuffer& lse, const xla::ffi::AnyBuffer& d_o,
-    const xla::ffi::AnyBuffer& q_lens, const xla::ffi::AnyBuffer& kv_lens, const xla::ffi::AnyBuffer& dq,
-    const xla::ffi::AnyBuffer& dk, const xla::ffi::AnyBuffer& dv, const xla::ffi::AnyBuffer& delta,
-    double scale, bool is_causal, int64_t window_left, int64_t window_right, BwdParams& params,
-    ValueHeadDim value_dim = ValueHeadDim::kSameAsQk) {
-  JF_RETURN_IF_ERROR(set_attention_inputs(q, k, v, o, q_lens, kv_lens, scale, is_causal, window_left,
-                                          window_right, params, value_dim));
+    const xla::ffi::AnyBuffer& lse, const xla::ffi::AnyBuffer& d_o, const xla::ffi::AnyBuffer& q_lens,
+    const xla::ffi::AnyBuffer& kv_lens, const xla::ffi::AnyBuffer& dq, const xla::ffi::AnyBuffer& dk,
+    const xla::ffi::AnyBuffer& dv, const xla::ffi::AnyBuffer& delta, double scale, bool is_causal,
+    int64_t window_left, int64_t window_right, BwdParams& params, ValueHeadDim value_dim = ValueHeadDim::kSameAsQk) {
+  JF_RETURN_IF_ERROR(set_attention_inputs(q, k, v, q_lens, kv_lens, scale, is_causal, window_left, window_right,
+                                          params, value_dim));
   JF_RETURN_IF_ERROR(expect_value_rows("do", d_o, q, params.shape.head_dim_v, q.element_type()));
   JF_RETURN_IF_ERROR(expect_like("dq", dq, "q", q));
   JF_RETURN_IF_ERROR(expect_like("dk", dk, "k", k));
   JF_RETURN_IF_ERROR(expect_like("dv", dv, "v", v));
   JF_RETURN_IF_ERROR(expect_float32("lse", lse, lse_elements(params.shape)));
   JF_RETURN_IF_ERROR(expect_float32("delta", delta, lse_elements(params.shape)));
-  params.o = o.untyped_data();
   params.d_o = d_o.untyped_data();
   params.lse = lse.typed_data<float>();
   params.dq = dq.untyped_data();
@@ -323,19 +327,18 @@ inline xla::ffi::Error make_bwd_params(
   return xla::ffi::Error::Success();
 }
 
-// The backward's optional o_error operand (BwdParams::o_error): int8 of o's shape beside a 16-bit
-// o, or no elements for none.
-inline xla::ffi::Error set_o_error(const xla::ffi::AnyBuffer& o_error, const xla::ffi::AnyBuffer& o,
-                                   BwdParams& params) {
-  JF_RETURN_IF_ERROR(expect_dtype("o_error", o_error, xla::ffi::DataType::S8));
-  if (o_error.element_count() == 0) {
-    params.o_error = nullptr;
-    return xla::ffi::Error::Success();
-  }
-  if (params.o_float32 || !(o_error.dimensions() == o.dimensions()))
-    return invalid(describe("o_error", o_error) + ": must be empty or have the shape of a 16-bit " +
-                   describe("o", o));
-  params.o_error = o_error.typed_data<int8_t>();
+// make_bwd_params_without_o and o (the CPU backward's operands).
+inline xla::ffi::Error make_bwd_params(
+    const xla::ffi::AnyBuffer& q, const xla::ffi::AnyBuffer& k, const xla::ffi::AnyBuffer& v,
+    const xla::ffi::AnyBuffer& o, const xla::ffi::AnyBuffer& lse, const xla::ffi::AnyBuffer& d_o,
+    const xla::ffi::AnyBuffer& q_lens, const xla::ffi::AnyBuffer& kv_lens, const xla::ffi::AnyBuffer& dq,
+    const xla::ffi::AnyBuffer& dk, const xla::ffi::AnyBuffer& dv, const xla::ffi::AnyBuffer& delta,
+    double scale, bool is_causal, int64_t window_left, int64_t window_right, BwdParams& params,
+    ValueHeadDim value_dim = ValueHeadDim::kSameAsQk) {
+  JF_RETURN_IF_ERROR(make_bwd_params_without_o(q, k, v, lse, d_o, q_lens, kv_lens, dq, dk, dv, delta, scale,
+                                               is_causal, window_left, window_right, params, value_dim));
+  JF_RETURN_IF_ERROR(set_output_rows(o, q, params));
+  params.o = o.untyped_data();
   return xla::ffi::Error::Success();
 }
 

@@ -1,7 +1,8 @@
 // The backward's residual o as its 16-bit value hi plus an int8 k, o's rounding error in units of
-// step(hi) = ulp(hi) / 256 (jax_flash/_rounding.py writes it; its docstring says why): the
-// prepare kernel forms delta = rowsum(dO * O) from hi + k step(hi), exact in float32, instead of
-// from hi alone. tests/test_rounding.py checks this decoder against the Python one.
+// step(hi) = ulp(hi) / 256 (jax_flash/_rounding.py says why): the CUDA forward's epilogue writes
+// k (rounding_error), and XLA forms the backward's delta = rowsum(dO * O) from hi + k step(hi),
+// exact in float32 (join_rounding here is its C++ twin). tests/test_rounding.py checks both
+// against jax_flash/_rounding.py.
 #pragma once
 
 #include <cmath>

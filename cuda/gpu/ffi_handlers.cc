@@ -100,19 +100,18 @@ ffi::Error run_fwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
 }
 
 ffi::Error run_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                   ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer d_o, ffi::AnyBuffer q_lens,
+                   ffi::AnyBuffer lse, ffi::AnyBuffer delta, ffi::AnyBuffer d_o, ffi::AnyBuffer q_lens,
                    ffi::AnyBuffer kv_lens, ffi::Result<ffi::AnyBuffer> dq,
                    ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                   ffi::Result<ffi::AnyBuffer> delta, ffi::Result<ffi::AnyBuffer> dq_accum,
-                   double scale, bool is_causal, int64_t window_left, int64_t window_right,
+                   ffi::Result<ffi::AnyBuffer> dq_accum, double scale, bool is_causal, int64_t window_left, int64_t window_right,
                    bool deterministic, ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
                    bool segment_ids, ffi::AnyBuffer q_segment_id_spans, ffi::AnyBuffer kv_segment_id_spans,
                    double logits_soft_cap, ffi::AnyBuffer alibi_slopes, bool alibi, ffi::AnyBuffer kv_block_lists,
                    ffi::AnyBuffer kv_block_counts, ffi::AnyBuffer q_block_visits, ffi::AnyBuffer q_block_visit_counts,
-                   bool block_sparse, ffi::AnyBuffer o_error) {
+                   bool block_sparse) {
   BwdParams params;
-  JF_RETURN_IF_ERROR(make_bwd_params(q, k, v, o, lse, d_o, q_lens, kv_lens, *dq, *dk, *dv, *delta,
-                                     scale, is_causal, window_left, window_right, params));
+  JF_RETURN_IF_ERROR(make_bwd_params_without_o(q, k, v, lse, d_o, q_lens, kv_lens, *dq, *dk, *dv, delta, scale,
+                                               is_causal, window_left, window_right, params));
   JF_RETURN_IF_ERROR(check_cuda_inputs(q, params.shape, params.dtype));
   JF_RETURN_IF_ERROR(set_segment_ids(q_segment_ids, kv_segment_ids, segment_ids, q, k, params));
   JF_RETURN_IF_ERROR(
@@ -121,13 +120,35 @@ ffi::Error run_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   JF_RETURN_IF_ERROR(set_alibi_slopes(alibi_slopes, alibi, q, params));
   JF_RETURN_IF_ERROR(set_block_lists(kv_block_lists, kv_block_counts, &q_block_visits, &q_block_visit_counts,
                                      block_sparse, q, params));
-  JF_RETURN_IF_ERROR(set_o_error(o_error, o, params));
   JF_RETURN_IF_ERROR(
       expect_float32("dq_accum", *dq_accum, cuda::dq_accum_elements(params.shape, deterministic)));
   params.dq_accum = deterministic ? nullptr : dq_accum->typed_data<float>();
   params.deterministic = deterministic;
   if (cudaError_t e = cuda::launch_flash_bwd(params, stream)) return cuda_error("backward launch", e);
   return ffi::Error::Success();
+}
+
+// The CUDA backward's operands: the CPU's (common/ffi_params.h's bwd_binding) with delta, formed by
+// XLA from o and its rounding error, in place of o (BwdParams::delta), and no delta workspace.
+auto cuda_bwd_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<ffi::AnyBuffer>()  // q
+      .Arg<ffi::AnyBuffer>()  // k
+      .Arg<ffi::AnyBuffer>()  // v
+      .Arg<ffi::AnyBuffer>()  // lse (..., N, T) float32
+      .Arg<ffi::AnyBuffer>()  // delta (..., N, T) float32: rowsum(dO * O)
+      .Arg<ffi::AnyBuffer>()  // do, the output cotangent
+      .Arg<ffi::AnyBuffer>()  // q_lens int32
+      .Arg<ffi::AnyBuffer>()  // kv_lens int32
+      .Ret<ffi::AnyBuffer>()  // dq
+      .Ret<ffi::AnyBuffer>()  // dk
+      .Ret<ffi::AnyBuffer>()  // dv
+      .Ret<ffi::AnyBuffer>()  // dq_accum workspace float32 (gpu/launch.h: dq_accum_elements)
+      .Attr<double>("scale")
+      .Attr<bool>("is_causal")
+      .Attr<int64_t>("window_left")
+      .Attr<int64_t>("window_right");
 }
 
 // After the segment ids (with_segment_ids, as the CPU passes take them): their spans
@@ -157,12 +178,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaFlashFwd, run_fwd,
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaFlashBwd, run_bwd,
-                              with_kernel_options(with_segment_ids(bwd_binding<ffi::PlatformStream<cudaStream_t>>()
-                                                                       .Attr<bool>("deterministic")))  // no atomics
-                                  .Arg<ffi::AnyBuffer>()   // q_block_visits (..., K, Sb, N / K * Tb) int32, or (0,)
-                                  .Arg<ffi::AnyBuffer>()   // q_block_visit_counts (..., K, Sb) int32, or (0,)
-                                  .Attr<bool>("block_sparse")
-                                  .Arg<ffi::AnyBuffer>(),  // o_error int8, o's shape or empty
+                              with_kernel_options(with_segment_ids(cuda_bwd_binding().Attr<bool>("deterministic")))
+                                  .Arg<ffi::AnyBuffer>()  // q_block_visits (..., K, Sb, N / K * Tb) int32, or (0,)
+                                  .Arg<ffi::AnyBuffer>()  // q_block_visit_counts (..., K, Sb) int32, or (0,)
+                                  .Attr<bool>("block_sparse"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_flash

@@ -9,7 +9,6 @@
 #include <type_traits>
 
 #include "gpu/bwd_postprocess.cuh"
-#include "gpu/bwd_preprocess.cuh"
 #include "gpu/kernel_choice.h"
 #include "gpu/launch.h"
 #include "gpu/tile_shapes.cuh"
@@ -57,8 +56,8 @@ cudaError_t launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
   });
 }
 
-// prepare (delta, dQ accumulator zeroed) -> main (either family) -> convert dQ, or the
-// deterministic dQ kernel instead of the atomics and the convert.
+// dQ accumulator zeroed -> main (either family) -> convert dQ, or the deterministic dQ kernel
+// instead of the atomics and the convert. delta = rowsum(dO * O) comes formed (BwdParams::delta).
 cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
   if (p.shape.batch == 0 || p.shape.seq_q == 0) return cudaSuccess;  // empty outputs
   const KernelFamily family = backward_family();
@@ -67,9 +66,11 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
     constexpr int kD = decltype(head_dim)::value;
     const AttentionShape& sh = p.shape;
     const int64_t rows = sh.batch * sh.seq_q * sh.heads_q;
-    constexpr int kRowThreads = prepare_threads_per_row(kD);
-    flash_bwd_prepare_kernel<T, kRowThreads><<<(rows * kRowThreads + 255) / 256, 256, 0, stream>>>(p);
-    if (cudaError_t e = cudaGetLastError()) return e;
+    // The atomics and bulk reductions add into the accumulator (a memset: a graph node when XLA
+    // captures the call).
+    if (!p.deterministic)
+      if (cudaError_t e = cudaMemsetAsync(p.dq_accum, 0, static_cast<size_t>(rows * sh.head_dim) * sizeof(float), stream))
+        return e;
 
     if (sh.seq_k > 0) {  // with no keys, dK and dV are empty and dQ stays 0
       cudaError_t e = cudaSuccess;

@@ -1,7 +1,6 @@
 // FlashAttention-2 backward for sm_80 and newer, by recomputation: the main kernel and the
-// deterministic dQ kernel, between the prepare and convert kernels of gpu/bwd_preprocess.cuh and
-// gpu/bwd_postprocess.cuh (which compute delta = rowsum(dO * O), zero the float32 dQ accumulator
-// and convert it).
+// deterministic dQ kernel, after the float32 dQ accumulator is zeroed and before
+// gpu/bwd_postprocess.cuh converts it (delta = rowsum(dO * O) comes formed by XLA).
 //   flash_bwd_kernel: one CTA per (key block, batch, kv head); K and V stay in shared memory
 //     while the query blocks of every query head of the group that see the keys stream past
 //     (Q and dO double-buffered). Per query block: S = Q K^T and dP = dO V^T in registers,
