@@ -285,6 +285,19 @@ def test_forward_on_a_cta_per_tile_on_hopper():
       "or test_command_buffer_capture or test_jit_training_step_reduces_loss")
 
 
+def test_wide_key_blocks_forward_on_hopper():
+  """Experimental: the forward with key blocks of 176 for the plain non-causal calls at head dim
+  128 (JAX_FLASH_CUDA_FORWARD=sm90ws_wide, FlashAttention-3's tile there) passes the reference
+  cases of head dims 65..128 (partial key blocks, lengths, GQA, T != S among them; the causal
+  ones take 128-key blocks as by default), the forward's own split of o, the CUDA-graph capture
+  and the training step."""
+  _run_cuda_tests_on_hopper_with(
+      {"JAX_FLASH_CUDA_FORWARD": "sm90ws_wide"},
+      "(test_cuda_matches_reference and (h80 or h96 or h111 or h128)) or "
+      "test_forward_splits_o_as_xla_would or test_command_buffer_capture or "
+      "test_jit_training_step_reduces_loss")
+
+
 def test_block_sparse_on_the_plain_kernels_on_hopper():
   """Experimental: block-sparse calls that need nothing else of the general kernels (no cap,
   ALiBi, ids or window) on the plain Hopper kernels walking the block mask

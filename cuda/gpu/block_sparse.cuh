@@ -27,9 +27,9 @@ namespace jax_flash::cuda {
 // down from the last (descending).
 template <int kTile>
 struct TileWalk {
-  static_assert(kBlockMaskRows == kBlockMaskKeys && kBlockMaskRows % kTile == 0,
-                "every kernel tile lies in one block of the block mask");
-  static constexpr int kPer = static_cast<int>(kBlockMaskRows / kTile);  // tiles per mask block
+  // Tiles per mask block (1 for tiles wider than a block, which only the dense walk takes: the
+  // list constructor asserts).
+  static constexpr int kPer = kTile <= kBlockMaskRows ? static_cast<int>(kBlockMaskRows / kTile) : 1;
   const int32_t* list = nullptr;  // live blocks from the first one that meets [first, last]; null: dense
   int first = 0, last = -1;
   int skip = 0;   // tiles of the list's first block before `first`
@@ -41,6 +41,8 @@ struct TileWalk {
   // `blocks` ascending live mask blocks (`n` of them, clamped to [0, max_blocks]).
   __device__ TileWalk(int first_tile, int last_tile, const int32_t* blocks, int n, int max_blocks)
       : first(first_tile), last(last_tile) {
+    static_assert(kBlockMaskRows == kBlockMaskKeys && kBlockMaskRows % kTile == 0,
+                  "every kernel tile lies in one block of the block mask");
     n = n < 0 ? 0 : (n > max_blocks ? max_blocks : n);
     if (last < first || n == 0) return;
     const int lo = lower_bound(blocks, n, first / kPer);

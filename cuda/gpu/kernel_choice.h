@@ -2,7 +2,8 @@
 // wgmma (sm90ws) kernels, wherever gpu/tile_shapes.cuh has one for the head dim; the mma.sync
 // (sm80) family everywhere else. Two environment variables, read once per process, override the
 // choice for experiments and comparisons:
-//   JAX_FLASH_CUDA_FORWARD  = sm80 | sm90ws | sm90ws_grid | sm90ws_walk  (default on Hopper: sm90ws)
+//   JAX_FLASH_CUDA_FORWARD  = sm80 | sm90ws | sm90ws_grid | sm90ws_walk | sm90ws_wide
+//                             (default on Hopper: sm90ws)
 //   JAX_FLASH_CUDA_BACKWARD = sm80 | sm90ws | sm90ws_walk | sm90ws_atomicdq | sm90ws_bulkdq
 //                             (default on Hopper: sm90ws)
 // The forward's sm90ws runs on a persistent grid, sm90ws_grid is the same kernel on a CTA per
@@ -23,7 +24,9 @@ namespace jax_flash::cuda {
 // sm90ws_walk (experimental, both passes): sm90ws, with block-sparse calls that need nothing else
 // of the general kernels on the plain kernel walking the block mask (head dims 64 and 128; the
 // backward's deterministic calls excepted).
-enum class KernelFamily { kSm80, kSm90Ws, kSm90WsGrid, kSm90WsWalk, kSm90WsAtomicDq, kSm90WsBulkDq };
+// sm90ws_wide (experimental, forward): sm90ws, with key blocks of 176 for the plain non-causal
+// calls at head dim 128.
+enum class KernelFamily { kSm80, kSm90Ws, kSm90WsGrid, kSm90WsWalk, kSm90WsWide, kSm90WsAtomicDq, kSm90WsBulkDq };
 
 // Empty when the variables are unset or hold a known value; else a message naming the variable,
 // its value and the values it takes (the FFI handlers return it as an error).

@@ -48,9 +48,14 @@ cudaError_t launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
     using T = typename decltype(type)::type;
     constexpr int kD = decltype(head_dim)::value;
     if constexpr (TileShapes<kD>::kHasSm90Fwd) {
-      if (family == KernelFamily::kSm90Ws) return launch_fwd_sm90_ws<T, kD>(p, true, false, stream);
-      if (family == KernelFamily::kSm90WsGrid) return launch_fwd_sm90_ws<T, kD>(p, false, false, stream);
-      if (family == KernelFamily::kSm90WsWalk) return launch_fwd_sm90_ws<T, kD>(p, true, true, stream);
+      if (family == KernelFamily::kSm90Ws || family == KernelFamily::kSm90WsGrid ||
+          family == KernelFamily::kSm90WsWalk || family == KernelFamily::kSm90WsWide) {
+        Sm90FwdOptions options;
+        options.persistent = family != KernelFamily::kSm90WsGrid;
+        options.block_walk = family == KernelFamily::kSm90WsWalk;
+        options.wide_keys = family == KernelFamily::kSm90WsWide;
+        return launch_fwd_sm90_ws<T, kD>(p, options, stream);
+      }
     }
     return launch_fwd_sm80<T, kD>(p, stream);
   });

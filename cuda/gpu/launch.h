@@ -31,11 +31,17 @@ cudaError_t launch_flash_bwd(const BwdParams& params, cudaStream_t stream);
 // The family launchers, for a 16-bit dtype T and a compiled head dim.
 template <typename T, int kHeadDim>
 cudaError_t launch_fwd_sm80(const FwdParams& params, cudaStream_t stream);
-// The warp-specialised TMA forward (sm90/flash_fwd_ws_kernel.cuh), on a persistent grid or a CTA
-// per tile; with `block_walk` (experimental) block-sparse calls that need nothing else of the
-// general kernels run the plain one walking the block mask.
+// The warp-specialised TMA forward (sm90/flash_fwd_ws_kernel.cuh): on a persistent grid or a CTA
+// per tile; with block_walk (experimental) block-sparse calls that need nothing else of the
+// general kernels run the plain one walking the block mask; with wide_keys (experimental) plain
+// non-causal calls at head dim 128 take key blocks of 176 (gpu/tile_shapes.cuh).
+struct Sm90FwdOptions {
+  bool persistent = true;
+  bool block_walk = false;
+  bool wide_keys = false;
+};
 template <typename T, int kHeadDim>
-cudaError_t launch_fwd_sm90_ws(const FwdParams& params, bool persistent, bool block_walk, cudaStream_t stream);
+cudaError_t launch_fwd_sm90_ws(const FwdParams& params, const Sm90FwdOptions& options, cudaStream_t stream);
 template <typename T, int kHeadDim>
 cudaError_t launch_bwd_main_sm80(const BwdParams& params, cudaStream_t stream);
 // The warp-specialised main backward's variants (sm90/flash_bwd_ws_kernel.cuh): 64-row query

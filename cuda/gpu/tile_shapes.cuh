@@ -39,6 +39,12 @@ struct TileShapes {
   // Warp-specialised wgmma forward: a TMA producer warpgroup and 2 consumer warpgroups x 64 query
   // rows, key blocks of 128 in 2 stages (of 64 past head dim 128: shared memory).
   using Sm90FwdWs = Sm90FwdWsTraits<kHeadDim, (kHeadDim <= 128 ? 128 : 64), 2>;
+  // Experimental (JAX_FLASH_CUDA_FORWARD=sm90ws_wide): key blocks of 176 at head dim 128 for the
+  // plain calls without a causal mask (FlashAttention-3's non-causal tile there: fewer softmax
+  // steps and hand-offs per key); not for the general calls (a 176-key tile straddles the block
+  // mask's 128-key blocks) nor causal ones (more masked work on the diagonal).
+  static constexpr bool kHasSm90FwdWide = kHeadDim == 128;
+  using Sm90FwdWsWide = Sm90FwdWsTraits<kHeadDim, (kHasSm90FwdWide ? 176 : 128), 2>;
   // Warp-specialised wgmma backward: a TMA producer warpgroup and 2 consumer warpgroups x 64 keys,
   // query blocks of 64; dQ added by atomics, or by bulk reductions from a shared tile.
   using Sm90BwdWs = Sm90BwdWsTraits<kHeadDim>;

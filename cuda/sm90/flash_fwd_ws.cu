@@ -16,7 +16,8 @@ namespace jax_flash::cuda {
 namespace {
 
 template <typename Traits, typename T>
-cudaError_t launch(const FwdParams& p, bool persistent, bool block_walk, cudaStream_t stream) {
+cudaError_t launch(const FwdParams& p, const Sm90FwdOptions& options, cudaStream_t stream) {
+  const bool persistent = options.persistent;
   const AttentionShape& s = p.shape;
   const int64_t tiles = (s.seq_q + Traits::kBlockM - 1) / Traits::kBlockM * s.heads_q * s.batch;
   if (tiles > INT32_MAX) return cudaErrorInvalidConfiguration;  // the scheduler counts in int
@@ -27,11 +28,14 @@ cudaError_t launch(const FwdParams& p, bool persistent, bool block_walk, cudaStr
     return e;
   // A persistent CTA takes tiles two at a time.
   const int64_t ctas = persistent ? std::min<int64_t>((tiles + 1) / 2, std::max(1, device_sm_count())) : tiles;
-  auto kernel = general_kernel(p) ? flash_fwd_sm90_ws_kernel<Traits, T, true> : flash_fwd_sm90_ws_kernel<Traits, T, false>;
-  // The plain kernel with the block walk is instantiated at head dims 64 and 128 only (an
-  // experiment: compile time).
-  if constexpr (Traits::kHeadDim == 64 || Traits::kHeadDim == 128)
-    if (block_walk && plain_block_walk_suffices(p)) kernel = flash_fwd_sm90_ws_kernel<Traits, T, false, true>;
+  auto kernel = flash_fwd_sm90_ws_kernel<Traits, T, false>;
+  if constexpr (Traits::kBlockN <= 128) {  // wider key tiles: the plain calls only (launch_fwd_sm90_ws)
+    if (general_kernel(p)) kernel = flash_fwd_sm90_ws_kernel<Traits, T, true>;
+    // The plain kernel with the block walk is instantiated at head dims 64 and 128 only (an
+    // experiment: compile time).
+    if constexpr (Traits::kHeadDim == 64 || Traits::kHeadDim == 128)
+      if (options.block_walk && plain_block_walk_suffices(p)) kernel = flash_fwd_sm90_ws_kernel<Traits, T, false, true>;
+  }
   return launch_with_smem(kernel, dim3(static_cast<unsigned>(ctas)), Traits::kThreads, Traits::kSmemBytes, stream,
                           params);
 }
@@ -39,13 +43,17 @@ cudaError_t launch(const FwdParams& p, bool persistent, bool block_walk, cudaStr
 }  // namespace
 
 template <typename T, int kHeadDim>
-cudaError_t launch_fwd_sm90_ws(const FwdParams& p, bool persistent, bool block_walk, cudaStream_t stream) {
-  return launch<typename TileShapes<kHeadDim>::Sm90FwdWs, T>(p, persistent, block_walk, stream);
+cudaError_t launch_fwd_sm90_ws(const FwdParams& p, const Sm90FwdOptions& options, cudaStream_t stream) {
+  using Shapes = TileShapes<kHeadDim>;
+  if constexpr (Shapes::kHasSm90FwdWide)
+    if (options.wide_keys && !general_kernel(p) && !p.mask.causal)
+      return launch<typename Shapes::Sm90FwdWsWide, T>(p, options, stream);
+  return launch<typename Shapes::Sm90FwdWs, T>(p, options, stream);
 }
 
-#define JF_INSTANTIATE(D)                                                                      \
-  template cudaError_t launch_fwd_sm90_ws<__nv_bfloat16, D>(const FwdParams&, bool, bool, cudaStream_t); \
-  template cudaError_t launch_fwd_sm90_ws<__half, D>(const FwdParams&, bool, bool, cudaStream_t);
+#define JF_INSTANTIATE(D)                                                                                  \
+  template cudaError_t launch_fwd_sm90_ws<__nv_bfloat16, D>(const FwdParams&, const Sm90FwdOptions&, cudaStream_t); \
+  template cudaError_t launch_fwd_sm90_ws<__half, D>(const FwdParams&, const Sm90FwdOptions&, cudaStream_t);
 JF_SM90_FWD_HEAD_DIMS(JF_INSTANTIATE)
 #undef JF_INSTANTIATE
 

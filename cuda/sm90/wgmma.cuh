@@ -88,6 +88,20 @@ struct Wgmma;
   "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
   "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
 
+// N = 176: the forward's wide key blocks (sm90ws_wide: FlashAttention-3's non-causal tile at
+// head dim 128).
+#define JF_WGMMA_ACC_N176 \
+  JF_WGMMA_ACC_N128, \
+  JF_WGMMA_ACC(16), JF_WGMMA_ACC(17), JF_WGMMA_ACC(18), JF_WGMMA_ACC(19), \
+  JF_WGMMA_ACC(20), JF_WGMMA_ACC(21)
+#define JF_WGMMA_REGS_N176 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
+  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+  "%80, %81, %82, %83, %84, %85, %86, %87}"
+
 // wgmma m64nNk16 with float32 accumulators for the 16-bit type T whose PTX name is PTX ("bf16" or
 // "f16"). ACC and REGS are the accumulator operands and their PTX list for N; the next operand
 // numbers are given as strings: SS (the two descriptors, the accumulate predicate, then the two
@@ -140,17 +154,25 @@ struct Wgmma;
 #define JF_DEFINE_WGMMA_N128(T, PTX)                                                                \
   JF_DEFINE_WGMMA(T, PTX, 128, JF_WGMMA_ACC_N128, JF_WGMMA_REGS_N128, "%64, %65", "%66", "%67, %68", \
                   "{%64, %65, %66, %67}, %68", "%69")
+#define JF_DEFINE_WGMMA_N176(T, PTX)                                                                \
+  JF_DEFINE_WGMMA(T, PTX, 176, JF_WGMMA_ACC_N176, JF_WGMMA_REGS_N176, "%88, %89", "%90", "%91, %92", \
+                  "{%88, %89, %90, %91}, %92", "%93")
 JF_DEFINE_WGMMA_N64(__nv_bfloat16, "bf16")
 JF_DEFINE_WGMMA_N64(__half, "f16")
 JF_DEFINE_WGMMA_N128(__nv_bfloat16, "bf16")
 JF_DEFINE_WGMMA_N128(__half, "f16")
+JF_DEFINE_WGMMA_N176(__nv_bfloat16, "bf16")
+JF_DEFINE_WGMMA_N176(__half, "f16")
 #undef JF_DEFINE_WGMMA_N64
 #undef JF_DEFINE_WGMMA_N128
+#undef JF_DEFINE_WGMMA_N176
 #undef JF_DEFINE_WGMMA
 #undef JF_WGMMA_REGS_N64
 #undef JF_WGMMA_REGS_N128
+#undef JF_WGMMA_REGS_N176
 #undef JF_WGMMA_ACC_N64
 #undef JF_WGMMA_ACC_N128
+#undef JF_WGMMA_ACC_N176
 #undef JF_WGMMA_ACC
 
 }  // namespace jax_flash::cuda
