@@ -24,8 +24,9 @@ namespace jax_flash::cuda {
 // sm90ws_walk (experimental, both passes): sm90ws, with block-sparse calls that need nothing else
 // of the general kernels on the plain kernel walking the block mask (head dims 64 and 128; the
 // backward's deterministic calls excepted).
-// sm90ws_wide (experimental, forward): sm90ws, with key blocks of 176 for the plain non-causal
-// calls at head dim 128.
+// sm90ws_wide (experimental, forward): sm90ws, with FlashAttention-3's tiles for the plain calls
+// (head dim 128 non-causal: key blocks of 176; head dim 64: 192 query rows, three consumer
+// warpgroups).
 enum class KernelFamily { kSm80, kSm90Ws, kSm90WsGrid, kSm90WsWalk, kSm90WsWide, kSm90WsAtomicDq, kSm90WsBulkDq };
 
 // Empty when the variables are unset or hold a known value; else a message naming the variable,

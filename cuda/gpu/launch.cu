@@ -53,7 +53,7 @@ cudaError_t launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
         Sm90FwdOptions options;
         options.persistent = family != KernelFamily::kSm90WsGrid;
         options.block_walk = family == KernelFamily::kSm90WsWalk;
-        options.wide_keys = family == KernelFamily::kSm90WsWide;
+        options.wide_tiles = family == KernelFamily::kSm90WsWide;
         return launch_fwd_sm90_ws<T, kD>(p, options, stream);
       }
     }

@@ -39,12 +39,15 @@ struct TileShapes {
   // Warp-specialised wgmma forward: a TMA producer warpgroup and 2 consumer warpgroups x 64 query
   // rows, key blocks of 128 in 2 stages (of 64 past head dim 128: shared memory).
   using Sm90FwdWs = Sm90FwdWsTraits<kHeadDim, (kHeadDim <= 128 ? 128 : 64), 2>;
-  // Experimental (JAX_FLASH_CUDA_FORWARD=sm90ws_wide): key blocks of 176 at head dim 128 for the
-  // plain calls without a causal mask (FlashAttention-3's non-causal tile there: fewer softmax
-  // steps and hand-offs per key); not for the general calls (a 176-key tile straddles the block
-  // mask's 128-key blocks) nor causal ones (more masked work on the diagonal).
-  static constexpr bool kHasSm90FwdWide = kHeadDim == 128;
-  using Sm90FwdWsWide = Sm90FwdWsTraits<kHeadDim, (kHasSm90FwdWide ? 176 : 128), 2>;
+  // Experimental (JAX_FLASH_CUDA_FORWARD=sm90ws_wide), FlashAttention-3's forward tiles for the
+  // plain calls: at head dim 128 key blocks of 176 without a causal mask (fewer softmax steps and
+  // hand-offs per key; causal calls keep 128: more masked work on the diagonal); at head dim 64
+  // query blocks of 192 rows, three consumer warpgroups taking turns (each K and V tile serves
+  // 1.5x the rows). Not for the general calls (tiles that straddle the block mask's 128 x 128
+  // blocks).
+  static constexpr bool kHasSm90FwdWide = kHeadDim == 64 || kHeadDim == 128;
+  using Sm90FwdWsWide = std::conditional_t<kHeadDim == 64, Sm90FwdWsTraits<kHeadDim, 128, 2, 3>,
+                                           Sm90FwdWsTraits<kHeadDim, (kHeadDim == 128 ? 176 : 128), 2>>;
   // Warp-specialised wgmma backward: a TMA producer warpgroup and 2 consumer warpgroups x 64 keys,
   // query blocks of 64; dQ added by atomics, or by bulk reductions from a shared tile.
   using Sm90BwdWs = Sm90BwdWsTraits<kHeadDim>;

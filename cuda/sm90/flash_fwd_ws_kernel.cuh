@@ -181,14 +181,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const float softmax_scale = kGeneral ? ScoreMods::kSoftmaxScale : p.scale;
   const float scale_log2 = softmax_scale * kLog2e;
   const uint32_t q_address = smem_address(smem.q);
-  constexpr int kTurnThreads = 128 * Traits::kConsumers;
-  // Ping-pong: warpgroup g issues its products after barrier 1 + g completes and then lets the
-  // other go (both warpgroups' threads count on each barrier).
+  // One warpgroup syncs on a turn barrier and the one before it in the ring arrives.
+  constexpr int kTurnThreads = 256;
+  // Ping-pong (a ring of turns with three warpgroups): warpgroup g issues its products after
+  // barrier 1 + g completes and then lets the next go (barrier 1 + (g + 1) % kConsumers, its
+  // threads and the next one's counting on each barrier).
   auto wait_turn = [&] {
     if constexpr (Traits::kPingPong) named_barrier_sync(1 + group, kTurnThreads);
   };
   auto pass_turn = [&] {
-    if constexpr (Traits::kPingPong) named_barrier_arrive(2 - group, kTurnThreads);
+    if constexpr (Traits::kPingPong) named_barrier_arrive(1 + (group + 1) % Traits::kConsumers, kTurnThreads);
   };
   // A consumer warp is done with a buffer: one arrival a warp.
   auto release = [&](uint64_t* bar) {
@@ -220,7 +222,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
       };
       if constexpr (Traits::kPingPong)
-        if (group == 1) named_barrier_arrive(1, kTurnThreads);  // warpgroup 0 goes first
+        if (group == Traits::kConsumers - 1) named_barrier_arrive(1, kTurnThreads);  // warpgroup 0 goes first
 
       Mbarrier(&bars.q_full).wait(q_round & 1);
       Mbarrier(&bars.k_full[stage_of(0)]).wait(phase_of(0));
@@ -262,7 +264,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         accumulator_to_a<T>(pa, s);
         if (p.for_backward()) softmax.template add_rounded_sums<T>(pa);  // differentiated calls only
       }
-      // Warpgroup 1's last pass_turn (or its first arrival) is still to be taken.
+      // The last warpgroup's last pass_turn (or its first arrival) is still to be taken.
       if constexpr (Traits::kPingPong)
         if (group == 0) named_barrier_sync(1, kTurnThreads);
       const int last = stage_of(count - 1);

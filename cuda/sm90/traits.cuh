@@ -7,21 +7,25 @@
 namespace jax_flash::cuda {
 
 // The warp-specialised forward (sm90/flash_fwd_ws_kernel.cuh): a producer warpgroup (TMA) and
-// 2 consumer warpgroups of 64 query rows each, kStages stages of K and of V.
-template <int kHeadDim_, int kBlockN_, int kStages_>
+// kConsumers consumer warpgroups (2, or 3: FlashAttention-3's 192-row tile at head dim 64) of 64
+// query rows each, kStages stages of K and of V.
+template <int kHeadDim_, int kBlockN_, int kStages_, int kConsumers_ = 2>
 struct Sm90FwdWsTraits {
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kConsumers = 2;
+  static constexpr int kConsumers = kConsumers_;
+  static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups");
   static constexpr int kBlockM = 64 * kConsumers;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
-  // Two consumer warpgroups alternate their products (one's softmax under the other's GEMMs).
+  // The consumer warpgroups take turns at their products (one's softmax under another's GEMMs).
   static constexpr bool kPingPong = true;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kConsumerWarps = 4 * kConsumers;
-  // setmaxnreg split of the 64K registers (multiples of 8): the producer needs few.
-  static constexpr int kProducerRegisters = 56;
-  static constexpr int kConsumerRegisters = 224;
+  // setmaxnreg split of the 64K registers (multiples of 8): the producer needs few. Three
+  // consumers take the whole file at 32 / 160 (ptxas, head dim 64: 20 B spilled; 24 / 160 spilled
+  // more, 40 / 152 too, in the consumers).
+  static constexpr int kProducerRegisters = kConsumers == 2 ? 56 : 32;
+  static constexpr int kConsumerRegisters = kConsumers == 2 ? 224 : 160;
   // setmaxnreg moves registers within the CTA's launch allocation (__launch_bounds__(kThreads, 1):
   // the register file over kThreads, in multiples of 8 a thread); asking for more hangs.
   static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumers <= 65536 / kThreads / 8 * 8 * kThreads,
