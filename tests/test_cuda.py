@@ -288,12 +288,12 @@ def test_forward_on_a_cta_per_tile_on_hopper():
 def test_wide_tiles_forward_on_hopper():
   """Experimental: the forward on FlashAttention-3's tiles for the plain calls
   (JAX_FLASH_CUDA_FORWARD=sm90ws_wide: key blocks of 176 at head dim 128 without a causal mask,
-  192 query rows on three consumer warpgroups at head dim 64) passes the reference cases of head
-  dims 33..128 (partial blocks, lengths, GQA, T != S among them), the forward's own split of o,
-  the CUDA-graph capture and the training step."""
+  192 query rows on three consumer warpgroups at head dim 64, key blocks of 112 and 80 at 192 and
+  256) passes the reference cases of those head dims (partial blocks, lengths, GQA, T != S among
+  them), the forward's own split of o, the CUDA-graph capture and the training step."""
   _run_cuda_tests_on_hopper_with(
       {"JAX_FLASH_CUDA_FORWARD": "sm90ws_wide"},
-      "(test_cuda_matches_reference and (h40 or h64 or h80 or h96 or h111 or h128)) or "
+      "(test_cuda_matches_reference and (h40 or h64 or h80 or h96 or h111 or h128 or h192 or h256)) or "
       "test_forward_splits_o_as_xla_would or test_command_buffer_capture or "
       "test_jit_training_step_reduces_loss")
 

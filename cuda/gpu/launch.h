@@ -34,7 +34,7 @@ cudaError_t launch_fwd_sm80(const FwdParams& params, cudaStream_t stream);
 // The warp-specialised TMA forward (sm90/flash_fwd_ws_kernel.cuh): on a persistent grid or a CTA
 // per tile; with block_walk (experimental) block-sparse calls that need nothing else of the
 // general kernels run the plain one walking the block mask; with wide_tiles (experimental) plain
-// calls take FlashAttention-3's tiles at head dims 64 and 128 (gpu/tile_shapes.cuh).
+// calls take FlashAttention-3's tiles (gpu/tile_shapes.cuh).
 struct Sm90FwdOptions {
   bool persistent = true;
   bool block_walk = false;

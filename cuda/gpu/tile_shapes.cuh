@@ -43,11 +43,11 @@ struct TileShapes {
   // plain calls: at head dim 128 key blocks of 176 without a causal mask (fewer softmax steps and
   // hand-offs per key; causal calls keep 128: more masked work on the diagonal); at head dim 64
   // query blocks of 192 rows, three consumer warpgroups taking turns (each K and V tile serves
-  // 1.5x the rows). Not for the general calls (tiles that straddle the block mask's 128 x 128
-  // blocks).
-  static constexpr bool kHasSm90FwdWide = kHeadDim == 64 || kHeadDim == 128;
-  using Sm90FwdWsWide = std::conditional_t<kHeadDim == 64, Sm90FwdWsTraits<kHeadDim, 128, 2, 3>,
-                                           Sm90FwdWsTraits<kHeadDim, (kHeadDim == 128 ? 176 : 128), 2>>;
+  // 1.5x the rows); at 192 and 256 key blocks of 112 and 80 (the most shared memory holds, against
+  // 64). Not for the general calls (tiles that straddle the block mask's 128 x 128 blocks).
+  static constexpr bool kHasSm90FwdWide = kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 192 || kHeadDim == 256;
+  static constexpr int kWideKeys = kHeadDim == 128 ? 176 : kHeadDim == 192 ? 112 : kHeadDim == 256 ? 80 : 128;
+  using Sm90FwdWsWide = Sm90FwdWsTraits<kHeadDim, kWideKeys, 2, (kHeadDim == 64 ? 3 : 2)>;
   // Warp-specialised wgmma backward: a TMA producer warpgroup and 2 consumer warpgroups x 64 keys,
   // query blocks of 64; dQ added by atomics, or by bulk reductions from a shared tile.
   using Sm90BwdWs = Sm90BwdWsTraits<kHeadDim>;

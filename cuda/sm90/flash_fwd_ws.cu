@@ -29,7 +29,8 @@ cudaError_t launch(const FwdParams& p, const Sm90FwdOptions& options, cudaStream
   // A persistent CTA takes tiles two at a time.
   const int64_t ctas = persistent ? std::min<int64_t>((tiles + 1) / 2, std::max(1, device_sm_count())) : tiles;
   auto kernel = flash_fwd_sm90_ws_kernel<Traits, T, false>;
-  if constexpr (Traits::kBlockN <= 128 && Traits::kBlockM <= 128) {  // wider tiles: plain calls only
+  // Tiles that straddle the block mask's blocks (sm90ws_wide's): the plain calls only.
+  if constexpr (kBlockMaskKeys % Traits::kBlockN == 0 && kBlockMaskRows % Traits::kBlockM == 0) {
     if (general_kernel(p)) kernel = flash_fwd_sm90_ws_kernel<Traits, T, true>;
     // The plain kernel with the block walk is instantiated at head dims 64 and 128 only (an
     // experiment: compile time).
@@ -46,7 +47,7 @@ template <typename T, int kHeadDim>
 cudaError_t launch_fwd_sm90_ws(const FwdParams& p, const Sm90FwdOptions& options, cudaStream_t stream) {
   using Shapes = TileShapes<kHeadDim>;
   if constexpr (Shapes::kHasSm90FwdWide)
-    if (options.wide_tiles && !general_kernel(p) && (kHeadDim == 64 || !p.mask.causal))
+    if (options.wide_tiles && !general_kernel(p) && (kHeadDim != 128 || !p.mask.causal))
       return launch<typename Shapes::Sm90FwdWsWide, T>(p, options, stream);
   return launch<typename Shapes::Sm90FwdWs, T>(p, options, stream);
 }

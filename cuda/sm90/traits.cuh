@@ -36,8 +36,8 @@ struct Sm90FwdWsTraits {
   static constexpr int kSmemBytes = 2 * (QTile::kElements + 2 * kStages * KVTile::kElements) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
   static_assert(kHeadDim % 64 == 0, "P V is done in products of N = 128 and 64");
-  static_assert(kBlockN == 64 || kBlockN == 128 || kBlockN == 176,
-                "wgmma shapes are instantiated for N = 64, 128, 176");
+  static_assert(kBlockN == 64 || kBlockN == 80 || kBlockN == 112 || kBlockN == 128 || kBlockN == 176,
+                "wgmma shapes are instantiated for N = 64, 80, 112, 128, 176");
 };
 
 // The warp-specialised backward (sm90/flash_bwd_ws_kernel.cuh): a producer warpgroup (TMA) and

@@ -88,6 +88,25 @@ struct Wgmma;
   "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
   "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
 
+// N = 80 and 112: the forward's key blocks at head dims 256 and 192 (sm90ws_wide).
+#define JF_WGMMA_ACC_N80 \
+  JF_WGMMA_ACC(0), JF_WGMMA_ACC(1), JF_WGMMA_ACC(2), JF_WGMMA_ACC(3), \
+  JF_WGMMA_ACC(4), JF_WGMMA_ACC(5), JF_WGMMA_ACC(6), JF_WGMMA_ACC(7), \
+  JF_WGMMA_ACC(8), JF_WGMMA_ACC(9)
+#define JF_WGMMA_REGS_N80 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39}"
+#define JF_WGMMA_ACC_N112 \
+  JF_WGMMA_ACC(0), JF_WGMMA_ACC(1), JF_WGMMA_ACC(2), JF_WGMMA_ACC(3), \
+  JF_WGMMA_ACC(4), JF_WGMMA_ACC(5), JF_WGMMA_ACC(6), JF_WGMMA_ACC(7), \
+  JF_WGMMA_ACC(8), JF_WGMMA_ACC(9), JF_WGMMA_ACC(10), JF_WGMMA_ACC(11), \
+  JF_WGMMA_ACC(12), JF_WGMMA_ACC(13)
+#define JF_WGMMA_REGS_N112 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55}"
 // N = 176: the forward's wide key blocks (sm90ws_wide: FlashAttention-3's non-causal tile at
 // head dim 128).
 #define JF_WGMMA_ACC_N176 \
@@ -154,6 +173,12 @@ struct Wgmma;
 #define JF_DEFINE_WGMMA_N128(T, PTX)                                                                \
   JF_DEFINE_WGMMA(T, PTX, 128, JF_WGMMA_ACC_N128, JF_WGMMA_REGS_N128, "%64, %65", "%66", "%67, %68", \
                   "{%64, %65, %66, %67}, %68", "%69")
+#define JF_DEFINE_WGMMA_N80(T, PTX)                                                                \
+  JF_DEFINE_WGMMA(T, PTX, 80, JF_WGMMA_ACC_N80, JF_WGMMA_REGS_N80, "%40, %41", "%42", "%43, %44", \
+                  "{%40, %41, %42, %43}, %44", "%45")
+#define JF_DEFINE_WGMMA_N112(T, PTX)                                                                \
+  JF_DEFINE_WGMMA(T, PTX, 112, JF_WGMMA_ACC_N112, JF_WGMMA_REGS_N112, "%56, %57", "%58", "%59, %60", \
+                  "{%56, %57, %58, %59}, %60", "%61")
 #define JF_DEFINE_WGMMA_N176(T, PTX)                                                                \
   JF_DEFINE_WGMMA(T, PTX, 176, JF_WGMMA_ACC_N176, JF_WGMMA_REGS_N176, "%88, %89", "%90", "%91, %92", \
                   "{%88, %89, %90, %91}, %92", "%93")
@@ -161,17 +186,27 @@ JF_DEFINE_WGMMA_N64(__nv_bfloat16, "bf16")
 JF_DEFINE_WGMMA_N64(__half, "f16")
 JF_DEFINE_WGMMA_N128(__nv_bfloat16, "bf16")
 JF_DEFINE_WGMMA_N128(__half, "f16")
+JF_DEFINE_WGMMA_N80(__nv_bfloat16, "bf16")
+JF_DEFINE_WGMMA_N80(__half, "f16")
+JF_DEFINE_WGMMA_N112(__nv_bfloat16, "bf16")
+JF_DEFINE_WGMMA_N112(__half, "f16")
 JF_DEFINE_WGMMA_N176(__nv_bfloat16, "bf16")
 JF_DEFINE_WGMMA_N176(__half, "f16")
 #undef JF_DEFINE_WGMMA_N64
 #undef JF_DEFINE_WGMMA_N128
+#undef JF_DEFINE_WGMMA_N80
+#undef JF_DEFINE_WGMMA_N112
 #undef JF_DEFINE_WGMMA_N176
 #undef JF_DEFINE_WGMMA
 #undef JF_WGMMA_REGS_N64
 #undef JF_WGMMA_REGS_N128
+#undef JF_WGMMA_REGS_N80
+#undef JF_WGMMA_REGS_N112
 #undef JF_WGMMA_REGS_N176
 #undef JF_WGMMA_ACC_N64
 #undef JF_WGMMA_ACC_N128
+#undef JF_WGMMA_ACC_N80
+#undef JF_WGMMA_ACC_N112
 #undef JF_WGMMA_ACC_N176
 #undef JF_WGMMA_ACC
 
