@@ -191,9 +191,10 @@ _ISA_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("isa", ["avx2", "baseline"])
+@pytest.mark.parametrize("isa", ["avx512_amx", "avx512", "avx2", "baseline"])
 def test_other_cpu_kernel_variants(isa):
-  """The kernel variants this CPU can run besides the best one (JAX_FLASH_CPU_ISA picks one)."""
+  """Every kernel variant this CPU can run (JAX_FLASH_CPU_ISA picks one; the rest of the suite
+  runs the best one), those it cannot skipped."""
   if jax.default_backend() != "cpu":
     pytest.skip("CPU kernel variants are tested on CPU hosts")
   here = os.path.dirname(__file__)

@@ -1,9 +1,13 @@
-// One instruction-set variant of the CPU kernels. CMake compiles this file three times, with
-// JF_ISA = avx512 / avx2 / baseline, JF_SIMD_LANES = 16 / 8 / 4 and the matching -m flags; the
+// One instruction-set variant of the CPU kernels. CMake compiles this file four times, with
+// JF_ISA = avx512_amx / avx512 / avx2 / baseline, JF_SIMD_LANES = 16 / 16 / 8 / 4 and the
+// matching -m flags (avx512_amx: JF_AMX, the bfloat16 forward on AMX tiles); the
 // dispatcher (dispatch.cc) calls the variant the running CPU supports.
 #include "cpu/flash_bwd.h"
 #include "cpu/flash_fwd.h"
 #include "cpu/kernels.h"
+#if JF_AMX
+#include "cpu/amx_fwd_products.h"
+#endif
 
 namespace jax_flash::cpu::JF_ISA {
 
@@ -20,6 +24,15 @@ template <typename T>
 struct Fwd {
   static void run(const FwdParams& p, const TaskRunner& r) { flash_fwd_typed<T>(p, r); }
 };
+#if JF_AMX
+// bfloat16 forwards take their products on AMX tiles.
+template <>
+struct Fwd<BFloat16> {
+  static void run(const FwdParams& p, const TaskRunner& r) {
+    flash_fwd_typed<BFloat16, AmxFwdProducts>(p, r);
+  }
+};
+#endif
 template <typename T>
 struct Bwd {
   static void run(const BwdParams& p, const TaskRunner& r) { flash_bwd_typed<T>(p, r); }
