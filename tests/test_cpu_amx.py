@@ -1,11 +1,14 @@
-"""bfloat16 on the CPU kernel's avx512_amx variant (the forward's products on AMX tiles, P
-rounded to bfloat16 before P V): the tolerance rule of attention_testing against the float32
-reference on shapes that are not whole tiles (tiles of 16 x 32, blocks of 64, head dims padded
-to 32), and the NaN rules of test_nan_propagation on bfloat16 inputs. Skipped where the running
-variant is not avx512_amx (a CPU without AMX, or JAX_FLASH_CPU_ISA naming another)."""
+"""bfloat16 on the CPU kernel's avx512_amx variant (the forward's and backward's products on AMX
+tiles, P and dS rounded to bfloat16 before the products that take them): the tolerance rule of
+attention_testing against the float32 reference on shapes that are not whole tiles (tiles of
+16 x 32, blocks of 64, head dims padded to 32), the NaN rules of test_nan_propagation on
+bfloat16 inputs, and inputs past the lengths inside a partial chunk of 32, which those rules
+would let through as NaN but the float32 path never reads. Skipped where the running variant is
+not avx512_amx (a CPU without AMX, or JAX_FLASH_CPU_ISA naming another)."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -65,3 +68,29 @@ def test_values_past_the_length_in_a_partial_chunk(rng, kv_len):
   poisoned = attend(v.at[:, kv_len:].set(jnp.nan))
   assert np.all(np.isfinite(clean))
   np.testing.assert_array_equal(poisoned, clean)
+
+
+@pytest.mark.parametrize("q_len", [50, 64 + 9])
+def test_queries_past_the_length_in_a_partial_chunk(rng, q_len):
+  """The backward's dK and dV run over the query rows of a block in chunks of 32: rows past the
+  length (NaN here) in the block's last, partial chunk must not reach dK or dV (nor the live
+  rows' output and dQ), which equal the clean inputs' bit for bit."""
+  q = random_array(rng, (1, 96, 4, 64), jnp.bfloat16)
+  k = random_array(rng, (1, 80, 2, 64), jnp.bfloat16)
+  v = random_array(rng, (1, 80, 2, 64), jnp.bfloat16)
+  g = random_array(rng, q.shape, jnp.bfloat16)
+  lengths = np.array([q_len], np.int32)
+
+  def run(q):
+    f = lambda q, k, v: jax_flash.dot_product_attention(
+        q, k, v, query_seq_lengths=lengths, implementation="cpu")
+    out, vjp = jax.vjp(f, q, k, v)
+    return [np.asarray(x.astype(jnp.float32)) for x in (out, *vjp(g))]
+
+  clean = run(q)
+  poisoned = run(q.at[:, q_len:].set(jnp.nan))
+  for name, want, got in zip(("out", "dq", "dk", "dv"), clean, poisoned):
+    if name in ("out", "dq"):
+      want, got = want[:, :q_len], got[:, :q_len]
+    assert np.all(np.isfinite(want)), name
+    np.testing.assert_array_equal(got, want, err_msg=name)

@@ -93,7 +93,7 @@ struct AmxFwdProducts {
   void finish() { release_tiles(); }
 
   void load_queries(const BFloat16* q, int64_t q_stride, int64_t live_rows) {
-    pack_query_pairs(q, q_stride, live_rows, d, depth / 2, kBlockQ, q_pairs);
+    pack_dim_pairs(q, q_stride, live_rows, d, depth / 2, kBlockQ, q_pairs);
     std::memset(acc_t, 0, dims * kBlockQ * sizeof(float));
   }
 
@@ -140,7 +140,7 @@ struct AmxFwdProducts {
   void accumulate(const float* scores_t, const BFloat16* /*v*/, int64_t /*v_stride*/, int64_t j0,
                   int64_t cols, int64_t /*live_rows*/, int64_t nq) {
     const int64_t chunks = ceil_div(cols, kTileDepth);
-    pack_probability_pairs(scores_t, kBlockQ, cols, chunks * kTileDepth / 2, nq, p_pairs);
+    pack_float_rows_in_pairs(scores_t, kBlockQ, cols, chunks * kTileDepth / 2, nq, 1.f, p_pairs);
     // Keys past the block in its last, partial chunk may hold anything (past kv_len, outside a
     // window): 0 * inf would be NaN, so that chunk is copied with zeros there. Whole chunks are
     // read in place.
@@ -149,15 +149,8 @@ struct AmxFwdProducts {
     const uint8_t* p_bytes = reinterpret_cast<const uint8_t*>(p_pairs);
     constexpr int64_t p_row_bytes = kBlockQ * sizeof(uint32_t);
     constexpr int64_t p_chunk_bytes = kTileDepth / 2 * p_row_bytes;
-    if (whole < chunks) {
-      const int64_t tail = cols - whole * kTileDepth;
-      for (int64_t c = 0; c < dims; ++c) {
-        const BFloat16* src = vt + c * shared.ld + j0 + whole * kTileDepth;
-        BFloat16* dst = v_tail + c * kTileDepth;
-        std::memcpy(dst, src, tail * sizeof(BFloat16));
-        std::memset(dst + tail, 0, (kTileDepth - tail) * sizeof(BFloat16));
-      }
-    }
+    if (whole < chunks)
+      copy_partial_chunk(vt, shared.ld, dims, j0 + whole * kTileDepth, cols - whole * kTileDepth, v_tail);
     constexpr int64_t tail_bytes = kTileDepth * sizeof(BFloat16);
     for (int64_t c0 = 0; c0 < dims; c0 += 32)
       for (int64_t r0 = 0; r0 < nq; r0 += 32) {

@@ -6,6 +6,7 @@
 #include "cpu/flash_fwd.h"
 #include "cpu/kernels.h"
 #if JF_AMX
+#include "cpu/amx_bwd_products.h"
 #include "cpu/amx_fwd_products.h"
 #endif
 
@@ -37,6 +38,15 @@ template <typename T>
 struct Bwd {
   static void run(const BwdParams& p, const TaskRunner& r) { flash_bwd_typed<T>(p, r); }
 };
+#if JF_AMX
+// And their backwards.
+template <>
+struct Bwd<BFloat16> {
+  static void run(const BwdParams& p, const TaskRunner& r) {
+    flash_bwd_typed<BFloat16, AmxBwdProducts>(p, r);
+  }
+};
+#endif
 
 // The FMA peak micro-benchmark's loop: kChains independent chains of vector FMAs (enough to
 // cover two FMA pipes' latency on every x86 core we know: 2 x 4 to 2 x 5 in flight), `iters`
