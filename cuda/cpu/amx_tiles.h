@@ -1,12 +1,10 @@
-// Intel AMX tiles for the bfloat16 products (only in the avx512_amx variant, compiled with
-// -mamx-tile -mamx-bf16 -mavx512bf16; dispatch.cc offers it only where the CPU has AMX and the OS
-// granted this process the tile state).
+// The bfloat16 tile products (bf16_tiles.h) on Intel AMX (the avx512_amx variant, compiled with
+// -mamx-tile -mamx-bf16; dispatch.cc offers it only where the CPU has AMX and the OS granted this
+// process the tile state).
 //
-// One tile product, tdpbf16ps, computes C[16 x 16] (float32) += A[16 x 32] B[32 x 16] (bfloat16)
-// with A row-major and B in "VNNI pairs": row kk of the B tile holds, for each of its 16 columns
-// n, the 32-bit pair (B[2kk][n] low, B[2kk + 1][n] high). Every tile here is 16 rows of 64 bytes.
-// Tiles 0-3 hold a 2 x 2 block of C, tiles 4-5 two A tiles, 6-7 two B tiles: each A and B tile
-// loaded feeds two products.
+// tdpbf16ps computes a whole C tile, C[16 x 16] (float32) += A[16 x 32] B[32 x 16] (bfloat16),
+// from tile registers. Tiles 0-3 hold a 2 x 2 block of C, tiles 4-5 two A tiles, 6-7 two B
+// tiles: each A and B tile loaded feeds two products.
 #pragma once
 
 #include <immintrin.h>
@@ -14,17 +12,11 @@
 #include <cstdint>
 #include <cstring>
 
-#include "cpu/tile_io.h"
-
-#if !defined(__AMX_TILE__) || !defined(__AMX_BF16__) || !defined(__AVX512BF16__)
-#error "amx_tiles.h needs -mamx-tile -mamx-bf16 -mavx512bf16"
+#if !defined(__AMX_TILE__) || !defined(__AMX_BF16__)
+#error "amx_tiles.h needs -mamx-tile -mamx-bf16"
 #endif
 
 namespace jax_flash::cpu::JF_ISA {
-
-inline constexpr int64_t kTileRows = 16;   // rows of every tile
-inline constexpr int64_t kTileDepth = 32;  // bfloat16 values along k in one A row
-inline constexpr int64_t kTileBytes = 64;  // bytes of a tile row
 
 // Palette 1 with all eight tiles 16 x 64 bytes, loaded once per task (the thread's tile state
 // then holds it until released).
@@ -32,20 +24,16 @@ inline void configure_tiles() {
   alignas(64) uint8_t config[64] = {};
   config[0] = 1;  // palette 1
   for (int t = 0; t < 8; ++t) {
-    const uint16_t colsb = kTileBytes;
+    const uint16_t colsb = 64;
     std::memcpy(config + 16 + 2 * t, &colsb, 2);  // bytes 16-47: each tile's row width
-    config[48 + t] = kTileRows;                   // bytes 48-63: each tile's rows
+    config[48 + t] = 16;                          // bytes 48-63: each tile's rows
   }
   _tile_loadconfig(config);
 }
 
 inline void release_tiles() { _tile_release(); }
 
-// A 2 x 2 block of C tiles (row tiles m, m + 1; column tiles n, n + 1) accumulated over `depth`
-// chunks of kTileDepth: A tile (m + i, chunk t) at a + i * a_next + t * a_chunk (bytes apart:
-// rows a_stride), B tile (chunk t, n + j) at b + j * b_next + t * b_chunk (rows b_stride). C tile
-// (i, j) at c + i * c_next + j * 16 floats (rows c_stride bytes); `accumulate`: loaded from c
-// first, else started at 0.
+// A 2 x 2 block of C tiles, operands as bf16_tiles.h describes.
 inline void tile_block_2x2(int64_t depth, const uint8_t* a, int64_t a_stride, int64_t a_next,
                            int64_t a_chunk, const uint8_t* b, int64_t b_stride, int64_t b_next,
                            int64_t b_chunk, float* c, int64_t c_stride, int64_t c_next,
@@ -76,120 +64,6 @@ inline void tile_block_2x2(int64_t depth, const uint8_t* a, int64_t a_stride, in
   _tile_stored(1, c + 16, c_stride);
   _tile_stored(2, c10, c_stride);
   _tile_stored(3, c10 + 16, c_stride);
-}
-
-// Rows in pairs of dims, as the B operand of a product over the dims (S^T = K Q^T: Q's rows;
-// S = Q K^T: K's): pairs[kk * block_rows + n] = (x[n][2kk] low, x[n][2kk + 1] high) for pairs
-// kk < depth_pairs and rows n < block_rows; zero past the head dim d and past `rows` (row n at
-// x[n * stride]).
-inline void pack_dim_pairs(const BFloat16* x, int64_t stride, int64_t rows, int64_t d,
-                           int64_t depth_pairs, int64_t block_rows, uint32_t* pairs) {
-  for (int64_t kk = 0; kk < depth_pairs; ++kk) {
-    uint32_t* out = pairs + kk * block_rows;
-    for (int64_t n = 0; n < block_rows; ++n) {
-      uint32_t lo = 0, hi = 0;
-      if (n < rows) {
-        if (2 * kk < d) lo = x[n * stride + 2 * kk].bits;
-        if (2 * kk + 1 < d) hi = x[n * stride + 2 * kk + 1].bits;
-      }
-      out[n] = lo | hi << 16;
-    }
-  }
-}
-
-// Consecutive rows in pairs, as the B operand of a product over the rows (dQ = dS K: K's keys):
-// pairs[kk * width + n] = (x[2kk][n] low, x[2kk + 1][n] high) for kk < row_pairs and n < width;
-// zero for n >= cols and rows >= `rows`.
-inline void pack_rows_in_pairs(const BFloat16* x, int64_t stride, int64_t rows, int64_t cols,
-                               int64_t row_pairs, int64_t width, uint32_t* pairs) {
-  for (int64_t kk = 0; kk < row_pairs; ++kk) {
-    uint32_t* out = pairs + kk * width;
-    const int64_t r = 2 * kk;
-    for (int64_t n = 0; n < width; ++n) {
-      const uint32_t lo = r < rows && n < cols ? x[r * stride + n].bits : 0;
-      const uint32_t hi = r + 1 < rows && n < cols ? x[(r + 1) * stride + n].bits : 0;
-      out[n] = lo | hi << 16;
-    }
-  }
-}
-
-// Rows [0, rows) of a bfloat16 array as zero-padded rows of `width` values (a multiple of
-// kTileDepth), out to `padded_rows` rows: the A operand when the rows cannot be read in place.
-inline void pack_rows(const BFloat16* src, int64_t src_stride, int64_t rows, int64_t cols,
-                      int64_t width, int64_t padded_rows, BFloat16* dst) {
-  for (int64_t r = 0; r < padded_rows; ++r) {
-    BFloat16* d = dst + r * width;
-    const int64_t n = r < rows ? cols : 0;
-    if (n) std::memcpy(d, src + r * src_stride, n * sizeof(BFloat16));
-    std::memset(d + n, 0, (width - n) * sizeof(BFloat16));
-  }
-}
-
-// V^T of one (batch, kv head): vt[c * ld + j] = v[j * v_stride + c] for dims c < hv and keys
-// j < seq; zero for c in [hv, dims) and j in [seq, ld). The A operand of O^T += V^T P^T.
-inline void pack_transposed(const BFloat16* v, int64_t v_stride, int64_t seq, int64_t hv,
-                            int64_t dims, int64_t ld, BFloat16* vt) {
-  constexpr int64_t kStrip = 32;  // keys a pass: their rows of v stay in L1 across the dims
-  for (int64_t j0 = 0; j0 < ld; j0 += kStrip) {
-    const int64_t j1 = j0 + kStrip < seq ? j0 + kStrip : seq;
-    for (int64_t c = 0; c < dims; ++c) {
-      BFloat16* out = vt + c * ld;
-      for (int64_t j = j0; j < j0 + kStrip; ++j)
-        out[j].bits = (c < hv && j < j1) ? v[j * v_stride + c].bits : uint16_t{0};
-    }
-  }
-}
-
-// Consecutive float32 rows in pairs, times `scale` and rounded to bfloat16 (nearest even), as
-// the B operand of a product over the rows (O^T += V^T P^T: the keys of P^T; dV^T += dO^T P and
-// dK^T += Q^T dS: the query rows of P and dS): pairs[kk * ld + n] = (x[2kk][n] low,
-// x[2kk + 1][n] high) for kk < row_pairs and n < width (a multiple of 16), row c at x[c * ld];
-// rows at or past `rows` give 0 (whatever they hold).
-inline void pack_float_rows_in_pairs(const float* x, int64_t ld, int64_t rows, int64_t row_pairs,
-                                     int64_t width, float scale, uint32_t* pairs) {
-  // Lane 2n takes element n of the first row, lane 2n + 1 element n of the second.
-  alignas(64) static constexpr uint16_t kInterleave[32] = {
-      0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i interleave = _mm512_load_si512(kInterleave);
-  const __m512 zero = _mm512_setzero_ps(), s = _mm512_set1_ps(scale);
-  for (int64_t kk = 0; kk < row_pairs; ++kk) {
-    const int64_t c = 2 * kk;
-    const float* row0 = x + c * ld;
-    const float* row1 = row0 + ld;
-    for (int64_t n = 0; n < width; n += 16) {
-      const __m512 x0 = c < rows ? _mm512_mul_ps(_mm512_loadu_ps(row0 + n), s) : zero;
-      const __m512 x1 = c + 1 < rows ? _mm512_mul_ps(_mm512_loadu_ps(row1 + n), s) : zero;
-      // Elements 0-15 from x0, 16-31 from x1.
-      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(x1, x0);
-      _mm512_storeu_si512(pairs + kk * ld + n, _mm512_permutexvar_epi16(interleave, both));
-    }
-  }
-}
-
-// out[r * width + n] = bf16(scale * x[r * ld + n]) for r < rows, n < width (a multiple of 16);
-// zero rows up to padded_rows: the A operand of a product from float32 rows (dQ = dS K).
-inline void pack_float_rows(const float* x, int64_t ld, int64_t rows, int64_t padded_rows,
-                            int64_t width, float scale, BFloat16* out) {
-  const __m512 s = _mm512_set1_ps(scale);
-  for (int64_t r = 0; r < padded_rows; ++r)
-    for (int64_t n = 0; n < width; n += 16) {
-      const __m512 v = r < rows ? _mm512_mul_ps(_mm512_loadu_ps(x + r * ld + n), s) : _mm512_setzero_ps();
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * width + n), (__m256i)_mm512_cvtneps_pbh(v));
-    }
-}
-
-// Columns [col0, col0 + cols) of a bfloat16 array (rows of ld values), `rows` of them, copied as
-// rows of kTileDepth values with zeros past cols: the last, partial chunk of an A operand whose
-// rows run along the product's depth (V^T, Q^T, dO^T), so that the columns past it (keys or
-// query rows outside the block, which may hold anything) never meet a 0 probability.
-inline void copy_partial_chunk(const BFloat16* x, int64_t ld, int64_t rows, int64_t col0,
-                               int64_t cols, BFloat16* out) {
-  for (int64_t r = 0; r < rows; ++r) {
-    BFloat16* dst = out + r * kTileDepth;
-    std::memcpy(dst, x + r * ld + col0, cols * sizeof(BFloat16));
-    std::memset(dst + cols, 0, (kTileDepth - cols) * sizeof(BFloat16));
-  }
 }
 
 }  // namespace jax_flash::cpu::JF_ISA

@@ -2,7 +2,7 @@
 // 16-bit inputs converted to float32 in the tile loads: S = Q K^T, dV += P^T dO, dP = dO V^T,
 // dQ += scale dS K, dK += scale dS^T Q. FlashBwdMain (flash_bwd.h) forms P and dS between them;
 // a products class owns the key block's K/V tiles and dK/dV accumulators and the query block's
-// Q/dO tiles, so that another one (amx_bwd_products.h) can hold them in its own layout.
+// Q/dO tiles, so that another one (bf16_bwd_products.h) can hold them in its own layout.
 #pragma once
 
 #include "cpu/parallel.h"

@@ -21,9 +21,9 @@ using DecodeFn = void (*)(const DecodeParams&, const TaskRunner&);
 
 DecodeFn detect() {
 #if JF_HAVE_X86_VARIANTS
-  // The AMX variant's tiles serve the tiled kernels' products; decoding is its avx512 kernel.
-  if (std::strcmp(kernel_isa(), "avx512") == 0 || std::strcmp(kernel_isa(), "avx512_amx") == 0)
-    return avx512::flash_decode;
+  // avx512_amx's and avx512_bf16's bfloat16 tiles serve the tiled kernels' products; decoding is
+  // their avx512 kernel.
+  if (std::strncmp(kernel_isa(), "avx512", 6) == 0) return avx512::flash_decode;
   if (std::strcmp(kernel_isa(), "avx2") == 0) return avx2::flash_decode;
 #endif
   return baseline::flash_decode;

@@ -7,10 +7,10 @@
 
 #include "cpu/kernels.h"
 
-#if JF_HAVE_AMX_VARIANT
+#if JF_HAVE_BF16_VARIANTS
 #include <cpuid.h>
 #endif
-#if JF_HAVE_AMX_VARIANT && defined(__linux__)
+#if JF_HAVE_BF16_VARIANTS && defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -28,8 +28,9 @@ JF_DECLARE_VARIANT(baseline)
 JF_DECLARE_VARIANT(avx2)
 JF_DECLARE_VARIANT(avx512)
 #endif
-#if JF_HAVE_AMX_VARIANT
+#if JF_HAVE_BF16_VARIANTS
 JF_DECLARE_VARIANT(avx512_amx)
+JF_DECLARE_VARIANT(avx512_bf16)
 #endif
 
 namespace jax_flash::cpu {
@@ -43,7 +44,7 @@ struct Variant {
   int (*fma_flops_per_iter)();
 };
 
-#if JF_HAVE_AMX_VARIANT
+#if JF_HAVE_BF16_VARIANTS
 // Whether this process may run the avx512_amx variant: the CPU has AMX tiles with bfloat16
 // products (and avx512_bf16, for the conversions beside them), the OS saves the tile state
 // (XCR0 bits 17-18), and Linux granted this process the tile data (ARCH_REQ_XCOMP_PERM; without
@@ -74,7 +75,7 @@ int supported_variants(Variant* out) {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq")) {
-#if JF_HAVE_AMX_VARIANT
+#if JF_HAVE_BF16_VARIANTS
     static const bool amx = amx_bf16_usable();
     if (amx)
       out[n++] = {"avx512_amx", avx512_amx::flash_fwd, avx512_amx::flash_bwd, avx512_amx::fma_loop,
@@ -82,6 +83,15 @@ int supported_variants(Variant* out) {
 #endif
     out[n++] = {"avx512", avx512::flash_fwd, avx512::flash_bwd, avx512::fma_loop,
                 avx512::fma_loop_flops_per_iter};
+#if JF_HAVE_BF16_VARIANTS
+    // Ranked below avx512, so only JAX_FLASH_CPU_ISA picks it: on the one CPU measured (an AMX
+    // Xeon, its tiles unused) its bfloat16 kernels ran at 150-190 GFLOP/s, avx512's (converting
+    // to float32) at 230-270 (PERF_NOTES CPU v3). Where vdpbf16ps has twice the float32 FMA rate
+    // (AMD Zen 4/5) it may win: unmeasured.
+    if (__builtin_cpu_supports("avx512bf16"))
+      out[n++] = {"avx512_bf16", avx512_bf16::flash_fwd, avx512_bf16::flash_bwd,
+                  avx512_bf16::fma_loop, avx512_bf16::fma_loop_flops_per_iter};
+#endif
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
       __builtin_cpu_supports("f16c"))
@@ -96,7 +106,7 @@ int supported_variants(Variant* out) {
 // The best variant, or the one JAX_FLASH_CPU_ISA names if this CPU supports it (for testing
 // every variant on one machine).
 Variant detect() {
-  Variant variants[4];
+  Variant variants[5];
   const int n = supported_variants(variants);
   if (const char* wanted = std::getenv("JAX_FLASH_CPU_ISA"))
     for (int i = 0; i < n; ++i)

@@ -76,7 +76,7 @@ inline void mask_row_segment(float* s, int64_t cols, const int32_t* kv_ids, int3
 }
 
 // The main pass: T the inputs' dtype, Products the five tile products and the layouts of the
-// K/V tiles and dK/dV accumulators they own (bwd_products.h: float32 tiles; amx_bwd_products.h:
+// K/V tiles and dK/dV accumulators they own (bwd_products.h: float32 tiles; bf16_bwd_products.h:
 // bfloat16 on AMX tiles).
 template <typename T, typename Products = FloatBwdProducts<T>>
 struct FlashBwdMain {

@@ -1,7 +1,7 @@
 // The forward's two products on float32 tiles (tile_gemm.h), for every input dtype: S^T = K Q^T
 // and O += P V, with 16-bit inputs converted to float32 in the tile loads. FlashFwd (flash_fwd.h)
 // runs the online softmax between them; a products class owns the query tile and the output
-// accumulator, so that another one (amx_fwd_products.h) can hold them in its own layout.
+// accumulator, so that another one (bf16_fwd_products.h) can hold them in its own layout.
 #pragma once
 
 #include "cpu/parallel.h"

@@ -1,5 +1,5 @@
-// The forward's two products for bfloat16 inputs on AMX tiles (amx_tiles.h), float32
-// accumulation; FlashFwd (flash_fwd.h) runs the same online softmax, masks and score policies
+// The forward's two products for bfloat16 inputs on bfloat16 tiles (bf16_tiles.h: AMX, or
+// vdpbf16ps), float32 accumulation; FlashFwd (flash_fwd.h) runs the same online softmax, masks and score policies
 // between them as on the float32 path (fwd_products.h).
 //
 //   S^T = K Q^T:    A = K's rows as they lie (16 keys x 32 dims a tile), B = the block's query
@@ -14,7 +14,7 @@
 #include <cstring>
 #include <new>
 
-#include "cpu/amx_tiles.h"
+#include "cpu/bf16_tiles.h"
 #include "cpu/parallel.h"
 #include "cpu/simd.h"
 #include "cpu/tile_io.h"
@@ -25,7 +25,7 @@ static_assert(kBlockQ % 32 == 0 && kBlockK % 32 == 0, "blocks are whole 2 x 2 bl
 
 inline int64_t tile_depth_padded(int64_t dim) { return round_up(dim, kTileDepth); }
 
-struct AmxFwdProducts {
+struct Bf16FwdProducts {
   // Query columns come in 2 x 16 (one 2 x 2 block of C tiles spans 32 rows).
   static constexpr int64_t kRowAlign = 32;
 
@@ -73,7 +73,7 @@ struct AmxFwdProducts {
            dims * kTileDepth / 2;
   }
 
-  AmxFwdProducts(const FwdParams& p, const Shared& shared_state, int64_t b, int64_t hk,
+  Bf16FwdProducts(const FwdParams& p, const Shared& shared_state, int64_t b, int64_t hk,
                  float* scratch)
       : d(p.shape.head_dim),
         hv(p.shape.head_dim_v),

@@ -1,10 +1,11 @@
 """bfloat16 on the CPU kernel's avx512_amx variant (the forward's and backward's products on AMX
-tiles, P and dS rounded to bfloat16 before the products that take them): the tolerance rule of
+tiles, P and dS rounded to bfloat16 before the products that take them; the same products on
+vdpbf16ps in avx512_bf16, which JAX_FLASH_CPU_ISA=avx512_bf16 runs here): the tolerance rule of
 attention_testing against the float32 reference on shapes that are not whole tiles (tiles of
 16 x 32, blocks of 64, head dims padded to 32), the NaN rules of test_nan_propagation on
 bfloat16 inputs, and inputs past the lengths inside a partial chunk of 32, which those rules
-would let through as NaN but the float32 path never reads. Skipped where the running variant is
-not avx512_amx (a CPU without AMX, or JAX_FLASH_CPU_ISA naming another)."""
+would let through as NaN but the float32 path never reads. Skipped where the running variant has
+no bfloat16 tiles (a CPU without AMX, or JAX_FLASH_CPU_ISA naming another)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ import jax_flash
 from attention_testing import Case, check_against_references, random_array, run_jax_flash
 from test_nan_propagation import MASKS, POISONS, check_poisoned
 
-pytestmark = pytest.mark.skipif(jax_flash.cpu_kernel_isa() != "avx512_amx",
-                                reason="the CPU kernel variant here is not avx512_amx")
+pytestmark = pytest.mark.skipif(jax_flash.cpu_kernel_isa() not in ("avx512_amx", "avx512_bf16"),
+                                reason="the CPU kernel variant here has no bfloat16 tiles")
 
 C = Case
 CASES = [

@@ -1,5 +1,5 @@
-// The backward's five products for bfloat16 inputs on AMX tiles (amx_tiles.h), float32
-// accumulation; FlashBwdMain (flash_bwd.h) forms P and dS between them as on the float32 path
+// The backward's five products for bfloat16 inputs on bfloat16 tiles (bf16_tiles.h: AMX, or
+// vdpbf16ps), float32 accumulation; FlashBwdMain (flash_bwd.h) forms P and dS between them as on the float32 path
 // (bwd_products.h). P and scale * dS are rounded to bfloat16 before the products that take
 // them, as the GPU kernels do.
 //
@@ -17,14 +17,14 @@
 #include <cstring>
 #include <new>
 
-#include "cpu/amx_tiles.h"
+#include "cpu/bf16_tiles.h"
 #include "cpu/parallel.h"
 #include "cpu/simd.h"
 #include "cpu/tile_io.h"
 
 namespace jax_flash::cpu::JF_ISA {
 
-struct AmxBwdProducts {
+struct Bf16BwdProducts {
   // Q^T and dO^T of every (batch, query head): qt[((b * heads_q + h) * depth + c) * ld + i]
   // for dims c < depth (H padded to 32; zero past H) and rows i < ld (past seq_q by a tile's
   // depth; zero past seq_q); dot likewise with dims (Hv padded).
@@ -52,7 +52,7 @@ struct AmxBwdProducts {
       };
       parallel_for(runner, heads, pack_head);
     }
-    // Called once the call's tasks are done (no destructor: see AmxFwdProducts::Shared).
+    // Called once the call's tasks are done (no destructor: see Bf16FwdProducts::Shared).
     void release() { ::operator delete[](qt, std::align_val_t{64}); }
   };
 
@@ -86,7 +86,7 @@ struct AmxBwdProducts {
            kBlockQ * kBlockK / 2 + kBlockQ * depth + (depth > dims ? depth : dims) * kTileDepth / 2;
   }
 
-  AmxBwdProducts(const BwdParams& p, const Shared& shared_state, int64_t b, int64_t /*hk*/,
+  Bf16BwdProducts(const BwdParams& p, const Shared& shared_state, int64_t b, int64_t /*hk*/,
                  float* scratch)
       : shared(shared_state),
         d(p.shape.head_dim),
