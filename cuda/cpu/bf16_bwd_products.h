@@ -203,13 +203,23 @@ struct Bf16BwdProducts {
     const uint8_t* b_bytes = reinterpret_cast<const uint8_t*>(k_key_pairs);
     constexpr int64_t a_stride = kBlockK * sizeof(BFloat16);
     const int64_t b_stride = depth * sizeof(uint32_t);
+    // Whole tiles of the accumulator (every row of the block's 32-row strips live, its rows
+    // depth wide) are summed into in place; else into dq_tile, then added row by row.
+    const bool in_place = rows == padded_rows && padded_head_dim(d) == depth;
+    float* c = in_place ? dq : dq_tile;
+    const int64_t ldc = in_place ? dq_stride : depth;
     for (int64_t r0 = 0; r0 < padded_rows; r0 += 32)
       for (int64_t c0 = 0; c0 < depth; c0 += 32)
         tile_block_2x2(key_chunks, a_bytes + r0 * a_stride, a_stride, 16 * a_stride, kTileBytes,
                        b_bytes + c0 * sizeof(uint32_t), b_stride, kTileBytes, kTileRows * b_stride,
-                       dq_tile + r0 * depth + c0, depth * sizeof(float), 16 * depth, false);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < d; ++c) dq[r * dq_stride + c] += dq_tile[r * depth + c];
+                       c + r0 * ldc + c0, ldc * sizeof(float), 16 * ldc, in_place);
+    if (!in_place) {
+      // The accumulator's rows are d padded to kHeadDimAlign; dq_tile is 0 past d.
+      const int64_t dp = padded_head_dim(d);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t x = 0; x < dp; x += kLanes)
+          store(dq + r * dq_stride + x, load(dq + r * dq_stride + x) + load(dq_tile + r * depth + x));
+    }
     // dK^T += Q^T (scale dS)
     pack_float_rows_in_pairs(dscores, kBlockK, rows, padded_rows / 2, kBlockK, scale, row_pairs);
     accumulate_transposed(qt, depth, dkt_acc);

@@ -124,12 +124,13 @@ struct Bf16FwdProducts {
       for (int64_t r = 0; r < nq; r += kLanes) store(scores_t + c * kBlockQ + r, load(scores_t + c * kBlockQ + r) * s);
   }
 
-  // O^T column r *= correction[r] (all columns r < nq, when a live row's factor is not 1).
+  // O^T column r *= correction[r], kLanes columns at a time where a live row's factor is not 1
+  // (rows past live_rows have factors too, finite, but nothing reads their columns).
   void rescale(const float* correction, int64_t live_rows, int64_t nq) {
-    bool any = false;
-    for (int64_t r = 0; r < live_rows; ++r) any |= correction[r] != 1.f;
-    if (!any) return;
     for (int64_t r = 0; r < nq; r += kLanes) {
+      bool any = false;
+      for (int64_t x = r; x < r + kLanes && x < live_rows; ++x) any |= correction[x] != 1.f;
+      if (!any) continue;
       const Vec cv = load(correction + r);
       for (int64_t c = 0; c < hv; ++c) store(acc_t + c * kBlockQ + r, load(acc_t + c * kBlockQ + r) * cv);
     }

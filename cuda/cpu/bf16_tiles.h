@@ -118,13 +118,15 @@ inline void pack_float_rows_in_pairs(const float* x, int64_t ld, int64_t rows, i
       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i interleave = _mm512_load_si512(kInterleave);
   const __m512 zero = _mm512_setzero_ps(), s = _mm512_set1_ps(scale);
+  const bool scaled = scale != 1.f;  // P is taken as it is
   for (int64_t kk = 0; kk < row_pairs; ++kk) {
     const int64_t c = 2 * kk;
     const float* row0 = x + c * ld;
     const float* row1 = row0 + ld;
     for (int64_t n = 0; n < width; n += 16) {
-      const __m512 x0 = c < rows ? _mm512_mul_ps(_mm512_loadu_ps(row0 + n), s) : zero;
-      const __m512 x1 = c + 1 < rows ? _mm512_mul_ps(_mm512_loadu_ps(row1 + n), s) : zero;
+      __m512 x0 = c < rows ? _mm512_loadu_ps(row0 + n) : zero;
+      __m512 x1 = c + 1 < rows ? _mm512_loadu_ps(row1 + n) : zero;
+      if (scaled) x0 = _mm512_mul_ps(x0, s), x1 = _mm512_mul_ps(x1, s);
       // Elements 0-15 from x0, 16-31 from x1.
       const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(x1, x0);
       _mm512_storeu_si512(pairs + kk * ld + n, _mm512_permutexvar_epi16(interleave, both));

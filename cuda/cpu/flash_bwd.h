@@ -77,7 +77,7 @@ inline void mask_row_segment(float* s, int64_t cols, const int32_t* kv_ids, int3
 
 // The main pass: T the inputs' dtype, Products the five tile products and the layouts of the
 // K/V tiles and dK/dV accumulators they own (bwd_products.h: float32 tiles; bf16_bwd_products.h:
-// bfloat16 on AMX tiles).
+// bfloat16 on AMX or vdpbf16ps tiles).
 template <typename T, typename Products = FloatBwdProducts<T>>
 struct FlashBwdMain {
   const BwdParams& p;

@@ -403,7 +403,7 @@ inline bool range_meets(KeyRange keys, int64_t j0, int64_t cols) {
 
 // The forward of one call: T the inputs' dtype, Products the two tile products and the layout of
 // the query tile and output accumulator they own (fwd_products.h: float32 tiles;
-// bf16_fwd_products.h: bfloat16 on AMX tiles).
+// bf16_fwd_products.h: bfloat16 on AMX or vdpbf16ps tiles).
 template <typename T, typename Products = FloatFwdProducts<T>>
 struct FlashFwd {
   const FwdParams& p;
