@@ -226,8 +226,8 @@ struct Bf16BwdProducts {
   }
 
   void store_key_row(int64_t r, BFloat16* dk, BFloat16* dv) const {
-    for (int64_t c = 0; c < d; ++c) dk[c] = from_float<BFloat16>(dkt_acc[c * kBlockK + r]);
-    for (int64_t c = 0; c < hv; ++c) dv[c] = from_float<BFloat16>(dvt_acc[c * kBlockK + r]);
+    store_column(dkt_acc + r, kBlockK, d, 1.f, dk);
+    store_column(dvt_acc + r, kBlockK, hv, 1.f, dv);
   }
 };
 

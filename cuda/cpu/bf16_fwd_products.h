@@ -171,7 +171,7 @@ struct Bf16FwdProducts {
   // out[c] = scale * O[r][c] for c < hv.
   template <typename U>
   void store_output_row(int64_t r, float scale, U* out) const {
-    for (int64_t c = 0; c < hv; ++c) out[c] = from_float<U>(acc_t[c * kBlockQ + r] * scale);
+    store_column(acc_t + r, kBlockQ, hv, scale, out);
   }
 };
 

@@ -49,9 +49,18 @@ namespace jax_flash::cpu::JF_ISA {
 // x[n * stride]).
 inline void pack_dim_pairs(const BFloat16* x, int64_t stride, int64_t rows, int64_t d,
                            int64_t depth_pairs, int64_t block_rows, uint32_t* pairs) {
+  // 16 rows' pair kk at once: a gather of 32-bit words kk from the rows (element offsets,
+  // scale 2), where the 16 rows and both halves of the pair exist.
+  alignas(64) int32_t row_offsets[16];
+  for (int n = 0; n < 16; ++n) row_offsets[n] = static_cast<int32_t>(n * stride);
+  const __m512i offsets = _mm512_load_si512(row_offsets);
   for (int64_t kk = 0; kk < depth_pairs; ++kk) {
     uint32_t* out = pairs + kk * block_rows;
-    for (int64_t n = 0; n < block_rows; ++n) {
+    int64_t n = 0;
+    if (2 * kk + 1 < d)
+      for (; n + 16 <= rows; n += 16)
+        _mm512_storeu_si512(out + n, _mm512_i32gather_epi32(offsets, x + n * stride + 2 * kk, 2));
+    for (; n < block_rows; ++n) {
       uint32_t lo = 0, hi = 0;
       if (n < rows) {
         if (2 * kk < d) lo = x[n * stride + 2 * kk].bits;
@@ -60,6 +69,37 @@ inline void pack_dim_pairs(const BFloat16* x, int64_t stride, int64_t rows, int6
       out[n] = lo | hi << 16;
     }
   }
+}
+
+// from_float<BFloat16> (tile_io.h) on 16 values: round to nearest even, a NaN kept quiet.
+inline __m256i round_to_bfloat16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i magnitude = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(magnitude, _mm512_set1_epi32(0x7f800000));
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
+}
+
+// out[c] = scale * x[c * ld] for c < cols: a column of a float32 tile (stride ld) as a row, in
+// float32 or bfloat16 (as from_float rounds).
+template <typename U>
+inline void store_column(const float* x, int64_t ld, int64_t cols, float scale, U* out) {
+  const __m512i index = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(static_cast<int32_t>(ld)));
+  const __m512 s = _mm512_set1_ps(scale);
+  int64_t c = 0;
+  for (; c + 16 <= cols; c += 16) {
+    const __m512 v = _mm512_mul_ps(_mm512_i32gather_ps(index, x + c * ld, 4), s);
+    if constexpr (sizeof(U) == sizeof(float))
+      _mm512_storeu_ps(out + c, v);
+    else
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c), round_to_bfloat16(v));
+  }
+  for (; c < cols; ++c) out[c] = from_float<U>(x[c * ld] * scale);
 }
 
 // Consecutive rows in pairs, as the B operand of a product over the rows (dQ = dS K: K's keys):
