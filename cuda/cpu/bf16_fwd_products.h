@@ -1,6 +1,6 @@
 // The forward's two products for bfloat16 inputs on bfloat16 tiles (bf16_tiles.h: AMX, or
-// vdpbf16ps), float32 accumulation; FlashFwd (flash_fwd.h) runs the same online softmax, masks and score policies
-// between them as on the float32 path (fwd_products.h).
+// vdpbf16ps), float32 accumulation; FlashFwd (flash_fwd.h) runs the same online softmax, masks
+// and score policies between them as on the float32 path (fwd_products.h).
 //
 //   S^T = K Q^T:    A = K's rows as they lie (16 keys x 32 dims a tile), B = the block's query
 //                   rows in pairs of dims (made once per task).
@@ -46,7 +46,8 @@ struct Bf16FwdProducts {
       auto pack_head = [&](int64_t head) {
         const int64_t b = head / sh.heads_k, hk = head % sh.heads_k;
         const int64_t v_stride = sh.heads_k * sh.head_dim_v;
-        const BFloat16* v = static_cast<const BFloat16*>(p.v) + b * sh.seq_k * v_stride + hk * sh.head_dim_v;
+        const BFloat16* v =
+            static_cast<const BFloat16*>(p.v) + b * sh.seq_k * v_stride + hk * sh.head_dim_v;
         pack_transposed(v, v_stride, sh.seq_k, sh.head_dim_v, dims, ld, vt + head * dims * ld);
       };
       parallel_for(runner, heads, pack_head);
@@ -74,7 +75,7 @@ struct Bf16FwdProducts {
   }
 
   Bf16FwdProducts(const FwdParams& p, const Shared& shared_state, int64_t b, int64_t hk,
-                 float* scratch)
+                  float* scratch)
       : d(p.shape.head_dim),
         hv(p.shape.head_dim_v),
         depth(tile_depth_padded(d)),
@@ -121,7 +122,10 @@ struct Bf16FwdProducts {
                        16 * kBlockQ, false);
     const Vec s = splat(scale);
     for (int64_t c = 0; c < cols; ++c)
-      for (int64_t r = 0; r < nq; r += kLanes) store(scores_t + c * kBlockQ + r, load(scores_t + c * kBlockQ + r) * s);
+      for (int64_t r = 0; r < nq; r += kLanes) {
+        float* x = scores_t + c * kBlockQ + r;
+        store(x, load(x) * s);
+      }
   }
 
   // O^T column r *= correction[r], kLanes columns at a time where a live row's factor is not 1
@@ -132,7 +136,10 @@ struct Bf16FwdProducts {
       for (int64_t x = r; x < r + kLanes && x < live_rows; ++x) any |= correction[x] != 1.f;
       if (!any) continue;
       const Vec cv = load(correction + r);
-      for (int64_t c = 0; c < hv; ++c) store(acc_t + c * kBlockQ + r, load(acc_t + c * kBlockQ + r) * cv);
+      for (int64_t c = 0; c < hv; ++c) {
+        float* x = acc_t + c * kBlockQ + r;
+        store(x, load(x) * cv);
+      }
     }
   }
 
@@ -151,7 +158,8 @@ struct Bf16FwdProducts {
     constexpr int64_t p_row_bytes = kBlockQ * sizeof(uint32_t);
     constexpr int64_t p_chunk_bytes = kTileDepth / 2 * p_row_bytes;
     if (whole < chunks)
-      copy_partial_chunk(vt, shared.ld, dims, j0 + whole * kTileDepth, cols - whole * kTileDepth, v_tail);
+      copy_partial_chunk(vt, shared.ld, dims, j0 + whole * kTileDepth, cols - whole * kTileDepth,
+                         v_tail);
     constexpr int64_t tail_bytes = kTileDepth * sizeof(BFloat16);
     for (int64_t c0 = 0; c0 < dims; c0 += 32)
       for (int64_t r0 = 0; r0 < nq; r0 += 32) {

@@ -174,16 +174,84 @@ inline void pack_float_rows_in_pairs(const float* x, int64_t ld, int64_t rows, i
   }
 }
 
-// out[r * width + n] = bf16(scale * x[r * ld + n]) for r < rows, n < width (a multiple of 16);
-// zero rows up to padded_rows: the A operand of a product from float32 rows (dQ = dS K).
-inline void pack_float_rows(const float* x, int64_t ld, int64_t rows, int64_t padded_rows,
-                            int64_t width, float scale, BFloat16* out) {
+// scale * x as a sum of two bfloat16 vectors, hi = bf16(scale * x) and lo = bf16(scale * x - hi):
+// about 16 significant bits, where one bfloat16 holds 8. A value hi cannot hold finitely (inf,
+// NaN) is carried by hi alone (lo 0), so the sum keeps it.
+inline void split_to_bfloat16(__m512 v, __m256bh& hi, __m256bh& lo) {
+  hi = _mm512_cvtneps_pbh(v);
+  const __m512 hi_f = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)(hi)), 16));
+  const __mmask16 special = _mm512_fpclass_ps_mask(hi_f, 0x99);  // NaN or +-inf
+  lo = _mm512_cvtneps_pbh(_mm512_maskz_sub_ps(static_cast<__mmask16>(~special), v, hi_f));
+}
+
+// scale * x (rows of width values, a multiple of 32, row r at x[r * ld]) split as
+// split_to_bfloat16 does, as the A operand of a product over the width whose B repeats each
+// chunk of 32 (pack_rows_in_pairs_twice): out row r holds, per chunk of 32 columns, the 32 hi
+// values then the 32 lo values (2 * width values a row); zero rows from `rows` up to
+// padded_rows.
+inline void pack_float_rows_split(const float* x, int64_t ld, int64_t rows, int64_t padded_rows,
+                                  int64_t width, float scale, BFloat16* out) {
   const __m512 s = _mm512_set1_ps(scale);
   for (int64_t r = 0; r < padded_rows; ++r)
-    for (int64_t n = 0; n < width; n += 16) {
-      const __m512 v = r < rows ? _mm512_mul_ps(_mm512_loadu_ps(x + r * ld + n), s) : _mm512_setzero_ps();
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * width + n), (__m256i)_mm512_cvtneps_pbh(v));
+    for (int64_t n = 0; n < width; n += kTileDepth) {
+      BFloat16* chunk = out + r * 2 * width + 2 * n;
+      for (int64_t half = 0; half < kTileDepth; half += 16) {
+        const __m512 v = r < rows ? _mm512_mul_ps(_mm512_loadu_ps(x + r * ld + n + half), s)
+                                  : _mm512_setzero_ps();
+        __m256bh hi, lo;
+        split_to_bfloat16(v, hi, lo);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(chunk + half), (__m256i)(hi));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(chunk + kTileDepth + half),
+                            (__m256i)(lo));
+      }
     }
+}
+
+// The same split of consecutive rows in pairs (pack_float_rows_in_pairs with a scale): hi_pairs
+// and lo_pairs, each row_pairs x width words.
+inline void pack_float_rows_in_pairs_split(const float* x, int64_t ld, int64_t rows,
+                                           int64_t row_pairs, int64_t width, float scale,
+                                           uint32_t* hi_pairs, uint32_t* lo_pairs) {
+  alignas(64) static constexpr uint16_t kInterleave[32] = {
+      0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i interleave = _mm512_load_si512(kInterleave);
+  const __m512 zero = _mm512_setzero_ps(), s = _mm512_set1_ps(scale);
+  for (int64_t kk = 0; kk < row_pairs; ++kk) {
+    const int64_t c = 2 * kk;
+    const float* row0 = x + c * ld;
+    const float* row1 = row0 + ld;
+    for (int64_t n = 0; n < width; n += 16) {
+      const __m512 x0 = c < rows ? _mm512_mul_ps(_mm512_loadu_ps(row0 + n), s) : zero;
+      const __m512 x1 = c + 1 < rows ? _mm512_mul_ps(_mm512_loadu_ps(row1 + n), s) : zero;
+      __m256bh hi0, lo0, hi1, lo1;
+      split_to_bfloat16(x0, hi0, lo0);
+      split_to_bfloat16(x1, hi1, lo1);
+      // Elements 0-15 from row 2kk, 16-31 from row 2kk + 1; then interleaved into pairs.
+      const __m512i hi = _mm512_inserti64x4(
+          _mm512_castsi256_si512((__m256i)(hi0)), (__m256i)(hi1), 1);
+      const __m512i lo = _mm512_inserti64x4(
+          _mm512_castsi256_si512((__m256i)(lo0)), (__m256i)(lo1), 1);
+      _mm512_storeu_si512(hi_pairs + kk * ld + n, _mm512_permutexvar_epi16(interleave, hi));
+      _mm512_storeu_si512(lo_pairs + kk * ld + n, _mm512_permutexvar_epi16(interleave, lo));
+    }
+  }
+}
+
+// K in pairs of keys (pack_rows_in_pairs) with each chunk of kTileDepth keys' 16 pair rows
+// stored twice in a row: the B operand for pack_float_rows_split's hi and lo halves of a chunk.
+// pairs holds 2 * row_pairs rows of width words.
+inline void pack_rows_in_pairs_twice(const BFloat16* x, int64_t stride, int64_t rows, int64_t cols,
+                                     int64_t row_pairs, int64_t width, uint32_t* pairs) {
+  constexpr int64_t kChunkPairs = kTileDepth / 2;
+  for (int64_t kk0 = 0; kk0 < row_pairs; kk0 += kChunkPairs) {
+    uint32_t* first = pairs + 2 * kk0 * width;
+    const int64_t r0 = 2 * kk0;
+    const int64_t chunk_rows = rows - r0 < 0 ? 0 : rows - r0;
+    pack_rows_in_pairs(x + r0 * stride, stride, chunk_rows, cols, kChunkPairs, width, first);
+    std::memcpy(first + kChunkPairs * width, first, kChunkPairs * width * sizeof(uint32_t));
+  }
 }
 
 // Columns [col0, col0 + cols) of a bfloat16 array (rows of ld values), `rows` of them, copied as

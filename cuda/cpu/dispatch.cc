@@ -85,8 +85,8 @@ int supported_variants(Variant* out) {
                 avx512::fma_loop_flops_per_iter};
 #if JF_HAVE_BF16_VARIANTS
     // Ranked below avx512, so only JAX_FLASH_CPU_ISA picks it: on the one CPU measured (an AMX
-    // Xeon, its tiles unused) its bfloat16 kernels ran at 150-190 GFLOP/s, avx512's (converting
-    // to float32) at 230-270 (PERF_NOTES CPU v3). Where vdpbf16ps has twice the float32 FMA rate
+    // Xeon, its tiles unused) its bfloat16 kernels ran at fwd+bwd 156-186 GFLOP/s, avx512's
+    // (converting to float32) at 227-268 (PERF_NOTES CPU v3). Where vdpbf16ps has twice the float32 FMA rate
     // (AMD Zen 4/5) it may win: unmeasured.
     if (__builtin_cpu_supports("avx512bf16"))
       out[n++] = {"avx512_bf16", avx512_bf16::flash_fwd, avx512_bf16::flash_bwd,
