@@ -1,5 +1,5 @@
 """bfloat16 on the CPU kernel's avx512_amx variant (the forward's and backward's products on AMX
-tiles, P and dS rounded to bfloat16 before the products that take them; the same products on
+tiles, P rounded to bfloat16 and scale dS split into two bfloat16 values; the same products on
 vdpbf16ps in avx512_bf16, which JAX_FLASH_CPU_ISA=avx512_bf16 runs here): the tolerance rule of
 attention_testing against the float32 reference on shapes that are not whole tiles (tiles of
 16 x 32, blocks of 64, head dims padded to 32), the NaN rules of test_nan_propagation on
