@@ -45,6 +45,14 @@ struct Variant {
 };
 
 #if JF_HAVE_BF16_VARIANTS
+// Whether the CPU has AVX512-BF16 (CPUID leaf 7, subleaf 1, EAX bit 5; read directly, as
+// compilers' __builtin_cpu_supports name it differently or not at all). Its state is the
+// AVX-512 state the avx512 checks already cover.
+bool cpu_has_avx512_bf16() {
+  unsigned eax, ebx, ecx, edx;
+  return __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && (eax & (1u << 5));
+}
+
 // Whether this process may run the avx512_amx variant: the CPU has AMX tiles with bfloat16
 // products (and avx512_bf16, for the conversions beside them), the OS saves the tile state
 // (XCR0 bits 17-18), and Linux granted this process the tile data (ARCH_REQ_XCOMP_PERM; without
@@ -54,8 +62,7 @@ bool amx_bf16_usable() {
   unsigned eax, ebx, ecx, edx;
   if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
   const bool amx_bf16 = edx & (1u << 22), amx_tile = edx & (1u << 24);
-  if (!amx_bf16 || !amx_tile) return false;
-  if (!__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) || !(eax & (1u << 5))) return false;
+  if (!amx_bf16 || !amx_tile || !cpu_has_avx512_bf16()) return false;
   if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !(ecx & (1u << 27))) return false;  // OSXSAVE
   uint32_t xcr0_lo, xcr0_hi;
   __asm__ volatile("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
@@ -88,7 +95,7 @@ int supported_variants(Variant* out) {
     // Xeon, its tiles unused) its bfloat16 kernels ran at fwd+bwd 156-186 GFLOP/s, avx512's
     // (converting to float32) at 227-268 (PERF_NOTES CPU v3). Where vdpbf16ps has twice the float32 FMA rate
     // (AMD Zen 4/5) it may win: unmeasured.
-    if (__builtin_cpu_supports("avx512bf16"))
+    if (cpu_has_avx512_bf16())
       out[n++] = {"avx512_bf16", avx512_bf16::flash_fwd, avx512_bf16::flash_bwd,
                   avx512_bf16::fma_loop, avx512_bf16::fma_loop_flops_per_iter};
 #endif
