@@ -184,6 +184,8 @@ _ISA_SCRIPT = textwrap.dedent("""
              kv_lens=(203, 0), local_window_size=(50, 3)),
         Case(batch=2, seq_q=70, seq_k=70, heads_k=1, head_dim=111, dtype="bfloat16",
              q_lens=(70, 31)),
+        Case(batch=1, seq_q=97, seq_k=150, heads_q=4, heads_k=2, head_dim=64, dtype="bfloat16",
+             is_causal=True, kv_lens=(121,)),
         Case(batch=1, seq_q=65, seq_k=129, heads_k=8, head_dim=80, dtype="float16"),
     ]:
       check_against_references(case, run_jax_flash(case, "cpu"))
@@ -191,9 +193,10 @@ _ISA_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("isa", ["avx2", "baseline"])
+@pytest.mark.parametrize("isa", ["avx512_amx", "avx512", "avx512_bf16", "avx2", "baseline"])
 def test_other_cpu_kernel_variants(isa):
-  """The kernel variants this CPU can run besides the best one (JAX_FLASH_CPU_ISA picks one)."""
+  """Every kernel variant this CPU can run (JAX_FLASH_CPU_ISA picks one; the rest of the suite
+  runs the best one), those it cannot skipped."""
   if jax.default_backend() != "cpu":
     pytest.skip("CPU kernel variants are tested on CPU hosts")
   here = os.path.dirname(__file__)

@@ -21,7 +21,9 @@ using DecodeFn = void (*)(const DecodeParams&, const TaskRunner&);
 
 DecodeFn detect() {
 #if JF_HAVE_X86_VARIANTS
-  if (std::strcmp(kernel_isa(), "avx512") == 0) return avx512::flash_decode;
+  // avx512_amx's and avx512_bf16's bfloat16 tiles serve the tiled kernels' products; decoding is
+  // their avx512 kernel.
+  if (std::strncmp(kernel_isa(), "avx512", 6) == 0) return avx512::flash_decode;
   if (std::strcmp(kernel_isa(), "avx2") == 0) return avx2::flash_decode;
 #endif
   return baseline::flash_decode;

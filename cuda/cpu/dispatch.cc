@@ -7,6 +7,14 @@
 
 #include "cpu/kernels.h"
 
+#if JF_HAVE_BF16_VARIANTS
+#include <cpuid.h>
+#endif
+#if JF_HAVE_BF16_VARIANTS && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 // The per-ISA entry points (kernels_isa.cc), declared by the variants CMake built.
 #define JF_DECLARE_VARIANT(isa)                                        \
   namespace jax_flash::cpu::isa {                                      \
@@ -20,6 +28,10 @@ JF_DECLARE_VARIANT(baseline)
 JF_DECLARE_VARIANT(avx2)
 JF_DECLARE_VARIANT(avx512)
 #endif
+#if JF_HAVE_BF16_VARIANTS
+JF_DECLARE_VARIANT(avx512_amx)
+JF_DECLARE_VARIANT(avx512_bf16)
+#endif
 
 namespace jax_flash::cpu {
 namespace {
@@ -32,15 +44,62 @@ struct Variant {
   int (*fma_flops_per_iter)();
 };
 
+#if JF_HAVE_BF16_VARIANTS
+// Whether the CPU has AVX512-BF16 (CPUID leaf 7, subleaf 1, EAX bit 5; read directly, as
+// compilers' __builtin_cpu_supports name it differently or not at all). Its state is the
+// AVX-512 state the avx512 checks already cover.
+bool cpu_has_avx512_bf16() {
+  unsigned eax, ebx, ecx, edx;
+  return __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && (eax & (1u << 5));
+}
+
+// Whether this process may run the avx512_amx variant: the CPU has AMX tiles with bfloat16
+// products (and avx512_bf16, for the conversions beside them), the OS saves the tile state
+// (XCR0 bits 17-18), and Linux granted this process the tile data (ARCH_REQ_XCOMP_PERM; without
+// it the first tile instruction faults). Asked once per process.
+bool amx_bf16_usable() {
+#if defined(__linux__)
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  const bool amx_bf16 = edx & (1u << 22), amx_tile = edx & (1u << 24);
+  if (!amx_bf16 || !amx_tile || !cpu_has_avx512_bf16()) return false;
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !(ecx & (1u << 27))) return false;  // OSXSAVE
+  uint32_t xcr0_lo, xcr0_hi;
+  __asm__ volatile("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+  if ((xcr0_lo & (3u << 17)) != (3u << 17)) return false;
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
+#endif
+
 // The variants this CPU can run, best first.
 int supported_variants(Variant* out) {
   int n = 0;
 #if JF_HAVE_X86_VARIANTS
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq"))
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq")) {
+#if JF_HAVE_BF16_VARIANTS
+    static const bool amx = amx_bf16_usable();
+    if (amx)
+      out[n++] = {"avx512_amx", avx512_amx::flash_fwd, avx512_amx::flash_bwd, avx512_amx::fma_loop,
+                  avx512_amx::fma_loop_flops_per_iter};
+#endif
     out[n++] = {"avx512", avx512::flash_fwd, avx512::flash_bwd, avx512::fma_loop,
                 avx512::fma_loop_flops_per_iter};
+#if JF_HAVE_BF16_VARIANTS
+    // Ranked below avx512, so only JAX_FLASH_CPU_ISA picks it: on the one CPU measured (an AMX
+    // Xeon, its tiles unused) its bfloat16 kernels ran at fwd+bwd 156-186 GFLOP/s, avx512's
+    // (converting to float32) at 227-268 (PERF_NOTES CPU v3). Where vdpbf16ps has twice the float32 FMA rate
+    // (AMD Zen 4/5) it may win: unmeasured.
+    if (cpu_has_avx512_bf16())
+      out[n++] = {"avx512_bf16", avx512_bf16::flash_fwd, avx512_bf16::flash_bwd,
+                  avx512_bf16::fma_loop, avx512_bf16::fma_loop_flops_per_iter};
+#endif
+  }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
       __builtin_cpu_supports("f16c"))
     out[n++] = {"avx2", avx2::flash_fwd, avx2::flash_bwd, avx2::fma_loop,
@@ -54,7 +113,7 @@ int supported_variants(Variant* out) {
 // The best variant, or the one JAX_FLASH_CPU_ISA names if this CPU supports it (for testing
 // every variant on one machine).
 Variant detect() {
-  Variant variants[3];
+  Variant variants[5];
   const int n = supported_variants(variants);
   if (const char* wanted = std::getenv("JAX_FLASH_CPU_ISA"))
     for (int i = 0; i < n; ++i)

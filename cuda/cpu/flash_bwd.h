@@ -22,6 +22,7 @@
 
 #include <cmath>
 
+#include "cpu/bwd_products.h"
 #include "cpu/flash_fwd.h"
 
 namespace jax_flash::cpu::JF_ISA {
@@ -74,11 +75,13 @@ inline void mask_row_segment(float* s, int64_t cols, const int32_t* kv_ids, int3
     if (kv_ids[c] != id) s[c] = -INFINITY;
 }
 
-template <typename T>
+// The main pass: T the inputs' dtype, Products the five tile products and the layouts of the
+// K/V tiles and dK/dV accumulators they own (bwd_products.h: float32 tiles; bf16_bwd_products.h:
+// bfloat16 on AMX or vdpbf16ps tiles).
+template <typename T, typename Products = FloatBwdProducts<T>>
 struct FlashBwdMain {
   const BwdParams& p;
-  int64_t dp;   // H padded
-  int64_t hvp;  // Hv padded
+  const typename Products::Shared& shared;
   int64_t num_tasks() const { return p.shape.batch * p.shape.heads_k * p.dq_splits; }
 
   void operator()(int64_t task) const {
@@ -87,6 +90,7 @@ struct FlashBwdMain {
     const int64_t hk = (task / p.dq_splits) % sh.heads_k;
     const int64_t b = task / (p.dq_splits * sh.heads_k);
     const int64_t d = sh.head_dim, hv = sh.head_dim_v;
+    const int64_t dp = padded_head_dim(d);  // the dQ accumulator's row
     const int64_t q_stride = sh.heads_q * d, k_stride = sh.heads_k * d;
     const int64_t o_stride = sh.heads_q * hv, v_stride = sh.heads_k * hv;
     const int64_t q_len = clamp_len(p.q_lens, b, sh.seq_q);
@@ -96,26 +100,19 @@ struct FlashBwdMain {
     constexpr int64_t bq = kBlockQ, bk = kBlockK;
     const bool blocks = p.block_mask != nullptr;
 
-    // Scratch tiles: K, K^T, V^T, dK, dV for the key block; Q, dO, P, dS, lse, delta for the
-    // query block, with soft-capping the cap's derivative per score, and with dropout Z and then
-    // P * Z, and Z^T as drawn (rows from a multiple of kDropoutRows). P^T and dS^T are read from P
-    // and dS in place (gemm_at). V^T, dV and dO are hvp wide, the others' head dim dp.
+    // Scratch tiles: P, dS, lse, delta for the query block, with soft-capping the cap's
+    // derivative per score, and with dropout Z and then P * Z, and Z^T as drawn (rows from a
+    // multiple of kDropoutRows); then the products' own (the K/V tiles and dK/dV accumulators of
+    // the key block, the Q/dO tiles of the query block).
     constexpr int64_t ldz = bq + kDropoutRows;
-    float* k_tile = thread_scratch(3 * bk * dp + 2 * bk * hvp + bq * dp + bq * hvp + 4 * bq * bk + 2 * bq +
-                                   bk * ldz);
-    float* kt_tile = k_tile + bk * dp;
-    float* vt_tile = kt_tile + dp * bk;
-    float* dk_acc = vt_tile + hvp * bk;
-    float* dv_acc = dk_acc + bk * dp;
-    float* q_tile = dv_acc + bk * hvp;
-    float* do_tile = q_tile + bq * dp;
-    float* probs = do_tile + bq * hvp;
+    float* probs = thread_scratch(4 * bq * bk + 2 * bq + bk * ldz + Products::scratch_floats(sh));
     float* dscores = probs + bq * bk;
     float* lse2 = dscores + bq * bk;
     float* delta = lse2 + bq;
     float* cap_grad = delta + bq;  // (bq, bk): 1 - tanh^2 of each raw score, with soft-capping
     float* dropped = cap_grad + bq * bk;  // (bq, bk): with dropout Z, then P * Z
     float* dropped_t = dropped + bq * bk;  // (bk, ldz): Z^T, rows from i0 rounded down
+    Products products(p, shared, b, hk, dropped_t + bk * ldz);
 
     const T* k = static_cast<const T*>(p.k) + b * sh.seq_k * k_stride + hk * d;
     const T* v = static_cast<const T*>(p.v) + b * sh.seq_k * v_stride + hk * hv;
@@ -141,11 +138,7 @@ struct FlashBwdMain {
       const int32_t* kv_ids = p.kv_segment_ids ? p.kv_segment_ids + b * sh.seq_k + j0 : nullptr;
       const int32_t* q_ids = p.q_segment_ids ? p.q_segment_ids + b * sh.seq_q : nullptr;
       const IdSpan k_span = kv_ids ? id_span(kv_ids, live_cols) : IdSpan{0, 0};
-      load_rows(k + j0 * k_stride, k_stride, live_cols, d, k_tile, dp);
-      load_rows_transposed(k + j0 * k_stride, k_stride, live_cols, d, kt_tile, bk, dp);
-      load_rows_transposed(v + j0 * v_stride, v_stride, live_cols, hv, vt_tile, bk, hvp);
-      for (int64_t x = 0; x < bk * dp; ++x) dk_acc[x] = 0.f;
-      for (int64_t x = 0; x < bk * hvp; ++x) dv_acc[x] = 0.f;
+      products.load_keys(k + j0 * k_stride, k_stride, v + j0 * v_stride, v_stride, live_cols);
 
       for (int64_t h = hk * sh.group(); h < (hk + 1) * sh.group(); ++h) {
         const T* q = static_cast<const T*>(p.q) + b * sh.seq_q * q_stride + h * d;
@@ -169,10 +162,7 @@ struct FlashBwdMain {
             if (!q_span.meets(k_span)) continue;
             split_ids = !q_span.same_single_id(k_span);
           }
-          // float32 Q and dO are read where they lie when the head dim needs no padding.
-          int64_t ldq, ldo;
-          const float* qs = rows_as_tile(q + i0 * q_stride, q_stride, rows, d, q_tile, dp, ldq);
-          const float* dos = rows_as_tile(d_o + i0 * o_stride, o_stride, rows, hv, do_tile, hvp, ldo);
+          products.load_queries(q + i0 * q_stride, q_stride, d_o + i0 * o_stride, o_stride, h, i0, rows);
           for (int64_t r = 0; r < rows; ++r) {
             // A row with no visible key (the forward wrote kEmptyRowLse; inside a visited block
             // only where segment ids leave its document no key) gets +inf: every probability
@@ -182,7 +172,7 @@ struct FlashBwdMain {
           }
           // P = exp2(S * scale * log2e - lse * log2e), masked (S soft-capped and biased first,
           // as the forward formed it).
-          gemm(rows, bk, dp, score_scale, qs, ldq, kt_tile, bk, probs, bk, false);
+          products.scores(rows, score_scale, probs);
           if (cap) soft_cap(probs, rows * bk, cap, cap_grad);  // recomputed, never stored T x S
           if (alibi) alibi_rows(probs, bk, rows, bk, j0 - i0, alibi);
           const KeyRange first = key_range(p.mask, i0, q_len, kv_len);
@@ -206,7 +196,7 @@ struct FlashBwdMain {
             for (int64_t r = 0; r < rows; ++r)
               for (int64_t c = 0; c < bk; ++c) dropped[r * bk + c] = dropped_t[c * ldz + shift + r];
             // dP = dO V^T, then dS = P * (dP * Z - delta), and P * Z in place of Z
-            gemm(rows, bk, hvp, 1.f, dos, ldo, vt_tile, bk, dscores, bk, false);
+            products.score_grads(rows, dscores);
             for (int64_t r = 0; r < rows; ++r) {
               const Vec dr = splat(delta[r]);
               for (int64_t c = 0; c < bk; c += kLanes) {
@@ -217,12 +207,12 @@ struct FlashBwdMain {
               }
             }
             // dV += (P * Z)^T dO
-            gemm_at(live_cols, hvp, rows, 1.f, dropped, bk, dos, ldo, dv_acc, hvp, true);
+            products.accumulate_dv(dropped, rows, live_cols);
           } else {
             // dV += P^T dO
-            gemm_at(live_cols, hvp, rows, 1.f, probs, bk, dos, ldo, dv_acc, hvp, true);
+            products.accumulate_dv(probs, rows, live_cols);
             // dP = dO V^T, then dS = P * (dP - delta)
-            gemm(rows, bk, hvp, 1.f, dos, ldo, vt_tile, bk, dscores, bk, false);
+            products.score_grads(rows, dscores);
             for (int64_t r = 0; r < rows; ++r) {
               const Vec dr = splat(delta[r]);
               for (int64_t c = 0; c < bk; c += kLanes) {
@@ -234,22 +224,20 @@ struct FlashBwdMain {
           // Soft-capping: dS by the raw score is dS by the capped one times 1 - tanh^2.
           if (cap)
             for (int64_t x = 0; x < rows * bk; x += kLanes) store(dscores + x, load(dscores + x) * load(cap_grad + x));
-          // dQ += scale dS K (into this split's float32 accumulator)
-          gemm(rows, dp, live_cols, p.scale, dscores, bk, k_tile, dp, dq + i0 * dq_stride, dq_stride, true);
-          // dK += scale dS^T Q
-          gemm_at(live_cols, dp, rows, p.scale, dscores, bk, qs, ldq, dk_acc, dp, true);
+          // dQ += scale dS K (into this split's float32 accumulator), dK += scale dS^T Q
+          products.accumulate_dq_dk(dscores, rows, live_cols, p.scale, dq + i0 * dq_stride, dq_stride);
         }
       }
       for (int64_t r = 0; r < cols; ++r) {
         if (r < live_cols) {
-          store_row(dk_acc + r * dp, d, 1.f, dk + (j0 + r) * k_stride);
-          store_row(dv_acc + r * hvp, hv, 1.f, dv + (j0 + r) * v_stride);
+          products.store_key_row(r, dk + (j0 + r) * k_stride, dv + (j0 + r) * v_stride);
         } else {
           store_zeros(d, dk + (j0 + r) * k_stride);
           store_zeros(hv, dv + (j0 + r) * v_stride);
         }
       }
     }
+    products.finish();
   }
 };
 
@@ -275,13 +263,15 @@ struct FlashBwdDq {
   }
 };
 
-template <typename T>
+template <typename T, typename Products = FloatBwdProducts<T>>
 void flash_bwd_typed(const BwdParams& params, const TaskRunner& runner) {
   const int64_t dp = padded_head_dim(params.shape.head_dim);
   FlashBwdDelta<T> delta{params, dp};
   parallel_for(runner, delta.num_tasks(), delta);
-  FlashBwdMain<T> main{params, dp, padded_head_dim(params.shape.head_dim_v)};
+  typename Products::Shared shared(params, runner);
+  FlashBwdMain<T, Products> main{params, shared};
   parallel_for(runner, main.num_tasks(), main);
+  shared.release();
   FlashBwdDq<T> dq{params, dp};
   parallel_for(runner, dq.num_tasks(), dq);
 }

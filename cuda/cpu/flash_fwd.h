@@ -12,6 +12,7 @@
 
 #include "common/dropout_bits.h"
 #include "common/mask.h"
+#include "cpu/fwd_products.h"
 #include "cpu/parallel.h"
 #include "cpu/simd.h"
 #include "cpu/tile_gemm.h"
@@ -400,18 +401,17 @@ inline bool range_meets(KeyRange keys, int64_t j0, int64_t cols) {
   return max64(keys.begin, j0) < min64(keys.end, j0 + cols);
 }
 
-template <typename T>
+// The forward of one call: T the inputs' dtype, Products the two tile products and the layout of
+// the query tile and output accumulator they own (fwd_products.h: float32 tiles;
+// bf16_fwd_products.h: bfloat16 on AMX or vdpbf16ps tiles).
+template <typename T, typename Products = FloatFwdProducts<T>>
 struct FlashFwd {
   const FwdParams& p;
-  int64_t dp;        // q's and k's head dim H padded to kHeadDimAlign
-  int64_t hvp;       // v's and o's head dim Hv padded likewise
+  const typename Products::Shared& shared;
   int64_t q_blocks;  // per (batch, head)
 
-  explicit FlashFwd(const FwdParams& params)
-      : p(params),
-        dp(padded_head_dim(params.shape.head_dim)),
-        hvp(padded_head_dim(params.shape.head_dim_v)),
-        q_blocks(ceil_div(params.shape.seq_q, kBlockQ)) {}
+  FlashFwd(const FwdParams& params, const typename Products::Shared& shared_state)
+      : p(params), shared(shared_state), q_blocks(ceil_div(params.shape.seq_q, kBlockQ)) {}
 
   int64_t num_tasks() const { return p.shape.batch * p.shape.heads_q * q_blocks; }
 
@@ -434,24 +434,20 @@ struct FlashFwd {
     const int64_t out_offset = (b * sh.seq_q + i0) * o_stride + h * hv;
     float* lse = p.lse + (b * sh.heads_q + h) * sh.seq_q + i0;
 
-    // Scratch: Q^T tile, output accumulator, K tile, V tile, transposed scores, row statistics
-    // (Q^T and K dp wide, the accumulator and V hvp wide: v's head dim Hv may differ from H).
-    // Scores are formed transposed, S^T = K Q^T (keys x query rows): K is then read row by row
-    // as it lies (no transposed copy of every K tile; Q^T is made once per task) and the
-    // softmax's reductions over keys run down columns, kLanes query rows a vector.
+    // Scratch: transposed scores, row statistics, then the products' own tiles (the query tile,
+    // the output accumulator, K and V tiles). Scores are formed transposed, S^T = K Q^T (keys x
+    // query rows): K is then read row by row as it lies (no transposed copy of every K tile) and
+    // the softmax's reductions over keys run down columns, kLanes query rows a vector.
     const int64_t kp = kBlockK;           // key tile rows (128-512 measured no faster)
     const int64_t qp = kBlockQ;           // query columns of S^T, a multiple of kLanes
-    float* qt_tile = thread_scratch(dp * qp + kBlockQ * hvp + kp * dp + kp * hvp + kp * qp + 4 * qp);
-    float* acc = qt_tile + dp * qp;
-    float* k_tile = acc + kBlockQ * hvp;
-    float* v_tile = k_tile + kp * dp;
-    float* scores_t = v_tile + kp * hvp;
+    float* scores_t = thread_scratch(kp * qp + 4 * qp + Products::scratch_floats(sh));
     float* row_ref = scores_t + kp * qp;
     float* row_sum = row_ref + qp;
     float* correction = row_sum + qp;
     // With segment ids, 1 where a row has met a key the masks let through: a row whose document
     // has no visible key is empty. (Without them key_range decides that alone.)
     float* seen = correction + qp;
+    Products products(p, shared, b, hk, seen + qp);
     // Segment ids of this block's rows and of the batch element's keys (null without).
     const int32_t* q_ids = p.q_segment_ids ? p.q_segment_ids + b * sh.seq_q + i0 : nullptr;
     const int32_t* kv_ids = p.kv_segment_ids ? p.kv_segment_ids + b * sh.seq_k : nullptr;
@@ -464,15 +460,14 @@ struct FlashFwd {
 
     if (live_rows > 0) {
       const T* q = static_cast<const T*>(p.q) + (b * sh.seq_q + i0) * q_stride + h * d;
-      const int64_t nq = round_up(live_rows, kLanes);  // query columns computed
-      load_rows_transposed(q, q_stride, live_rows, d, qt_tile, qp, dp);
+      const int64_t nq = round_up(live_rows, Products::kRowAlign);  // query columns computed
+      products.load_queries(q, q_stride, live_rows);
       for (int64_t r = 0; r < qp; ++r) {
         row_ref[r] = -INFINITY;
         row_sum[r] = 0.f;
         seen[r] = 0.f;
       }
       const IdSpan q_span = q_ids ? id_span(q_ids, live_rows) : IdSpan{0, 0};
-      for (int64_t x = 0; x < live_rows * hvp; ++x) acc[x] = 0.f;
 
       const KeyRange first = key_range(p.mask, i0, q_len, kv_len);
       const KeyRange last = key_range(p.mask, i0 + live_rows - 1, q_len, kv_len);
@@ -495,11 +490,7 @@ struct FlashFwd {
           if (!q_span.meets(k_span)) continue;
           split_ids = !q_span.same_single_id(k_span);
         }
-        // float32 K and V are read where they lie when the head dim needs no padding.
-        int64_t ldk, ldv;
-        const float* kt = rows_as_tile(k + j0 * k_stride, k_stride, cols, d, k_tile, dp, ldk);
-        const float* vt = rows_as_tile(v + j0 * v_stride, v_stride, cols, hv, v_tile, hvp, ldv);
-        gemm(cols, nq, dp, score_scale, kt, ldk, qt_tile, qp, scores_t, qp, false);
+        products.scores(k + j0 * k_stride, k_stride, j0, cols, nq, score_scale, scores_t);
         if (cap)
           for (int64_t c = 0; c < cols; ++c) soft_cap(scores_t + c * qp, nq, cap, nullptr);
         if (alibi) alibi_columns(scores_t, qp, cols, nq, j0 - i0, alibi);
@@ -522,12 +513,7 @@ struct FlashFwd {
         for (int64_t r = 0; r < nq; r += kLanes)
           store(correction + r,
                 softmax_columns_update(scores_t + r, qp, cols, row_ref + r, row_sum + r));
-        for (int64_t r = 0; r < live_rows; ++r) {
-          if (correction[r] != 1.f) {
-            const Vec cv = splat(correction[r]);
-            for (int64_t c = 0; c < hvp; c += kLanes) store(acc + r * hvp + c, load(acc + r * hvp + c) * cv);
-          }
-        }
+        products.rescale(correction, live_rows, nq);
         // Dropout: the dropped probabilities of the rows' P (S^T, key c at scores_t[c * qp])
         // become 0; the row sums above keep them, and 1 / (1 - rate) joins 1 / row sum below.
         if (dropout)
@@ -535,8 +521,8 @@ struct FlashFwd {
             float* p = scores_t + c * qp + r;
             store(p, keep ? load(p) : Vec{});
           });
-        // O += P V, P read from S^T in place.
-        gemm_at(live_rows, hvp, cols, 1.f, scores_t, qp, vt, ldv, acc, hvp, true);
+        // O += P V, P read from S^T.
+        products.accumulate(scores_t, v + j0 * v_stride, v_stride, j0, cols, live_rows, nq);
       }
     }
 
@@ -549,19 +535,22 @@ struct FlashFwd {
       const int64_t out_row = out_offset + r * o_stride;
       if (p.o_float32)
         empty ? store_zeros(hv, static_cast<float*>(p.o) + out_row)
-              : store_row(acc + r * hvp, hv, inv, static_cast<float*>(p.o) + out_row);
+              : products.store_output_row(r, inv, static_cast<float*>(p.o) + out_row);
       else
         empty ? store_zeros(hv, static_cast<T*>(p.o) + out_row)
-              : store_row(acc + r * hvp, hv, inv, static_cast<T*>(p.o) + out_row);
+              : products.store_output_row(r, inv, static_cast<T*>(p.o) + out_row);
       lse[r] = empty ? kEmptyRowLse : natural_lse(row_ref[r], row_sum[r]);
     }
+    products.finish();
   }
 };
 
-template <typename T>
+template <typename T, typename Products = FloatFwdProducts<T>>
 void flash_fwd_typed(const FwdParams& params, const TaskRunner& runner) {
-  FlashFwd<T> kernel(params);
+  typename Products::Shared shared(params, runner);
+  FlashFwd<T, Products> kernel(params, shared);
   parallel_for(runner, kernel.num_tasks(), kernel);
+  shared.release();
 }
 
 }  // namespace jax_flash::cpu::JF_ISA

@@ -1,8 +1,8 @@
 // The CPU FlashAttention kernels: entry points for the FFI handlers.
 //
-// The kernels are compiled once per instruction set (AVX-512, AVX2, baseline) into separate
-// namespaces (kernels_isa.cc); flash_fwd / flash_bwd pick the best one the running CPU has.
-// Those translation units use no standard-library templates, so no function compiled with wider
+// The kernels are compiled once per instruction set (AVX-512 with AMX or BF16, AVX-512, AVX2,
+// baseline) into separate namespaces (kernels_isa.cc); flash_fwd / flash_bwd pick the best one
+// the running CPU has. Those translation units use no standard-library templates, so no function compiled with wider
 // instructions can be merged by the linker into code that runs on a CPU without them: scratch
 // memory and threads come through the plain interfaces below.
 #pragma once
@@ -43,7 +43,7 @@ float* thread_scratch(int64_t count);
 void flash_fwd(const FwdParams& params, const TaskRunner& runner);
 void flash_bwd(const BwdParams& params, const TaskRunner& runner);
 
-// "avx512", "avx2" or "baseline": the kernel variant this CPU runs.
+// "avx512_amx", "avx512_bf16", "avx512", "avx2" or "baseline": the kernel variant this CPU runs.
 const char* kernel_isa();
 
 // One core's float32 FMA peak in GFLOP/s with the running variant's vectors, measured on the

@@ -1,9 +1,15 @@
-// One instruction-set variant of the CPU kernels. CMake compiles this file three times, with
-// JF_ISA = avx512 / avx2 / baseline, JF_SIMD_LANES = 16 / 8 / 4 and the matching -m flags; the
+// One instruction-set variant of the CPU kernels. CMake compiles this file once per variant, with
+// JF_ISA = avx512_amx / avx512_bf16 / avx512 / avx2 / baseline, JF_SIMD_LANES = 16 / 16 / 16 / 8
+// / 4 and the matching -m flags (avx512_amx and avx512_bf16: JF_BF16_PRODUCTS, bfloat16 inputs'
+// products on bfloat16 tiles, with JF_AMX on AMX); the
 // dispatcher (dispatch.cc) calls the variant the running CPU supports.
 #include "cpu/flash_bwd.h"
 #include "cpu/flash_fwd.h"
 #include "cpu/kernels.h"
+#if JF_BF16_PRODUCTS
+#include "cpu/bf16_bwd_products.h"
+#include "cpu/bf16_fwd_products.h"
+#endif
 
 namespace jax_flash::cpu::JF_ISA {
 
@@ -20,10 +26,28 @@ template <typename T>
 struct Fwd {
   static void run(const FwdParams& p, const TaskRunner& r) { flash_fwd_typed<T>(p, r); }
 };
+#if JF_BF16_PRODUCTS
+// bfloat16 forwards take their products on bfloat16 tiles (AMX or vdpbf16ps).
+template <>
+struct Fwd<BFloat16> {
+  static void run(const FwdParams& p, const TaskRunner& r) {
+    flash_fwd_typed<BFloat16, Bf16FwdProducts>(p, r);
+  }
+};
+#endif
 template <typename T>
 struct Bwd {
   static void run(const BwdParams& p, const TaskRunner& r) { flash_bwd_typed<T>(p, r); }
 };
+#if JF_BF16_PRODUCTS
+// And their backwards.
+template <>
+struct Bwd<BFloat16> {
+  static void run(const BwdParams& p, const TaskRunner& r) {
+    flash_bwd_typed<BFloat16, Bf16BwdProducts>(p, r);
+  }
+};
+#endif
 
 // The FMA peak micro-benchmark's loop: kChains independent chains of vector FMAs (enough to
 // cover two FMA pipes' latency on every x86 core we know: 2 x 4 to 2 x 5 in flight), `iters`
