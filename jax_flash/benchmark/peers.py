@@ -199,9 +199,8 @@ def _flash_attention(kernel: str, deterministic: bool, query: jax.Array, key: ja
 
 def flash_peer(kernel: str, device_kind: str, deterministic: bool = False) -> Peer:
   """jax_flash's `kernel` ("cpu" or "cuda") on the `device_kind` device; block-sparse cases
-  with their block_mask on the kernels that take one (the CUDA kernels refuse it); packed
-  cases with segment ids (both kernels take them; unavailable where a kernel refuses a call at
-  trace time)."""
+  with their block_mask (both kernels take it); packed cases with segment ids (both kernels take
+  them; unavailable where a kernel refuses a call at trace time)."""
   attention = functools.partial(_flash_attention, kernel, deterministic)
   takes_blocks = _dispatch.capabilities(kernel).block_mask
   kinds = case_kinds(block_sparse=None if takes_blocks
