@@ -125,8 +125,9 @@ def test_deterministic_matches_reference(case):
 
 def test_backward_forms_delta_from_o_and_its_rounding_error():
   """A differentiated 16-bit call keeps the 16-bit o plus its int8 rounding error for the
-  backward (jax_flash._rounding; issue 13 item 2), and the step-by-step result equals the
-  backward given o in float32 (what XLA forms delta from: join_rounding, to float32 rounding)."""
+  backward (jax_flash._rounding; issue 13 item 2): the forward's custom call writes both, XLA
+  forms delta from them, and the backward's call takes delta, not them. The step-by-step result
+  equals the backward given o in float32 (join_rounding, to float32 rounding)."""
   import jax_flash
   from jax_flash import _ops, _rounding
   rng = np.random.default_rng(5)
@@ -134,8 +135,10 @@ def test_backward_forms_delta_from_o_and_its_rounding_error():
   loss = lambda q: (jax_flash.dot_product_attention(q, k, v, implementation="cuda")
                     .astype(jnp.float32) * d_o.astype(jnp.float32)).sum()
   hlo = jax.jit(jax.grad(loss)).lower(q).as_text()
+  forward = [line for line in hlo.splitlines() if "jax_flash_cuda_fwd" in line]
   backward = [line for line in hlo.splitlines() if "jax_flash_cuda_bwd" in line]
-  assert backward and all("tensor<2x96x4x64xi8>" in line for line in backward), backward
+  assert forward and all("tensor<2x96x4x64xi8>" in line for line in forward), forward
+  assert backward and not any("xi8>" in line for line in backward), backward
   config = _ops.KernelConfig("cuda", 0.125, False, -1, -1)
   lens = jnp.full((2,), 96, jnp.int32)
   o32, lse = _ops.flash_fwd(q, k, v, lens, lens, _ops.for_backward(config))
