@@ -28,6 +28,10 @@ inline int64_t tile_depth_padded(int64_t dim) { return round_up(dim, kTileDepth)
 struct Bf16FwdProducts {
   // Query columns come in 2 x 16 (one 2 x 2 block of C tiles spans 32 rows).
   static constexpr int64_t kRowAlign = 32;
+  // Keys a step: 128, so that O^T's C tiles are loaded and stored once per 128 keys of P V (they
+  // were once per 64: about as many tile loads and stores as products at head dim 128).
+  static constexpr int64_t kKeyBlock = 128;
+  static_assert(kKeyBlock % 32 == 0, "whole 2 x 2 blocks of tiles");
 
   // V^T of every (batch, kv head): vt[((b * heads_k + hk) * dims + c) * ld + j] for dims
   // c < dims (hv padded to 32; zero past hv) and keys j < ld (past seq_k by a tile's depth, so
@@ -64,13 +68,13 @@ struct Bf16FwdProducts {
   const BFloat16* vt;  // this (batch, kv head)'s V^T
   uint32_t* q_pairs;   // depth / 2 x kBlockQ
   float* acc_t;        // O^T, dims x kBlockQ
-  BFloat16* k_pack;    // kBlockK x depth: K rows that cannot be read in place
-  uint32_t* p_pairs;   // kBlockK / 2 x kBlockQ
+  BFloat16* k_pack;    // kKeyBlock x depth: K rows that cannot be read in place
+  uint32_t* p_pairs;   // kKeyBlock / 2 x kBlockQ
   BFloat16* v_tail;    // dims x kTileDepth: a block's last, partial chunk of V^T
 
   static int64_t scratch_floats(const AttentionShape& sh) {
     const int64_t depth = tile_depth_padded(sh.head_dim), dims = tile_depth_padded(sh.head_dim_v);
-    return depth / 2 * kBlockQ + dims * kBlockQ + kBlockK * depth / 2 + kBlockK / 2 * kBlockQ +
+    return depth / 2 * kBlockQ + dims * kBlockQ + kKeyBlock * depth / 2 + kKeyBlock / 2 * kBlockQ +
            dims * kTileDepth / 2;
   }
 
@@ -85,8 +89,8 @@ struct Bf16FwdProducts {
     q_pairs = reinterpret_cast<uint32_t*>(scratch);
     acc_t = scratch + depth / 2 * kBlockQ;
     k_pack = reinterpret_cast<BFloat16*>(acc_t + dims * kBlockQ);
-    p_pairs = reinterpret_cast<uint32_t*>(k_pack + kBlockK * depth);
-    v_tail = reinterpret_cast<BFloat16*>(p_pairs + kBlockK / 2 * kBlockQ);
+    p_pairs = reinterpret_cast<uint32_t*>(k_pack + kKeyBlock * depth);
+    v_tail = reinterpret_cast<BFloat16*>(p_pairs + kKeyBlock / 2 * kBlockQ);
     configure_tiles();
   }
   // Called at the end of the task: frees the tile state (the thread may then be switched out
