@@ -28,13 +28,25 @@ inline int64_t tile_depth_padded(int64_t dim) { return round_up(dim, kTileDepth)
 struct Bf16FwdProducts {
   // Query columns come in 2 x 16 (one 2 x 2 block of C tiles spans 32 rows).
   static constexpr int64_t kRowAlign = 32;
+  // Keys a step: 128, so that O^T's C tiles are loaded and stored once per 128 keys of P V (they
+  // were once per 64: about as many tile loads and stores as products at head dim 128).
+  static constexpr int64_t kKeyBlock = 128;
+  static_assert(kKeyBlock % 32 == 0, "whole 2 x 2 blocks of tiles");
 
   // V^T of every (batch, kv head): vt[((b * heads_k + hk) * dims + c) * ld + j] for dims
   // c < dims (hv padded to 32; zero past hv) and keys j < ld (past seq_k by a tile's depth, so
   // a block's last chunk stays inside; zero past seq_k).
+  //
+  // K of every (batch, kv head) in whole tiles: 16 keys x 32 dims a contiguous 1 KiB, the
+  // depth's tiles of 16 keys one after the other (kt + head * k_head + (j / 16 * depth / 32 +
+  // c / 32) * 512 + j % 16 * 32 + c % 32; zero past d and past seq_k). Read in place, each tile
+  // row sat a whole K row (heads_k * d values) from the next, 16 rows in different pages at
+  // head dim 128: the A tile's load was the forward's largest stall.
   struct Shared {
     int64_t dims = 0, ld = 0;
     BFloat16* vt = nullptr;
+    int64_t depth = 0, k_head = 0;
+    BFloat16* kt = nullptr;
 
     Shared(const FwdParams& p, const TaskRunner& runner) {
       const AttentionShape& sh = p.shape;
@@ -43,18 +55,40 @@ struct Bf16FwdProducts {
       const int64_t heads = sh.batch * sh.heads_k;
       vt = static_cast<BFloat16*>(
           ::operator new[](heads * dims * ld * sizeof(BFloat16), std::align_val_t{64}));
+      depth = tile_depth_padded(sh.head_dim);
+      k_head = round_up(sh.seq_k, kTileRows) * depth;
+      kt = static_cast<BFloat16*>(
+          ::operator new[](heads * k_head * sizeof(BFloat16), std::align_val_t{64}));
       auto pack_head = [&](int64_t head) {
         const int64_t b = head / sh.heads_k, hk = head % sh.heads_k;
         const int64_t v_stride = sh.heads_k * sh.head_dim_v;
         const BFloat16* v =
             static_cast<const BFloat16*>(p.v) + b * sh.seq_k * v_stride + hk * sh.head_dim_v;
         pack_transposed(v, v_stride, sh.seq_k, sh.head_dim_v, dims, ld, vt + head * dims * ld);
+        const int64_t k_stride = sh.heads_k * sh.head_dim;
+        const BFloat16* k =
+            static_cast<const BFloat16*>(p.k) + b * sh.seq_k * k_stride + hk * sh.head_dim;
+        BFloat16* out = kt + head * k_head;
+        for (int64_t j = 0; j < k_head / depth; ++j)
+          for (int64_t c = 0; c < depth; c += kTileDepth) {
+            BFloat16* row = out + (j / kTileRows * depth + c) * kTileRows + j % kTileRows * kTileDepth;
+            const int64_t n = j < sh.seq_k ? min64(kTileDepth, max64(0, sh.head_dim - c)) : 0;
+            if (n == kTileDepth) {  // the common case: one 64-byte copy of a fixed size
+              std::memcpy(row, k + j * k_stride + c, kTileBytes);
+              continue;
+            }
+            if (n) std::memcpy(row, k + j * k_stride + c, n * sizeof(BFloat16));
+            std::memset(row + n, 0, (kTileDepth - n) * sizeof(BFloat16));
+          }
       };
       parallel_for(runner, heads, pack_head);
     }
     // Called once the call's tasks are done. (No destructor: the per-ISA objects carry no
     // unwinding code, whose personality reference the linker could merge; check_isa_symbols.)
-    void release() { ::operator delete[](vt, std::align_val_t{64}); }
+    void release() {
+      ::operator delete[](vt, std::align_val_t{64});
+      ::operator delete[](kt, std::align_val_t{64});
+    }
   };
 
   int64_t d, hv;
@@ -62,15 +96,16 @@ struct Bf16FwdProducts {
   int64_t dims;   // v's padded likewise: the accumulator's rows
   const Shared& shared;
   const BFloat16* vt;  // this (batch, kv head)'s V^T
+  const BFloat16* kt;  // and its K in tiles
   uint32_t* q_pairs;   // depth / 2 x kBlockQ
   float* acc_t;        // O^T, dims x kBlockQ
-  BFloat16* k_pack;    // kBlockK x depth: K rows that cannot be read in place
-  uint32_t* p_pairs;   // kBlockK / 2 x kBlockQ
+  BFloat16* k_pack;    // kKeyBlock x depth: K rows that cannot be read in place
+  uint32_t* p_pairs;   // kKeyBlock / 2 x kBlockQ
   BFloat16* v_tail;    // dims x kTileDepth: a block's last, partial chunk of V^T
 
   static int64_t scratch_floats(const AttentionShape& sh) {
     const int64_t depth = tile_depth_padded(sh.head_dim), dims = tile_depth_padded(sh.head_dim_v);
-    return depth / 2 * kBlockQ + dims * kBlockQ + kBlockK * depth / 2 + kBlockK / 2 * kBlockQ +
+    return depth / 2 * kBlockQ + dims * kBlockQ + kKeyBlock * depth / 2 + kKeyBlock / 2 * kBlockQ +
            dims * kTileDepth / 2;
   }
 
@@ -81,12 +116,13 @@ struct Bf16FwdProducts {
         depth(tile_depth_padded(d)),
         dims(shared_state.dims),
         shared(shared_state),
-        vt(shared_state.vt + (b * p.shape.heads_k + hk) * shared_state.dims * shared_state.ld) {
+        vt(shared_state.vt + (b * p.shape.heads_k + hk) * shared_state.dims * shared_state.ld),
+        kt(shared_state.kt + (b * p.shape.heads_k + hk) * shared_state.k_head) {
     q_pairs = reinterpret_cast<uint32_t*>(scratch);
     acc_t = scratch + depth / 2 * kBlockQ;
     k_pack = reinterpret_cast<BFloat16*>(acc_t + dims * kBlockQ);
-    p_pairs = reinterpret_cast<uint32_t*>(k_pack + kBlockK * depth);
-    v_tail = reinterpret_cast<BFloat16*>(p_pairs + kBlockK / 2 * kBlockQ);
+    p_pairs = reinterpret_cast<uint32_t*>(k_pack + kKeyBlock * depth);
+    v_tail = reinterpret_cast<BFloat16*>(p_pairs + kKeyBlock / 2 * kBlockQ);
     configure_tiles();
   }
   // Called at the end of the task: frees the tile state (the thread may then be switched out
@@ -100,26 +136,35 @@ struct Bf16FwdProducts {
 
   // scores_t[c * kBlockQ + r] = scale * k_c . q_r for keys c < cols and query columns r < nq
   // (keys up to cols rounded to 32 are computed too, from zero rows).
-  void scores(const BFloat16* k, int64_t k_stride, int64_t /*j0*/, int64_t cols, int64_t nq,
+  void scores(const BFloat16* k, int64_t k_stride, int64_t j0, int64_t cols, int64_t nq,
               float scale, float* scores_t) {
     const int64_t key_rows = round_up(cols, 32);
-    // K is read in place when its rows are whole tile rows and the block whole strips of 32.
-    const BFloat16* a = k;
-    int64_t a_stride = k_stride * sizeof(BFloat16);
-    if (d != depth || cols != key_rows) {
-      pack_rows(k, k_stride, cols, d, depth, key_rows, k_pack);
-      a = k_pack;
-      a_stride = depth * sizeof(BFloat16);
-    }
-    const uint8_t* a_bytes = reinterpret_cast<const uint8_t*>(a);
     const uint8_t* b_bytes = reinterpret_cast<const uint8_t*>(q_pairs);
     constexpr int64_t q_row_bytes = kBlockQ * sizeof(uint32_t);
-    for (int64_t c0 = 0; c0 < key_rows; c0 += 32)
-      for (int64_t r0 = 0; r0 < nq; r0 += 32)
-        tile_block_2x2(depth / kTileDepth, a_bytes + c0 * a_stride, a_stride, 16 * a_stride,
-                       kTileBytes, b_bytes + r0 * sizeof(uint32_t), q_row_bytes, kTileBytes,
-                       kTileRows * q_row_bytes, scores_t + c0 * kBlockQ + r0, q_row_bytes,
-                       16 * kBlockQ, false);
+    constexpr int64_t tile_bytes = kTileRows * kTileBytes;
+    if (cols == key_rows && j0 % kTileRows == 0) {
+      // Whole strips of 32 keys on the tile grid: K's tiles (Shared::kt), each contiguous.
+      const uint8_t* a_bytes = reinterpret_cast<const uint8_t*>(kt + j0 * depth);
+      const int64_t strip_bytes = depth / kTileDepth * tile_bytes;  // 16 keys, every dim
+      for (int64_t c0 = 0; c0 < key_rows; c0 += 32)
+        for (int64_t r0 = 0; r0 < nq; r0 += 32)
+          tile_block_2x2(depth / kTileDepth, a_bytes + c0 / kTileRows * strip_bytes, kTileBytes,
+                         strip_bytes, tile_bytes, b_bytes + r0 * sizeof(uint32_t), q_row_bytes,
+                         kTileBytes, kTileRows * q_row_bytes, scores_t + c0 * kBlockQ + r0,
+                         q_row_bytes, 16 * kBlockQ, false);
+    } else {
+      // A partial block (copied with zeros past it: keys past it may hold NaN) or one off the
+      // tile grid (a window's or a length's start): K's rows copied.
+      pack_rows(k, k_stride, cols, d, depth, key_rows, k_pack);
+      const uint8_t* a_bytes = reinterpret_cast<const uint8_t*>(k_pack);
+      const int64_t a_stride = depth * sizeof(BFloat16);
+      for (int64_t c0 = 0; c0 < key_rows; c0 += 32)
+        for (int64_t r0 = 0; r0 < nq; r0 += 32)
+          tile_block_2x2(depth / kTileDepth, a_bytes + c0 * a_stride, a_stride, 16 * a_stride,
+                         kTileBytes, b_bytes + r0 * sizeof(uint32_t), q_row_bytes, kTileBytes,
+                         kTileRows * q_row_bytes, scores_t + c0 * kBlockQ + r0, q_row_bytes,
+                         16 * kBlockQ, false);
+    }
     const Vec s = splat(scale);
     for (int64_t c = 0; c < cols; ++c)
       for (int64_t r = 0; r < nq; r += kLanes) {

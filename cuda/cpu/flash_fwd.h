@@ -55,10 +55,27 @@ inline void mask_row(float* s, int64_t j0, int64_t cols, int64_t padded_cols, Ke
 // keys more than 2^-121 below the max (not 2^-127) round to 0, far under float32's precision.
 inline constexpr float kSumHeadroom = 6.f;
 static_assert(kBlockK <= 64, "a block's probabilities sum to at most 2^kSumHeadroom");
+// A forward whose key blocks hold up to 128 keys (the bfloat16 products: one P V product per
+// 128 keys halves the loads and stores of the O^T tiles) takes one more bit of headroom, so
+// that such a block's probabilities, each at most 2^-7, still sum to at most 1.
+inline constexpr int64_t kWideKeyBlock = 128;
+inline constexpr float kWideSumHeadroom = 7.f;
+inline constexpr float sum_headroom(int64_t key_block) {
+  return key_block <= 64 ? kSumHeadroom : kWideSumHeadroom;
+}
+// Where the reference must rise (a row's max passed it less the headroom), the wide blocks raise
+// it `kWideRaiseSlack` more: a row's max then rarely passes it again, and every raise costs a
+// rescale of that row's O^T (a 16-row group's, on the bfloat16 path), nearly every block with
+// random scores. Probabilities only shrink by a power of two (each still at most 2^-7).
+inline constexpr float kWideRaiseSlack = 2.f;
+inline constexpr float raise_slack(int64_t key_block) {
+  return key_block <= 64 ? 0.f : kWideRaiseSlack;
+}
 // A block mask's blocks (kBlockMaskRows x kBlockMaskKeys, attention_params.h) hold whole tiles:
 // a tile on the tile grid (rows from a multiple of kBlockQ, keys from a multiple of kBlockK)
 // lies inside one mask block, whose bit decides it whole.
-static_assert(kBlockMaskRows % kBlockQ == 0 && kBlockMaskKeys % kBlockK == 0,
+static_assert(kBlockMaskRows % kBlockQ == 0 && kBlockMaskKeys % kBlockK == 0 &&
+                  kBlockMaskKeys % kWideKeyBlock == 0,
               "the CPU tiles must divide the block mask's block");
 
 inline float raised_reference(float old_ref, float tile_max, float old_sum) {
@@ -72,10 +89,12 @@ inline float raised_reference(float old_ref, float tile_max, float old_sum) {
 }
 
 // The same for kLanes rows.
-inline Vec raised_reference(Vec old_ref, Vec tile_max, Vec old_sum) {
+inline Vec raised_reference(Vec old_ref, Vec tile_max, Vec old_sum,
+                            float sum_headroom = kSumHeadroom, float slack = 0.f) {
   const Vec neg_inf = splat(-INFINITY);
-  const Vec headroom = tile_max + kSumHeadroom;
-  const Vec ref = old_ref > headroom ? old_ref : headroom;
+  const Vec headroom = tile_max + sum_headroom;
+  // (old_ref == headroom keeps old_ref either way; a NaN max gives NaN.)
+  const Vec ref = old_ref >= headroom ? old_ref : headroom + slack;
   const Vec earlier = old_ref == neg_inf ? Vec{} : old_sum * exp2_nonpositive(old_ref - ref);
   IVec bits;
   std::memcpy(&bits, &earlier, sizeof(bits));
@@ -127,7 +146,8 @@ inline void mask_column(float* s, int64_t ld, int64_t j0, int64_t cols, KeyRange
 // only -inf scores so far keeps reference -inf and takes its exponentials relative to 0 (0 for
 // -inf, NaN for NaN). Every reduction runs across keys, lane by lane: no horizontal operation.
 inline Vec softmax_columns_update(float* st, int64_t ld, int64_t cols, float* row_ref,
-                                  float* row_sum) {
+                                  float* row_sum, float sum_headroom = kSumHeadroom,
+                                  float slack = 0.f) {
   const Vec neg_inf = splat(-INFINITY);
   Vec mx0 = neg_inf, mx1 = neg_inf;
   int64_t c = 0;
@@ -139,7 +159,7 @@ inline Vec softmax_columns_update(float* st, int64_t ld, int64_t cols, float* ro
   // vmax may drop a NaN met earlier in a chain (as the one-row form's does); a NaN score reaches
   // the output through its probability anyway.
   const Vec old_ref = load(row_ref);
-  const Vec new_ref = raised_reference(old_ref, vmax(mx0, mx1), load(row_sum));
+  const Vec new_ref = raised_reference(old_ref, vmax(mx0, mx1), load(row_sum), sum_headroom, slack);
   const Vec m = new_ref == neg_inf ? Vec{} : new_ref;
   Vec sum0 = Vec{}, sum1 = Vec{};
   for (c = 0; c + 1 < cols; c += 2) {
@@ -438,7 +458,11 @@ struct FlashFwd {
     // the output accumulator, K and V tiles). Scores are formed transposed, S^T = K Q^T (keys x
     // query rows): K is then read row by row as it lies (no transposed copy of every K tile) and
     // the softmax's reductions over keys run down columns, kLanes query rows a vector.
-    const int64_t kp = kBlockK;           // key tile rows (128-512 measured no faster)
+    // Key tile rows: kBlockK for the float32 products (128-512 measured no faster), 128 for
+    // the bfloat16 ones (Products::kKeyBlock), with the headroom that block size needs.
+    constexpr int64_t kp = Products::kKeyBlock;
+    static_assert(kp <= kWideKeyBlock && kp % kLanes == 0, "the headroom covers the block");
+    constexpr float headroom = sum_headroom(kp), slack = raise_slack(kp);
     const int64_t qp = kBlockQ;           // query columns of S^T, a multiple of kLanes
     float* scores_t = thread_scratch(kp * qp + 4 * qp + Products::scratch_floats(sh));
     float* row_ref = scores_t + kp * qp;
@@ -451,7 +475,7 @@ struct FlashFwd {
     // Segment ids of this block's rows and of the batch element's keys (null without).
     const int32_t* q_ids = p.q_segment_ids ? p.q_segment_ids + b * sh.seq_q + i0 : nullptr;
     const int32_t* kv_ids = p.kv_segment_ids ? p.kv_segment_ids + b * sh.seq_k : nullptr;
-    // A block mask: key tiles on the tile grid (aligned at key 0, kBlockK keys, so each inside
+    // A block mask: key tiles on the tile grid (aligned at key 0, kp keys, so each inside
     // one kBlockMaskKeys mask block), those whose block it hides from this tile's rows (inside
     // mask block row i0 / kBlockMaskRows) never visited; `seen` decides empty rows as with
     // segment ids.
@@ -512,7 +536,8 @@ struct FlashFwd {
         }
         for (int64_t r = 0; r < nq; r += kLanes)
           store(correction + r,
-                softmax_columns_update(scores_t + r, qp, cols, row_ref + r, row_sum + r));
+                softmax_columns_update(scores_t + r, qp, cols, row_ref + r, row_sum + r, headroom,
+                                       slack));
         products.rescale(correction, live_rows, nq);
         // Dropout: the dropped probabilities of the rows' P (S^T, key c at scores_t[c * qp])
         // become 0; the row sums above keep them, and 1 / (1 - rate) joins 1 / row sum below.

@@ -15,6 +15,7 @@ template <typename T>
 struct FloatFwdProducts {
   // Query columns of S^T are computed in multiples of this many rows.
   static constexpr int64_t kRowAlign = kLanes;
+  static constexpr int64_t kKeyBlock = kBlockK;  // keys a step
 
   // What every task of a call shares (nothing here).
   struct Shared {
