@@ -245,11 +245,11 @@ def dot_product_attention(
       ``mask``); a row left no key gives zeros and lse the most negative float32, as any
       empty row. The "cpu" and "cuda" kernels never visit a tile of a hidden block, forward
       or backward (their time falls with the density; the keys and values there are never
-      read);
-      "xla" expands it to an element mask (``(B|1, N|1, T, S)`` bool, quadratic memory),
-      "blockwise" only each scan step's columns (memory linear in S), and both visit every
-      block. Such calls never run the split-KV decode kernel. A sequence-sharded call carries it where the shards are whole blocks
-      (128-row query slices, see ``jax_flash.context_parallel_attention``), else gathers the
+      read); "xla" expands it to an element mask (``(B|1, N|1, T, S)`` bool, quadratic
+      memory), "blockwise" only each scan step's columns (memory linear in S), and both visit
+      every block. Such calls never run the split-KV decode kernel. A sequence-sharded call
+      carries it where the shards are whole blocks (128-row query slices, see
+      ``jax_flash.context_parallel_attention``), else gathers the
       sequence (a requested ``context_parallel`` raises). Not differentiated. A wrong dtype
       or shape raises ``ValueError`` naming ``block_mask`` and the shape passed.
     dropout_rate: attention dropout fused into the kernels, as FlashAttention (Dao et al.

@@ -347,9 +347,10 @@ def _batched_op(partitioned, config: _ops.KernelConfig):
 
 def flash_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=None,
               alibi_slopes=None, block_mask=None, dropout_seeds=None):
-  """(o, lse) of the forward kernel ((o, lse, o_error) with config.o_split); q, k, v rank 4, lens rank 1, segment_ids None or
-  (q_ids (B, T), kv_ids (B, S)), alibi_slopes None or (B, N) float32, block_mask None or
-  (B, N, Tb, Sb) bool, dropout_seeds None or (B, N, 4) uint32; partitions and vmaps."""
+  """(o, lse) of the forward kernel ((o, lse, o_error) with config.o_split); q, k, v rank 4,
+  lens rank 1, segment_ids None or (q_ids (B, T), kv_ids (B, S)), alibi_slopes None or (B, N)
+  float32, block_mask None or (B, N, Tb, Sb) bool, dropout_seeds None or (B, N, 4) uint32;
+  partitions and vmaps."""
   op = _fwd_op_for(_Extras(error=config.o_split, ids=segment_ids is not None,
                            alibi=alibi_slopes is not None, blocks=block_mask is not None,
                            dropout=dropout_seeds is not None))

@@ -43,6 +43,8 @@ struct MaskParams {
   bool causal = false;          // j <= i (top-left aligned, like jax.nn)
   int64_t window_left = -1;     // j >= i - window_left; < 0 means unbounded
   int64_t window_right = -1;    // j <= i + window_right; < 0 means unbounded
+  // A local window: some side bounded.
+  JF_HOST_DEVICE bool windowed() const { return window_left >= 0 || window_right >= 0; }
 };
 
 struct AttentionShape {

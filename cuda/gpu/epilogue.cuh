@@ -15,16 +15,6 @@
 
 namespace jax_flash::cuda {
 
-// Writes a warp's normalised O rows and their log-sum-exp: O (for the backward, o_float32 or
-// o_error: normalised by the sum of the 16-bit P it was built from; lse from the unrounded sum:
-// OnlineSoftmax) at element `offset` of o (16-bit T, or float32 when o_float32: the output kept
-// for the backward, AttentionParams::o_float32; with o_error, non-null, each element's int8
-// rounding error at the same offset there: FwdParams::o_error), rows
-// from row0 of the block, whose first row is query m0 (rows past `rows` and columns past
-// head_dim skipped). A row is empty, and gets 0 and kEmptyRowLse, when the masks leave it no key;
-// never because of its values: a NaN sum (a NaN or inf in the inputs) gives a NaN row and lse,
-// as jax.nn does. The general kernels pass `seen` (gpu/segment_ids.cuh: with segment ids, which
-// rows the masks left some key; all of them without); the rows it lacks are empty too.
 // Two adjacent elements of a differentiated call's o: rounded to T at `hi`, their rounding
 // errors as int8 at `error` (common/rounding_residual.h).
 template <typename T>
@@ -39,6 +29,16 @@ __device__ __forceinline__ void store_split_pair(T* hi, int8_t* error, float x, 
                                                               static_cast<uint16_t>(static_cast<uint8_t>(ey)) << 8);
 }
 
+// Writes a warp's normalised O rows and their log-sum-exp: O (for the backward, o_float32 or
+// o_error: normalised by the sum of the 16-bit P it was built from; lse from the unrounded sum:
+// OnlineSoftmax) at element `offset` of o (16-bit T, or float32 when o_float32: the output kept
+// for the backward, AttentionParams::o_float32; with o_error, non-null, each element's int8
+// rounding error at the same offset there: FwdParams::o_error), rows
+// from row0 of the block, whose first row is query m0 (rows past `rows` and columns past
+// head_dim skipped). A row is empty, and gets 0 and kEmptyRowLse, when the masks leave it no key;
+// never because of its values: a NaN sum (a NaN or inf in the inputs) gives a NaN row and lse,
+// as jax.nn does. The general kernels pass `seen` (gpu/segment_ids.cuh: with segment ids, which
+// rows the masks left some key; all of them without); the rows it lacks are empty too.
 template <typename T, int kMTiles, int kDTiles>
 __device__ __forceinline__ void store_output(void* o_base, bool o_float32, int8_t* o_error, int64_t offset,
                                              int64_t row_stride,

@@ -73,9 +73,9 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
     const int64_t rows = sh.batch * sh.seq_q * sh.heads_q;
     // The atomics and bulk reductions add into the accumulator (a memset: a graph node when XLA
     // captures the call).
+    const size_t dq_accum_bytes = static_cast<size_t>(rows * sh.head_dim) * sizeof(float);
     if (!p.deterministic)
-      if (cudaError_t e = cudaMemsetAsync(p.dq_accum, 0, static_cast<size_t>(rows * sh.head_dim) * sizeof(float), stream))
-        return e;
+      if (cudaError_t e = cudaMemsetAsync(p.dq_accum, 0, dq_accum_bytes, stream)) return e;
 
     if (sh.seq_k > 0) {  // with no keys, dK and dV are empty and dQ stays 0
       cudaError_t e = cudaSuccess;

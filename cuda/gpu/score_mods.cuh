@@ -34,7 +34,7 @@ inline bool general_kernel(const AttentionParams& p) {
 // (JAX_FLASH_CUDA_FORWARD=sm90ws_walk, experimental).
 inline bool plain_block_walk_suffices(const AttentionParams& p) {
   return p.kv_block_lists != nullptr && p.logits_soft_cap <= 0.f && p.alibi_slopes == nullptr &&
-         p.q_segment_ids == nullptr && p.mask.window_left < 0 && p.mask.window_right < 0;
+         p.q_segment_ids == nullptr && !p.mask.windowed();
 }
 
 // tanh by the hardware's approximation (one MUFU operation; relative error 2^-11, below the

@@ -144,7 +144,7 @@ __device__ inline bool needs_id_mask(const SegmentIds& ids, int64_t m0, int64_t 
 // does); a tile none of whose blocks is live visits nothing, and its rows are all empty.
 __device__ __forceinline__ bool tracks_seen_rows(const AttentionParams& p) {
   return p.q_segment_ids != nullptr ||
-         (p.kv_block_lists != nullptr && (p.mask.window_left >= 0 || p.mask.window_right >= 0));
+         (p.kv_block_lists != nullptr && p.mask.windowed());
 }
 
 // The rows seen without tracking: all of them where the tile visits some key block, none where it

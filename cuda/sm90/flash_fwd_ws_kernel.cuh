@@ -106,12 +106,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto task_of = [&](int t) {
     const auto tile = scheduler.tile(t);
     QueryBlockTask<kBM, kBN> task(p, tile.m_block, tile.head, tile.batch);
-    if constexpr (kGeneral) {
-      narrow_query_block(task.blk, SegmentIds(p, task.b), lane);  // warp-collective
-      task.walk_keys(p);  // a block mask's live key blocks only
-    } else if constexpr (kBlockWalk) {
-      task.walk_keys(p);
-    }
+    if constexpr (kGeneral) narrow_query_block(task.blk, SegmentIds(p, task.b), lane);  // warp-collective
+    if constexpr (kGeneral || kBlockWalk) task.walk_keys(p);  // a block mask's live key blocks only
     return task;
   };
 
@@ -277,9 +273,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       ++q_round;
     }
 
-    store_output<T>(p.o, p.o_float32, p.o_error, task.q_offset, task.q_stride, p.lse + task.stat_offset + m0, o, softmax,
-                    softmax_scale, warp_m0, blk.rows, p.shape.head_dim, p.mask, m0, task.q_len, task.kv_len, lane,
-                    kGeneral || kBlockWalk ? &seen : nullptr);
+    store_output<T>(p.o, p.o_float32, p.o_error, task.q_offset, task.q_stride, p.lse + task.stat_offset + m0, o,
+                    softmax, softmax_scale, warp_m0, blk.rows, p.shape.head_dim, p.mask, m0, task.q_len, task.kv_len,
+                    lane, kGeneral || kBlockWalk ? &seen : nullptr);
   }
 #endif  // JF_SM90A
 }
