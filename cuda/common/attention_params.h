@@ -143,7 +143,25 @@ struct FwdParams : AttentionParams {
   int8_t* o_error = nullptr;
   // Whether o is the backward's residual (normalised by the sum of the rounded P its P V used).
   JF_HOST_DEVICE bool for_backward() const { return o_float32 || o_error != nullptr; }
+  // The CUDA forwards' P is 2^-pv_headroom_log2 of exp2(S - reference), so that their unnormalised
+  // P V cannot overflow where jax.nn's normalised one does not (pv_headroom_log2 below).
+  float pv_headroom_log2 = 0.f;
 };
+
+// The CUDA forwards sum P V unnormalised: up to seq_k weights of at most 2^8 (their lazy
+// rescaling's bound) times |V|, which overflows float32 for bfloat16 values near FLT_MAX / seq_k
+// where jax.nn, normalising first, is finite (issue 13, item 4). bfloat16 calls take P smaller by
+// 2^(8 + ceil(log2 seq_k)), so that the weights sum to at most 1: a power of two (the same
+// roundings; the epilogue scales the sum back for lse), and bfloat16 keeps float32's range, so
+// the weights dropped, below about 2^(headroom - 126) of the row's largest, are far below its
+// precision (jax.nn's normalised weights, about 1/seq_k, meet the same floor). float16 values
+// (<= 65504) cannot overflow that way, and a smaller float16 P would lose bits: 0.
+inline float pv_headroom_log2(Dtype dtype, int64_t seq_k) {
+  if (dtype != Dtype::kBFloat16) return 0.f;
+  int ceil_log2 = 0;
+  while ((int64_t{1} << ceil_log2) < seq_k) ++ceil_log2;
+  return static_cast<float>(8 + ceil_log2);
+}
 
 struct BwdParams : AttentionParams {
   const void* o = nullptr;  // CPU only (the CUDA kernels take delta instead)

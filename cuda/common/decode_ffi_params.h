@@ -114,6 +114,7 @@ inline xla::ffi::Error make_paged_shape_params(
   params.page_size = kd[1];
   params.pages_per_seq = td[1];
   params.queries_at_end = true;
+  params.pv_headroom_log2 = pv_headroom_log2(params.dtype, shape.seq_k);
   return xla::ffi::Error::Success();
 }
 

@@ -298,6 +298,7 @@ inline xla::ffi::Error make_fwd_params(const xla::ffi::AnyBuffer& q, const xla::
   JF_RETURN_IF_ERROR(expect_float32("lse", lse, lse_elements(params.shape)));
   params.o = o.untyped_data();
   params.lse = lse.typed_data<float>();
+  params.pv_headroom_log2 = pv_headroom_log2(params.dtype, params.shape.seq_k);
   return xla::ffi::Error::Success();
 }
 

@@ -75,7 +75,7 @@ __device__ __forceinline__ void store_output(void* o_base, bool o_float32, int8_
         else
           store_split_pair<T>(static_cast<T*>(o_base) + at, o_error + at, empty ? 0.f : x, empty ? 0.f : y);
       }
-      if (lane % 4 == 0) lse[row] = empty ? kEmptyRowLse : softmax.max[mt][half] * scale + logf(sum);
+      if (lane % 4 == 0) lse[row] = empty ? kEmptyRowLse : softmax.lse_of(mt, half, sum, scale);
     }
 }
 

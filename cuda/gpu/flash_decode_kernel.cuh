@@ -283,7 +283,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
   }
   const int64_t unmasked_end = min64(task.min_end, task.c1);
 
-  OnlineSoftmax<1> softmax;
+  OnlineSoftmax<1> softmax(p.pv_headroom_log2);
   float o[1][kD / 8][4] = {};
   const float scale_log2 = p.scale * kLog2e;
 
@@ -335,7 +335,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const float m = softmax.max[0][half];
-    my_max[half] = m == -INFINITY ? -INFINITY : __fmul_rn(m, scale_log2);
+    // The sums are relative to the reference plus the headroom (OnlineSoftmax).
+    my_max[half] = m == -INFINITY ? -INFINITY : __fmul_rn(m, scale_log2) + softmax.headroom;
     const float sum = quad_sum(softmax.sum[0][half]);
     if (lane % 4 == 0) {
       s_max[warp * 16 + lane / 4 + 8 * half] = my_max[half];

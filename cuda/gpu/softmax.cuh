@@ -19,6 +19,11 @@ inline constexpr float kRescaleLog2 = 8.f;
 // under 2^-8 (one instruction a score saved on every ordinary row).
 inline constexpr float kFusedExponentLimit = 65536.f;
 
+// x 2^n for an integral 0 <= n < 128, exact.
+__device__ __forceinline__ float times_power_of_two(float x, float n) {
+  return x * __int_as_float((127 + static_cast<int>(n)) << 23);
+}
+
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
@@ -43,6 +48,9 @@ __device__ __forceinline__ float quad_sum(float x) {
 // and the backward's delta = rowsum(dO * O) matches its dS (issue 13; examples/results/h200/
 // session9/differential_cuda_analysis.md, step 1). It costs ~15% of the forward at head dim 64
 // on the H200, so inference (16-bit o) skips it.
+//
+// headroom (FwdParams::pv_headroom_log2, an integer): P is exp2(S scale log2e - reference -
+// headroom), and so are the sums; lse_of undoes it.
 template <int kMTiles>
 struct OnlineSoftmax {
   float max[kMTiles][2];
@@ -50,8 +58,9 @@ struct OnlineSoftmax {
   float sum_rounded[kMTiles][2];  // the same of P rounded to 16 bits (add_rounded_sums)
   float new_max[kMTiles][2];
   float correction[kMTiles][2];  // of the last move_reference
+  float headroom;
 
-  __device__ __forceinline__ OnlineSoftmax() {
+  __device__ __forceinline__ explicit OnlineSoftmax(float headroom_log2) : headroom(headroom_log2) {
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -141,19 +150,29 @@ struct OnlineSoftmax {
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        // -inf reference (nothing seen yet): subtract 0 so that exp2(-inf) gives 0.
-        const float base = max[mt][half] == -INFINITY ? 0.f : max[mt][half] * scale_log2;
+        // -inf reference (nothing seen yet): subtract 0 so that exp2(-inf) gives 0. The fused
+        // form's references are small enough (kFusedExponentLimit) to take the headroom exactly;
+        // the rounded form subtracts it after the reference (whose argument is exactly 0).
+        const float reference = max[mt][half] == -INFINITY ? 0.f : max[mt][half] * scale_log2;
+        const float base = kFused ? reference + headroom : reference;
         float block_sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
           for (int e = 2 * half; e < 2 * half + 2; ++e) {
             const float x = s[mt][nt][e];
-            s[mt][nt][e] = fast_exp2((kFused ? x * scale_log2 : __fmul_rn(x, scale_log2)) - base);
+            s[mt][nt][e] = fast_exp2(kFused ? x * scale_log2 - base
+                                            : (__fmul_rn(x, scale_log2) - base) - headroom);
             block_sum += s[mt][nt][e];
           }
         sum[mt][half] += block_sum;
       }
+  }
+
+  // The natural-log log-sum-exp of a row whose quad-summed sum is `row_sum` (scale: the softmax
+  // scale, natural units).
+  __device__ __forceinline__ float lse_of(int mt, int half, float row_sum, float scale) const {
+    return max[mt][half] * scale + logf(times_power_of_two(row_sum, headroom));
   }
 
   // Adds P as rounded to T for P V, read back from the A operand accumulator_to_a<T> packed

@@ -50,7 +50,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const T* k = static_cast<const T*>(p.k);
   const T* v = static_cast<const T*>(p.v);
 
-  OnlineSoftmax<kMT> softmax;
+  OnlineSoftmax<kMT> softmax(p.pv_headroom_log2);
   float o[kMT][kD / 8][4] = {};
   const float softmax_scale = kGeneral ? ScoreMods::kSoftmaxScale : p.scale;
   const float scale_log2 = softmax_scale * kLog2e;

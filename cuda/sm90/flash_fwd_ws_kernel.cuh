@@ -199,7 +199,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const QueryBlock<kBM, kBN>& blk = task.blk;
     const int count = task.keys.count;
     const int64_t m0 = blk.m0;
-    OnlineSoftmax<1> softmax;
+    OnlineSoftmax<1> softmax(p.pv_headroom_log2);
     float o[1][kD / 8][4] = {};
     SeenRows<1> seen(!(kGeneral && tracks_seen_rows(p)) && untracked_seen_rows(count));  // rows that met a key
 
