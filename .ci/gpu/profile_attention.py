@@ -5,6 +5,8 @@
 
 One jitted forward+backward at the benchmark's shape (16k tokens, hidden 2048, bf16): the first
 two launches matched by the regex are the forward kernel and the main backward kernel.
+`--peer cudnn` runs jax.nn's cuDNN attention instead (the same shape and step), so that the
+peer's kernels can be profiled with the same metrics in the same call.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ def main() -> None:
   parser.add_argument("--head-dim", type=int, default=128)
   parser.add_argument("--causal", action="store_true")
   parser.add_argument("--deterministic", action="store_true")
+  parser.add_argument("--peer", choices=("jax_flash", "cudnn"), default="jax_flash")
   args = parser.parse_args()
   batch, heads = max(1, 16384 // args.seq), max(1, 2048 // args.head_dim)
   shape = (batch, args.seq, heads, args.head_dim)
@@ -30,13 +33,16 @@ def main() -> None:
                     for key in jax.random.split(jax.random.key(0), 4))
 
   def loss(q, k, v):
-    out = jax_flash.dot_product_attention(q, k, v, is_causal=args.causal, implementation="cuda",
-                                          deterministic=args.deterministic)
+    if args.peer == "cudnn":
+      out = jax.nn.dot_product_attention(q, k, v, is_causal=args.causal, implementation="cudnn")
+    else:
+      out = jax_flash.dot_product_attention(q, k, v, is_causal=args.causal, implementation="cuda",
+                                            deterministic=args.deterministic)
     return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32))
 
   grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
   jax.block_until_ready(grads)
-  print("profiled", shape, "causal" if args.causal else "non-causal")
+  print("profiled", args.peer, shape, "causal" if args.causal else "non-causal")
 
 
 if __name__ == "__main__":

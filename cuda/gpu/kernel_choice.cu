@@ -27,13 +27,13 @@ std::optional<KernelFamily> read_override(const char* variable, bool forward, st
   if (v == "sm80") return KernelFamily::kSm80;
   if (v == "sm90ws") return KernelFamily::kSm90Ws;
   if (forward && v == "sm90ws_grid") return KernelFamily::kSm90WsGrid;
-  if (v == "sm90ws_walk") return KernelFamily::kSm90WsWalk;
+  if (forward && v == "sm90ws_narrow") return KernelFamily::kSm90WsNarrow;
   if (forward && v == "sm90ws_wide") return KernelFamily::kSm90WsWide;
   if (!forward && v == "sm90ws_atomicdq") return KernelFamily::kSm90WsAtomicDq;
   if (!forward && v == "sm90ws_bulkdq") return KernelFamily::kSm90WsBulkDq;
   error += std::string(error.empty() ? "" : "; ") + "jax_flash: " + variable + "=" + v + " is not one of " +
-           (forward ? "sm80, sm90ws, sm90ws_grid, sm90ws_walk, sm90ws_wide"
-                   : "sm80, sm90ws, sm90ws_walk, sm90ws_atomicdq, sm90ws_bulkdq");
+           (forward ? "sm80, sm90ws, sm90ws_grid, sm90ws_narrow, sm90ws_wide"
+                   : "sm80, sm90ws, sm90ws_atomicdq, sm90ws_bulkdq");
   return std::nullopt;
 }
 

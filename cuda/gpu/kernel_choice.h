@@ -2,12 +2,14 @@
 // wgmma (sm90ws) kernels, wherever gpu/tile_shapes.cuh has one for the head dim; the mma.sync
 // (sm80) family everywhere else. Two environment variables, read once per process, override the
 // choice for experiments and comparisons:
-//   JAX_FLASH_CUDA_FORWARD  = sm80 | sm90ws | sm90ws_grid | sm90ws_walk | sm90ws_wide
+//   JAX_FLASH_CUDA_FORWARD  = sm80 | sm90ws | sm90ws_grid | sm90ws_narrow | sm90ws_wide
 //                             (default on Hopper: sm90ws)
-//   JAX_FLASH_CUDA_BACKWARD = sm80 | sm90ws | sm90ws_walk | sm90ws_atomicdq | sm90ws_bulkdq
+//   JAX_FLASH_CUDA_BACKWARD = sm80 | sm90ws | sm90ws_atomicdq | sm90ws_bulkdq
 //                             (default on Hopper: sm90ws)
-// The forward's sm90ws runs on a persistent grid, sm90ws_grid is the same kernel on a CTA per
-// tile. The backward's sm90ws runs the variant measured fastest for the head dim (TileShapes:
+// The forward's sm90ws runs on a persistent grid with FlashAttention-3's wider tiles where they
+// measured faster (gpu/tile_shapes.cuh wide_tiles_by_default); sm90ws_grid is the same kernels on
+// a CTA per tile, sm90ws_narrow never takes the wide tiles, sm90ws_wide wherever they exist. The
+// backward's sm90ws runs the variant measured fastest for the head dim (TileShapes:
 // 128-row query blocks with dK from registers at head dim 64, bulk dQ reductions at 128, atomics
 // elsewhere); sm90ws_atomicdq and sm90ws_bulkdq force 64-row query blocks with dQ added by atomics
 // or by bulk reductions from shared memory (the general calls too: soft cap, ALiBi, segment ids).
@@ -21,13 +23,10 @@ namespace jax_flash::cuda {
 // The kernel family of a pass: mma.sync (sm80) or warp-specialised wgmma (sm90ws); for the forward
 // also sm90ws on a CTA per tile (sm90ws_grid), for the backward sm90ws with 64-row query blocks
 // and dQ forced to atomics or to bulk reductions.
-// sm90ws_walk (experimental, both passes): sm90ws, with block-sparse calls that need nothing else
-// of the general kernels on the plain kernel walking the block mask (head dims 64 and 128; the
-// backward's deterministic calls excepted).
-// sm90ws_wide (experimental, forward): sm90ws, with FlashAttention-3's tiles for the plain calls
-// (head dim 128 non-causal: key blocks of 176; head dim 64: 192 query rows, three consumer
-// warpgroups).
-enum class KernelFamily { kSm80, kSm90Ws, kSm90WsGrid, kSm90WsWalk, kSm90WsWide, kSm90WsAtomicDq, kSm90WsBulkDq };
+// sm90ws_narrow / sm90ws_wide (forward): sm90ws with the plain calls' wide tiles never / wherever
+// they exist (head dim 128 non-causal: key blocks of 176; head dim 64: 192 query rows, three
+// consumer warpgroups; head dims 192 and 256: key blocks of 112 and 80).
+enum class KernelFamily { kSm80, kSm90Ws, kSm90WsGrid, kSm90WsNarrow, kSm90WsWide, kSm90WsAtomicDq, kSm90WsBulkDq };
 
 // Empty when the variables are unset or hold a known value; else a message naming the variable,
 // its value and the values it takes (the FFI handlers return it as an error).

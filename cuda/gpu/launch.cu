@@ -49,11 +49,12 @@ cudaError_t launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
     constexpr int kD = decltype(head_dim)::value;
     if constexpr (TileShapes<kD>::kHasSm90Fwd) {
       if (family == KernelFamily::kSm90Ws || family == KernelFamily::kSm90WsGrid ||
-          family == KernelFamily::kSm90WsWalk || family == KernelFamily::kSm90WsWide) {
+          family == KernelFamily::kSm90WsNarrow || family == KernelFamily::kSm90WsWide) {
         Sm90FwdOptions options;
         options.persistent = family != KernelFamily::kSm90WsGrid;
-        options.block_walk = family == KernelFamily::kSm90WsWalk;
-        options.wide_tiles = family == KernelFamily::kSm90WsWide;
+        options.tiles = family == KernelFamily::kSm90WsNarrow ? Sm90FwdTiles::kNarrow
+                        : family == KernelFamily::kSm90WsWide ? Sm90FwdTiles::kWide
+                                                              : Sm90FwdTiles::kMeasured;
         return launch_fwd_sm90_ws<T, kD>(p, options, stream);
       }
     }
@@ -84,10 +85,9 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
         constexpr V kDefault = TileShapes<kD>::kHasSm90BwdBlockM128  ? V::kBlockM128
                                : TileShapes<kD>::kSm90BwdBulkDqByDefault ? V::kBulkDq
                                                                          : V::kAtomicDq;
-        e = family == KernelFamily::kSm90Ws           ? launch_bwd_main_sm90_ws<T, kD>(p, kDefault, false, stream)
-            : family == KernelFamily::kSm90WsWalk     ? launch_bwd_main_sm90_ws<T, kD>(p, kDefault, true, stream)
-            : family == KernelFamily::kSm90WsAtomicDq ? launch_bwd_main_sm90_ws<T, kD>(p, V::kAtomicDq, false, stream)
-            : family == KernelFamily::kSm90WsBulkDq   ? launch_bwd_main_sm90_ws<T, kD>(p, V::kBulkDq, false, stream)
+        e = family == KernelFamily::kSm90Ws           ? launch_bwd_main_sm90_ws<T, kD>(p, kDefault, stream)
+            : family == KernelFamily::kSm90WsAtomicDq ? launch_bwd_main_sm90_ws<T, kD>(p, V::kAtomicDq, stream)
+            : family == KernelFamily::kSm90WsBulkDq   ? launch_bwd_main_sm90_ws<T, kD>(p, V::kBulkDq, stream)
                                                       : launch_bwd_main_sm80<T, kD>(p, stream);
       } else {
         e = launch_bwd_main_sm80<T, kD>(p, stream);

@@ -32,13 +32,13 @@ cudaError_t launch_flash_bwd(const BwdParams& params, cudaStream_t stream);
 template <typename T, int kHeadDim>
 cudaError_t launch_fwd_sm80(const FwdParams& params, cudaStream_t stream);
 // The warp-specialised TMA forward (sm90/flash_fwd_ws_kernel.cuh): on a persistent grid or a CTA
-// per tile; with block_walk (experimental) block-sparse calls that need nothing else of the
-// general kernels run the plain one walking the block mask; with wide_tiles (experimental) plain
-// calls take FlashAttention-3's tiles (gpu/tile_shapes.cuh).
+// per tile; block-sparse calls that need nothing else of the general kernels run the plain one
+// walking the block mask. Plain calls take FlashAttention-3's wider tiles (gpu/tile_shapes.cuh)
+// where they measured faster (kMeasured), never (kNarrow), or wherever they exist (kWide).
+enum class Sm90FwdTiles { kMeasured, kNarrow, kWide };
 struct Sm90FwdOptions {
   bool persistent = true;
-  bool block_walk = false;
-  bool wide_tiles = false;
+  Sm90FwdTiles tiles = Sm90FwdTiles::kMeasured;
 };
 template <typename T, int kHeadDim>
 cudaError_t launch_fwd_sm90_ws(const FwdParams& params, const Sm90FwdOptions& options, cudaStream_t stream);
@@ -51,8 +51,7 @@ cudaError_t launch_bwd_main_sm80(const BwdParams& params, cudaStream_t stream);
 // session 15, though their registers spill 40 bytes).
 enum class Sm90BwdVariant { kAtomicDq, kBulkDq, kBlockM128 };
 template <typename T, int kHeadDim>
-cudaError_t launch_bwd_main_sm90_ws(const BwdParams& params, Sm90BwdVariant variant, bool block_walk,
-                                    cudaStream_t stream);
+cudaError_t launch_bwd_main_sm90_ws(const BwdParams& params, Sm90BwdVariant variant, cudaStream_t stream);
 // The deterministic mode's dQ kernel (mma.sync on every GPU).
 template <typename T, int kHeadDim>
 cudaError_t launch_bwd_dq_sm80(const BwdParams& params, cudaStream_t stream);

@@ -30,8 +30,7 @@ inline bool general_kernel(const AttentionParams& p) {
 
 // Whether a block-sparse call needs nothing of the general kernels but the block mask's walk (no
 // score modification, segment ids or local window): then its rows need no tracking either
-// (gpu/segment_ids.cuh's tracks_seen_rows), and a plain kernel with the walk can run it
-// (JAX_FLASH_CUDA_FORWARD=sm90ws_walk, experimental).
+// (gpu/segment_ids.cuh's tracks_seen_rows), and the plain Hopper kernels with the walk run it.
 inline bool plain_block_walk_suffices(const AttentionParams& p) {
   return p.kv_block_lists != nullptr && p.logits_soft_cap <= 0.f && p.alibi_slopes == nullptr &&
          p.q_segment_ids == nullptr && !p.mask.windowed();

@@ -39,15 +39,21 @@ struct TileShapes {
   // Warp-specialised wgmma forward: a TMA producer warpgroup and 2 consumer warpgroups x 64 query
   // rows, key blocks of 128 in 2 stages (of 64 past head dim 128: shared memory).
   using Sm90FwdWs = Sm90FwdWsTraits<kHeadDim, (kHeadDim <= 128 ? 128 : 64), 2>;
-  // Experimental (JAX_FLASH_CUDA_FORWARD=sm90ws_wide), FlashAttention-3's forward tiles for the
-  // plain calls: at head dim 128 key blocks of 176 without a causal mask (fewer softmax steps and
-  // hand-offs per key; causal calls keep 128: more masked work on the diagonal); at head dim 64
-  // query blocks of 192 rows, three consumer warpgroups taking turns (each K and V tile serves
-  // 1.5x the rows); at 192 and 256 key blocks of 112 and 80 (the most shared memory holds, against
-  // 64). Not for the general calls (tiles that straddle the block mask's 128 x 128 blocks).
+  // FlashAttention-3's forward tiles for the plain calls: at head dim 128 key blocks of 176
+  // without a causal mask (fewer softmax steps and hand-offs per key; causal calls keep 128: more
+  // masked work on the diagonal); at head dim 64 query blocks of 192 rows, three consumer
+  // warpgroups taking turns (each K and V tile serves 1.5x the rows); at 192 and 256 key blocks of
+  // 112 and 80 (the most shared memory holds, against 64). Not for the general calls (tiles that
+  // straddle the block mask's 128 x 128 blocks).
   static constexpr bool kHasSm90FwdWide = kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 192 || kHeadDim == 256;
   static constexpr int kWideKeys = kHeadDim == 128 ? 176 : kHeadDim == 192 ? 112 : kHeadDim == 256 ? 80 : 128;
   using Sm90FwdWsWide = Sm90FwdWsTraits<kHeadDim, kWideKeys, 2, (kHeadDim == 64 ? 3 : 2)>;
+  // Where the wide tiles run by default: where they measured faster (H200, seq 8192, session 17,
+  // cuda/PERF_NOTES.md v17: head dim 192 +15% / +7% non-causal / causal, 256 +6% / even, 64
+  // non-causal +7%; 64 causal -2% and 128 non-causal even keep the 128 x 128 tiles).
+  static constexpr bool wide_tiles_by_default(bool causal) {
+    return kHeadDim == 192 || kHeadDim == 256 || (kHeadDim == 64 && !causal);
+  }
   // Warp-specialised wgmma backward: a TMA producer warpgroup and 2 consumer warpgroups x 64 keys,
   // query blocks of 64; dQ added by atomics, or by bulk reductions from a shared tile.
   using Sm90BwdWs = Sm90BwdWsTraits<kHeadDim>;

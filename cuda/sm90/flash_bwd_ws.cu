@@ -12,7 +12,7 @@ namespace jax_flash::cuda {
 namespace {
 
 template <typename Traits, typename T>
-cudaError_t launch(const BwdParams& p, bool block_walk, cudaStream_t stream) {
+cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
   const AttentionShape& s = p.shape;
   BwdTmaParams params;
   params.p = p;
@@ -27,10 +27,11 @@ cudaError_t launch(const BwdParams& p, bool block_walk, cudaStream_t stream) {
   if (general_kernel(p))
     kernel = p.deterministic ? flash_bwd_sm90_ws_kernel<Traits, T, true, true>
                              : flash_bwd_sm90_ws_kernel<Traits, T, false, true>;
-  // The plain kernel with the block walk: head dims 64 and 128, dQ by atomics or bulk reductions
-  // (an experiment: compile time).
+  // Block-sparse calls with nothing else of the general kernels: the plain kernel with the block
+  // walk (head dims 64 and 128, the benchmark's: compile time; 1.07-1.09x the general kernel's
+  // block-sparse backward at seq 8192 hd128, cuda/PERF_NOTES.md v17).
   if constexpr (Traits::kHeadDim == 64 || Traits::kHeadDim == 128)
-    if (block_walk && !p.deterministic && plain_block_walk_suffices(p))
+    if (!p.deterministic && plain_block_walk_suffices(p))
       kernel = flash_bwd_sm90_ws_kernel<Traits, T, false, false, true>;
   return launch_with_smem(kernel, key_block_grid<Traits>(s), Traits::kThreads, Traits::kSmemBytes, stream, params);
 }
@@ -38,19 +39,19 @@ cudaError_t launch(const BwdParams& p, bool block_walk, cudaStream_t stream) {
 }  // namespace
 
 template <typename T, int kHeadDim>
-cudaError_t launch_bwd_main_sm90_ws(const BwdParams& p, Sm90BwdVariant variant, bool block_walk, cudaStream_t stream) {
+cudaError_t launch_bwd_main_sm90_ws(const BwdParams& p, Sm90BwdVariant variant, cudaStream_t stream) {
   if (variant == Sm90BwdVariant::kBulkDq)
-    return launch<typename TileShapes<kHeadDim>::Sm90BwdWsBulkDq, T>(p, block_walk, stream);
+    return launch<typename TileShapes<kHeadDim>::Sm90BwdWsBulkDq, T>(p, stream);
   if constexpr (TileShapes<kHeadDim>::kHasSm90BwdBlockM128)
     if (variant == Sm90BwdVariant::kBlockM128)
-      return launch<typename TileShapes<kHeadDim>::Sm90BwdWsBlockM128, T>(p, block_walk, stream);
-  return launch<typename TileShapes<kHeadDim>::Sm90BwdWs, T>(p, block_walk, stream);
+      return launch<typename TileShapes<kHeadDim>::Sm90BwdWsBlockM128, T>(p, stream);
+  return launch<typename TileShapes<kHeadDim>::Sm90BwdWs, T>(p, stream);
 }
 
 #define JF_INSTANTIATE(D)                                                                                \
-  template cudaError_t launch_bwd_main_sm90_ws<__nv_bfloat16, D>(const BwdParams&, Sm90BwdVariant, bool, \
+  template cudaError_t launch_bwd_main_sm90_ws<__nv_bfloat16, D>(const BwdParams&, Sm90BwdVariant, \
                                                                  cudaStream_t);                           \
-  template cudaError_t launch_bwd_main_sm90_ws<__half, D>(const BwdParams&, Sm90BwdVariant, bool, cudaStream_t);
+  template cudaError_t launch_bwd_main_sm90_ws<__half, D>(const BwdParams&, Sm90BwdVariant, cudaStream_t);
 JF_SM90_BWD_HEAD_DIMS(JF_INSTANTIATE)
 #undef JF_INSTANTIATE
 

@@ -86,9 +86,8 @@ struct BwdWsBarriers {
 // modified before its masks and dP^T takes the cap's chain rule; or segment ids
 // (gpu/segment_ids.cuh): the visits narrowed to the query blocks whose ids can meet the keys',
 // the id mask where a warpgroup's keys and the block's rows do not all share one id.
-// kBlockWalk (experimental, JAX_FLASH_CUDA_BACKWARD=sm90ws_walk): the plain kernel walking a block
-// mask's live visits, for block-sparse calls that need nothing else of the general kernels
-// (plain_block_walk_suffices).
+// kBlockWalk: the plain kernel walking a block mask's live visits, for block-sparse calls that
+// need nothing else of the general kernels (plain_block_walk_suffices).
 template <typename Traits, typename T, bool kDeterministic, bool kGeneral, bool kBlockWalk = false>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams params) {

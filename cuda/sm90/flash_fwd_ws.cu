@@ -32,10 +32,11 @@ cudaError_t launch(const FwdParams& p, const Sm90FwdOptions& options, cudaStream
   // Tiles that straddle the block mask's blocks (sm90ws_wide's): the plain calls only.
   if constexpr (kBlockMaskKeys % Traits::kBlockN == 0 && kBlockMaskRows % Traits::kBlockM == 0) {
     if (general_kernel(p)) kernel = flash_fwd_sm90_ws_kernel<Traits, T, true>;
-    // The plain kernel with the block walk is instantiated at head dims 64 and 128 only (an
-    // experiment: compile time).
+    // Block-sparse calls with nothing else of the general kernels: the plain kernel with the
+    // block walk (head dims 64 and 128 only: compile time; 1.19-1.20x the general kernel's
+    // block-sparse forward at seq 8192 hd128, cuda/PERF_NOTES.md v17).
     if constexpr (Traits::kHeadDim == 64 || Traits::kHeadDim == 128)
-      if (options.block_walk && plain_block_walk_suffices(p)) kernel = flash_fwd_sm90_ws_kernel<Traits, T, false, true>;
+      if (plain_block_walk_suffices(p)) kernel = flash_fwd_sm90_ws_kernel<Traits, T, false, true>;
   }
   return launch_with_smem(kernel, dim3(static_cast<unsigned>(ctas)), Traits::kThreads, Traits::kSmemBytes, stream,
                           params);
@@ -46,9 +47,12 @@ cudaError_t launch(const FwdParams& p, const Sm90FwdOptions& options, cudaStream
 template <typename T, int kHeadDim>
 cudaError_t launch_fwd_sm90_ws(const FwdParams& p, const Sm90FwdOptions& options, cudaStream_t stream) {
   using Shapes = TileShapes<kHeadDim>;
-  if constexpr (Shapes::kHasSm90FwdWide)
-    if (options.wide_tiles && !general_kernel(p) && (kHeadDim != 128 || !p.mask.causal))
+  if constexpr (Shapes::kHasSm90FwdWide) {
+    const bool wide = options.tiles == Sm90FwdTiles::kWide ||
+                      (options.tiles == Sm90FwdTiles::kMeasured && Shapes::wide_tiles_by_default(p.mask.causal));
+    if (wide && !general_kernel(p) && (kHeadDim != 128 || !p.mask.causal))
       return launch<typename Shapes::Sm90FwdWsWide, T>(p, options, stream);
+  }
   return launch<typename Shapes::Sm90FwdWs, T>(p, options, stream);
 }
 

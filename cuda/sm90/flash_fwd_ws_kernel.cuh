@@ -68,9 +68,9 @@ struct FwdWsBarriers {
 // kGeneral: the call has a soft cap or ALiBi slopes (gpu/score_mods.cuh), applied to every
 // block's scores before its masks, or segment ids (gpu/segment_ids.cuh: they narrow each tile's
 // key blocks, for the producer and the consumers alike).
-// kBlockWalk (experimental, JAX_FLASH_CUDA_FORWARD=sm90ws_walk): the plain kernel walking a block
-// mask's live key blocks (gpu/block_sparse.cuh), for block-sparse calls that need nothing else of
-// the general kernels (plain_block_walk_suffices: no score modification, ids or window).
+// kBlockWalk: the plain kernel walking a block mask's live key blocks (gpu/block_sparse.cuh), for
+// block-sparse calls that need nothing else of the general kernels (plain_block_walk_suffices: no
+// score modification, ids or window).
 template <typename Traits, typename T, bool kGeneral, bool kBlockWalk = false>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdTmaParams params) {
