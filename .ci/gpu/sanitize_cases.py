@@ -3,12 +3,13 @@ CUDA kernel family and pass on shapes that hit tile edges, T != S, head dims 40/
 windows, GQA, deterministic, and the differentiated forward that writes o in float32.
 
   compute-sanitizer --tool memcheck python3 .ci/gpu/sanitize_cases.py [--score-mods] [--segment-ids]
-      [--block-sparse]
+      [--block-sparse] [--cases 0,3]
 
 --score-mods: every call with a soft cap and ALiBi slopes too; --segment-ids: with packed
 documents (ids sorted, documents of 1..40 tokens, so that they straddle every block edge);
 --block-sparse: with a random block mask (half the 128 x 128 blocks). Each runs the kernels' general (kGeneral)
-instantiations.
+instantiations. --cases runs only the listed CASES (by index), e.g. to give racecheck, which is
+slow, one case per process.
 """
 
 from __future__ import annotations
@@ -37,7 +38,12 @@ def main() -> None:
   score_mods = "--score-mods" in sys.argv[1:]
   segment_ids = "--segment-ids" in sys.argv[1:]
   block_sparse = "--block-sparse" in sys.argv[1:]
+  chosen = range(len(CASES))
+  if "--cases" in sys.argv[1:]:
+    chosen = [int(c) for c in sys.argv[sys.argv.index("--cases") + 1].split(",")]
   for i, (b, t, s, n, kh, h, causal, window, lengths, det) in enumerate(CASES):
+    if i not in chosen:
+      continue
     ks = jax.random.split(jax.random.key(i), 4)
     q = jax.random.normal(ks[0], (b, t, n, h), jnp.bfloat16)
     k = jax.random.normal(ks[1], (b, s, kh, h), jnp.bfloat16)

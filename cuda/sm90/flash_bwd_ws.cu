@@ -28,7 +28,7 @@ cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
     kernel = p.deterministic ? flash_bwd_sm90_ws_kernel<Traits, T, true, true>
                              : flash_bwd_sm90_ws_kernel<Traits, T, false, true>;
   // Block-sparse calls with nothing else of the general kernels: the plain kernel with the block
-  // walk (head dims 64 and 128, the benchmark's: compile time; 1.07-1.09x the general kernel's
+  // walk (head dims 64 and 128, the benchmark's: compile time; 1.06-1.07x the general kernel's
   // block-sparse backward at seq 8192 hd128, cuda/PERF_NOTES.md v17).
   if constexpr (Traits::kHeadDim == 64 || Traits::kHeadDim == 128)
     if (!p.deterministic && plain_block_walk_suffices(p))
