@@ -138,6 +138,11 @@ class Fix:
   split_ds_head_dim: int = 0  # compiled head dims up to this carry dS as hi + lo (two 16-bit
   #   operands, two products each for dQ and dK: float32-accurate dS) instead of one rounding
   round_p_dv: bool = True  # P rounded to 16 bits for dV (always, as the kernels)
+  split_ds_narrow_keys: int = 0  # calls whose rows see at most this many keys by their shape
+  #   and window alone (static_keys_per_row) carry dS as hi + lo at every head dim (the host
+  #   routes them to the sm80 backward with the split, cuda/gpu/launch.cu)
+  split_p_narrow_keys: int = 0  # such calls' forwards multiply V by P as hi + lo too (two
+  #   products), so that O's weights are P's to about 16 bits, not P rounded once (cause 2)
   zero_single_key_ds: bool = False  # dS = 0 on rows whose mask leaves exactly one key (exact:
   #   P = 1 there), a per-row multiplier the backward's producer derives from key_range
   d_order_tc: bool = False  # D summed as the tensor cores sum dP (16-element chunks)
@@ -187,6 +192,14 @@ FIXES = {f.name: f for f in [
     Fix("hilo8_lsum_split32_1key", "hilo8_lsum_split32, and dS = 0 on single-key rows "
         "(the recommendation)", o_residual="hilo8", sum_rounded=True, split_ds_head_dim=32,
         zero_single_key_ds=True),
+    Fix("hilo8_lsum_split_narrow_1key", "hilo8_lsum_split32_1key, and dS as hi + lo at every "
+        "head dim on calls whose rows see at most 64 keys by shape and window (the kernels since "
+        "session 17)", o_residual="hilo8", sum_rounded=True, split_ds_head_dim=32,
+        split_ds_narrow_keys=64, zero_single_key_ds=True),
+    Fix("hilo8_lsum_split_narrow_p_1key", "hilo8_lsum_split_narrow_1key, and the narrow "
+        "calls' forward P as hi + lo for P V", o_residual="hilo8", sum_rounded=True,
+        split_ds_head_dim=32, split_ds_narrow_keys=64, split_p_narrow_keys=64,
+        zero_single_key_ds=True),
     Fix("hilo8_lsum_1key", "hilo8_lsum, and dS = 0 on single-key rows", o_residual="hilo8",
         sum_rounded=True, zero_single_key_ds=True),
     Fix("none_1key", "the kernels as they are, and dS = 0 on single-key rows",
@@ -205,6 +218,19 @@ FIXES = {f.name: f for f in [
 
 # ---------------------------------------------------------------------------------------------
 # The model
+
+
+def static_keys_per_row(config: dh.Config) -> int:
+  """The most keys a query row can see by the call's shape and window alone (lengths are device
+  data the launch does not read): cuda/common/attention_params.h keys_per_row_bound."""
+  window = config.window
+  left, right = (window, window) if isinstance(window, int) else (window or (None, None))
+  if config.is_causal:
+    right = 0 if right is None else min(right, 0)
+  bound = config.seq_k
+  if left is not None and right is not None:
+    bound = min(bound, left + right + 1)
+  return bound
 
 
 def compiled_head_dim(head_dim: int) -> int:
@@ -347,6 +373,8 @@ def model(config: dh.Config, inputs, fix: Fix) -> dict[str, np.ndarray]:
       p = f32(np.exp2(f32(sb * c - base)))  # FFMA: exact product, one rounding
     p = np.where(np.isnan(p), 0.0, p)
     pr = rnd(p)
+    if static_keys_per_row(config) <= fix.split_p_narrow_keys:
+      pr = f32(pr + rnd(p - pr))
     l_sum = f32(l_sum + p.sum(-1))
     l_rounded = f32(l_rounded + pr.sum(-1))
     acc = f32(acc + tc_matmul("bkgts,bksh->bkgth", pr, vv[:, :, n0:n0 + block_n], 4, 2))
@@ -397,7 +425,7 @@ def model(config: dh.Config, inputs, fix: Fix) -> dict[str, np.ndarray]:
     ds = np.where(single[:, None, None, :, None], 0.0, ds)
   if not fix.round_ds:
     dsr = ds
-  elif kd <= fix.split_ds_head_dim:
+  elif kd <= fix.split_ds_head_dim or static_keys_per_row(config) <= fix.split_ds_narrow_keys:
     dsr = rnd(ds) + rnd(ds - rnd(ds))  # the two 16-bit operands' products, summed in float32
   else:
     dsr = rnd(ds)

@@ -85,4 +85,8 @@ NB_MODULE(_native, m) {
     const jax_flash::QueryRange seeing = jax_flash::queries_seeing_keys(mask, j0, j1, q_len, kv_len);
     return nb::make_tuple(key_ranges, query_ranges, nb::make_tuple(seeing.begin, seeing.end));
   });
+  // common/mask.h's static_keys_per_row (the CUDA launches' narrow-call bound), for its test.
+  m.def("_static_keys_per_row", [](bool causal, int64_t window_left, int64_t window_right, int64_t seq_k) {
+    return jax_flash::static_keys_per_row(jax_flash::MaskParams{causal, window_left, window_right}, seq_k);
+  });
 }

@@ -10,6 +10,7 @@
 
 #include "gpu/bwd_postprocess.cuh"
 #include "gpu/kernel_choice.h"
+#include "gpu/score_mods.cuh"
 #include "gpu/launch.h"
 #include "gpu/tile_shapes.cuh"
 
@@ -43,7 +44,8 @@ cudaError_t dispatch_dtype_head_dim(Dtype dtype, int64_t head_dim, Run&& run) {
 
 cudaError_t launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
   if (p.shape.seq_q == 0 || p.shape.batch == 0) return cudaSuccess;
-  const KernelFamily family = forward_family();
+  // Narrow calls (few keys a row) on the mma.sync kernels, with P and dS as hi + lo.
+  const KernelFamily family = narrow_plain_call(p) ? KernelFamily::kSm80 : forward_family();
   return dispatch_dtype_head_dim(p.dtype, p.shape.head_dim, [&](auto type, auto head_dim) -> cudaError_t {
     using T = typename decltype(type)::type;
     constexpr int kD = decltype(head_dim)::value;
@@ -66,7 +68,7 @@ cudaError_t launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
 // instead of the atomics and the convert. delta = rowsum(dO * O) comes formed (BwdParams::delta).
 cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
   if (p.shape.batch == 0 || p.shape.seq_q == 0) return cudaSuccess;  // empty outputs
-  const KernelFamily family = backward_family();
+  const KernelFamily family = narrow_plain_call(p) ? KernelFamily::kSm80 : backward_family();
   return dispatch_dtype_head_dim(p.dtype, p.shape.head_dim, [&](auto type, auto head_dim) -> cudaError_t {
     using T = typename decltype(type)::type;
     constexpr int kD = decltype(head_dim)::value;

@@ -16,6 +16,7 @@
 #include <type_traits>
 
 #include "common/attention_params.h"
+#include "common/mask.h"
 
 namespace jax_flash::cuda {
 
@@ -26,6 +27,18 @@ namespace jax_flash::cuda {
 inline bool general_kernel(const AttentionParams& p) {
   return p.logits_soft_cap > 0.f || p.alibi_slopes != nullptr || p.q_segment_ids != nullptr ||
          p.kv_block_lists != nullptr;
+}
+
+// Rows that see few keys sum few products, and there the 16-bit P of the forward's P V and the
+// 16-bit dS of the backward's dQ and dK put dq/dk past FlashAttention's accuracy rule (issue 13:
+// the CUDA differential run's misses [98] and [127], rows of 2-3 keys; the numpy model,
+// tests/cuda_numerics_model.py, hilo8_lsum_split_narrow_p_1key: 0 misses). Plain calls whose
+// rows see at most kNarrowRowKeys keys by their shape and window run the mma.sync kernels with P
+// and dS as hi + lo (two 16-bit operands: about float32), whose extra products are cheap at so
+// few keys a row.
+inline constexpr int64_t kNarrowRowKeys = 64;
+inline bool narrow_plain_call(const AttentionParams& p) {
+  return !general_kernel(p) && static_keys_per_row(p.mask, p.shape.seq_k) <= kNarrowRowKeys;
 }
 
 // Whether a block-sparse call needs nothing of the general kernels but the block mask's walk (no

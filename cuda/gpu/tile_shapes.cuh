@@ -29,6 +29,8 @@ struct TileShapes {
   // mma.sync backward (kBlockM, kBlockN, warps, then the warp grids' row counts for S/dP, dK/dV
   // and dQ): 8 warps; key blocks of 128 up to head dim 128, of 64 beyond (shared memory).
   using Sm80Bwd = BwdTraits<kHeadDim, 64, (kHeadDim <= 128 ? 128 : 64), 8, 2, 4, 4>;
+  // The same with dS as hi + lo at every head dim: the narrow calls' (narrow_plain_call).
+  using Sm80BwdSplitDs = BwdTraits<kHeadDim, 64, (kHeadDim <= 128 ? 128 : 64), 8, 2, 4, 4, true>;
   // The deterministic dQ kernel: query blocks of 64 (16 rows a warp), key blocks as the forward.
   using Sm80BwdDq = FwdTraits<kHeadDim, 64, (kHeadDim <= 128 ? 64 : 32), 4>;
 

@@ -10,6 +10,10 @@ namespace jax_flash::cuda {
 template <typename T, int kHeadDim>
 cudaError_t launch_bwd_main_sm80(const BwdParams& p, cudaStream_t stream) {
   using Traits = typename TileShapes<kHeadDim>::Sm80Bwd;
+  using SplitTraits = typename TileShapes<kHeadDim>::Sm80BwdSplitDs;
+  if (narrow_plain_call(p))
+    return launch_with_smem(flash_bwd_kernel<SplitTraits, T, false>, key_block_grid<SplitTraits>(p.shape),
+                            SplitTraits::kThreads, SplitTraits::kSmemBytes, stream, p);
   auto kernel = general_kernel(p) ? flash_bwd_kernel<Traits, T, true> : flash_bwd_kernel<Traits, T, false>;
   return launch_with_smem(kernel, key_block_grid<Traits>(p.shape), Traits::kThreads, Traits::kSmemBytes, stream, p);
 }
@@ -19,7 +23,10 @@ cudaError_t launch_bwd_dq_sm80(const BwdParams& p, cudaStream_t stream) {
   using Traits = typename TileShapes<kHeadDim>::Sm80BwdDq;
   // Q and dO, and two stages of K and of V.
   constexpr int kSmemBytes = 2 * (2 * Traits::QTile::kElements + 4 * Traits::KVTile::kElements);
-  auto kernel = general_kernel(p) ? flash_bwd_dq_kernel<Traits, T, true> : flash_bwd_dq_kernel<Traits, T, false>;
+  constexpr bool kSplitDs = kHeadDim <= kSplitDsMaxHeadDim;
+  auto kernel = general_kernel(p)        ? flash_bwd_dq_kernel<Traits, T, true, kSplitDs>
+                : narrow_plain_call(p) ? flash_bwd_dq_kernel<Traits, T, false, true>
+                                       : flash_bwd_dq_kernel<Traits, T, false, kSplitDs>;
   return launch_with_smem(kernel, query_block_grid<Traits>(p.shape), Traits::kThreads, kSmemBytes, stream, p);
 }
 

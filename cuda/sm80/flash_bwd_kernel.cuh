@@ -14,6 +14,7 @@
 
 #include "common/attention_params.h"
 #include "gpu/block_geometry.cuh"
+#include "gpu/fragments.cuh"
 #include "gpu/mask.cuh"
 #include "gpu/ptx.cuh"
 #include "gpu/score_mods.cuh"
@@ -25,13 +26,18 @@
 
 namespace jax_flash::cuda {
 
-// The log2-scaled lse and the delta of this thread's rows, the warp's rows starting at m0. Rows
-// that attend to nothing (past q_len, or lse = kEmptyRowLse) get lse +inf: every P of theirs is
-// exp2(-inf) = 0, masked or not.
+// The statistics of this thread's rows, the warp's rows starting at m0: the log2-scaled lse, delta,
+// and dS's factor. Rows that attend to nothing (past q_len, or lse = kEmptyRowLse) get lse +inf:
+// every P of theirs is exp2(-inf) = 0, masked or not. dS's factor is the softmax scale, or 0 on
+// rows whose masks leave exactly one key: their P is 1 and dS exactly 0 (as jax.nn gives), where
+// dP - delta would leave float32 round-off (dP and delta summed in different orders; issue 13's
+// [12], a single-key call 1.21x past the accuracy rule's floor). A product, not a choice: NaN
+// and inf there still give NaN.
 template <int kMTiles>
 __device__ __forceinline__ void load_row_statistics(float (&lse2)[kMTiles][2], float (&row_delta)[kMTiles][2],
-                                                    const float* lse, const float* delta, int64_t m0,
-                                                    int64_t q_len, int lane) {
+                                                    float (&ds_scale)[kMTiles][2], const float* lse,
+                                                    const float* delta, const BwdParams& p, int64_t m0,
+                                                    int64_t q_len, int64_t kv_len, int lane) {
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -40,15 +46,17 @@ __device__ __forceinline__ void load_row_statistics(float (&lse2)[kMTiles][2], f
       const float row_lse = row < q_len ? lse[row] : kEmptyRowLse;
       lse2[mt][half] = row_lse == kEmptyRowLse ? INFINITY : row_lse * kLog2e;
       row_delta[mt][half] = row < q_len ? delta[row] : 0.f;
+      const KeyRange keys = key_range(p.mask, row, q_len, kv_len);
+      ds_scale[mt][half] = keys.end - keys.begin == 1 ? 0.f : p.scale;
     }
 }
 
 // The P and dS of one tile of scores (fragments s, dp for this thread's rows; masked scores are
-// -inf): P = exp2(S scale log2e - lse log2e), dS = scale P (dP - delta).
+// -inf): P = exp2(S scale log2e - lse log2e), dS = ds_scale P (dP - delta).
 template <int kMTiles, int kNTiles>
 __device__ __forceinline__ void probabilities_and_ds(float (&s)[kMTiles][kNTiles][4], float (&dp)[kMTiles][kNTiles][4],
                                                      const float (&lse2)[kMTiles][2], const float (&delta)[kMTiles][2],
-                                                     float scale, float scale_log2) {
+                                                     const float (&ds_scale)[kMTiles][2], float scale_log2) {
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -58,22 +66,7 @@ __device__ __forceinline__ void probabilities_and_ds(float (&s)[kMTiles][kNTiles
         // <= 0 in exact arithmetic; clamped there (NaN kept) against rounding at huge logits.
         const float prob = fast_exp2(min_keeping_nan(s[mt][nt][e] * scale_log2 - lse2[mt][e / 2], 0.f));
         s[mt][nt][e] = prob;
-        dp[mt][nt][e] = scale * prob * (dp[mt][nt][e] - delta[mt][e / 2]);
-      }
-}
-
-// x <- x - r16(x): what rounding to the 16-bit type T leaves out (Traits::kSplitDs).
-template <typename T, int kMTiles, int kNTiles>
-__device__ __forceinline__ void subtract_rounded(float (&x)[kMTiles][kNTiles][4]) {
-#pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; e += 2) {
-        const float2 rounded = unpack_pair<T>(MmaOp<T>::pack(x[mt][nt][e], x[mt][nt][e + 1]));
-        x[mt][nt][e] -= rounded.x;
-        x[mt][nt][e + 1] -= rounded.y;
+        dp[mt][nt][e] = ds_scale[mt][e / 2] * prob * (dp[mt][nt][e] - delta[mt][e / 2]);
       }
 }
 
@@ -161,8 +154,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
     // P = exp2(S scale log2e - lse log2e) (0 where masked), dS = scale P (dP - delta).
     const float* lse = p.lse + (static_cast<int64_t>(b) * sh.heads_q + h) * sh.seq_q;
     const float* delta = p.delta + (static_cast<int64_t>(b) * sh.heads_q + h) * sh.seq_q;
-    float lse2[Sdp::kMTiles][2], row_delta[Sdp::kMTiles][2];
-    load_row_statistics(lse2, row_delta, lse, delta, m0 + sdp_m0, q_len, lane);
+    float lse2[Sdp::kMTiles][2], row_delta[Sdp::kMTiles][2], ds_scale[Sdp::kMTiles][2];
+    load_row_statistics(lse2, row_delta, ds_scale, lse, delta, p, m0 + sdp_m0, q_len, kv_len, lane);
     const KeyRange first = key_range(p.mask, m0, q_len, kv_len);
     const KeyRange last = key_range(p.mask, min64(m0 + kBM, q_len) - 1, q_len, kv_len);
     bool id_mask = false;
@@ -177,7 +170,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
     else if (m0 + kBM > q_len || n0 < last.begin || n0 + kBN > first.end)
       mask_scores(s, p.mask, m0 + sdp_m0, n0 + sdp_n0, q_len, kv_len, lane);
     if constexpr (kGeneral) ScoreMods(p, b, h).fold_chain_rule(dp, s, row_delta, m0 + sdp_m0, n0 + sdp_n0, lane);
-    probabilities_and_ds(s, dp, lse2, row_delta, p.scale, scale_log2);
+    probabilities_and_ds(s, dp, lse2, row_delta, ds_scale, scale_log2);
     store_accumulator<PTile>(s_p, s, sdp_m0, sdp_n0, lane);
     store_accumulator<PTile>(s_ds, dp, sdp_m0, sdp_n0, lane);
     if constexpr (Traits::kSplitDs) {
@@ -232,12 +225,12 @@ __global__ void __launch_bounds__(Traits::kThreads)
              sh.head_dim, lane);
 }
 
-template <typename Traits, typename T, bool kGeneral>
+// kSplitDs: dS enters dQ as hi + lo, as the main kernel's (its Traits::kSplitDs) does.
+template <typename Traits, typename T, bool kGeneral, bool kSplitDs>
 __global__ void __launch_bounds__(Traits::kThreads)
     flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
   constexpr int kBM = Traits::kBlockM, kBN = Traits::kBlockN, kD = Traits::kHeadDim;
   constexpr int kThreads = Traits::kThreads, kMT = Traits::kMTiles;
-  constexpr bool kSplitDs = kD <= kSplitDsMaxHeadDim;
   using QTile = typename Traits::QTile;
   using KVTile = typename Traits::KVTile;
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -256,9 +249,9 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const int64_t m0 = blk.m0, q_len = task.q_len, kv_len = task.kv_len;
   const int warp_m0 = warp * kMT * 16;
 
-  float lse2[kMT][2], row_delta[kMT][2];
-  load_row_statistics(lse2, row_delta, p.lse + task.stat_offset, p.delta + task.stat_offset, m0 + warp_m0, q_len,
-                      lane);
+  float lse2[kMT][2], row_delta[kMT][2], ds_scale[kMT][2];
+  load_row_statistics(lse2, row_delta, ds_scale, p.lse + task.stat_offset, p.delta + task.stat_offset, p,
+                      m0 + warp_m0, q_len, kv_len, lane);
   float dq[kMT][kD / 8][4] = {};
   const float scale_log2 = (kGeneral ? ScoreMods::kSoftmaxScale : p.scale) * kLog2e;
 
@@ -299,7 +292,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
       } else if (blk.needs_mask(n0)) {
         mask_scores(s, p.mask, m0 + warp_m0, n0, q_len, kv_len, lane);
       }
-      probabilities_and_ds(s, dp, lse2, row_delta, p.scale, scale_log2);
+      probabilities_and_ds(s, dp, lse2, row_delta, ds_scale, scale_log2);
       uint32_t ds[kBN / 16][kMT][4];
       accumulator_to_a<T>(ds, dp);
       warp_gemm_a_regs<KVTile, true>(dq, ds, tile_k, 0, lane);

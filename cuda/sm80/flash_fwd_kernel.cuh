@@ -13,6 +13,7 @@
 #include "common/attention_params.h"
 #include "gpu/block_geometry.cuh"
 #include "gpu/epilogue.cuh"
+#include "gpu/fragments.cuh"
 #include "gpu/mask.cuh"
 #include "gpu/ptx.cuh"
 #include "gpu/score_mods.cuh"
@@ -25,7 +26,9 @@ namespace jax_flash::cuda {
 
 // kGeneral: the call has a soft cap or ALiBi slopes (gpu/score_mods.cuh), applied to every
 // tile's scores before its masks, or segment ids (gpu/segment_ids.cuh).
-template <typename Traits, typename T, bool kGeneral>
+// kSplitP: P enters P V as hi + lo (two products), so that O's weights are P to about float32
+// (the narrow calls': gpu/score_mods.cuh narrow_plain_call).
+template <typename Traits, typename T, bool kGeneral, bool kSplitP = false>
 __global__ void __launch_bounds__(Traits::kThreads)
     flash_fwd_kernel(const __grid_constant__ FwdParams p) {
   constexpr int kBM = Traits::kBlockM, kBN = Traits::kBlockN, kD = Traits::kHeadDim;
@@ -101,6 +104,12 @@ __global__ void __launch_bounds__(Traits::kThreads)
       uint32_t pa[kBN / 16][kMT][4];
       accumulator_to_a<T>(pa, s);
       if (p.for_backward()) softmax.template add_rounded_sums<T>(pa);  // differentiated calls only
+      uint32_t pa_lo[kSplitP ? kBN / 16 : 1][kMT][4];
+      if constexpr (kSplitP) {
+        subtract_rounded<T>(s);
+        accumulator_to_a<T>(pa_lo, s);
+        if (p.for_backward()) softmax.template add_rounded_sums<T>(pa_lo);
+      }
 
       if (prefetch) {
         load_v(next_block, stage ^ 1);
@@ -113,6 +122,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
       // No barrier here: the next iteration's first prefetch (K into the other stage) was last
       // read before this iteration's second barrier, and its V prefetch waits for its first.
       warp_gemm_a_regs<KVTile, true>(o, pa, s_v + stage * KVTile::kElements, 0, lane);
+      if constexpr (kSplitP) warp_gemm_a_regs<KVTile, true>(o, pa_lo, s_v + stage * KVTile::kElements, 0, lane);
     }
   }
 

@@ -46,7 +46,8 @@ struct WarpGrid {
 // and dQ (the main backward and the deterministic dQ kernel): about float32 dS, where 16-bit dS
 // alone put dq/dk past the accuracy rule on heads of a few dimensions (issue 13;
 // examples/results/h200/session9/differential_cuda_analysis.md, step 4). The extra products are
-// cheap beside the memory traffic at such head dims.
+// cheap beside the memory traffic at such head dims. Calls whose rows see few keys take the
+// split at every head dim (gpu/score_mods.cuh narrow_plain_call).
 inline constexpr int kSplitDsMaxHeadDim = 32;
 
 // Backward main kernel: each CTA owns kBlockN keys of one (batch, kv head) and loops over the
@@ -54,7 +55,7 @@ inline constexpr int kSplitDsMaxHeadDim = 32;
 // (kBlockM x kBlockN), dK and dV (kBlockN x head dim), dQ (kBlockM x head dim, done in column
 // chunks of at most kDqChunk to bound registers).
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kSdpWarpsM, int kKvWarpsN,
-          int kDqWarpsM>
+          int kDqWarpsM, bool kSplitDs_ = (kHeadDim_ <= kSplitDsMaxHeadDim)>
 struct BwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
@@ -70,7 +71,7 @@ struct BwdTraits {
   using QTile = SmemTile<kBlockM, kHeadDim>;
   using KVTile = SmemTile<kBlockN, kHeadDim>;
   using PTile = SmemTile<kBlockM, kBlockN>;
-  static constexpr bool kSplitDs = kHeadDim <= kSplitDsMaxHeadDim;
+  static constexpr bool kSplitDs = kSplitDs_;
   static constexpr int kSmemBytes =
       2 * (2 * KVTile::kElements + 4 * QTile::kElements + (kSplitDs ? 3 : 2) * PTile::kElements);
 };
