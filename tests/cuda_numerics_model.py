@@ -193,12 +193,12 @@ FIXES = {f.name: f for f in [
         "(the recommendation)", o_residual="hilo8", sum_rounded=True, split_ds_head_dim=32,
         zero_single_key_ds=True),
     Fix("hilo8_lsum_split_narrow_1key", "hilo8_lsum_split32_1key, and dS as hi + lo at every "
-        "head dim on calls whose rows see at most 64 keys by shape and window (the kernels since "
-        "session 17)", o_residual="hilo8", sum_rounded=True, split_ds_head_dim=32,
+        "head dim on calls whose rows see at most 64 keys by shape and window", o_residual="hilo8", sum_rounded=True, split_ds_head_dim=32,
         split_ds_narrow_keys=64, zero_single_key_ds=True),
-    Fix("hilo8_lsum_split_narrow_p_1key", "hilo8_lsum_split_narrow_1key, and the narrow "
-        "calls' forward P as hi + lo for P V", o_residual="hilo8", sum_rounded=True,
-        split_ds_head_dim=32, split_ds_narrow_keys=64, split_p_narrow_keys=64,
+    Fix("hilo8_lsum_split_narrow_p_1key", "hilo8_lsum_split32_1key, and calls whose rows see at "
+        "most 16 keys by shape and window with P (forward) and dS as hi + lo at every head dim (the "
+        "kernels since session 17)", o_residual="hilo8", sum_rounded=True,
+        split_ds_head_dim=32, split_ds_narrow_keys=16, split_p_narrow_keys=16,
         zero_single_key_ds=True),
     Fix("hilo8_lsum_1key", "hilo8_lsum, and dS = 0 on single-key rows", o_residual="hilo8",
         sum_rounded=True, zero_single_key_ds=True),

@@ -179,7 +179,7 @@ def test_forward_splits_o_as_xla_would(dtype, head_dim, causal):
 def test_single_key_rows_have_exactly_zero_score_gradients(seq_k, window, head_dim, deterministic):
   """Rows whose masks leave exactly one key have P = 1, so dS = 0 and every dq and dk
   contribution from them is exactly 0, as jax.nn gives (issue 13's [12]: dP - delta left float32
-  round-off, 1.21x past the accuracy rule's floor). Such calls (at most 64 keys a row) run the
+  round-off, 1.21x past the accuracy rule's floor). Such calls (at most 16 keys a row) run the
   mma.sync kernels, which zero dS there by a factor (NaN would stay NaN)."""
   rng = np.random.default_rng(0)
   q = jnp.asarray(rng.standard_normal((2, 300, 4, head_dim)), jnp.bfloat16)

@@ -127,7 +127,7 @@ def test_full_run_known_failure(implementation, key):
 # differentiated decode-shaped calls, which now run the tiled forward (81c47fe); then 8, the
 # model's prediction (examples/results/h200/session9/differential_cuda_analysis.md); 3 after
 # session 12's split dS at head dim 32 ([12] a single-key row, [98] and [127] rows of 2-3 keys).
-# Session 17: plain calls whose rows see at most 64 keys by shape and window run the mma.sync
+# Session 17: plain calls whose rows see at most 16 keys by shape and window run the mma.sync
 # kernels with P and dS as hi + lo, and single-key rows get dS = 0 exactly
 # (gpu/score_mods.cuh narrow_plain_call; the numpy model, tests/cuda_numerics_model.py
 # hilo8_lsum_split_narrow_p_1key, predicts 0 misses): expected to pass, not yet run on a GPU.

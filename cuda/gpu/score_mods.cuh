@@ -35,8 +35,9 @@ inline bool general_kernel(const AttentionParams& p) {
 // tests/cuda_numerics_model.py, hilo8_lsum_split_narrow_p_1key: 0 misses). Plain calls whose
 // rows see at most kNarrowRowKeys keys by their shape and window run the mma.sync kernels with P
 // and dS as hi + lo (two 16-bit operands: about float32), whose extra products are cheap at so
-// few keys a row.
-inline constexpr int64_t kNarrowRowKeys = 64;
+// few keys a row. Small, so that the tests' and sanitizer's small shapes still reach the Hopper
+// kernels.
+inline constexpr int64_t kNarrowRowKeys = 16;
 inline bool narrow_plain_call(const AttentionParams& p) {
   return !general_kernel(p) && static_keys_per_row(p.mask, p.shape.seq_k) <= kNarrowRowKeys;
 }
