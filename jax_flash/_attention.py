@@ -188,22 +188,20 @@ def dot_product_attention(
       top of every other mask (causal, window, lengths: positions stay those of the packed
       row). Give both or neither (one alone raises ``ValueError``); int32 only, as the
       lengths (another dtype raises, naming the cast). Any int32 values, in any order; ids
-      sorted by position (documents laid end to end) let the "cpu" kernel skip every tile
-      whose documents cannot meet, so a row of many documents costs about what the documents
-      cost one by one. A row whose document has no visible key gives zeros (and lse the most
-      negative float32), as any row with no key. Taken by "cpu", "blockwise" and "xla"; the
-      CUDA kernels raise ``NotImplementedError`` (also where ``None`` picks them: pass
-      ``implementation="blockwise"`` on a GPU), and so does a call partitioned over its
-      sequence axis (context parallelism does not carry the ids yet). Not differentiated.
+      sorted by position (documents laid end to end) let the kernels skip every tile whose
+      documents cannot meet, so a row of many documents costs about what the documents cost
+      one by one. A row whose document has no visible key gives zeros (and lse the most
+      negative float32), as any row with no key. Taken by "cpu", "cuda" (the tiled kernels;
+      such calls never run the split-KV decode kernel), "blockwise" and "xla", and by
+      sequence-sharded calls (the key-side ids travel with K and V). Not differentiated.
     kv_segment_ids: ``(B, S)`` (``(S,)``) int32: the keys' document ids.
     logits_soft_cap: ``c`` (Gemma 2's ``attn_logit_softcapping``): every score
       ``s = scale * q.k`` becomes ``c * tanh(s / c)`` before the bias, the masks and the
       softmax, and the backward applies the tanh's derivative. A concrete Python float, finite
       and ``> 0`` (a normal float32 whose product with log2(e) is finite), or ``None`` for no
-      cap; anything else raises ``ValueError`` naming it. Taken by "cpu" (tiled kernel; such
-      calls never run the split-KV decode kernel), "blockwise" and "xla"; the CUDA kernels
-      raise ``NotImplementedError`` (also where ``None`` picks them: pass
-      ``implementation="blockwise"`` on a GPU).
+      cap; anything else raises ``ValueError`` naming it. Taken by "cpu" and "cuda" (the
+      tiled kernels; such calls never run the split-KV decode kernel), "blockwise" and
+      "xla".
     sinks: attention sinks (gpt-oss): ``(N,)``, one learnable logit per query head (float32,
       bfloat16 or float16; exactly ``(N,)``, no broadcasting, also for rank-3 inputs), in the
       units of the scores (``scale * q.k``, after ``logits_soft_cap``), that joins every row's
@@ -225,10 +223,9 @@ def dot_product_attention(
       without it keys after the query get a positive bias (signed, not FA2's ``-|i - j|``).
       The bias is added after ``logits_soft_cap`` (the cap is not applied to it) and before
       the masks and the softmax; the lse includes it. Not differentiated: its gradient is
-      zero (the slopes are constants of the model, as the lengths). Taken by "cpu" (tiled
-      kernel; such calls never run the split-KV decode kernel), "blockwise" and "xla"; the
-      CUDA kernels raise ``NotImplementedError`` (pass ``implementation="blockwise"`` on a
-      GPU). Batch-, head- and sequence-sharded calls take them (every context-parallel
+      zero (the slopes are constants of the model, as the lengths). Taken by "cpu" and "cuda"
+      (the tiled kernels; such calls never run the split-KV decode kernel), "blockwise" and
+      "xla". Batch-, head- and sequence-sharded calls take them (every context-parallel
       strategy: positions stay global). A wrong shape or dtype raises ``ValueError`` naming
       ``alibi_slopes``.
     block_mask: block-sparse attention (FlashAttention, Dao et al. 2022, section 3.3): a bool
