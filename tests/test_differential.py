@@ -127,15 +127,19 @@ def test_full_run_known_failure(implementation, key):
 # differentiated decode-shaped calls, which now run the tiled forward (81c47fe); then 8, the
 # model's prediction (examples/results/h200/session9/differential_cuda_analysis.md); 3 after
 # session 12's split dS at head dim 32 ([12] a single-key row, [98] and [127] rows of 2-3 keys).
-# Session 17: plain calls whose rows see at most 16 keys by shape and window run the mma.sync
-# kernels with P and dS as hi + lo, and single-key rows get dS = 0 exactly
-# (gpu/score_mods.cuh narrow_plain_call; the numpy model, tests/cuda_numerics_model.py
-# hilo8_lsum_split_narrow_p_1key, predicts 0 misses): expected to pass, not yet run on a GPU.
+# Session 17 (experimental, JAX_FLASH_CUDA_NARROW=split, not yet run on a GPU): plain calls
+# whose rows see at most 16 keys by shape and window run the mma.sync kernels with P and dS as
+# hi + lo, and single-key rows get dS = 0 exactly (gpu/score_mods.cuh narrow_plain_call; the
+# numpy model, tests/cuda_numerics_model.py hilo8_lsum_split_narrow_p_1key, predicts 0 misses).
+# Under the switch the run is expected to pass; without it the three misses stay (strict xfail).
+_CUDA_MISSES_TODAY = ([] if os.environ.get("JAX_FLASH_CUDA_NARROW") == "split" else
+                      [pytest.mark.xfail(strict=True, reason="issue 13 item 2 on CUDA: 16-bit dq/dk past "
+                                         "the 2x-jax.nn rule on rows of 1-3 keys")])
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("run", [pytest.param("quick"),
-                                 pytest.param("full", marks=[pytest.mark.slow, full_run])])
+@pytest.mark.parametrize("run", [pytest.param("quick", marks=_CUDA_MISSES_TODAY),
+                                 pytest.param("full", marks=[pytest.mark.slow, full_run, *_CUDA_MISSES_TODAY])])
 def test_cuda(run):
   _check_no_unexpected(run, "cuda")
 

@@ -180,6 +180,9 @@ struct BwdParams : AttentionParams {
                                  // deterministic on CUDA)
   int64_t dq_splits = 1;         // CPU: key blocks are dealt round-robin to this many partials
   bool deterministic = false;    // CUDA: dQ without atomics (the CPU is always deterministic)
+  // CUDA (the mma.sync backward, narrow calls: gpu/score_mods.cuh narrow_plain_call): dS = 0
+  // exactly on rows whose masks leave one key, where P = 1.
+  bool zero_single_key_ds = false;
 };
 
 // The largest head dim any kernel takes (the Python side reads it from the native module).

@@ -11,10 +11,12 @@ namespace {
 
 constexpr const char* kForwardVariable = "JAX_FLASH_CUDA_FORWARD";
 constexpr const char* kBackwardVariable = "JAX_FLASH_CUDA_BACKWARD";
+constexpr const char* kNarrowVariable = "JAX_FLASH_CUDA_NARROW";
 
 struct Overrides {
   std::optional<KernelFamily> forward;
   std::optional<KernelFamily> backward;
+  bool narrow_split = false;
   std::string error;
 };
 
@@ -41,6 +43,14 @@ Overrides read_overrides() {
   Overrides o;
   o.forward = read_override(kForwardVariable, true, o.error);
   o.backward = read_override(kBackwardVariable, false, o.error);
+  if (const char* value = std::getenv(kNarrowVariable); value != nullptr && *value != '\0') {
+    const std::string v = value;
+    if (v == "split")
+      o.narrow_split = true;
+    else if (v != "off")
+      o.error += std::string(o.error.empty() ? "" : "; ") + "jax_flash: " + kNarrowVariable + "=" + v +
+                 " is not one of split, off";
+  }
   return o;
 }
 
@@ -79,5 +89,6 @@ int device_sm_count() { return device_attribute<cudaDevAttrMultiProcessorCount>(
 
 KernelFamily forward_family() { return choose(overrides().forward, KernelFamily::kSm90Ws); }
 KernelFamily backward_family() { return choose(overrides().backward, KernelFamily::kSm90Ws); }
+bool narrow_split_enabled() { return overrides().narrow_split; }
 
 }  // namespace jax_flash::cuda

@@ -14,6 +14,10 @@
 // elsewhere); sm90ws_atomicdq and sm90ws_bulkdq force 64-row query blocks with dQ added by atomics
 // or by bulk reductions from shared memory (the general calls too: soft cap, ALiBi, segment ids).
 // A Hopper choice only applies on Hopper, and only where a Hopper kernel exists.
+//   JAX_FLASH_CUDA_NARROW = split | off (default: off; experimental, written in session 17 and
+//                           not yet run on a GPU): plain calls whose rows see at most 16 keys run
+//                           the mma.sync kernels with P and dS as hi + lo, and single-key rows get
+//                           dS = 0 exactly (gpu/score_mods.cuh narrow_plain_call; issue 13).
 #pragma once
 
 #include <string>
@@ -36,6 +40,8 @@ const std::string& kernel_override_error();
 // family has no kernel for the head dim).
 KernelFamily forward_family();
 KernelFamily backward_family();
+// Whether JAX_FLASH_CUDA_NARROW=split is set.
+bool narrow_split_enabled();
 
 // Compute capability major of the current device (0 if CUDA cannot say).
 int device_compute_major();

@@ -17,6 +17,7 @@
 
 #include "common/attention_params.h"
 #include "common/mask.h"
+#include "gpu/kernel_choice.h"
 
 namespace jax_flash::cuda {
 
@@ -36,10 +37,11 @@ inline bool general_kernel(const AttentionParams& p) {
 // rows see at most kNarrowRowKeys keys by their shape and window run the mma.sync kernels with P
 // and dS as hi + lo (two 16-bit operands: about float32), whose extra products are cheap at so
 // few keys a row. Small, so that the tests' and sanitizer's small shapes still reach the Hopper
-// kernels.
+// kernels. Experimental: with JAX_FLASH_CUDA_NARROW=split only (gpu/kernel_choice.h).
 inline constexpr int64_t kNarrowRowKeys = 16;
 inline bool narrow_plain_call(const AttentionParams& p) {
-  return !general_kernel(p) && static_keys_per_row(p.mask, p.shape.seq_k) <= kNarrowRowKeys;
+  return narrow_split_enabled() && !general_kernel(p) &&
+         static_keys_per_row(p.mask, p.shape.seq_k) <= kNarrowRowKeys;
 }
 
 // Whether a block-sparse call needs nothing of the general kernels but the block mask's walk (no

@@ -11,9 +11,12 @@ template <typename T, int kHeadDim>
 cudaError_t launch_bwd_main_sm80(const BwdParams& p, cudaStream_t stream) {
   using Traits = typename TileShapes<kHeadDim>::Sm80Bwd;
   using SplitTraits = typename TileShapes<kHeadDim>::Sm80BwdSplitDs;
-  if (narrow_plain_call(p))
+  if (narrow_plain_call(p)) {
+    BwdParams narrow = p;
+    narrow.zero_single_key_ds = true;
     return launch_with_smem(flash_bwd_kernel<SplitTraits, T, false>, key_block_grid<SplitTraits>(p.shape),
-                            SplitTraits::kThreads, SplitTraits::kSmemBytes, stream, p);
+                            SplitTraits::kThreads, SplitTraits::kSmemBytes, stream, narrow);
+  }
   auto kernel = general_kernel(p) ? flash_bwd_kernel<Traits, T, true> : flash_bwd_kernel<Traits, T, false>;
   return launch_with_smem(kernel, key_block_grid<Traits>(p.shape), Traits::kThreads, Traits::kSmemBytes, stream, p);
 }
@@ -24,9 +27,14 @@ cudaError_t launch_bwd_dq_sm80(const BwdParams& p, cudaStream_t stream) {
   // Q and dO, and two stages of K and of V.
   constexpr int kSmemBytes = 2 * (2 * Traits::QTile::kElements + 4 * Traits::KVTile::kElements);
   constexpr bool kSplitDs = kHeadDim <= kSplitDsMaxHeadDim;
-  auto kernel = general_kernel(p)        ? flash_bwd_dq_kernel<Traits, T, true, kSplitDs>
-                : narrow_plain_call(p) ? flash_bwd_dq_kernel<Traits, T, false, true>
-                                       : flash_bwd_dq_kernel<Traits, T, false, kSplitDs>;
+  if (narrow_plain_call(p)) {
+    BwdParams narrow = p;
+    narrow.zero_single_key_ds = true;
+    return launch_with_smem(flash_bwd_dq_kernel<Traits, T, false, true>, query_block_grid<Traits>(p.shape),
+                            Traits::kThreads, kSmemBytes, stream, narrow);
+  }
+  auto kernel = general_kernel(p) ? flash_bwd_dq_kernel<Traits, T, true, kSplitDs>
+                                  : flash_bwd_dq_kernel<Traits, T, false, kSplitDs>;
   return launch_with_smem(kernel, query_block_grid<Traits>(p.shape), Traits::kThreads, kSmemBytes, stream, p);
 }
 

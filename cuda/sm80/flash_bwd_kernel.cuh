@@ -28,11 +28,11 @@ namespace jax_flash::cuda {
 
 // The statistics of this thread's rows, the warp's rows starting at m0: the log2-scaled lse, delta,
 // and dS's factor. Rows that attend to nothing (past q_len, or lse = kEmptyRowLse) get lse +inf:
-// every P of theirs is exp2(-inf) = 0, masked or not. dS's factor is the softmax scale, or 0 on
-// rows whose masks leave exactly one key: their P is 1 and dS exactly 0 (as jax.nn gives), where
-// dP - delta would leave float32 round-off (dP and delta summed in different orders; issue 13's
-// [12], a single-key call 1.21x past the accuracy rule's floor). A product, not a choice: NaN
-// and inf there still give NaN.
+// every P of theirs is exp2(-inf) = 0, masked or not. dS's factor is the softmax scale, or, with
+// p.zero_single_key_ds, 0 on rows whose masks leave exactly one key: their P is 1 and dS exactly
+// 0 (as jax.nn gives), where dP - delta would leave float32 round-off (dP and delta summed in
+// different orders; issue 13's [12], a single-key call 1.21x past the accuracy rule's floor). A
+// product, not a choice: NaN and inf there still give NaN.
 template <int kMTiles>
 __device__ __forceinline__ void load_row_statistics(float (&lse2)[kMTiles][2], float (&row_delta)[kMTiles][2],
                                                     float (&ds_scale)[kMTiles][2], const float* lse,
@@ -47,7 +47,7 @@ __device__ __forceinline__ void load_row_statistics(float (&lse2)[kMTiles][2], f
       lse2[mt][half] = row_lse == kEmptyRowLse ? INFINITY : row_lse * kLog2e;
       row_delta[mt][half] = row < q_len ? delta[row] : 0.f;
       const KeyRange keys = key_range(p.mask, row, q_len, kv_len);
-      ds_scale[mt][half] = keys.end - keys.begin == 1 ? 0.f : p.scale;
+      ds_scale[mt][half] = p.zero_single_key_ds && keys.end - keys.begin == 1 ? 0.f : p.scale;
     }
 }
 
