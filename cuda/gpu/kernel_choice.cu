@@ -86,6 +86,7 @@ const std::string& kernel_override_error() { return overrides().error; }
 
 int device_compute_major() { return device_attribute<cudaDevAttrComputeCapabilityMajor>(); }
 int device_sm_count() { return device_attribute<cudaDevAttrMultiProcessorCount>(); }
+int device_max_smem_per_block() { return device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(); }
 
 KernelFamily forward_family() { return choose(overrides().forward, KernelFamily::kSm90Ws); }
 KernelFamily backward_family() { return choose(overrides().backward, KernelFamily::kSm90Ws); }

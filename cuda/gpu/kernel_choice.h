@@ -47,5 +47,7 @@ bool narrow_split_enabled();
 int device_compute_major();
 // Streaming multiprocessors of the current device (0 if CUDA cannot say).
 int device_sm_count();
+// The most dynamic shared memory a CTA of the current device may opt in to (0 if CUDA cannot say).
+int device_max_smem_per_block();
 
 }  // namespace jax_flash::cuda

@@ -1,5 +1,6 @@
 // Launchers of the mma.sync backward kernels (main, and the deterministic mode's dQ), for the head
 // dims of gpu/tile_shapes.cuh.
+#include "gpu/kernel_choice.h"
 #include "gpu/kernel_launch.cuh"
 #include "gpu/launch.h"
 #include "gpu/tile_shapes.cuh"
@@ -11,7 +12,9 @@ template <typename T, int kHeadDim>
 cudaError_t launch_bwd_main_sm80(const BwdParams& p, cudaStream_t stream) {
   using Traits = typename TileShapes<kHeadDim>::Sm80Bwd;
   using SplitTraits = typename TileShapes<kHeadDim>::Sm80BwdSplitDs;
-  if (narrow_plain_call(p)) {
+  // (The split's third tile needs more shared memory than an A100 has at head dim 128: there
+  // narrow calls keep the 16-bit dS.)
+  if (narrow_plain_call(p) && SplitTraits::kSmemBytes <= device_max_smem_per_block()) {
     BwdParams narrow = p;
     narrow.zero_single_key_ds = true;
     return launch_with_smem(flash_bwd_kernel<SplitTraits, T, false>, key_block_grid<SplitTraits>(p.shape),
