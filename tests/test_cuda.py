@@ -339,8 +339,10 @@ def test_forward_tile_choices_on_hopper(tiles):
 
 # The default backward visits 128-row query blocks at head dims 33..64 and adds dQ by bulk
 # reductions at 65..128 (gpu/tile_shapes.cuh); each override runs 64-row blocks a way the default
-# does not use at those head dims.
+# does not use at those head dims (sm90ws_tileddq, experimental: one bulk reduction a warpgroup
+# into a dQ accumulator in the fragments' order, head dims 65..128).
 @pytest.mark.parametrize("family, head_dims", [("sm90ws_atomicdq", "h40 or h64 or h80 or h96 or h111 or h128"),
+                                               ("sm90ws_tileddq", "h80 or h96 or h111 or h128"),
                                                ("sm90ws_bulkdq", "h40 or h64")])
 def test_backward_dq_by_the_other_way_on_hopper(family, head_dims):
   """The warp-specialised backward with 64-row query blocks and dQ added a way its default does

@@ -24,4 +24,38 @@ __global__ void flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams p)
   }
 }
 
+// dQ from the tiled accumulator (Sm90BwdVariant::kTiledDq, gpu/launch.h tiled_dq_accum): per
+// (batch, head, 64-row block) a tile of 64 x 128 floats, each warpgroup's half (its 64 columns)
+// in its fragments' order: float4 j * 128 + t holds thread t's n-tile j, rows 16 (t / 32) +
+// (t % 32) / 4 (+ 8 for the float4's last two), columns 8 j + 2 (t % 4) and + 1. One float4 a
+// thread per step; rows past seq_q and columns past head_dim are padding.
+template <typename T>
+__global__ void flash_bwd_convert_tiled_dq_kernel(const __grid_constant__ BwdParams p) {
+  constexpr int kRows = 64, kColumns = 128, kPart = kRows * kColumns / 2;
+  const AttentionShape& sh = p.shape;
+  const int64_t m_blocks = (sh.seq_q + kRows - 1) / kRows;
+  const int64_t quads = sh.batch * sh.heads_q * m_blocks * kRows * kColumns / 4;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < quads;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t tile = i / (kRows * kColumns / 4);
+    const int in_tile = static_cast<int>(i % (kRows * kColumns / 4));
+    const int group = in_tile / (kPart / 4), in_part = in_tile % (kPart / 4);
+    const int j = in_part / 128, t = in_part % 128;
+    const int row = 16 * (t / 32) + (t % 32) / 4;
+    const int col = group * 64 + 8 * j + 2 * (t % 4);
+    const int64_t m_block = tile % m_blocks, bh = tile / m_blocks;
+    const int64_t h = bh % sh.heads_q, b = bh / sh.heads_q;
+    if (col >= sh.head_dim) continue;
+    const float4 x = reinterpret_cast<const float4*>(p.dq_accum)[i];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int64_t q = m_block * kRows + row + 8 * half;
+      if (q >= sh.seq_q) continue;
+      const uint32_t pair = half == 0 ? MmaOp<T>::pack(x.x, x.y) : MmaOp<T>::pack(x.z, x.w);
+      *reinterpret_cast<uint32_t*>(static_cast<T*>(p.dq) + ((b * sh.seq_q + q) * sh.heads_q + h) * sh.head_dim + col) =
+          pair;
+    }
+  }
+}
+
 }  // namespace jax_flash::cuda

@@ -33,9 +33,10 @@ std::optional<KernelFamily> read_override(const char* variable, bool forward, st
   if (forward && v == "sm90ws_wide") return KernelFamily::kSm90WsWide;
   if (!forward && v == "sm90ws_atomicdq") return KernelFamily::kSm90WsAtomicDq;
   if (!forward && v == "sm90ws_bulkdq") return KernelFamily::kSm90WsBulkDq;
+  if (!forward && v == "sm90ws_tileddq") return KernelFamily::kSm90WsTiledDq;
   error += std::string(error.empty() ? "" : "; ") + "jax_flash: " + variable + "=" + v + " is not one of " +
            (forward ? "sm80, sm90ws, sm90ws_grid, sm90ws_narrow, sm90ws_wide"
-                   : "sm80, sm90ws, sm90ws_atomicdq, sm90ws_bulkdq");
+                   : "sm80, sm90ws, sm90ws_atomicdq, sm90ws_bulkdq, sm90ws_tileddq");
   return std::nullopt;
 }
 

@@ -4,7 +4,7 @@
 // choice for experiments and comparisons:
 //   JAX_FLASH_CUDA_FORWARD  = sm80 | sm90ws | sm90ws_grid | sm90ws_narrow | sm90ws_wide
 //                             (default on Hopper: sm90ws)
-//   JAX_FLASH_CUDA_BACKWARD = sm80 | sm90ws | sm90ws_atomicdq | sm90ws_bulkdq
+//   JAX_FLASH_CUDA_BACKWARD = sm80 | sm90ws | sm90ws_atomicdq | sm90ws_bulkdq | sm90ws_tileddq
 //                             (default on Hopper: sm90ws)
 // The forward's sm90ws runs on a persistent grid with FlashAttention-3's wider tiles where they
 // measured faster (gpu/tile_shapes.cuh wide_tiles_by_default); sm90ws_grid is the same kernels on
@@ -12,7 +12,10 @@
 // backward's sm90ws runs the variant measured fastest for the head dim (TileShapes:
 // 128-row query blocks with dK from registers at head dim 64, bulk dQ reductions at 128, atomics
 // elsewhere); sm90ws_atomicdq and sm90ws_bulkdq force 64-row query blocks with dQ added by atomics
-// or by bulk reductions from shared memory (the general calls too: soft cap, ALiBi, segment ids).
+// or by bulk reductions from shared memory (the general calls too: soft cap, ALiBi, segment ids);
+// sm90ws_tileddq (experimental, written in session 17, not yet run) adds dQ at head dims 65..128
+// as FlashAttention-3 does: one bulk reduction a warpgroup a visit into an accumulator in the
+// fragments' order (sm90/traits.cuh kTiledDq), elsewhere sm90ws.
 // A Hopper choice only applies on Hopper, and only where a Hopper kernel exists.
 //   JAX_FLASH_CUDA_NARROW = split | off (default: off; experimental, written in session 17 and
 //                           not yet run on a GPU): plain calls whose rows see at most 16 keys run
@@ -30,7 +33,9 @@ namespace jax_flash::cuda {
 // sm90ws_narrow / sm90ws_wide (forward): sm90ws with the plain calls' wide tiles never / wherever
 // they exist (head dim 128 non-causal: key blocks of 176; head dim 64: 192 query rows, three
 // consumer warpgroups; head dims 192 and 256: key blocks of 112 and 80).
-enum class KernelFamily { kSm80, kSm90Ws, kSm90WsGrid, kSm90WsNarrow, kSm90WsWide, kSm90WsAtomicDq, kSm90WsBulkDq };
+enum class KernelFamily {
+  kSm80, kSm90Ws, kSm90WsGrid, kSm90WsNarrow, kSm90WsWide, kSm90WsAtomicDq, kSm90WsBulkDq, kSm90WsTiledDq
+};
 
 // Empty when the variables are unset or hold a known value; else a message naming the variable,
 // its value and the values it takes (the FFI handlers return it as an error).

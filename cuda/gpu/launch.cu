@@ -42,6 +42,10 @@ cudaError_t dispatch_dtype_head_dim(Dtype dtype, int64_t head_dim, Run&& run) {
 
 }  // namespace
 
+bool tiled_dq_accum(const AttentionShape& shape) {
+  return backward_family() == KernelFamily::kSm90WsTiledDq && shape.head_dim > 64 && shape.head_dim <= 128;
+}
+
 cudaError_t launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
   if (p.shape.seq_q == 0 || p.shape.batch == 0) return cudaSuccess;
   // Narrow calls (few keys a row) on the mma.sync kernels, with P and dS as hi + lo.
@@ -76,7 +80,11 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
     const int64_t rows = sh.batch * sh.seq_q * sh.heads_q;
     // The atomics and bulk reductions add into the accumulator (a memset: a graph node when XLA
     // captures the call).
-    const size_t dq_accum_bytes = static_cast<size_t>(rows * sh.head_dim) * sizeof(float);
+    const size_t dq_accum_bytes = static_cast<size_t>(dq_accum_elements(sh, false)) * sizeof(float);
+    // dQ in tiles (experimental): the tiled kernel and its convert, where the call runs the Hopper
+    // backward at head dim 128.
+    constexpr bool kTiledDqKernel = TileShapes<kD>::kHasSm90BwdTiledDq;
+    const bool tiled = kTiledDqKernel && family == KernelFamily::kSm90WsTiledDq && tiled_dq_accum(sh);
     if (!p.deterministic)
       if (cudaError_t e = cudaMemsetAsync(p.dq_accum, 0, dq_accum_bytes, stream)) return e;
 
@@ -90,6 +98,8 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
         e = family == KernelFamily::kSm90Ws           ? launch_bwd_main_sm90_ws<T, kD>(p, kDefault, stream)
             : family == KernelFamily::kSm90WsAtomicDq ? launch_bwd_main_sm90_ws<T, kD>(p, V::kAtomicDq, stream)
             : family == KernelFamily::kSm90WsBulkDq   ? launch_bwd_main_sm90_ws<T, kD>(p, V::kBulkDq, stream)
+            : tiled                                   ? launch_bwd_main_sm90_ws<T, kD>(p, V::kTiledDq, stream)
+            : family == KernelFamily::kSm90WsTiledDq  ? launch_bwd_main_sm90_ws<T, kD>(p, kDefault, stream)
                                                       : launch_bwd_main_sm80<T, kD>(p, stream);
       } else {
         e = launch_bwd_main_sm80<T, kD>(p, stream);
@@ -98,6 +108,12 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
     }
 
     if (p.deterministic) return launch_bwd_dq_sm80<T, kD>(p, stream);
+    if (tiled) {
+      const int64_t quads = dq_accum_elements(sh, false) / 4;  // the tiled convert's float4 a thread
+      const int blocks = static_cast<int>(std::min<int64_t>((quads + 255) / 256, 65536));
+      flash_bwd_convert_tiled_dq_kernel<T><<<blocks, 256, 0, stream>>>(p);
+      return cudaGetLastError();
+    }
     const int64_t groups = rows * sh.head_dim / 8;  // the convert kernel's 8 elements a thread
     const int blocks = static_cast<int>(std::min<int64_t>((groups + 255) / 256, 65536));
     flash_bwd_convert_dq_kernel<T><<<blocks, 256, 0, stream>>>(p);

@@ -16,10 +16,20 @@ namespace jax_flash::cuda {
 // The CUDA kernels read rows in 16-byte chunks: the caller pads the head dim to a multiple of this.
 inline constexpr int64_t kHeadDimMultiple = 8;
 
-// Elements of the backward's float32 dQ accumulator workspace: one per element of dQ, or none in
-// deterministic mode (dQ then comes from its own kernel, without atomics).
+// Whether the backward adds dQ in tiles of 64 rows x 128 columns in the fragments' order
+// (JAX_FLASH_CUDA_BACKWARD=sm90ws_tileddq on Hopper, head dims 65..128: Sm90BwdVariant::kTiledDq).
+bool tiled_dq_accum(const AttentionShape& shape);
+inline constexpr int64_t kTiledDqRows = 64, kTiledDqColumns = 128;
+
+// Elements of the backward's float32 dQ accumulator workspace: one per element of dQ (or a whole
+// tile per (batch, head, 64-row block) with tiled_dq_accum), or none in deterministic mode (dQ
+// then comes from its own kernel, without atomics).
 inline int64_t dq_accum_elements(const AttentionShape& shape, bool deterministic) {
-  return deterministic ? 0 : shape.batch * shape.heads_q * shape.seq_q * shape.head_dim;
+  if (deterministic) return 0;
+  if (tiled_dq_accum(shape))
+    return shape.batch * shape.heads_q * ((shape.seq_q + kTiledDqRows - 1) / kTiledDqRows) * kTiledDqRows *
+           kTiledDqColumns;
+  return shape.batch * shape.heads_q * shape.seq_q * shape.head_dim;
 }
 
 // Forward: o and lse.
@@ -49,7 +59,9 @@ cudaError_t launch_bwd_main_sm80(const BwdParams& params, cudaStream_t stream);
 // or (head dim 64) 128-row query blocks with dQ by atomics, split by rows, and dK from registers
 // (general calls included: with the soft cap or ALiBi 1.04-1.10x faster than 64-row visits,
 // session 15, though their registers spill 40 bytes).
-enum class Sm90BwdVariant { kAtomicDq, kBulkDq, kBlockM128 };
+// kTiledDq (experimental, head dim 128): bulk reductions of whole warpgroup parts into a dQ
+// accumulator in the fragments' order (tiled_dq_accum), converted by its own kernel.
+enum class Sm90BwdVariant { kAtomicDq, kBulkDq, kBlockM128, kTiledDq };
 template <typename T, int kHeadDim>
 cudaError_t launch_bwd_main_sm90_ws(const BwdParams& params, Sm90BwdVariant variant, cudaStream_t stream);
 // The deterministic mode's dQ kernel (mma.sync on every GPU).

@@ -60,6 +60,10 @@ struct TileShapes {
   // query blocks of 64; dQ added by atomics, or by bulk reductions from a shared tile.
   using Sm90BwdWs = Sm90BwdWsTraits<kHeadDim>;
   using Sm90BwdWsBulkDq = Sm90BwdWsTraits<kHeadDim, true>;
+  // Experimental (JAX_FLASH_CUDA_BACKWARD=sm90ws_tileddq): FlashAttention-3's dQ hand-off, one bulk
+  // reduction a warpgroup a visit into an accumulator in the fragments' order (head dim 128).
+  static constexpr bool kHasSm90BwdTiledDq = kHeadDim == 128;
+  using Sm90BwdWsTiledDq = Sm90BwdWsTraits<kHeadDim, true, 64, kHasSm90BwdTiledDq>;
   // 128-row query blocks, dQ split by rows between the consumers (registers allow head dim 64
   // only), dK from registers; the default there: +8-10% over 64-row blocks with atomics
   // (cuda/PERF_NOTES.md v10), +8-10% more from dK's registers (v11).

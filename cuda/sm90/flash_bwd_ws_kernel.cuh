@@ -76,7 +76,7 @@ struct Sm90BwdWsSmem {
 template <int kStages>
 struct BwdWsBarriers {
   uint64_t kv_full, full[kStages], empty[kStages];
-  uint64_t dq_full, dq_empty;  // the dQ tile (Traits::kBulkDq)
+  uint64_t dq_full[2], dq_empty[2];  // the dQ tile (Traits::kBulkDq; one pair a warpgroup with kTiledDq)
 };
 
 // kDeterministic: p.deterministic as a constant (dQ is then left to its own kernel). Whether a
@@ -111,8 +111,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       Mbarrier(&bars.full[s]).init(32);
       Mbarrier(&bars.empty[s]).init(Traits::kConsumerWarps);
     }
-    Mbarrier(&bars.dq_full).init(Traits::kDqWarps);
-    Mbarrier(&bars.dq_empty).init(32);
+#pragma unroll
+    for (int g = 0; g < 2; ++g) {
+      Mbarrier(&bars.dq_full[g]).init(Traits::kTiledDq ? 4 : Traits::kDqWarps);
+      Mbarrier(&bars.dq_empty[g]).init(32);
+    }
     Mbarrier::fence_init();
   }
   __syncthreads();
@@ -127,11 +130,34 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if (warp < 4) {
     // ---- Producer warpgroup: warp 0 loads, the others leave.
     release_registers<Traits::kProducerRegisters>();
+    if (Traits::kBulkDq && Traits::kTiledDq && !kDeterministic && warp == 1) {
+      // The dQ writer (tiled): each visit's two warpgroup parts, one bulk reduction each, into
+      // the accumulator's tile of (batch, head, query block) in the same order.
+      const int64_t m_blocks = (sh.seq_q + kBM - 1) / kBM;
+      Visit visit = task.first_visit();
+      for (int it = 0; it < iterations; ++it, visit = task.next_visit(visit)) {
+        float* tile = p.dq_accum + ((task.b * sh.heads_q + visit.h) * m_blocks + visit.mb) * (kBM * kD);
+#pragma unroll
+        for (int g = 0; g < 2; ++g) {
+          Mbarrier(&bars.dq_full[g]).wait(it & 1);
+          if (lane == 0) {
+            bulk_reduce_add(tile + g * Traits::kDqPartFloats, smem.dq + g * Traits::kDqPartFloats,
+                            static_cast<uint32_t>(Traits::kDqPartFloats * 4));
+            bulk_commit();
+            bulk_wait_read();
+          }
+          __syncwarp();
+          Mbarrier(&bars.dq_empty[g]).arrive();
+        }
+      }
+      if (lane == 0) bulk_wait_all();  // the last reductions complete before the warp exits
+      return;
+    }
     if (Traits::kBulkDq && !kDeterministic && warp == 1) {
       // The dQ writer: each visit's tile, row by row, added to the accumulator.
       Visit visit = task.first_visit();
       for (int it = 0; it < iterations; ++it, visit = task.next_visit(visit)) {
-        Mbarrier(&bars.dq_full).wait(it & 1);
+        Mbarrier(&bars.dq_full[0]).wait(it & 1);
         const int64_t m0 = static_cast<int64_t>(visit.mb) * kBM;
         const int rows = task.rows(visit);
 #pragma unroll
@@ -141,7 +167,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                             smem.dq + r * Traits::kDqRowStride, static_cast<uint32_t>(sh.head_dim * 4));
         bulk_commit();
         bulk_wait_read();
-        Mbarrier(&bars.dq_empty).arrive();
+        Mbarrier(&bars.dq_empty[0]).arrive();
         __syncwarp();
       }
       bulk_wait_all();  // the last reductions complete before the warp exits
@@ -324,9 +350,20 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // by the warp barrier, not only through the consumers' named barrier above.
     __syncwarp();
     if (lane == 0) Mbarrier(&bars.empty[stage]).arrive();
-    if constexpr (Traits::kBulkDq) {
+    if constexpr (Traits::kTiledDq) {
+      if (dq_here) {  // this warpgroup's part, in its fragments' order (Traits::kTiledDq)
+        Mbarrier(&bars.dq_empty[group]).wait((it & 1) ^ 1);
+        float4* part = reinterpret_cast<float4*>(smem.dq + group * Traits::kDqPartFloats) + (ctid % 128);
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+          part[nt * 128] = make_float4(dq[0][nt][0], dq[0][nt][1], dq[0][nt][2], dq[0][nt][3]);
+        fence_proxy_async();  // the bulk reductions read through the async proxy
+        __syncwarp();
+        if (lane == 0) Mbarrier(&bars.dq_full[group]).arrive();
+      }
+    } else if constexpr (Traits::kBulkDq) {
       if (dq_here) {  // the tile, once the writer has read the last visit's
-        Mbarrier(&bars.dq_empty).wait((it & 1) ^ 1);
+        Mbarrier(&bars.dq_empty[0]).wait((it & 1) ^ 1);
         const int row = warp % 4 * 16 + lane / 4, col = group * 64 + (lane % 4) * 2;
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt)
@@ -336,7 +373,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                 make_float2(dq[0][nt][2 * half], dq[0][nt][2 * half + 1]);
         fence_proxy_async();  // the bulk reductions read through the async proxy
         __syncwarp();
-        if (lane == 0) Mbarrier(&bars.dq_full).arrive();
+        if (lane == 0) Mbarrier(&bars.dq_full[0]).arrive();
       }
     } else if (dq_here) {
       add_dq<Traits::kDqByRows>(p, task, dq, m0, visit.h, group, warp, lane);

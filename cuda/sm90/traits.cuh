@@ -52,10 +52,20 @@ struct Sm90FwdWsTraits {
 // for the other's dS^T (+8-10% bwd at head dim 64, cuda/PERF_NOTES.md v11; with 64-row visits at
 // head dim 128 it measured even, so those keep dK reading dS^T from shared memory after the
 // barrier).
-template <int kHeadDim_, bool kBulkDq_ = false, int kBlockM_ = 64>
+// kTiledDq (experimental, with kBulkDq at head dim 128): FlashAttention-3's dQ hand-off. Each
+// warpgroup leaves its dQ part (64 rows x its 64 columns) in the shared tile in its fragments'
+// order (thread t's n-tile j at float4 j * 128 + t: conflict-free 16-byte stores), and the dQ
+// accumulator holds every (batch, head, 64-row block)'s tile in that same order, so the writer
+// adds a warpgroup's part with ONE 16 KiB bulk reduction (instead of a 512-byte one a row, 64
+// a visit), each warpgroup with its own full/empty barriers; the convert kernel reorders
+// (gpu/bwd_postprocess.cuh flash_bwd_convert_tiled_dq_kernel).
+template <int kHeadDim_, bool kBulkDq_ = false, int kBlockM_ = 64, bool kTiledDq_ = false>
 struct Sm90BwdWsTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kBulkDq = kBulkDq_;
+  static constexpr bool kTiledDq = kTiledDq_;
+  static_assert(!kTiledDq || (kBulkDq && kHeadDim_ == 128 && kBlockM_ == 64),
+                "tiled dQ: bulk reductions, head dim 128, 64-row visits");
   static constexpr int kBlockM = kBlockM_;  // query rows per visit
   static constexpr bool kDkFromRegisters = kBlockM == 128;
   static_assert(kBlockM == 64 || (kBlockM == 128 && kHeadDim == 64 && !kBulkDq),
@@ -83,7 +93,9 @@ struct Sm90BwdWsTraits {
   // that a half-warp's float2 stores (4 rows x 4 column pairs) meet 32 distinct banks (4 apart
   // made rows r and r + 1 share 4 banks: the hd128 profile counted 34M conflicts on 87M
   // store wavefronts).
-  static constexpr int kDqRowStride = kHeadDim + 8;
+  static constexpr int kDqRowStride = kTiledDq ? kHeadDim : kHeadDim + 8;
+  // Floats of one warpgroup's part of the tiled dQ tile (kTiledDq).
+  static constexpr int kDqPartFloats = kBlockM * kHeadDim / 2;
   // K, V; kStages of Q and of dO; two dS^T; kStages of the block's lse (log2 units) and delta;
   // the dQ tile (kBulkDq); 1 KiB to align the base.
   static constexpr int kSmemBytes = 2 * (2 * KVTile::kElements + 2 * kStages * QTile::kElements + 2 * DsTile::kElements) +
