@@ -7,8 +7,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_flash import (_context_parallel, _derivatives, _dispatch, _dropout, _ops, _rounding,
-                       _sharding, _validation)
+from jax_flash import (_context_parallel, _derivatives, _dispatch, _dropout, _ops, _registry,
+                       _rounding, _sharding, _validation)
 from jax_flash._blockwise import blockwise_attention
 from jax_flash._dispatch import Implementation
 from jax_flash._reference import attention_reference
@@ -28,20 +28,34 @@ def _flash_attention(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segmen
                              block_mask, dropout_seeds)
 
 
-def _output_and_residual(o32, q, config):
+def _output_and_residual(o32, q, config, keep_float32=False):
   """(the caller's o in q's dtype, the o the backward gets, its o_error or None) from the
   forward's o32 (float32 from for_backward, or already 16-bit from the CUDA decode kernel). The
   backward forms delta = rowsum(dO * O) from it at full precision (issue 13): the CPU keeps o32
-  whole; CUDA keeps the 16-bit o plus its int8 rounding error (1 byte an element, not 2 more)."""
-  if config.implementation == "cuda" and o32.dtype != q.dtype:
+  whole; CUDA keeps the 16-bit o plus its int8 rounding error (1 byte an element, not 2 more),
+  or, with `keep_float32` (narrow calls: _narrow_cuda_call), o32 whole too."""
+  if config.implementation == "cuda" and o32.dtype != q.dtype and not keep_float32:
     o, o_error = _rounding.split_rounding(o32, q.dtype)
     return o, o, o_error
   return o32.astype(q.dtype), o32, None
 
 
+def _narrow_cuda_call(q, k, config, segment_ids, alibi_slopes, block_mask, dropout_seeds) -> bool:
+  """Whether a CUDA call is narrow (experimental, JAX_FLASH_CUDA_NARROW=split): a plain call
+  whose rows see few keys (cuda/gpu/kernel_choice.h narrow_shape). Its kernels take P and dS as
+  hi + lo, and its differentiated forward keeps o in float32 for the backward's delta, which on
+  peaked rows needs more than the int8 residual's 16 bits of o (issue 13)."""
+  if (config.implementation != "cuda" or segment_ids is not None or alibi_slopes is not None
+      or block_mask is not None or dropout_seeds is not None or config.logits_soft_cap):
+    return False
+  return _registry.cuda_narrow_split_call(config.is_causal, config.window_left,
+                                          config.window_right, q.shape[-3], k.shape[-3])
+
+
 def _flash_attention_fwd(q, k, v, q_lens, kv_lens, config, segment_ids=None,
                          alibi_slopes=None, block_mask=None, dropout_seeds=None):
-  fwd_config = _ops.for_backward(config, split=True)
+  narrow = _narrow_cuda_call(q, k, config, segment_ids, alibi_slopes, block_mask, dropout_seeds)
+  fwd_config = _ops.for_backward(config, split=not narrow)
   outputs = _sharding.flash_fwd(q, k, v, q_lens, kv_lens, fwd_config, segment_ids,
                                 alibi_slopes, block_mask, dropout_seeds)
   if fwd_config.o_split:  # the CUDA kernel split o itself
@@ -49,7 +63,7 @@ def _flash_attention_fwd(q, k, v, q_lens, kv_lens, config, segment_ids=None,
     o_kept = o
   else:
     o32, lse = outputs
-    o, o_kept, o_error = _output_and_residual(o32, q, config)
+    o, o_kept, o_error = _output_and_residual(o32, q, config, keep_float32=narrow)
   return (o, lse), (q, k, v, o_kept, o_error, lse, q_lens, kv_lens, segment_ids, alibi_slopes,
                     block_mask, dropout_seeds)
 

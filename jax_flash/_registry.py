@@ -64,6 +64,15 @@ def cuda_dq_accum_elements(batch: int, seq_q: int, heads_q: int, head_dim: int,
   return int(_native_cuda.dq_accum_elements(batch, seq_q, heads_q, head_dim, deterministic))
 
 
+def cuda_narrow_split_call(is_causal: bool, window_left: int, window_right: int, seq_q: int,
+                           seq_k: int) -> bool:
+  """Whether a plain CUDA call of this mask and shape runs the narrow split (experimental,
+  JAX_FLASH_CUDA_NARROW=split: cuda/gpu/kernel_choice.h narrow_shape); False without CUDA."""
+  if _native_cuda is None:
+    return False
+  return bool(_native_cuda.narrow_split_call(is_causal, window_left, window_right, seq_q, seq_k))
+
+
 def has_platform(platform: str) -> bool:
   """Whether kernels for `platform` ("cpu" or "cuda") were built and registered."""
   return bool(REGISTERED.get(platform))

@@ -143,6 +143,9 @@ class Fix:
   #   routes them to the sm80 backward with the split, cuda/gpu/launch.cu)
   split_p_narrow_keys: int = 0  # such calls' forwards multiply V by P as hi + lo too (two
   #   products), so that O's weights are P's to about 16 bits, not P rounded once (cause 2)
+  narrow_scores: int = 0  # calls of at most this many scores a head (seq_q * seq_k) count as
+  #   narrow too: small problems, where the split costs nothing that matters
+  narrow_o32: bool = False  # narrow calls keep the float32 o for delta (not o16 + int8)
   zero_single_key_ds: bool = False  # dS = 0 on rows whose mask leaves exactly one key (exact:
   #   P = 1 there), a per-row multiplier the backward's producer derives from key_range
   d_order_tc: bool = False  # D summed as the tensor cores sum dP (16-element chunks)
@@ -196,10 +199,17 @@ FIXES = {f.name: f for f in [
         "head dim on calls whose rows see at most 64 keys by shape and window", o_residual="hilo8", sum_rounded=True, split_ds_head_dim=32,
         split_ds_narrow_keys=64, zero_single_key_ds=True),
     Fix("hilo8_lsum_split_narrow_p_1key", "hilo8_lsum_split32_1key, and calls whose rows see at "
-        "most 16 keys by shape and window with P (forward) and dS as hi + lo at every head dim (the "
-        "kernels since session 17)", o_residual="hilo8", sum_rounded=True,
+        "most 16 keys by shape and window with P (forward) and dS as hi + lo at every head dim", o_residual="hilo8", sum_rounded=True,
         split_ds_head_dim=32, split_ds_narrow_keys=16, split_p_narrow_keys=16,
         zero_single_key_ds=True),
+    Fix("hilo8_lsum_split_small_p_1key", "hilo8_lsum_split_narrow_p_1key, and calls of at most "
+        "64 x 64 scores a head (rows times their keys' bound) narrow too", o_residual="hilo8",
+        sum_rounded=True, split_ds_head_dim=32, split_ds_narrow_keys=16, split_p_narrow_keys=16,
+        narrow_scores=64 * 64, zero_single_key_ds=True),
+    Fix("hilo8_lsum_split_small_o32_1key", "hilo8_lsum_split_small_p_1key, and the narrow calls' "
+        "delta from the float32 o (the kernels since session 17)", o_residual="hilo8",
+        sum_rounded=True, split_ds_head_dim=32, split_ds_narrow_keys=16, split_p_narrow_keys=16,
+        narrow_scores=64 * 64, narrow_o32=True, zero_single_key_ds=True),
     Fix("hilo8_lsum_1key", "hilo8_lsum, and dS = 0 on single-key rows", o_residual="hilo8",
         sum_rounded=True, zero_single_key_ds=True),
     Fix("none_1key", "the kernels as they are, and dS = 0 on single-key rows",
@@ -225,12 +235,21 @@ def static_keys_per_row(config: dh.Config) -> int:
   data the launch does not read): cuda/common/attention_params.h keys_per_row_bound."""
   window = config.window
   left, right = (window, window) if isinstance(window, int) else (window or (None, None))
+  bound = config.seq_k
   if config.is_causal:
     right = 0 if right is None else min(right, 0)
-  bound = config.seq_k
+    bound = min(bound, max(config.seq_q, 1))  # row i sees keys <= i
   if left is not None and right is not None:
     bound = min(bound, left + right + 1)
   return bound
+
+
+def narrow_call(config: dh.Config, keys: int, scores: int) -> bool:
+  """Whether the kernels take `config` as narrow: rows of at most `keys` keys by shape, causal mask
+  and window, or at most `scores` such scores a head (seq_q times that bound;
+  cuda/gpu/score_mods.cuh narrow_plain_call)."""
+  bound = static_keys_per_row(config)
+  return bound <= keys or config.seq_q * bound <= scores
 
 
 def compiled_head_dim(head_dim: int) -> int:
@@ -373,7 +392,7 @@ def model(config: dh.Config, inputs, fix: Fix) -> dict[str, np.ndarray]:
       p = f32(np.exp2(f32(sb * c - base)))  # FFMA: exact product, one rounding
     p = np.where(np.isnan(p), 0.0, p)
     pr = rnd(p)
-    if static_keys_per_row(config) <= fix.split_p_narrow_keys:
+    if narrow_call(config, fix.split_p_narrow_keys, fix.narrow_scores if fix.split_p_narrow_keys else 0):
       pr = f32(pr + rnd(p - pr))
     l_sum = f32(l_sum + p.sum(-1))
     l_rounded = f32(l_rounded + pr.sum(-1))
@@ -402,9 +421,10 @@ def model(config: dh.Config, inputs, fix: Fix) -> dict[str, np.ndarray]:
       p = f32(pr_fwd * f32(1.0 / l_rounded)[..., None])
   p = np.where(mask & live[..., None], p, 0.0)
   dp = tc_matmul("bkgth,bksh->bkgts", gg, vv, 4, 3)
-  if fix.o_residual == "16":
+  narrow_o32 = fix.narrow_o32 and narrow_call(config, fix.split_ds_narrow_keys, fix.narrow_scores)
+  if fix.o_residual == "16" and not narrow_o32:
     o_res = o16
-  elif fix.o_residual == "32":
+  elif fix.o_residual == "32" or narrow_o32:
     o_res = o32
   elif fix.o_residual == "hilo":
     o_res = f32(o16 + rnd(o32 - o16))
@@ -425,7 +445,8 @@ def model(config: dh.Config, inputs, fix: Fix) -> dict[str, np.ndarray]:
     ds = np.where(single[:, None, None, :, None], 0.0, ds)
   if not fix.round_ds:
     dsr = ds
-  elif kd <= fix.split_ds_head_dim or static_keys_per_row(config) <= fix.split_ds_narrow_keys:
+  elif kd <= fix.split_ds_head_dim or narrow_call(config, fix.split_ds_narrow_keys,
+                                                  fix.narrow_scores if fix.split_ds_narrow_keys else 0):
     dsr = rnd(ds) + rnd(ds - rnd(ds))  # the two 16-bit operands' products, summed in float32
   else:
     dsr = rnd(ds)

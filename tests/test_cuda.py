@@ -184,8 +184,8 @@ def test_single_key_rows_have_exactly_zero_score_gradients(seq_k, window, head_d
   """Rows whose masks leave exactly one key have P = 1, so dS = 0 and every dq and dk
   contribution from them is exactly 0, as jax.nn gives (issue 13's [12]: dP - delta left float32
   round-off, 1.21x past the accuracy rule's floor). Under JAX_FLASH_CUDA_NARROW=split such calls
-  (at most 16 keys a row) run the mma.sync kernels, which zero dS there by a factor (NaN would
-  stay NaN)."""
+  (narrow: at most 16 keys a row) run the mma.sync kernels, which zero dS there by a factor (NaN
+  would stay NaN)."""
   rng = np.random.default_rng(0)
   q = jnp.asarray(rng.standard_normal((2, 300, 4, head_dim)), jnp.bfloat16)
   k = jnp.asarray(rng.standard_normal((2, seq_k, 2, head_dim)), jnp.bfloat16)
@@ -365,9 +365,9 @@ def test_general_backward_on_64_row_blocks_on_hopper():
 
 
 def test_narrow_split_on_cuda():
-  """Experimental: with JAX_FLASH_CUDA_NARROW=split, calls whose rows see at most 16 keys (P and
-  dS as hi + lo on the mma.sync kernels) pass the reference cases and give single-key rows
-  exactly zero score gradients."""
+  """Experimental: with JAX_FLASH_CUDA_NARROW=split, narrow calls (rows of at most 16 keys, or at
+  most 64 x 64 scores a head: P and dS as hi + lo on the mma.sync kernels, o kept in float32 for
+  delta) pass the reference cases and give single-key rows exactly zero score gradients."""
   result = _run_in_subprocess({"JAX_FLASH_CUDA_NARROW": "split"}, "-k",
                               "test_cuda_matches_reference or test_single_key_rows")
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -1,7 +1,7 @@
 """The mask arithmetic the kernels walk their tiles by (cuda/common/mask.h: key_range,
-query_range, queries_seeing_keys; static_keys_per_row, which routes the CUDA kernels' narrow calls), against the reference mask of jax_flash._reference: the CPU and
-CUDA kernels skip, mask and visit tiles by these ranges, so an off-by-one here is a wrong gradient
-there on some shape."""
+query_range, queries_seeing_keys; static_keys_per_row, which picks the CUDA kernels' narrow calls),
+against the reference mask of jax_flash._reference: the CPU and CUDA kernels skip, mask and visit
+tiles by these ranges, so an off-by-one here is a wrong gradient there on some shape."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def test_static_keys_per_row_bounds_every_row(causal, left, right, seq_q, seq_k,
   lengths, and exact without them for some row where the window fits the keys."""
   q_len = data.draw(st.integers(0, seq_q))
   kv_len = data.draw(st.integers(0, seq_k))
-  bound = _native._static_keys_per_row(causal, left, right, seq_k)
+  bound = _native._static_keys_per_row(causal, left, right, seq_q, seq_k)
   assert 1 <= bound <= seq_k
   seen = _mask(causal, left, right, q_len, kv_len, seq_q, seq_k).sum(axis=1)
   assert seen.max(initial=0) <= bound

@@ -29,12 +29,16 @@ JF_HOST_DEVICE static inline KeyRange key_range(const MaskParams& m, int64_t i, 
 }
 
 // The most keys a query row can see by the call's shape and window alone (the lengths are device
-// data that a launch does not read): seq_k, or the window's width where both of its sides are
-// bounded (a causal mask bounds the right side at 0).
-JF_HOST_DEVICE static inline int64_t static_keys_per_row(const MaskParams& m, int64_t seq_k) {
+// data that a launch does not read): seq_k, at most seq_q under a causal mask (row i sees keys
+// <= i), and at most the window's width where both of its sides are bounded (a causal mask
+// bounds the right side at 0).
+JF_HOST_DEVICE static inline int64_t static_keys_per_row(const MaskParams& m, int64_t seq_q, int64_t seq_k) {
+  int64_t bound = seq_k;
+  if (m.causal && seq_q < bound) bound = seq_q > 0 ? seq_q : 1;
   const int64_t right = m.causal ? 0 : m.window_right;
-  if (m.window_left < 0 || right < 0 || m.window_left >= seq_k || right >= seq_k) return seq_k;
-  return m.window_left + right + 1 < seq_k ? m.window_left + right + 1 : seq_k;
+  if (m.window_left >= 0 && right >= 0 && m.window_left < seq_k && right < seq_k && m.window_left + right + 1 < bound)
+    bound = m.window_left + right + 1;
+  return bound;
 }
 
 // Half-open range of query rows that attend to key j: the rows i with key_range(i) holding j.

@@ -86,7 +86,9 @@ NB_MODULE(_native, m) {
     return nb::make_tuple(key_ranges, query_ranges, nb::make_tuple(seeing.begin, seeing.end));
   });
   // common/mask.h's static_keys_per_row (the CUDA launches' narrow-call bound), for its test.
-  m.def("_static_keys_per_row", [](bool causal, int64_t window_left, int64_t window_right, int64_t seq_k) {
-    return jax_flash::static_keys_per_row(jax_flash::MaskParams{causal, window_left, window_right}, seq_k);
-  });
+  m.def("_static_keys_per_row",
+        [](bool causal, int64_t window_left, int64_t window_right, int64_t seq_q, int64_t seq_k) {
+          return jax_flash::static_keys_per_row(jax_flash::MaskParams{causal, window_left, window_right}, seq_q,
+                                                seq_k);
+        });
 }

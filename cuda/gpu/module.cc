@@ -42,6 +42,13 @@ NB_MODULE(_native_cuda, m) {
           return jax_flash::cuda::dq_accum_elements(shape, deterministic);
         },
         "Elements of the CUDA backward's float32 dQ workspace (what its handler checks).");
+  m.def("narrow_split_call",
+        [](bool is_causal, int64_t window_left, int64_t window_right, int64_t seq_q, int64_t seq_k) {
+          const jax_flash::MaskParams mask{is_causal, window_left, window_right};
+          return jax_flash::cuda::narrow_split_enabled() && jax_flash::cuda::narrow_shape(mask, seq_q, seq_k);
+        },
+        "Whether a plain call of this mask and shape runs the narrow split (JAX_FLASH_CUDA_NARROW=split; "
+        "gpu/score_mods.cuh narrow_plain_call).");
   m.def("device_sm_count", [] { return jax_flash::cuda::device_sm_count(); },
         "Streaming multiprocessors of the current CUDA device (asked once; 0 if CUDA cannot say).");
 }

@@ -30,18 +30,10 @@ inline bool general_kernel(const AttentionParams& p) {
          p.kv_block_lists != nullptr;
 }
 
-// Rows that see few keys sum few products, and there the 16-bit P of the forward's P V and the
-// 16-bit dS of the backward's dQ and dK put dq/dk past FlashAttention's accuracy rule (issue 13:
-// the CUDA differential run's misses [98] and [127], rows of 2-3 keys; the numpy model,
-// tests/cuda_numerics_model.py, hilo8_lsum_split_narrow_p_1key: 0 misses). Plain calls whose
-// rows see at most kNarrowRowKeys keys by their shape and window run the mma.sync kernels with P
-// and dS as hi + lo (two 16-bit operands: about float32), whose extra products are cheap at so
-// few keys a row. Small, so that the tests' and sanitizer's small shapes still reach the Hopper
-// kernels. Experimental: with JAX_FLASH_CUDA_NARROW=split only (gpu/kernel_choice.h).
-inline constexpr int64_t kNarrowRowKeys = 16;
+// Plain calls that are narrow (gpu/kernel_choice.h narrow_shape) run the mma.sync kernels with P
+// and dS as hi + lo under JAX_FLASH_CUDA_NARROW=split.
 inline bool narrow_plain_call(const AttentionParams& p) {
-  return narrow_split_enabled() && !general_kernel(p) &&
-         static_keys_per_row(p.mask, p.shape.seq_k) <= kNarrowRowKeys;
+  return narrow_split_enabled() && !general_kernel(p) && narrow_shape(p.mask, p.shape.seq_q, p.shape.seq_k);
 }
 
 // Whether a block-sparse call needs nothing of the general kernels but the block mask's walk (no
