@@ -5,6 +5,8 @@
 // Q/dO tiles, so that another one (bf16_bwd_products.h) can hold them in its own layout.
 #pragma once
 
+#include <new>
+
 #include "cpu/parallel.h"
 #include "cpu/simd.h"
 #include "cpu/tile_gemm.h"
@@ -14,43 +16,80 @@ namespace jax_flash::cpu::JF_ISA {
 
 template <typename T>
 struct FloatBwdProducts {
-  // What every task of a call shares (nothing here).
+  // Q and dO of every (batch, query head) as float32 rows, for every task of the call:
+  //   q[head * q_head + i * dp + c]    = Q[i][c]   (zero for c in [d, dp));
+  //   d_o[head * o_head + i * hvp + c] = dO[i][c]  (zero for c in [hv, hvp)).
+  // Read in place, their rows sat heads_q x d values apart (2 KiB at 4 x 128), a query block's
+  // rows in a few L1 sets, reloaded from L2 by every product that streams them.
   struct Shared {
-    Shared(const BwdParams&, const TaskRunner&) {}
-    void release() {}
+    int64_t dp = 0, hvp = 0, q_head = 0, o_head = 0;
+    float* q = nullptr;
+    float* d_o = nullptr;
+
+    Shared(const BwdParams& p, const TaskRunner& runner) {
+      const AttentionShape& sh = p.shape;
+      dp = padded_head_dim(sh.head_dim);
+      hvp = padded_head_dim(sh.head_dim_v);
+      q_head = sh.seq_q * dp;
+      o_head = sh.seq_q * hvp;
+      const int64_t heads = sh.batch * sh.heads_q;
+      q = static_cast<float*>(::operator new[](heads * q_head * sizeof(float), std::align_val_t{64}));
+      d_o = static_cast<float*>(::operator new[](heads * o_head * sizeof(float), std::align_val_t{64}));
+      const int64_t chunks = ceil_div(sh.seq_q, kPackRows);  // tasks of kPackRows rows of one head
+      auto pack = [&](int64_t task) {
+        const int64_t head = task / chunks, i0 = task % chunks * kPackRows;
+        const int64_t b = head / sh.heads_q, h = head % sh.heads_q;
+        const int64_t rows = min64(kPackRows, sh.seq_q - i0);
+        const int64_t q_stride = sh.heads_q * sh.head_dim, o_stride = sh.heads_q * sh.head_dim_v;
+        load_rows(static_cast<const T*>(p.q) + (b * sh.seq_q + i0) * q_stride + h * sh.head_dim, q_stride,
+                  rows, sh.head_dim, q + head * q_head + i0 * dp, dp);
+        load_rows(static_cast<const T*>(p.d_o) + (b * sh.seq_q + i0) * o_stride + h * sh.head_dim_v,
+                  o_stride, rows, sh.head_dim_v, d_o + head * o_head + i0 * hvp, hvp);
+      };
+      parallel_for(runner, heads * chunks, pack);
+    }
+    // Called once the call's tasks are done (no destructor: see FloatFwdProducts::Shared).
+    void release() {
+      ::operator delete[](q, std::align_val_t{64});
+      ::operator delete[](d_o, std::align_val_t{64});
+    }
+    static constexpr int64_t kPackRows = 256;
   };
 
   int64_t d, hv;
   int64_t dp;   // H padded to kHeadDimAlign
   int64_t hvp;  // Hv padded likewise
+  const Shared& shared;
+  int64_t b;
+  int64_t heads_q, seq_q;
   float* k_tile;   // K, kBlockK x dp
   float* kt_tile;  // K^T, dp x kBlockK
   float* vt_tile;  // V^T, hvp x kBlockK
-  float* dk_acc;   // kBlockK x dp
-  float* dv_acc;   // kBlockK x hvp
-  float* q_tile;   // kBlockQ x dp (16-bit inputs, or a padded head dim)
-  float* do_tile;  // kBlockQ x hvp
-  const float* qs = nullptr;   // the query block's Q rows (q_tile, or float32 Q in place)
+  float* dkt_acc;  // dK^T, dp x kBlockK
+  float* dvt_acc;  // dV^T, hvp x kBlockK
+  const float* qs = nullptr;   // the query block's packed Q rows (Shared::q)
   const float* dos = nullptr;  // and dO rows
-  int64_t ldq = 0, ldo = 0;
 
   static int64_t scratch_floats(const AttentionShape& sh) {
     const int64_t dp = padded_head_dim(sh.head_dim), hvp = padded_head_dim(sh.head_dim_v);
-    return 3 * kBlockK * dp + 2 * kBlockK * hvp + kBlockQ * dp + kBlockQ * hvp;
+    return 3 * kBlockK * dp + 2 * kBlockK * hvp;
   }
 
-  FloatBwdProducts(const BwdParams& p, const Shared&, int64_t /*b*/, int64_t /*hk*/, float* scratch)
+  FloatBwdProducts(const BwdParams& p, const Shared& shared_state, int64_t batch, int64_t /*hk*/,
+                   float* scratch)
       : d(p.shape.head_dim),
         hv(p.shape.head_dim_v),
         dp(padded_head_dim(d)),
         hvp(padded_head_dim(hv)),
+        shared(shared_state),
+        b(batch),
+        heads_q(p.shape.heads_q),
+        seq_q(p.shape.seq_q),
         k_tile(scratch),
         kt_tile(k_tile + kBlockK * dp),
         vt_tile(kt_tile + dp * kBlockK),
-        dk_acc(vt_tile + hvp * kBlockK),
-        dv_acc(dk_acc + kBlockK * dp),
-        q_tile(dv_acc + kBlockK * hvp),
-        do_tile(q_tile + kBlockQ * dp) {}
+        dkt_acc(vt_tile + hvp * kBlockK),
+        dvt_acc(dkt_acc + dp * kBlockK) {}
 
   void finish() {}
 
@@ -60,44 +99,46 @@ struct FloatBwdProducts {
     load_rows(k, k_stride, live_cols, d, k_tile, dp);
     load_rows_transposed(k, k_stride, live_cols, d, kt_tile, kBlockK, dp);
     load_rows_transposed(v, v_stride, live_cols, hv, vt_tile, kBlockK, hvp);
-    for (int64_t x = 0; x < kBlockK * dp; ++x) dk_acc[x] = 0.f;
-    for (int64_t x = 0; x < kBlockK * hvp; ++x) dv_acc[x] = 0.f;
+    for (int64_t x = 0; x < dp * kBlockK; ++x) dkt_acc[x] = 0.f;
+    for (int64_t x = 0; x < hvp * kBlockK; ++x) dvt_acc[x] = 0.f;
   }
 
-  // Takes the query block's rows (q row r at q[r * q_stride], d_o likewise: rows i0 + r of
-  // query head h). float32 Q and dO are read where they lie when the head dim needs no padding.
-  void load_queries(const T* q, int64_t q_stride, const T* d_o, int64_t o_stride, int64_t /*h*/,
-                    int64_t /*i0*/, int64_t rows) {
-    qs = rows_as_tile(q, q_stride, rows, d, q_tile, dp, ldq);
-    dos = rows_as_tile(d_o, o_stride, rows, hv, do_tile, hvp, ldo);
+  // Takes the query block's rows i0.. of query head h (from Shared's packed rows).
+  void load_queries(const T* /*q*/, int64_t /*q_stride*/, const T* /*d_o*/, int64_t /*o_stride*/, int64_t h,
+                    int64_t i0, int64_t /*rows*/) {
+    const int64_t head = b * heads_q + h;
+    qs = shared.q + head * shared.q_head + i0 * dp;
+    dos = shared.d_o + head * shared.o_head + i0 * hvp;
   }
 
   // probs[r * kBlockK + c] = scale * q_r . k_c for rows r < rows and every column of the block.
   void scores(int64_t rows, float scale, float* probs) {
-    gemm(rows, kBlockK, dp, scale, qs, ldq, kt_tile, kBlockK, probs, kBlockK, false);
+    gemm(rows, kBlockK, dp, scale, qs, dp, kt_tile, kBlockK, probs, kBlockK, false);
   }
 
-  // dV += P^T dO (P rows x kBlockK, row-major).
+  // dV^T += dO^T P (P rows x kBlockK, row-major: B as it lies; dO^T read from dO's rows).
   void accumulate_dv(const float* probs, int64_t rows, int64_t live_cols) {
-    gemm_at(live_cols, hvp, rows, 1.f, probs, kBlockK, dos, ldo, dv_acc, hvp, true);
+    gemm_strided(hvp, round_up(live_cols, kLanes), rows, 1.f, dos, 1, hvp, probs, kBlockK, dvt_acc,
+                 kBlockK, true);
   }
 
   // dscores = dP = dO V^T.
   void score_grads(int64_t rows, float* dscores) {
-    gemm(rows, kBlockK, hvp, 1.f, dos, ldo, vt_tile, kBlockK, dscores, kBlockK, false);
+    gemm(rows, kBlockK, hvp, 1.f, dos, hvp, vt_tile, kBlockK, dscores, kBlockK, false);
   }
 
-  // dQ += scale dS K into the float32 accumulator rows dq[r * dq_stride]; dK += scale dS^T Q.
+  // dQ += scale dS K into the float32 accumulator rows dq[r * dq_stride]; dK^T += scale Q^T dS.
   void accumulate_dq_dk(const float* dscores, int64_t rows, int64_t live_cols, float scale, float* dq,
                         int64_t dq_stride) {
     gemm(rows, dp, live_cols, scale, dscores, kBlockK, k_tile, dp, dq, dq_stride, true);
-    gemm_at(live_cols, dp, rows, scale, dscores, kBlockK, qs, ldq, dk_acc, dp, true);
+    gemm_strided(dp, round_up(live_cols, kLanes), rows, scale, qs, 1, dp, dscores, kBlockK, dkt_acc,
+                 kBlockK, true);
   }
 
   // Key r's gradients.
   void store_key_row(int64_t r, T* dk, T* dv) const {
-    store_row(dk_acc + r * dp, d, 1.f, dk);
-    store_row(dv_acc + r * hvp, hv, 1.f, dv);
+    for (int64_t c = 0; c < d; ++c) dk[c] = from_float<T>(dkt_acc[c * kBlockK + r]);
+    for (int64_t c = 0; c < hv; ++c) dv[c] = from_float<T>(dvt_acc[c * kBlockK + r]);
   }
 };
 

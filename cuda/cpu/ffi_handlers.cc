@@ -44,7 +44,11 @@ struct PoolRunner {
   static void run(const void* self, int64_t n, cpu::TaskRunner::Body body, void* arg) {
     if (n <= 0) return;
     ffi::ThreadPool* pool = static_cast<const PoolRunner*>(self)->pool;
-    const int64_t helpers = std::min<int64_t>(pool->num_threads(), n - 1);
+    // XLA's intra-op pool has a thread per core, and the caller (which on the CPU client is not
+    // one of them) works too: a helper per pool thread put one thread more than cores on the
+    // tasks. With few tasks that was the backward's loss: its 4 (batch 1, 4 kv heads, one dQ
+    // split) ran 3 at a time on 2 cores, the last alone (2.5 task-lengths instead of 2).
+    const int64_t helpers = std::min<int64_t>(pool->num_threads() - 1, n - 1);
     auto shared = std::make_shared<Shared>();
     for (int64_t t = 0; t < helpers; ++t) {
       pool->Schedule([shared, n, body, arg] {

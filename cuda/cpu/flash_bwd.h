@@ -27,6 +27,14 @@
 
 namespace jax_flash::cpu::JF_ISA {
 
+// Where split s's dQ partial of (batch b, query head h) starts in the workspace: the partials are
+// (split, batch, heads_q, seq_q, dp), a head's rows contiguous (its rows a whole heads_q x dp
+// apart put a query block's 64 rows in a few L1 sets; the dQ product loads and stores them
+// once per key block).
+inline int64_t dq_accum_offset(const AttentionShape& sh, int64_t dp, int64_t s, int64_t b, int64_t h) {
+  return ((s * sh.batch + b) * sh.heads_q + h) * sh.seq_q * dp;
+}
+
 template <typename T>
 struct FlashBwdDelta {
   const BwdParams& p;
@@ -61,9 +69,8 @@ struct FlashBwdDelta {
     else
       row_dot(static_cast<const T*>(p.o) + offset);
     for (int64_t s = 0; s < p.dq_splits; ++s) {
-      float* dq = p.dq_accum + ((s * sh.batch + b) * sh.seq_q * sh.heads_q + h) * dp;
-      for (int64_t i = 0; i < sh.seq_q; ++i)
-        for (int64_t c = 0; c < dp; ++c) dq[i * sh.heads_q * dp + c] = 0.f;
+      float* dq = p.dq_accum + dq_accum_offset(sh, dp, s, b, h);
+      for (int64_t x = 0; x < sh.seq_q * dp; ++x) dq[x] = 0.f;
     }
   }
 };
@@ -145,8 +152,8 @@ struct FlashBwdMain {
         const T* d_o = static_cast<const T*>(p.d_o) + b * sh.seq_q * o_stride + h * hv;
         const float* lse = p.lse + (b * sh.heads_q + h) * sh.seq_q;
         const float* delta_h = p.delta + (b * sh.heads_q + h) * sh.seq_q;
-        float* dq = p.dq_accum + ((split * sh.batch + b) * sh.seq_q * sh.heads_q + h) * dp;
-        const int64_t dq_stride = sh.heads_q * dp;
+        float* dq = p.dq_accum + dq_accum_offset(sh, dp, split, b, h);
+        const int64_t dq_stride = dp;
         const Alibi alibi(p.alibi_slopes, b * sh.heads_q + h);
         const Dropout dropout(p, b, h);
 
@@ -249,11 +256,11 @@ struct FlashBwdDq {
 
   void operator()(int64_t row) const {  // one (batch, query position): every head
     const AttentionShape& sh = p.shape;
-    const int64_t width = sh.heads_q * dp;
-    const int64_t split_stride = sh.batch * sh.seq_q * width;
+    const int64_t b = row / sh.seq_q, i = row % sh.seq_q;
+    const int64_t split_stride = sh.batch * sh.heads_q * sh.seq_q * dp;
     T* dq = static_cast<T*>(p.dq) + row * sh.heads_q * sh.head_dim;
     for (int64_t h = 0; h < sh.heads_q; ++h) {
-      const float* acc = p.dq_accum + row * width + h * dp;
+      const float* acc = p.dq_accum + dq_accum_offset(sh, dp, 0, b, h) + i * dp;
       for (int64_t c = 0; c < sh.head_dim; ++c) {
         float sum = 0.f;
         for (int64_t s = 0; s < p.dq_splits; ++s) sum += acc[s * split_stride + c];

@@ -55,8 +55,9 @@ inline void mask_row(float* s, int64_t j0, int64_t cols, int64_t padded_cols, Ke
 // keys more than 2^-121 below the max (not 2^-127) round to 0, far under float32's precision.
 inline constexpr float kSumHeadroom = 6.f;
 static_assert(kBlockK <= 64, "a block's probabilities sum to at most 2^kSumHeadroom");
-// A forward whose key blocks hold up to 128 keys (the bfloat16 products: one P V product per
-// 128 keys halves the loads and stores of the O^T tiles) takes one more bit of headroom, so
+// A forward whose key blocks hold up to 128 keys (both products classes of the forward: one
+// P V product per 128 keys halves the loads and stores of the O^T tiles on the bfloat16 path,
+// and the per-block work around the float32 products) takes one more bit of headroom, so
 // that such a block's probabilities, each at most 2^-7, still sum to at most 1.
 inline constexpr int64_t kWideKeyBlock = 128;
 inline constexpr float kWideSumHeadroom = 7.f;
@@ -65,7 +66,7 @@ inline constexpr float sum_headroom(int64_t key_block) {
 }
 // Where the reference must rise (a row's max passed it less the headroom), the wide blocks raise
 // it `kWideRaiseSlack` more: a row's max then rarely passes it again, and every raise costs a
-// rescale of that row's O^T (a 16-row group's, on the bfloat16 path), nearly every block with
+// rescale of that row's O^T (a 16-row group's), nearly every block with
 // random scores. Probabilities only shrink by a power of two (each still at most 2^-7).
 inline constexpr float kWideRaiseSlack = 2.f;
 inline constexpr float raise_slack(int64_t key_block) {
@@ -458,8 +459,8 @@ struct FlashFwd {
     // the output accumulator, K and V tiles). Scores are formed transposed, S^T = K Q^T (keys x
     // query rows): K is then read row by row as it lies (no transposed copy of every K tile) and
     // the softmax's reductions over keys run down columns, kLanes query rows a vector.
-    // Key tile rows: kBlockK for the float32 products (128-512 measured no faster), 128 for
-    // the bfloat16 ones (Products::kKeyBlock), with the headroom that block size needs.
+    // Key tile rows: Products::kKeyBlock (128 for both products classes), with the headroom
+    // that block size needs.
     constexpr int64_t kp = Products::kKeyBlock;
     static_assert(kp <= kWideKeyBlock && kp % kLanes == 0, "the headroom covers the block");
     constexpr float headroom = sum_headroom(kp), slack = raise_slack(kp);

@@ -1,8 +1,20 @@
 // The forward's two products on float32 tiles (tile_gemm.h), for every input dtype: S^T = K Q^T
-// and O += P V, with 16-bit inputs converted to float32 in the tile loads. FlashFwd (flash_fwd.h)
-// runs the online softmax between them; a products class owns the query tile and the output
-// accumulator, so that another one (bf16_fwd_products.h) can hold them in its own layout.
+// and O^T += V^T P^T, with 16-bit inputs converted to float32 once per call. FlashFwd
+// (flash_fwd.h) runs the online softmax between them; a products class owns the query tile and
+// the output accumulator, so that another one (bf16_fwd_products.h) can hold them in its own
+// layout.
+//
+//   S^T = K Q^T:    A = K's rows, packed once per (batch, kv head) for every task of the call
+//                   (Shared), B = Q^T (made once per task);
+//   O^T += V^T P^T: A = V^T, packed likewise, B = the softmax's transposed probabilities as
+//                   they lie (keys x query rows: P^T itself), C = O^T (dims x query rows).
+// Read in place, K's and V's rows sat a whole row of the array (heads_k x d values) apart: at 4
+// heads x 128 dims, 2 KiB, so a block's 64 rows fell into a few L1 sets, and O += P V reloaded
+// them from L2 for every 6 query rows. One core, tiles as in a seq-4096 task (session 17's
+// harness): S^T 177-179 -> 204 GFLOP/s, P V 117-124 -> 196-198 (O^T from packed V^T).
 #pragma once
+
+#include <new>
 
 #include "cpu/parallel.h"
 #include "cpu/simd.h"
@@ -15,77 +27,126 @@ template <typename T>
 struct FloatFwdProducts {
   // Query columns of S^T are computed in multiples of this many rows.
   static constexpr int64_t kRowAlign = kLanes;
-  static constexpr int64_t kKeyBlock = kBlockK;  // keys a step
+  // Keys a step: 128, with the headroom and raise slack of such blocks (flash_fwd.h). Against
+  // 64 (session 17 harness, one thread, CPU time, load ~4): the same or 2-6% faster per row
+  // (fewer calls and row-statistics passes, rarer rescales); the O^T product still sums its keys
+  // in panels of kKPanel.
+  static constexpr int64_t kKeyBlock = 128;
 
-  // What every task of a call shares (nothing here).
+  // K and V^T of every (batch, kv head) in float32, for every task of the call:
+  //   k[head * k_head + j * dp + c]  = K[j][c]   (zero for c in [d, dp));
+  //   vt[head * v_head + c * ld + j] = V[j][c]   (zero for c in [hv, hvp) and j in [seq_k, ld)).
+  // ld is seq_k rounded up to kLanes plus kLanes: V^T's rows are then not a multiple of 4 KiB
+  // apart at the usual lengths (those would map the 6 rows an A block broadcasts from to one
+  // L1 set).
   struct Shared {
-    Shared(const FwdParams&, const TaskRunner&) {}
-    void release() {}
+    int64_t dp = 0, hvp = 0, ld = 0, k_head = 0, v_head = 0;
+    float* k = nullptr;
+    float* vt = nullptr;
+
+    Shared(const FwdParams& p, const TaskRunner& runner) {
+      const AttentionShape& sh = p.shape;
+      dp = padded_head_dim(sh.head_dim);
+      hvp = padded_head_dim(sh.head_dim_v);
+      ld = round_up(sh.seq_k, kLanes) + kLanes;
+      k_head = sh.seq_k * dp;
+      v_head = hvp * ld;
+      const int64_t heads = sh.batch * sh.heads_k;
+      k = static_cast<float*>(::operator new[](heads * k_head * sizeof(float), std::align_val_t{64}));
+      vt = static_cast<float*>(::operator new[](heads * v_head * sizeof(float), std::align_val_t{64}));
+      // Tasks of kPackKeys keys of one head: work for every core even with one kv head.
+      const int64_t chunks = ceil_div(ld, kPackKeys);
+      auto pack = [&](int64_t task) {
+        const int64_t head = task / chunks, j0 = task % chunks * kPackKeys;
+        const int64_t b = head / sh.heads_k, hk = head % sh.heads_k;
+        const int64_t k_stride = sh.heads_k * sh.head_dim, v_stride = sh.heads_k * sh.head_dim_v;
+        const int64_t keys = max64(0, min64(kPackKeys, sh.seq_k - j0));  // the chunk's keys in K
+        const T* k_src = static_cast<const T*>(p.k) + b * sh.seq_k * k_stride + hk * sh.head_dim;
+        const T* v_src = static_cast<const T*>(p.v) + b * sh.seq_k * v_stride + hk * sh.head_dim_v;
+        if (keys > 0) load_rows(k_src + j0 * k_stride, k_stride, keys, sh.head_dim, k + head * k_head + j0 * dp, dp);
+        const int64_t width = min64(kPackKeys, ld - j0);  // keys past seq_k: zero
+        float* out = vt + head * v_head + j0;
+        for (int64_t c = 0; c < hvp; ++c)
+          for (int64_t j = 0; j < width; ++j)
+            out[c * ld + j] = c < sh.head_dim_v && j < keys ? to_float(v_src[(j0 + j) * v_stride + c]) : 0.f;
+      };
+      parallel_for(runner, heads * chunks, pack);
+    }
+    // Called once the call's tasks are done. (No destructor: the per-ISA objects carry no
+    // unwinding code, whose personality reference the linker could merge; check_isa_symbols.)
+    void release() {
+      ::operator delete[](k, std::align_val_t{64});
+      ::operator delete[](vt, std::align_val_t{64});
+    }
+    static constexpr int64_t kPackKeys = 256;
   };
 
   int64_t dp;    // q's and k's head dim padded to kHeadDimAlign
   int64_t hvp;   // v's and o's head dim padded likewise
   int64_t d, hv;
-  float* qt_tile;  // Q^T, dp x kBlockQ
-  float* acc;      // the output accumulator, kBlockQ x hvp
-  float* k_tile;   // K tile, kBlockK x dp (16-bit inputs, or a padded head dim)
-  float* v_tile;   // V tile, kBlockK x hvp
+  const Shared& shared;
+  const float* k;   // this (batch, kv head)'s packed K
+  const float* vt;  // and V^T
+  float* qt_tile;   // Q^T, dp x kBlockQ
+  float* acc_t;     // the output accumulator O^T, hvp x kBlockQ
 
   static int64_t scratch_floats(const AttentionShape& sh) {
     const int64_t dp = padded_head_dim(sh.head_dim), hvp = padded_head_dim(sh.head_dim_v);
-    return dp * kBlockQ + kBlockQ * hvp + kBlockK * dp + kBlockK * hvp;
+    return dp * kBlockQ + hvp * kBlockQ;
   }
 
-  FloatFwdProducts(const FwdParams& p, const Shared&, int64_t /*b*/, int64_t /*hk*/, float* scratch)
+  FloatFwdProducts(const FwdParams& p, const Shared& shared_state, int64_t b, int64_t hk, float* scratch)
       : dp(padded_head_dim(p.shape.head_dim)),
         hvp(padded_head_dim(p.shape.head_dim_v)),
         d(p.shape.head_dim),
         hv(p.shape.head_dim_v),
+        shared(shared_state),
+        k(shared_state.k + (b * p.shape.heads_k + hk) * shared_state.k_head),
+        vt(shared_state.vt + (b * p.shape.heads_k + hk) * shared_state.v_head),
         qt_tile(scratch),
-        acc(qt_tile + dp * kBlockQ),
-        k_tile(acc + kBlockQ * hvp),
-        v_tile(k_tile + kBlockK * dp) {}
+        acc_t(qt_tile + dp * kBlockQ) {}
 
   void finish() {}
 
   // Takes the block's live query rows (q row r at q[r * q_stride]) and clears the accumulator.
   void load_queries(const T* q, int64_t q_stride, int64_t live_rows) {
     load_rows_transposed(q, q_stride, live_rows, d, qt_tile, kBlockQ, dp);
-    for (int64_t x = 0; x < live_rows * hvp; ++x) acc[x] = 0.f;
+    for (int64_t x = 0; x < hvp * kBlockQ; ++x) acc_t[x] = 0.f;
   }
 
-  // scores_t[c * kBlockQ + r] = scale * k_c . q_r for keys c < cols (k row c at k[c * k_stride])
-  // and query columns r < nq.
-  void scores(const T* k, int64_t k_stride, int64_t /*j0*/, int64_t cols, int64_t nq, float scale,
+  // scores_t[c * kBlockQ + r] = scale * k_c . q_r for keys j0 + c, c < cols, and query columns
+  // r < nq.
+  void scores(const T* /*k*/, int64_t /*k_stride*/, int64_t j0, int64_t cols, int64_t nq, float scale,
               float* scores_t) {
-    int64_t ldk;  // float32 K is read where it lies when the head dim needs no padding
-    const float* kt = rows_as_tile(k, k_stride, cols, d, k_tile, dp, ldk);
-    gemm(cols, nq, dp, scale, kt, ldk, qt_tile, kBlockQ, scores_t, kBlockQ, false);
+    gemm(cols, nq, dp, scale, k + j0 * dp, dp, qt_tile, kBlockQ, scores_t, kBlockQ, false);
   }
 
-  // acc row r *= correction[r] for the rows r < live_rows whose factor is not 1.
-  void rescale(const float* correction, int64_t live_rows, int64_t /*nq*/) {
-    for (int64_t r = 0; r < live_rows; ++r) {
-      if (correction[r] != 1.f) {
-        const Vec cv = splat(correction[r]);
-        for (int64_t c = 0; c < hvp; c += kLanes) store(acc + r * hvp + c, load(acc + r * hvp + c) * cv);
+  // O^T column r *= correction[r], kLanes columns at a time where a live row's factor is not 1
+  // (rows past live_rows have factors too, finite, but nothing reads their columns).
+  void rescale(const float* correction, int64_t live_rows, int64_t nq) {
+    for (int64_t r = 0; r < nq; r += kLanes) {
+      bool any = false;
+      for (int64_t x = r; x < r + kLanes && x < live_rows; ++x) any |= correction[x] != 1.f;
+      if (!any) continue;
+      const Vec cv = load(correction + r);
+      for (int64_t c = 0; c < hv; ++c) {
+        float* x = acc_t + c * kBlockQ + r;
+        store(x, load(x) * cv);
       }
     }
   }
 
-  // O += P V: P read from S^T (key c of row r at scores_t[c * kBlockQ + r]), keys c < cols (v row
-  // c at v[c * v_stride]).
-  void accumulate(const float* scores_t, const T* v, int64_t v_stride, int64_t /*j0*/, int64_t cols,
-                  int64_t live_rows, int64_t /*nq*/) {
-    int64_t ldv;
-    const float* vt = rows_as_tile(v, v_stride, cols, hv, v_tile, hvp, ldv);
-    gemm_at(live_rows, hvp, cols, 1.f, scores_t, kBlockQ, vt, ldv, acc, hvp, true);
+  // O^T += V^T P^T over keys [j0, j0 + cols): P^T is S^T after the softmax (key c of row r at
+  // scores_t[c * kBlockQ + r]), V^T's keys past the block are not read.
+  void accumulate(const float* scores_t, const T* /*v*/, int64_t /*v_stride*/, int64_t j0, int64_t cols,
+                  int64_t /*live_rows*/, int64_t nq) {
+    gemm(hvp, nq, cols, 1.f, vt + j0, shared.ld, scores_t, kBlockQ, acc_t, kBlockQ, true);
   }
 
   // out[c] = scale * O[r][c] for c < hv.
   template <typename U>
   void store_output_row(int64_t r, float scale, U* out) const {
-    store_row(acc + r * hvp, hv, scale, out);
+    for (int64_t c = 0; c < hv; ++c) out[c] = from_float<U>(acc_t[c * kBlockQ + r] * scale);
   }
 };
 

@@ -23,8 +23,8 @@ static inline int64_t padded_head_dim(int64_t head_dim) {
   return (head_dim + kHeadDimAlign - 1) / kHeadDimAlign * kHeadDimAlign;
 }
 
-// Elements of the backward's float32 dQ workspace: one partial per split, each (batch, seq_q,
-// heads_q, padded head dim).
+// Elements of the backward's float32 dQ workspace: one partial per split, each (batch, heads_q,
+// seq_q, padded head dim): flash_bwd.h's dq_accum_offset.
 static inline int64_t dq_accum_elements(const AttentionShape& shape, int64_t dq_splits) {
   return dq_splits * shape.batch * shape.heads_q * shape.seq_q * padded_head_dim(shape.head_dim);
 }
