@@ -124,16 +124,7 @@ struct FloatFwdProducts {
   // O^T column r *= correction[r], kLanes columns at a time where a live row's factor is not 1
   // (rows past live_rows have factors too, finite, but nothing reads their columns).
   void rescale(const float* correction, int64_t live_rows, int64_t nq) {
-    for (int64_t r = 0; r < nq; r += kLanes) {
-      bool any = false;
-      for (int64_t x = r; x < r + kLanes && x < live_rows; ++x) any |= correction[x] != 1.f;
-      if (!any) continue;
-      const Vec cv = load(correction + r);
-      for (int64_t c = 0; c < hv; ++c) {
-        float* x = acc_t + c * kBlockQ + r;
-        store(x, load(x) * cv);
-      }
-    }
+    scale_transposed_columns(acc_t, kBlockQ, hv, correction, live_rows, nq);
   }
 
   // O^T += V^T P^T over keys [j0, j0 + cols): P^T is S^T after the softmax (key c of row r at

@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu/simd.h"
+
 namespace jax_flash::cpu::JF_ISA {
 
 struct BFloat16 {
@@ -98,6 +100,23 @@ inline void store_row(const float* src, int64_t cols, float scale, T* dst) {
 template <typename T>
 inline void store_zeros(int64_t cols, T* dst) {
   for (int64_t c = 0; c < cols; ++c) dst[c] = from_float<T>(0.f);
+}
+
+// Column r of a transposed accumulator (acc_t[c * ld + r], c < dims) times factor[r], kLanes
+// columns at a time and only where some live row's factor is not 1 (rows past live_rows have
+// factors too, finite, but nothing reads their columns): the forwards' O^T rescaling.
+inline void scale_transposed_columns(float* acc_t, int64_t ld, int64_t dims, const float* factor, int64_t live_rows,
+                                     int64_t cols) {
+  for (int64_t r = 0; r < cols; r += kLanes) {
+    bool any = false;
+    for (int64_t x = r; x < r + kLanes && x < live_rows; ++x) any |= factor[x] != 1.f;
+    if (!any) continue;
+    const Vec fv = load(factor + r);
+    for (int64_t c = 0; c < dims; ++c) {
+      float* x = acc_t + c * ld + r;
+      store(x, load(x) * fv);
+    }
+  }
 }
 
 }  // namespace jax_flash::cpu::JF_ISA
