@@ -526,12 +526,14 @@ def ffi_calls(fn, *args) -> list[tuple[str, dict, list, list]]:
 
 def simulate_cuda_host(monkeypatch) -> None:
   """This CPU machine as a GPU host with the CUDA kernels built (an H200's SM count, stand-in
-  constants and dQ workspace size), for tests that trace CUDA calls without running them."""
+  constants and dQ workspace size, JAX_FLASH_CUDA_NARROW unset), for tests that trace CUDA calls
+  without running them."""
   monkeypatch.setattr(_registry, "has_platform", lambda platform: platform in ("cpu", "cuda"))
   monkeypatch.setattr(_registry, "cuda_gpu_present", lambda: True)
   monkeypatch.setattr(_registry, "CUDA_KERNEL_CONSTANTS", dict(
       head_dim_multiple=8, max_head_dim=256, decode_rows_per_cta=16, decode_block_n=64,
       decode_max_head_dim=256, segment_id_span_rows=64))
   monkeypatch.setattr(_registry, "_native_cuda",
-                      types.SimpleNamespace(dq_accum_elements=lambda *args: 64))
+                      types.SimpleNamespace(dq_accum_elements=lambda *args: 64,
+                                            narrow_split_call=lambda *args: False))
   monkeypatch.setattr(_decode, "_cuda_sm_count", lambda: 132)

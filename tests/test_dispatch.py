@@ -190,7 +190,7 @@ def test_cuda_workspace_size_comes_from_the_cuda_module(gpu_host, monkeypatch):
     asked.append((batch, seq_q, heads_q, head_dim, deterministic))
     return 12345
 
-  fake = types.SimpleNamespace(dq_accum_elements=dq_accum_elements)
+  fake = types.SimpleNamespace(dq_accum_elements=dq_accum_elements, narrow_split_call=lambda *args: False)
   monkeypatch.setattr(_registry, "_native_cuda", fake)
   q = jnp.zeros((2, 8, 4, 16), jnp.bfloat16)
   k = jnp.zeros((2, 8, 2, 16), jnp.bfloat16)
