@@ -20,6 +20,12 @@ struct Overrides {
   std::string error;
 };
 
+// Appends to `error` that `variable`'s value `value` is not one of `choices`.
+void append_unknown_value(std::string& error, const char* variable, const std::string& value, const char* choices) {
+  error += std::string(error.empty() ? "" : "; ") + "jax_flash: " + variable + "=" + value + " is not one of " +
+           choices;
+}
+
 // The family `variable` names, if set (forward: whether the forward-only families are
 // allowed); a value that names none is appended to `error`.
 std::optional<KernelFamily> read_override(const char* variable, bool forward, std::string& error) {
@@ -34,9 +40,9 @@ std::optional<KernelFamily> read_override(const char* variable, bool forward, st
   if (!forward && v == "sm90ws_atomicdq") return KernelFamily::kSm90WsAtomicDq;
   if (!forward && v == "sm90ws_bulkdq") return KernelFamily::kSm90WsBulkDq;
   if (!forward && v == "sm90ws_tileddq") return KernelFamily::kSm90WsTiledDq;
-  error += std::string(error.empty() ? "" : "; ") + "jax_flash: " + variable + "=" + v + " is not one of " +
-           (forward ? "sm80, sm90ws, sm90ws_grid, sm90ws_narrow, sm90ws_wide"
-                   : "sm80, sm90ws, sm90ws_atomicdq, sm90ws_bulkdq, sm90ws_tileddq");
+  append_unknown_value(error, variable, v,
+                       forward ? "sm80, sm90ws, sm90ws_grid, sm90ws_narrow, sm90ws_wide"
+                               : "sm80, sm90ws, sm90ws_atomicdq, sm90ws_bulkdq, sm90ws_tileddq");
   return std::nullopt;
 }
 
@@ -49,8 +55,7 @@ Overrides read_overrides() {
     if (v == "split")
       o.narrow_split = true;
     else if (v != "off")
-      o.error += std::string(o.error.empty() ? "" : "; ") + "jax_flash: " + kNarrowVariable + "=" + v +
-                 " is not one of split, off";
+      append_unknown_value(o.error, kNarrowVariable, v, "split, off");
   }
   return o;
 }

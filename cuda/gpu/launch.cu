@@ -10,8 +10,8 @@
 
 #include "gpu/bwd_postprocess.cuh"
 #include "gpu/kernel_choice.h"
-#include "gpu/score_mods.cuh"
 #include "gpu/launch.h"
+#include "gpu/score_mods.cuh"
 #include "gpu/tile_shapes.cuh"
 
 namespace jax_flash::cuda {

@@ -16,7 +16,6 @@
 #include <type_traits>
 
 #include "common/attention_params.h"
-#include "common/mask.h"
 #include "gpu/kernel_choice.h"
 
 namespace jax_flash::cuda {
