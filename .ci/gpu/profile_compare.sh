@@ -11,8 +11,8 @@ out=${OUT:-profile_out}; mkdir -p "$out"
 ncu=/usr/local/cuda/bin/ncu
 sections=(--section SpeedOfLight --section WarpStateStats --section SchedulerStats
           --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy
-          --metrics 'regex:smsp__warp_issue_stalled_.*_per_warp_active\.pct'
-          --metrics 'regex:sm__pipe_.*_cycles_active\.avg\.pct_of_peak_sustained_active')
+          # One --metrics (ncu takes the option once): the stall reasons and the pipes' activity.
+          --metrics 'regex:smsp__warp_issue_stalled_.*_per_warp_active\.pct|sm__pipe_.*_cycles_active\.avg\.pct_of_peak_sustained_active')
 for peer in jax_flash cudnn; do
   # The attention kernels only: ours (flash_fwd/flash_bwd) and cuDNN's (sdpa ... fprop/bprop).
   timeout "${PROFILE_TIMEOUT:-240}" "$ncu" --clock-control none -k regex:'flash_(fwd|bwd)_sm90|flash_(fwd|bwd)_kernel|sdpa' \
