@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jax_flash
+
 from attention_testing import Case, check_against_references, run_jax_flash
 from test_forward_backward import GRID
 
@@ -319,6 +321,17 @@ def test_forward_on_a_cta_per_tile_on_hopper():
       "or test_command_buffer_capture or test_jit_training_step_reduces_loss")
 
 
+def test_forward_tensor_sums_on_hopper():
+  """Experimental: with JAX_FLASH_CUDA_FORWARD=sm90ws_tensorsums the differentiated forward on the
+  128 x 128 tiles (head dims 64 and 128) takes the sums of its 16-bit P from the tensor cores (P
+  times a column of ones); the reference cases, deterministic ones, the forward's own split of o
+  and the training step pass."""
+  _run_cuda_tests_on_hopper_with(
+      {"JAX_FLASH_CUDA_FORWARD": "sm90ws_tensorsums"},
+      "((test_cuda_matches_reference or test_deterministic_matches_reference) and (h40 or h64 or h128)) or "
+      "test_forward_splits_o_as_xla_would or test_jit_training_step_reduces_loss")
+
+
 # By default the plain calls' forward takes FlashAttention-3's wide tiles where they measured
 # faster (head dims 192 and 256, 64 without a causal mask; gpu/tile_shapes.cuh); each override
 # runs the tiles the default does not use somewhere.
@@ -337,13 +350,13 @@ def test_forward_tile_choices_on_hopper(tiles):
       "test_jit_training_step_reduces_loss")
 
 
-# The default backward visits 128-row query blocks at head dims 33..64 and adds dQ by bulk
-# reductions at 65..128 (gpu/tile_shapes.cuh); each override runs 64-row blocks a way the default
-# does not use at those head dims (sm90ws_tileddq, experimental: one bulk reduction a warpgroup
-# into a dQ accumulator in the fragments' order, head dims 65..128).
+# The default backward visits 128-row query blocks at head dims 33..64, adds dQ by bulk row
+# reductions at 65..127 and by one bulk reduction a warpgroup into a dQ accumulator in the
+# fragments' order at 128 (gpu/tile_shapes.cuh); each override runs 64-row blocks a way the
+# default does not use at those head dims.
 @pytest.mark.parametrize("family, head_dims", [("sm90ws_atomicdq", "h40 or h64 or h80 or h96 or h111 or h128"),
-                                               ("sm90ws_tileddq", "h80 or h96 or h111 or h128"),
-                                               ("sm90ws_bulkdq", "h40 or h64")])
+                                               ("sm90ws_tileddq", "h80 or h96 or h111"),
+                                               ("sm90ws_bulkdq", "h40 or h64 or h128")])
 def test_backward_dq_by_the_other_way_on_hopper(family, head_dims):
   """The warp-specialised backward with 64-row query blocks and dQ added a way its default does
   not use at these head dims (atomics from the math warps, or bulk reductions from a shared tile

@@ -32,6 +32,9 @@ CASES = [
     # Eight visits per key block (4 query blocks x 2 heads of a group): the backward's
     # per-visit hand-overs between its consumer warpgroups repeat.
     (1, 200, 150, 2, 1, 64, True, None, False, False),
+    # Head dim 128's backward adds dQ in tiles (sm90/traits.cuh kTiledDq): lengths, GQA, a last
+    # query block of 3 rows.
+    (2, 131, 200, 4, 2, 128, True, None, True, False),
 ]
 
 

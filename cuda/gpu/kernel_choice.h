@@ -2,20 +2,23 @@
 // wgmma (sm90ws) kernels, wherever gpu/tile_shapes.cuh has one for the head dim; the mma.sync
 // (sm80) family everywhere else. Two environment variables, read once per process, override the
 // choice for experiments and comparisons:
-//   JAX_FLASH_CUDA_FORWARD  = sm80 | sm90ws | sm90ws_grid | sm90ws_narrow | sm90ws_wide
+//   JAX_FLASH_CUDA_FORWARD  = sm80 | sm90ws | sm90ws_grid | sm90ws_narrow | sm90ws_wide |
+//                             sm90ws_tensorsums
 //                             (default on Hopper: sm90ws)
 //   JAX_FLASH_CUDA_BACKWARD = sm80 | sm90ws | sm90ws_atomicdq | sm90ws_bulkdq | sm90ws_tileddq
 //                             (default on Hopper: sm90ws)
 // The forward's sm90ws runs on a persistent grid with FlashAttention-3's wider tiles where they
 // measured faster (gpu/tile_shapes.cuh wide_tiles_by_default); sm90ws_grid is the same kernels on
-// a CTA per tile, sm90ws_narrow never takes the wide tiles, sm90ws_wide wherever they exist. The
+// a CTA per tile, sm90ws_narrow never takes the wide tiles, sm90ws_wide wherever they exist;
+// sm90ws_tensorsums (experimental) is sm90ws with a plain differentiated call's sums of the 16-bit
+// P taken by the tensor cores (P times a column of ones) at head dims 64 and 128. The
 // backward's sm90ws runs the variant measured fastest for the head dim (TileShapes:
-// 128-row query blocks with dK from registers at head dim 64, bulk dQ reductions at 128, atomics
-// elsewhere); sm90ws_atomicdq and sm90ws_bulkdq force 64-row query blocks with dQ added by atomics
-// or by bulk reductions from shared memory (the general calls too: soft cap, ALiBi, segment ids);
-// sm90ws_tileddq (experimental, written in session 17, not yet run) adds dQ at head dims 65..128
-// as FlashAttention-3 does: one bulk reduction a warpgroup a visit into an accumulator in the
-// fragments' order (sm90/traits.cuh kTiledDq), elsewhere sm90ws.
+// 128-row query blocks with dK from registers at head dim 64, dQ added as FlashAttention-3 does at
+// 128: one bulk reduction a warpgroup a visit into an accumulator in the fragments' order,
+// sm90/traits.cuh kTiledDq; bulk row reductions at 65..127, atomics elsewhere); sm90ws_atomicdq
+// and sm90ws_bulkdq force 64-row query blocks with dQ added by atomics or by bulk row reductions
+// from shared memory (the general calls too: soft cap, ALiBi, segment ids); sm90ws_tileddq takes
+// the tiled dQ at head dims 65..128 (elsewhere sm90ws).
 // A Hopper choice only applies on Hopper, and only where a Hopper kernel exists.
 //   JAX_FLASH_CUDA_NARROW = split | off (default: off; experimental, written in session 17 and
 //                           not yet run on a GPU): narrow plain calls (narrow_shape below) run
@@ -37,7 +40,8 @@ namespace jax_flash::cuda {
 // they exist (head dim 128 non-causal: key blocks of 176; head dim 64: 192 query rows, three
 // consumer warpgroups; head dims 192 and 256: key blocks of 112 and 80).
 enum class KernelFamily {
-  kSm80, kSm90Ws, kSm90WsGrid, kSm90WsNarrow, kSm90WsWide, kSm90WsAtomicDq, kSm90WsBulkDq, kSm90WsTiledDq
+  kSm80, kSm90Ws, kSm90WsGrid, kSm90WsNarrow, kSm90WsWide, kSm90WsTensorSums,
+  kSm90WsAtomicDq, kSm90WsBulkDq, kSm90WsTiledDq
 };
 
 // Empty when the variables are unset or hold a known value; else a message naming the variable,

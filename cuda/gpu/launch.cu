@@ -43,7 +43,9 @@ cudaError_t dispatch_dtype_head_dim(Dtype dtype, int64_t head_dim, Run&& run) {
 }  // namespace
 
 bool tiled_dq_accum(const AttentionShape& shape) {
-  return backward_family() == KernelFamily::kSm90WsTiledDq && shape.head_dim > 64 && shape.head_dim <= 128;
+  const KernelFamily family = backward_family();
+  return (family == KernelFamily::kSm90Ws && shape.head_dim == 128) ||
+         (family == KernelFamily::kSm90WsTiledDq && shape.head_dim > 64 && shape.head_dim <= 128);
 }
 
 cudaError_t launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
@@ -55,9 +57,11 @@ cudaError_t launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
     constexpr int kD = decltype(head_dim)::value;
     if constexpr (TileShapes<kD>::kHasSm90Fwd) {
       if (family == KernelFamily::kSm90Ws || family == KernelFamily::kSm90WsGrid ||
-          family == KernelFamily::kSm90WsNarrow || family == KernelFamily::kSm90WsWide) {
+          family == KernelFamily::kSm90WsNarrow || family == KernelFamily::kSm90WsWide ||
+          family == KernelFamily::kSm90WsTensorSums) {
         Sm90FwdOptions options;
         options.persistent = family != KernelFamily::kSm90WsGrid;
+        options.tensor_sums = family == KernelFamily::kSm90WsTensorSums;
         options.tiles = family == KernelFamily::kSm90WsNarrow ? Sm90FwdTiles::kNarrow
                         : family == KernelFamily::kSm90WsWide ? Sm90FwdTiles::kWide
                                                               : Sm90FwdTiles::kMeasured;
@@ -81,10 +85,10 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
     // The atomics and bulk reductions add into the accumulator (a memset: a graph node when XLA
     // captures the call).
     const size_t dq_accum_bytes = static_cast<size_t>(dq_accum_elements(sh, false)) * sizeof(float);
-    // dQ in tiles (experimental): the tiled kernel and its convert, where the call runs the Hopper
-    // backward at head dim 128.
+    // dQ in tiles: the tiled kernel and its convert, where the call runs the Hopper backward and
+    // tiled_dq_accum says so (narrow calls run mma.sync: the accumulator is as large, in rows).
     constexpr bool kTiledDqKernel = TileShapes<kD>::kHasSm90BwdTiledDq;
-    const bool tiled = kTiledDqKernel && family == KernelFamily::kSm90WsTiledDq && tiled_dq_accum(sh);
+    const bool tiled = kTiledDqKernel && family != KernelFamily::kSm80 && tiled_dq_accum(sh);
     if (!p.deterministic)
       if (cudaError_t e = cudaMemsetAsync(p.dq_accum, 0, dq_accum_bytes, stream)) return e;
 
@@ -95,10 +99,10 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
         constexpr V kDefault = TileShapes<kD>::kHasSm90BwdBlockM128  ? V::kBlockM128
                                : TileShapes<kD>::kSm90BwdBulkDqByDefault ? V::kBulkDq
                                                                          : V::kAtomicDq;
-        e = family == KernelFamily::kSm90Ws           ? launch_bwd_main_sm90_ws<T, kD>(p, kDefault, stream)
+        e = tiled                                     ? launch_bwd_main_sm90_ws<T, kD>(p, V::kTiledDq, stream)
+            : family == KernelFamily::kSm90Ws         ? launch_bwd_main_sm90_ws<T, kD>(p, kDefault, stream)
             : family == KernelFamily::kSm90WsAtomicDq ? launch_bwd_main_sm90_ws<T, kD>(p, V::kAtomicDq, stream)
             : family == KernelFamily::kSm90WsBulkDq   ? launch_bwd_main_sm90_ws<T, kD>(p, V::kBulkDq, stream)
-            : tiled                                   ? launch_bwd_main_sm90_ws<T, kD>(p, V::kTiledDq, stream)
             : family == KernelFamily::kSm90WsTiledDq  ? launch_bwd_main_sm90_ws<T, kD>(p, kDefault, stream)
                                                       : launch_bwd_main_sm80<T, kD>(p, stream);
       } else {

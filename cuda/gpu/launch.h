@@ -17,7 +17,8 @@ namespace jax_flash::cuda {
 inline constexpr int64_t kHeadDimMultiple = 8;
 
 // Whether the backward adds dQ in tiles of 64 rows x 128 columns in the fragments' order
-// (JAX_FLASH_CUDA_BACKWARD=sm90ws_tileddq on Hopper, head dims 65..128: Sm90BwdVariant::kTiledDq).
+// (Sm90BwdVariant::kTiledDq): on Hopper at head dim 128 by default, at 65..128 with
+// JAX_FLASH_CUDA_BACKWARD=sm90ws_tileddq (elsewhere the padding to 128 columns would cost memory).
 bool tiled_dq_accum(const AttentionShape& shape);
 inline constexpr int64_t kTiledDqRows = 64, kTiledDqColumns = 128;
 
@@ -49,6 +50,9 @@ enum class Sm90FwdTiles { kMeasured, kNarrow, kWide };
 struct Sm90FwdOptions {
   bool persistent = true;
   Sm90FwdTiles tiles = Sm90FwdTiles::kMeasured;
+  // Plain differentiated calls on the 128 x 128 tiles at head dims 64 and 128 take the 16-bit P's
+  // row sums from the tensor cores (experimental: flash_fwd_ws_kernel.cuh kTensorSums).
+  bool tensor_sums = false;
 };
 template <typename T, int kHeadDim>
 cudaError_t launch_fwd_sm90_ws(const FwdParams& params, const Sm90FwdOptions& options, cudaStream_t stream);

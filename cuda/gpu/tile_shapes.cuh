@@ -60,8 +60,10 @@ struct TileShapes {
   // query blocks of 64; dQ added by atomics, or by bulk reductions from a shared tile.
   using Sm90BwdWs = Sm90BwdWsTraits<kHeadDim>;
   using Sm90BwdWsBulkDq = Sm90BwdWsTraits<kHeadDim, true>;
-  // Experimental (JAX_FLASH_CUDA_BACKWARD=sm90ws_tileddq): FlashAttention-3's dQ hand-off, one bulk
-  // reduction a warpgroup a visit into an accumulator in the fragments' order (head dim 128).
+  // FlashAttention-3's dQ hand-off, one bulk reduction a warpgroup a visit into an accumulator in
+  // the fragments' order (the kernel of head dim 128): the default at head dim 128 (+8-10% on the
+  // backward over row reductions, H200, session 18, cuda/PERF_NOTES.md v18), at 65..127 with
+  // JAX_FLASH_CUDA_BACKWARD=sm90ws_tileddq (gpu/launch.h tiled_dq_accum).
   static constexpr bool kHasSm90BwdTiledDq = kHeadDim == 128;
   using Sm90BwdWsTiledDq = Sm90BwdWsTraits<kHeadDim, true, 64, kHasSm90BwdTiledDq>;
   // 128-row query blocks, dQ split by rows between the consumers (registers allow head dim 64

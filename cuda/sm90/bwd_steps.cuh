@@ -16,7 +16,7 @@
 namespace jax_flash::cuda {
 
 // S^T = K Q^T and dP^T = V dO^T for warpgroup `group`'s 64 keys (SS wgmma): issued and committed
-// as one group, not waited for.
+// as two groups, S^T's first (so wgmma_wait<1> waits for S^T only), not waited for.
 template <typename Traits, typename T>
 __device__ __forceinline__ void issue_transposed_scores(float (&st)[1][Traits::kBlockM / 8][4],
                                                   float (&dpt)[1][Traits::kBlockM / 8][4], uint32_t k_address,
@@ -31,6 +31,7 @@ __device__ __forceinline__ void issue_transposed_scores(float (&st)[1][Traits::k
   for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk)
     Wgmma<T, Traits::kBlockM>::ss(st[0], KVTile::k_major(k_address, group * 64, kk),
                                   QTile::k_major(q_address, 0, kk), kk > 0);
+  wgmma_commit();
 #pragma unroll
   for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk)
     Wgmma<T, Traits::kBlockM>::ss(dpt[0], KVTile::k_major(v_address, group * 64, kk),
@@ -38,22 +39,34 @@ __device__ __forceinline__ void issue_transposed_scores(float (&st)[1][Traits::k
   wgmma_commit();
 }
 
-// st <- P^T = exp2(S^T scale log2e - lse log2e) and dpt <- dS^T = scale P^T (dP^T - delta), with
-// the block's rows' lse (log2 units) and delta (column c of a thread's fragments is query
-// 8 nt + 2 (lane % 4) + c % 2). The argument is <= 0 in exact arithmetic; it is clamped there
-// (NaN kept) because at logits near 1e19 rounding puts it far above 0 (gpu/softmax.cuh).
+// st <- P^T = exp2(S^T scale log2e - lse log2e), with the block's rows' lse (log2 units; column c
+// of a thread's fragments is query 8 nt + 2 (lane % 4) + c % 2). The argument is <= 0 in exact
+// arithmetic; it is clamped there (NaN kept) because at logits near 1e19 rounding puts it far
+// above 0 (gpu/softmax.cuh).
 template <int kBlockM>
-__device__ __forceinline__ void probabilities_and_ds(float (&st)[1][kBlockM / 8][4], float (&dpt)[1][kBlockM / 8][4],
-                                                     const float* lse2, const float* delta, float scale_log2,
-                                                     float scale, int lane) {
+__device__ __forceinline__ void transposed_probabilities(float (&st)[1][kBlockM / 8][4], const float* lse2,
+                                                         float scale_log2, int lane) {
 #pragma unroll
   for (int nt = 0; nt < kBlockM / 8; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int query = nt * 8 + (lane % 4) * 2 + e % 2;
-      const float prob = fast_exp2(min_keeping_nan(st[0][nt][e] * scale_log2 - lse2[query], 0.f));
-      st[0][nt][e] = prob;
-      dpt[0][nt][e] = scale * prob * (dpt[0][nt][e] - delta[query]);
+      st[0][nt][e] = fast_exp2(min_keeping_nan(st[0][nt][e] * scale_log2 - lse2[query], 0.f));
+    }
+}
+
+// dpt <- dS^T = scale P^T (dP^T - delta), with pt = P^T (transposed_probabilities) and the
+// block's rows' delta.
+template <int kBlockM>
+__device__ __forceinline__ void transposed_score_gradients(float (&dpt)[1][kBlockM / 8][4],
+                                                           const float (&pt)[1][kBlockM / 8][4], const float* delta,
+                                                           float scale, int lane) {
+#pragma unroll
+  for (int nt = 0; nt < kBlockM / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int query = nt * 8 + (lane % 4) * 2 + e % 2;
+      dpt[0][nt][e] = scale * pt[0][nt][e] * (dpt[0][nt][e] - delta[query]);
     }
 }
 

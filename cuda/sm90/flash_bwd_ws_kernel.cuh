@@ -290,20 +290,25 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
     if (group_live) {
       issue_transposed_scores<Traits, T>(st, dpt, k_address, v_address, q_address, do_address, group);
-      wgmma_wait<0>();
+      // S^T is in once all but the newest group (dP^T) are: its masks and, in plain calls, P^T
+      // run while dP^T is on the tensor cores.
+      wgmma_wait<1>();
       fence_registers(st[0]);
-      fence_registers(dpt[0]);
-
+      const float* lse2 = smem.lse2 + stage * kBM;
+      const float* delta = smem.delta + stage * kBM;
       if constexpr (kGeneral) ScoreMods(p, task.b, visit.h).apply_transposed(st, n0 + warp_key0, m0, lane);
       if (id_mask)
         mask_transposed_with_ids(st, SegmentIds(p, task.b), p.mask, n0 + warp_key0, m0, q_len, kv_len, lane);
       else if (!group_blocks.whole(visit.mb))
         mask_transposed_scores(st, p.mask, n0 + warp_key0, m0, q_len, kv_len, lane);
-      if constexpr (kGeneral)
-        ScoreMods(p, task.b, visit.h)
-            .fold_chain_rule_transposed(dpt, st, smem.delta + stage * kBM, n0 + warp_key0, m0, lane);
-      probabilities_and_ds<kBM>(st, dpt, smem.lse2 + stage * kBM, smem.delta + stage * kBM, scale_log2, p.scale,
-                                lane);
+      if constexpr (!kGeneral) transposed_probabilities<kBM>(st, lse2, scale_log2, lane);
+      wgmma_wait<0>();
+      fence_registers(dpt[0]);
+      if constexpr (kGeneral) {  // the cap's chain rule reads the capped scores, before P^T
+        ScoreMods(p, task.b, visit.h).fold_chain_rule_transposed(dpt, st, delta, n0 + warp_key0, m0, lane);
+        transposed_probabilities<kBM>(st, lse2, scale_log2, lane);
+      }
+      transposed_score_gradients<kBM>(dpt, st, delta, p.scale, lane);
     } else {
 #pragma unroll
       for (int nt = 0; nt < kBM / 8; ++nt)

@@ -29,6 +29,10 @@ cudaError_t launch(const FwdParams& p, const Sm90FwdOptions& options, cudaStream
   // A persistent CTA takes tiles two at a time.
   const int64_t ctas = persistent ? std::min<int64_t>((tiles + 1) / 2, std::max(1, device_sm_count())) : tiles;
   auto kernel = flash_fwd_sm90_ws_kernel<Traits, T, false>;
+  // (The 128 x 128 tiles at head dims 64 and 128 only: compile time, and the wide tiles' registers:
+  // at key blocks of 176 ptxas serialises the products, C7512.)
+  if constexpr ((Traits::kHeadDim == 64 || Traits::kHeadDim == 128) && Traits::kBlockN == 128 && Traits::kConsumers == 2)
+    if (options.tensor_sums && p.for_backward()) kernel = flash_fwd_sm90_ws_kernel<Traits, T, false, false, true>;
   // Tiles that straddle the block mask's blocks (sm90ws_wide's): the plain calls only.
   if constexpr (kBlockMaskKeys % Traits::kBlockN == 0 && kBlockMaskRows % Traits::kBlockM == 0) {
     if (general_kernel(p)) kernel = flash_fwd_sm90_ws_kernel<Traits, T, true>;

@@ -44,16 +44,18 @@ struct FwdTmaParams {
 };
 
 // Shared memory of a warp-specialised forward CTA, from a 1 KiB boundary: Q, kStages stages of
-// K, kStages of V.
+// K, kStages of V, the ones tile (kTensorSums).
 template <typename Traits, typename T>
 struct Sm90FwdWsSmem {
   T* q;
   T* k;
   T* v;
+  T* ones;
   __device__ explicit Sm90FwdWsSmem(unsigned char* raw) {
     q = first_tile_boundary<T>(raw);
     k = q + Traits::QTile::kElements;
     v = k + Traits::kStages * Traits::KVTile::kElements;
+    ones = v + Traits::kStages * Traits::KVTile::kElements;
   }
   __device__ T* k_stage(int stage) const { return k + stage * Traits::KVTile::kElements; }
   __device__ T* v_stage(int stage) const { return v + stage * Traits::KVTile::kElements; }
@@ -71,7 +73,12 @@ struct FwdWsBarriers {
 // kBlockWalk: the plain kernel walking a block mask's live key blocks (gpu/block_sparse.cuh), for
 // block-sparse calls that need nothing else of the general kernels (plain_block_walk_suffices: no
 // score modification, ids or window).
-template <typename Traits, typename T, bool kGeneral, bool kBlockWalk = false>
+// kTensorSums (experimental, JAX_FLASH_CUDA_FORWARD=sm90ws_tensorsums; plain differentiated calls):
+// the sums of the 16-bit P that O is normalised by come from the tensor cores, P times a column of
+// ones beside each P V (sm90/fwd_gemms.cuh issue_output), instead of the softmax's unpacking and
+// adding of every P (OnlineSoftmax::add_rounded_sums: about a quarter of the consumers'
+// instructions a block). The same float32 sums of the same 16-bit values, in another order.
+template <typename Traits, typename T, bool kGeneral, bool kBlockWalk = false, bool kTensorSums = false>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdTmaParams params) {
 #if JF_SM90A
@@ -96,6 +103,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       Mbarrier(&bars.v_empty[s]).init(Traits::kConsumerWarps);
     }
     Mbarrier::fence_init();
+  }
+  if constexpr (kTensorSums) {
+    for (int i = threadIdx.x; i < Traits::kOnesElements / 2; i += Traits::kThreads)
+      reinterpret_cast<uint32_t*>(smem.ones)[i] = MmaOp<T>::pack(1.f, 1.f);
+    fence_proxy_async();  // wgmma reads the tile through the async proxy
   }
   __syncthreads();
 
@@ -177,6 +189,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const float softmax_scale = kGeneral ? ScoreMods::kSoftmaxScale : p.scale;
   const float scale_log2 = softmax_scale * kLog2e;
   const uint32_t q_address = smem_address(smem.q);
+  const uint64_t ones_desc = ones_descriptor(smem_address(smem.ones));  // (kTensorSums)
   // One warpgroup syncs on a turn barrier and the one before it in the ring arrives.
   constexpr int kTurnThreads = 256;
   // Ping-pong (a ring of turns with three warpgroups): warpgroup g issues its products after
@@ -201,6 +214,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const int64_t m0 = blk.m0;
     OnlineSoftmax<1> softmax(p.pv_headroom_log2);
     float o[1][kD / 8][4] = {};
+    float row_sums[1][1][4] = {};  // kTensorSums: the 16-bit P's row sums (every column the row's)
     SeenRows<1> seen(!(kGeneral && tracks_seen_rows(p)) && untracked_seen_rows(count));  // rows that met a key
 
     if (count > 0) {
@@ -229,11 +243,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       release(&bars.k_empty[stage_of(0)]);
       if (count == 1) release(&bars.q_empty);
       mask_block(s, 0);
-      if (softmax.must_rescale(s, scale_log2)) softmax.rescale(o, scale_log2);
+      if (softmax.must_rescale(s, scale_log2)) softmax.rescale(o, scale_log2);  // (row_sums are 0)
       softmax.exponentiate(s, scale_log2);
       uint32_t pa[kBN / 16][1][4];
       accumulator_to_a<T>(pa, s);
-      if (p.for_backward()) softmax.template add_rounded_sums<T>(pa);  // differentiated calls only
+      if (!kTensorSums && p.for_backward()) softmax.template add_rounded_sums<T>(pa);  // differentiated calls only
 
       for (int i = 0; i + 1 < count; ++i) {
         const int stage = stage_of(i), next = stage_of(i + 1);
@@ -243,7 +257,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // only, so the softmax of block i + 1 runs while P(i) V(i) is on the tensor cores.
         issue_scores<Traits, T>(s, q_address, group * 64, smem_address(smem.k_stage(next)));
         Mbarrier(&bars.v_full[stage]).wait(phase_of(i));
-        issue_output<Traits, T>(o, pa, smem_address(smem.v_stage(stage)));
+        issue_output<Traits, T, kTensorSums>(o, pa, smem_address(smem.v_stage(stage)), &row_sums[0], ones_desc);
         pass_turn();
         wgmma_wait<1>();
         fence_registers(s[0]);
@@ -256,18 +270,27 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         wgmma_wait<0>();  // P(i) V(i) is in: O and P(i)'s registers and V stage are free
         fence_registers(o[0]);
         release(&bars.v_empty[stage]);
-        if (moved) softmax.rescale_output(o);
+        if (moved) {
+          softmax.rescale_output(o);
+          if constexpr (kTensorSums) softmax.rescale_output(row_sums);
+        }
         accumulator_to_a<T>(pa, s);
-        if (p.for_backward()) softmax.template add_rounded_sums<T>(pa);  // differentiated calls only
+        if (!kTensorSums && p.for_backward()) softmax.template add_rounded_sums<T>(pa);  // differentiated calls only
       }
       // The last warpgroup's last pass_turn (or its first arrival) is still to be taken.
       if constexpr (Traits::kPingPong)
         if (group == 0) named_barrier_sync(1, kTurnThreads);
       const int last = stage_of(count - 1);
       Mbarrier(&bars.v_full[last]).wait(phase_of(count - 1));
-      issue_output<Traits, T>(o, pa, smem_address(smem.v_stage(last)));
+      issue_output<Traits, T, kTensorSums>(o, pa, smem_address(smem.v_stage(last)), &row_sums[0], ones_desc);
       wgmma_wait<0>();
       fence_registers(o[0]);
+      if constexpr (kTensorSums) {
+        fence_registers(row_sums[0]);
+        // The row's whole sum in one lane of its quad (the epilogue sums the quad's parts).
+#pragma unroll
+        for (int half = 0; half < 2; ++half) softmax.sum_rounded[0][half] = lane % 4 == 0 ? row_sums[0][0][2 * half] : 0.f;
+      }
       release(&bars.v_empty[last]);
       ring += count;
       ++q_round;

@@ -22,16 +22,28 @@ __device__ __forceinline__ void issue_scores(float (&s)[1][Traits::kBlockN / 8][
   wgmma_commit();
 }
 
+// A descriptor of the ones tile (1 KiB of 16-bit ones, 1 KiB aligned) as the B operand of an
+// N = 8 product, N-major: every k row reads the same 128-byte swizzle atom rows, all ones.
+__device__ __forceinline__ uint64_t ones_descriptor(uint32_t ones_address) {
+  return smem_descriptor(ones_address, 0, 0);
+}
+
 // O += P V for the warpgroup: P from registers, V (N-major) at v_address; one wgmma group, not
 // waited for. Head dims past 128 are done as products of N = 128 (and a last one of 64) over the
-// column blocks of V and O.
-template <typename Traits, typename T>
+// column blocks of V and O. With kRowSums also row_sums += P times a column of ones (the
+// ones tile's descriptor): each row's sum of P as rounded to 16 bits, in float32, on the tensor
+// cores (every column of the m64n8 accumulator holds it), where the softmax would otherwise
+// unpack and add every 16-bit P (OnlineSoftmax::add_rounded_sums). `row_sums` is a pointer only
+// to be optional at compile time (callers pass a local's address: it stays in registers).
+template <typename Traits, typename T, bool kRowSums = false>
 __device__ __forceinline__ void issue_output(float (&o)[1][Traits::kHeadDim / 8][4],
-                                             uint32_t (&pa)[Traits::kBlockN / 16][1][4], uint32_t v_address) {
+                                             uint32_t (&pa)[Traits::kBlockN / 16][1][4], uint32_t v_address,
+                                             float (*row_sums)[1][4] = nullptr, uint64_t ones_desc = 0) {
   constexpr int kD = Traits::kHeadDim;
   constexpr int kN = kD < 128 ? kD : 128;  // columns of each product
   static_assert(kD % 64 == 0, "whole 64-column blocks");
   fence_registers(o[0]);
+  if constexpr (kRowSums) fence_registers(*row_sums);
 #pragma unroll
   for (int kk = 0; kk < Traits::kBlockN / 16; ++kk) fence_registers(pa[kk]);
   wgmma_fence();
@@ -45,6 +57,7 @@ __device__ __forceinline__ void issue_output(float (&o)[1][Traits::kHeadDim / 8]
     if constexpr (kD % kN != 0)
       Wgmma<T, 64>::rs_b_transposed(*reinterpret_cast<float(*)[8][4]>(&o[0][(kD - 64) / 8]), pa[kk][0],
                                     v_desc + (((kD - 64) / 64 * Traits::KVTile::kBlockBytes) >> 4), true);
+    if constexpr (kRowSums) Wgmma<T, 8>::rs_b_transposed(*row_sums, pa[kk][0], ones_desc, true);
   }
   wgmma_commit();
 }

@@ -32,8 +32,10 @@ struct Sm90FwdWsTraits {
                 "registers past the launch allocation");
   using QTile = GmmaTile<kBlockM, kHeadDim>;
   using KVTile = GmmaTile<kBlockN, kHeadDim>;
-  // Q, kStages stages of K and of V, and 1 KiB to align the base.
-  static constexpr int kSmemBytes = 2 * (QTile::kElements + 2 * kStages * KVTile::kElements) + 1024;
+  // Q, kStages stages of K and of V, the ones tile (1 KiB: sm90/fwd_gemms.cuh issue_output's row
+  // sums), and 1 KiB to align the base.
+  static constexpr int kOnesElements = 512;
+  static constexpr int kSmemBytes = 2 * (QTile::kElements + 2 * kStages * KVTile::kElements + kOnesElements) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
   static_assert(kHeadDim % 64 == 0, "P V is done in products of N = 128 and 64");
   static_assert(kBlockN == 64 || kBlockN == 80 || kBlockN == 112 || kBlockN == 128 || kBlockN == 176,
@@ -52,7 +54,7 @@ struct Sm90FwdWsTraits {
 // for the other's dS^T (+8-10% bwd at head dim 64, cuda/PERF_NOTES.md v11; with 64-row visits at
 // head dim 128 it measured even, so those keep dK reading dS^T from shared memory after the
 // barrier).
-// kTiledDq (experimental, with kBulkDq at head dim 128): FlashAttention-3's dQ hand-off. Each
+// kTiledDq (with kBulkDq at head dim 128; the default there): FlashAttention-3's dQ hand-off. Each
 // warpgroup leaves its dQ part (64 rows x its 64 columns) in the shared tile in its fragments'
 // order (thread t's n-tile j at float4 j * 128 + t: conflict-free 16-byte stores), and the dQ
 // accumulator holds every (batch, head, 64-row block)'s tile in that same order, so the writer

@@ -88,6 +88,10 @@ struct Wgmma;
   "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
   "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
 
+// N = 8: the differentiated forward's row sums of the 16-bit P (P times a column of ones,
+// sm90/fwd_gemms.cuh issue_output).
+#define JF_WGMMA_ACC_N8 JF_WGMMA_ACC(0)
+#define JF_WGMMA_REGS_N8 "{%0, %1, %2, %3}"
 // N = 80 and 112: the forward's key blocks at head dims 256 and 192 (sm90ws_wide).
 #define JF_WGMMA_ACC_N80 \
   JF_WGMMA_ACC(0), JF_WGMMA_ACC(1), JF_WGMMA_ACC(2), JF_WGMMA_ACC(3), \
@@ -167,6 +171,9 @@ struct Wgmma;
     }                                                                                               \
   };
 
+#define JF_DEFINE_WGMMA_N8(T, PTX)                                                                  \
+  JF_DEFINE_WGMMA(T, PTX, 8, JF_WGMMA_ACC_N8, JF_WGMMA_REGS_N8, "%4, %5", "%6", "%7, %8",          \
+                  "{%4, %5, %6, %7}, %8", "%9")
 #define JF_DEFINE_WGMMA_N64(T, PTX)                                                                 \
   JF_DEFINE_WGMMA(T, PTX, 64, JF_WGMMA_ACC_N64, JF_WGMMA_REGS_N64, "%32, %33", "%34", "%35, %36",  \
                   "{%32, %33, %34, %35}, %36", "%37")
@@ -182,6 +189,8 @@ struct Wgmma;
 #define JF_DEFINE_WGMMA_N176(T, PTX)                                                                \
   JF_DEFINE_WGMMA(T, PTX, 176, JF_WGMMA_ACC_N176, JF_WGMMA_REGS_N176, "%88, %89", "%90", "%91, %92", \
                   "{%88, %89, %90, %91}, %92", "%93")
+JF_DEFINE_WGMMA_N8(__nv_bfloat16, "bf16")
+JF_DEFINE_WGMMA_N8(__half, "f16")
 JF_DEFINE_WGMMA_N64(__nv_bfloat16, "bf16")
 JF_DEFINE_WGMMA_N64(__half, "f16")
 JF_DEFINE_WGMMA_N128(__nv_bfloat16, "bf16")
@@ -192,17 +201,20 @@ JF_DEFINE_WGMMA_N112(__nv_bfloat16, "bf16")
 JF_DEFINE_WGMMA_N112(__half, "f16")
 JF_DEFINE_WGMMA_N176(__nv_bfloat16, "bf16")
 JF_DEFINE_WGMMA_N176(__half, "f16")
+#undef JF_DEFINE_WGMMA_N8
 #undef JF_DEFINE_WGMMA_N64
 #undef JF_DEFINE_WGMMA_N128
 #undef JF_DEFINE_WGMMA_N80
 #undef JF_DEFINE_WGMMA_N112
 #undef JF_DEFINE_WGMMA_N176
 #undef JF_DEFINE_WGMMA
+#undef JF_WGMMA_REGS_N8
 #undef JF_WGMMA_REGS_N64
 #undef JF_WGMMA_REGS_N128
 #undef JF_WGMMA_REGS_N80
 #undef JF_WGMMA_REGS_N112
 #undef JF_WGMMA_REGS_N176
+#undef JF_WGMMA_ACC_N8
 #undef JF_WGMMA_ACC_N64
 #undef JF_WGMMA_ACC_N128
 #undef JF_WGMMA_ACC_N80
