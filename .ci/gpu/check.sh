@@ -24,8 +24,8 @@ start=$(date +%s)
 
 echo "== build" | tee "$out/build.log"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$out/build.log"
-JAX_FLASH_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install --no-build-isolation \
-  --no-deps -e . >>"$out/build.log" 2>&1 || { tail -50 "$out/build.log"; exit 1; }
+# The modules carried in build/prebuilt (.ci/gpu/prebuilt.sh) when they match this tree, else a build.
+source .ci/gpu/prebuilt.sh use-or-build "$out/build.log" || { tail -50 "$out/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"
 
 source .ci/gpu/tokamax_peer.sh  # tokamax beside cuDNN where its wheels were carried in .whl/

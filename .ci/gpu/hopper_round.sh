@@ -22,8 +22,9 @@ export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 start=$(date +%s)
 elapsed() { echo "[$(( $(date +%s) - start )) s]"; }
 
-JAX_FLASH_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install --no-build-isolation \
-  --no-deps -e . >"$out/build.log" 2>&1 || { tail -50 "$out/build.log"; exit 1; }
+# The modules carried in build/prebuilt (.ci/gpu/prebuilt.sh) when they match this tree, else a build.
+: >"$out/build.log"
+source .ci/gpu/prebuilt.sh use-or-build "$out/build.log" || { tail -50 "$out/build.log"; exit 1; }
 source .ci/gpu/tokamax_peer.sh  # tokamax beside cuDNN where its wheels were carried in .whl/
 echo "== build $(elapsed)"
 
