@@ -24,18 +24,22 @@ __device__ __forceinline__ void issue_transposed_scores(float (&st)[1][Traits::k
                                                   int group) {
   using KVTile = typename Traits::KVTile;
   using QTile = typename Traits::QTile;
+  const uint64_t k_desc = made_here(KVTile::k_major(k_address, group * 64, 0));  // (K and V: every visit)
+  const uint64_t q_desc = QTile::k_major(q_address, 0, 0);
+  const uint64_t v_desc = made_here(KVTile::k_major(v_address, group * 64, 0));
+  const uint64_t do_desc = QTile::k_major(do_address, 0, 0);
   fence_registers(st[0]);
   fence_registers(dpt[0]);
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk)
-    Wgmma<T, Traits::kBlockM>::ss(st[0], KVTile::k_major(k_address, group * 64, kk),
-                                  QTile::k_major(q_address, 0, kk), kk > 0);
+    Wgmma<T, Traits::kBlockM>::ss(st[0], KVTile::k_major_from(k_desc, 0, kk), QTile::k_major_from(q_desc, 0, kk),
+                                  kk > 0);
   wgmma_commit();
 #pragma unroll
   for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk)
-    Wgmma<T, Traits::kBlockM>::ss(dpt[0], KVTile::k_major(v_address, group * 64, kk),
-                                  QTile::k_major(do_address, 0, kk), kk > 0);
+    Wgmma<T, Traits::kBlockM>::ss(dpt[0], KVTile::k_major_from(v_desc, 0, kk), QTile::k_major_from(do_desc, 0, kk),
+                                  kk > 0);
   wgmma_commit();
 }
 
@@ -105,6 +109,8 @@ __device__ __forceinline__ void issue_key_gradients(float (&dk)[1][Traits::kHead
                                                     uint32_t do_address) {
   constexpr int kBM = Traits::kBlockM, kD = Traits::kHeadDim;
   using QTile = typename Traits::QTile;
+  const uint64_t do_desc = QTile::n_major(do_address, 0);
+  const uint64_t q_desc = QTile::n_major(q_address, 0);
   fence_registers(dv[0]);
   fence_registers(dk[0]);
 #pragma unroll
@@ -115,10 +121,10 @@ __device__ __forceinline__ void issue_key_gradients(float (&dk)[1][Traits::kHead
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < kBM / 16; ++kk)
-    Wgmma<T, kD>::rs_b_transposed(dv[0], pt[kk][0], QTile::n_major(do_address, kk), true);
+    Wgmma<T, kD>::rs_b_transposed(dv[0], pt[kk][0], QTile::n_major_from(do_desc, kk), true);
 #pragma unroll
   for (int kk = 0; kk < kBM / 16; ++kk)
-    Wgmma<T, kD>::rs_b_transposed(dk[0], dst[kk][0], QTile::n_major(q_address, kk), true);
+    Wgmma<T, kD>::rs_b_transposed(dk[0], dst[kk][0], QTile::n_major_from(q_desc, kk), true);
   wgmma_commit();
 }
 
@@ -130,13 +136,15 @@ __device__ __forceinline__ void issue_query_gradient(float (&dq)[1][8][4], uint3
                                                      int group) {
   using KVTile = typename Traits::KVTile;
   using DsTile = typename Traits::DsTile;
+  const uint32_t ds_part = (Traits::kDqByRows ? group : 0) * DsTile::kBlockBytes;
+  const uint32_t k_part = (Traits::kDqByRows ? 0 : group) * KVTile::kBlockBytes;
+  const uint64_t ds_desc = DsTile::n_major(ds_address + ds_part, 0);
+  const uint64_t k_desc = made_here(KVTile::n_major(k_address + k_part, 0));
   fence_registers(dq[0]);
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < Traits::kBlockN / 16; ++kk)
-    Wgmma<T, 64>::ss_transposed(
-        dq[0], DsTile::n_major(ds_address + (Traits::kDqByRows ? group : 0) * DsTile::kBlockBytes, kk),
-        KVTile::n_major(k_address + (Traits::kDqByRows ? 0 : group) * KVTile::kBlockBytes, kk), kk > 0);
+    Wgmma<T, 64>::ss_transposed(dq[0], DsTile::n_major_from(ds_desc, kk), KVTile::n_major_from(k_desc, kk), kk > 0);
   wgmma_commit();
 }
 
@@ -160,16 +168,19 @@ __device__ __forceinline__ void accumulate_gradients(float (&dk)[1][Traits::kHea
   if (group_live) {
     uint32_t pt[kBM / 16][1][4];
     accumulator_to_a<T>(pt, pt_float);
+    const uint64_t do_desc = QTile::n_major(do_address, 0);
+    const uint64_t q_desc = QTile::n_major(q_address, 0);
+    const uint64_t ds_desc = DsTile::k_major(ds_address, group * 64, 0);
 #pragma unroll
     for (int kk = 0; kk < kBM / 16; ++kk) fence_registers(pt[kk]);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBM / 16; ++kk)
-      Wgmma<T, kD>::rs_b_transposed(dv[0], pt[kk][0], QTile::n_major(do_address, kk), true);
+      Wgmma<T, kD>::rs_b_transposed(dv[0], pt[kk][0], QTile::n_major_from(do_desc, kk), true);
 #pragma unroll
     for (int kk = 0; kk < kBM / 16; ++kk)
-      Wgmma<T, kD>::ss_b_transposed(dk[0], DsTile::k_major(ds_address, group * 64, kk),
-                                    QTile::n_major(q_address, kk), true);
+      Wgmma<T, kD>::ss_b_transposed(dk[0], DsTile::k_major_from(ds_desc, 0, kk), QTile::n_major_from(q_desc, kk),
+                                    true);
     wgmma_commit();
     // At head dim 128 the registers do not hold dK, dV and dQ in flight at once (ptxas
     // serialises the products, C7512).

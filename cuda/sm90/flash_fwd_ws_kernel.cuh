@@ -289,7 +289,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         fence_registers(row_sums[0]);
         // The row's whole sum in one lane of its quad (the epilogue sums the quad's parts).
 #pragma unroll
-        for (int half = 0; half < 2; ++half) softmax.sum_rounded[0][half] = lane % 4 == 0 ? row_sums[0][0][2 * half] : 0.f;
+        for (int half = 0; half < 2; ++half)
+          softmax.sum_rounded[0][half] = lane % 4 == 0 ? row_sums[0][0][2 * half] : 0.f;
       }
       release(&bars.v_empty[last]);
       ring += count;

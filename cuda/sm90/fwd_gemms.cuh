@@ -13,12 +13,16 @@ namespace jax_flash::cuda {
 template <typename Traits, typename T>
 __device__ __forceinline__ void issue_scores(float (&s)[1][Traits::kBlockN / 8][4], uint32_t q_address, int q_row0,
                                              uint32_t k_address) {
+  using QTile = typename Traits::QTile;
+  using KVTile = typename Traits::KVTile;
+  const uint64_t q_desc = made_here(QTile::k_major(q_address, q_row0, 0));  // (the tile's every key block)
+  const uint64_t k_desc = KVTile::k_major(k_address, 0, 0);
   fence_registers(s[0]);
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk)
-    Wgmma<T, Traits::kBlockN>::ss(s[0], Traits::QTile::k_major(q_address, q_row0, kk),
-                                  Traits::KVTile::k_major(k_address, 0, kk), kk > 0);
+    Wgmma<T, Traits::kBlockN>::ss(s[0], QTile::k_major_from(q_desc, 0, kk), KVTile::k_major_from(k_desc, 0, kk),
+                                  kk > 0);
   wgmma_commit();
 }
 
@@ -42,6 +46,7 @@ __device__ __forceinline__ void issue_output(float (&o)[1][Traits::kHeadDim / 8]
   constexpr int kD = Traits::kHeadDim;
   constexpr int kN = kD < 128 ? kD : 128;  // columns of each product
   static_assert(kD % 64 == 0, "whole 64-column blocks");
+  const uint64_t v_base = Traits::KVTile::n_major(v_address, 0);
   fence_registers(o[0]);
   if constexpr (kRowSums) fence_registers(*row_sums);
 #pragma unroll
@@ -49,7 +54,7 @@ __device__ __forceinline__ void issue_output(float (&o)[1][Traits::kHeadDim / 8]
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < Traits::kBlockN / 16; ++kk) {
-    const uint64_t v_desc = Traits::KVTile::n_major(v_address, kk);
+    const uint64_t v_desc = Traits::KVTile::n_major_from(v_base, kk);
 #pragma unroll
     for (int col = 0; col + kN <= kD; col += kN)
       Wgmma<T, kN>::rs_b_transposed(*reinterpret_cast<float(*)[kN / 8][4]>(&o[0][col / 8]), pa[kk][0],

@@ -38,12 +38,23 @@ struct GmmaTile {
   // wgmma descriptor of the K-major operand whose M/N rows are rows row0.. of the tile (a multiple
   // of 8) and whose k runs along the columns, at k-step kk (columns 16 kk .. 16 kk + 15).
   __device__ __forceinline__ static uint64_t k_major(uint32_t tile_address, int row0, int kk) {
-    return smem_descriptor(tile_address + kk / 4 * kBlockBytes + row0 * 128 + kk % 4 * 32, 16, 1024);
+    return descriptor_at(smem_descriptor(tile_address, 16, 1024), k_major_offset(row0, kk));
+  }
+  // The same from the tile's K-major descriptor at row 0, k-step 0 (k_major(address, 0, 0)).
+  __device__ __forceinline__ static uint64_t k_major_from(uint64_t tile_desc, int row0, int kk) {
+    return descriptor_at(tile_desc, k_major_offset(row0, kk));
+  }
+  __device__ __forceinline__ static uint32_t k_major_offset(int row0, int kk) {
+    return kk / 4 * kBlockBytes + row0 * 128 + kk % 4 * 32;
   }
   // wgmma descriptor of the N-major operand whose k runs along the rows (k-step kk: rows 16 kk ..
   // 16 kk + 15) and whose N is every column.
   __device__ __forceinline__ static uint64_t n_major(uint32_t tile_address, int kk) {
-    return smem_descriptor(tile_address + kk * 16 * 128, kBlockBytes, 1024);
+    return descriptor_at(smem_descriptor(tile_address, kBlockBytes, 1024), kk * 16 * 128);
+  }
+  // The same from the tile's N-major descriptor at k-step 0 (n_major(address, 0)).
+  __device__ __forceinline__ static uint64_t n_major_from(uint64_t tile_desc, int kk) {
+    return descriptor_at(tile_desc, kk * 16 * 128);
   }
 };
 

@@ -36,6 +36,22 @@ __device__ __forceinline__ uint64_t smem_descriptor(uint32_t address, uint32_t l
          static_cast<uint64_t>((stride & 0x3FFFF) >> 4) << 32 | kSwizzle128B << 62;
 }
 
+// The descriptor `desc` moved `bytes` (a multiple of 16) further into shared memory: its start
+// address field (bits 0-13, in 16-byte units) plus bytes / 16, which never carries into the next
+// field (shared addresses are below 256 KiB), so it equals the descriptor made at that address.
+// A tile's descriptor is made once per issue and moved per k-step (an add), where making each
+// one anew cost about a dozen instructions a product in every warp (session 18's SASS: ~190 of
+// the forward's ~600 a key block).
+__device__ __forceinline__ uint64_t descriptor_at(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
+// `desc` as made where it is used, for an operand that stays put across the caller's loop (the
+// forward's Q, the backward's K and V): the compiler may not hoist it and the k-steps'
+// descriptors derived from it out of the loop, where a head dim's worth of them held 16-32
+// registers and the larger kernels spilled (session 18, ptxas).
+__device__ __forceinline__ uint64_t made_here(uint64_t desc) {
+  asm volatile("" : "+l"(desc));
+  return desc;
+}
+
 // Orders this thread's earlier register writes before the warpgroup's next wgmma reads them.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
