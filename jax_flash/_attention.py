@@ -178,9 +178,8 @@ def dot_product_attention(
       its head dim ``Hv``, which may differ from ``H`` (MLA-style attention, e.g. DeepSeek-V2's
       ``H = 192``, ``Hv = 128``; the output then has ``Hv``; ``scale`` still defaults to
       ``1 / sqrt(H)``). Taken by "cpu" (tiled and split-KV decode kernels, forward and
-      backward), "blockwise" and "xla", and by sharded and context-parallel calls on "cpu";
-      the CUDA kernels raise ``NotImplementedError`` (pass ``implementation="blockwise"`` on
-      a GPU).
+      backward), "blockwise" and "xla", by sharded and context-parallel calls on "cpu", and
+      by "cuda", whose kernels take one head dim: q and k, or v, zero-padded to the larger.
     bias: added to the scaled logits, broadcastable to ``(B, N, T, S)`` (fewer dims gain
       leading ones; each dim 1 or full), differentiable. Only the ``"blockwise"`` and ``"xla"``
       paths take it: the kernels raise ``NotImplementedError`` (so does ``None`` where it

@@ -60,6 +60,10 @@ class Capabilities:
   # takes a value head dim Hv other than the query/key head dim H (MLA: value (..., S, K, Hv),
   # output (..., T, N, Hv))
   value_head_dim: bool = False
+  # ... by zero-padding q and k, or v, to the larger of H and Hv (jax_flash._ops.call_kernels):
+  # its kernels take one head dim (zero columns of q and k change no score, zero columns of v
+  # give zero output columns, sliced off; JAX differentiates the padding)
+  value_head_dim_by_padding: bool = False
 
 
 def capabilities(name: str) -> Capabilities:
@@ -95,7 +99,9 @@ def capabilities(name: str) -> Capabilities:
         # meet are skipped)
         segment_ids=True,
         # block_mask: the same kernels walk only the live blocks (cuda/gpu/block_sparse.cuh)
-        block_mask=True)
+        block_mask=True,
+        # Hv != H: q, k or v zero-padded to the larger head dim (the paged kernel refuses it)
+        value_head_dim=True, value_head_dim_by_padding=True)
   if name in ("xla", "blockwise"):
     return Capabilities(
         name, kernel=False, dtypes=_FLOAT_DTYPES, max_head_dim=None, head_dim_multiple=1,

@@ -185,8 +185,8 @@ def block_sparse_lists(block_mask: jax.Array, heads_k: int) -> tuple[jax.Array, 
 
 
 def _check_value_head_dim(config: KernelConfig, q, v) -> None:
-  """Only the "cpu" kernels take v's head dim Hv != q's H (jax_flash._dispatch refuses it
-  elsewhere before a call is built; this guards the kernel calls themselves)."""
+  """Only the "cpu" kernels take v's head dim Hv != q's H (call_kernels pads the "cuda" calls'
+  head dims to one; this guards the kernel calls themselves)."""
   if config.implementation != "cpu" and v.shape[-1] != q.shape[-1]:
     raise NotImplementedError(
         f"the {config.implementation!r} kernels take no value head dim Hv other than the "
@@ -403,8 +403,9 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
   """(out, lse) of `attention` with what every entry point does around the kernels: the scale
   made positive (positive_scale) and the head dim zero-padded as `implementation` needs
   (head_dim_padding), both outside the custom VJP so JAX differentiates them; the padding is
-  sliced off the output again. q, k are rank 4 (B, T|S, N|K, H), v (B, S, K, Hv) (Hv != H on
-  the "cpu" kernel only: jax_flash._dispatch refuses it elsewhere); out is (B, T, N, Hv).
+  sliced off the output again. q, k are rank 4 (B, T|S, N|K, H), v (B, S, K, Hv); Hv != H
+  reaches the "cpu" kernels as it is, the "cuda" ones with q and k, or v, zero-padded to the
+  larger head dim (Capabilities.value_head_dim_by_padding); out is (B, T, N, Hv).
 
   On the "cpu" kernel a call with few query rows per kv head runs the split-KV decode kernel
   (jax_flash._decode.kv_splits decides; KernelConfig.kv_splits records it), except with
@@ -433,6 +434,10 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
   q, scale = positive_scale(q, scale)
   # Zero columns change no score (q, k) and give zero output columns (v).
   pad, pad_v = (head_dim_padding(implementation, x.shape[-1]) for x in (q, v))
+  if _dispatch.capabilities(implementation).value_head_dim_by_padding:
+    # Kernels of one head dim take Hv != H at the larger of the two (MLA's 192 / 128: v padded).
+    common = max(q.shape[-1] + pad, head_dim_v + pad_v)
+    pad, pad_v = common - q.shape[-1], common - head_dim_v
   if pad:
     widths = [(0, 0)] * 3 + [(0, pad)]
     q, k = (jnp.pad(x, widths) for x in (q, k))

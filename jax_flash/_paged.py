@@ -95,7 +95,9 @@ def _select(implementation, query, value_pages, *, logits_soft_cap=None, sinks=N
   can = _dispatch.capabilities(name)
   if not can.paged:
     raise NotImplementedError(f"{CALLER}: implementation {name!r} has no paged form")
-  if value_pages.shape[-1] != query.shape[-1] and not can.value_head_dim:
+  # (The CUDA paged kernel takes one head dim: the tiled kernels' padding is not its.)
+  takes_value_head_dim = can.value_head_dim and not can.value_head_dim_by_padding
+  if value_pages.shape[-1] != query.shape[-1] and not takes_value_head_dim:
     raise NotImplementedError(
         f"{CALLER}: the {name!r} kernel takes no value head dim other than the query/key head "
         f"dim yet; got query{query.shape} (H={query.shape[-1]}) and "

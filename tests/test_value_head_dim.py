@@ -9,7 +9,7 @@ rule: max error <= 2x the error of the same reference with the input dtype's rou
 tiny floor. Forward, lse and dq, dk, dv, alone and with causal, windows, lengths (empty rows),
 GQA/MQA, T != S, unbatched inputs, float32/bfloat16/float16, with soft cap, ALiBi and segment ids;
 then batch/head-sharded and context-parallel calls, paged attention, the Flax function, the
-trace-time errors, the FFI handlers' shape checks and the CUDA refusal.
+trace-time errors, the FFI handlers' shape checks and the CUDA kernels' padding to one head dim.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from jax.sharding import PartitionSpec as P
 
 import jax_flash
 from jax_flash import _decode, _dispatch, _ops, _registry
-from tests.attention_testing import (F32, Case, assert_within_rule, check_score_variant,
+from tests.attention_testing import (F32, Case, assert_within_rule, check_score_variant, ffi_calls,
                                      outputs_and_grads, packed_segment_ids, random_array,
                                      score_variant_attention, score_variant_references,
-                                     visible_keys)
+                                     simulate_cuda_host, visible_keys)
 
 IMPLEMENTATIONS = ["cpu", "blockwise", "xla"]
 
@@ -355,25 +355,49 @@ def test_value_head_dim_past_the_kernels_limit():
   assert out.shape == (1, 4, 2, 300)
 
 
-def test_cuda_kernels_refuse_it(monkeypatch):
-  """Where None picks the CUDA kernels, Hv != H raises at trace time naming the shapes and the
-  implementations that take it (a forced "cuda" needs a GPU to get that far); the kernel calls
-  themselves refuse it too, before any custom call is built."""
+@pytest.mark.parametrize("head_dim, head_dim_v", [(192, 128), (64, 32), (40, 72)])
+def test_cuda_calls_pad_to_one_head_dim(monkeypatch, head_dim, head_dim_v):
+  """The CUDA kernels take one head dim: where None picks them (or "cuda" is forced), a call
+  with Hv != H traces to forward and backward custom calls whose q, k, v, o and dO all have the
+  larger head dim, rounded up to the kernels' multiple of 8 (zero columns: no score changes, the
+  extra output columns are sliced off), and the output and dv come back with Hv. A GPU host with
+  the kernels built is simulated (traced, never run; test_cuda_matches_padded_reference runs
+  them). The kernel calls themselves still refuse unequal head dims."""
+  simulate_cuda_host(monkeypatch)
   monkeypatch.setattr(_dispatch, "default_implementation", lambda dtype: "cuda")
-  q, v = jnp.ones((2, 8, 2, 64), jnp.bfloat16), jnp.ones((2, 8, 2, 32), jnp.bfloat16)
-  with pytest.raises(NotImplementedError, match=_pattern(
-      "'cuda' kernels", "no value head dim", "query(2, 8, 2, 64) (H=64)",
-      "value(2, 8, 2, 32) (Hv=32)", "'cpu', 'blockwise', 'xla'", "implementation='blockwise'")):
-    jax_flash.dot_product_attention(q, q, v)
-  with pytest.raises(NotImplementedError, match="value head dim"):
-    _dispatch.select(None, _dispatch.Call(q.shape, q.dtype, value=v.shape))
+  q = jnp.ones((2, 128, 2, head_dim), jnp.bfloat16)
+  v = jnp.ones((2, 128, 2, head_dim_v), jnp.bfloat16)
+  common = -(-max(head_dim, head_dim_v) // 8) * 8
+  for implementation in (None, "cuda"):
+    def loss(q, k, v):
+      out = jax_flash.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+      assert out.shape == (2, 128, 2, head_dim_v)
+      return out.astype(F32).sum()
+
+    assert [x.shape for x in jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), q, q, v)] == [
+        q.shape, q.shape, v.shape]
+    calls = ffi_calls(jax.grad(loss, argnums=(0, 1, 2)), q, q, v)
+    assert [name for name, *_ in calls] == ["jax_flash_cuda_fwd", "jax_flash_cuda_bwd"]
+    for name, _, operands, results in calls:
+      heads = {x.shape[-1] for x in (*operands, *results) if x.ndim == 4 and x.dtype == jnp.bfloat16}
+      assert heads == {common}, (name, implementation, operands, results)
   config = _ops.KernelConfig("cuda", 0.125, False, -1, -1)
-  lens = jnp.full((2,), 8, jnp.int32)
-  with pytest.raises(NotImplementedError, match=_pattern("'cuda' kernels", "q(2, 8, 2, 64)",
-                                                         "v(2, 8, 2, 32)", "'blockwise'")):
+  lens = jnp.full((2,), 128, jnp.int32)
+  with pytest.raises(NotImplementedError, match=_pattern("'cuda' kernels", f"q(2, 128, 2, {head_dim})",
+                                                         f"v(2, 128, 2, {head_dim_v})")):
     _ops.flash_fwd(q, q, v, lens, lens, config)
-  with pytest.raises(NotImplementedError, match="'cuda' kernels take no value head dim"):
-    _ops.flash_bwd(q, q, v, q[..., :32], jnp.zeros((2, 2, 8)), q[..., :32], lens, lens, config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", [0, 1, 2, 3, 5])
+def test_cuda_matches_padded_reference(index):
+  """The CUDA kernels on the cases above in 16-bit (float32 ones cast to bfloat16): Hv != H
+  through their zero-padded head dims, forward and every gradient against the float32
+  reference, by the FlashAttention rule."""
+  vc = CASES[index]
+  if vc.case.jdtype == jnp.float32:
+    vc = dataclasses.replace(vc, case=dataclasses.replace(vc.case, dtype="bfloat16"))
+  check_score_variant(run(vc, "cuda"), *references(vc), _live(vc))
 
 
 def test_cuda_paged_kernel_refuses_it(monkeypatch):
