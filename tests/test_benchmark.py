@@ -512,3 +512,174 @@ def test_packed_documents_arguments_are_checked(capsys):
   args = benchmark.parse_args(["--platform", "cpu", "--seqs", "256", "--packed-documents", "4"])
   assert args.packed_documents == 4
   assert benchmark.parse_args(["--platform", "cpu"]).packed_documents is None
+
+
+# A value head dim of its own (--value-head-dim HV): v, the output and its cotangent have HV, q
+# and k the case's head dim (MLA-style; issue 17's H=192, Hv=128 figure).
+HV_CASE = dataclasses.replace(CASE, head_dim=64, value_head_dim=32)
+HV_CPU_RUN = ["--platform", "cpu", "--seqs", "64", "--head-dims", "32", "--causal", "yes",
+              "--reps", "1", "--value-head-dim", "16"]
+
+
+def _flops_before_value_head_dim(case, pass_name):
+  """Case.flops as it was before the value head dim: 4 B S^2 N H (halved when causal), times
+  1, 2.5 or 3.5, times the computed fraction."""
+  forward = 4.0 * case.batch * case.seq**2 * case.heads * case.head_dim
+  if case.causal:
+    forward /= 2
+  factor = {"fwd": 1.0, "bwd": benchmark.FWD_BWD_FLOP_FACTOR - 1.0,
+            "fwd+bwd": benchmark.FWD_BWD_FLOP_FACTOR}
+  return forward * factor[pass_name] * case.computed_fraction()
+
+
+def test_value_head_dim_flops_count_each_product_over_its_head_dim():
+  """Forward S = QK^T over H and PV over Hv: 2 B N T S (H + Hv); backward S again, dQ and dK
+  over H, dP and dV over Hv: 2 B N T S (3H + 2Hv); halved when causal (a hand count)."""
+  pairs = 2 * 2 * 4 * 1024 * 1024 / 2  # 2 B N T S, causal
+  assert HV_CASE.hv == 32 and HV_CASE.head_dim_label == "64/32"
+  assert HV_CASE.flops("fwd") == pairs * (64 + 32)
+  assert HV_CASE.flops("bwd") == pairs * (3 * 64 + 2 * 32)
+  assert HV_CASE.flops("fwd+bwd") == pairs * (4 * 64 + 3 * 32)
+  non_causal = dataclasses.replace(HV_CASE, causal=False)
+  assert non_causal.flops("fwd") == 2 * HV_CASE.flops("fwd")
+  packed = dataclasses.replace(HV_CASE, documents=4)
+  assert packed.flops("bwd") == HV_CASE.flops("bwd") / 4
+
+
+def test_value_head_dim_equal_to_head_dim_counts_as_before():
+  """With Hv = H (the option left out, or given the case's head dim) every count is exactly
+  today's: dense, causal or not, block-sparse, packed, every pass."""
+  for case in (CASE, dataclasses.replace(CASE, causal=False), SPARSE_CASE,
+               dataclasses.replace(SPARSE_CASE, causal=False), PACKED_CASE, GPU_CASE,
+               benchmark.Case(batch=1, seq=16384, heads=16, head_dim=128, dtype="bfloat16",
+                              causal=True)):
+    for same in (case, dataclasses.replace(case, value_head_dim=case.head_dim)):
+      for pass_name in ("fwd", "bwd", "fwd+bwd"):
+        assert same.flops(pass_name) == _flops_before_value_head_dim(case, pass_name), (
+            case, pass_name)
+  assert CASE.value_head_dim is None and CASE.head_dim_label == "64"
+
+
+def test_value_head_dim_inputs():
+  """make_inputs: query and key of head dim H, value and output cotangent of Hv; with Hv = H
+  the same arrays as without the option."""
+  case = dataclasses.replace(PACKED_CASE, documents=None, value_head_dim=16)
+  q, k, v, d_out = benchmark.make_inputs(case).arrays()
+  assert q.shape == k.shape == (1, 256, 4, 32) and v.shape == d_out.shape == (1, 256, 4, 16)
+  plain = benchmark.make_inputs(dataclasses.replace(case, value_head_dim=None)).arrays()
+  same = benchmark.make_inputs(dataclasses.replace(case, value_head_dim=32)).arrays()
+  for a, b in zip(plain, same, strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_cli_value_head_dim(tmp_path, capsys, monkeypatch):
+  """--value-head-dim on the CPU: the inputs each peer gets have v and dO of HV, q and k of
+  the case's head dim; jax_flash runs (its output of HV); XLA (jax.nn) and PyTorch's flash
+  kernel read 'unavailable' with the reason; the hdim column reads H/HV, the caption and
+  results.json say so, the FLOPs are the honest count."""
+  import json
+
+  from jax_flash.benchmark import runner
+
+  shapes = []
+  original = runner.make_inputs
+
+  def recording(case, *args, **kwargs):
+    inputs = original(case, *args, **kwargs)
+    shapes.append(tuple(x.shape for x in inputs.arrays()))
+    return inputs
+
+  monkeypatch.setattr(runner, "make_inputs", recording)
+  assert benchmark.main([*HV_CPU_RUN, "--out", str(tmp_path)]) == 0
+  assert shapes == [((1, 64, 4, 32), (1, 64, 4, 32), (1, 64, 4, 16), (1, 64, 4, 16))]
+  _, rows = table_rows(table_lines(capsys))
+  assert [row["pass"] for row in rows] == ["fwd", "bwd", "fwd+bwd"]
+  assert all(row["hdim"] == "32/16" and row["xla GFLOP/s"] == "unavailable" for row in rows)
+  assert rows[0]["GFLOP/s"] not in ("unavailable", "fails")
+  table = (tmp_path / "table.md").read_text()
+  assert "value head dim Hv=16" in table
+  assert f"- xla unavailable: {peers_module().JAX_NN_NO_VALUE_HEAD_DIM}" in table
+  results = json.loads((tmp_path / "results.json").read_text())
+  assert results["settings"]["value_head_dim"] == 16
+  case = benchmark.Case(1, 64, 4, 32, "float32", True, value_head_dim=16)
+  by_peer = {(m["peer"], m["pass"]): m for m in results["measurements"]}
+  for pass_name in ("fwd", "fwd+bwd"):
+    m = by_peer[("jax_flash", pass_name)]
+    assert m["status"] == "ok" and m["value_head_dim"] == 16 and m["flop"] == case.flops(pass_name)
+  torch_fwd = by_peer[("torch", "fwd")]
+  assert torch_fwd["status"] == "unavailable" and "value head dim" in torch_fwd["reason"]
+  out = peers_module().FLASH_CPU.build.args[0](*benchmark.make_inputs(case).arrays()[:3],
+                                               is_causal=True)
+  assert out.shape == (1, 64, 4, 16)
+
+
+def peers_module():
+  from jax_flash.benchmark import peers
+
+  return peers
+
+
+def test_jax_nn_peers_take_no_value_head_dim():
+  """jax.nn's xla and cudnn refuse a value of another head dim (a ValueError at trace time):
+  their cells read 'unavailable' with the reason, on both platforms, packed or not; the same
+  peers run the case with Hv = H; jax_flash takes it."""
+  peers = peers_module()
+  hv_case = dataclasses.replace(GPU_CASE, value_head_dim=4)
+  with pytest.raises(ValueError):
+    jax.eval_shape(lambda q, k, v: jax.nn.dot_product_attention(q, k, v),
+                   *benchmark.make_inputs(hv_case).arrays()[:3])
+  jax_nn = [p for p in (*benchmark.GPU.peers, *benchmark.CPU.peers) if p.name in ("xla", "cudnn")]
+  assert sorted(p.name for p in jax_nn) == ["cudnn", "xla", "xla"]
+  for peer in jax_nn:
+    for case in (hv_case, dataclasses.replace(hv_case, documents=2)):
+      assert peer.case_unavailable(case) == peers.JAX_NN_NO_VALUE_HEAD_DIM, peer.name
+    assert peer.case_unavailable(dataclasses.replace(hv_case, value_head_dim=8)) is None
+  for flash in (benchmark.CPU.peers[0], benchmark.GPU.peers[0]):
+    assert flash.case_unavailable(hv_case) is None
+
+  measurements = [m for results in benchmark.run(benchmark.GPU, [hv_case], reps=1,
+                                                 skip=("jax_flash", "tokamax", "pallas"))
+                  for m in results]
+  table = benchmark.format_table(benchmark.GPU, benchmark.with_backward(measurements))
+  for name in ("cudnn", "xla"):
+    cells = [m for m in measurements if m.peer == name]
+    assert cells and all(m.status == "unavailable" for m in cells)
+    assert f"- {name} unavailable: {peers.JAX_NN_NO_VALUE_HEAD_DIM}" in table
+  assert "| 16 | 8/4 | Y | fwd |" in table
+  if peers._pallas_unavailable() is None:  # Pallas' mha checks one head dim for q, k and v too
+    assert benchmark.GPU.peers[-1].case_unavailable(hv_case) == peers.PALLAS_NO_VALUE_HEAD_DIM
+
+
+def test_tokamax_is_given_the_value_head_dim(monkeypatch):
+  """tokamax's dot_product_attention takes a value of another head dim (its value "*B S K h",
+  output "*B T N h"): the peer passes v as it is and runs the case; a tokamax that refused it
+  at trace time (NotImplementedError) would read 'unavailable' with its reason. (A stand-in
+  module: tokamax needs Python >= 3.12.)"""
+  hv_case = dataclasses.replace(GPU_CASE, value_head_dim=4)
+  seen = []
+
+  def attention(query, key, value, *, is_causal, implementation, **options):
+    seen.append((query.shape, value.shape, implementation))
+    return jax_flash.dot_product_attention(query, key, value, is_causal=is_causal,
+                                           implementation="xla")
+
+  monkeypatch.setitem(sys.modules, "tokamax",
+                      types.SimpleNamespace(dot_product_attention=attention))
+  assert benchmark.TOKAMAX_GPU.case_unavailable(hv_case) is None
+  assert seen[0] == ((1, 16, 2, 8), (1, 16, 2, 4), "mosaic")
+
+  def refusing(*args, **kwargs):
+    raise NotImplementedError("no Hv here (test)")
+
+  monkeypatch.setitem(sys.modules, "tokamax", types.SimpleNamespace(dot_product_attention=refusing))
+  assert (benchmark.TOKAMAX_GPU.case_unavailable(hv_case)
+          == "NotImplementedError: no Hv here (test)")
+
+
+def test_value_head_dim_arguments_are_checked():
+  for bad in (["--value-head-dim", "0"], ["--value-head-dim", "1.5"], ["--value-head-dim", "x"],
+              ["--value-head-dim", "128", "--preset", "decode"]):
+    with pytest.raises(SystemExit):
+      benchmark.parse_args(["--platform", "cpu", *bad])
+  assert benchmark.parse_args(["--platform", "gpu", "--value-head-dim", "128"]).value_head_dim == 128
+  assert benchmark.parse_args(["--platform", "cpu"]).value_head_dim is None

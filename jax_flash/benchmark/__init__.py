@@ -5,7 +5,7 @@
                                   [--reps N] [--out DIR] [--quick] [--deterministic]
                                   [--skip PEER ...] [--block-density D]
                                   [--logits-soft-cap C] [--alibi] [--sinks] [--dropout-rate R]
-                                  [--packed-documents D]
+                                  [--packed-documents D] [--value-head-dim HV]
 
 Each platform (`platforms`) has a list of cases (`cases`), a list of peers (`peers`) and a table
 layout (`columns`):
@@ -69,6 +69,15 @@ row's FLOPs count only the pairs within documents (1/D of the dense convention's
 documents (seq/D)^2, halved when causal), which is also what the separate rows compute, so
 the rates compare. results.json: settings' "packed_documents", each measurement's
 "documents".
+
+With --value-head-dim HV, every case's value (and so its output and output cotangent) has head
+dim HV, (B, S, N, HV), while query and key keep the case's head dim H (MLA: DeepSeek-V2's
+192/128); the hdim column reads "H/HV", results.json records settings' and each measurement's
+"value_head_dim". FLOPs count each product over its own head dim (cases.PASS_PRODUCTS): forward
+2·B·N·T·S·(H + HV), backward 2·B·N·T·S·(3H + 2HV), halved when causal; with HV = H exactly the
+counts above. jax_flash and tokamax (whose dot_product_attention takes a value of another head
+dim) run such cases; jax.nn's cuDNN and XLA, Pallas' mha and PyTorch's CPU flash kernel read
+"unavailable" with the reason (`peers`).
 
 With --out DIR: results.json (environment, settings, every measurement) and table.md, rewritten
 after each case so that an interrupted run keeps what it measured (`report`), and plot.png at the

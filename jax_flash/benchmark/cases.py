@@ -12,8 +12,15 @@ import numpy as np
 
 # The passes each peer runs on each case.
 PASSES = ("fwd", "fwd+bwd")
-# Forward plus backward costs 3.5 forwards (the backward 2.5).
+# Forward plus backward costs 3.5 forwards (the backward 2.5) where the value head dim is the
+# query's (Case.flops counts a value head dim of its own product by product).
 FWD_BWD_FLOP_FACTOR = 3.5
+# The matrix products of each pass, by the head dim each contracts or produces over: the forward
+# S = Q K^T (H) and O = P V (Hv); the backward S again (H), dP = dO V^T (Hv), dV = P^T dO (Hv),
+# dQ = dS K (H) and dK = dS^T Q (H). Each costs 2 T S times its head dim per batch row and head
+# (halved when causal): with Hv = H, 2 products forward and 5 backward (2.5x the forward, 3.5x
+# in all: FWD_BWD_FLOP_FACTOR).
+PASS_PRODUCTS = {"fwd": (1, 1), "bwd": (3, 2), "fwd+bwd": (4, 3)}  # (over H, over Hv)
 # The FlashAttention benchmark's GPU shapes: tokens per batch and model width.
 GPU_TOKENS = 16384
 GPU_HIDDEN = 2048
@@ -27,7 +34,9 @@ class Case:
   """One attention problem: self-attention of `seq` tokens, shapes (B, S, N, H); with
   `block_density` block-sparse, under block_mask() (None: dense, no block mask); with
   `documents` D packed: each row holds D documents of seq / D tokens end to end
-  (document_ids), and a token attends only within its document (None: one sequence a row).
+  (document_ids), and a token attends only within its document (None: one sequence a row);
+  with `value_head_dim` Hv, v (and so the output and its cotangent) is (B, S, N, Hv) while q
+  and k keep H (MLA; None: Hv = H).
   """
 
   batch: int
@@ -38,16 +47,29 @@ class Case:
   causal: bool
   block_density: float | None = None
   documents: int | None = None
+  value_head_dim: int | None = None
+
+  @property
+  def hv(self) -> int:
+    """The value's (and the output's) head dim: value_head_dim, else head_dim."""
+    return self.head_dim if self.value_head_dim is None else self.value_head_dim
+
+  @property
+  def head_dim_label(self) -> str:
+    """The head dim as the table shows it: "64", or "192/128" (H/Hv) with a value head dim."""
+    return str(self.head_dim) if self.value_head_dim is None else f"{self.head_dim}/{self.hv}"
 
   def flops(self, pass_name: str) -> float:
-    """FLOPs of one pass by the FlashAttention convention; a block-sparse case counts only the
-    blocks its mask lets through, a packed one only the pairs within documents
+    """FLOPs of one pass by the FlashAttention convention, product by product (PASS_PRODUCTS):
+    2 B N T S per unit of head dim, halved when causal; forward 2 B N T S (H + Hv), backward
+    2 B N T S (3 H + 2 Hv) (with Hv = H: 4 B N S^2 H and 2.5x that). A block-sparse case counts
+    only the blocks its mask lets through, a packed one only the pairs within documents
     (computed_fraction)."""
-    forward = 4.0 * self.batch * self.seq**2 * self.heads * self.head_dim
+    pairs = 2.0 * self.batch * self.seq**2 * self.heads
     if self.causal:
-      forward /= 2
-    factor = {"fwd": 1.0, "bwd": FWD_BWD_FLOP_FACTOR - 1.0, "fwd+bwd": FWD_BWD_FLOP_FACTOR}
-    return forward * factor[pass_name] * self.computed_fraction()
+      pairs /= 2
+    over_h, over_hv = PASS_PRODUCTS[pass_name]
+    return pairs * (over_h * self.head_dim + over_hv * self.hv) * self.computed_fraction()
 
   def block_mask(self) -> np.ndarray | None:
     """The case's (Tb, Sb) block mask (jax_flash.BLOCK_MASK_BLOCK blocks; None when dense):
@@ -127,8 +149,9 @@ def packed_cases(cases: Sequence[Case], documents: int) -> list[Case]:
 
 @dataclasses.dataclass(frozen=True)
 class Inputs:
-  """Query, key, value and output cotangent of one case, (B, S, N, H) host arrays, and its
-  block mask (Tb, Sb), None when dense."""
+  """Query, key, value and output cotangent of one case, host arrays: query and key
+  (B, S, N, H), value and cotangent (B, S, N, Hv); and its block mask (Tb, Sb), None when
+  dense."""
 
   query: np.ndarray
   key: np.ndarray
@@ -142,16 +165,19 @@ class Inputs:
 
 
 def make_inputs(case: Case, seed: int = 0) -> Inputs:
-  """Random normal inputs of the case's shape and dtype (never zeros), with its block mask."""
-  inputs = _random_inputs((case.batch, case.seq, case.heads, case.head_dim), case.dtype, seed)
+  """Random normal inputs of the case's shapes and dtype (never zeros), with its block mask:
+  query and key of head dim H, value and output cotangent of Hv (case.hv)."""
+  rows = (case.batch, case.seq, case.heads)
+  inputs = _random_inputs((*rows, case.head_dim), (*rows, case.hv), case.dtype, seed)
   return dataclasses.replace(inputs, block_mask=case.block_mask())
 
 
 @functools.lru_cache(maxsize=1)  # a causal case and its non-causal twin share their inputs
-def _random_inputs(shape: tuple[int, ...], dtype: str, seed: int) -> Inputs:
+def _random_inputs(shape: tuple[int, ...], value_shape: tuple[int, ...], dtype: str,
+                   seed: int) -> Inputs:
   rng = np.random.default_rng(seed)
-  return Inputs(*(rng.standard_normal(shape, np.float32).astype(jnp.dtype(dtype))
-                  for _ in range(4)))
+  return Inputs(*(rng.standard_normal(s, np.float32).astype(jnp.dtype(dtype))
+                  for s in (shape, shape, value_shape, value_shape)))
 
 
 def cpu_cases(seqs: Sequence[int], head_dims: Sequence[int],

@@ -75,6 +75,11 @@ def documents(text: str) -> int:
   return int(_number(text, lambda v: v >= 1 and v == int(v), "a positive integer"))
 
 
+def value_head_dim(text: str) -> int:
+  """A value head dim: a positive integer."""
+  return int(_number(text, lambda v: v >= 1 and v == int(v), "a positive head dim"))
+
+
 def _per_platform(attribute: str) -> str:
   """Each platform's value of a setting, for help texts: "cpu: 512,1024; gpu: 1024,4096"."""
   values = {p.name: getattr(p, attribute) for p in PLATFORMS.values()}
@@ -112,6 +117,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--head-dims", type=positive_ints, nargs="+", metavar="HDIM",
                       help=f"head dims (default: {_per_platform('default_head_dims')}); only "
                            "platforms whose table shows the head dim take this option")
+  parser.add_argument("--value-head-dim", type=value_head_dim, metavar="HV",
+                      help="MLA-style cases: every case's value, and so its output and output "
+                           "cotangent, has head dim HV (v (B, S, N, HV)) while query and key "
+                           "keep the case's head dim H (e.g. --head-dims 192 --value-head-dim "
+                           "128, DeepSeek-V2's); the hdim column reads H/HV, results.json "
+                           "records it (settings' value_head_dim); FLOPs count each product "
+                           "over its own head dim: forward 2*B*N*T*S*(H+HV), backward "
+                           "2*B*N*T*S*(3H+2HV) (halved when causal; with HV = H the usual 4 B "
+                           "N S^2 H and 2.5x it). Peers that take no such value read "
+                           "'unavailable' with the reason (jax.nn's cudnn and xla, Pallas, "
+                           "PyTorch's CPU flash kernel); jax_flash and tokamax run it (default: "
+                           "HV = H)")
   parser.add_argument("--causal", choices=("both", "yes", "no"), default="both",
                       help="causal cases, non-causal cases or both (default: both)")
   parser.add_argument("--reps", type=int, default=20,
@@ -194,6 +211,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
       args.preset is not None or args.block_density is not None or args.variant is not None):
     parser.error("--packed-documents does not apply to --preset, --block-density or the score "
                  "variants")
+  if args.value_head_dim is not None and args.preset is not None:
+    parser.error("--value-head-dim does not apply to --preset (its cases have head dim 128 "
+                 "for q, k and v)")
   if args.decode_reduce is not None and (args.preset != "decode" or args.decode_reduce < 1):
     parser.error("--decode-reduce takes a positive integer, with --preset decode")
   if args.cases is not None:
@@ -228,6 +248,13 @@ def case_seqs(args: argparse.Namespace, platform: Platform) -> tuple[int, ...]:
   if args.seqs:
     return tuple(args.seqs)
   return platform.quick_seqs if args.quick else platform.default_seqs
+
+
+def value_head_dim_caption(hv: int) -> str:
+  """The caption line of a run with --value-head-dim."""
+  return (f"value head dim Hv={hv}: v, the output and its cotangent (B, S, N, {hv}), q and k "
+          f"the case's head dim H (hdim H/Hv); FLOPs count each product over its head dim: "
+          f"forward 2*B*N*T*S*(H+Hv), backward 2*B*N*T*S*(3H+2Hv), halved when causal")
 
 
 def variant_of(args: argparse.Namespace) -> Variant | None:
@@ -277,6 +304,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   cases = platform.make_cases(seqs, head_dims, causal_modes)
   if args.dtype is not None:
     cases = [dataclasses.replace(case, dtype=args.dtype) for case in cases]
+  if args.value_head_dim is not None:
+    cases = [dataclasses.replace(case, value_head_dim=args.value_head_dim) for case in cases]
   if args.block_density is not None:
     cases = block_sparse_cases(cases, args.block_density)
     platform = with_block_sparse(platform)
@@ -295,7 +324,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   mode_caption = (variant_caption(args.variant) if args.variant is not None
                   else packed_caption(platform, args.packed_documents)
                   if args.packed_documents is not None else None)
-  caption = "\n".join(filter(None, (caption, mode_caption))) or None
+  value_caption = (None if args.value_head_dim is None
+                   else value_head_dim_caption(args.value_head_dim))
+  caption = "\n".join(filter(None, (caption, value_caption, mode_caption))) or None
   settings = dict(seqs=list(seqs), head_dims=list(head_dims), causal=args.causal,
                   reps=args.reps, warm_up_runs=platform.warm_up_runs,
                   time_budget_s=TIME_BUDGET_S, quick=args.quick, cases=len(cases),
@@ -303,7 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   dtype=cases[0].dtype if cases else args.dtype, interleave=args.interleave,
                   load_average=list(os.getloadavg()), block_density=args.block_density,
                   variant=None if args.variant is None else dataclasses.asdict(args.variant),
-                  packed_documents=args.packed_documents)
+                  packed_documents=args.packed_documents, value_head_dim=args.value_head_dim)
   measurements: list[Measurement] = []
   for results in run(platform, cases, args.reps, skip, interleave=args.interleave):
     measurements.extend(results)
@@ -318,6 +349,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       title += f", block density {args.block_density:g}"
     if args.packed_documents is not None:
       title += f", {args.packed_documents} documents per row"
+    if args.value_head_dim is not None:
+      title += f", value head dim {args.value_head_dim}"
     try:
       write_plot(args.out / "plot.png", platform, measurements, title)
     except Exception as e:  # the plot only shows what results.json holds: warn, lose nothing

@@ -28,7 +28,8 @@ class Column:
 
 
 SEQ_COLUMN = Column("seq", lambda row: str(row.case.seq))
-HEAD_DIM_COLUMN = Column("hdim", lambda row: str(row.case.head_dim))
+# The head dim, "H/Hv" in a run with a value head dim (--value-head-dim: "192/128").
+HEAD_DIM_COLUMN = Column("hdim", lambda row: row.case.head_dim_label)
 CAUSAL_COLUMN = Column("causal", lambda row: "Y" if row.case.causal else "N")
 PASS_COLUMN = Column("pass", lambda row: row.pass_name)
 # Block-sparse runs: the share of the dense FLOPs a row's case computes ("dense": no block mask).

@@ -4,7 +4,9 @@ A peer builds, for one case, a step per pass that runs the forward pass to compl
 runs forward and backward; or it reports why it is unavailable (a package that does not import, a
 kernel this build lacks), everywhere or for a kind of case (block-sparse cases: only the peers
 that can express a block mask run them; packed-document cases: only those that take segment ids
-or a mask, and whose kernel does not refuse them at trace time).
+or a mask, and whose kernel does not refuse them at trace time; cases with a value head dim
+Hv != H (--value-head-dim): only those whose call takes such a value, jax_flash and tokamax; not
+jax.nn's cudnn and xla, Pallas' mha or PyTorch's CPU flash kernel).
 """
 
 from __future__ import annotations
@@ -27,12 +29,19 @@ from jax_flash.benchmark.machine import usable_cores
 from jax_flash.benchmark.measure import (ACCELERATOR_CALLS_PER_STEP, Compiled, Prepare,
                                          compile_step, failure_reason)
 
-# An attention function over (B, S, N, H) arrays: (query, key, value, is_causal) -> output; for a
-# block-sparse case also block_mask=(Tb, Sb) bool, for a packed case documents=D (an int).
+# An attention function over (B, S, N, H) arrays (value (B, S, N, Hv)): (query, key, value,
+# is_causal) -> output; for a block-sparse case also block_mask=(Tb, Sb) bool, for a packed case
+# documents=D (an int).
 AttentionFn = Callable[..., jax.Array]
 
 NO_BLOCK_MASK = "takes no block mask (block-sparse cases run jax_flash's 'cpu' kernel and XLA)"
 NO_DOCUMENTS = "takes no segment ids or mask (packed documents)"
+# Why jax.nn's implementations and Pallas' mha run no case with a value head dim Hv != H: each
+# checks that value has the head dim of query and key (a ValueError at trace time).
+JAX_NN_NO_VALUE_HEAD_DIM = ("jax.nn.dot_product_attention takes no value head dim Hv != H "
+                            "(ValueError: value must have key's shape)")
+PALLAS_NO_VALUE_HEAD_DIM = ("Pallas' mha takes no value head dim Hv != H (ValueError: q, k and v "
+                            "must have the same head dimension)")
 # A case's kinds a peer runs: a reason it does not, None where it does.
 CaseKinds = Callable[[Case], str | None]
 
@@ -74,8 +83,9 @@ def trace_refusal(attention: AttentionFn, case: Case,
   """Why `attention` refuses the case at trace time (one of the `refused` errors, by default a
   NotImplementedError, in its forward or backward), or None; other errors are left to the run,
   which records them as failures. Not cached: each probe traces the call afresh."""
-  shape = jax.ShapeDtypeStruct((case.batch, case.seq, case.heads, case.head_dim),
-                               jnp.dtype(case.dtype))
+  dtype = jnp.dtype(case.dtype)
+  shape = jax.ShapeDtypeStruct((case.batch, case.seq, case.heads, case.head_dim), dtype)
+  value = jax.ShapeDtypeStruct((case.batch, case.seq, case.heads, case.hv), dtype)
   mask = case.block_mask()
   blocks = () if mask is None else (jax.ShapeDtypeStruct(mask.shape, mask.dtype),)
   forward = _case_call(attention, case)
@@ -85,7 +95,7 @@ def trace_refusal(attention: AttentionFn, case: Case,
     return vjp(d_out)
 
   try:
-    jax.eval_shape(forward_backward, shape, shape, shape, shape, *blocks)
+    jax.eval_shape(forward_backward, shape, shape, value, value, *blocks)
   except refused as e:
     return failure_reason(e)
   except Exception:  # noqa: BLE001  (not a refusal: the run records what it is)
@@ -93,17 +103,42 @@ def trace_refusal(attention: AttentionFn, case: Case,
   return None
 
 
+def has_value_head_dim(case: Case) -> bool:
+  """Whether the case's value head dim differs from its query/key head dim."""
+  return case.hv != case.head_dim
+
+
 def probed(attention: AttentionFn, kinds: CaseKinds,
            refused: tuple[type[Exception], ...] = (NotImplementedError,)) -> CaseKinds:
-  """`kinds`, and for a packed case it runs, the refusal of `attention` at trace time
-  (trace_refusal: e.g. cuDNN's ValueError for a call it does not support; jax_flash's "cpu"
-  and "cuda" kernels both take segment ids)."""
+  """`kinds`, and for a packed case or one with a value head dim Hv != H that it runs, the
+  refusal of `attention` at trace time (trace_refusal: e.g. cuDNN's ValueError for a call it
+  does not support; jax_flash's "cpu" and "cuda" kernels both take segment ids and Hv != H)."""
 
   def unavailable(case: Case) -> str | None:
     reason = kinds(case)
-    if reason is None and case.documents is not None:
+    if reason is None and (case.documents is not None or has_value_head_dim(case)):
       reason = trace_refusal(attention, case, refused)
     return reason
+
+  return unavailable
+
+
+def value_head_dim_refusal(attention: AttentionFn, reason: str, kinds: CaseKinds,
+                           refused: tuple[type[Exception], ...] = (ValueError,
+                                                                   NotImplementedError)
+                           ) -> CaseKinds:
+  """`kinds`, and first, for a case with a value head dim Hv != H, `reason` where `attention`
+  refuses such a value at trace time (one of `refused`, probed on the case's plain twin: dense,
+  one sequence a row, so that the refusal is the value's). One line of reason for every case,
+  where the error's own message would name each case's shapes; a peer that comes to take Hv
+  != H runs such cases without a change here."""
+
+  def unavailable(case: Case) -> str | None:
+    if has_value_head_dim(case):
+      plain = dataclasses.replace(case, block_density=None, documents=None)
+      if trace_refusal(attention, plain, refused) is not None:
+        return reason
+    return kinds(case)
 
   return unavailable
 
@@ -259,7 +294,7 @@ def _pallas_unavailable() -> str | None:
 def _pallas_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
                       is_causal: bool, documents: int | None = None) -> jax.Array:
   """Pallas' Triton FlashAttention on (B, T, N, H) arrays, scaled by 1/sqrt(H) as jax.nn is;
-  a packed case with its (B, T) segment ids.
+  a packed case with its (B, T) segment ids (a value head dim Hv != H: its ValueError).
 
   Its signature has changed between JAX versions: `segment_ids`, `sm_scale` and `causal` are
   passed only where `mha` has them, and a causal or packed case fails where it has no
@@ -301,7 +336,9 @@ def _tokamax_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
   """tokamax's Mosaic GPU FlashAttention (a Pallas kernel for Hopper) on (B, T, N, H) arrays,
   scaled by 1/sqrt(H) by default as jax.nn is; a packed case with the (B, 1, T, S) bool mask
   (segment_mask) where its dot_product_attention has a `mask` parameter, else a
-  NotImplementedError.
+  NotImplementedError. A value (B, S, N, Hv) of another head dim is passed as it is: tokamax's
+  dot_product_attention takes one (value "*B S K h", output "*B T N h"; the Mosaic GPU kernels
+  size v, the accumulator and the output by v's head dim, forward and backward).
 
   `implementation="mosaic"` holds tokamax to that kernel: left to choose, it falls back to
   Triton or XLA without a word where Mosaic does not apply, and the figure would not say which
@@ -347,10 +384,42 @@ def _torch_flash_mask_refusal() -> str | None:
   return None
 
 
+@functools.lru_cache(maxsize=1)
+def _torch_flash_value_head_dim_refusal() -> str | None:
+  """Why PyTorch's CPU flash kernel takes no value of another head dim here (a tiny forward and
+  backward with Hv != H held to it; torch 2.x refuses, warning that the flash kernel needs one
+  last dimension for q, k and v), None where it takes one."""
+  import warnings
+
+  import torch
+  from torch.nn.attention import SDPBackend, sdpa_kernel
+
+  q = torch.randn(1, 1, 8, 8, requires_grad=True)
+  v = torch.randn(1, 1, 8, 4, requires_grad=True)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    try:
+      with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        torch.nn.functional.scaled_dot_product_attention(q, q, v).sum().backward()
+    except RuntimeError as e:
+      # Its warning says why ("Flash attention requires q,k,v to have the same last
+      # dimension. Got ..."); the error only that no kernel is left.
+      said = [str(w.message).split(". Got")[0].strip() for w in caught
+              if "dimension" in str(w.message)]
+      why = said[0].splitlines()[0] if said else failure_reason(e)
+      return f"its CPU flash kernel (the one timed) takes no value head dim Hv != H here ({why})"
+  return None
+
+
 def _torch_case_unavailable(case: Case) -> str | None:
-  """PyTorch's flash kernel runs dense cases, and packed ones where it takes an attn_mask."""
+  """PyTorch's flash kernel runs dense cases, packed ones where it takes an attn_mask, and ones
+  with a value head dim Hv != H where it takes such a value."""
   if case.block_density is not None:
     return "its flash kernel (the one timed) takes no block mask"
+  if has_value_head_dim(case):
+    reason = _torch_flash_value_head_dim_refusal()
+    if reason is not None:
+      return reason
   return None if case.documents is None else _torch_flash_mask_refusal()
 
 
@@ -372,7 +441,7 @@ def torch_attn_mask(case: Case):
 
 def _build_torch_cpu(case: Case, inputs: Inputs) -> dict[str, Prepare]:
   """Passes of PyTorch's CPU scaled_dot_product_attention, held to its flash kernel, on
-  (B, N, S, H) tensors of the case's dtype with a thread per usable core; a packed case with a
+  (B, N, S, H) tensors (value and cotangent Hv) of the case's dtype with a thread per usable core; a packed case with a
   (B, 1, T, S) bool attn_mask of its documents, the causal mask folded in (PyTorch takes
   is_causal or attn_mask, not both), made before the steps."""
   import torch
@@ -405,23 +474,27 @@ def _build_torch_cpu(case: Case, inputs: Inputs) -> dict[str, Prepare]:
 # ---------------------------------------------------------------------------------------------
 # The peers of each platform
 
-# XLA takes every kind of case; the rest take packed cases where they do not refuse them at
-# trace time (cuDNN through jax.nn raises ValueError for what it does not support).
+# XLA takes every kind of case but a value head dim Hv != H (as cuDNN, both through jax.nn); the
+# rest take packed cases where they do not refuse them at trace time (cuDNN through jax.nn
+# raises ValueError for what it does not support), and Hv != H where their call takes it.
 _XLA = functools.partial(_jax_nn_attention, "xla")
 _CUDNN = functools.partial(_jax_nn_attention, "cudnn")
 _PACKED_TOO = case_kinds(packed=None)
+_XLA_KINDS = value_head_dim_refusal(_XLA, JAX_NN_NO_VALUE_HEAD_DIM, case_kinds(None, None))
 
 FLASH_CPU = flash_peer("cpu", "cpu")
-XLA_CPU = jax_peer("xla", "xla", "cpu", _XLA, case_unavailable=case_kinds(None, None))
+XLA_CPU = jax_peer("xla", "xla", "cpu", _XLA, case_unavailable=_XLA_KINDS)
 TORCH_CPU = Peer(name="torch", label="torch", unavailable=_torch_unavailable,
                  build=_build_torch_cpu, case_unavailable=_torch_case_unavailable)
 
 FLASH_GPU = flash_peer("cuda", "gpu")
 CUDNN_GPU = jax_peer("cudnn", "cudnn", "gpu", _CUDNN,
-                     case_unavailable=probed(_CUDNN, _PACKED_TOO,
-                                             (NotImplementedError, ValueError)))
+                     case_unavailable=value_head_dim_refusal(
+                         _CUDNN, JAX_NN_NO_VALUE_HEAD_DIM,
+                         probed(_CUDNN, _PACKED_TOO, (NotImplementedError, ValueError))))
 TOKAMAX_GPU = jax_peer("tokamax", "tokamax", "gpu", _tokamax_attention, _tokamax_unavailable,
                        probed(_tokamax_attention, _PACKED_TOO))
-XLA_GPU = jax_peer("xla", "xla", "gpu", _XLA, case_unavailable=case_kinds(None, None))
+XLA_GPU = jax_peer("xla", "xla", "gpu", _XLA, case_unavailable=_XLA_KINDS)
 PALLAS_GPU = jax_peer("pallas", "pallas", "gpu", _pallas_attention, _pallas_unavailable,
-                      probed(_pallas_attention, _PACKED_TOO))
+                      value_head_dim_refusal(_pallas_attention, PALLAS_NO_VALUE_HEAD_DIM,
+                                             probed(_pallas_attention, _PACKED_TOO)))

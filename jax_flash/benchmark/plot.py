@@ -28,6 +28,7 @@ def write_plot(path: pathlib.Path, platform: Platform, measurements: Sequence[Me
   unit = platform.rate_unit
   seqs = sorted({m.case.seq for m in measurements})
   head_dims = sorted({m.case.head_dim for m in measurements})
+  labels = {m.case.head_dim: m.case.head_dim_label for m in measurements}  # "192/128" with Hv
   causal_modes = sorted({m.case.causal for m in measurements})
   figure = Figure(figsize=(6 * len(causal_modes), 4 * len(head_dims)), layout="constrained")
   FigureCanvasAgg(figure)
@@ -49,7 +50,7 @@ def write_plot(path: pathlib.Path, platform: Platform, measurements: Sequence[Me
       ax.set_xticks(seqs, [str(seq) for seq in seqs])
       ax.set_ylim(bottom=0)
       ax.grid(alpha=0.3)
-      ax.set_title(f"head dim {head_dim}, {'causal' if causal else 'not causal'}")
+      ax.set_title(f"head dim {labels[head_dim]}, {'causal' if causal else 'not causal'}")
       ax.set_xlabel("sequence length")
       ax.set_ylabel(unit)
       if ax.lines:

@@ -70,7 +70,7 @@ def block_sparse_speedups(measurements: Sequence[Measurement], peer: str = "jax_
     if ratios:
       lines.append(f"- {peer} block-sparse ({100 * case.computed_fraction():.1f}% of the blocks, "
                    f"density {case.block_density:g}) against dense, seq {case.seq} hdim "
-                   f"{case.head_dim} causal {'Y' if case.causal else 'N'}: "
+                   f"{case.head_dim_label} causal {'Y' if case.causal else 'N'}: "
                    f"{', '.join(ratios)} faster")
   return "\n".join(lines)
 

@@ -78,7 +78,7 @@ def _case_kind(case: Case) -> str:
 def _pass_progress(index: int, total: int, measurement: Measurement, unit: RateUnit) -> str:
   """One line per peer and pass of a case: its median time and rate, or why it did not run."""
   m, case = measurement, measurement.case
-  where = (f"[{index}/{total}] seq {case.seq} hdim {case.head_dim} "
+  where = (f"[{index}/{total}] seq {case.seq} hdim {case.head_dim_label} "
            f"causal {'Y' if case.causal else 'N'}{_case_kind(case)} {m.peer} {m.pass_name}:")
   if m.ok:
     result = (f"{m.median_s * 1e3:.3f} ms {m.flop_rate(unit):.1f} {unit} "
