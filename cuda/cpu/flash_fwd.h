@@ -52,7 +52,8 @@ inline void mask_row(float* s, int64_t j0, int64_t cols, int64_t padded_cols, Ke
 // the row's sum stays below 2, so the unnormalised P V accumulator stays within twice the
 // largest |value|: finite wherever jax.nn's normalised output is (values near FLT_MAX / keys
 // overflowed it: issue 13 item 4). lse = (reference + log2 sum) ln 2 holds for any reference;
-// keys more than 2^-121 below the max (not 2^-127) round to 0, far under float32's precision.
+// keys more than 2^-121 below the max (not 2^-127) round to 0 (with AVX-512's exp2 to a subnormal
+// down to 2^-143), far under float32's precision.
 inline constexpr float kSumHeadroom = 6.f;
 static_assert(kBlockK <= 64, "a block's probabilities sum to at most 2^kSumHeadroom");
 // A forward whose key blocks hold up to 128 keys (both products classes of the forward: one

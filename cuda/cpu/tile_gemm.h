@@ -51,6 +51,10 @@ inline void gemm_panel(int64_t k0, int64_t k1, float alpha, const float* __restr
   const float* ar[MR];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) ar[r] = a + r * a_row;
+  // Two k a trip (the same FMA chain per accumulator: bit-identical sums): with AVX-512, one
+  // thread, load ~1.5 (session 18): the seq-4096 hd-128 forward 143-151 -> 151-159 GFLOP/s,
+  // hd 64 +2%; AVX2 within the spread.
+#pragma GCC unroll 2
   for (int64_t k = k0; k < k1; ++k) {
     Vec bv[NV];
 #pragma GCC unroll 8
