@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "common/attention_params.h"
+#include "gpu/launch.h"
 #include "gpu/ptx.cuh"
 
 namespace jax_flash::cuda {
@@ -31,7 +32,7 @@ __global__ void flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams p)
 // thread per step; rows past seq_q and columns past head_dim are padding.
 template <typename T>
 __global__ void flash_bwd_convert_tiled_dq_kernel(const __grid_constant__ BwdParams p) {
-  constexpr int kRows = 64, kColumns = 128, kPart = kRows * kColumns / 2;
+  constexpr int kRows = kTiledDqRows, kColumns = kTiledDqColumns, kPart = kRows * kColumns / 2;
   const AttentionShape& sh = p.shape;
   const int64_t m_blocks = (sh.seq_q + kRows - 1) / kRows;
   const int64_t quads = sh.batch * sh.heads_q * m_blocks * kRows * kColumns / 4;

@@ -42,9 +42,13 @@ template <typename T, int kHeadDim>
 cudaError_t launch_bwd_main_sm90_ws(const BwdParams& p, Sm90BwdVariant variant, cudaStream_t stream) {
   if (variant == Sm90BwdVariant::kBulkDq)
     return launch<typename TileShapes<kHeadDim>::Sm90BwdWsBulkDq, T>(p, stream);
-  if constexpr (TileShapes<kHeadDim>::kHasSm90BwdTiledDq)
-    if (variant == Sm90BwdVariant::kTiledDq)
-      return launch<typename TileShapes<kHeadDim>::Sm90BwdWsTiledDq, T>(p, stream);
+  if constexpr (TileShapes<kHeadDim>::kHasSm90BwdTiledDq) {
+    using Tiled = typename TileShapes<kHeadDim>::Sm90BwdWsTiledDq;
+    // The accumulator's tiles (gpu/launch.h, sized there and read by the tiled convert) are the
+    // kernel's visits: a query block of every head-dim column.
+    static_assert(Tiled::kBlockM == kTiledDqRows && Tiled::kHeadDim == kTiledDqColumns, "tiled dQ geometry");
+    if (variant == Sm90BwdVariant::kTiledDq) return launch<Tiled, T>(p, stream);
+  }
   if constexpr (TileShapes<kHeadDim>::kHasSm90BwdBlockM128)
     if (variant == Sm90BwdVariant::kBlockM128)
       return launch<typename TileShapes<kHeadDim>::Sm90BwdWsBlockM128, T>(p, stream);

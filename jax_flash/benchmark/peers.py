@@ -441,9 +441,9 @@ def torch_attn_mask(case: Case):
 
 def _build_torch_cpu(case: Case, inputs: Inputs) -> dict[str, Prepare]:
   """Passes of PyTorch's CPU scaled_dot_product_attention, held to its flash kernel, on
-  (B, N, S, H) tensors (value and cotangent Hv) of the case's dtype with a thread per usable core; a packed case with a
-  (B, 1, T, S) bool attn_mask of its documents, the causal mask folded in (PyTorch takes
-  is_causal or attn_mask, not both), made before the steps."""
+  (B, N, S, H) tensors (value and cotangent Hv) of the case's dtype with a thread per usable
+  core; a packed case with a (B, 1, T, S) bool attn_mask of its documents, the causal mask
+  folded in (PyTorch takes is_causal or attn_mask, not both), made before the steps."""
   import torch
   from torch.nn.attention import SDPBackend, sdpa_kernel
 
