@@ -87,6 +87,14 @@ __device__ __forceinline__ void store_transposed_ds(T* ds, const float (&dst)[1]
                              warp_key0, 0, lane);
 }
 
+// A warp's rows of a zero dS^T (a warpgroup whose keys the block's queries do not see), stored
+// from constants (store_transposed_ds's layout).
+template <typename Traits, typename T>
+__device__ __forceinline__ void store_zero_ds(T* ds, int warp_key0, int lane) {
+  const float zeros[1][Traits::kBlockM / 8][4] = {};
+  store_transposed_ds<Traits>(ds, zeros, warp_key0, lane);
+}
+
 // store_transposed_ds from dS^T packed as A fragments (Traits::kDkFromRegisters).
 template <typename Traits, typename T>
 __device__ __forceinline__ void store_transposed_ds_fragments(T* ds, const uint32_t (&dst)[Traits::kBlockM / 16][1][4],
