@@ -321,13 +321,13 @@ def test_forward_on_a_cta_per_tile_on_hopper():
       "or test_command_buffer_capture or test_jit_training_step_reduces_loss")
 
 
-def test_forward_tensor_sums_on_hopper():
-  """Experimental: with JAX_FLASH_CUDA_FORWARD=sm90ws_tensorsums the differentiated forward on the
-  128 x 128 tiles (head dims 64 and 128) takes the sums of its 16-bit P from the tensor cores (P
-  times a column of ones); the reference cases, deterministic ones, the forward's own split of o
-  and the training step pass."""
+def test_forward_alu_sums_on_hopper():
+  """With JAX_FLASH_CUDA_FORWARD=sm90ws_alusums the differentiated forward on the 128 x 128 tiles
+  (head dims 64 and 128) sums its 16-bit P in the softmax (unpacking and adding each) instead of
+  on the tensor cores as the default does; the reference cases, deterministic ones, the
+  forward's own split of o and the training step pass."""
   _run_cuda_tests_on_hopper_with(
-      {"JAX_FLASH_CUDA_FORWARD": "sm90ws_tensorsums"},
+      {"JAX_FLASH_CUDA_FORWARD": "sm90ws_alusums"},
       "((test_cuda_matches_reference or test_deterministic_matches_reference) and (h40 or h64 or h128)) or "
       "test_forward_splits_o_as_xla_would or test_jit_training_step_reduces_loss")
 

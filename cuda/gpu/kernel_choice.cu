@@ -37,12 +37,12 @@ std::optional<KernelFamily> read_override(const char* variable, bool forward, st
   if (forward && v == "sm90ws_grid") return KernelFamily::kSm90WsGrid;
   if (forward && v == "sm90ws_narrow") return KernelFamily::kSm90WsNarrow;
   if (forward && v == "sm90ws_wide") return KernelFamily::kSm90WsWide;
-  if (forward && v == "sm90ws_tensorsums") return KernelFamily::kSm90WsTensorSums;
+  if (forward && v == "sm90ws_alusums") return KernelFamily::kSm90WsAluSums;
   if (!forward && v == "sm90ws_atomicdq") return KernelFamily::kSm90WsAtomicDq;
   if (!forward && v == "sm90ws_bulkdq") return KernelFamily::kSm90WsBulkDq;
   if (!forward && v == "sm90ws_tileddq") return KernelFamily::kSm90WsTiledDq;
   append_unknown_value(error, variable, v,
-                       forward ? "sm80, sm90ws, sm90ws_grid, sm90ws_narrow, sm90ws_wide, sm90ws_tensorsums"
+                       forward ? "sm80, sm90ws, sm90ws_grid, sm90ws_narrow, sm90ws_wide, sm90ws_alusums"
                                : "sm80, sm90ws, sm90ws_atomicdq, sm90ws_bulkdq, sm90ws_tileddq");
   return std::nullopt;
 }

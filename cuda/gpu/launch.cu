@@ -58,10 +58,10 @@ cudaError_t launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
     if constexpr (TileShapes<kD>::kHasSm90Fwd) {
       if (family == KernelFamily::kSm90Ws || family == KernelFamily::kSm90WsGrid ||
           family == KernelFamily::kSm90WsNarrow || family == KernelFamily::kSm90WsWide ||
-          family == KernelFamily::kSm90WsTensorSums) {
+          family == KernelFamily::kSm90WsAluSums) {
         Sm90FwdOptions options;
         options.persistent = family != KernelFamily::kSm90WsGrid;
-        options.tensor_sums = family == KernelFamily::kSm90WsTensorSums;
+        options.tensor_sums = family != KernelFamily::kSm90WsAluSums;
         options.tiles = family == KernelFamily::kSm90WsNarrow ? Sm90FwdTiles::kNarrow
                         : family == KernelFamily::kSm90WsWide ? Sm90FwdTiles::kWide
                                                               : Sm90FwdTiles::kMeasured;

@@ -51,8 +51,8 @@ struct Sm90FwdOptions {
   bool persistent = true;
   Sm90FwdTiles tiles = Sm90FwdTiles::kMeasured;
   // Plain differentiated calls on the 128 x 128 tiles at head dims 64 and 128 take the 16-bit P's
-  // row sums from the tensor cores (experimental: flash_fwd_ws_kernel.cuh kTensorSums).
-  bool tensor_sums = false;
+  // row sums from the tensor cores (flash_fwd_ws_kernel.cuh kTensorSums; off: sm90ws_alusums).
+  bool tensor_sums = true;
 };
 template <typename T, int kHeadDim>
 cudaError_t launch_fwd_sm90_ws(const FwdParams& params, const Sm90FwdOptions& options, cudaStream_t stream);

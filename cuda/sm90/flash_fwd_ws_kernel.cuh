@@ -73,7 +73,8 @@ struct FwdWsBarriers {
 // kBlockWalk: the plain kernel walking a block mask's live key blocks (gpu/block_sparse.cuh), for
 // block-sparse calls that need nothing else of the general kernels (plain_block_walk_suffices: no
 // score modification, ids or window).
-// kTensorSums (experimental, JAX_FLASH_CUDA_FORWARD=sm90ws_tensorsums; plain differentiated calls):
+// kTensorSums (the default for plain differentiated calls on the 128 x 128 tiles at head dims 64
+// and 128; JAX_FLASH_CUDA_FORWARD=sm90ws_alusums turns it off):
 // the sums of the 16-bit P that O is normalised by come from the tensor cores, P times a column of
 // ones beside each P V (sm90/fwd_gemms.cuh issue_output), instead of the softmax's unpacking and
 // adding of every P (OnlineSoftmax::add_rounded_sums: about a quarter of the consumers'
