@@ -526,7 +526,7 @@ def ffi_calls(fn, *args) -> list[tuple[str, dict, list, list]]:
 
 def simulate_cuda_host(monkeypatch) -> None:
   """This CPU machine as a GPU host with the CUDA kernels built (an H200's SM count, stand-in
-  constants and dQ workspace size, JAX_FLASH_CUDA_NARROW unset), for tests that trace CUDA calls
+  constants and dQ workspace size, no call narrow: JAX_FLASH_CUDA_NARROW=off), for tests that trace CUDA calls
   without running them."""
   monkeypatch.setattr(_registry, "has_platform", lambda platform: platform in ("cpu", "cuda"))
   monkeypatch.setattr(_registry, "cuda_gpu_present", lambda: True)

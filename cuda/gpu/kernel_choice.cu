@@ -16,7 +16,7 @@ constexpr const char* kNarrowVariable = "JAX_FLASH_CUDA_NARROW";
 struct Overrides {
   std::optional<KernelFamily> forward;
   std::optional<KernelFamily> backward;
-  bool narrow_split = false;
+  bool narrow_split = true;  // JAX_FLASH_CUDA_NARROW=off turns it off
   std::string error;
 };
 
@@ -53,9 +53,9 @@ Overrides read_overrides() {
   o.backward = read_override(kBackwardVariable, false, o.error);
   if (const char* value = std::getenv(kNarrowVariable); value != nullptr && *value != '\0') {
     const std::string v = value;
-    if (v == "split")
-      o.narrow_split = true;
-    else if (v != "off")
+    if (v == "off")
+      o.narrow_split = false;
+    else if (v != "split")
       append_unknown_value(o.error, kNarrowVariable, v, "split, off");
   }
   return o;

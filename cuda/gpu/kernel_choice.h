@@ -21,10 +21,11 @@
 // from shared memory (the general calls too: soft cap, ALiBi, segment ids); sm90ws_tileddq takes
 // the tiled dQ at head dims 65..128 (elsewhere sm90ws).
 // A Hopper choice only applies on Hopper, and only where a Hopper kernel exists.
-//   JAX_FLASH_CUDA_NARROW = split | off (default: off; experimental, written in session 17 and
-//                           not yet run on a GPU): narrow plain calls (narrow_shape below) run
-//                           the mma.sync kernels with P and dS as hi + lo, and single-key rows get
-//                           dS = 0 exactly (gpu/score_mods.cuh narrow_plain_call; issue 13).
+//   JAX_FLASH_CUDA_NARROW = split | off (default: split since session 19, whose differential run
+//                           of 2000 configurations gave 0 misses under it): narrow plain calls
+//                           (narrow_shape below) run the mma.sync kernels with P and dS as hi +
+//                           lo, and single-key rows get dS = 0 exactly (gpu/score_mods.cuh
+//                           narrow_plain_call; issue 13); off runs them as any other call.
 #pragma once
 
 #include <cstdint>
@@ -53,7 +54,7 @@ const std::string& kernel_override_error();
 // family has no kernel for the head dim).
 KernelFamily forward_family();
 KernelFamily backward_family();
-// Whether JAX_FLASH_CUDA_NARROW=split is set.
+// Whether narrow calls run the split (unless JAX_FLASH_CUDA_NARROW=off).
 bool narrow_split_enabled();
 
 // Narrow calls: rows that see few keys (or few that matter: a peaked softmax) sum few products,
@@ -62,7 +63,7 @@ bool narrow_split_enabled();
 // and [127], rows of 2-3 keys; tests/cuda_numerics_model.py over the 2000 configurations of seed
 // 0: 24 misses as the kernels are (single-key rows zeroed), 0 with
 // hilo8_lsum_split_small_o32_1key, what is built here).
-// Under JAX_FLASH_CUDA_NARROW=split, plain calls whose rows see at most kNarrowRowKeys keys by
+// By default (JAX_FLASH_CUDA_NARROW=split), plain calls whose rows see at most kNarrowRowKeys keys by
 // their shape, causal mask and window, or whose heads have at most kNarrowScores scores by that
 // bound (seq_q times it), run the mma.sync kernels with P and dS as hi + lo (two 16-bit operands:
 // about float32; gpu/score_mods.cuh narrow_plain_call), and a differentiated one keeps its o in
