@@ -35,6 +35,11 @@ CASES = [
     # Head dim 128's backward adds dQ in tiles (sm90/traits.cuh kTiledDq): lengths, GQA, a last
     # query block of 3 rows.
     (2, 131, 200, 4, 2, 128, True, None, True, False),
+    # Narrow calls (the split's hi + lo P and dS on the mma.sync kernels, gpu/kernel_choice.h
+    # narrow_shape): rows of at most 9 keys by a window; one key; 48 x 48 scores a head.
+    (1, 70, 70, 2, 1, 64, False, (8, 0), True, False),
+    (2, 20, 1, 2, 2, 128, False, None, False, False),
+    (1, 48, 48, 4, 2, 32, True, None, True, True),
 ]
 
 

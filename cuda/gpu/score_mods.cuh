@@ -29,6 +29,14 @@ inline bool general_kernel(const AttentionParams& p) {
          p.kv_block_lists != nullptr;
 }
 
+// Whether a general call needs the general kernels' ids and block-walk code (kIds): segment ids
+// or a block mask. Calls with only a soft cap or ALiBi slopes run general kernels without it
+// (the ids' code made the capped and ALiBi calls 5-7% slower at head dim 128 when it came,
+// session 15, cuda/PERF_NOTES.md v14).
+inline bool general_ids(const AttentionParams& p) {
+  return p.q_segment_ids != nullptr || p.kv_block_lists != nullptr;
+}
+
 // Plain calls that are narrow (gpu/kernel_choice.h narrow_shape) run the mma.sync kernels with P
 // and dS as hi + lo under JAX_FLASH_CUDA_NARROW=split.
 inline bool narrow_plain_call(const AttentionParams& p) {

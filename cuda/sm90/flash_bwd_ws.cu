@@ -27,6 +27,10 @@ cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
   if (general_kernel(p))
     kernel = p.deterministic ? flash_bwd_sm90_ws_kernel<Traits, T, true, true>
                              : flash_bwd_sm90_ws_kernel<Traits, T, false, true>;
+  // Soft cap or ALiBi alone: the general kernel without the ids' and block walk's code
+  // (general_ids; deterministic calls keep the whole one: compile time).
+  if (general_kernel(p) && !general_ids(p) && !p.deterministic)
+    kernel = flash_bwd_sm90_ws_kernel<Traits, T, false, true, false, false>;
   // Block-sparse calls with nothing else of the general kernels: the plain kernel with the block
   // walk (head dims 64 and 128, the benchmark's: compile time; 1.06-1.07x the general kernel's
   // block-sparse backward at seq 8192 hd128, cuda/PERF_NOTES.md v17).

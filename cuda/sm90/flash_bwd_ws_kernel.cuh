@@ -88,7 +88,10 @@ struct BwdWsBarriers {
 // the id mask where a warpgroup's keys and the block's rows do not all share one id.
 // kBlockWalk: the plain kernel walking a block mask's live visits, for block-sparse calls that
 // need nothing else of the general kernels (plain_block_walk_suffices).
-template <typename Traits, typename T, bool kDeterministic, bool kGeneral, bool kBlockWalk = false>
+// kIds (general kernels only): the ids' and the block walk's code is compiled in (general_ids);
+// without it a general kernel has only the score modifications beside the plain kernel's masks.
+template <typename Traits, typename T, bool kDeterministic, bool kGeneral, bool kBlockWalk = false,
+          bool kIds = kGeneral>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams params) {
 #if JF_SM90A
@@ -122,8 +125,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   const AttentionShape& sh = p.shape;
   KeyBlockTask<kBM, kBN> task(p);
-  if constexpr (kGeneral) narrow_key_block(task, SegmentIds(p, task.b), lane);  // warp-collective: every role
-  task.template walk_visits<kGeneral || kBlockWalk>(p);  // a block mask's live query blocks only
+  if constexpr (kIds) narrow_key_block(task, SegmentIds(p, task.b), lane);  // warp-collective: every role
+  task.template walk_visits<kIds || kBlockWalk>(p);  // a block mask's live query blocks only
   using Visit = typename KeyBlockTask<kBM, kBN>::Visit;
   const int iterations = task.iterations;
 
@@ -280,7 +283,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // With segment ids: none of this warpgroup's keys may share an id with the block's rows
     // (then it is not live either), or all of them one id (no id mask).
     bool id_mask = false;
-    if constexpr (kGeneral)
+    if constexpr (kIds)
       if (group_live && p.q_segment_ids) {
         const SegmentIds ids(p, task.b);
         const IdSpan keys = ids.keys_span(group_key0, min64(group_key0 + 64, sh.seq_k));

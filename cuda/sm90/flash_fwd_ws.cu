@@ -35,7 +35,9 @@ cudaError_t launch(const FwdParams& p, const Sm90FwdOptions& options, cudaStream
     if (options.tensor_sums && p.for_backward()) kernel = flash_fwd_sm90_ws_kernel<Traits, T, false, false, true>;
   // Tiles that straddle the block mask's blocks (sm90ws_wide's): the plain calls only.
   if constexpr (kBlockMaskKeys % Traits::kBlockN == 0 && kBlockMaskRows % Traits::kBlockM == 0) {
-    if (general_kernel(p)) kernel = flash_fwd_sm90_ws_kernel<Traits, T, true>;
+    if (general_kernel(p))
+      kernel = general_ids(p) ? flash_fwd_sm90_ws_kernel<Traits, T, true>
+                              : flash_fwd_sm90_ws_kernel<Traits, T, true, false, false, false>;
     // Block-sparse calls with nothing else of the general kernels: the plain kernel with the
     // block walk (head dims 64 and 128 only: compile time; 1.19-1.20x the general kernel's
     // block-sparse forward at seq 8192 hd128, cuda/PERF_NOTES.md v17).

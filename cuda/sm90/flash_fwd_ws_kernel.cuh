@@ -69,7 +69,10 @@ struct FwdWsBarriers {
 
 // kGeneral: the call has a soft cap or ALiBi slopes (gpu/score_mods.cuh), applied to every
 // block's scores before its masks, or segment ids (gpu/segment_ids.cuh: they narrow each tile's
-// key blocks, for the producer and the consumers alike).
+// key blocks, for the producer and the consumers alike) or a block mask.
+// kIds (general kernels only): the ids' and the block walk's code is compiled in (general_ids:
+// calls with segment ids or a block mask); without it a general kernel has only the score
+// modifications beside the plain kernel's masks.
 // kBlockWalk: the plain kernel walking a block mask's live key blocks (gpu/block_sparse.cuh), for
 // block-sparse calls that need nothing else of the general kernels (plain_block_walk_suffices: no
 // score modification, ids or window).
@@ -79,7 +82,8 @@ struct FwdWsBarriers {
 // ones beside each P V (sm90/fwd_gemms.cuh issue_output), instead of the softmax's unpacking and
 // adding of every P (OnlineSoftmax::add_rounded_sums: about a quarter of the consumers'
 // instructions a block). The same float32 sums of the same 16-bit values, in another order.
-template <typename Traits, typename T, bool kGeneral, bool kBlockWalk = false, bool kTensorSums = false>
+template <typename Traits, typename T, bool kGeneral, bool kBlockWalk = false, bool kTensorSums = false,
+          bool kIds = kGeneral>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdTmaParams params) {
 #if JF_SM90A
@@ -119,8 +123,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto task_of = [&](int t) {
     const auto tile = scheduler.tile(t);
     QueryBlockTask<kBM, kBN> task(p, tile.m_block, tile.head, tile.batch);
-    if constexpr (kGeneral) narrow_query_block(task.blk, SegmentIds(p, task.b), lane);  // warp-collective
-    if constexpr (kGeneral || kBlockWalk) task.walk_keys(p);  // a block mask's live key blocks only
+    if constexpr (kIds) narrow_query_block(task.blk, SegmentIds(p, task.b), lane);  // warp-collective
+    if constexpr (kIds || kBlockWalk) task.walk_keys(p);  // a block mask's live key blocks only
     return task;
   };
 
@@ -216,7 +220,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     OnlineSoftmax<1> softmax(p.pv_headroom_log2);
     float o[1][kD / 8][4] = {};
     float row_sums[1][1][4] = {};  // kTensorSums: the 16-bit P's row sums (every column the row's)
-    SeenRows<1> seen(!(kGeneral && tracks_seen_rows(p)) && untracked_seen_rows(count));  // rows that met a key
+    SeenRows<1> seen(!(kIds && tracks_seen_rows(p)) && untracked_seen_rows(count));  // rows that met a key
 
     if (count > 0) {
       auto stage_of = [&](int i) { return (ring + i) % kStages; };
@@ -224,8 +228,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const ScoreMods mods(p, task.b, task.h);  // unused (and not read) without kGeneral
       auto mask_block = [&](float (&s)[1][kBN / 8][4], int i) {
         const int64_t n0 = static_cast<int64_t>(task.keys.descending(i)) * kBN;
-        if constexpr (kGeneral) {
-          mods.apply(s, m0 + warp_m0, n0, lane);
+        if constexpr (kGeneral) mods.apply(s, m0 + warp_m0, n0, lane);
+        if constexpr (kIds) {
           mask_forward_block<kBN>(s, p, task.b, m0, m0 + blk.live_rows, blk.needs_mask(n0), m0 + warp_m0, n0,
                                   task.q_len, task.kv_len, lane, &seen);
         } else if (blk.needs_mask(n0)) {
@@ -300,7 +304,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
     store_output<T>(p.o, p.o_float32, p.o_error, task.q_offset, task.q_stride, p.lse + task.stat_offset + m0, o,
                     softmax, softmax_scale, warp_m0, blk.rows, p.shape.head_dim, p.mask, m0, task.q_len, task.kv_len,
-                    lane, kGeneral || kBlockWalk ? &seen : nullptr);
+                    lane, kIds || kBlockWalk ? &seen : nullptr);
   }
 #endif  // JF_SM90A
 }
