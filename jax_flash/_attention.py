@@ -42,7 +42,7 @@ def _output_and_residual(o32, q, config, keep_float32=False):
 
 def _narrow_cuda_call(q, k, config, segment_ids, alibi_slopes, block_mask, dropout_seeds) -> bool:
   """Whether a CUDA call is narrow (unless JAX_FLASH_CUDA_NARROW=off): a plain call
-  whose rows see few keys (cuda/gpu/kernel_choice.h narrow_shape). Its kernels take P and dS as
+  whose rows see few keys (cuda/common/mask.h narrow_shape). Its kernels take P and dS as
   hi + lo, and its differentiated forward keeps o in float32 for the backward's delta, which on
   peaked rows needs more than the int8 residual's 16 bits of o (issue 13)."""
   if (config.implementation != "cuda" or segment_ids is not None or alibi_slopes is not None

@@ -67,7 +67,7 @@ def cuda_dq_accum_elements(batch: int, seq_q: int, heads_q: int, head_dim: int,
 def cuda_narrow_split_call(is_causal: bool, window_left: int, window_right: int, seq_q: int,
                            seq_k: int) -> bool:
   """Whether a plain CUDA call of this mask and shape runs the narrow split (the default;
-  JAX_FLASH_CUDA_NARROW=off turns it off: cuda/gpu/kernel_choice.h narrow_shape); False without
+  JAX_FLASH_CUDA_NARROW=off turns it off: cuda/common/mask.h narrow_shape); False without
   CUDA."""
   if _native_cuda is None:
     return False

@@ -41,6 +41,19 @@ JF_HOST_DEVICE static inline int64_t static_keys_per_row(const MaskParams& m, in
   return bound;
 }
 
+// Narrow calls: rows that see few keys (or few that matter: a peaked softmax) sum few products,
+// and there 16-bit P (the forward's P V) and 16-bit dS (the backward's dQ and dK) put dq/dk past
+// FlashAttention's accuracy rule (issue 13). Narrow: the rows see at most kNarrowRowKeys keys by
+// the call's shape, causal mask and window, or its heads at most kNarrowScores scores by that
+// bound (seq_q times it). The CUDA kernels then take P and dS as hi + lo 16-bit pairs
+// (gpu/kernel_choice.h); the CPU kernel never takes its 16-bit (AMX) products (cpu/dispatch.cc).
+inline constexpr int64_t kNarrowRowKeys = 16;
+inline constexpr int64_t kNarrowScores = 64 * 64;
+JF_HOST_DEVICE static inline bool narrow_shape(const MaskParams& mask, int64_t seq_q, int64_t seq_k) {
+  const int64_t keys = static_keys_per_row(mask, seq_q, seq_k);
+  return keys <= kNarrowRowKeys || seq_q * keys <= kNarrowScores;
+}
+
 // Half-open range of query rows that attend to key j: the rows i with key_range(i) holding j.
 // Both bounds grow with j, and an empty range is only ever followed by empty ones.
 struct QueryRange {

@@ -57,24 +57,14 @@ KernelFamily backward_family();
 // Whether narrow calls run the split (unless JAX_FLASH_CUDA_NARROW=off).
 bool narrow_split_enabled();
 
-// Narrow calls: rows that see few keys (or few that matter: a peaked softmax) sum few products,
-// and there the 16-bit P of the forward's P V and the 16-bit dS of the backward's dQ and dK put
-// dq/dk past FlashAttention's accuracy rule (issue 13: the CUDA differential run's misses [98]
-// and [127], rows of 2-3 keys; tests/cuda_numerics_model.py over the 2000 configurations of seed
-// 0: 24 misses as the kernels are (single-key rows zeroed), 0 with
-// hilo8_lsum_split_small_o32_1key, what is built here).
-// By default (JAX_FLASH_CUDA_NARROW=split), plain calls whose rows see at most kNarrowRowKeys keys by
-// their shape, causal mask and window, or whose heads have at most kNarrowScores scores by that
-// bound (seq_q times it), run the mma.sync kernels with P and dS as hi + lo (two 16-bit operands:
-// about float32; gpu/score_mods.cuh narrow_plain_call), and a differentiated one keeps its o in
-// float32 for delta (jax_flash._attention; on peaked rows the int8 residual's 16 bits of o were
-// not enough, the model's [776]). The extra products cost little at such sizes.
-inline constexpr int64_t kNarrowRowKeys = 16;
-inline constexpr int64_t kNarrowScores = 64 * 64;
-inline bool narrow_shape(const MaskParams& mask, int64_t seq_q, int64_t seq_k) {
-  const int64_t keys = static_keys_per_row(mask, seq_q, seq_k);
-  return keys <= kNarrowRowKeys || seq_q * keys <= kNarrowScores;
-}
+// Narrow calls (common/mask.h narrow_shape): by default (JAX_FLASH_CUDA_NARROW=split) plain ones
+// run the mma.sync kernels with P and dS as hi + lo (two 16-bit operands: about float32;
+// gpu/score_mods.cuh narrow_plain_call), and a differentiated one keeps its o in float32 for
+// delta (jax_flash._attention; on peaked rows the int8 residual's 16 bits of o were not enough,
+// the model's [776]). The extra products cost little at such sizes. The CUDA differential run's
+// misses [98] and [127] were rows of 2-3 keys; tests/cuda_numerics_model.py over the 2000
+// configurations of seed 0: 24 misses without the split (single-key rows zeroed), 0 with it
+// (hilo8_lsum_split_small_o32_1key), and the H200 run of the 2000 (session 19): 0.
 
 // Compute capability major of the current device (0 if CUDA cannot say).
 int device_compute_major();

@@ -45,7 +45,7 @@ NB_MODULE(_native_cuda, m) {
   m.def("narrow_split_call",
         [](bool is_causal, int64_t window_left, int64_t window_right, int64_t seq_q, int64_t seq_k) {
           const jax_flash::MaskParams mask{is_causal, window_left, window_right};
-          return jax_flash::cuda::narrow_split_enabled() && jax_flash::cuda::narrow_shape(mask, seq_q, seq_k);
+          return jax_flash::cuda::narrow_split_enabled() && jax_flash::narrow_shape(mask, seq_q, seq_k);
         },
         "Whether a plain call of this mask and shape runs the narrow split (JAX_FLASH_CUDA_NARROW=split; "
         "gpu/score_mods.cuh narrow_plain_call).");

@@ -37,7 +37,7 @@ inline bool general_ids(const AttentionParams& p) {
   return p.q_segment_ids != nullptr || p.kv_block_lists != nullptr;
 }
 
-// Plain calls that are narrow (gpu/kernel_choice.h narrow_shape) run the mma.sync kernels with P
+// Plain calls that are narrow (common/mask.h narrow_shape) run the mma.sync kernels with P
 // and dS as hi + lo under JAX_FLASH_CUDA_NARROW=split.
 inline bool narrow_plain_call(const AttentionParams& p) {
   return narrow_split_enabled() && !general_kernel(p) && narrow_shape(p.mask, p.shape.seq_q, p.shape.seq_k);
