@@ -417,6 +417,17 @@ def check_against_references(case: Case, got: dict) -> None:
   assert np.all(got["dv"][dead_keys] == 0), "dv of keys no query sees must be exactly 0"
 
 
+def check_output_against_references(case: Case, out: np.ndarray) -> None:
+  """A forward-only result (no gradients): every element finite, out within the rule, rows
+  outside every mask exactly 0."""
+  ref32, refd = references(case)
+  assert np.all(np.isfinite(out)), "out has non-finite elements"
+  live_rows = _unbatch(case, row_has_keys(case))[..., None, None]
+  assert_within_rule("out", out, ref32["out"], refd["out"], live_rows)
+  dead_rows = np.broadcast_to(~live_rows, out.shape)
+  assert np.all(out[dead_rows] == 0), "rows with no key to attend to must be exactly 0"
+
+
 # ---------------------------------------------------------------------------------------------
 # Score variants (logit soft-capping, ALiBi): their reference from the definition, and the check
 # of a jax_flash result against it, shared by test_softcap and test_alibi.

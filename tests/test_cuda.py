@@ -19,7 +19,7 @@ import pytest
 
 import jax_flash
 
-from attention_testing import Case, check_against_references, run_jax_flash
+from attention_testing import Case, check_against_references, check_output_against_references, run_jax_flash
 from test_forward_backward import GRID
 
 pytestmark = pytest.mark.gpu
@@ -70,6 +70,35 @@ def test_cuda_matches_reference(case):
   _poison_device_memory()
   got = run_jax_flash(case, "cuda")
   check_against_references(case, got)
+
+
+# Shapes at the forward's tile edges for its inference path (no residual, 16-bit o): T != S,
+# lengths, GQA, causal, windows, head dims whose columns a 64- or 128-wide tile only partly
+# holds (40, 96), more tiles than SMs.
+FORWARD_ONLY = [
+    C(batch=2, seq_q=300, seq_k=517, heads_q=4, heads_k=2, head_dim=128, dtype="bfloat16",
+      q_lens=(300, 129), kv_lens=(517, 64)),
+    C(batch=1, seq_q=257, seq_k=257, heads_q=2, heads_k=2, head_dim=64, dtype="float16",
+      is_causal=True),
+    C(batch=3, seq_q=1000, seq_k=700, heads_q=8, heads_k=1, head_dim=96, dtype="bfloat16",
+      local_window_size=(100, 30)),
+    C(batch=2, seq_q=64, seq_k=1000, heads_q=2, heads_k=2, head_dim=40, dtype="bfloat16",
+      kv_lens=(1000, 3)),
+    C(batch=4, seq_q=2048, seq_k=2048, heads_q=40, heads_k=8, head_dim=128, dtype="bfloat16",
+      is_causal=True),
+]
+
+
+@pytest.mark.parametrize("case", FORWARD_ONLY, ids=[c.id for c in FORWARD_ONLY])
+def test_forward_only_matches_reference(case):
+  """The inference forward (no gradient, so no residual: a 16-bit o straight from the kernel,
+  which the gradient tests never read) within the rule, every element written: rows without
+  keys exactly 0."""
+  _poison_device_memory()
+  q, k, v, _ = case.inputs()
+  out = np.asarray(jax.jit(lambda q, k, v: jax_flash.dot_product_attention(
+      q, k, v, implementation="cuda", **case.options()))(q, k, v), np.float32)
+  check_output_against_references(case, out)
 
 
 def test_cuda_is_default_on_gpu():
@@ -330,6 +359,16 @@ def test_forward_alu_sums_on_hopper():
       {"JAX_FLASH_CUDA_FORWARD": "sm90ws_alusums"},
       "((test_cuda_matches_reference or test_deterministic_matches_reference) and (h40 or h64 or h128)) or "
       "test_forward_splits_o_as_xla_would or test_jit_training_step_reduces_loss")
+
+
+def test_forward_tma_store_on_hopper():
+  """Experimental: with JAX_FLASH_CUDA_FORWARD=sm90ws_tmastore the inference forward at head dims
+  64 and 128 stores O by TMA from shared memory (flash_fwd_ws_kernel.cuh kTmaStore); the
+  forward-only cases, the reference cases and the CUDA-graph capture pass."""
+  _run_cuda_tests_on_hopper_with(
+      {"JAX_FLASH_CUDA_FORWARD": "sm90ws_tmastore"},
+      "test_forward_only_matches_reference or (test_cuda_matches_reference and (h64 or h128)) or "
+      "test_command_buffer_capture or test_cuda_is_default_on_gpu")
 
 
 # By default the plain calls' forward takes FlashAttention-3's wide tiles where they measured

@@ -39,14 +39,17 @@ __device__ __forceinline__ void store_split_pair(T* hi, int8_t* error, float x, 
 // never because of its values: a NaN sum (a NaN or inf in the inputs) gives a NaN row and lse,
 // as jax.nn does. The general kernels pass `seen` (gpu/segment_ids.cuh: with segment ids, which
 // rows the masks left some key; all of them without); the rows it lacks are empty too.
-template <typename T, int kMTiles, int kDTiles>
+// OTile (not void): the 16-bit O rows go to the block's GmmaTile at o_tile (its row r the
+// block's row r) for a TMA store (sm90/tma.cuh tma_store_rows) instead of to o; plain calls only
+// (neither o_float32 nor o_error).
+template <typename T, int kMTiles, int kDTiles, typename OTile = void>
 __device__ __forceinline__ void store_output(void* o_base, bool o_float32, int8_t* o_error, int64_t offset,
                                              int64_t row_stride,
                                              float* lse, const float (&o)[kMTiles][kDTiles][4],
                                              const OnlineSoftmax<kMTiles>& softmax, float scale, int row0,
                                              int rows, int64_t head_dim, const MaskParams& mask, int64_t m0,
                                              int64_t q_len, int64_t kv_len, int lane,
-                                             const SeenRows<kMTiles>* seen = nullptr) {
+                                             const SeenRows<kMTiles>* seen = nullptr, T* o_tile = nullptr) {
   // (`seen` is a pointer only to be optional at compile time: callers pass a local's address
   // or nothing, never a run-time choice, so that it stays in registers.)
 #pragma unroll
@@ -66,6 +69,11 @@ __device__ __forceinline__ void store_output(void* o_base, bool o_float32, int8_
         const int col = dt * 8 + (lane % 4) * 2;
         if (col >= head_dim) continue;
         const float x = o[mt][dt][2 * half] * inv, y = o[mt][dt][2 * half + 1] * inv;
+        if constexpr (!std::is_void_v<OTile>) {
+          *reinterpret_cast<uint32_t*>(o_tile + OTile::offset(row, dt) + (lane % 4) * 2) =
+              empty ? 0u : MmaOp<T>::pack(x, y);
+          continue;
+        }
         const int64_t at = offset + row * row_stride + col;
         if (o_float32)
           *reinterpret_cast<float2*>(static_cast<float*>(o_base) + at) = empty ? make_float2(0.f, 0.f)

@@ -3,7 +3,7 @@
 // (sm80) family everywhere else. Three environment variables, read once per process, override the
 // choice for experiments and comparisons:
 //   JAX_FLASH_CUDA_FORWARD  = sm80 | sm90ws | sm90ws_grid | sm90ws_narrow | sm90ws_wide |
-//                             sm90ws_alusums
+//                             sm90ws_alusums | sm90ws_tmastore
 //                             (default on Hopper: sm90ws)
 //   JAX_FLASH_CUDA_BACKWARD = sm80 | sm90ws | sm90ws_atomicdq | sm90ws_bulkdq | sm90ws_tileddq
 //                             (default on Hopper: sm90ws)
@@ -12,7 +12,10 @@
 // a CTA per tile, sm90ws_narrow never takes the wide tiles, sm90ws_wide wherever they exist;
 // sm90ws takes a plain differentiated call's sums of the 16-bit P from the tensor cores (P times
 // a column of ones) on the 128 x 128 tiles at head dims 64 and 128 (+0.9-2.4% fwd+bwd at hd128,
-// session 18), sm90ws_alusums from the softmax's own unpacking and adding, as before. The
+// session 18), sm90ws_alusums from the softmax's own unpacking and adding, as before;
+// sm90ws_tmastore (experimental, written in session 19, not yet run on a GPU) stores a plain
+// call's 16-bit O by TMA from shared memory at head dims 64 and 128 (FlashAttention-3's
+// epilogue). The
 // backward's sm90ws runs the variant measured fastest for the head dim (TileShapes:
 // 128-row query blocks with dK from registers at head dim 64, dQ added as FlashAttention-3 does at
 // 128: one bulk reduction a warpgroup a visit into an accumulator in the fragments' order,
@@ -42,7 +45,7 @@ namespace jax_flash::cuda {
 // they exist (head dim 128 non-causal: key blocks of 176; head dim 64: 192 query rows, three
 // consumer warpgroups; head dims 192 and 256: key blocks of 112 and 80).
 enum class KernelFamily {
-  kSm80, kSm90Ws, kSm90WsGrid, kSm90WsNarrow, kSm90WsWide, kSm90WsAluSums,
+  kSm80, kSm90Ws, kSm90WsGrid, kSm90WsNarrow, kSm90WsWide, kSm90WsAluSums, kSm90WsTmaStore,
   kSm90WsAtomicDq, kSm90WsBulkDq, kSm90WsTiledDq
 };
 

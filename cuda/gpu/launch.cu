@@ -58,10 +58,11 @@ cudaError_t launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
     if constexpr (TileShapes<kD>::kHasSm90Fwd) {
       if (family == KernelFamily::kSm90Ws || family == KernelFamily::kSm90WsGrid ||
           family == KernelFamily::kSm90WsNarrow || family == KernelFamily::kSm90WsWide ||
-          family == KernelFamily::kSm90WsAluSums) {
+          family == KernelFamily::kSm90WsAluSums || family == KernelFamily::kSm90WsTmaStore) {
         Sm90FwdOptions options;
         options.persistent = family != KernelFamily::kSm90WsGrid;
         options.tensor_sums = family != KernelFamily::kSm90WsAluSums;
+        options.tma_store = family == KernelFamily::kSm90WsTmaStore;
         options.tiles = family == KernelFamily::kSm90WsNarrow ? Sm90FwdTiles::kNarrow
                         : family == KernelFamily::kSm90WsWide ? Sm90FwdTiles::kWide
                                                               : Sm90FwdTiles::kMeasured;

@@ -53,6 +53,8 @@ struct Sm90FwdOptions {
   // Plain differentiated calls on the 128 x 128 tiles at head dims 64 and 128 take the 16-bit P's
   // row sums from the tensor cores (flash_fwd_ws_kernel.cuh kTensorSums; off: sm90ws_alusums).
   bool tensor_sums = true;
+  // Plain calls with a 16-bit o store it by TMA (experimental: flash_fwd_ws_kernel.cuh kTmaStore).
+  bool tma_store = false;
 };
 template <typename T, int kHeadDim>
 cudaError_t launch_fwd_sm90_ws(const FwdParams& params, const Sm90FwdOptions& options, cudaStream_t stream);

@@ -44,8 +44,16 @@ cudaError_t launch(const FwdParams& p, const Sm90FwdOptions& options, cudaStream
     if constexpr (Traits::kHeadDim == 64 || Traits::kHeadDim == 128)
       if (plain_block_walk_suffices(p)) kernel = flash_fwd_sm90_ws_kernel<Traits, T, false, true>;
   }
-  return launch_with_smem(kernel, dim3(static_cast<unsigned>(ctas)), Traits::kThreads, Traits::kSmemBytes, stream,
-                          params);
+  // Experimental (sm90ws_tmastore): plain calls with a 16-bit o store it by TMA from shared memory.
+  int smem_bytes = Traits::kSmemBytes;
+  if constexpr (Traits::kTmaStoreFits && (Traits::kHeadDim == 64 || Traits::kHeadDim == 128))
+    if (options.tma_store && !p.for_backward() && !general_kernel(p)) {
+      if (cudaError_t e = make_head_tensor_map(&params.o, p.o, p.dtype, s.batch, s.seq_q, s.heads_q, s.head_dim, 64))
+        return e;
+      kernel = flash_fwd_sm90_ws_kernel<Traits, T, false, false, false, false, true>;
+      smem_bytes = Traits::kSmemBytesTmaStore;
+    }
+  return launch_with_smem(kernel, dim3(static_cast<unsigned>(ctas)), Traits::kThreads, smem_bytes, stream, params);
 }
 
 }  // namespace

@@ -36,26 +36,30 @@
 
 namespace jax_flash::cuda {
 
-// The forward's parameters with the TMA descriptors of q, k and v (sm90/tensor_map.h).
+// The forward's parameters with the TMA descriptors of q, k and v (sm90/tensor_map.h), and of o
+// in boxes of 64 rows where the kernel stores O by TMA (kTmaStore).
 struct FwdTmaParams {
   FwdParams p;
-  CUtensorMap q, k, v;
+  CUtensorMap q, k, v, o;
   bool persistent;  // the grid is persistent (sm90/tile_scheduler.cuh)
 };
 
 // Shared memory of a warp-specialised forward CTA, from a 1 KiB boundary: Q, kStages stages of
-// K, kStages of V, the ones tile (kTensorSums).
+// K, kStages of V, the ones tile (kTensorSums), the O tile (kTmaStore: a QTile; the launch then
+// allocates Traits::kSmemBytesTmaStore).
 template <typename Traits, typename T>
 struct Sm90FwdWsSmem {
   T* q;
   T* k;
   T* v;
   T* ones;
+  T* o;
   __device__ explicit Sm90FwdWsSmem(unsigned char* raw) {
     q = first_tile_boundary<T>(raw);
     k = q + Traits::QTile::kElements;
     v = k + Traits::kStages * Traits::KVTile::kElements;
     ones = v + Traits::kStages * Traits::KVTile::kElements;
+    o = ones + Traits::kOnesElements;  // (1 KiB of ones: o stays on a 1 KiB boundary)
   }
   __device__ T* k_stage(int stage) const { return k + stage * Traits::KVTile::kElements; }
   __device__ T* v_stage(int stage) const { return v + stage * Traits::KVTile::kElements; }
@@ -82,8 +86,13 @@ struct FwdWsBarriers {
 // ones beside each P V (sm90/fwd_gemms.cuh issue_output), instead of the softmax's unpacking and
 // adding of every P (OnlineSoftmax::add_rounded_sums: about a quarter of the consumers'
 // instructions a block). The same float32 sums of the same 16-bit values, in another order.
+// kTmaStore (experimental, JAX_FLASH_CUDA_FORWARD=sm90ws_tmastore; plain calls with a 16-bit o,
+// head dims up to 128): each consumer warpgroup writes its normalised O rows to the O tile in
+// shared memory and one of its threads stores them by TMA (FlashAttention-3's epilogue), instead
+// of every thread storing 4-byte pairs to global memory; the warpgroup goes on to its next tile
+// while the copy runs.
 template <typename Traits, typename T, bool kGeneral, bool kBlockWalk = false, bool kTensorSums = false,
-          bool kIds = kGeneral>
+          bool kIds = kGeneral, bool kTmaStore = false>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdTmaParams params) {
 #if JF_SM90A
@@ -302,10 +311,31 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       ++q_round;
     }
 
-    store_output<T>(p.o, p.o_float32, p.o_error, task.q_offset, task.q_stride, p.lse + task.stat_offset + m0, o,
-                    softmax, softmax_scale, warp_m0, blk.rows, p.shape.head_dim, p.mask, m0, task.q_len, task.kv_len,
-                    lane, kIds || kBlockWalk ? &seen : nullptr);
+    if constexpr (kTmaStore) {
+      // The warpgroup's rows of the O tile: once its last TMA store has read them, written by
+      // every thread, then stored by the warpgroup's first thread.
+      const bool issuer = warp % 4 == 0 && lane == 0;
+      const int o_tile_barrier = 1 + Traits::kConsumers + group;  // (1 .. kConsumers: the turns)
+      if (issuer) bulk_wait_read();
+      named_barrier_sync(o_tile_barrier, 128);
+      store_output<T, 1, kD / 8, typename Traits::QTile>(p.o, false, nullptr, task.q_offset, task.q_stride,
+                                                         p.lse + task.stat_offset + m0, o, softmax, softmax_scale,
+                                                         warp_m0, blk.rows, p.shape.head_dim, p.mask, m0, task.q_len,
+                                                         task.kv_len, lane, nullptr, smem.o);
+      fence_proxy_async();  // the TMA store reads the tile through the async proxy
+      named_barrier_sync(o_tile_barrier, 128);
+      if (issuer) {
+        tma_store_rows<typename Traits::QTile, 64>(params.o, smem.o, group * 64, task.h, m0 + group * 64, task.b);
+        bulk_commit();
+      }
+    } else {
+      store_output<T>(p.o, p.o_float32, p.o_error, task.q_offset, task.q_stride, p.lse + task.stat_offset + m0, o,
+                      softmax, softmax_scale, warp_m0, blk.rows, p.shape.head_dim, p.mask, m0, task.q_len,
+                      task.kv_len, lane, kIds || kBlockWalk ? &seen : nullptr);
+    }
   }
+  if constexpr (kTmaStore)
+    if (warp % 4 == 0 && lane == 0) bulk_wait_all();  // the last stores complete before the CTA exits
 #endif  // JF_SM90A
 }
 

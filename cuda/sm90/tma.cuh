@@ -36,6 +36,30 @@ __device__ __forceinline__ void tma_load_tile(T* tile, const CUtensorMap& map, i
     tma_load_box(tile + block * Tile::kRows * 64, map, block * 64, head, static_cast<int>(row), batch, bar);
 }
 
+// The box at (column, head, row, batch) of `map` written from shared memory at smem_src,
+// asynchronously, in this thread's bulk group (bulk_commit; bulk_wait_read before the source is
+// written again, bulk_wait_all before the thread exits). Parts of the box past the array's
+// bounds are not written.
+__device__ __forceinline__ void tma_store_box(const CUtensorMap& map, const void* smem_src, int column, int head,
+                                              int row, int batch) {
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(&map)),
+               "r"(smem_address(smem_src)), "r"(column), "r"(head), "r"(row), "r"(batch)
+               : "memory");
+}
+
+// Rows part_row0 .. part_row0 + kPartRows - 1 of the GmmaTile at `tile` written to rows [row, row +
+// kPartRows) of one head of `map` (boxes of kPartRows rows x 64 columns, one a 64-column block;
+// part_row0 a multiple of 8, so that each box's source keeps the swizzle's 1 KiB alignment).
+template <typename Tile, int kPartRows, typename T>
+__device__ __forceinline__ void tma_store_rows(const CUtensorMap& map, const T* tile, int part_row0, int head,
+                                               int64_t row, int batch) {
+#pragma unroll
+  for (int block = 0; block < Tile::kCols / 64; ++block)
+    tma_store_box(map, tile + block * Tile::kRows * 64 + part_row0 * 64, block * 64, head, static_cast<int>(row),
+                  batch);
+}
+
 // Adds `bytes` (a multiple of 16) of float32 from shared memory to global memory (16-byte
 // aligned), asynchronously, in this thread's bulk group.
 __device__ __forceinline__ void bulk_reduce_add(float* global_dst, const float* smem_src, uint32_t bytes) {

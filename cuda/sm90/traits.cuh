@@ -37,6 +37,10 @@ struct Sm90FwdWsTraits {
   static constexpr int kOnesElements = 512;
   static constexpr int kSmemBytes = 2 * (QTile::kElements + 2 * kStages * KVTile::kElements + kOnesElements) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
+  // With the O tile (a QTile) that the TMA-store epilogue writes from (flash_fwd_ws_kernel.cuh
+  // kTmaStore): where it fits.
+  static constexpr int kSmemBytesTmaStore = kSmemBytes + 2 * QTile::kElements;
+  static constexpr bool kTmaStoreFits = kSmemBytesTmaStore <= 227 * 1024;
   static_assert(kHeadDim % 64 == 0, "P V is done in products of N = 128 and 64");
   static_assert(kBlockN == 64 || kBlockN == 80 || kBlockN == 112 || kBlockN == 128 || kBlockN == 176,
                 "wgmma shapes are instantiated for N = 64, 80, 112, 128, 176");
