@@ -20,12 +20,15 @@ _XLA_PATHS = {"xla": attention_reference, "blockwise": blockwise_attention}
 # segment_ids: None or (q_ids (B, T), kv_ids (B, S)) int32; alibi_slopes: None or (B, N)
 # float32; block_mask: None or (B, N, Tb, Sb) bool; dropout_seeds: None or (B, N, 4) uint32
 # (jax_flash._dropout.seeds), exactly when config.dropout_rate > 0. Like the lengths, none is
-# differentiated (their cotangents are None: zero).
+# differentiated (their cotangents are None: zero). bias and mask: None or jax.nn's arrays,
+# (B|1, N|1, T|1, S|1) float and bool, as the caller broadcast them; the bias is differentiated
+# (the backward kernel sums dS over its broadcast dims), the bool mask is not (None).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _flash_attention(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=None,
-                     alibi_slopes=None, block_mask=None, dropout_seeds=None):
+                     alibi_slopes=None, block_mask=None, dropout_seeds=None, bias=None,
+                     mask=None):
   return _sharding.flash_fwd(q, k, v, q_lens, kv_lens, config, segment_ids, alibi_slopes,
-                             block_mask, dropout_seeds)
+                             block_mask, dropout_seeds, bias, mask)
 
 
 def _output_and_residual(o32, q, config, keep_float32=False):
@@ -53,11 +56,12 @@ def _narrow_cuda_call(q, k, config, segment_ids, alibi_slopes, block_mask, dropo
 
 
 def _flash_attention_fwd(q, k, v, q_lens, kv_lens, config, segment_ids=None,
-                         alibi_slopes=None, block_mask=None, dropout_seeds=None):
+                         alibi_slopes=None, block_mask=None, dropout_seeds=None, bias=None,
+                         mask=None):
   narrow = _narrow_cuda_call(q, k, config, segment_ids, alibi_slopes, block_mask, dropout_seeds)
   fwd_config = _ops.for_backward(config, split=not narrow)
   outputs = _sharding.flash_fwd(q, k, v, q_lens, kv_lens, fwd_config, segment_ids,
-                                alibi_slopes, block_mask, dropout_seeds)
+                                alibi_slopes, block_mask, dropout_seeds, bias, mask)
   if fwd_config.o_split:  # the CUDA kernel split o itself
     o, lse, o_error = outputs
     o_kept = o
@@ -65,16 +69,25 @@ def _flash_attention_fwd(q, k, v, q_lens, kv_lens, config, segment_ids=None,
     o32, lse = outputs
     o, o_kept, o_error = _output_and_residual(o32, q, config, keep_float32=narrow)
   return (o, lse), (q, k, v, o_kept, o_error, lse, q_lens, kv_lens, segment_ids, alibi_slopes,
-                    block_mask, dropout_seeds)
+                    block_mask, dropout_seeds, bias, mask)
+
+
+def _backward_kernel(q, k, v, o, lse, d_o, q_lens, kv_lens, config, segment_ids, o_error,
+                     alibi_slopes, block_mask, dropout_seeds, bias, mask):
+  """(dq, dk, dv, dbias or None) of the backward kernel."""
+  grads = _sharding.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config, segment_ids,
+                              o_error, alibi_slopes, block_mask, dropout_seeds, bias, mask)
+  return (*grads, None) if bias is None else grads
 
 
 def _flash_attention_bwd(config, residuals, cotangents):
   (q, k, v, o, o_error, lse, q_lens, kv_lens, segment_ids, alibi_slopes, block_mask,
-   dropout_seeds) = residuals
+   dropout_seeds, bias, mask) = residuals
   d_o, _ = cotangents  # lse leaves through stop_gradient: its cotangent is always zero
-  dq, dk, dv = _sharding.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config, segment_ids,
-                                   o_error, alibi_slopes, block_mask, dropout_seeds)
-  return dq, dk, dv, None, None, None, None, None, None
+  dq, dk, dv, dbias = _backward_kernel(q, k, v, o, lse, d_o, q_lens, kv_lens, config,
+                                       segment_ids, o_error, alibi_slopes, block_mask,
+                                       dropout_seeds, bias, mask)
+  return dq, dk, dv, None, None, None, None, None, None, dbias, None
 
 
 _flash_attention.defvjp(_flash_attention_fwd, _flash_attention_bwd)
@@ -103,38 +116,43 @@ def _join_sinks(o32, lse, sinks):
   return o32 * jnp.swapaxes(weight, 1, 2)[..., None], total
 
 
-# segment_ids, alibi_slopes, block_mask and dropout_seeds as in _flash_attention (None without
-# them); sinks (N,) differentiable.
+# segment_ids, alibi_slopes, block_mask, dropout_seeds, bias and mask as in _flash_attention
+# (None without them); sinks (N,) differentiable.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _flash_attention_sinks(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids,
-                           sinks, alibi_slopes=None, block_mask=None, dropout_seeds=None):
+                           sinks, alibi_slopes=None, block_mask=None, dropout_seeds=None,
+                           bias=None, mask=None):
   (o, lse), _ = _flash_attention_sinks_fwd(q, k, v, q_lens, kv_lens, config, segment_ids, sinks,
-                                           alibi_slopes, block_mask, dropout_seeds)
+                                           alibi_slopes, block_mask, dropout_seeds, bias, mask)
   return o, lse
 
 
 def _flash_attention_sinks_fwd(q, k, v, q_lens, kv_lens, config, segment_ids, sinks,
-                               alibi_slopes=None, block_mask=None, dropout_seeds=None):
+                               alibi_slopes=None, block_mask=None, dropout_seeds=None,
+                               bias=None, mask=None):
   # o in float32 from the kernel (also undifferentiated: the join scales it before the one
   # rounding to q's dtype).
   o32, lse = _sharding.flash_fwd(q, k, v, q_lens, kv_lens, _ops.for_backward(config),
-                                 segment_ids, alibi_slopes, block_mask, dropout_seeds)
+                                 segment_ids, alibi_slopes, block_mask, dropout_seeds, bias,
+                                 mask)
   o32, lse = _join_sinks(o32.astype(jnp.float32), lse, sinks)
   o, o_kept, o_error = _output_and_residual(o32, q, config)
   return (o, lse), (q, k, v, o_kept, o_error, lse, q_lens, kv_lens, segment_ids, sinks,
-                    alibi_slopes, block_mask, dropout_seeds)
+                    alibi_slopes, block_mask, dropout_seeds, bias, mask)
 
 
 def _flash_attention_sinks_bwd(config, residuals, cotangents):
   (q, k, v, o, o_error, lse, q_lens, kv_lens, segment_ids, sinks, alibi_slopes,
-   block_mask, dropout_seeds) = residuals
+   block_mask, dropout_seeds, bias, mask) = residuals
   d_o, _ = cotangents  # lse leaves through stop_gradient
-  dq, dk, dv = _sharding.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config, segment_ids,
-                                   o_error, alibi_slopes, block_mask, dropout_seeds)
+  dq, dk, dv, dbias = _backward_kernel(q, k, v, o, lse, d_o, q_lens, kv_lens, config,
+                                       segment_ids, o_error, alibi_slopes, block_mask,
+                                       dropout_seeds, bias, mask)
   delta = _ops.delta_rows(o, d_o, o_error)
   dsinks = -jnp.sum(jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse) * delta,
                     axis=(0, 2))
-  return dq, dk, dv, None, None, None, dsinks.astype(sinks.dtype), None, None, None
+  return (dq, dk, dv, None, None, None, dsinks.astype(sinks.dtype), None, None, None, dbias,
+          None)
 
 
 _flash_attention_sinks.defvjp(_flash_attention_sinks_fwd, _flash_attention_sinks_bwd)
@@ -418,7 +436,8 @@ def _dot_product_attention(query, key, value, bias=None, mask=None, *, scale=Non
         window_right=window_right, deterministic=deterministic,
         context_parallel=context_parallel, segment_ids=segment_ids,
         logits_soft_cap=logits_soft_cap, sinks=sinks, alibi_slopes=alibi_slopes,
-        block_mask=block_mask, dropout_rate=dropout_rate, dropout_seeds=dropout_seeds)
+        block_mask=block_mask, dropout_rate=dropout_rate, dropout_seeds=dropout_seeds,
+        bias=bias, mask=mask)
   lse = jax.lax.stop_gradient(lse)
 
   if unbatched:
