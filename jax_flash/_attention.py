@@ -206,12 +206,18 @@ def dot_product_attention(
       backward), "blockwise" and "xla", by sharded and context-parallel calls on "cpu", and
       by "cuda", whose kernels take one head dim: q and k, or v, zero-padded to the larger.
     bias: added to the scaled logits, broadcastable to ``(B, N, T, S)`` (fewer dims gain
-      leading ones; each dim 1 or full), differentiable. Only the ``"blockwise"`` and ``"xla"``
-      paths take it: the kernels raise ``NotImplementedError`` (so does ``None`` where it
-      picks a kernel).
-    mask: bool, ``True`` where a query may attend a key, broadcastable like ``bias``; the same
-      paths take it. Causal, padding and window masks go through ``is_causal``, the sequence
-      lengths and ``local_window_size`` instead, which every path takes.
+      leading ones; each dim 1 or full), differentiable (its gradient, dS summed over its
+      broadcast dims, comes back in its shape and dtype; exactly 0 for a bias with no key dim,
+      which the softmax cancels, unless ``sinks`` are given). Added in float32 after
+      ``logits_soft_cap`` and ALiBi, before the masks. Taken by "cpu" (the kernel reads it
+      where it lies, through its strides: nothing ``(B, N, T, S)`` is formed; its backward
+      sums dbias deterministically), "blockwise" and "xla"; the CUDA kernels raise
+      ``NotImplementedError`` (so does ``None`` where it picks them). Sharded calls shard it
+      with the batch and the heads where it has them, and gather a sharded sequence.
+    mask: bool, ``True`` where a query may attend a key, broadcastable like ``bias``, on top
+      of every other mask (a row left no key gives zeros); the same paths take it (the "cpu"
+      kernel skips the tiles it hides). Causal, padding and window masks are cheaper through
+      ``is_causal``, the sequence lengths and ``local_window_size``, which every path takes.
     scale: logit scale; ``1 / sqrt(H)`` by default. Any sign; it must be finite as a float32,
       and so must its product with log2(e) (``|scale|`` up to about 2.3587e38), or a
       ``ValueError`` names it.

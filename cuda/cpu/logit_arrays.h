@@ -34,9 +34,13 @@ inline void with_bias_elements(const LogitArray& a, F&& f) {
 inline void bias_columns(float* st, int64_t ld, const LogitArray& a, int64_t base, int64_t i0, int64_t rows,
                          int64_t j0, int64_t cols, float factor) {
   with_bias_elements(a, [&](const auto* x) {
-    for (int64_t r = 0; r < rows; ++r) {
-      const auto* row = x + base + (i0 + r) * a.row + j0 * a.col;
-      for (int64_t c = 0; c < cols; ++c) st[c * ld + r] += to_float(row[c * a.col]) * factor;
+    // Key by key, the rows' scores contiguous (the bias's column read down its rows, which a
+    // tile holds in L1).
+    const auto* first = x + base + i0 * a.row + j0 * a.col;
+    for (int64_t c = 0; c < cols; ++c) {
+      const auto* column = first + c * a.col;
+      float* out = st + c * ld;
+      for (int64_t r = 0; r < rows; ++r) out[r] += to_float(column[r * a.row]) * factor;
     }
   });
 }
