@@ -22,7 +22,9 @@ _XLA_PATHS = {"xla": attention_reference, "blockwise": blockwise_attention}
 # (jax_flash._dropout.seeds), exactly when config.dropout_rate > 0. Like the lengths, none is
 # differentiated (their cotangents are None: zero). bias and mask: None or jax.nn's arrays,
 # (B|1, N|1, T|1, S|1) float and bool, as the caller broadcast them; the bias is differentiated
-# (the backward kernel sums dS over its broadcast dims), the bool mask is not (None).
+# (the backward kernel sums dS over its broadcast dims) where something differentiates it: the
+# forward rules get symbolic zeros (custom_vjp's CustomVJPPrimal: `perturbed`), so a constant
+# bias costs the backward no dbias. The bool mask is not (None).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _flash_attention(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=None,
                      alibi_slopes=None, block_mask=None, dropout_seeds=None, bias=None,
@@ -55,9 +57,31 @@ def _narrow_cuda_call(q, k, config, segment_ids, alibi_slopes, block_mask, dropo
                                           config.window_right, q.shape[-3], k.shape[-3])
 
 
+def _primal_values(primals):
+  """The values of the primals a symbolic-zeros forward rule gets (CustomVJPPrimal leaves)."""
+  return jax.tree.map(lambda primal: primal.value, primals)
+
+
+def _wants_dbias(bias) -> tuple:
+  """Whether the backward forms dbias, as a residual: (None,) for a bias something
+  differentiates (custom_vjp's `perturbed`), () otherwise (static: the tuple's length)."""
+  return (None,) if bias is not None and bias.perturbed else ()
+
+
+def _cotangent(d_o):
+  """The output's cotangent as an array (symbolic zeros: a SymbolicZero where it is zero)."""
+  if isinstance(d_o, jax.custom_derivatives.SymbolicZero):
+    return jnp.zeros(d_o.shape, d_o.dtype)
+  return d_o
+
+
 def _flash_attention_fwd(q, k, v, q_lens, kv_lens, config, segment_ids=None,
                          alibi_slopes=None, block_mask=None, dropout_seeds=None, bias=None,
                          mask=None):
+  wants_dbias = _wants_dbias(bias)
+  (q, k, v, q_lens, kv_lens, segment_ids, alibi_slopes, block_mask, dropout_seeds, bias,
+   mask) = _primal_values((q, k, v, q_lens, kv_lens, segment_ids, alibi_slopes, block_mask,
+                           dropout_seeds, bias, mask))
   narrow = _narrow_cuda_call(q, k, config, segment_ids, alibi_slopes, block_mask, dropout_seeds)
   fwd_config = _ops.for_backward(config, split=not narrow)
   outputs = _sharding.flash_fwd(q, k, v, q_lens, kv_lens, fwd_config, segment_ids,
@@ -69,25 +93,28 @@ def _flash_attention_fwd(q, k, v, q_lens, kv_lens, config, segment_ids=None,
     o32, lse = outputs
     o, o_kept, o_error = _output_and_residual(o32, q, config, keep_float32=narrow)
   return (o, lse), (q, k, v, o_kept, o_error, lse, q_lens, kv_lens, segment_ids, alibi_slopes,
-                    block_mask, dropout_seeds, bias, mask)
+                    block_mask, dropout_seeds, bias, mask, wants_dbias)
 
 
 def _backward_kernel(q, k, v, o, lse, d_o, q_lens, kv_lens, config, segment_ids, o_error,
-                     alibi_slopes, block_mask, dropout_seeds, bias, mask):
-  """(dq, dk, dv, dbias or None) of the backward kernel."""
-  grads = _sharding.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config, segment_ids,
-                              o_error, alibi_slopes, block_mask, dropout_seeds, bias, mask)
-  return (*grads, None) if bias is None else grads
+                     alibi_slopes, block_mask, dropout_seeds, bias, mask, wants_dbias):
+  """(dq, dk, dv, dbias or None) of the backward kernel; dbias None unless `wants_dbias`
+  (_wants_dbias)."""
+  dbias = bias is not None and bool(wants_dbias)
+  grads = _sharding.flash_bwd(q, k, v, o, lse, _cotangent(d_o), q_lens, kv_lens, config,
+                              segment_ids, o_error, alibi_slopes, block_mask, dropout_seeds,
+                              bias, mask, dbias)
+  return grads if dbias else (*grads, None)
 
 
 def _flash_attention_bwd(config, residuals, cotangents):
   (q, k, v, o, o_error, lse, q_lens, kv_lens, segment_ids, alibi_slopes, block_mask,
-   dropout_seeds, bias, mask) = residuals
+   dropout_seeds, bias, mask, wants_dbias) = residuals
   d_o, _ = cotangents  # lse leaves through stop_gradient: its cotangent is always zero
   dq, dk, dv, dbias = _backward_kernel(q, k, v, o, lse, d_o, q_lens, kv_lens, config,
                                        segment_ids, o_error, alibi_slopes, block_mask,
-                                       dropout_seeds, bias, mask)
-  if bias is not None and bias.shape[-1] == 1:
+                                       dropout_seeds, bias, mask, wants_dbias)
+  if dbias is not None and bias.shape[-1] == 1:
     # A bias with no key dim adds one constant to all of a row's scores, which the softmax
     # cancels: its gradient is exactly 0. The kernel's sum of dS over the row's keys leaves only
     # rounding there (with 16-bit inputs that of the forward's 16-bit P, ~2^-9 of the
@@ -97,7 +124,7 @@ def _flash_attention_bwd(config, residuals, cotangents):
   return dq, dk, dv, None, None, None, None, None, None, dbias, None
 
 
-_flash_attention.defvjp(_flash_attention_fwd, _flash_attention_bwd)
+_flash_attention.defvjp(_flash_attention_fwd, _flash_attention_bwd, symbolic_zeros=True)
 
 
 # Attention sinks (gpt-oss) on the kernels. The kernels compute the keys' part, (o_k, lse_k);
@@ -152,9 +179,10 @@ def _flash_attention_sinks_bwd(config, residuals, cotangents):
   (q, k, v, o, o_error, lse, q_lens, kv_lens, segment_ids, sinks, alibi_slopes,
    block_mask, dropout_seeds, bias, mask) = residuals
   d_o, _ = cotangents  # lse leaves through stop_gradient
+  # (No symbolic zeros here: a bias's dbias is always formed.)
   dq, dk, dv, dbias = _backward_kernel(q, k, v, o, lse, d_o, q_lens, kv_lens, config,
                                        segment_ids, o_error, alibi_slopes, block_mask,
-                                       dropout_seeds, bias, mask)
+                                       dropout_seeds, bias, mask, wants_dbias=(None,))
   delta = _ops.delta_rows(o, d_o, o_error)
   dsinks = -jnp.sum(jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse) * delta,
                     axis=(0, 2))

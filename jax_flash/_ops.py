@@ -330,9 +330,10 @@ def delta_rows(o, d_o, o_error=None) -> jax.Array:
 
 def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig, segment_ids=None,
                o_error=None, alibi_slopes=None, block_mask=None, dropout_seeds=None, bias=None,
-               mask=None):
-  """Returns (dq, dk, dv), and with a `bias` (dq, dk, dv, dbias), dbias in the bias's shape and
-  dtype (dS summed over its broadcast dims; "cpu" only); the kernel's workspaces come back as extra outputs and are dropped:
+               mask=None, dbias=True):
+  """Returns (dq, dk, dv), and with a `bias` and `dbias` (dq, dk, dv, dbias), dbias in the
+  bias's shape and dtype (dS summed over its broadcast dims; "cpu" only; without `dbias` the
+  kernel neither forms nor returns it: a bias nothing differentiates); the kernel's workspaces come back as extra outputs and are dropped:
   on the CPU delta (..., N, T) float32, and the float32 dQ accumulator, flat, of the size the
   native module gives (on the CPU one partial per dQ split; on CUDA one like q, none in
   deterministic mode). `o_error`: None, or the int8 rounding error of a 16-bit o
@@ -356,7 +357,7 @@ def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig, segm
       jax.ShapeDtypeStruct(v.shape, v.dtype),
   )
   if config.implementation == "cpu":
-    if bias is None:
+    if bias is None or not dbias:
       splits = dq_splits(batch_size, heads_k, seq_k)
     else:  # the backward's tasks: the bias's batch slices x its kv heads (flash_bwd.h)
       splits = dq_splits(math.prod(bias.shape[:-3]), heads_k if bias.shape[-3] > 1 else 1, seq_k)
@@ -370,7 +371,7 @@ def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig, segm
     rows = (lse, delta_rows(o, d_o, o_error))
   results += (jax.ShapeDtypeStruct((elements,), jnp.float32),)  # dQ accumulator
   if config.implementation == "cpu":  # dbias and its float32 partials (none: dbias itself)
-    if bias is None:
+    if bias is None or not dbias:
       results += (jax.ShapeDtypeStruct((0,), jnp.float32),) * 2
     else:
       partials = _registry.cpu_dbias_accum_elements(bias.size, bias.shape[-1] == 1,
@@ -387,10 +388,10 @@ def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig, segm
                  **attributes, **id_attributes, **_soft_cap_attribute(config),
                  **alibi_attributes, **block_attributes, **drop_attributes, **logit_attributes)
   dq, dk, dv = outputs[:3]
-  return (dq, dk, dv) if bias is None else (dq, dk, dv, outputs[5])
+  return (dq, dk, dv) if bias is None or not dbias else (dq, dk, dv, outputs[5])
 
 
-flash_bwd = _derivatives.first_order_only(_flash_bwd, nondiff_argnums=(8,))
+flash_bwd = _derivatives.first_order_only(_flash_bwd, nondiff_argnums=(8, 16))
 
 
 def cuda_kv_splits(batch: int, seq_q: int, heads_q: int, heads_k: int, seq_k: int,

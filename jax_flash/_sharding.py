@@ -192,6 +192,7 @@ class _Extras:
   # jax.nn's bias and mask, last: None without, else which of their (B, N, T, S) dims are full
   bias: tuple[bool, bool, bool, bool] | None = None
   mask: tuple[bool, bool, bool, bool] | None = None
+  dbias: bool = False  # the backward's: the bias's gradient a fourth result
 
   @property
   def logit_arrays(self) -> str | None:
@@ -312,7 +313,7 @@ def _bwd_op(extras: _Extras):
     o_error, ids, alibi = extras.split(rest)
     return _ops.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config, ids, o_error, alibi,
                           extras.block_mask(rest), extras.dropout_seeds(rest),
-                          extras.bias_array(rest), extras.mask_array(rest))
+                          extras.bias_array(rest), extras.mask_array(rest), extras.dbias)
 
   def partition(config, mesh, arg_shapes, result_shape):
     plan = _plan(mesh, arg_shapes, config, blocks=extras.blocks,
@@ -331,11 +332,11 @@ def _bwd_op(extras: _Extras):
         dbias = None  # (a bias never runs a strategy: _plan gathers the sequence)
       else:
         grads = impl(q, k, v, o, lse, d_o, q_lens, kv_lens, *rest, config)
-        (dq, dk, dv), dbias = grads[:3], (grads[3] if extras.bias is not None else None)
+        (dq, dk, dv), dbias = grads[:3], (grads[3] if extras.dbias else None)
       if plan.q_heads is not None and plan.kv_heads is None:
         # One kv head, query heads split: each device holds the dK/dV of its query heads only.
         dk, dv = jax.lax.psum((dk, dv), plan.q_heads)
-      if extras.bias is None:
+      if not extras.dbias:
         return dq, dk, dv
       # A bias replicated over sharded batch or heads: each device holds its shard's part.
       summed = tuple(axes for axes, full in ((plan.batch, extras.bias[0]),
@@ -351,7 +352,7 @@ def _bwd_op(extras: _Extras):
 
   def _bwd_results(mesh, plan):
     q_rows, kv_rows, _, _ = _shardings(mesh, plan)
-    if extras.bias is None:
+    if not extras.dbias:
       return q_rows, kv_rows, kv_rows
     return q_rows, kv_rows, kv_rows, extras.logit_sharding(mesh, plan, extras.bias)
 
@@ -365,7 +366,7 @@ def _bwd_op(extras: _Extras):
   return _partitioned(impl, inputs,
                       _rule(_BWD_RULE, extras.error, extras.ids, extras.alibi, extras.blocks,
                             extras.dropout, extras.bias, extras.mask,
-                            dbias=extras.bias is not None),
+                            dbias=extras.dbias),
                       partition, infer)
 
 
@@ -446,13 +447,14 @@ def flash_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=N
 
 def flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelConfig,
               segment_ids=None, o_error=None, alibi_slopes=None, block_mask=None,
-              dropout_seeds=None, bias=None, mask=None):
-  """(dq, dk, dv) of the backward kernels, and dbias last where a `bias` is given; partitions
-  and vmaps like flash_fwd. `o_error`: None, or the int8 rounding error of a 16-bit o (CUDA;
-  jax_flash._rounding)."""
+              dropout_seeds=None, bias=None, mask=None, dbias=True):
+  """(dq, dk, dv) of the backward kernels, and dbias last where a `bias` is given and `dbias`
+  asks for it; partitions and vmaps like flash_fwd. `o_error`: None, or the int8 rounding error
+  of a 16-bit o (CUDA; jax_flash._rounding)."""
   op = _bwd_op_for(_Extras(o_error is not None, segment_ids is not None,
                            alibi_slopes is not None, block_mask is not None,
-                           dropout_seeds is not None, _full_dims(bias), _full_dims(mask)))
+                           dropout_seeds is not None, _full_dims(bias), _full_dims(mask),
+                           dbias=bias is not None and dbias))
   operands = (q, k, v, o, lse, d_o, q_lens, kv_lens, *_present(o_error),
               *tuple(segment_ids or ()),
               *_present(alibi_slopes, block_mask, dropout_seeds, bias, mask))

@@ -382,3 +382,21 @@ def test_sharding_with_gspmd(mesh):
         np.testing.assert_allclose(x, w, rtol=2e-6, atol=2e-6, err_msg=name)
   finally:
     jax.config.update("jax_use_shardy_partitioner", previous)
+
+
+def test_a_bias_nothing_differentiates_gets_no_dbias():
+  """The forward rule sees whether the bias is differentiated (symbolic zeros): where it is not,
+  the backward kernel returns no dbias (a (0,) result) and forms none; dq, dk, dv as with it
+  (up to the order of sums: the tasks may be split otherwise)."""
+  q, k, v, g, bias, mask = _inputs(16, F32, (1, N, T, S), F32, (T, S))
+
+  def loss(q, k, v, bias):
+    return jnp.sum(jax_flash.dot_product_attention(q, k, v, bias, mask, implementation="cpu") * g)
+
+  without = ffi_calls(jax.grad(loss, argnums=(0, 1, 2)), q, k, v, bias)
+  with_dbias = ffi_calls(jax.grad(loss, argnums=(0, 1, 2, 3)), q, k, v, bias)
+  assert tuple(without[1][3][5].shape) == (0,) and tuple(with_dbias[1][3][5].shape) == (1, N, T, S)
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, bias)
+  grads_too = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, bias)[:3]
+  for a, b in zip(grads, grads_too):  # (the task split may differ: not the same bits)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

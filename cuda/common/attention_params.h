@@ -209,8 +209,9 @@ struct BwdParams : AttentionParams {
   // exactly on rows whose masks leave one key, where P = 1.
   bool zero_single_key_ds = false;
   // CPU, with a bias: its gradient dS summed over the bias's broadcast dims, in the bias's shape
-  // and dtype; dbias_accum holds dbias_parts float32 partial sums in the bias's own layout (one
-  // per dQ split where the bias has no key dim, else one; dbias itself where that one is float32).
+  // and dtype (null: not asked for); dbias_accum holds dbias_parts float32 partial sums in the
+  // bias's own layout (one per dQ split where the bias has no key dim, else one; dbias itself
+  // where that one is float32).
   void* dbias = nullptr;
   float* dbias_accum = nullptr;
   int64_t dbias_parts = 1;

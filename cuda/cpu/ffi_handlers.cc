@@ -183,11 +183,13 @@ ffi::Error set_logit_arrays(const ffi::AnyBuffer& bias, bool has_bias, const ffi
   return set_logit_array("mask", mask, has_mask, true, q, params.shape, params.logit_mask);
 }
 
-// The backward's dbias result (the bias's shape and dtype; with no bias a float32 (0,)) and its
-// float32 workspace (cpu::dbias_accum_elements of them; none: dbias itself is the one partial).
-// Call after set_logit_arrays and with params.dq_splits set.
+// The backward's dbias result (the bias's shape and dtype; a float32 (0,) with no bias, or for a
+// bias nothing differentiates: then no dbias is formed) and its float32 workspace
+// (cpu::dbias_accum_elements of them; none: dbias itself is the one partial). Call after
+// set_logit_arrays and with params.dq_splits set.
 ffi::Error set_dbias(ffi::AnyBuffer& dbias, ffi::AnyBuffer& accum, const ffi::AnyBuffer& bias, BwdParams& params) {
-  if (!params.bias) {
+  // (A bias has q's rank, >= 3: a rank-1 dbias is the (0,) of "none".)
+  if (!params.bias || (dbias.dimensions().size() == 1 && dbias.element_count() == 0)) {
     JF_RETURN_IF_ERROR(expect_float32("dbias", dbias, 0));
     return expect_float32("dbias_accum", accum, 0);
   }

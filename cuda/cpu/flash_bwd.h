@@ -95,12 +95,12 @@ struct FlashBwdMain {
   const typename Products::Shared& shared;
 
   // Tasks: (batch elements, kv heads, dQ split), one batch element and one kv head each but
-  // with a bias, where every dbias element must have one owner among the tasks that run at
-  // once: a task then takes every batch element sharing its slice of the bias (batch_div of
+  // where dbias is formed, and every dbias element must have one owner among the tasks that run
+  // at once: a task then takes every batch element sharing its slice of the bias (batch_div of
   // them) and, where the bias has no head dim, every kv head. A split owns the dbias columns of
   // its key blocks; a bias without a key dim has a partial per split (dbias_parts).
-  int64_t batch_units() const { return p.bias ? p.shape.batch / p.bias.batch_div : p.shape.batch; }
-  int64_t kv_units() const { return p.bias && p.bias.head == 0 ? 1 : p.shape.heads_k; }
+  int64_t batch_units() const { return p.dbias ? p.shape.batch / p.bias.batch_div : p.shape.batch; }
+  int64_t kv_units() const { return p.dbias && p.bias.head == 0 ? 1 : p.shape.heads_k; }
   int64_t num_tasks() const { return batch_units() * kv_units() * p.dq_splits; }
 
   void operator()(int64_t task) const {
@@ -127,7 +127,7 @@ struct FlashBwdMain {
     const bool blocks = p.block_mask != nullptr;
     const LogitArray& bias = p.bias;
     const LogitArray& logit_mask = p.logit_mask;
-    float* dbias_part = bias ? p.dbias_accum + (p.dbias_parts > 1 ? split : 0) * bias.elements : nullptr;
+    float* dbias_part = p.dbias ? p.dbias_accum + (p.dbias_parts > 1 ? split : 0) * bias.elements : nullptr;
 
     // Scratch tiles: P, dS, lse, delta for the query block, with soft-capping the cap's
     // derivative per score, and with dropout Z and then P * Z, and Z^T as drawn (rows from a
@@ -259,7 +259,7 @@ struct FlashBwdMain {
             }
           }
           // dbias += dS (by the biased score: the bias comes after the cap).
-          if (bias) accumulate_dbias(dbias_part + bias_base, bias, dscores, bk, i0, rows, j0, live_cols);
+          if (dbias_part) accumulate_dbias(dbias_part + bias_base, bias, dscores, bk, i0, rows, j0, live_cols);
           // Soft-capping: dS by the raw score is dS by the capped one times 1 - tanh^2.
           if (cap)
             for (int64_t x = 0; x < rows * bk; x += kLanes) store(dscores + x, load(dscores + x) * load(cap_grad + x));
@@ -307,14 +307,14 @@ void flash_bwd_typed(const BwdParams& params, const TaskRunner& runner) {
   const int64_t dp = padded_head_dim(params.shape.head_dim);
   FlashBwdDelta<T> delta{params, dp};
   parallel_for(runner, delta.num_tasks(), delta);
-  if (params.bias) zero_dbias(params, runner);
+  if (params.dbias) zero_dbias(params, runner);
   typename Products::Shared shared(params, runner);
   FlashBwdMain<T, Products> main{params, shared};
   parallel_for(runner, main.num_tasks(), main);
   shared.release();
   FlashBwdDq<T> dq{params, dp};
   parallel_for(runner, dq.num_tasks(), dq);
-  if (params.bias) finish_dbias(params, runner);
+  if (params.dbias) finish_dbias(params, runner);
 }
 
 }  // namespace jax_flash::cpu::JF_ISA
