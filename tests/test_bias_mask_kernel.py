@@ -192,13 +192,20 @@ def test_random_shapes(bias_dims, mask_dims, t, s, is_causal, window, seed):
          is_causal=is_causal, local_window_size=window)
 
 
-def test_with_segment_ids_soft_cap_and_alibi():
+@pytest.mark.parametrize("policies", ["ids+cap+alibi", "blocks+dropout"])
+def test_with_the_other_score_policies(policies):
   """The arrays on top of the other score policies, against jax_flash's own float32 "xla"
-  path (jax.nn has none of them): the bias comes after the cap and ALiBi."""
-  q, k, v, g, bias, mask = _inputs(6, F32, (1, N, T, T), F32, (B, 1, T, T), s=T)
-  ids = jnp.asarray(np.repeat(np.arange(2), [30, T - 30])[None].repeat(B, 0), jnp.int32)
-  options = dict(is_causal=True, q_segment_ids=ids, kv_segment_ids=ids, logits_soft_cap=3.0,
-                 alibi_slopes=jnp.linspace(0.1, 0.4, N))
+  path (jax.nn has none of them): the bias comes after the cap and ALiBi; segment ids, a
+  block mask and dropout combine with the mask."""
+  t = 200  # two 128-row mask blocks
+  q, k, v, g, bias, mask = _inputs(6, F32, (1, N, t, t), F32, (B, 1, t, t), t=t, s=t)
+  if policies == "ids+cap+alibi":
+    ids = jnp.asarray(np.repeat(np.arange(2), [90, t - 90])[None].repeat(B, 0), jnp.int32)
+    options = dict(is_causal=True, q_segment_ids=ids, kv_segment_ids=ids, logits_soft_cap=3.0,
+                   alibi_slopes=jnp.linspace(0.1, 0.4, N))
+  else:
+    blocks = jnp.asarray([[True, False], [True, True]])
+    options = dict(block_mask=blocks, dropout_rate=0.2, dropout_key=jax.random.key(3))
   got = _numpy(jax.jit(functools.partial(_vjp, _flash(mask, options)))(q, k, v, bias, g))
   want = _numpy(jax.jit(functools.partial(_vjp, _flash(mask, options, "xla")))(q, k, v, bias, g))
   for name, x, w in zip(("out", "dq", "dk", "dv", "dbias"), got, want):
