@@ -71,7 +71,8 @@ __all__ = [
 ]
 
 _MASK_HELP = (
-    "Pass implementation='blockwise' (FlashAttention in XLA, which takes both arrays), or "
+    "Pass implementation='blockwise' (FlashAttention in XLA, which takes both arrays; on the "
+    "host the 'cpu' kernel takes them too), or "
     "express the mask in the kernels' terms: causal self-attention is "
     "`is_causal=True` (FlashMultiHeadAttention(is_causal=True), "
     "FlashMultiHeadDotProductAttention(is_causal=True), make_attention_fn(is_causal=True), or "
