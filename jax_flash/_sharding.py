@@ -201,7 +201,8 @@ class _Extras:
     return " and ".join(names) + " arrays" if names else None
 
   @property
-  def _trailing(self) -> int:
+  def trailing(self) -> int:
+    """How many operands come after the dropout seeds: the bias and the mask, where taken."""
     return (self.bias is not None) + (self.mask is not None)
 
   def split(self, extras) -> tuple:
@@ -216,11 +217,11 @@ class _Extras:
 
   def block_mask(self, extras):
     """The block mask among the operands, or None."""
-    return extras[len(extras) - 1 - self.dropout - self._trailing] if self.blocks else None
+    return extras[len(extras) - 1 - self.dropout - self.trailing] if self.blocks else None
 
   def dropout_seeds(self, extras):
     """The dropout seeds among the operands, or None."""
-    return extras[len(extras) - 1 - self._trailing] if self.dropout else None
+    return extras[len(extras) - 1 - self.trailing] if self.dropout else None
 
   def bias_array(self, extras):
     """The bias among the operands, or None."""
@@ -296,7 +297,7 @@ def _fwd_op(extras: _Extras):
     q_rows, _, lse, _ = _shardings(mesh, plan)
     return (q_rows, lse, q_rows) if split else (q_rows, lse)
 
-  inputs = 5 + 2 * extras.ids + extras.alibi + extras.blocks + extras.dropout + extras._trailing
+  inputs = 5 + 2 * extras.ids + extras.alibi + extras.blocks + extras.dropout + extras.trailing
   return _partitioned(impl, inputs,
                       _rule(_FWD_SPLIT_RULE if split else _FWD_RULE, False, extras.ids,
                             extras.alibi, extras.blocks, extras.dropout, extras.bias,
@@ -362,7 +363,7 @@ def _bwd_op(extras: _Extras):
     return _bwd_results(mesh, plan)
 
   inputs = (8 + extras.error + 2 * extras.ids + extras.alibi + extras.blocks + extras.dropout
-            + extras._trailing)
+            + extras.trailing)
   return _partitioned(impl, inputs,
                       _rule(_BWD_RULE, extras.error, extras.ids, extras.alibi, extras.blocks,
                             extras.dropout, extras.bias, extras.mask,
