@@ -20,12 +20,17 @@ _XLA_PATHS = {"xla": attention_reference, "blockwise": blockwise_attention}
 # segment_ids: None or (q_ids (B, T), kv_ids (B, S)) int32; alibi_slopes: None or (B, N)
 # float32; block_mask: None or (B, N, Tb, Sb) bool; dropout_seeds: None or (B, N, 4) uint32
 # (jax_flash._dropout.seeds), exactly when config.dropout_rate > 0. Like the lengths, none is
-# differentiated (their cotangents are None: zero).
+# differentiated (their cotangents are None: zero). bias and mask: None or jax.nn's arrays,
+# (B|1, N|1, T|1, S|1) float and bool, as the caller broadcast them; the bias is differentiated
+# (the backward kernel sums dS over its broadcast dims) where something differentiates it: the
+# forward rules get symbolic zeros (custom_vjp's CustomVJPPrimal: `perturbed`), so a constant
+# bias costs the backward no dbias. The bool mask is not (None).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _flash_attention(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=None,
-                     alibi_slopes=None, block_mask=None, dropout_seeds=None):
+                     alibi_slopes=None, block_mask=None, dropout_seeds=None, bias=None,
+                     mask=None):
   return _sharding.flash_fwd(q, k, v, q_lens, kv_lens, config, segment_ids, alibi_slopes,
-                             block_mask, dropout_seeds)
+                             block_mask, dropout_seeds, bias, mask)
 
 
 def _output_and_residual(o32, q, config, keep_float32=False):
@@ -52,12 +57,35 @@ def _narrow_cuda_call(q, k, config, segment_ids, alibi_slopes, block_mask, dropo
                                           config.window_right, q.shape[-3], k.shape[-3])
 
 
+def _primal_values(primals):
+  """The values of the primals a symbolic-zeros forward rule gets (CustomVJPPrimal leaves)."""
+  return jax.tree.map(lambda primal: primal.value, primals)
+
+
+def _wants_dbias(bias) -> tuple:
+  """Whether the backward forms dbias, as a residual: (None,) for a bias something
+  differentiates (custom_vjp's `perturbed`), () otherwise (static: the tuple's length)."""
+  return (None,) if bias is not None and bias.perturbed else ()
+
+
+def _cotangent(d_o):
+  """The output's cotangent as an array (symbolic zeros: a SymbolicZero where it is zero)."""
+  if isinstance(d_o, jax.custom_derivatives.SymbolicZero):
+    return jnp.zeros(d_o.shape, d_o.dtype)
+  return d_o
+
+
 def _flash_attention_fwd(q, k, v, q_lens, kv_lens, config, segment_ids=None,
-                         alibi_slopes=None, block_mask=None, dropout_seeds=None):
+                         alibi_slopes=None, block_mask=None, dropout_seeds=None, bias=None,
+                         mask=None):
+  wants_dbias = _wants_dbias(bias)
+  (q, k, v, q_lens, kv_lens, segment_ids, alibi_slopes, block_mask, dropout_seeds, bias,
+   mask) = _primal_values((q, k, v, q_lens, kv_lens, segment_ids, alibi_slopes, block_mask,
+                           dropout_seeds, bias, mask))
   narrow = _narrow_cuda_call(q, k, config, segment_ids, alibi_slopes, block_mask, dropout_seeds)
   fwd_config = _ops.for_backward(config, split=not narrow)
   outputs = _sharding.flash_fwd(q, k, v, q_lens, kv_lens, fwd_config, segment_ids,
-                                alibi_slopes, block_mask, dropout_seeds)
+                                alibi_slopes, block_mask, dropout_seeds, bias, mask)
   if fwd_config.o_split:  # the CUDA kernel split o itself
     o, lse, o_error = outputs
     o_kept = o
@@ -65,19 +93,38 @@ def _flash_attention_fwd(q, k, v, q_lens, kv_lens, config, segment_ids=None,
     o32, lse = outputs
     o, o_kept, o_error = _output_and_residual(o32, q, config, keep_float32=narrow)
   return (o, lse), (q, k, v, o_kept, o_error, lse, q_lens, kv_lens, segment_ids, alibi_slopes,
-                    block_mask, dropout_seeds)
+                    block_mask, dropout_seeds, bias, mask, wants_dbias)
+
+
+def _backward_kernel(q, k, v, o, lse, d_o, q_lens, kv_lens, config, segment_ids, o_error,
+                     alibi_slopes, block_mask, dropout_seeds, bias, mask, wants_dbias):
+  """(dq, dk, dv, dbias or None) of the backward kernel; dbias None unless `wants_dbias`
+  (_wants_dbias)."""
+  dbias = bias is not None and bool(wants_dbias)
+  grads = _sharding.flash_bwd(q, k, v, o, lse, _cotangent(d_o), q_lens, kv_lens, config,
+                              segment_ids, o_error, alibi_slopes, block_mask, dropout_seeds,
+                              bias, mask, dbias)
+  return grads if dbias else (*grads, None)
 
 
 def _flash_attention_bwd(config, residuals, cotangents):
   (q, k, v, o, o_error, lse, q_lens, kv_lens, segment_ids, alibi_slopes, block_mask,
-   dropout_seeds) = residuals
+   dropout_seeds, bias, mask, wants_dbias) = residuals
   d_o, _ = cotangents  # lse leaves through stop_gradient: its cotangent is always zero
-  dq, dk, dv = _sharding.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config, segment_ids,
-                                   o_error, alibi_slopes, block_mask, dropout_seeds)
-  return dq, dk, dv, None, None, None, None, None, None
+  dq, dk, dv, dbias = _backward_kernel(q, k, v, o, lse, d_o, q_lens, kv_lens, config,
+                                       segment_ids, o_error, alibi_slopes, block_mask,
+                                       dropout_seeds, bias, mask, wants_dbias)
+  if dbias is not None and bias.shape[-1] == 1:
+    # A bias with no key dim adds one constant to all of a row's scores, which the softmax
+    # cancels: its gradient is exactly 0. The kernel's sum of dS over the row's keys leaves only
+    # rounding there (with 16-bit inputs that of the forward's 16-bit P, ~2^-9 of the
+    # gradients), so only its NaNs and infs are kept. (With sinks the row has one more term,
+    # which the bias does not shift: _flash_attention_sinks_bwd keeps the sum.)
+    dbias = jnp.where(jnp.isfinite(dbias), jnp.zeros_like(dbias), dbias)
+  return dq, dk, dv, None, None, None, None, None, None, dbias, None
 
 
-_flash_attention.defvjp(_flash_attention_fwd, _flash_attention_bwd)
+_flash_attention.defvjp(_flash_attention_fwd, _flash_attention_bwd, symbolic_zeros=True)
 
 
 # Attention sinks (gpt-oss) on the kernels. The kernels compute the keys' part, (o_k, lse_k);
@@ -103,38 +150,44 @@ def _join_sinks(o32, lse, sinks):
   return o32 * jnp.swapaxes(weight, 1, 2)[..., None], total
 
 
-# segment_ids, alibi_slopes, block_mask and dropout_seeds as in _flash_attention (None without
-# them); sinks (N,) differentiable.
+# segment_ids, alibi_slopes, block_mask, dropout_seeds, bias and mask as in _flash_attention
+# (None without them); sinks (N,) differentiable.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _flash_attention_sinks(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids,
-                           sinks, alibi_slopes=None, block_mask=None, dropout_seeds=None):
+                           sinks, alibi_slopes=None, block_mask=None, dropout_seeds=None,
+                           bias=None, mask=None):
   (o, lse), _ = _flash_attention_sinks_fwd(q, k, v, q_lens, kv_lens, config, segment_ids, sinks,
-                                           alibi_slopes, block_mask, dropout_seeds)
+                                           alibi_slopes, block_mask, dropout_seeds, bias, mask)
   return o, lse
 
 
 def _flash_attention_sinks_fwd(q, k, v, q_lens, kv_lens, config, segment_ids, sinks,
-                               alibi_slopes=None, block_mask=None, dropout_seeds=None):
+                               alibi_slopes=None, block_mask=None, dropout_seeds=None,
+                               bias=None, mask=None):
   # o in float32 from the kernel (also undifferentiated: the join scales it before the one
   # rounding to q's dtype).
   o32, lse = _sharding.flash_fwd(q, k, v, q_lens, kv_lens, _ops.for_backward(config),
-                                 segment_ids, alibi_slopes, block_mask, dropout_seeds)
+                                 segment_ids, alibi_slopes, block_mask, dropout_seeds, bias,
+                                 mask)
   o32, lse = _join_sinks(o32.astype(jnp.float32), lse, sinks)
   o, o_kept, o_error = _output_and_residual(o32, q, config)
   return (o, lse), (q, k, v, o_kept, o_error, lse, q_lens, kv_lens, segment_ids, sinks,
-                    alibi_slopes, block_mask, dropout_seeds)
+                    alibi_slopes, block_mask, dropout_seeds, bias, mask)
 
 
 def _flash_attention_sinks_bwd(config, residuals, cotangents):
   (q, k, v, o, o_error, lse, q_lens, kv_lens, segment_ids, sinks, alibi_slopes,
-   block_mask, dropout_seeds) = residuals
+   block_mask, dropout_seeds, bias, mask) = residuals
   d_o, _ = cotangents  # lse leaves through stop_gradient
-  dq, dk, dv = _sharding.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config, segment_ids,
-                                   o_error, alibi_slopes, block_mask, dropout_seeds)
+  # (No symbolic zeros here: a bias's dbias is always formed.)
+  dq, dk, dv, dbias = _backward_kernel(q, k, v, o, lse, d_o, q_lens, kv_lens, config,
+                                       segment_ids, o_error, alibi_slopes, block_mask,
+                                       dropout_seeds, bias, mask, wants_dbias=(None,))
   delta = _ops.delta_rows(o, d_o, o_error)
   dsinks = -jnp.sum(jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse) * delta,
                     axis=(0, 2))
-  return dq, dk, dv, None, None, None, dsinks.astype(sinks.dtype), None, None, None
+  return (dq, dk, dv, None, None, None, dsinks.astype(sinks.dtype), None, None, None, dbias,
+          None)
 
 
 _flash_attention_sinks.defvjp(_flash_attention_sinks_fwd, _flash_attention_sinks_bwd)
@@ -181,12 +234,18 @@ def dot_product_attention(
       backward), "blockwise" and "xla", by sharded and context-parallel calls on "cpu", and
       by "cuda", whose kernels take one head dim: q and k, or v, zero-padded to the larger.
     bias: added to the scaled logits, broadcastable to ``(B, N, T, S)`` (fewer dims gain
-      leading ones; each dim 1 or full), differentiable. Only the ``"blockwise"`` and ``"xla"``
-      paths take it: the kernels raise ``NotImplementedError`` (so does ``None`` where it
-      picks a kernel).
-    mask: bool, ``True`` where a query may attend a key, broadcastable like ``bias``; the same
-      paths take it. Causal, padding and window masks go through ``is_causal``, the sequence
-      lengths and ``local_window_size`` instead, which every path takes.
+      leading ones; each dim 1 or full), differentiable (its gradient, dS summed over its
+      broadcast dims, comes back in its shape and dtype; exactly 0 for a bias with no key dim,
+      which the softmax cancels, unless ``sinks`` are given). Added in float32 after
+      ``logits_soft_cap`` and ALiBi, before the masks. Taken by "cpu" (the kernel reads it
+      where it lies, through its strides: nothing ``(B, N, T, S)`` is formed; its backward
+      sums dbias deterministically), "blockwise" and "xla"; the CUDA kernels raise
+      ``NotImplementedError`` (so does ``None`` where it picks them). Sharded calls shard it
+      with the batch and the heads where it has them, and gather a sharded sequence.
+    mask: bool, ``True`` where a query may attend a key, broadcastable like ``bias``, on top
+      of every other mask (a row left no key gives zeros); the same paths take it (the "cpu"
+      kernel skips the tiles it hides). Causal, padding and window masks are cheaper through
+      ``is_causal``, the sequence lengths and ``local_window_size``, which every path takes.
     scale: logit scale; ``1 / sqrt(H)`` by default. Any sign; it must be finite as a float32,
       and so must its product with log2(e) (``|scale|`` up to about 2.3587e38), or a
       ``ValueError`` names it.
@@ -418,7 +477,8 @@ def _dot_product_attention(query, key, value, bias=None, mask=None, *, scale=Non
         window_right=window_right, deterministic=deterministic,
         context_parallel=context_parallel, segment_ids=segment_ids,
         logits_soft_cap=logits_soft_cap, sinks=sinks, alibi_slopes=alibi_slopes,
-        block_mask=block_mask, dropout_rate=dropout_rate, dropout_seeds=dropout_seeds)
+        block_mask=block_mask, dropout_rate=dropout_rate, dropout_seeds=dropout_seeds,
+        bias=bias, mask=mask)
   lse = jax.lax.stop_gradient(lse)
 
   if unbatched:

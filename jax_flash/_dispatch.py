@@ -34,7 +34,8 @@ _HALF_DTYPES = frozenset(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16))
 _KERNEL_MASK_ADVICE = (
     "Express a mask as is_causal / query_seq_lengths / key_value_seq_lengths / "
     "local_window_size, which the kernels take, or pass implementation='blockwise' "
-    "(FlashAttention in XLA, which takes both arrays) or 'xla'")
+    "(FlashAttention in XLA, which takes both arrays) or 'xla' (on the host the 'cpu' kernel "
+    "takes them too)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +75,8 @@ def capabilities(name: str) -> Capabilities:
         name, kernel=True, dtypes=_FLOAT_DTYPES,
         max_head_dim=_registry.KERNEL_CONSTANTS["max_head_dim"],
         head_dim_multiple=1,  # the kernel aligns its own float32 tiles
-        logit_arrays=False, mask_forms=MASK_FORMS,
+        # bias/mask arrays read where they lie (cuda/cpu/logit_arrays.h), dbias from the kernel
+        logit_arrays=True, mask_forms=MASK_FORMS,
         deterministic_backward=True,  # always: dQ partials are summed in a fixed order
         ring=True, paged=True, segment_ids=True, logits_soft_cap=True, sinks=True,
         alibi_slopes=True, block_mask=True, dropout_rate=True, value_head_dim=True)

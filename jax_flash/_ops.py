@@ -8,7 +8,9 @@ Kernel layouts: q, dq (..., T, N, H); k, dk (..., S, K, H); v, dv (..., S, K, Hv
 q_lens, kv_lens (...,) int32; segment ids, where given, (..., T) and (..., S) int32, and ALiBi
 slopes, where given, (..., N) float32, the block mask, where given, (..., N, Tb, Sb) bool, and
 the dropout seeds, where given, (..., N, 4) uint32 (jax_flash._dropout.seeds; the "cpu" kernel
-only). Leading dimensions are batch;
+only), and jax.nn's bias and mask, where given, (..., N|1, T|1, S|1) as the caller broadcast
+them (the "cpu" kernel only: LogitArray in cuda/common/attention_params.h). Leading dimensions
+are batch;
 vmap adds more (``broadcast_all``), and the kernels fold them all into one batch dimension.
 """
 
@@ -211,14 +213,35 @@ def _dropout_operands(config: KernelConfig, dropout_seeds) -> tuple[tuple, dict]
   return (dropout_seeds,), {"dropout_rate": float(config.dropout_rate)}
 
 
+# The dtypes the "cpu" kernel reads a bias in (others are cast to float32 by call_kernels).
+BIAS_DTYPES = frozenset(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
+
+
+def _logit_operands(config: KernelConfig, bias, mask) -> tuple[tuple, dict]:
+  """The bias and mask operands and attributes of a kernel call: the "cpu" passes always take
+  the bias (..., N|1, T|1, S|1) as it is (a float32 (0,) placeholder without) with the switch
+  `bias`, and the bool mask likewise (a bool (0,) placeholder) with `mask`; the "cuda" ones
+  take neither (jax_flash._dispatch refuses the arrays there)."""
+  if config.implementation != "cpu":
+    if bias is not None or mask is not None:
+      raise NotImplementedError(f"the {config.implementation!r} kernels take no bias or mask arrays")
+    return (), {}
+  operands = (jnp.zeros((0,), jnp.float32) if bias is None else bias,
+              jnp.zeros((0,), jnp.bool_) if mask is None else mask)
+  return operands, {"bias": bias is not None, "mask": mask is not None}
+
+
 def _flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig, segment_ids=None,
-               alibi_slopes=None, block_mask=None, dropout_seeds=None):
+               alibi_slopes=None, block_mask=None, dropout_seeds=None, bias=None, mask=None):
   """Returns (o, lse) with o like q but for its head dim, v's Hv (float32 with
   config.o_float32), and lse (..., N, T) float32; with config.o_split (o, lse, o_error), o_error
   o's int8 rounding error (jax_flash._rounding). `segment_ids`: None or (q_ids (..., T),
   kv_ids (..., S)) int32; `alibi_slopes`: None or (..., N) float32 (one slope per batch element
   and query head); `dropout_seeds`: None or (..., N, 4) uint32, exactly when
-  config.dropout_rate > 0."""
+  config.dropout_rate > 0; `bias` and `mask`: None or (..., N|1, T|1, S|1), float and bool
+  ("cpu" only)."""
+  if (bias is not None or mask is not None) and config.kv_splits:
+    raise ValueError("split-KV decoding takes no bias or mask (call_kernels sets kv_splits=0)")
   if segment_ids is not None and config.kv_splits:
     raise ValueError("split-KV decoding takes no segment ids (call_kernels sets kv_splits=0)")
   if alibi_slopes is not None and config.kv_splits:
@@ -253,9 +276,10 @@ def _flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig, segment_ids=None,
   alibi, alibi_attributes = _alibi_operands(config, alibi_slopes)
   blocks, block_attributes = _block_mask_operands(config, block_mask, k.shape[-2])
   drop, drop_attributes = _dropout_operands(config, dropout_seeds)
-  outputs = call(q, k, v, q_lens, kv_lens, *ids, *alibi, *blocks, *drop, **config.attributes(),
-                 **id_attributes, **_soft_cap_attribute(config), **alibi_attributes,
-                 **block_attributes, **drop_attributes)
+  logits, logit_attributes = _logit_operands(config, bias, mask)
+  outputs = call(q, k, v, q_lens, kv_lens, *ids, *alibi, *blocks, *drop, *logits,
+                 **config.attributes(), **id_attributes, **_soft_cap_attribute(config),
+                 **alibi_attributes, **block_attributes, **drop_attributes, **logit_attributes)
   return outputs if config.o_split else outputs[:2]
 
 
@@ -305,8 +329,11 @@ def delta_rows(o, d_o, o_error=None) -> jax.Array:
 
 
 def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig, segment_ids=None,
-               o_error=None, alibi_slopes=None, block_mask=None, dropout_seeds=None):
-  """Returns (dq, dk, dv); the kernel's workspaces come back as extra outputs and are dropped:
+               o_error=None, alibi_slopes=None, block_mask=None, dropout_seeds=None, bias=None,
+               mask=None, dbias=True):
+  """Returns (dq, dk, dv), and with a `bias` and `dbias` (dq, dk, dv, dbias), dbias in the
+  bias's shape and dtype (dS summed over its broadcast dims; "cpu" only; without `dbias` the
+  kernel neither forms nor returns it: a bias nothing differentiates); the kernel's workspaces come back as extra outputs and are dropped:
   on the CPU delta (..., N, T) float32, and the float32 dQ accumulator, flat, of the size the
   native module gives (on the CPU one partial per dQ split; on CUDA one like q, none in
   deterministic mode). `o_error`: None, or the int8 rounding error of a 16-bit o
@@ -330,7 +357,10 @@ def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig, segm
       jax.ShapeDtypeStruct(v.shape, v.dtype),
   )
   if config.implementation == "cpu":
-    splits = dq_splits(batch_size, heads_k, seq_k)
+    if bias is None or not dbias:
+      splits = dq_splits(batch_size, heads_k, seq_k)
+    else:  # the backward's tasks: the bias's batch slices x its kv heads (flash_bwd.h)
+      splits = dq_splits(math.prod(bias.shape[:-3]), heads_k if bias.shape[-3] > 1 else 1, seq_k)
     elements = _registry.cpu_dq_accum_elements(splits, batch_size, seq_q, heads_q, head_dim)
     attributes["dq_splits"] = np.int64(splits)
     results += (jax.ShapeDtypeStruct(_lse_shape(q), jnp.float32),)  # delta
@@ -340,18 +370,28 @@ def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig, segm
                                                 bool(config.deterministic))
     rows = (lse, delta_rows(o, d_o, o_error))
   results += (jax.ShapeDtypeStruct((elements,), jnp.float32),)  # dQ accumulator
+  if config.implementation == "cpu":  # dbias and its float32 partials (none: dbias itself)
+    if bias is None or not dbias:
+      results += (jax.ShapeDtypeStruct((0,), jnp.float32),) * 2
+    else:
+      partials = _registry.cpu_dbias_accum_elements(bias.size, bias.shape[-1] == 1,
+                                                    bias.dtype == jnp.float32, splits)
+      results += (jax.ShapeDtypeStruct(bias.shape, bias.dtype),
+                  jax.ShapeDtypeStruct((partials,), jnp.float32))
   call = jax.ffi.ffi_call(_target(config, "bwd"), results, vmap_method="broadcast_all")
   ids, id_attributes = _segment_operands(config, segment_ids)
   alibi, alibi_attributes = _alibi_operands(config, alibi_slopes)
   blocks, block_attributes = _block_mask_operands(config, block_mask, heads_k, backward=True)
   drop, drop_attributes = _dropout_operands(config, dropout_seeds)
-  dq, dk, dv, *_ = call(q, k, v, *rows, d_o, q_lens, kv_lens, *ids, *alibi, *blocks, *drop,
-                        **attributes, **id_attributes, **_soft_cap_attribute(config),
-                        **alibi_attributes, **block_attributes, **drop_attributes)
-  return dq, dk, dv
+  logits, logit_attributes = _logit_operands(config, bias, mask)
+  outputs = call(q, k, v, *rows, d_o, q_lens, kv_lens, *ids, *alibi, *blocks, *drop, *logits,
+                 **attributes, **id_attributes, **_soft_cap_attribute(config),
+                 **alibi_attributes, **block_attributes, **drop_attributes, **logit_attributes)
+  dq, dk, dv = outputs[:3]
+  return (dq, dk, dv) if bias is None or not dbias else (dq, dk, dv, outputs[5])
 
 
-flash_bwd = _derivatives.first_order_only(_flash_bwd, nondiff_argnums=(8,))
+flash_bwd = _derivatives.first_order_only(_flash_bwd, nondiff_argnums=(8, 16))
 
 
 def cuda_kv_splits(batch: int, seq_q: int, heads_q: int, heads_k: int, seq_k: int,
@@ -399,6 +439,8 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
                  block_mask: jax.Array | None = None,
                  dropout_rate: float | None = None,
                  dropout_seeds: jax.Array | None = None,
+                 bias: jax.Array | None = None,
+                 mask: jax.Array | None = None,
                  ) -> tuple[jax.Array, jax.Array]:
   """(out, lse) of `attention` with what every entry point does around the kernels: the scale
   made positive (positive_scale) and the head dim zero-padded as `implementation` needs
@@ -422,7 +464,10 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
   `attention` gets it broadcast to (B, N, Tb, Sb) after the slopes (None where not given); the
   tiled kernel only, as the slopes. With `dropout_rate` (> 0; KernelConfig.dropout_rate
   carries it) and `dropout_seeds` (B, N, 4) uint32 (jax_flash._dropout.seeds) `attention` gets
-  the seeds as its keyword argument `dropout_seeds`; the tiled kernel only.
+  the seeds as its keyword argument `dropout_seeds`; the tiled kernel only. With jax.nn's `bias`
+  and `mask` ((B|1, N|1, T|1, S|1), float and bool: never broadcast further) `attention` gets
+  them as its keyword arguments `bias` and `mask`; the tiled kernel only. A bias of a dtype the
+  kernel does not read (BIAS_DTYPES) is cast to float32 here, outside the custom VJP.
 
   With nothing to compute (B, T or N is 0) or no key for any row (S is 0) no kernel runs: the
   output is zeros (every row empty, lse EMPTY_ROW_LSE), as jax.nn's is, and so are the
@@ -450,7 +495,8 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
   else:
     splits = _decode.kv_splits(implementation, batch, seq_q, heads_q, k.shape[2], k.shape[1])
   if (segment_ids is not None or logits_soft_cap is not None or alibi_slopes is not None
-      or block_mask is not None or dropout_rate is not None):
+      or block_mask is not None or dropout_rate is not None or bias is not None
+      or mask is not None):
     splits = 0
   config = KernelConfig(implementation, scale, bool(is_causal), window_left, window_right,
                         deterministic, context_parallel=context_parallel, kv_splits=splits,
@@ -469,5 +515,8 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
     if block_mask is not None:
       extra += (jnp.broadcast_to(block_mask, (batch, heads_q, *block_mask.shape[-2:])),)
     dropout = {} if dropout_rate is None else {"dropout_seeds": dropout_seeds}
-    out, lse = attention(q, k, v, q_lens, kv_lens, config, *extra, **dropout)
+    if bias is not None and bias.dtype not in BIAS_DTYPES:
+      bias = bias.astype(jnp.float32)
+    logits = {name: x for name, x in (("bias", bias), ("mask", mask)) if x is not None}
+    out, lse = attention(q, k, v, q_lens, kv_lens, config, *extra, **dropout, **logits)
   return out[..., :head_dim_v], lse

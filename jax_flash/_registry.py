@@ -56,6 +56,14 @@ def cpu_dq_accum_elements(dq_splits: int, batch: int, seq_q: int, heads_q: int,
   return int(_native.cpu_dq_accum_elements(dq_splits, batch, seq_q, heads_q, head_dim))
 
 
+def cpu_dbias_accum_elements(bias_elements: int, keys_broadcast: bool, float32: bool,
+                             dq_splits: int) -> int:
+  """Elements of the CPU backward's float32 dbias workspace (0: dbias itself), as its handler
+  checks them: `keys_broadcast` where the bias's key dim is 1, `float32` for a float32 bias."""
+  return int(_native.cpu_dbias_accum_elements(bias_elements, bool(keys_broadcast), bool(float32),
+                                              dq_splits))
+
+
 def cuda_dq_accum_elements(batch: int, seq_q: int, heads_q: int, head_dim: int,
                            deterministic: bool) -> int:
   """Elements of the CUDA backward's float32 dQ workspace, as its handler checks them."""

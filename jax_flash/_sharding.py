@@ -38,6 +38,12 @@ shard with the batch and the query heads (no communication; they hold the global
 indices, so every shard draws the mask of its own elements). The kernels number rows and keys
 from their slices' starts, so no context-parallel strategy carries dropout yet: a
 sequence-sharded call gathers the sequence and a requested strategy raises naming dropout_rate.
+
+jax.nn's bias and mask arrays ((B|1, N|1, T|1, S|1), the "cpu" kernel's, never broadcast
+further) come after them: a full batch dim shards with the batch and a full head dim with the
+query heads, a dim of 1 is replicated; the backward sums dbias over the mesh axes its bias is
+replicated on (psum). No context-parallel strategy carries them yet: a sequence-sharded call
+gathers the sequence and a requested strategy raises naming them.
 """
 
 from __future__ import annotations
@@ -73,14 +79,27 @@ _ALIBI_RULE = ", b n"
 _BLOCKS_RULE = ", b n x y"
 # The dropout seeds (b n w): w their four words.
 _DROPOUT_RULE = ", b n w"
+# The bias and the mask: b n t s where a dim is full, a factor of their own where it is 1.
+_BIAS_FACTORS = (("b", "c"), ("n", "d"), ("t", "f"), ("s", "g"))
+_MASK_FACTORS = (("b", "i"), ("n", "j"), ("t", "l"), ("s", "m"))
+
+
+def _logit_factors(dims, factors) -> str:
+  """The rule's factors of a bias or mask whose dims are full where `dims` (4 bools) says."""
+  return " ".join(full if f else own for f, (full, own) in zip(dims, factors))
 
 
 def _rule(base: str, error: bool, ids: bool, alibi: bool, blocks: bool = False,
-          dropout: bool = False) -> str:
+          dropout: bool = False, bias=None, mask=None, dbias: bool = False) -> str:
   extras = (_ERROR_RULE if error else "") + (_IDS_RULE if ids else "") + (
       _ALIBI_RULE if alibi else "") + (_BLOCKS_RULE if blocks else "") + (
       _DROPOUT_RULE if dropout else "")
-  return base.replace(" ->", extras + " ->")
+  if bias is not None:
+    extras += ", " + _logit_factors(bias, _BIAS_FACTORS)
+  if mask is not None:
+    extras += ", " + _logit_factors(mask, _MASK_FACTORS)
+  rule = base.replace(" ->", extras + " ->")
+  return rule + ", " + _logit_factors(bias, _BIAS_FACTORS) if dbias else rule
 
 
 # Kept whole: the head dims.
@@ -121,12 +140,14 @@ def _heads_plan(mesh, q_shape, k_shape, heads) -> tuple[object, object]:
   return None, None
 
 
-def _plan(mesh, arg_shapes, config: _ops.KernelConfig, blocks: bool = False) -> _Plan:
+def _plan(mesh, arg_shapes, config: _ops.KernelConfig, blocks: bool = False,
+          logit_arrays: str | None = None) -> _Plan:
   """Read off the query's sharding: batch as it is; heads by _heads_plan; a sharded sequence
   runs the strategy _context_parallel.choose picks for the call (or the one it asks for), and
   is gathered where none can run. A block mask (`blocks`) goes only with a strategy that can
-  carry it (_context_parallel.choose). With dropout (config.dropout_rate) no strategy runs: the
-  sequence is gathered, and a requested strategy raises."""
+  carry it (_context_parallel.choose). With dropout (config.dropout_rate) or bias/mask arrays
+  (`logit_arrays`: their names, for the message) no strategy runs: the sequence is gathered,
+  and a requested strategy raises."""
   q, k = arg_shapes[0], arg_shapes[1]
   batch = _spec_entry(q.sharding, 0)
   seq = _spec_entry(q.sharding, 1)
@@ -135,7 +156,7 @@ def _plan(mesh, arg_shapes, config: _ops.KernelConfig, blocks: bool = False) -> 
   q_heads, kv_heads = _heads_plan(mesh, q.shape, k.shape, _spec_entry(q.sharding, 2))
   strategy = None
   carried_by_none = (f"dropout (dropout_rate={config.dropout_rate!r})" if config.dropout_rate
-                     else None)
+                     else logit_arrays)
   if seq is not None and carried_by_none:
     if config.context_parallel is not None:
       raise ValueError(f"context_parallel={config.context_parallel!r} cannot run this call: no "
@@ -167,7 +188,22 @@ class _Extras:
   ids: bool = False
   alibi: bool = False
   blocks: bool = False  # the block mask, after the slopes
-  dropout: bool = False  # the dropout seeds, last
+  dropout: bool = False  # the dropout seeds, after the block mask
+  # jax.nn's bias and mask, last: None without, else which of their (B, N, T, S) dims are full
+  bias: tuple[bool, bool, bool, bool] | None = None
+  mask: tuple[bool, bool, bool, bool] | None = None
+  dbias: bool = False  # the backward's: the bias's gradient a fourth result
+
+  @property
+  def logit_arrays(self) -> str | None:
+    """The bias and mask arrays taken, named for the messages ("bias and mask"), or None."""
+    names = [n for n, dims in (("bias", self.bias), ("mask", self.mask)) if dims is not None]
+    return " and ".join(names) + " arrays" if names else None
+
+  @property
+  def trailing(self) -> int:
+    """How many operands come after the dropout seeds: the bias and the mask, where taken."""
+    return (self.bias is not None) + (self.mask is not None)
 
   def split(self, extras) -> tuple:
     """(o_error or None, segment ids or None, alibi slopes or None) of the operands (the block
@@ -181,11 +217,26 @@ class _Extras:
 
   def block_mask(self, extras):
     """The block mask among the operands, or None."""
-    return extras[len(extras) - 1 - self.dropout] if self.blocks else None
+    return extras[len(extras) - 1 - self.dropout - self.trailing] if self.blocks else None
 
   def dropout_seeds(self, extras):
     """The dropout seeds among the operands, or None."""
-    return extras[-1] if self.dropout else None
+    return extras[len(extras) - 1 - self.trailing] if self.dropout else None
+
+  def bias_array(self, extras):
+    """The bias among the operands, or None."""
+    return extras[len(extras) - 1 - (self.mask is not None)] if self.bias is not None else None
+
+  def mask_array(self, extras):
+    """The mask among the operands, or None."""
+    return extras[-1] if self.mask is not None else None
+
+  @staticmethod
+  def logit_sharding(mesh, plan: _Plan, dims):
+    """A bias's or mask's sharding: its full batch dim with the batch, its full head dim with
+    the query heads, the rest replicated."""
+    return NamedSharding(mesh, P(plan.batch if dims[0] else None,
+                                 plan.q_heads if dims[1] else None, None, None))
 
   def shardings(self, mesh, plan: _Plan, q_rows) -> tuple:
     """Their shardings: o_error like q; the ids with the batch (and the sequence where a
@@ -200,6 +251,8 @@ class _Extras:
       out += (NamedSharding(mesh, P(plan.batch, plan.q_heads, plan.seq, None)),)
     if self.dropout:
       out += (NamedSharding(mesh, P(plan.batch, plan.q_heads, None)),)
+    out += tuple(self.logit_sharding(mesh, plan, dims) for dims in (self.bias, self.mask)
+                 if dims is not None)
     return out
 
 
@@ -212,10 +265,12 @@ def _fwd_op(extras: _Extras):
     *rest, config = extras_and_config
     _, ids, alibi = extras.split(rest)
     return _ops.flash_fwd(q, k, v, q_lens, kv_lens, config, ids, alibi, extras.block_mask(rest),
-                          extras.dropout_seeds(rest))
+                          extras.dropout_seeds(rest), extras.bias_array(rest),
+                          extras.mask_array(rest))
 
   def partition(config, mesh, arg_shapes, result_shape):
-    plan = _plan(mesh, arg_shapes, config, blocks=extras.blocks)
+    plan = _plan(mesh, arg_shapes, config, blocks=extras.blocks,
+                 logit_arrays=extras.logit_arrays)
     q_rows, kv_rows, lse, lens = _shardings(mesh, plan)
 
     def lower(q, k, v, q_lens, kv_lens, *rest):
@@ -237,14 +292,16 @@ def _fwd_op(extras: _Extras):
             (q_rows, kv_rows, kv_rows, lens, lens, *extras.shardings(mesh, plan, q_rows)))
 
   def infer(config, mesh, arg_shapes, result_shape):
-    plan = _plan(mesh, arg_shapes, config, blocks=extras.blocks)
+    plan = _plan(mesh, arg_shapes, config, blocks=extras.blocks,
+                 logit_arrays=extras.logit_arrays)
     q_rows, _, lse, _ = _shardings(mesh, plan)
     return (q_rows, lse, q_rows) if split else (q_rows, lse)
 
-  inputs = 5 + 2 * extras.ids + extras.alibi + extras.blocks + extras.dropout
+  inputs = 5 + 2 * extras.ids + extras.alibi + extras.blocks + extras.dropout + extras.trailing
   return _partitioned(impl, inputs,
                       _rule(_FWD_SPLIT_RULE if split else _FWD_RULE, False, extras.ids,
-                            extras.alibi, extras.blocks, extras.dropout),
+                            extras.alibi, extras.blocks, extras.dropout, extras.bias,
+                            extras.mask),
                       partition, infer)
 
 
@@ -256,10 +313,12 @@ def _bwd_op(extras: _Extras):
     *rest, config = extras_and_config
     o_error, ids, alibi = extras.split(rest)
     return _ops.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config, ids, o_error, alibi,
-                          extras.block_mask(rest), extras.dropout_seeds(rest))
+                          extras.block_mask(rest), extras.dropout_seeds(rest),
+                          extras.bias_array(rest), extras.mask_array(rest), extras.dbias)
 
   def partition(config, mesh, arg_shapes, result_shape):
-    plan = _plan(mesh, arg_shapes, config, blocks=extras.blocks)
+    plan = _plan(mesh, arg_shapes, config, blocks=extras.blocks,
+                 logit_arrays=extras.logit_arrays)
     q_rows, kv_rows, lse, lens = _shardings(mesh, plan)
 
     def lower(q, k, v, o, lse, d_o, q_lens, kv_lens, *rest):
@@ -271,26 +330,44 @@ def _bwd_op(extras: _Extras):
                                                    kv_lens, config, ids, alibi,
                                                    extras.block_mask(rest),
                                                    axis_name=plan.seq)
+        dbias = None  # (a bias never runs a strategy: _plan gathers the sequence)
       else:
-        dq, dk, dv = impl(q, k, v, o, lse, d_o, q_lens, kv_lens, *rest, config)
+        grads = impl(q, k, v, o, lse, d_o, q_lens, kv_lens, *rest, config)
+        (dq, dk, dv), dbias = grads[:3], (grads[3] if extras.dbias else None)
       if plan.q_heads is not None and plan.kv_heads is None:
         # One kv head, query heads split: each device holds the dK/dV of its query heads only.
         dk, dv = jax.lax.psum((dk, dv), plan.q_heads)
-      return dq, dk, dv
+      if not extras.dbias:
+        return dq, dk, dv
+      # A bias replicated over sharded batch or heads: each device holds its shard's part.
+      summed = tuple(axes for axes, full in ((plan.batch, extras.bias[0]),
+                                             (plan.q_heads, extras.bias[1]))
+                     if axes is not None and not full)
+      for axes in summed:
+        dbias = jax.lax.psum(dbias, axes)
+      return dq, dk, dv, dbias
 
-    return (mesh, lower, (q_rows, kv_rows, kv_rows),
+    return (mesh, lower, _bwd_results(mesh, plan),
             (q_rows, kv_rows, kv_rows, q_rows, lse, q_rows, lens, lens,
              *extras.shardings(mesh, plan, q_rows)))
 
-  def infer(config, mesh, arg_shapes, result_shape):
-    plan = _plan(mesh, arg_shapes, config, blocks=extras.blocks)
+  def _bwd_results(mesh, plan):
     q_rows, kv_rows, _, _ = _shardings(mesh, plan)
-    return q_rows, kv_rows, kv_rows
+    if not extras.dbias:
+      return q_rows, kv_rows, kv_rows
+    return q_rows, kv_rows, kv_rows, extras.logit_sharding(mesh, plan, extras.bias)
 
-  inputs = 8 + extras.error + 2 * extras.ids + extras.alibi + extras.blocks + extras.dropout
+  def infer(config, mesh, arg_shapes, result_shape):
+    plan = _plan(mesh, arg_shapes, config, blocks=extras.blocks,
+                 logit_arrays=extras.logit_arrays)
+    return _bwd_results(mesh, plan)
+
+  inputs = (8 + extras.error + 2 * extras.ids + extras.alibi + extras.blocks + extras.dropout
+            + extras.trailing)
   return _partitioned(impl, inputs,
                       _rule(_BWD_RULE, extras.error, extras.ids, extras.alibi, extras.blocks,
-                            extras.dropout),
+                            extras.dropout, extras.bias, extras.mask,
+                            dbias=extras.dbias),
                       partition, infer)
 
 
@@ -345,33 +422,41 @@ def _batched_op(partitioned, config: _ops.KernelConfig):
   return _derivatives.first_order_only(op)
 
 
+def _full_dims(x):
+  """Which dims of a rank-4 bias or mask are not broadcast (None without one)."""
+  return None if x is None else tuple(d != 1 for d in x.shape)
+
+
+def _present(*xs) -> tuple:
+  return tuple(x for x in xs if x is not None)
+
+
 def flash_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=None,
-              alibi_slopes=None, block_mask=None, dropout_seeds=None):
+              alibi_slopes=None, block_mask=None, dropout_seeds=None, bias=None, mask=None):
   """(o, lse) of the forward kernel ((o, lse, o_error) with config.o_split); q, k, v rank 4,
   lens rank 1, segment_ids None or (q_ids (B, T), kv_ids (B, S)), alibi_slopes None or (B, N)
-  float32, block_mask None or (B, N, Tb, Sb) bool, dropout_seeds None or (B, N, 4) uint32;
-  partitions and vmaps."""
+  float32, block_mask None or (B, N, Tb, Sb) bool, dropout_seeds None or (B, N, 4) uint32,
+  bias and mask None or (B|1, N|1, T|1, S|1); partitions and vmaps (vmap folds a bias's mapped
+  axis into its batch as q's, and broadcasts an unmapped one along it)."""
   op = _fwd_op_for(_Extras(error=config.o_split, ids=segment_ids is not None,
                            alibi=alibi_slopes is not None, blocks=block_mask is not None,
-                           dropout=dropout_seeds is not None))
-  alibi = () if alibi_slopes is None else (alibi_slopes,)
-  blocks = () if block_mask is None else (block_mask,)
-  drop = () if dropout_seeds is None else (dropout_seeds,)
-  return _batched_op(op, config)(q, k, v, q_lens, kv_lens, *(segment_ids or ()), *alibi,
-                                 *blocks, *drop)
+                           dropout=dropout_seeds is not None, bias=_full_dims(bias),
+                           mask=_full_dims(mask)))
+  return _batched_op(op, config)(q, k, v, q_lens, kv_lens, *(segment_ids or ()),
+                                 *_present(alibi_slopes, block_mask, dropout_seeds, bias, mask))
 
 
 def flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelConfig,
               segment_ids=None, o_error=None, alibi_slopes=None, block_mask=None,
-              dropout_seeds=None):
-  """(dq, dk, dv) of the backward kernels; partitions and vmaps like flash_fwd. `o_error`:
-  None, or the int8 rounding error of a 16-bit o (CUDA; jax_flash._rounding)."""
+              dropout_seeds=None, bias=None, mask=None, dbias=True):
+  """(dq, dk, dv) of the backward kernels, and dbias last where a `bias` is given and `dbias`
+  asks for it; partitions and vmaps like flash_fwd. `o_error`: None, or the int8 rounding error
+  of a 16-bit o (CUDA; jax_flash._rounding)."""
   op = _bwd_op_for(_Extras(o_error is not None, segment_ids is not None,
                            alibi_slopes is not None, block_mask is not None,
-                           dropout_seeds is not None))
-  operands = (q, k, v, o, lse, d_o, q_lens, kv_lens)
-  operands += (() if o_error is None else (o_error,)) + tuple(segment_ids or ())
-  operands += () if alibi_slopes is None else (alibi_slopes,)
-  operands += () if block_mask is None else (block_mask,)
-  operands += () if dropout_seeds is None else (dropout_seeds,)
+                           dropout_seeds is not None, _full_dims(bias), _full_dims(mask),
+                           dbias=bias is not None and dbias))
+  operands = (q, k, v, o, lse, d_o, q_lens, kv_lens, *_present(o_error),
+              *tuple(segment_ids or ()),
+              *_present(alibi_slopes, block_mask, dropout_seeds, bias, mask))
   return _batched_op(op, config)(*operands)

@@ -24,12 +24,12 @@ Flax is an optional dependency (``pip install -e ".[examples]"``); import this m
   prefix with the kernels (``_flax_cache.py``).
 
 What FlashAttention cannot honour raises at trace time, never silently: an attention ``mask`` or
-``bias`` on the kernels (no attention matrix exists to mask; use ``is_causal`` and the sequence
-lengths, or ``implementation="blockwise"``, FlashAttention in XLA, which takes both), dropout
-on the CUDA kernels (``implementation="blockwise"`` takes it), sowing the attention weights
-(``sow_weights=True`` / ``module=``), the stock modules' ``decode=True`` with this
-``attention_fn`` on the kernels (the stock module passes the cache's valid prefix as a mask;
-the Flash modules pass it as a length), and AQT's replacement einsums or a replacement
+``bias`` on the CUDA kernels (not yet; use ``is_causal`` and the sequence lengths, or
+``implementation="blockwise"``, FlashAttention in XLA, which takes both; the "cpu" kernel takes
+them), dropout on the CUDA kernels (``implementation="blockwise"`` takes it), sowing the
+attention weights (``sow_weights=True`` / ``module=``), the stock modules' ``decode=True`` with
+this ``attention_fn`` on the CUDA kernels (the stock module passes the cache's valid prefix as a
+mask; the Flash modules pass it as a length), and AQT's replacement einsums or a replacement
 ``einsum_dot_general``. Flax's ``promote_dtype`` hook is honoured.
 
 Names that mean something else in Flax: Flax's ``deterministic`` means "no dropout";
@@ -71,7 +71,8 @@ __all__ = [
 ]
 
 _MASK_HELP = (
-    "Pass implementation='blockwise' (FlashAttention in XLA, which takes both arrays), or "
+    "Pass implementation='blockwise' (FlashAttention in XLA, which takes both arrays; on the "
+    "host the 'cpu' kernel takes them too), or "
     "express the mask in the kernels' terms: causal self-attention is "
     "`is_causal=True` (FlashMultiHeadAttention(is_causal=True), "
     "FlashMultiHeadDotProductAttention(is_causal=True), make_attention_fn(is_causal=True), or "
@@ -213,12 +214,14 @@ def dot_product_attention(
       differ from ``H`` (as Flax's ``v_depth_per_head``; MLA-style attention), on the paths of
       :func:`jax_flash.dot_product_attention` that take it ("cpu", "blockwise", "xla"). The
       modules project q, k and v to one head dim, so they never pass ``Hv != H``.
-    bias: broadcastable to ``(batch..., N, T, S)``, added to the scaled logits; only on the
-      paths that take it, ``"blockwise"`` and ``"xla"`` (also ``None`` where it picks
-      ``"blockwise"``: float32 on a GPU); the kernels raise ``NotImplementedError`` (see the
-      message for what to use), by the same rule as :func:`jax_flash.dot_product_attention`.
+    bias: broadcastable to ``(batch..., N, T, S)``, added to the scaled logits; on the paths
+      that take it, ``"cpu"``, ``"blockwise"`` and ``"xla"`` (also ``None`` where it picks
+      ``"blockwise"``: float32 on a GPU); the CUDA kernels raise ``NotImplementedError`` (see
+      the message for what to use), by the same rule as
+      :func:`jax_flash.dot_product_attention`.
     mask: bool, broadcastable like ``bias`` (True: attend); the same paths take it. On the
-      kernels use ``is_causal``, the sequence lengths or ``local_window_size`` instead.
+      CUDA kernels use ``is_causal``, the sequence lengths or ``local_window_size`` instead
+      (on every kernel they are cheaper than an array).
     broadcast_dropout: as Flax's: ``True`` (Flax's default) draws one dropout mask of
       ``(T, S)`` and uses it for every batch element and head; ``False`` draws one per batch
       element and head. Without dropout it has no effect.

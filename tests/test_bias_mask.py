@@ -1,4 +1,5 @@
-"""`bias` and `mask` arrays on the paths that take them ("blockwise" and "xla"), against
+"""`bias` and `mask` arrays on the XLA paths that take them ("blockwise" and "xla"; the "cpu"
+kernel's: tests/test_bias_mask_kernel.py), against
 jax.nn.dot_product_attention: the output and the gradients of q, k, v and the bias, for every
 way the arrays broadcast (B|1, N|1, T|1, S|1, and fewer dims), with GQA, T != S, block edges
 anywhere and jax_flash's own masks on top. Float32 inputs: the tolerance is the floor of the

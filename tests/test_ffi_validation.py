@@ -63,16 +63,17 @@ Q, KV, ROWS = (B, T, N, H), (B, S, K, H), (B, N, T)
 
 # The CPU passes' segment-id operands without ids: int32 placeholders with no elements; and
 # their ALiBi operand without slopes, a float32 one; their block mask without one, a bool one;
-# their dropout seeds without dropout, a uint32 one.
+# their dropout seeds without dropout, a uint32 one; their bias and mask without them, a float32
+# and a bool one.
 NO_IDS = dict(q_segment_ids=((0,), "int32"), kv_segment_ids=((0,), "int32"),
               alibi_slopes=((0,), "float32"), block_mask=((0,), "bool"),
-              dropout_seeds=((0,), "uint32"))
+              dropout_seeds=((0,), "uint32"), bias=((0,), "float32"), mask=((0,), "bool"))
 
 
 def attributes(**overrides) -> dict:
   base = dict(scale=0.5, is_causal=False, window_left=np.int64(-1), window_right=np.int64(-1),
               segment_ids=False, logits_soft_cap=0.0, alibi=False, block_sparse=False,
-              dropout_rate=0.0)
+              dropout_rate=0.0, bias=False, mask=False)
   return {**base, **overrides}
 
 
@@ -94,7 +95,8 @@ def valid_bwd(splits: int = 2) -> Call:
                    lse=(ROWS, "float32"), do=(Q, "float32"), q_lens=((B,), "int32"),
                    kv_lens=((B,), "int32"), **NO_IDS),
               dict(dq=(Q, "float32"), dk=(KV, "float32"), dv=(KV, "float32"),
-                   delta=(ROWS, "float32"), dq_accum=((dq_accum_elements(splits),), "float32")),
+                   delta=(ROWS, "float32"), dq_accum=((dq_accum_elements(splits),), "float32"),
+                   dbias=((0,), "float32"), dbias_accum=((0,), "float32")),
               attributes(dq_splits=np.int64(splits), deterministic=False))
 
 
@@ -173,6 +175,26 @@ def with_dropout(call: Call, shape=(B, N, 4), dtype="uint32", rate=0.25) -> Call
   """Dropout switched on (a rate > 0), with a seeds operand of this shape."""
   call.shapes["dropout_seeds"] = (tuple(shape), dtype)
   return with_attributes(call, dropout_rate=rate)
+
+
+def with_bias(call: Call, shape=(1, N, T, S), dtype="float32", accum=None) -> Call:
+  """A bias switched on, with an operand of this shape; the backward's dbias like it and its
+  float32 workspace of `accum` elements (by default as the native module sizes it)."""
+  call.shapes["bias"] = (tuple(shape), dtype)
+  if "dbias" in call.outputs:
+    call.outputs["dbias"] = (tuple(shape), dtype)
+    if accum is None:
+      accum = _registry.cpu_dbias_accum_elements(int(np.prod(shape)), shape[-1] == 1,
+                                                 dtype == "float32",
+                                                 int(call.attributes["dq_splits"]))
+    call.outputs["dbias_accum"] = ((accum,), "float32")
+  return with_attributes(call, bias=True)
+
+
+def with_mask(call: Call, shape=(B, 1, T, S), dtype="bool") -> Call:
+  """A mask array switched on, with an operand of this shape."""
+  call.shapes["mask"] = (tuple(shape), dtype)
+  return with_attributes(call, mask=True)
 
 
 # Errors both passes share (the checks of cuda/common/ffi_params.h): (id, spoil, fragments).
@@ -298,6 +320,20 @@ COMMON_ERRORS = [
     ("dropout_int32", lambda c: with_dropout(c, dtype="int32"), ("dropout_seeds(2, 4, 4) int32", "uint32")),
 ]
 
+LOGIT_ERRORS = [
+    ("bias_kv_heads", lambda c: with_bias(c, shape=(1, K, T, S)), ("bias(1, 2, 5, 7) float32", "N|1")),
+    ("bias_rank2", lambda c: with_bias(c, shape=(T, S)), ("bias(5, 7) float32", "q's rank")),
+    ("bias_batch_3", lambda c: with_bias(c, shape=(3, N, T, S)), ("bias(3, 4, 5, 7)", "divides")),
+    ("bias_keys", lambda c: with_bias(c, shape=(1, N, T, S + 1)), ("bias(1, 4, 5, 8)", "S=7")),
+    ("bias_int32", lambda c: with_bias(c, dtype="int32"), ("bias(1, 4, 5, 7) int32", "float32, bfloat16")),
+    ("bias_off_not_empty", lambda c: with_attributes(with_bias(c), bias=False),
+     ("bias=false takes an empty", "bias(1, 4, 5, 7)")),
+    ("mask_float", lambda c: with_mask(c, dtype="float32"), ("mask(2, 1, 5, 7) float32", "bool")),
+    ("mask_rows", lambda c: with_mask(c, shape=(B, 1, T + 1, S)), ("mask(2, 1, 6, 7) bool", "T=5")),
+    ("mask_off_not_empty", lambda c: with_attributes(with_mask(c), mask=False),
+     ("mask=false takes an empty",)),
+]
+
 BWD_ERRORS = [
     ("do_dtype", lambda c: with_dtype(c, "bfloat16", "do"), ("do(2, 5, 4, 8) bfloat16", "must match")),
     ("do_shape", lambda c: with_shape(c, "do", (B, T + 1, N, H)), ("do(2, 6, 4, 8)", "must match")),
@@ -316,6 +352,13 @@ BWD_ERRORS = [
     ("dq_splits_65", lambda c: with_attributes(c, dq_splits=np.int64(65)), ("dq_splits", "[1, 64]; got 65")),
     # A huge split count whose workspace size wraps around int64 must not pass the size check.
     ("dq_splits_huge", lambda c: with_attributes(c, dq_splits=np.int64(1 << 62)), ("dq_splits", "[1, 64]")),
+    ("dbias_shape", lambda c: with_shape(with_bias(c), "dbias", (N, T, S)), ("dbias(4, 5, 7)", "must match", "bias(")),
+    ("dbias_without_bias", lambda c: with_shape(c, "dbias", (1, N, T, S)), ("dbias(1, 4, 5, 7) float32", "expected 0")),
+    # A bias without a key dim sums a partial per dQ split (2 here).
+    ("dbias_accum_one_split", lambda c: with_bias(c, shape=(1, N, T, 1), accum=N * T),
+     ("dbias_accum(", f"expected {2 * N * T}")),
+    ("dbias_accum_bf16_missing", lambda c: with_bias(c, dtype="bfloat16", accum=0),
+     ("dbias_accum(0,) float32", f"expected {N * T * S}")),
 ]
 
 
@@ -329,6 +372,26 @@ def expect_invalid_argument(call: Call, rng, fragments) -> None:
 @pytest.mark.parametrize("make", [valid_fwd, valid_bwd], ids=["fwd", "bwd"])
 def test_common_errors(rng, make, spoil, fragments):
   expect_invalid_argument(spoil(make()), rng, fragments)
+
+
+@pytest.mark.parametrize("spoil,fragments", [e[1:] for e in LOGIT_ERRORS], ids=[e[0] for e in LOGIT_ERRORS])
+@pytest.mark.parametrize("make", [valid_fwd, valid_bwd], ids=["fwd", "bwd"])
+def test_bias_and_mask_errors(rng, make, spoil, fragments):
+  expect_invalid_argument(spoil(make()), rng, fragments)
+
+
+@pytest.mark.parametrize("bias_shape,dtype,mask_shape", [
+    ((1, N, T, S), "float32", (B, 1, T, S)), ((B, 1, 1, S), "bfloat16", None),
+    ((1, 1, T, 1), "float16", (1, 1, 1, S)), (None, None, (1, N, T, S))])
+@pytest.mark.parametrize("make", [valid_fwd, valid_bwd], ids=["fwd", "bwd"])
+def test_bias_and_mask_calls_run(rng, make, bias_shape, dtype, mask_shape):
+  """Valid bias and mask operands of every dtype and broadcast form run (their errors above are
+  the spoiled field's), their results finite."""
+  call = make()
+  call = call if bias_shape is None else with_bias(call, bias_shape, dtype)
+  call = call if mask_shape is None else with_mask(call, mask_shape)
+  for out in call.run(rng):
+    assert np.isfinite(np.asarray(out, np.float32)).all()
 
 
 @pytest.mark.parametrize("spoil,fragments", [e[1:] for e in BWD_ERRORS], ids=[e[0] for e in BWD_ERRORS])
@@ -392,9 +455,10 @@ def _direct_fwd(q, k, v, q_lens, kv_lens, scale, causal, left, right):
   no_blocks = jnp.zeros((0,), jnp.bool_)
   no_seeds = jnp.zeros((0,), jnp.uint32)
   return call(q, k, v, q_lens, kv_lens, no_ids, no_ids, no_slopes, no_blocks, no_seeds,
-              scale=float(scale), is_causal=causal, window_left=np.int64(left),
-              window_right=np.int64(right), segment_ids=False, logits_soft_cap=0.0, alibi=False,
-              block_sparse=False, dropout_rate=0.0)
+              no_slopes, no_blocks, scale=float(scale), is_causal=causal,
+              window_left=np.int64(left), window_right=np.int64(right), segment_ids=False,
+              logits_soft_cap=0.0, alibi=False, block_sparse=False, dropout_rate=0.0, bias=False,
+              mask=False)
 
 
 def _inputs(rng, dtype="float32"):
@@ -451,7 +515,9 @@ def test_wide_window_backward_matches_unbounded(rng, window):
     return jax.jit(lambda *a: bwd(*a, **attrs))(q, k, v, o, lse, d_o, q_lens, kv_lens, no_ids,
                                                 no_ids, jnp.zeros((0,), jnp.float32),
                                                 jnp.zeros((0,), jnp.bool_),
-                                                jnp.zeros((0,), jnp.uint32))[:3]
+                                                jnp.zeros((0,), jnp.uint32),
+                                                jnp.zeros((0,), jnp.float32),
+                                                jnp.zeros((0,), jnp.bool_))[:3]
 
   for got, want in zip(grads(window, window), grads(-1, -1)):
     _close(got, want, atol=0)

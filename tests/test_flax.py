@@ -27,7 +27,8 @@ flax = pytest.importorskip("flax")
 import flax.linen as nn  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from attention_testing import assert_within_rule, max_abs, random_array  # noqa: E402
+from attention_testing import (assert_within_rule, max_abs, random_array,  # noqa: E402
+                               simulate_cuda_host)
 
 import jax_flash  # noqa: E402
 from jax_flash import flax as jflax  # noqa: E402
@@ -352,9 +353,9 @@ def test_attention_fn_batch_dims_and_lengths(rng, batch_dims):
   assert_close(jflax.dot_product_attention(q, k, v, key_value_seq_lengths=lengths), want)
 
 
-@pytest.mark.parametrize("implementation", ["blockwise", "xla"])
+@pytest.mark.parametrize("implementation", ["cpu", "blockwise", "xla"])
 @pytest.mark.parametrize("batch_dims", [(), (2, 3)])
-def test_attention_fn_takes_mask_and_bias_on_the_xla_paths(rng, implementation, batch_dims):
+def test_attention_fn_takes_mask_and_bias(rng, implementation, batch_dims):
   """Flax's masks and biases (batch dims folded like the query's, broadcast dims kept) go
   through to the paths that take them, as in Flax's own attention; every row keeps a key."""
   q = random_array(rng, (*batch_dims, 9, 4, 16), F32)
@@ -505,8 +506,6 @@ def test_flax_arguments_through_stock_modules(rng):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(mask=jnp.ones((2, 1, 9, 9), bool)), "mask.*is_causal=True.*key_value_seq_lengths"),
-    (dict(bias=jnp.zeros((2, 1, 9, 9))), "bias"),
     (dict(module=object()), "sow"),
     (dict(qk_attn_weights_einsum=jnp.einsum, attn_weights_value_einsum=jnp.einsum), "einsum"),
 ])
@@ -516,6 +515,28 @@ def test_attention_fn_raises_for_what_it_cannot_honour(rng, kwargs, match):
     jflax.dot_product_attention(q, q, q, **kwargs)
   with pytest.raises(NotImplementedError, match=match):
     jflax.make_attention_fn(is_causal=True)(q, q, q, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(mask=jnp.ones((2, 1, 9, 9), bool)), "mask.*is_causal=True.*key_value_seq_lengths"),
+    (dict(bias=jnp.zeros((2, 1, 9, 9))), "bias"),
+])
+def test_attention_fn_refuses_mask_and_bias_on_cuda(rng, monkeypatch, kwargs, match):
+  """The CUDA kernels take no mask or bias arrays yet: on a (simulated) GPU host the attention
+  function and the modules (the stock one with it too) refuse them in Flax's terms."""
+  simulate_cuda_host(monkeypatch)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  q = random_array(rng, (2, 9, 4, 16), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match=match):
+    jflax.dot_product_attention(q, q, q, **kwargs)
+  with pytest.raises(NotImplementedError, match=match):
+    jflax.make_attention_fn(is_causal=True)(q, q, q, **kwargs)
+  xq = random_array(rng, (BATCH, SEQ_Q, FEATURES), jnp.bfloat16)
+  for module in (nnx_mha(jflax.FlashMultiHeadAttention, dtype=jnp.bfloat16),
+                 nnx_mha(nnx.MultiHeadAttention, dtype=jnp.bfloat16,
+                         attention_fn=jflax.dot_product_attention)):
+    with pytest.raises(NotImplementedError, match="mask"):
+      module(xq, mask=causal_mask(xq), deterministic=True)
 
 
 def test_attention_fn_errors_name_the_shapes_passed(rng):
@@ -528,8 +549,8 @@ def test_attention_fn_errors_name_the_shapes_passed(rng):
                      (jnp.ones((1, 2, 3, 1, 9, 11), bool), "mask(1, 2, 3, 1, 9, 11)")):
     with pytest.raises(ValueError, match=re.escape(want)):
       jflax.dot_product_attention(q, k, k, mask=mask, implementation="xla")
-  with pytest.raises(NotImplementedError, match=re.escape("got mask(9, 11)")):
-    jflax.dot_product_attention(q, k, k, mask=jnp.ones((9, 11), bool), implementation="cpu")
+  with pytest.raises(ValueError, match=re.escape("got mask(9, 12)")):
+    jflax.dot_product_attention(q, k, k, mask=jnp.ones((9, 12), bool), implementation="cpu")
   with pytest.raises(ValueError, match=re.escape("query(2, 3, 9, 4, 16), key(2, 3, 11, 3, 16)")):
     k3 = random_array(rng, (2, 3, 11, 3, 16), F32)
     jflax.dot_product_attention(q, k3, k3)
@@ -541,8 +562,6 @@ def test_attention_fn_errors_name_the_shapes_passed(rng):
 def test_nnx_modules_raise_for_what_they_cannot_honour(rng):
   xq, _, _ = inputs(rng)
   flash = nnx_mha(jflax.FlashMultiHeadAttention)
-  with pytest.raises(NotImplementedError, match="mask"):
-    flash(xq, mask=causal_mask(xq))
   with pytest.raises(NotImplementedError, match="sow"):
     flash(xq, sow_weights=True)
   with pytest.raises(ValueError, match="init_cache"):  # decoding: test_flax_decode.py
@@ -554,19 +573,17 @@ def test_nnx_modules_raise_for_what_they_cannot_honour(rng):
   nnx.update(dropout, nnx.state(flash, nnx.Param))
   assert np.max(np.abs(np.asarray(dropout(xq, deterministic=False) - flash(xq)))) > 1e-3
   assert_close(dropout(xq, deterministic=True), flash(xq))  # evaluation mode: no dropout
-  # The stock module with the flash attention_fn refuses a mask the same way.
-  stock = nnx_mha(nnx.MultiHeadAttention, dropout_rate=0.1,
-                  attention_fn=jflax.dot_product_attention)
-  with pytest.raises(NotImplementedError, match="mask"):
-    stock(xq, mask=causal_mask(xq), deterministic=True)
+  # A mask array reaches the "cpu" kernel (the CUDA ones refuse it:
+  # test_attention_fn_refuses_mask_and_bias_on_cuda), as Flax's own attention takes it.
+  stock = nnx_mha(nnx.MultiHeadAttention)
+  nnx.update(stock, nnx.state(flash))
+  assert_close(flash(xq, mask=causal_mask(xq)), stock(xq, mask=causal_mask(xq)))
 
 
 def test_linen_modules_raise_for_what_they_cannot_honour(rng):
   xq, _, _ = inputs(rng)
   flash = jflax.FlashMultiHeadDotProductAttention(HEADS)
   variables = flash.init(jax.random.key(0), xq)
-  with pytest.raises(NotImplementedError, match="mask"):
-    flash.apply(variables, xq, mask=causal_mask(xq))
   with pytest.raises(NotImplementedError, match="sow"):
     flash.apply(variables, xq, sow_weights=True, mutable=["intermediates"])
   with pytest.raises(NotImplementedError, match="einsum"):

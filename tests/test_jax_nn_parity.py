@@ -10,8 +10,8 @@ twice jax.nn's own error in the input dtype, against jax.nn on float32 inputs).
 
 jax_flash's documented deviations (README, "Semantics that differ from jax.nn") are asserted as
 such: a row with no key gives 0 and an lse of -3.4028235e38 (jax.nn: the mean of the values), the
-lse is float32 (jax.nn: the input dtype); and the kernels take no bias or mask arrays (they
-raise), float64 is refused.
+lse is float32 (jax.nn: the input dtype); and the CUDA kernels take no bias or mask arrays yet
+(they raise), float64 is refused.
 """
 
 from __future__ import annotations
@@ -175,8 +175,8 @@ def test_dot_product_attention_mask(implementation, mode):
     return jax_flash.dot_product_attention(q, k, v, bias, mask, implementation=implementation,
                                            **options)
 
-  if (bias is not None or mask is not None) and implementation in ("cpu", "cuda"):
-    # Deviation: the kernels never build the scores, so they take no bias or mask arrays.
+  if (bias is not None or mask is not None) and implementation == "cuda":
+    # Deviation: the CUDA kernels take no bias or mask arrays yet.
     with pytest.raises(NotImplementedError, match="bias or mask arrays"):
       flash(q, k, v, bias, mask)
     return
@@ -233,7 +233,7 @@ def test_float64_is_refused():
 
 @pytest.mark.parametrize("batch", [1, 16])
 @pytest.mark.parametrize("use_vmap", [False, True], ids=["plain", "vmap"])
-@pytest.mark.parametrize("implementation", ["xla", "blockwise"])
+@pytest.mark.parametrize("implementation", ["cpu", "xla", "blockwise"])
 def test_dot_product_attention_bias_gradient(implementation, batch, use_vmap):
   """q = k = v = x, a full (B, N, S, S) bias and a (1, 1, S) mask of ones; under vmap each
   example is unbatched, (S, N, H) with an (N, S, S) bias. The output and dbias against jax.nn."""

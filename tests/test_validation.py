@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jax_flash
-from attention_testing import reference_f32, random_array
+from attention_testing import reference_f32, random_array, simulate_cuda_host
 
 
 def pattern(*fragments: str) -> str:
@@ -176,24 +176,25 @@ def test_errors_name_the_shapes_of_unbatched_inputs(rng):
   with pytest.raises(ValueError, match=pattern("H=257 (query(5, 2, 257))")):
     jax_flash.dot_product_attention(q, k, v, implementation="cpu")
   q, k, v = arrays(rng, (8, 4, 16), (8, 4, 16))
-  with pytest.raises(NotImplementedError, match=pattern("got mask(8, 8)")):
-    jax_flash.dot_product_attention(q, k, v, mask=np.ones((8, 8), bool), implementation="cpu")
   with pytest.raises(ValueError, match=pattern("broadcastable", "got bias(3, 8, 8)")):
     jax_flash.dot_product_attention(q, k, v, np.zeros((3, 8, 8), np.float32),
                                     implementation="xla")
 
 
-@pytest.mark.parametrize("implementation", ["cpu", None])
-def test_bias_and_mask_need_an_xla_path(rng, implementation):
-  """The kernels take no bias or mask arrays: asking for them there (or with None, which picks a
-  kernel on this machine) says what to use, never falls back silently."""
-  q, k, v = arrays(rng, (2, 8, 4, 16), (2, 8, 4, 16))
-  with pytest.raises(NotImplementedError, match=pattern("'cpu' kernels", "bias(2, 4, 8, 8)",
+@pytest.mark.parametrize("implementation", ["cuda", None])
+def test_bias_and_mask_need_cpu_or_an_xla_path_on_cuda(rng, monkeypatch, implementation):
+  """The CUDA kernels take no bias or mask arrays yet: asking for them there (or with None,
+  which picks them for bfloat16 on a GPU host) says what to use, never falls back silently.
+  (The "cpu" kernel takes them: tests/test_bias_mask_kernel.py.)"""
+  simulate_cuda_host(monkeypatch)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  q, k, v = arrays(rng, (2, 8, 4, 16), (2, 8, 4, 16), dtypes=("bfloat16",) * 3)
+  with pytest.raises(NotImplementedError, match=pattern("'cuda' kernels", "bias(2, 4, 8, 8)",
                                                         "implementation='blockwise'")):
     jax_flash.dot_product_attention(q, k, v, jnp.zeros((2, 4, 8, 8)),
                                     implementation=implementation)
   with pytest.raises(NotImplementedError, match=pattern("got mask(8, 8)", "is_causal")):
-    jax_flash.dot_product_attention(q, k, v, mask=jnp.ones((8, 8), bool),
+    jax_flash.dot_product_attention(q[0], k[0], v[0], mask=jnp.ones((8, 8), bool),
                                     implementation=implementation)
 
 

@@ -428,10 +428,10 @@ FFI_ERROR = jax.errors.JaxRuntimeError
 B, T, S, N, K, H, HV = 2, 5, 7, 4, 2, 8, 12
 NO_EXTRAS = dict(q_segment_ids=((0,), "int32"), kv_segment_ids=((0,), "int32"),
                  alibi_slopes=((0,), "float32"), block_mask=((0,), "bool"),
-                 dropout_seeds=((0,), "uint32"))
+                 dropout_seeds=((0,), "uint32"), bias=((0,), "float32"), mask=((0,), "bool"))
 ATTRIBUTES = dict(scale=0.5, is_causal=False, window_left=np.int64(-1), window_right=np.int64(-1),
                   segment_ids=False, logits_soft_cap=0.0, alibi=False, block_sparse=False,
-                  dropout_rate=0.0)
+                  dropout_rate=0.0, bias=False, mask=False)
 
 
 def _operands(rng, shapes: dict):
@@ -471,7 +471,8 @@ def _bwd(**change):
                   q_lens=((B,), "int32"), kv_lens=((B,), "int32"), **NO_EXTRAS)
   outputs = dict(dq=((B, T, N, H), "float32"), dk=((B, S, K, H), "float32"),
                  dv=((B, S, K, HV), "float32"), delta=((B, N, T), "float32"),
-                 dq_accum=((elements,), "float32"))
+                 dq_accum=((elements,), "float32"), dbias=((0,), "float32"),
+                 dbias_accum=((0,), "float32"))
   for name, shape in change.items():
     table = operands if name in operands else outputs
     table[name] = (shape, table[name][1])

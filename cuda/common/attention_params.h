@@ -12,6 +12,7 @@
 //   block_mask   : (batch, heads_q, q_blocks, k_blocks), bool, or absent (CPU); blocks of
 //                  kBlockMaskRows x kBlockMaskKeys (128 x 128)
 //   dropout_seeds : (batch, heads_q, 4), uint32, or absent (CPU)
+//   bias, mask   : broadcastable to (batch, heads_q, seq_q, seq_k) (LogitArray), or absent (CPU)
 // "batch" is every leading dimension folded together (vmap adds them).
 #pragma once
 
@@ -45,6 +46,23 @@ struct MaskParams {
   int64_t window_right = -1;    // j <= i + window_right; < 0 means unbounded
   // A local window: some side bounded.
   JF_HOST_DEVICE bool windowed() const { return window_left >= 0 || window_right >= 0; }
+};
+
+// jax.nn's `bias` (float32, bfloat16 or float16) or `mask` (bool, one byte) array, broadcastable
+// to (batch, heads_q, seq_q, seq_k) and read where it lies, never broadcast: element (b, h, i, j)
+// is data[(b / batch_div) * batch + h * head + i * row + j * col], strides in elements, 0 along a
+// dim of size 1. batch_div is how many batch elements share one slice of it (its leading dims
+// folded as q's are: 1 where it has q's batch, the whole batch where it has none; vmap folds
+// its axis in front of both, which keeps that form).
+struct LogitArray {
+  const void* data = nullptr;
+  Dtype dtype = Dtype::kFloat32;  // a bias's; a mask is bool
+  int64_t batch_div = 1;
+  int64_t batch = 0, head = 0, row = 0, col = 0;  // strides
+  int64_t elements = 0;                           // its own size
+  JF_HOST_DEVICE explicit operator bool() const { return data != nullptr; }
+  // Where the (b, h) slice of it starts.
+  JF_HOST_DEVICE int64_t offset(int64_t b, int64_t h) const { return b / batch_div * batch + h * head; }
 };
 
 struct AttentionShape {
@@ -123,6 +141,13 @@ struct AttentionParams {
   const uint32_t* dropout_seeds = nullptr;
   uint32_t dropout_threshold = 0;  // words below it drop their element (dropout_threshold(rate))
   float dropout_scale = 1.f;       // 1 / (1 - rate): the kept elements' factor
+  // jax.nn's bias and mask arrays (LogitArray), or empty for none: the bias (times log2(e) in
+  // the kernels' base-2 scores) is added after the soft cap and ALiBi, before the masks; a false
+  // mask element hides its key from its row on top of every other mask (a row left no key is
+  // empty: output 0). Only the CPU kernel reads them (the CUDA handlers take no such operands,
+  // and the Python side refuses them there).
+  LogitArray bias;
+  LogitArray logit_mask;
 
   // Whether the block mask lets query block qb of (b, h) see key block kb (true without one):
   // qb and kb index mask blocks (rows qb * kBlockMaskRows.., keys kb * kBlockMaskKeys..), not a
@@ -183,6 +208,13 @@ struct BwdParams : AttentionParams {
   // CUDA (the mma.sync backward, narrow calls: gpu/score_mods.cuh narrow_plain_call): dS = 0
   // exactly on rows whose masks leave one key, where P = 1.
   bool zero_single_key_ds = false;
+  // CPU, with a bias: its gradient dS summed over the bias's broadcast dims, in the bias's shape
+  // and dtype (null: not asked for); dbias_accum holds dbias_parts float32 partial sums in the
+  // bias's own layout (one per dQ split where the bias has no key dim, else one; dbias itself
+  // where that one is float32).
+  void* dbias = nullptr;
+  float* dbias_accum = nullptr;
+  int64_t dbias_parts = 1;
 };
 
 // The largest head dim any kernel takes (the Python side reads it from the native module).

@@ -132,13 +132,85 @@ ffi::Error set_dropout(const ffi::AnyBuffer& seeds, double rate, const ffi::AnyB
   return ffi::Error::Success();
 }
 
+// jax.nn's bias or mask array (AttentionParams::bias, logit_mask; `is_mask` picks which): with
+// `on`, an operand of q's rank shaped (..., N|1, T|1, S|1), its leading dims (folded as q's)
+// a batch that divides q's; the bias float32, bfloat16 or float16, the mask bool; without, an
+// operand of no elements (the callers pass (0,) placeholders). Call after the attention inputs
+// are set (it reads params.shape).
+ffi::Error set_logit_array(const char* name, const ffi::AnyBuffer& x, bool on, bool is_mask,
+                           const ffi::AnyBuffer& q, const AttentionShape& sh, LogitArray& out) {
+  out = LogitArray{};
+  if (is_mask) {
+    JF_RETURN_IF_ERROR(expect_dtype(name, x, ffi::DataType::PRED));
+  } else {
+    switch (x.element_type()) {
+      case ffi::DataType::F32: out.dtype = Dtype::kFloat32; break;
+      case ffi::DataType::BF16: out.dtype = Dtype::kBFloat16; break;
+      case ffi::DataType::F16: out.dtype = Dtype::kFloat16; break;
+      default: return invalid(describe(name, x) + ": must be float32, bfloat16 or float16");
+    }
+  }
+  if (!on) {
+    if (x.element_count() != 0)
+      return invalid(std::string(name) + "=false takes an empty " + name + " operand; got " + describe(name, x));
+    return ffi::Error::Success();
+  }
+  const auto d = x.dimensions();
+  const size_t r = d.size();
+  const int64_t batch = leading_product(d, 3);
+  const bool match = r == q.dimensions().size() && r >= 3 && (d[r - 3] == 1 || d[r - 3] == sh.heads_q) &&
+                     (d[r - 2] == 1 || d[r - 2] == sh.seq_q) && (d[r - 1] == 1 || d[r - 1] == sh.seq_k) &&
+                     batch >= 1 && sh.batch % batch == 0;
+  if (!match)
+    return invalid(describe(name, x) + ": must be (..., N|1, T|1, S|1) with q's rank and leading dims whose " +
+                   "product divides q's batch, for " + describe("q", q) + ", N=" + std::to_string(sh.heads_q) +
+                   " T=" + std::to_string(sh.seq_q) + " S=" + std::to_string(sh.seq_k) + " and batch " +
+                   std::to_string(sh.batch));
+  out.data = x.untyped_data();
+  out.batch_div = sh.batch / batch > 0 ? sh.batch / batch : 1;
+  out.col = d[r - 1] == 1 ? 0 : 1;
+  out.row = d[r - 2] == 1 ? 0 : d[r - 1];
+  out.head = d[r - 3] == 1 ? 0 : d[r - 2] * d[r - 1];
+  out.batch = d[r - 3] * d[r - 2] * d[r - 1];
+  out.elements = static_cast<int64_t>(x.element_count());
+  return ffi::Error::Success();
+}
+
+// Both arrays.
+ffi::Error set_logit_arrays(const ffi::AnyBuffer& bias, bool has_bias, const ffi::AnyBuffer& mask, bool has_mask,
+                            const ffi::AnyBuffer& q, AttentionParams& params) {
+  JF_RETURN_IF_ERROR(set_logit_array("bias", bias, has_bias, false, q, params.shape, params.bias));
+  return set_logit_array("mask", mask, has_mask, true, q, params.shape, params.logit_mask);
+}
+
+// The backward's dbias result (the bias's shape and dtype; a float32 (0,) with no bias, or for a
+// bias nothing differentiates: then no dbias is formed) and its float32 workspace
+// (cpu::dbias_accum_elements of them; none: dbias itself is the one partial). Call after
+// set_logit_arrays and with params.dq_splits set.
+ffi::Error set_dbias(ffi::AnyBuffer& dbias, ffi::AnyBuffer& accum, const ffi::AnyBuffer& bias, BwdParams& params) {
+  // (A bias has q's rank, >= 3: a rank-1 dbias is the (0,) of "none".)
+  if (!params.bias || (dbias.dimensions().size() == 1 && dbias.element_count() == 0)) {
+    JF_RETURN_IF_ERROR(expect_float32("dbias", dbias, 0));
+    return expect_float32("dbias_accum", accum, 0);
+  }
+  JF_RETURN_IF_ERROR(expect_like("dbias", dbias, "bias", bias));
+  const bool keys_broadcast = params.bias.col == 0, float32 = params.bias.dtype == Dtype::kFloat32;
+  const int64_t elements = cpu::dbias_accum_elements(params.bias.elements, keys_broadcast, float32, params.dq_splits);
+  JF_RETURN_IF_ERROR(expect_float32("dbias_accum", accum, elements));
+  params.dbias = dbias.untyped_data();
+  params.dbias_parts = cpu::dbias_parts(keys_broadcast, params.dq_splits);
+  params.dbias_accum = elements ? accum.typed_data<float>() : static_cast<float*>(params.dbias);
+  return ffi::Error::Success();
+}
+
 ffi::Error run_fwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens, ffi::Result<ffi::AnyBuffer> o,
                    ffi::Result<ffi::AnyBuffer> lse, double scale, bool is_causal, int64_t window_left,
                    int64_t window_right, ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
                    bool segment_ids, double logits_soft_cap, ffi::AnyBuffer alibi_slopes, bool alibi,
                    ffi::AnyBuffer block_mask, bool block_sparse, ffi::AnyBuffer dropout_seeds,
-                   double dropout_rate) {
+                   double dropout_rate, ffi::AnyBuffer bias, bool has_bias, ffi::AnyBuffer mask,
+                   bool has_mask) {
   FwdParams params;
   JF_RETURN_IF_ERROR(make_fwd_params(q, k, v, q_lens, kv_lens, *o, *lse, scale, is_causal,
                                      window_left, window_right, params, ValueHeadDim::kOwn));
@@ -147,6 +219,7 @@ ffi::Error run_fwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   JF_RETURN_IF_ERROR(set_alibi_slopes(alibi_slopes, alibi, q, params));
   JF_RETURN_IF_ERROR(set_block_mask(block_mask, block_sparse, q, params));
   JF_RETURN_IF_ERROR(set_dropout(dropout_seeds, dropout_rate, q, params));
+  JF_RETURN_IF_ERROR(set_logit_arrays(bias, has_bias, mask, has_mask, q, params));
   PoolRunner runner{&pool};
   cpu::flash_fwd(params, {&PoolRunner::run, &runner});
   return ffi::Error::Success();
@@ -162,7 +235,9 @@ ffi::Error run_bwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                    int64_t dq_splits, bool /*deterministic: the CPU backward always is*/,
                    double logits_soft_cap, ffi::AnyBuffer alibi_slopes, bool alibi,
                    ffi::AnyBuffer block_mask, bool block_sparse, ffi::AnyBuffer dropout_seeds,
-                   double dropout_rate) {
+                   double dropout_rate, ffi::AnyBuffer bias, bool has_bias, ffi::AnyBuffer mask,
+                   bool has_mask, ffi::Result<ffi::AnyBuffer> dbias,
+                   ffi::Result<ffi::AnyBuffer> dbias_accum) {
   BwdParams params;
   JF_RETURN_IF_ERROR(make_bwd_params(q, k, v, o, lse, d_o, q_lens, kv_lens, *dq, *dk, *dv, *delta,
                                      scale, is_causal, window_left, window_right, params,
@@ -178,6 +253,8 @@ ffi::Error run_bwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   JF_RETURN_IF_ERROR(expect_float32("dq_accum", *dq_accum, cpu::dq_accum_elements(params.shape, dq_splits)));
   params.dq_accum = dq_accum->typed_data<float>();
   params.dq_splits = dq_splits;
+  JF_RETURN_IF_ERROR(set_logit_arrays(bias, has_bias, mask, has_mask, q, params));
+  JF_RETURN_IF_ERROR(set_dbias(*dbias, *dbias_accum, bias, params));
   PoolRunner runner{&pool};
   cpu::flash_bwd(params, {&PoolRunner::run, &runner});
   return ffi::Error::Success();
@@ -221,7 +298,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuFlashPaged, run_paged, paged_binding<ffi::Thre
 // attention_soft_cap checks it) and ALiBi (one more operand after the segment ids, and its
 // switch; set_alibi_slopes checks them), and the block-sparse mask (one more operand and its
 // switch; set_block_mask checks them), and fused dropout (one more operand and its rate, 0 for
-// off; set_dropout checks them).
+// off; set_dropout checks them), and jax.nn's bias and mask arrays (an operand and its switch
+// each; set_logit_arrays checks them).
 template <typename Binding>
 auto with_score_policies(Binding binding) {
   return std::move(binding)
@@ -231,7 +309,11 @@ auto with_score_policies(Binding binding) {
       .template Arg<ffi::AnyBuffer>()  // block_mask (..., N, Tb, Sb) bool, or (0,) without
       .template Attr<bool>("block_sparse")
       .template Arg<ffi::AnyBuffer>()  // dropout_seeds (..., N, 4) uint32, or (0,) without
-      .template Attr<double>("dropout_rate");
+      .template Attr<double>("dropout_rate")
+      .template Arg<ffi::AnyBuffer>()  // bias (..., N|1, T|1, S|1) float, or (0,) float32 without
+      .template Attr<bool>("bias")
+      .template Arg<ffi::AnyBuffer>()  // mask (..., N|1, T|1, S|1) bool, or (0,) without
+      .template Attr<bool>("mask");
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuFlashFwd, run_fwd,
@@ -240,6 +322,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuFlashFwd, run_fwd,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuFlashBwd, run_bwd,
                               with_score_policies(with_segment_ids(bwd_binding<ffi::ThreadPool>())
                                                       .Attr<int64_t>("dq_splits")
-                                                      .Attr<bool>("deterministic")));
+                                                      .Attr<bool>("deterministic"))
+                                  .Ret<ffi::AnyBuffer>()    // dbias: the bias's shape and dtype, or (0,) float32
+                                  .Ret<ffi::AnyBuffer>());  // dbias_accum workspace float32 (set_dbias)
 
 }  // namespace jax_flash

@@ -15,7 +15,10 @@
 // and a tile whose mask block is hidden is skipped: its P is 0. With dropout (Z = keep /
 // (1 - rate), regenerated per tile as the forward made it: dropout_columns in flash_fwd.h) the
 // forward's O = (P * Z) V gives dV = (P * Z)^T dO and dS = P * (dP * Z - delta), delta =
-// rowsum(dO * O) as without.
+// rowsum(dO * O) as without. jax.nn's bias and mask arrays (logit_arrays.h): the bias is added to
+// each recomputed score tile as the forward added it and the mask hides what it hid; dbias is
+// dS (the gradient of the biased score, before the soft cap's factor), summed over the bias's
+// broadcast dims into float32 partials that only one task writes (FlashBwdMain's tasks).
 // v's head dim Hv may differ from q's and k's H (MLA): O, dO, V and dV are Hv wide, Q, K, dQ and
 // dK H wide; only dP = dO V^T and dV = P^T dO run over Hv.
 #pragma once
@@ -24,6 +27,7 @@
 
 #include "cpu/bwd_products.h"
 #include "cpu/flash_fwd.h"
+#include "cpu/logit_arrays.h"
 
 namespace jax_flash::cpu::JF_ISA {
 
@@ -89,13 +93,28 @@ template <typename T, typename Products = FloatBwdProducts<T>>
 struct FlashBwdMain {
   const BwdParams& p;
   const typename Products::Shared& shared;
-  int64_t num_tasks() const { return p.shape.batch * p.shape.heads_k * p.dq_splits; }
+
+  // Tasks: (batch elements, kv heads, dQ split), one batch element and one kv head each but
+  // where dbias is formed, and every dbias element must have one owner among the tasks that run
+  // at once: a task then takes every batch element sharing its slice of the bias (batch_div of
+  // them) and, where the bias has no head dim, every kv head. A split owns the dbias columns of
+  // its key blocks; a bias without a key dim has a partial per split (dbias_parts).
+  int64_t batch_units() const { return p.dbias ? p.shape.batch / p.bias.batch_div : p.shape.batch; }
+  int64_t kv_units() const { return p.dbias && p.bias.head == 0 ? 1 : p.shape.heads_k; }
+  int64_t num_tasks() const { return batch_units() * kv_units() * p.dq_splits; }
 
   void operator()(int64_t task) const {
-    const AttentionShape& sh = p.shape;
     const int64_t split = task % p.dq_splits;
-    const int64_t hk = (task / p.dq_splits) % sh.heads_k;
-    const int64_t b = task / (p.dq_splits * sh.heads_k);
+    const int64_t unit = task / p.dq_splits;
+    const int64_t per_batch = p.shape.batch / batch_units(), per_kv = p.shape.heads_k / kv_units();
+    const int64_t b0 = unit / kv_units() * per_batch, hk0 = unit % kv_units() * per_kv;
+    for (int64_t b = b0; b < b0 + per_batch; ++b)
+      for (int64_t hk = hk0; hk < hk0 + per_kv; ++hk) run(b, hk, split);
+  }
+
+  // Key blocks split, split + dq_splits, ... of batch element b and kv head hk.
+  void run(int64_t b, int64_t hk, int64_t split) const {
+    const AttentionShape& sh = p.shape;
     const int64_t d = sh.head_dim, hv = sh.head_dim_v;
     const int64_t dp = padded_head_dim(d);  // the dQ accumulator's row
     const int64_t q_stride = sh.heads_q * d, k_stride = sh.heads_k * d;
@@ -106,6 +125,9 @@ struct FlashBwdMain {
     const SoftCap cap(p.logits_soft_cap);
     constexpr int64_t bq = kBlockQ, bk = kBlockK;
     const bool blocks = p.block_mask != nullptr;
+    const LogitArray& bias = p.bias;
+    const LogitArray& logit_mask = p.logit_mask;
+    float* dbias_part = p.dbias ? p.dbias_accum + (p.dbias_parts > 1 ? split : 0) * bias.elements : nullptr;
 
     // Scratch tiles: P, dS, lse, delta for the query block, with soft-capping the cap's
     // derivative per score, and with dropout Z and then P * Z, and Z^T as drawn (rows from a
@@ -156,6 +178,8 @@ struct FlashBwdMain {
         const int64_t dq_stride = dp;
         const Alibi alibi(p.alibi_slopes, b * sh.heads_q + h);
         const Dropout dropout(p, b, h);
+        const int64_t bias_base = bias ? bias.offset(b, h) : 0;
+        const int64_t mask_base = logit_mask ? logit_mask.offset(b, h) : 0;
 
         // A block mask: query tiles on the tile grid (aligned at row 0, each inside one mask
         // block), those whose mask block (i0 / kBlockMaskRows, j0 / kBlockMaskKeys) it hides
@@ -169,6 +193,8 @@ struct FlashBwdMain {
             if (!q_span.meets(k_span)) continue;
             split_ids = !q_span.same_single_id(k_span);
           }
+          // A tile the mask array hides from every row is skipped: its P and dS are 0.
+          if (logit_mask && !mask_tile_any(logit_mask, mask_base, i0, rows, j0, live_cols)) continue;
           products.load_queries(q + i0 * q_stride, q_stride, d_o + i0 * o_stride, o_stride, h, i0, rows);
           for (int64_t r = 0; r < rows; ++r) {
             // A row with no visible key (the forward wrote kEmptyRowLse; inside a visited block
@@ -182,6 +208,7 @@ struct FlashBwdMain {
           products.scores(rows, score_scale, probs);
           if (cap) soft_cap(probs, rows * bk, cap, cap_grad);  // recomputed, never stored T x S
           if (alibi) alibi_rows(probs, bk, rows, bk, j0 - i0, alibi);
+          if (bias) bias_rows(probs, bk, bias, bias_base, i0, rows, j0, live_cols, kLog2e);
           const KeyRange first = key_range(p.mask, i0, q_len, kv_len);
           const KeyRange last = key_range(p.mask, i0 + rows - 1, q_len, kv_len);
           const bool whole = live_cols == bk && j0 >= last.begin && j0 + bk <= first.end;
@@ -189,6 +216,9 @@ struct FlashBwdMain {
             float* s = probs + r * bk;
             if (!whole || split_ids) mask_row(s, j0, live_cols, bk, key_range(p.mask, i0 + r, q_len, kv_len));
             if (split_ids) mask_row_segment(s, live_cols, kv_ids, q_ids[i0 + r]);
+            if (logit_mask)
+              mask_keys(s, 1, j0, live_cols, key_range(p.mask, i0 + r, q_len, kv_len),
+                        mask_row_at(logit_mask, mask_base, i0 + r, j0), logit_mask.col, nullptr, 0);
             const Vec l = splat(lse2[r]);
             for (int64_t c = 0; c < bk; c += kLanes) store(s + c, exp2_nonpositive(vmin0(load(s + c) - l)));
           }
@@ -228,6 +258,8 @@ struct FlashBwdMain {
               }
             }
           }
+          // dbias += dS (by the biased score: the bias comes after the cap).
+          if (dbias_part) accumulate_dbias(dbias_part + bias_base, bias, dscores, bk, i0, rows, j0, live_cols);
           // Soft-capping: dS by the raw score is dS by the capped one times 1 - tanh^2.
           if (cap)
             for (int64_t x = 0; x < rows * bk; x += kLanes) store(dscores + x, load(dscores + x) * load(cap_grad + x));
@@ -275,12 +307,14 @@ void flash_bwd_typed(const BwdParams& params, const TaskRunner& runner) {
   const int64_t dp = padded_head_dim(params.shape.head_dim);
   FlashBwdDelta<T> delta{params, dp};
   parallel_for(runner, delta.num_tasks(), delta);
+  if (params.dbias) zero_dbias(params, runner);
   typename Products::Shared shared(params, runner);
   FlashBwdMain<T, Products> main{params, shared};
   parallel_for(runner, main.num_tasks(), main);
   shared.release();
   FlashBwdDq<T> dq{params, dp};
   parallel_for(runner, dq.num_tasks(), dq);
+  if (params.dbias) finish_dbias(params, runner);
 }
 
 }  // namespace jax_flash::cpu::JF_ISA

@@ -13,6 +13,7 @@
 #include "common/dropout_bits.h"
 #include "common/mask.h"
 #include "cpu/fwd_products.h"
+#include "cpu/logit_arrays.h"
 #include "cpu/parallel.h"
 #include "cpu/simd.h"
 #include "cpu/tile_gemm.h"
@@ -482,7 +483,10 @@ struct FlashFwd {
     // mask block row i0 / kBlockMaskRows) never visited; `seen` decides empty rows as with
     // segment ids.
     const bool blocks = p.block_mask != nullptr;
-    const bool track_seen = kv_ids || blocks;
+    // A mask array (logit_mask) decides empty rows with `seen` too.
+    const LogitArray& bias = p.bias;
+    const LogitArray& logit_mask = p.logit_mask;
+    const bool track_seen = kv_ids || blocks || logit_mask;
 
     if (live_rows > 0) {
       const T* q = static_cast<const T*>(p.q) + (b * sh.seq_q + i0) * q_stride + h * d;
@@ -504,6 +508,8 @@ struct FlashFwd {
       const Alibi alibi(p.alibi_slopes, b * sh.heads_q + h);
       const Dropout dropout(p, b, h);
       const int64_t mask_block_row = i0 / kBlockMaskRows;  // this tile's row of mask blocks
+      const int64_t bias_base = bias ? bias.offset(b, h) : 0;
+      const int64_t mask_base = logit_mask ? logit_mask.offset(b, h) : 0;
       for (int64_t j0 = blocks ? first.begin / kp * kp : first.begin; j0 < last.end; j0 += kp) {
         const int64_t cols = min64(kp, last.end - j0);
         // Block-sparse: a tile of a hidden mask block is skipped.
@@ -516,13 +522,25 @@ struct FlashFwd {
           if (!q_span.meets(k_span)) continue;
           split_ids = !q_span.same_single_id(k_span);
         }
+        // A tile the mask array hides from every row is skipped.
+        if (logit_mask && !mask_tile_any(logit_mask, mask_base, i0, live_rows, j0, cols)) continue;
         products.scores(k + j0 * k_stride, k_stride, j0, cols, nq, score_scale, scores_t);
         if (cap)
           for (int64_t c = 0; c < cols; ++c) soft_cap(scores_t + c * qp, nq, cap, nullptr);
         if (alibi) alibi_columns(scores_t, qp, cols, nq, j0 - i0, alibi);
-        // Masks apply only on tiles some row sees partly (the diagonal, window edges).
+        if (bias) bias_columns(scores_t, qp, bias, bias_base, i0, live_rows, j0, cols, kLog2e);
+        // Masks apply only on tiles some row sees partly (the diagonal, window edges), and
+        // wherever a mask array is given.
         const bool whole = j0 >= last.begin && j0 + cols <= first.end;
-        if (split_ids) {
+        if (logit_mask) {
+          for (int64_t r = 0; r < live_rows; ++r) {
+            const KeyRange keys = key_range(p.mask, i0 + r, q_len, kv_len);
+            mask_column(scores_t + r, qp, j0, cols, keys);
+            if (mask_keys(scores_t + r, qp, j0, cols, keys, mask_row_at(logit_mask, mask_base, i0 + r, j0),
+                          logit_mask.col, split_ids ? kv_ids + j0 : nullptr, split_ids ? q_ids[r] : 0))
+              seen[r] = 1.f;
+          }
+        } else if (split_ids) {
           for (int64_t r = 0; r < live_rows; ++r)
             if (mask_column_segment(scores_t + r, qp, j0, cols, key_range(p.mask, i0 + r, q_len, kv_len),
                                     kv_ids + j0, q_ids[r]))

@@ -29,6 +29,16 @@ static inline int64_t dq_accum_elements(const AttentionShape& shape, int64_t dq_
   return dq_splits * shape.batch * shape.heads_q * shape.seq_q * padded_head_dim(shape.head_dim);
 }
 
+// The backward's float32 dbias workspace (BwdParams::dbias_accum): partials of the bias's
+// elements, one per dQ split where the bias has no key dim (every split adds to each of its
+// elements), else one; none where that one is dbias itself (a float32 bias).
+static inline int64_t dbias_parts(bool keys_broadcast, int64_t dq_splits) { return keys_broadcast ? dq_splits : 1; }
+static inline int64_t dbias_accum_elements(int64_t bias_elements, bool keys_broadcast, bool float32,
+                                           int64_t dq_splits) {
+  const int64_t parts = dbias_parts(keys_broadcast, dq_splits);
+  return parts == 1 && float32 ? 0 : parts * bias_elements;
+}
+
 // Runs body(arg, i) for every i in [0, n) on the caller's thread pool and returns when all ran.
 struct TaskRunner {
   using Body = void (*)(void* arg, int64_t i);

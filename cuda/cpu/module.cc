@@ -53,6 +53,9 @@ NB_MODULE(_native, m) {
           return jax_flash::cpu::dq_accum_elements(shape, dq_splits);
         },
         "Elements of the CPU backward's float32 dQ workspace (what its handler checks).");
+  m.def("cpu_dbias_accum_elements", &jax_flash::cpu::dbias_accum_elements,
+        "Elements of the CPU backward's float32 dbias workspace (bias_elements, keys_broadcast: "
+        "the bias's key dim is 1, float32: the bias is float32, dq_splits); 0: dbias itself.");
   m.def("decode_workspace_elements",
         [](int64_t num_splits, int64_t batch, int64_t seq_q, int64_t heads_q, int64_t head_dim_v) {
           // o_partial holds output rows: v's head dim Hv (q's and k's does not enter).
