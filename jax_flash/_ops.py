@@ -240,18 +240,15 @@ def _flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig, segment_ids=None,
   and query head); `dropout_seeds`: None or (..., N, 4) uint32, exactly when
   config.dropout_rate > 0; `bias` and `mask`: None or (..., N|1, T|1, S|1), float and bool
   ("cpu" only)."""
-  if (bias is not None or mask is not None) and config.kv_splits:
-    raise ValueError("split-KV decoding takes no bias or mask (call_kernels sets kv_splits=0)")
-  if segment_ids is not None and config.kv_splits:
-    raise ValueError("split-KV decoding takes no segment ids (call_kernels sets kv_splits=0)")
-  if alibi_slopes is not None and config.kv_splits:
-    raise ValueError("split-KV decoding takes no alibi_slopes (call_kernels sets kv_splits=0)")
-  if block_mask is not None and config.kv_splits:
-    raise ValueError("split-KV decoding takes no block_mask (call_kernels sets kv_splits=0)")
-  if config.logits_soft_cap and config.kv_splits:
-    raise ValueError("split-KV decoding takes no logits_soft_cap (call_kernels sets kv_splits=0)")
-  if (config.dropout_rate or dropout_seeds is not None) and config.kv_splits:
-    raise ValueError("split-KV decoding takes no dropout (call_kernels sets kv_splits=0)")
+  if config.kv_splits:
+    for name, given in (("bias or mask", bias is not None or mask is not None),
+                        ("segment ids", segment_ids is not None),
+                        ("alibi_slopes", alibi_slopes is not None),
+                        ("block_mask", block_mask is not None),
+                        ("logits_soft_cap", bool(config.logits_soft_cap)),
+                        ("dropout", bool(config.dropout_rate) or dropout_seeds is not None)):
+      if given:
+        raise ValueError(f"split-KV decoding takes no {name} (call_kernels sets kv_splits=0)")
   _check_value_head_dim(config, q, v)
   if config.kv_splits and config.implementation == "cuda" and not _decode.cuda_kernel_enabled():
     tiled = dataclasses.replace(config, kv_splits=0, o_float32=True)
