@@ -400,14 +400,13 @@ def check_against_references(case: Case, got: dict) -> None:
   live = _unbatch(case, row_has_keys(case))  # (..., T)
   seen = _unbatch(case, key_is_seen(case))  # (..., S)
   live_rows = live[..., None, None]
-  assert_within_rule("out", got["out"], ref32["out"], refd["out"], live_rows)
+  _check_output(got["out"], ref32, refd, live_rows)
   assert_within_rule("lse", got["lse"], ref32["lse"], refd["lse"], live[..., None])
   for name in ("dq", "dk", "dv"):
     assert_within_rule(name, got[name], ref32[name], refd[name],
                        magnitude=gradient_magnitude(ref32))
 
   dead_rows = np.broadcast_to(~live_rows, got["out"].shape)
-  assert np.all(got["out"][dead_rows] == 0), "rows with no key to attend to must be exactly 0"
   assert np.all(got["dq"][dead_rows] == 0), "dq of rows with no key must be exactly 0"
   dead_lse = np.broadcast_to(~live[..., None], got["lse"].shape)
   assert np.all(got["lse"][dead_lse] == EMPTY_ROW_LSE), (
@@ -417,15 +416,19 @@ def check_against_references(case: Case, got: dict) -> None:
   assert np.all(got["dv"][dead_keys] == 0), "dv of keys no query sees must be exactly 0"
 
 
+def _check_output(out: np.ndarray, ref32: dict, refd: dict, live_rows: np.ndarray) -> None:
+  """out within the rule on the rows with keys (`live_rows`), exactly 0 on the others."""
+  assert_within_rule("out", out, ref32["out"], refd["out"], live_rows)
+  dead_rows = np.broadcast_to(~live_rows, out.shape)
+  assert np.all(out[dead_rows] == 0), "rows with no key to attend to must be exactly 0"
+
+
 def check_output_against_references(case: Case, out: np.ndarray) -> None:
   """A forward-only result (no gradients): every element finite, out within the rule, rows
   outside every mask exactly 0."""
   ref32, refd = references(case)
   assert np.all(np.isfinite(out)), "out has non-finite elements"
-  live_rows = _unbatch(case, row_has_keys(case))[..., None, None]
-  assert_within_rule("out", out, ref32["out"], refd["out"], live_rows)
-  dead_rows = np.broadcast_to(~live_rows, out.shape)
-  assert np.all(out[dead_rows] == 0), "rows with no key to attend to must be exactly 0"
+  _check_output(out, ref32, refd, _unbatch(case, row_has_keys(case))[..., None, None])
 
 
 # ---------------------------------------------------------------------------------------------
