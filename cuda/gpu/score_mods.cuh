@@ -3,12 +3,14 @@
 // kernel's order, cpu/flash_fwd.h):
 //   s = scale q.k;  s = c tanh(s / c) with a cap c;  s += slope (j - i) with slopes,
 // i and j the row and key indices the masks use. The general kernels (kGeneral, chosen per call
-// where either is present: the plain kernels stay as they are) apply them; their
-// softmax then works in score units (ScoreMods::kSoftmaxScale). The backward's dS gets the
-// cap's chain rule, 1 - tanh^2, folded into dP (fold_chain_rule). Fragment layouts: a thread's
-// element (mt, nt, e) of an m16n8 accumulator is row 16 mt + lane / 4 (+ 8 for e >= 2), column
-// 8 nt + 2 (lane % 4) + e % 2; the backward's transposed tiles hold keys in rows and queries in
-// columns.
+// where either is present: the plain kernels stay as they are) apply them. With a cap the tiles
+// hold the scores in the cap's units, s / c = tanh(q.k scale / c) + (slope / c)(j - i): one FMUL
+// and one MUFU.TANH a capped score, and the softmax and the lse take c as their scale
+// (ScoreMods::softmax_scale), so P and the lse are those of s. The backward's dS gets the cap's
+// chain rule, 1 - tanh^2, folded into dP (fold_chain_rule), tanh read off the tile itself.
+// Fragment layouts: a thread's element (mt, nt, e) of an m16n8 accumulator is row 16 mt + lane / 4
+// (+ 8 for e >= 2), column 8 nt + 2 (lane % 4) + e % 2; the backward's transposed tiles hold keys
+// in rows and queries in columns.
 #pragma once
 
 #include <cmath>
@@ -63,35 +65,55 @@ __device__ __forceinline__ float fast_tanh(float x) {
 }
 
 struct ScoreMods {
-  // The scale the softmax and the lse then use: the scores are in score units already.
-  static constexpr float kSoftmaxScale = 1.f;
-
-  float scale;
-  float cap, inv_cap;  // cap 0: none
-  float slope;         // 0 without slopes
+  float scale;  // scale / c with a cap c, else scale
+  float slope;  // slope / c with a cap c, else slope (0 without slopes)
+  bool capped;
 
   // For batch element b and query head h of the call (once per tile task: it reads the slope).
   __device__ __forceinline__ ScoreMods(const AttentionParams& p, int64_t b, int64_t h)
-      : scale(p.scale),
-        cap(p.logits_soft_cap),
-        inv_cap(p.logits_soft_cap > 0.f ? 1.f / p.logits_soft_cap : 0.f),
-        slope(p.alibi_slopes ? p.alibi_slopes[b * p.shape.heads_q + h] : 0.f) {}
+      : scale(p.logits_soft_cap > 0.f ? p.scale / p.logits_soft_cap : p.scale),
+        slope(p.alibi_slopes ? (p.logits_soft_cap > 0.f ? p.alibi_slopes[b * p.shape.heads_q + h] / p.logits_soft_cap
+                                                        : p.alibi_slopes[b * p.shape.heads_q + h])
+                             : 0.f),
+        capped(p.logits_soft_cap > 0.f) {}
 
-  // The modified score of raw score x whose key index less query index, j - i, is `offset`
-  // (exact in float below 2^24). NaN stays NaN.
-  // kCap: cap > 0 (the tiles below branch once, not per score).
-  template <bool kCap>
-  __device__ __forceinline__ float apply(float x, float offset) const {
-    float s = x * scale;
-    if constexpr (kCap) s = cap * fast_tanh(s * inv_cap);
-    return fmaf(slope, offset, s);
+  // The scale the softmax and the lse take in the general kernels: the cap (the scores are in
+  // its units), else 1 (they are in score units).
+  __host__ __device__ __forceinline__ static float softmax_scale(const AttentionParams& p) {
+    return p.logits_soft_cap > 0.f ? p.logits_soft_cap : 1.f;
   }
 
-  // d(modified score) / d(scale q.k) at a modified (and masked: -inf) score s: 1 - tanh^2 with a
-  // cap (tanh recovered from s less the bias), else 1; 0 where masked.
+  // The modified score (in the cap's units with one) of raw score x whose key index less query
+  // index, j - i, is `offset` (exact in float below 2^24). NaN stays NaN.
+  // kCap: a cap; kSlope: the slope is added (the tiles below branch once, not per score).
+  template <bool kCap, bool kSlope>
+  __device__ __forceinline__ float apply(float x, float offset) const {
+    float s = x * scale;
+    if constexpr (kCap) s = fast_tanh(s);
+    if constexpr (kSlope) s = fmaf(slope, offset, s);
+    return s;
+  }
+
+  // d(modified score) / d(scale q.k) at a modified (and masked: -inf) score s of a capped call:
+  // 1 - tanh^2, tanh being s less the slope's term; 0 where masked.
   __device__ __forceinline__ float chain_rule(float s, float offset) const {
-    const float t = fmaf(-slope, offset, s) * inv_cap;
+    const float t = fmaf(-slope, offset, s);
     return fmaxf(0.f, fmaf(-t, t, 1.f));  // -inf (masked) gives 0; NaN stays in P
+  }
+
+  // Calls `each(kCap, kSlope)` (std::bool_constant arguments) with this call's modifications:
+  // branching on the cap, and with kSlopeBranch on whether the slope is 0 too (four copies of a
+  // tile's loop: the Hopper kernels without the ids' code; the others spilled more with them).
+  template <bool kSlopeBranch, typename Each>
+  __device__ __forceinline__ void dispatch(Each&& each) const {
+    auto with_cap = [&](auto cap) {
+      if constexpr (kSlopeBranch) {
+        if (slope != 0.f) each(cap, std::true_type{}); else each(cap, std::false_type{});
+      } else {
+        each(cap, std::true_type{});
+      }
+    };
+    if (capped) with_cap(std::true_type{}); else with_cap(std::false_type{});
   }
 
   // The offsets j - i of an m16n8 accumulator tile are this thread's j - i at its first element
@@ -114,45 +136,43 @@ struct ScoreMods {
   }
 
   // A warp's kMTiles x kNTiles tile of raw scores, its first row query m0 and column key n0.
-  template <int kMTiles, int kNTiles>
+  template <bool kSlopeBranch = false, int kMTiles, int kNTiles>
   __device__ __forceinline__ void apply(float (&s)[kMTiles][kNTiles][4], int64_t m0, int64_t n0, int lane) const {
     const float base = tile_base(m0, n0, lane);
-    auto each = [&](auto capped) {
+    dispatch<kSlopeBranch>([&](auto cap, auto sloped) {
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e)
-            s[mt][nt][e] = apply<decltype(capped)::value>(s[mt][nt][e], base + tile_step(mt, nt, e));
-    };
-    if (cap > 0.f) each(std::true_type{}); else each(std::false_type{});
+            s[mt][nt][e] = apply<decltype(cap)::value, decltype(sloped)::value>(s[mt][nt][e], base + tile_step(mt, nt, e));
+    });
   }
 
   // The transposed tile of the Hopper backward: rows keys from key0 (this thread's lane / 4
   // and + 8), columns queries from query0.
-  template <int kNTiles>
+  template <bool kSlopeBranch = false, int kNTiles>
   __device__ __forceinline__ void apply_transposed(float (&s)[1][kNTiles][4], int64_t key0, int64_t query0,
                                                    int lane) const {
     const float base = transposed_base(key0, query0, lane);
-    auto each = [&](auto capped) {
+    dispatch<kSlopeBranch>([&](auto cap, auto sloped) {
 #pragma unroll
       for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-          s[0][nt][e] = apply<decltype(capped)::value>(s[0][nt][e], base + transposed_step(nt, e));
-    };
-    if (cap > 0.f) each(std::true_type{}); else each(std::false_type{});
+          s[0][nt][e] = apply<decltype(cap)::value, decltype(sloped)::value>(s[0][nt][e], base + transposed_step(nt, e));
+    });
   }
 
-  // dp <- delta + chain_rule (dp - delta) on a tile (s modified and masked; delta per row), so
+  // dp <- delta + chain_rule (dp - delta) on a capped call's tile (s modified and masked; delta per row), so
   // that the kernels' dS = scale P (dP - delta) becomes scale P (dP - delta) (1 - tanh^2).
   template <int kMTiles, int kNTiles>
   __device__ __forceinline__ void fold_chain_rule(float (&dp)[kMTiles][kNTiles][4],
                                                   const float (&s)[kMTiles][kNTiles][4],
                                                   const float (&delta)[kMTiles][2], int64_t m0, int64_t n0,
                                                   int lane) const {
-    if (!(cap > 0.f)) return;
+    if (!capped) return;
     const float base = tile_base(m0, n0, lane);
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
@@ -172,7 +192,7 @@ struct ScoreMods {
                                                              const float (&st)[1][kNTiles][4],
                                                              const float* delta, int64_t key0, int64_t query0,
                                                              int lane) const {
-    if (!(cap > 0.f)) return;
+    if (!capped) return;
     const float base = transposed_base(key0, query0, lane);
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt)

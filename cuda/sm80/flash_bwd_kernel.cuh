@@ -119,7 +119,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
   float dk[Kv::kMTiles][Kv::kNTiles][4] = {};
   float dv[Kv::kMTiles][Kv::kNTiles][4] = {};
   const int sdp_m0 = Sdp::row0(warp), sdp_n0 = Sdp::col0(warp);
-  const float scale_log2 = (kGeneral ? ScoreMods::kSoftmaxScale : p.scale) * kLog2e;
+  const float scale_log2 = (kGeneral ? ScoreMods::softmax_scale(p) : p.scale) * kLog2e;
 
   const int iterations = task.iterations;
   if (iterations > 0) {
@@ -253,7 +253,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
   load_row_statistics(lse2, row_delta, ds_scale, p.lse + task.stat_offset, p.delta + task.stat_offset, p,
                       m0 + warp_m0, q_len, kv_len, lane);
   float dq[kMT][kD / 8][4] = {};
-  const float scale_log2 = (kGeneral ? ScoreMods::kSoftmaxScale : p.scale) * kLog2e;
+  const float scale_log2 = (kGeneral ? ScoreMods::softmax_scale(p) : p.scale) * kLog2e;
 
   const int count = task.keys.count;
   if (count > 0) {

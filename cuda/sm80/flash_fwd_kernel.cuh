@@ -55,7 +55,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
 
   OnlineSoftmax<kMT> softmax(p.pv_headroom_log2);
   float o[kMT][kD / 8][4] = {};
-  const float softmax_scale = kGeneral ? ScoreMods::kSoftmaxScale : p.scale;
+  const float softmax_scale = kGeneral ? ScoreMods::softmax_scale(p) : p.scale;
   const float scale_log2 = softmax_scale * kLog2e;
 
   const int count = task.keys.count;  // key blocks, visited last first

@@ -254,7 +254,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int64_t n0 = task.n0;
   float dk[1][kD / 8][4] = {};
   float dv[1][kD / 8][4] = {};
-  const float scale_log2 = (kGeneral ? ScoreMods::kSoftmaxScale : p.scale) * kLog2e;
+  const float scale_log2 = (kGeneral ? ScoreMods::softmax_scale(p) : p.scale) * kLog2e;
   const uint32_t k_address = smem_address(smem.k), v_address = smem_address(smem.v);
   // The two consumer warpgroups meet on named barrier 1 (id 0 is __syncthreads').
   auto consumers_sync = [] { named_barrier_sync(1, kConsumerThreads); };
@@ -299,7 +299,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       fence_registers(st[0]);
       const float* lse2 = smem.lse2 + stage * kBM;
       const float* delta = smem.delta + stage * kBM;
-      if constexpr (kGeneral) ScoreMods(p, task.b, visit.h).apply_transposed(st, n0 + warp_key0, m0, lane);
+      if constexpr (kGeneral) ScoreMods(p, task.b, visit.h).apply_transposed<!kIds>(st, n0 + warp_key0, m0, lane);
       if (id_mask)
         mask_transposed_with_ids(st, SegmentIds(p, task.b), p.mask, n0 + warp_key0, m0, q_len, kv_len, lane);
       else if (!group_blocks.whole(visit.mb))

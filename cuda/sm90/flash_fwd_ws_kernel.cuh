@@ -200,7 +200,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   claim_registers<Traits::kConsumerRegisters>();
   const int group = warp / 4 - 1;
   const int warp_m0 = group * 64 + warp % 4 * 16;  // this warp's first row in the block
-  const float softmax_scale = kGeneral ? ScoreMods::kSoftmaxScale : p.scale;
+  const float softmax_scale = kGeneral ? ScoreMods::softmax_scale(p) : p.scale;
   const float scale_log2 = softmax_scale * kLog2e;
   const uint32_t q_address = smem_address(smem.q);
   const uint64_t ones_desc = ones_descriptor(smem_address(smem.ones));  // (kTensorSums)
@@ -237,7 +237,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const ScoreMods mods(p, task.b, task.h);  // unused (and not read) without kGeneral
       auto mask_block = [&](float (&s)[1][kBN / 8][4], int i) {
         const int64_t n0 = static_cast<int64_t>(task.keys.descending(i)) * kBN;
-        if constexpr (kGeneral) mods.apply(s, m0 + warp_m0, n0, lane);
+        if constexpr (kGeneral) mods.apply<!kIds>(s, m0 + warp_m0, n0, lane);
         if constexpr (kIds) {
           mask_forward_block<kBN>(s, p, task.b, m0, m0 + blk.live_rows, blk.needs_mask(n0), m0 + warp_m0, n0,
                                   task.q_len, task.kv_len, lane, &seen);
