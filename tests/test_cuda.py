@@ -361,12 +361,13 @@ def test_forward_alu_sums_on_hopper():
       "test_forward_splits_o_as_xla_would or test_jit_training_step_reduces_loss")
 
 
-def test_forward_tma_store_on_hopper():
-  """Experimental: with JAX_FLASH_CUDA_FORWARD=sm90ws_tmastore the inference forward at head dims
-  64 and 128 stores O by TMA from shared memory (flash_fwd_ws_kernel.cuh kTmaStore); the
-  forward-only cases, the reference cases and the CUDA-graph capture pass."""
+def test_forward_direct_store_on_hopper():
+  """With JAX_FLASH_CUDA_FORWARD=sm90ws_directstore the inference forward at head dims 64 and 128
+  stores O by every thread's stores to global memory, where the default stores it by TMA from
+  shared memory (flash_fwd_ws_kernel.cuh kTmaStore); the forward-only cases, the reference
+  cases and the CUDA-graph capture pass."""
   _run_cuda_tests_on_hopper_with(
-      {"JAX_FLASH_CUDA_FORWARD": "sm90ws_tmastore"},
+      {"JAX_FLASH_CUDA_FORWARD": "sm90ws_directstore"},
       "test_forward_only_matches_reference or (test_cuda_matches_reference and (h64 or h128)) or "
       "test_command_buffer_capture or test_cuda_is_default_on_gpu")
 
@@ -405,6 +406,27 @@ def test_backward_dq_by_the_other_way_on_hopper(family, head_dims):
       {"JAX_FLASH_CUDA_BACKWARD": family},
       f"((test_cuda_matches_reference or test_deterministic_matches_reference) and ({head_dims})) "
       "or test_command_buffer_capture or test_jit_training_step_reduces_loss")
+
+
+def test_backward_on_80_row_blocks_on_hopper():
+  """Experimental: with JAX_FLASH_CUDA_BACKWARD=sm90ws_m80 the plain non-deterministic calls at
+  head dim 128 visit 80-row query blocks (dQ computed transposed, dS^T stored query-major, its
+  own convert kernel): their reference cases (partial blocks, lengths, windows, causal, GQA,
+  T != S), the deterministic ones beside them (64-row kernel, same accumulator), the CUDA-graph
+  capture and the training step pass."""
+  _run_cuda_tests_on_hopper_with(
+      {"JAX_FLASH_CUDA_BACKWARD": "sm90ws_m80"},
+      "((test_cuda_matches_reference or test_deterministic_matches_reference) and h128) "
+      "or test_command_buffer_capture or test_jit_training_step_reduces_loss")
+
+
+def test_general_backward_beside_80_row_blocks_on_hopper():
+  """Under JAX_FLASH_CUDA_BACKWARD=sm90ws_m80 the calls with a soft cap, ALiBi slopes or segment
+  ids at head dim 128 keep the 64-row kernel, on a dQ accumulator sized for both tilings; their
+  reference cases pass."""
+  _run_cuda_tests_on_hopper_with(
+      {"JAX_FLASH_CUDA_BACKWARD": "sm90ws_m80"}, "cuda and h128",
+      files=("test_softcap.py", "test_alibi.py", "test_segment_ids.py"))
 
 
 def test_general_backward_on_64_row_blocks_on_hopper():

@@ -40,6 +40,9 @@ CASES = [
     (1, 70, 70, 2, 1, 64, False, (8, 0), True, False),
     (2, 20, 1, 2, 2, 128, False, None, False, False),
     (1, 48, 48, 4, 2, 32, True, None, True, True),
+    # sm90ws_m80's 80-row visits (JAX_FLASH_CUDA_BACKWARD=sm90ws_m80, head dim 128, plain calls):
+    # a last query block of 10 rows, a partial key block, GQA, two visits a head.
+    (1, 170, 150, 4, 2, 128, False, None, False, False),
 ]
 
 

@@ -136,8 +136,9 @@ struct KeyBlockTask {
   const int32_t* visits = nullptr;
   int visit_count = 0, mask_q_blocks = 0;
   static constexpr int kQueryTilesPerBlock = static_cast<int>(kBlockMaskRows / kBlockM);
-  static_assert(kBlockMaskRows % kBlockM == 0 && kBlockMaskKeys % kBlockN == 0,
-                "every backward tile lies in one block of the block mask");
+  // Whether every tile lies in one block of the block mask (the walks need it; the 80-row
+  // visits of sm90ws_m80 do not walk).
+  static constexpr bool kTilesInMaskBlocks = kBlockMaskRows % kBlockM == 0 && kBlockMaskKeys % kBlockN == 0;
 
   __device__ explicit KeyBlockTask(const BwdParams& p)
       : b(static_cast<int>(blockIdx.z)),
@@ -163,6 +164,7 @@ struct KeyBlockTask {
   // of this key block within [mb_first, mb_first + mb_count) (call after any narrowing).
   template <bool kSparse>
   __device__ void walk_visits(const BwdParams& p) {
+    static_assert(!kSparse || kTilesInMaskBlocks, "every backward tile lies in one block of the block mask");
     if (!kSparse || p.q_block_visits == nullptr) return;
     mask_q_blocks = static_cast<int>(p.block_mask_q_blocks);
     const int64_t row = (static_cast<int64_t>(b) * p.shape.heads_k + hk) * p.block_mask_k_blocks + n0 / kBlockMaskKeys;

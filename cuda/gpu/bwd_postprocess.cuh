@@ -59,4 +59,49 @@ __global__ void flash_bwd_convert_tiled_dq_kernel(const __grid_constant__ BwdPar
   }
 }
 
+// dQ from the transposed tiles (sm90ws_m80's 80-row visits, sm90/traits.cuh kDqTransposed): per
+// (batch, head, 80-row block) a tile of 80 x 128 floats, each warpgroup's part (its 64 head-dim
+// rows of dQ^T) in its fragments' order: float4 j * 128 + t holds thread t's n-tile j, head-dim
+// rows 16 (t / 32) + (t % 32) / 4 (+ 8 for the float4's last two) of the part, queries 8 j +
+// 2 (t % 4) and + 1. A CTA of 256 threads a tile: coalesced float4 reads transposed through
+// shared memory, then 16-byte stores of whole dQ rows. Rows past seq_q are padding.
+template <typename T>
+__global__ void __launch_bounds__(256) flash_bwd_convert_transposed_dq_kernel(const __grid_constant__ BwdParams p) {
+  constexpr int kRows = kTransposedDqRows, kColumns = kTiledDqColumns, kQuads = kRows * kColumns / 4;
+  constexpr int kStride = kColumns + 4;  // floats a row of the shared tile (16-byte rows, banks apart)
+  __shared__ __align__(16) float tile[kRows * kStride];
+  const AttentionShape& sh = p.shape;
+  const int64_t m_blocks = (sh.seq_q + kRows - 1) / kRows;
+  const int64_t tiles = sh.batch * sh.heads_q * m_blocks;
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const float4* src = reinterpret_cast<const float4*>(p.dq_accum) + t * kQuads;
+    for (int i = threadIdx.x; i < kQuads; i += blockDim.x) {
+      const float4 x = src[i];
+      const int group = i / (kQuads / 2), in_part = i % (kQuads / 2);
+      const int j = in_part / 128, thread = in_part % 128;
+      const int column = 64 * group + 16 * (thread / 32) + (thread % 32) / 4;
+      const int row = 8 * j + 2 * (thread % 4);
+      tile[row * kStride + column] = x.x;
+      tile[(row + 1) * kStride + column] = x.y;
+      tile[row * kStride + column + 8] = x.z;
+      tile[(row + 1) * kStride + column + 8] = x.w;
+    }
+    __syncthreads();
+    const int64_t m_block = t % m_blocks, bh = t / m_blocks;
+    const int64_t h = bh % sh.heads_q, b = bh / sh.heads_q;
+    for (int i = threadIdx.x; i < kRows * kColumns / 8; i += blockDim.x) {
+      const int row = i / (kColumns / 8), column = (i % (kColumns / 8)) * 8;
+      const int64_t q = m_block * kRows + row;
+      if (q < sh.seq_q && column < sh.head_dim) {
+        const float4 lo = *reinterpret_cast<const float4*>(&tile[row * kStride + column]);
+        const float4 hi = *reinterpret_cast<const float4*>(&tile[row * kStride + column + 4]);
+        *reinterpret_cast<uint4*>(static_cast<T*>(p.dq) + ((b * sh.seq_q + q) * sh.heads_q + h) * sh.head_dim + column) =
+            make_uint4(MmaOp<T>::pack(lo.x, lo.y), MmaOp<T>::pack(lo.z, lo.w), MmaOp<T>::pack(hi.x, hi.y),
+                       MmaOp<T>::pack(hi.z, hi.w));
+      }
+    }
+    __syncthreads();  // the tile is read before the next one is written
+  }
+}
+
 }  // namespace jax_flash::cuda

@@ -38,13 +38,14 @@ std::optional<KernelFamily> read_override(const char* variable, bool forward, st
   if (forward && v == "sm90ws_narrow") return KernelFamily::kSm90WsNarrow;
   if (forward && v == "sm90ws_wide") return KernelFamily::kSm90WsWide;
   if (forward && v == "sm90ws_alusums") return KernelFamily::kSm90WsAluSums;
-  if (forward && v == "sm90ws_tmastore") return KernelFamily::kSm90WsTmaStore;
+  if (forward && v == "sm90ws_directstore") return KernelFamily::kSm90WsDirectStore;
   if (!forward && v == "sm90ws_atomicdq") return KernelFamily::kSm90WsAtomicDq;
   if (!forward && v == "sm90ws_bulkdq") return KernelFamily::kSm90WsBulkDq;
   if (!forward && v == "sm90ws_tileddq") return KernelFamily::kSm90WsTiledDq;
+  if (!forward && v == "sm90ws_m80") return KernelFamily::kSm90WsM80;
   append_unknown_value(error, variable, v,
-                       forward ? "sm80, sm90ws, sm90ws_grid, sm90ws_narrow, sm90ws_wide, sm90ws_alusums, sm90ws_tmastore"
-                               : "sm80, sm90ws, sm90ws_atomicdq, sm90ws_bulkdq, sm90ws_tileddq");
+                       forward ? "sm80, sm90ws, sm90ws_grid, sm90ws_narrow, sm90ws_wide, sm90ws_alusums, sm90ws_directstore"
+                               : "sm80, sm90ws, sm90ws_atomicdq, sm90ws_bulkdq, sm90ws_tileddq, sm90ws_m80");
   return std::nullopt;
 }
 

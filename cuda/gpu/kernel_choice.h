@@ -3,9 +3,10 @@
 // (sm80) family everywhere else. Three environment variables, read once per process, override the
 // choice for experiments and comparisons:
 //   JAX_FLASH_CUDA_FORWARD  = sm80 | sm90ws | sm90ws_grid | sm90ws_narrow | sm90ws_wide |
-//                             sm90ws_alusums | sm90ws_tmastore
+//                             sm90ws_alusums | sm90ws_directstore
 //                             (default on Hopper: sm90ws)
-//   JAX_FLASH_CUDA_BACKWARD = sm80 | sm90ws | sm90ws_atomicdq | sm90ws_bulkdq | sm90ws_tileddq
+//   JAX_FLASH_CUDA_BACKWARD = sm80 | sm90ws | sm90ws_atomicdq | sm90ws_bulkdq | sm90ws_tileddq |
+//                             sm90ws_m80
 //                             (default on Hopper: sm90ws)
 // The forward's sm90ws runs on a persistent grid with FlashAttention-3's wider tiles where they
 // measured faster (gpu/tile_shapes.cuh wide_tiles_by_default); sm90ws_grid is the same kernels on
@@ -13,16 +14,18 @@
 // sm90ws takes a plain differentiated call's sums of the 16-bit P from the tensor cores (P times
 // a column of ones) on the 128 x 128 tiles at head dims 64 and 128 (+0.9-2.4% fwd+bwd at hd128,
 // session 18), sm90ws_alusums from the softmax's own unpacking and adding, as before;
-// sm90ws_tmastore (experimental, written in session 19, not yet run on a GPU) stores a plain
-// call's 16-bit O by TMA from shared memory at head dims 64 and 128 (FlashAttention-3's
-// epilogue). The
+// sm90ws stores a plain call's 16-bit O by TMA from shared memory at head dims 64 and 128
+// (FlashAttention-3's epilogue; +4-7% on the inference forward, sessions 20-21),
+// sm90ws_directstore by every thread's 4-byte stores, as before. The
 // backward's sm90ws runs the variant measured fastest for the head dim (TileShapes:
 // 128-row query blocks with dK from registers at head dim 64, dQ added as FlashAttention-3 does at
 // 128: one bulk reduction a warpgroup a visit into an accumulator in the fragments' order,
 // sm90/traits.cuh kTiledDq; bulk row reductions at 65..127, atomics elsewhere); sm90ws_atomicdq
 // and sm90ws_bulkdq force 64-row query blocks with dQ added by atomics or by bulk row reductions
 // from shared memory (the general calls too: soft cap, ALiBi, segment ids); sm90ws_tileddq takes
-// the tiled dQ at head dims 65..128 (elsewhere sm90ws).
+// the tiled dQ at head dims 65..128 (elsewhere sm90ws); sm90ws_m80 (experimental, session 21)
+// visits 80-row query blocks in the plain non-deterministic calls at head dim 128, dQ computed
+// transposed (FlashAttention-3's non-causal tile; sm90/traits.cuh kDqTransposed).
 // A Hopper choice only applies on Hopper, and only where a Hopper kernel exists.
 //   JAX_FLASH_CUDA_NARROW = split | off (default: split since session 19, whose differential run
 //                           of 2000 configurations gave 0 misses under it): narrow plain calls
@@ -45,8 +48,8 @@ namespace jax_flash::cuda {
 // they exist (head dim 128 non-causal: key blocks of 176; head dim 64: 192 query rows, three
 // consumer warpgroups; head dims 192 and 256: key blocks of 112 and 80).
 enum class KernelFamily {
-  kSm80, kSm90Ws, kSm90WsGrid, kSm90WsNarrow, kSm90WsWide, kSm90WsAluSums, kSm90WsTmaStore,
-  kSm90WsAtomicDq, kSm90WsBulkDq, kSm90WsTiledDq
+  kSm80, kSm90Ws, kSm90WsGrid, kSm90WsNarrow, kSm90WsWide, kSm90WsAluSums, kSm90WsDirectStore,
+  kSm90WsAtomicDq, kSm90WsBulkDq, kSm90WsTiledDq, kSm90WsM80
 };
 
 // Empty when the variables are unset or hold a known value; else a message naming the variable,

@@ -44,8 +44,16 @@ cudaError_t dispatch_dtype_head_dim(Dtype dtype, int64_t head_dim, Run&& run) {
 
 bool tiled_dq_accum(const AttentionShape& shape) {
   const KernelFamily family = backward_family();
-  return (family == KernelFamily::kSm90Ws && shape.head_dim == 128) ||
+  return ((family == KernelFamily::kSm90Ws || family == KernelFamily::kSm90WsM80) && shape.head_dim == 128) ||
          (family == KernelFamily::kSm90WsTiledDq && shape.head_dim > 64 && shape.head_dim <= 128);
+}
+
+bool transposed_dq_accum(const AttentionShape& shape) {
+  return backward_family() == KernelFamily::kSm90WsM80 && shape.head_dim == 128;
+}
+
+bool m80_call(const BwdParams& p) {
+  return transposed_dq_accum(p.shape) && !p.deterministic && !general_kernel(p) && !narrow_plain_call(p);
 }
 
 cudaError_t launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
@@ -58,11 +66,11 @@ cudaError_t launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
     if constexpr (TileShapes<kD>::kHasSm90Fwd) {
       if (family == KernelFamily::kSm90Ws || family == KernelFamily::kSm90WsGrid ||
           family == KernelFamily::kSm90WsNarrow || family == KernelFamily::kSm90WsWide ||
-          family == KernelFamily::kSm90WsAluSums || family == KernelFamily::kSm90WsTmaStore) {
+          family == KernelFamily::kSm90WsAluSums || family == KernelFamily::kSm90WsDirectStore) {
         Sm90FwdOptions options;
         options.persistent = family != KernelFamily::kSm90WsGrid;
         options.tensor_sums = family != KernelFamily::kSm90WsAluSums;
-        options.tma_store = family == KernelFamily::kSm90WsTmaStore;
+        options.tma_store = family != KernelFamily::kSm90WsDirectStore;
         options.tiles = family == KernelFamily::kSm90WsNarrow ? Sm90FwdTiles::kNarrow
                         : family == KernelFamily::kSm90WsWide ? Sm90FwdTiles::kWide
                                                               : Sm90FwdTiles::kMeasured;
@@ -90,6 +98,8 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
     // tiled_dq_accum says so (narrow calls run mma.sync: the accumulator is as large, in rows).
     constexpr bool kTiledDqKernel = TileShapes<kD>::kHasSm90BwdTiledDq;
     const bool tiled = kTiledDqKernel && family != KernelFamily::kSm80 && tiled_dq_accum(sh);
+    // 80-row visits with dQ^T in tiles (experimental: sm90ws_m80), and their own convert.
+    const bool m80 = TileShapes<kD>::kHasSm90BwdM80 && m80_call(p);
     if (!p.deterministic)
       if (cudaError_t e = cudaMemsetAsync(p.dq_accum, 0, dq_accum_bytes, stream)) return e;
 
@@ -100,8 +110,10 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
         constexpr V kDefault = TileShapes<kD>::kHasSm90BwdBlockM128  ? V::kBlockM128
                                : TileShapes<kD>::kSm90BwdBulkDqByDefault ? V::kBulkDq
                                                                          : V::kAtomicDq;
-        e = tiled                                     ? launch_bwd_main_sm90_ws<T, kD>(p, V::kTiledDq, stream)
-            : family == KernelFamily::kSm90Ws         ? launch_bwd_main_sm90_ws<T, kD>(p, kDefault, stream)
+        e = m80                                       ? launch_bwd_main_sm90_ws<T, kD>(p, V::kM80, stream)
+            : tiled                                   ? launch_bwd_main_sm90_ws<T, kD>(p, V::kTiledDq, stream)
+            : family == KernelFamily::kSm90Ws || family == KernelFamily::kSm90WsM80
+                                                      ? launch_bwd_main_sm90_ws<T, kD>(p, kDefault, stream)
             : family == KernelFamily::kSm90WsAtomicDq ? launch_bwd_main_sm90_ws<T, kD>(p, V::kAtomicDq, stream)
             : family == KernelFamily::kSm90WsBulkDq   ? launch_bwd_main_sm90_ws<T, kD>(p, V::kBulkDq, stream)
             : family == KernelFamily::kSm90WsTiledDq  ? launch_bwd_main_sm90_ws<T, kD>(p, kDefault, stream)
@@ -113,8 +125,14 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
     }
 
     if (p.deterministic) return launch_bwd_dq_sm80<T, kD>(p, stream);
+    if (m80) {  // a CTA a tile
+      const int64_t tiles = sh.batch * sh.heads_q * ((sh.seq_q + kTransposedDqRows - 1) / kTransposedDqRows);
+      const int blocks = static_cast<int>(std::min<int64_t>(tiles, 1 << 20));
+      flash_bwd_convert_transposed_dq_kernel<T><<<blocks, 256, 0, stream>>>(p);
+      return cudaGetLastError();
+    }
     if (tiled) {
-      const int64_t quads = dq_accum_elements(sh, false) / 4;  // the tiled convert's float4 a thread
+      const int64_t quads = dq_tiles_elements(sh, kTiledDqRows) / 4;  // the tiled convert's float4 a thread
       const int blocks = static_cast<int>(std::min<int64_t>((quads + 255) / 256, 65536));
       flash_bwd_convert_tiled_dq_kernel<T><<<blocks, 256, 0, stream>>>(p);
       return cudaGetLastError();

@@ -7,6 +7,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "common/attention_params.h"
@@ -21,16 +22,29 @@ inline constexpr int64_t kHeadDimMultiple = 8;
 // JAX_FLASH_CUDA_BACKWARD=sm90ws_tileddq (elsewhere the padding to 128 columns would cost memory).
 bool tiled_dq_accum(const AttentionShape& shape);
 inline constexpr int64_t kTiledDqRows = 64, kTiledDqColumns = 128;
+// Whether a call of this shape may add dQ^T in tiles of 80 rows (experimental:
+// JAX_FLASH_CUDA_BACKWARD=sm90ws_m80 at head dim 128; the plain calls among them do, m80_call).
+bool transposed_dq_accum(const AttentionShape& shape);
+inline constexpr int64_t kTransposedDqRows = 80;
+// Whether this call runs sm90ws_m80's 80-row backward: under that family, plain calls at head
+// dim 128 that are not deterministic.
+bool m80_call(const BwdParams& params);
+
+// Elements of the accumulator in whole tiles of `rows` query rows x 128 columns per (batch, head).
+inline int64_t dq_tiles_elements(const AttentionShape& shape, int64_t rows) {
+  return shape.batch * shape.heads_q * ((shape.seq_q + rows - 1) / rows) * rows * kTiledDqColumns;
+}
 
 // Elements of the backward's float32 dQ accumulator workspace: one per element of dQ (or a whole
-// tile per (batch, head, 64-row block) with tiled_dq_accum), or none in deterministic mode (dQ
-// then comes from its own kernel, without atomics).
+// tile per (batch, head, 64-row block) with tiled_dq_accum, the larger of those and the 80-row
+// tiles' with transposed_dq_accum), or none in deterministic mode (dQ then comes from its own
+// kernel, without atomics).
 inline int64_t dq_accum_elements(const AttentionShape& shape, bool deterministic) {
   if (deterministic) return 0;
-  if (tiled_dq_accum(shape))
-    return shape.batch * shape.heads_q * ((shape.seq_q + kTiledDqRows - 1) / kTiledDqRows) * kTiledDqRows *
-           kTiledDqColumns;
-  return shape.batch * shape.heads_q * shape.seq_q * shape.head_dim;
+  int64_t elements = shape.batch * shape.heads_q * shape.seq_q * shape.head_dim;
+  if (tiled_dq_accum(shape)) elements = std::max(elements, dq_tiles_elements(shape, kTiledDqRows));
+  if (transposed_dq_accum(shape)) elements = std::max(elements, dq_tiles_elements(shape, kTransposedDqRows));
+  return elements;
 }
 
 // Forward: o and lse.
@@ -53,7 +67,8 @@ struct Sm90FwdOptions {
   // Plain differentiated calls on the 128 x 128 tiles at head dims 64 and 128 take the 16-bit P's
   // row sums from the tensor cores (flash_fwd_ws_kernel.cuh kTensorSums; off: sm90ws_alusums).
   bool tensor_sums = true;
-  // Plain calls with a 16-bit o store it by TMA (experimental: flash_fwd_ws_kernel.cuh kTmaStore).
+  // Plain calls with a 16-bit o store it by TMA (flash_fwd_ws_kernel.cuh kTmaStore; off under
+  // JAX_FLASH_CUDA_FORWARD=sm90ws_directstore).
   bool tma_store = false;
 };
 template <typename T, int kHeadDim>
@@ -67,7 +82,9 @@ cudaError_t launch_bwd_main_sm80(const BwdParams& params, cudaStream_t stream);
 // session 15, though their registers spill 40 bytes).
 // kTiledDq (experimental, head dim 128): bulk reductions of whole warpgroup parts into a dQ
 // accumulator in the fragments' order (tiled_dq_accum), converted by its own kernel.
-enum class Sm90BwdVariant { kAtomicDq, kBulkDq, kBlockM128, kTiledDq };
+// kM80 (experimental, head dim 128, plain non-deterministic calls): 80-row query blocks with dQ
+// computed transposed into the tiled hand-off (sm90/traits.cuh kDqTransposed).
+enum class Sm90BwdVariant { kAtomicDq, kBulkDq, kBlockM128, kTiledDq, kM80 };
 template <typename T, int kHeadDim>
 cudaError_t launch_bwd_main_sm90_ws(const BwdParams& params, Sm90BwdVariant variant, cudaStream_t stream);
 // The deterministic mode's dQ kernel (mma.sync on every GPU).

@@ -53,6 +53,15 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
                : "r"(address));
 }
 
+// Four 8x8 16-bit matrices stored transposed (sm_90): register i of each lane holds its
+// mma.sync fragment pair of matrix i (row lane / 4, columns 2 (lane % 4) and + 1), and lane l
+// gives the shared address where row l % 8 of matrix l / 8's transpose (its column l % 8) goes.
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t address, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(address), "r"(r[0]),
+               "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+
 __device__ __forceinline__ void st_shared_b32(uint32_t address, uint32_t value) {
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(address), "r"(value));
 }

@@ -66,6 +66,11 @@ struct TileShapes {
   // JAX_FLASH_CUDA_BACKWARD=sm90ws_tileddq (gpu/launch.h tiled_dq_accum).
   static constexpr bool kHasSm90BwdTiledDq = kHeadDim == 128;
   using Sm90BwdWsTiledDq = Sm90BwdWsTraits<kHeadDim, true, 64, kHasSm90BwdTiledDq>;
+  // Experimental (JAX_FLASH_CUDA_BACKWARD=sm90ws_m80): FlashAttention-3's non-causal backward tile
+  // at head dim 128, 80-row query blocks with dQ computed transposed into the tiled hand-off
+  // (sm90/traits.cuh kDqTransposed), for plain calls (gpu/launch.h m80_call).
+  static constexpr bool kHasSm90BwdM80 = kHeadDim == 128;
+  using Sm90BwdWsM80 = Sm90BwdWsTraits<kHeadDim, true, (kHasSm90BwdM80 ? 80 : 64), kHasSm90BwdM80>;
   // 128-row query blocks, dQ split by rows between the consumers (registers allow head dim 64
   // only), dK from registers; the default there: +8-10% over 64-row blocks with atomics
   // (cuda/PERF_NOTES.md v10), +8-10% more from dK's registers (v11).

@@ -201,6 +201,91 @@ __device__ __forceinline__ void accumulate_gradients(float (&dk)[1][Traits::kHea
   fence_registers(dq[0]);
 }
 
+// ---- 80-row visits (Traits::kDqTransposed): the dS^T buffers are query-major, [query][key].
+
+// A warp's dS^T (its 16 keys from warp_key0 x the block's queries; A fragments, as
+// accumulator_to_a packs them) into the query-major DsTile at shared address `ds_address`:
+// stmatrix .trans turns each 8 keys x 8 queries matrix into 8 query rows of one 16-byte chunk
+// (k-step kk's four: keys +0 / +8 of queries 16 kk.. and 16 kk + 8..). The 8 rows a matrix
+// writes share a chunk, which the swizzle spreads over 8 bank groups.
+template <typename Traits>
+__device__ __forceinline__ void store_query_major_ds(uint32_t ds_address,
+                                                     const uint32_t (&dst)[Traits::kBlockM / 16][1][4],
+                                                     int warp_key0, int lane) {
+  using DsTile = typename Traits::DsTile;
+  static_assert(Traits::kDqTransposed, "query-major dS^T");
+  const int matrix = lane / 8, row = lane % 8;
+  const int chunk = warp_key0 / 8 + matrix % 2;
+#pragma unroll
+  for (int kk = 0; kk < Traits::kBlockM / 16; ++kk) {
+    const int query = 16 * kk + 8 * (matrix / 2) + row;
+    stmatrix_x4_trans(ds_address + 2 * DsTile::offset(query, chunk), dst[kk][0]);
+  }
+}
+
+// A warp's part of a zero dS^T (store_query_major_ds's layout; a warpgroup whose keys the block's
+// queries do not see).
+template <typename Traits>
+__device__ __forceinline__ void store_zero_query_major_ds(uint32_t ds_address, int warp_key0, int lane) {
+  const uint32_t zeros[Traits::kBlockM / 16][1][4] = {};
+  store_query_major_ds<Traits>(ds_address, zeros, warp_key0, lane);
+}
+
+// dV += P^T dO, P^T from registers: issued and committed, not waited for.
+template <typename Traits, typename T>
+__device__ __forceinline__ void issue_value_gradient(float (&dv)[1][Traits::kHeadDim / 8][4],
+                                                     uint32_t (&pt)[Traits::kBlockM / 16][1][4], uint32_t do_address) {
+  using QTile = typename Traits::QTile;
+  const uint64_t do_desc = QTile::n_major(do_address, 0);
+  fence_registers(dv[0]);
+#pragma unroll
+  for (int kk = 0; kk < Traits::kBlockM / 16; ++kk) fence_registers(pt[kk]);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < Traits::kBlockM / 16; ++kk)
+    Wgmma<T, Traits::kHeadDim>::rs_b_transposed(dv[0], pt[kk][0], QTile::n_major_from(do_desc, kk), true);
+  wgmma_commit();
+}
+
+// dK += dS^T Q for warpgroup `group`'s keys, dS^T read M-major from the query-major tile (its
+// keys are the tile's 64-column block `group`): issued and committed, not waited for.
+template <typename Traits, typename T>
+__device__ __forceinline__ void issue_key_gradient_from_query_major(float (&dk)[1][Traits::kHeadDim / 8][4],
+                                                                    uint32_t ds_address, uint32_t q_address,
+                                                                    int group) {
+  using QTile = typename Traits::QTile;
+  using DsTile = typename Traits::DsTile;
+  const uint64_t ds_desc = DsTile::n_major(ds_address + group * DsTile::kBlockBytes, 0);
+  const uint64_t q_desc = QTile::n_major(q_address, 0);
+  fence_registers(dk[0]);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < Traits::kBlockM / 16; ++kk)
+    Wgmma<T, Traits::kHeadDim>::ss_transposed(dk[0], DsTile::n_major_from(ds_desc, kk), QTile::n_major_from(q_desc, kk),
+                                              true);
+  wgmma_commit();
+}
+
+// dQ^T = K^T dS^T for warpgroup `group`'s head-dim rows 64 g .. 64 g + 63 and every query of the
+// block: A = K^T M-major (K's 64-column block g), B = dS^T K-major (the query-major tile's rows
+// are B's N); issued and committed, not waited for. Fragment (j, e) of a thread is head-dim row
+// 64 g + 16 (warp % 4) + lane / 4 (+ 8 for e >= 2), query 8 j + 2 (lane % 4) + e % 2.
+template <typename Traits, typename T>
+__device__ __forceinline__ void issue_transposed_query_gradient(float (&dqt)[1][Traits::kBlockM / 8][4],
+                                                                uint32_t ds_address, uint32_t k_address, int group) {
+  using KVTile = typename Traits::KVTile;
+  using DsTile = typename Traits::DsTile;
+  const uint64_t k_desc = made_here(KVTile::n_major(k_address + group * KVTile::kBlockBytes, 0));
+  const uint64_t ds_desc = DsTile::k_major(ds_address, 0, 0);
+  fence_registers(dqt[0]);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < Traits::kBlockN / 16; ++kk)
+    Wgmma<T, Traits::kBlockM>::ss_a_transposed(dqt[0], KVTile::n_major_from(k_desc, kk),
+                                               DsTile::k_major_from(ds_desc, 0, kk), kk > 0);
+  wgmma_commit();
+}
+
 // Adds a warp's part of dQ (rows 16 (warp % 4) .. of warpgroup `group`'s 64 query rows with
 // kDqByRows, else of the query block; warpgroup `group`'s 64 columns without) of the query block
 // from m0 of head h to the float32 accumulator.

@@ -11,16 +11,30 @@ namespace jax_flash::cuda {
 
 namespace {
 
+// The call's parameters with the TMA descriptors of q, k, v and dO for Traits' blocks.
+template <typename Traits>
+cudaError_t tma_params(const BwdParams& p, BwdTmaParams* params) {
+  const AttentionShape& s = p.shape;
+  params->p = p;
+  if (cudaError_t e = make_qkv_tensor_maps(p, Traits::kBlockM, Traits::kBlockN, &params->q, &params->k, &params->v))
+    return e;
+  return make_head_tensor_map(&params->d_o, p.d_o, p.dtype, s.batch, s.seq_q, s.heads_q, s.head_dim, Traits::kBlockM);
+}
+
+// Tiles that run plain non-deterministic calls only (sm90ws_m80's; gpu/launch.h m80_call).
+template <typename Traits, typename T>
+cudaError_t launch_plain(const BwdParams& p, cudaStream_t stream) {
+  BwdTmaParams params;
+  if (cudaError_t e = tma_params<Traits>(p, &params)) return e;
+  return launch_with_smem(flash_bwd_sm90_ws_kernel<Traits, T, false, false>, key_block_grid<Traits>(p.shape),
+                          Traits::kThreads, Traits::kSmemBytes, stream, params);
+}
+
 template <typename Traits, typename T>
 cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
   const AttentionShape& s = p.shape;
   BwdTmaParams params;
-  params.p = p;
-  if (cudaError_t e = make_qkv_tensor_maps(p, Traits::kBlockM, Traits::kBlockN, &params.q, &params.k, &params.v))
-    return e;
-  if (cudaError_t e = make_head_tensor_map(&params.d_o, p.d_o, p.dtype, s.batch, s.seq_q, s.heads_q, s.head_dim,
-                                           Traits::kBlockM))
-    return e;
+  if (cudaError_t e = tma_params<Traits>(p, &params)) return e;
   // The run-time switches as template constants.
   auto kernel = p.deterministic ? flash_bwd_sm90_ws_kernel<Traits, T, true, false>
                                 : flash_bwd_sm90_ws_kernel<Traits, T, false, false>;
@@ -52,6 +66,11 @@ cudaError_t launch_bwd_main_sm90_ws(const BwdParams& p, Sm90BwdVariant variant, 
     // kernel's visits: a query block of every head-dim column.
     static_assert(Tiled::kBlockM == kTiledDqRows && Tiled::kHeadDim == kTiledDqColumns, "tiled dQ geometry");
     if (variant == Sm90BwdVariant::kTiledDq) return launch<Tiled, T>(p, stream);
+  }
+  if constexpr (TileShapes<kHeadDim>::kHasSm90BwdM80) {
+    using M80 = typename TileShapes<kHeadDim>::Sm90BwdWsM80;
+    static_assert(M80::kBlockM == kTransposedDqRows && M80::kHeadDim == kTiledDqColumns, "transposed dQ geometry");
+    if (variant == Sm90BwdVariant::kM80) return launch_plain<M80, T>(p, stream);
   }
   if constexpr (TileShapes<kHeadDim>::kHasSm90BwdBlockM128)
     if (variant == Sm90BwdVariant::kBlockM128)

@@ -17,6 +17,8 @@
 //   with atomics, and the producer's second warp adds the tile's rows to the accumulator with
 //   bulk reductions (cp.reduce.async.bulk), FlashAttention-3's way of keeping the atomics and
 //   their addresses off the math warps.
+//   With 80-row visits (Traits::kDqTransposed, experimental) dS^T is stored query-major and the
+//   consumers compute dQ^T = K^T dS^T (wgmma's M is 64), handed off in tiles as at head dim 128.
 //
 // The prepare and convert kernels around it are shared with the sm80 family (gpu/launch.cu).
 #pragma once
@@ -323,8 +325,37 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // stage is released (Q, dO, lse and delta no longer read by this warp) and dQ added to the
     // float32 accumulator.
     const bool dq_here = !kDeterministic && (Traits::kDqByRows || kD == 128 || group == 0);
-    float dq[1][8][4];
-    if constexpr (Traits::kDkFromRegisters) {
+    // dQ's fragments: 64 rows or columns x 64, or (kDqTransposed) dQ^T's 64 head-dim rows x the
+    // block's queries.
+    constexpr int kDqTiles = Traits::kDqTransposed ? kBM / 8 : 8;
+    float dq[1][kDqTiles][4];
+    if constexpr (Traits::kDqTransposed) {
+      // 80-row visits: dS^T stored query-major (stmatrix), then after the barrier dV (P^T from
+      // registers), then dK (dS^T from the tile) in flight beside dQ^T. (dV in flight beside dK,
+      // or across the barrier, made ptxas serialise the products, C7512.)
+      if (group_live) {
+        uint32_t dst[kBM / 16][1][4];
+        accumulator_to_a<T>(dst, dpt);
+        store_query_major_ds<Traits>(ds_address, dst, warp_key0, lane);
+      } else {
+        store_zero_query_major_ds<Traits>(ds_address, warp_key0, lane);
+      }
+      fence_proxy_async();
+      consumers_sync();  // both warpgroups' dS^T are in
+      if (group_live) {
+        uint32_t pt[kBM / 16][1][4];
+        accumulator_to_a<T>(pt, st);
+        issue_value_gradient<Traits, T>(dv, pt, do_address);
+        wgmma_wait<0>();
+        fence_registers(dv[0]);
+        issue_key_gradient_from_query_major<Traits, T>(dk, ds_address, q_address, group);
+      }
+      if (dq_here) issue_transposed_query_gradient<Traits, T>(dq, ds_address, k_address, group);
+      wgmma_wait<0>();
+      fence_registers(dq[0]);
+      fence_registers(dv[0]);
+      fence_registers(dk[0]);
+    } else if constexpr (Traits::kDkFromRegisters) {
       // dV and dK from registers (128-row visits) are issued before the barrier: they run while
       // this warpgroup waits for the other's dS^T.
       uint32_t pt[kBM / 16][1][4], dst[kBM / 16][1][4];
@@ -367,13 +398,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         Mbarrier(&bars.dq_empty[group]).wait((it & 1) ^ 1);
         float4* part = reinterpret_cast<float4*>(smem.dq + group * Traits::kDqPartFloats) + (ctid % 128);
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
+        for (int nt = 0; nt < kDqTiles; ++nt)
           part[nt * 128] = make_float4(dq[0][nt][0], dq[0][nt][1], dq[0][nt][2], dq[0][nt][3]);
         fence_proxy_async();  // the bulk reductions read through the async proxy
         __syncwarp();
         if (lane == 0) Mbarrier(&bars.dq_full[group]).arrive();
       }
     } else if constexpr (Traits::kBulkDq) {
+      static_assert(kDqTiles == 8, "64 columns of dQ a warpgroup");
       if (dq_here) {  // the tile, once the writer has read the last visit's
         Mbarrier(&bars.dq_empty[0]).wait((it & 1) ^ 1);
         const int row = warp % 4 * 16 + lane / 4, col = group * 64 + (lane % 4) * 2;
@@ -388,6 +420,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (lane == 0) Mbarrier(&bars.dq_full[0]).arrive();
       }
     } else if (dq_here) {
+      static_assert(kDqTiles == 8, "64 columns of dQ a warpgroup");
       add_dq<Traits::kDqByRows>(p, task, dq, m0, visit.h, group, warp, lane);
     }
   }

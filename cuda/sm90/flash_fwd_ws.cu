@@ -44,7 +44,7 @@ cudaError_t launch(const FwdParams& p, const Sm90FwdOptions& options, cudaStream
     if constexpr (Traits::kHeadDim == 64 || Traits::kHeadDim == 128)
       if (plain_block_walk_suffices(p)) kernel = flash_fwd_sm90_ws_kernel<Traits, T, false, true>;
   }
-  // Experimental (sm90ws_tmastore): plain calls with a 16-bit o store it by TMA from shared memory.
+  // Plain calls with a 16-bit o store it by TMA from shared memory (not under sm90ws_directstore).
   int smem_bytes = Traits::kSmemBytes;
   if constexpr (Traits::kTmaStoreFits && (Traits::kHeadDim == 64 || Traits::kHeadDim == 128))
     if (options.tma_store && !p.for_backward() && !general_kernel(p)) {

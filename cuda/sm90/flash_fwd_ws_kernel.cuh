@@ -86,9 +86,9 @@ struct FwdWsBarriers {
 // ones beside each P V (sm90/fwd_gemms.cuh issue_output), instead of the softmax's unpacking and
 // adding of every P (OnlineSoftmax::add_rounded_sums: about a quarter of the consumers'
 // instructions a block). The same float32 sums of the same 16-bit values, in another order.
-// kTmaStore (experimental, JAX_FLASH_CUDA_FORWARD=sm90ws_tmastore; plain calls with a 16-bit o,
-// head dims up to 128): each consumer warpgroup writes its normalised O rows to the O tile in
-// shared memory and one of its threads stores them by TMA (FlashAttention-3's epilogue), instead
+// kTmaStore (plain calls with a 16-bit o at head dims 64 and 128, unless
+// JAX_FLASH_CUDA_FORWARD=sm90ws_directstore; +4-7% on the inference forward): each consumer
+// warpgroup writes its normalised O rows to the O tile in shared memory and one of its threads stores them by TMA (FlashAttention-3's epilogue), instead
 // of every thread storing 4-byte pairs to global memory; the warpgroup goes on to its next tile
 // while the copy runs.
 template <typename Traits, typename T, bool kGeneral, bool kBlockWalk = false, bool kTensorSums = false,

@@ -2,6 +2,8 @@
 // sizes of gpu/tile_shapes.cuh.
 #pragma once
 
+#include <type_traits>
+
 #include "sm90/gmma_tile.cuh"
 
 namespace jax_flash::cuda {
@@ -65,17 +67,24 @@ struct Sm90FwdWsTraits {
 // adds a warpgroup's part with ONE 16 KiB bulk reduction (instead of a 512-byte one a row, 64
 // a visit), each warpgroup with its own full/empty barriers; the convert kernel reorders
 // (gpu/bwd_postprocess.cuh flash_bwd_convert_tiled_dq_kernel).
+// kDqTransposed (80-row visits, experimental: JAX_FLASH_CUDA_BACKWARD=sm90ws_m80, FlashAttention-3's
+// non-causal tile at head dim 128): 25% fewer visits per product than 64 rows. wgmma's M is 64,
+// so dQ is computed transposed, dQ^T = K^T dS^T (each warpgroup 64 head-dim rows x 80 queries),
+// which reads dS^T as a K-major B: the dS^T buffers are query-major, [query][key] (stmatrix
+// .trans from the fragments), and dK += dS^T Q reads them M-major. The tiled hand-off then holds
+// dQ^T fragments (gpu/bwd_postprocess.cuh flash_bwd_convert_transposed_dq_kernel).
 template <int kHeadDim_, bool kBulkDq_ = false, int kBlockM_ = 64, bool kTiledDq_ = false>
 struct Sm90BwdWsTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kBulkDq = kBulkDq_;
   static constexpr bool kTiledDq = kTiledDq_;
-  static_assert(!kTiledDq || (kBulkDq && kHeadDim_ == 128 && kBlockM_ == 64),
-                "tiled dQ: bulk reductions, head dim 128, 64-row visits");
+  static constexpr bool kDqTransposed = kBlockM_ == 80;
+  static_assert(!kTiledDq || (kBulkDq && kHeadDim_ == 128 && (kBlockM_ == 64 || kBlockM_ == 80)),
+                "tiled dQ: bulk reductions, head dim 128, 64- or 80-row visits");
   static constexpr int kBlockM = kBlockM_;  // query rows per visit
   static constexpr bool kDkFromRegisters = kBlockM == 128;
-  static_assert(kBlockM == 64 || (kBlockM == 128 && kHeadDim == 64 && !kBulkDq),
-                "128-row visits at head dim 64 only, with dQ by atomics");
+  static_assert(kBlockM == 64 || (kBlockM == 128 && kHeadDim == 64 && !kBulkDq) || (kDqTransposed && kTiledDq),
+                "128-row visits at head dim 64 only, with dQ by atomics; 80-row ones with the tiled dQ");
   // Each warpgroup computes dQ for its 64 query rows (128-row visits), else for 64 of the head
   // dim's columns (warpgroup 0 alone at head dim 64).
   static constexpr bool kDqByRows = kBlockM == 128;
@@ -94,13 +103,15 @@ struct Sm90BwdWsTraits {
                 "registers past the launch allocation");
   using KVTile = GmmaTile<kBlockN, kHeadDim>;
   using QTile = GmmaTile<kBlockM, kHeadDim>;
-  using DsTile = GmmaTile<kBlockN, kBlockM>;  // dS^T: [key][query]
+  // dS^T: [key][query], or [query][key] (kDqTransposed)
+  using DsTile = std::conditional_t<kDqTransposed, GmmaTile<kBlockM, kBlockN>, GmmaTile<kBlockN, kBlockM>>;
   // Row stride (floats) of the dQ tile: 16-byte rows for the bulk copies, 8 banks apart, so
   // that a half-warp's float2 stores (4 rows x 4 column pairs) meet 32 distinct banks (4 apart
   // made rows r and r + 1 share 4 banks: the hd128 profile counted 34M conflicts on 87M
   // store wavefronts).
   static constexpr int kDqRowStride = kTiledDq ? kHeadDim : kHeadDim + 8;
-  // Floats of one warpgroup's part of the tiled dQ tile (kTiledDq).
+  // Floats of one warpgroup's part of the tiled dQ tile (kTiledDq): 64 rows x its 64 columns, or
+  // (kDqTransposed) its 64 head-dim rows of dQ^T x the block's queries.
   static constexpr int kDqPartFloats = kBlockM * kHeadDim / 2;
   // K, V; kStages of Q and of dO; two dS^T; kStages of the block's lse (log2 units) and delta;
   // the dQ tile (kBulkDq); 1 KiB to align the base.

@@ -170,6 +170,11 @@ struct Wgmma;
                                                          uint64_t b_desc, bool accumulate) {      \
       ss_layout<1, 1>(d, a_desc, b_desc, accumulate);                                               \
     }                                                                                               \
+    /* A M-major, B K-major. */                                                                     \
+    __device__ __forceinline__ static void ss_a_transposed(float (&d)[N / 8][4], uint64_t a_desc,   \
+                                                           uint64_t b_desc, bool accumulate) {    \
+      ss_layout<1, 0>(d, a_desc, b_desc, accumulate);                                               \
+    }                                                                                               \
     /* A K-major, B N-major. */                                                                     \
     __device__ __forceinline__ static void ss_b_transposed(float (&d)[N / 8][4], uint64_t a_desc,   \
                                                            uint64_t b_desc, bool accumulate) {    \
