@@ -49,7 +49,15 @@ struct BwdTmaParams {
   CUtensorMap q, k, v, d_o;
 };
 
-// Shared memory of a warp-specialised backward CTA, from a 1 KiB boundary.
+template <int kStages>
+struct BwdWsBarriers {
+  uint64_t kv_full, full[kStages], empty[kStages];
+  uint64_t dq_full[2], dq_empty[2];  // the dQ tile (Traits::kBulkDq; one pair a warpgroup with kTiledDq)
+};
+
+// Shared memory of a warp-specialised backward CTA, from a 1 KiB boundary. The barriers are in
+// it too, last: a static __shared__ beside the 1 KiB-aligned dynamic part took 1 KiB, which the
+// 80-row visits' 226.3 KiB do not leave (227 KiB in all).
 template <typename Traits, typename T>
 struct Sm90BwdWsSmem {
   T* k;
@@ -60,6 +68,8 @@ struct Sm90BwdWsSmem {
   float* lse2;   // kStages x kBlockM
   float* delta;  // kStages x kBlockM
   float* dq;     // kBlockM x kDqRowStride (kBulkDq)
+  BwdWsBarriers<Traits::kStages>* bars;
+  static_assert(sizeof(BwdWsBarriers<Traits::kStages>) <= Traits::kBarrierBytes, "the barriers' bytes");
   __device__ explicit Sm90BwdWsSmem(unsigned char* raw) {
     k = first_tile_boundary<T>(raw);
     v = k + Traits::KVTile::kElements;
@@ -69,16 +79,11 @@ struct Sm90BwdWsSmem {
     lse2 = reinterpret_cast<float*>(ds + 2 * Traits::DsTile::kElements);
     delta = lse2 + Traits::kStages * Traits::kBlockM;
     dq = delta + Traits::kStages * Traits::kBlockM;
+    bars = reinterpret_cast<BwdWsBarriers<Traits::kStages>*>(dq + (Traits::kBulkDq ? Traits::kBlockM * Traits::kDqRowStride : 0));
   }
   __device__ T* q_stage(int stage) const { return q + stage * Traits::QTile::kElements; }
   __device__ T* d_o_stage(int stage) const { return d_o + stage * Traits::QTile::kElements; }
   __device__ T* ds_buffer(int i) const { return ds + i * Traits::DsTile::kElements; }
-};
-
-template <int kStages>
-struct BwdWsBarriers {
-  uint64_t kv_full, full[kStages], empty[kStages];
-  uint64_t dq_full[2], dq_empty[2];  // the dQ tile (Traits::kBulkDq; one pair a warpgroup with kTiledDq)
 };
 
 // kDeterministic: p.deterministic as a constant (dQ is then left to its own kernel). Whether a
@@ -105,8 +110,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   using DsTile = typename Traits::DsTile;
   const BwdParams& p = params.p;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  __shared__ BwdWsBarriers<kStages> bars;
   const Sm90BwdWsSmem<Traits, T> smem(smem_raw);
+  BwdWsBarriers<kStages>& bars = *smem.bars;
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   if (threadIdx.x == 0) {

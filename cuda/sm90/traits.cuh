@@ -114,9 +114,11 @@ struct Sm90BwdWsTraits {
   // (kDqTransposed) its 64 head-dim rows of dQ^T x the block's queries.
   static constexpr int kDqPartFloats = kBlockM * kHeadDim / 2;
   // K, V; kStages of Q and of dO; two dS^T; kStages of the block's lse (log2 units) and delta;
-  // the dQ tile (kBulkDq); 1 KiB to align the base.
+  // the dQ tile (kBulkDq); the barriers; 1 KiB to align the base.
+  static constexpr int kBarrierBytes = 128;
   static constexpr int kSmemBytes = 2 * (2 * KVTile::kElements + 2 * kStages * QTile::kElements + 2 * DsTile::kElements) +
-                                    2 * kStages * kBlockM * 4 + (kBulkDq ? kBlockM * kDqRowStride * 4 : 0) + 1024;
+                                    2 * kStages * kBlockM * 4 + (kBulkDq ? kBlockM * kDqRowStride * 4 : 0) +
+                                    kBarrierBytes + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
   static_assert(kHeadDim == 64 || kHeadDim == 128, "wgmma shapes are instantiated for N = 64, 128");
 };
