@@ -43,6 +43,11 @@ LARGE = [
       kv_lens=(700, 1, 350, 700, 129, 700, 64, 700)),
     C(batch=16, seq_q=512, seq_k=512, heads_q=8, heads_k=8, head_dim=128, dtype="float16",
       local_window_size=(100, 20)),
+    # Plain non-causal calls at head dim 128 whose query blocks of 64 and of 80 rows (the
+    # backward's, sm90ws_m80's) both end partly filled: GQA, T != S, a partial key block; lengths.
+    C(batch=2, seq_q=1000, seq_k=1100, heads_q=8, heads_k=2, head_dim=128, dtype="bfloat16"),
+    C(batch=2, seq_q=333, seq_k=333, heads_q=4, heads_k=4, head_dim=128, dtype="float16",
+      q_lens=(333, 170), kv_lens=(333, 81)),
     # decode steps: the split-KV program (pack-GQA, key chunks, the combine) around the forward
     C(batch=4, seq_q=1, seq_k=8192, heads_q=32, heads_k=8, head_dim=128, dtype="bfloat16",
       kv_lens=(8192, 5000, 1, 0)),
