@@ -502,6 +502,15 @@ def score_variant_references(case: Case, inputs, vis, **variant) -> tuple[dict, 
   return ref32, refd
 
 
+def check_score_variant_output(out: np.ndarray, ref32: dict, refd: dict, live: np.ndarray) -> None:
+  """An inference call's output (no residual: the kernels' 16-bit o) within the rule of the
+  references' on the live rows (`live` (..., T) bool); finite; exact zeros on the others."""
+  out = np.asarray(out, np.float64)
+  assert np.all(np.isfinite(out))
+  assert_within_rule("out", out, ref32["out"], refd["out"], live[..., None, None])
+  assert np.all(out[np.broadcast_to(~live[..., None, None], out.shape)] == 0)
+
+
 def check_score_variant(got: dict, ref32: dict, refd: dict, live: np.ndarray) -> None:
   """got (outputs_and_grads of a return_residual call) within the rule of the references on the
   live rows (`live` (..., T) bool); finite; exact zeros and EMPTY_ROW_LSE on the others."""

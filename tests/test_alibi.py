@@ -25,8 +25,9 @@ import pytest
 import jax_flash
 from jax_flash import _dispatch, _ops
 from jax_flash._reference import EMPTY_ROW_LSE
-from tests.attention_testing import (Case, F32, check_score_variant, outputs_and_grads,
-                                     packed_segment_ids, score_variant_references, visible_keys)
+from tests.attention_testing import (Case, F32, check_score_variant, check_score_variant_output,
+                                     outputs_and_grads, packed_segment_ids, score_variant_references,
+                                     visible_keys)
 
 IMPLEMENTATIONS = ["cpu", "blockwise", "xla"]
 
@@ -262,6 +263,22 @@ CUDA_CASES = [
 @pytest.mark.parametrize("ac", CUDA_CASES, ids=[c.id for c in CUDA_CASES])
 def test_cuda_against_reference(ac):
   check(ac, run(ac, "cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ac", [c for c in CUDA_CASES if c.case.head_dim in (64, 128)],
+                         ids=[c.id for c in CUDA_CASES if c.case.head_dim in (64, 128)])
+def test_cuda_inference_forward_against_reference(ac):
+  """The inference forward with slopes (no residual: a 16-bit o stored by TMA on Hopper at head
+  dims 64 and 128) within the rule; rows without keys exactly 0."""
+  q, k, v, _, slopes, ids = ac.inputs()
+  opts = ac.case.options()
+  if ids is not None:
+    opts.update(q_segment_ids=ids, kv_segment_ids=ids)
+  out = jax.jit(lambda q, k, v: jax_flash.dot_product_attention(
+      q, k, v, implementation="cuda", alibi_slopes=slopes, logits_soft_cap=ac.cap, **opts))(q, k, v)
+  ref32, refd = references(ac)
+  check_score_variant_output(out, ref32, refd, _live(ac))
 
 
 def test_vmap():

@@ -31,26 +31,36 @@ cudaError_t launch(const FwdParams& p, const Sm90FwdOptions& options, cudaStream
   auto kernel = flash_fwd_sm90_ws_kernel<Traits, T, false>;
   // (The 128 x 128 tiles at head dims 64 and 128 only: compile time, and the wide tiles' registers:
   // at key blocks of 176 ptxas serialises the products, C7512.)
-  if constexpr ((Traits::kHeadDim == 64 || Traits::kHeadDim == 128) && Traits::kBlockN == 128 && Traits::kConsumers == 2)
-    if (options.tensor_sums && p.for_backward()) kernel = flash_fwd_sm90_ws_kernel<Traits, T, false, false, true>;
+  constexpr bool kSumTiles =
+      (Traits::kHeadDim == 64 || Traits::kHeadDim == 128) && Traits::kBlockN == 128 && Traits::kConsumers == 2;
+  const bool tensor_sums = options.tensor_sums && p.for_backward();
+  if constexpr (kSumTiles)
+    if (tensor_sums) kernel = flash_fwd_sm90_ws_kernel<Traits, T, false, false, true>;
   // Tiles that straddle the block mask's blocks (sm90ws_wide's): the plain calls only.
   if constexpr (kBlockMaskKeys % Traits::kBlockN == 0 && kBlockMaskRows % Traits::kBlockM == 0) {
-    if (general_kernel(p))
+    if (general_kernel(p)) {
       kernel = general_ids(p) ? flash_fwd_sm90_ws_kernel<Traits, T, true>
                               : flash_fwd_sm90_ws_kernel<Traits, T, true, false, false, false>;
+      // A soft cap or ALiBi alone takes the tensor-core sums too (the softmax's own sums are
+      // about a quarter of the consumers' instructions, and the capped forward is bound by them).
+      if constexpr (kSumTiles)
+        if (tensor_sums && !general_ids(p)) kernel = flash_fwd_sm90_ws_kernel<Traits, T, true, false, true, false>;
+    }
     // Block-sparse calls with nothing else of the general kernels: the plain kernel with the
     // block walk (head dims 64 and 128 only: compile time; 1.19-1.20x the general kernel's
     // block-sparse forward at seq 8192 hd128, cuda/PERF_NOTES.md v17).
     if constexpr (Traits::kHeadDim == 64 || Traits::kHeadDim == 128)
       if (plain_block_walk_suffices(p)) kernel = flash_fwd_sm90_ws_kernel<Traits, T, false, true>;
   }
-  // Plain calls with a 16-bit o store it by TMA from shared memory (not under sm90ws_directstore).
+  // Plain calls with a 16-bit o store it by TMA from shared memory (not under sm90ws_directstore),
+  // and so do those with a soft cap or ALiBi alone.
   int smem_bytes = Traits::kSmemBytes;
   if constexpr (Traits::kTmaStoreFits && (Traits::kHeadDim == 64 || Traits::kHeadDim == 128))
-    if (options.tma_store && !p.for_backward() && !general_kernel(p)) {
+    if (options.tma_store && !p.for_backward() && (!general_kernel(p) || !general_ids(p))) {
       if (cudaError_t e = make_head_tensor_map(&params.o, p.o, p.dtype, s.batch, s.seq_q, s.heads_q, s.head_dim, 64))
         return e;
-      kernel = flash_fwd_sm90_ws_kernel<Traits, T, false, false, false, false, true>;
+      kernel = general_kernel(p) ? flash_fwd_sm90_ws_kernel<Traits, T, true, false, false, false, true>
+                                 : flash_fwd_sm90_ws_kernel<Traits, T, false, false, false, false, true>;
       smem_bytes = Traits::kSmemBytesTmaStore;
     }
   return launch_with_smem(kernel, dim3(static_cast<unsigned>(ctas)), Traits::kThreads, smem_bytes, stream, params);
