@@ -15,7 +15,7 @@
 // a column of ones) on the 128 x 128 tiles at head dims 64 and 128 (+0.9-2.4% fwd+bwd at hd128,
 // session 18), sm90ws_alusums from the softmax's own unpacking and adding, as before;
 // sm90ws stores a plain call's 16-bit O by TMA from shared memory at head dims 64 and 128
-// (FlashAttention-3's epilogue; +4-7% on the inference forward, sessions 20-21),
+// (FlashAttention-3's epilogue; +1-7% on the inference forward, session 21),
 // sm90ws_directstore by every thread's 4-byte stores, as before. The
 // backward's sm90ws runs the variant measured fastest for the head dim (TileShapes:
 // 128-row query blocks with dK from registers at head dim 64, dQ added as FlashAttention-3 does at

@@ -80,17 +80,18 @@ struct FwdWsBarriers {
 // kBlockWalk: the plain kernel walking a block mask's live key blocks (gpu/block_sparse.cuh), for
 // block-sparse calls that need nothing else of the general kernels (plain_block_walk_suffices: no
 // score modification, ids or window).
-// kTensorSums (the default for plain differentiated calls on the 128 x 128 tiles at head dims 64
-// and 128; JAX_FLASH_CUDA_FORWARD=sm90ws_alusums turns it off):
-// the sums of the 16-bit P that O is normalised by come from the tensor cores, P times a column of
-// ones beside each P V (sm90/fwd_gemms.cuh issue_output), instead of the softmax's unpacking and
-// adding of every P (OnlineSoftmax::add_rounded_sums: about a quarter of the consumers'
-// instructions a block). The same float32 sums of the same 16-bit values, in another order.
-// kTmaStore (plain calls with a 16-bit o at head dims 64 and 128, unless
-// JAX_FLASH_CUDA_FORWARD=sm90ws_directstore; +4-7% on the inference forward): each consumer
-// warpgroup writes its normalised O rows to the O tile in shared memory and one of its threads stores them by TMA (FlashAttention-3's epilogue), instead
-// of every thread storing 4-byte pairs to global memory; the warpgroup goes on to its next tile
-// while the copy runs.
+// kTensorSums (the default for differentiated calls on the 128 x 128 tiles at head dims 64 and
+// 128, plain or with a soft cap or ALiBi alone; JAX_FLASH_CUDA_FORWARD=sm90ws_alusums turns it
+// off): the sums of the 16-bit P that O is normalised by come from the tensor cores, P times a
+// column of ones beside each P V (sm90/fwd_gemms.cuh issue_output), instead of the softmax's
+// unpacking and adding of every P (OnlineSoftmax::add_rounded_sums: about a quarter of the
+// consumers' instructions a block). The same float32 sums of the same 16-bit values, in another
+// order.
+// kTmaStore (inference calls at head dims 64 and 128, plain or with a soft cap or ALiBi alone,
+// unless JAX_FLASH_CUDA_FORWARD=sm90ws_directstore; +1-7% on the plain forward, session 21):
+// each consumer warpgroup writes its normalised O rows to the O tile in shared memory and one of
+// its threads stores them by TMA (FlashAttention-3's epilogue), instead of every thread storing
+// 4-byte pairs to global memory; the warpgroup goes on to its next tile while the copy runs.
 template <typename Traits, typename T, bool kGeneral, bool kBlockWalk = false, bool kTensorSums = false,
           bool kIds = kGeneral, bool kTmaStore = false>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
