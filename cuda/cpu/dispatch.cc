@@ -55,6 +55,13 @@ bool cpu_has_avx512_bf16() {
   return __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && (eax & (1u << 5));
 }
 
+// Whether avx512_bf16's bfloat16 products (vdpbf16ps: two products a lane) outrun avx512's
+// float32 ones on bfloat16 inputs: on AMD's AVX-512 cores (Zen 4 and 5) vdpbf16ps issues at the
+// float32 FMA's rate, so it does twice the products. Session 21, a 2-core Zen 4 EPYC, bf16
+// inputs beside avx512 (PERF_NOTES CPU v3.4): fwd 1.5-2.0x, fwd+bwd 1.2-1.4x. On the one Intel
+// CPU measured (an AMX Xeon, its tiles unused) it was slower (PERF_NOTES CPU v3).
+bool bf16_products_preferred() { return cpu_has_avx512_bf16() && __builtin_cpu_is("amd"); }
+
 // Whether this process may run the avx512_amx variant: the CPU has AMX tiles with bfloat16
 // products (and avx512_bf16, for the conversions beside them), the OS saves the tile state
 // (XCR0 bits 17-18), and Linux granted this process the tile data (ARCH_REQ_XCOMP_PERM; without
@@ -90,16 +97,20 @@ int supported_variants(Variant* out) {
       out[n++] = {"avx512_amx", avx512_amx::flash_fwd, avx512_amx::flash_bwd, avx512_amx::fma_loop,
                   avx512_amx::fma_loop_flops_per_iter};
 #endif
+#if JF_HAVE_BF16_VARIANTS
+    // avx512_bf16 above avx512 where its products are the faster (bf16_products_preferred: AMD),
+    // else below it, so that only JAX_FLASH_CPU_ISA picks it: on an AMX Xeon, its tiles unused,
+    // its bfloat16 kernels ran at fwd+bwd 156-186 GFLOP/s, avx512's (converting to float32) at
+    // 227-268 (PERF_NOTES CPU v3). Its float32 kernels are avx512's.
+    const Variant bf16 = {"avx512_bf16", avx512_bf16::flash_fwd, avx512_bf16::flash_bwd, avx512_bf16::fma_loop,
+                          avx512_bf16::fma_loop_flops_per_iter};
+    static const bool bf16_first = bf16_products_preferred();
+    if (bf16_first) out[n++] = bf16;
+#endif
     out[n++] = {"avx512", avx512::flash_fwd, avx512::flash_bwd, avx512::fma_loop,
                 avx512::fma_loop_flops_per_iter};
 #if JF_HAVE_BF16_VARIANTS
-    // Ranked below avx512, so only JAX_FLASH_CPU_ISA picks it: on the one CPU measured (an AMX
-    // Xeon, its tiles unused) its bfloat16 kernels ran at fwd+bwd 156-186 GFLOP/s, avx512's
-    // (converting to float32) at 227-268 (PERF_NOTES CPU v3). Where vdpbf16ps has twice the float32 FMA rate
-    // (AMD Zen 4/5) it may win: unmeasured.
-    if (cpu_has_avx512_bf16())
-      out[n++] = {"avx512_bf16", avx512_bf16::flash_fwd, avx512_bf16::flash_bwd,
-                  avx512_bf16::fma_loop, avx512_bf16::fma_loop_flops_per_iter};
+    if (!bf16_first && cpu_has_avx512_bf16()) out[n++] = bf16;
 #endif
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
@@ -128,13 +139,14 @@ const Variant& variant() {
   return v;
 }
 
-// Narrow calls (common/mask.h narrow_shape) never take avx512_amx's 16-bit products of P and dS
-// but avx512's float32 ones: on rows of a few keys the rounding of P and dS put dq/dk past the
-// accuracy rule (issue 13; the seed-0 differential run's [1084], rows of one key at head dim 256,
-// bfloat16: dq and dk at 2.63x the bound on avx512_amx, within it on avx512).
+// Narrow calls (common/mask.h narrow_shape) never take the 16-bit products of P and dS
+// (avx512_amx's tiles, avx512_bf16's vdpbf16ps: the same rounding) but avx512's float32 ones: on
+// rows of a few keys the rounding of P and dS put dq/dk past the accuracy rule (issue 13; the
+// seed-0 differential run's [1084], rows of one key at head dim 256, bfloat16: dq and dk at
+// 2.63x the bound on avx512_amx, within it on avx512).
 Variant detect_for_narrow_calls() {
   const Variant& chosen = variant();
-  if (std::strcmp(chosen.name, "avx512_amx") != 0) return chosen;
+  if (std::strcmp(chosen.name, "avx512_amx") != 0 && std::strcmp(chosen.name, "avx512_bf16") != 0) return chosen;
   Variant variants[5];
   const int n = supported_variants(variants);
   for (int i = 0; i < n; ++i)
