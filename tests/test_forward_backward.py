@@ -210,6 +210,41 @@ def test_other_cpu_kernel_variants(isa):
   assert result.stdout.strip().endswith("ok")
 
 
+def _cpu_flags() -> tuple[str, set[str]]:
+  """(vendor id, flags) of the first CPU in /proc/cpuinfo; ("", set()) where there is none."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      text = f.read()
+  except OSError:
+    return "", set()
+  fields = dict(line.split(":", 1) for line in text.split("\n\n")[0].splitlines() if ":" in line)
+  fields = {k.strip(): v.strip() for k, v in fields.items()}
+  return fields.get("vendor_id", ""), set(fields.get("flags", "").split())
+
+
+def test_default_cpu_kernel_variant_follows_the_cpu():
+  """Without JAX_FLASH_CPU_ISA the best variant runs: avx512_amx where the tiles are usable, on
+  AMD's AVX-512 CPUs with avx512_bf16 the vdpbf16ps variant (its bf16 products ran 1.5-2x
+  avx512's on a Zen 4: PERF_NOTES CPU v3.4), on other AVX-512 CPUs without AMX avx512."""
+  if "JAX_FLASH_CPU_ISA" in os.environ:
+    pytest.skip("JAX_FLASH_CPU_ISA forces a variant")
+  vendor, flags = _cpu_flags()
+  isa = jax_flash.cpu_kernel_isa()
+  if not {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags or "amx_tile" in flags:
+    pytest.skip("an AVX-512 CPU without AMX")
+  if vendor == "AuthenticAMD" and "avx512_bf16" in flags:
+    if isa != "avx512_bf16":  # a build without the variant (a compiler without -mavx512bf16)?
+      forced = subprocess.run(
+          [sys.executable, "-c", "import jax_flash; print(jax_flash.cpu_kernel_isa())"],
+          env=dict(os.environ, JAX_FLASH_CPU_ISA="avx512_bf16"), capture_output=True, text=True,
+          timeout=120)
+      if forced.stdout.strip() != "avx512_bf16":
+        pytest.skip("this build has no avx512_bf16 variant")
+    assert isa == "avx512_bf16"
+  else:
+    assert isa == "avx512"
+
+
 # ---------------------------------------------------------------------------------------------
 # Edge cases of the masks and sizes
 
