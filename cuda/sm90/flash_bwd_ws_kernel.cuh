@@ -335,9 +335,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     constexpr int kDqTiles = Traits::kDqTransposed ? kBM / 8 : 8;
     float dq[1][kDqTiles][4];
     if constexpr (Traits::kDqTransposed) {
-      // 80-row visits: dS^T stored query-major (stmatrix), then after the barrier dV (P^T from
-      // registers), then dK (dS^T from the tile) in flight beside dQ^T. (dV in flight beside dK,
-      // or across the barrier, made ptxas serialise the products, C7512.)
+      // 80-row visits: dS^T stored query-major (stmatrix), then after the barrier dK (dS^T from
+      // the tile) and dV (P^T from registers) in flight together, then dQ^T. (dV issued first,
+      // beside dK or across the barrier, and all three in flight made ptxas serialise the
+      // products, C7512; dK first does not.)
       if (group_live) {
         uint32_t dst[kBM / 16][1][4];
         accumulator_to_a<T>(dst, dpt);
@@ -348,12 +349,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       fence_proxy_async();
       consumers_sync();  // both warpgroups' dS^T are in
       if (group_live) {
+        issue_key_gradient_from_query_major<Traits, T>(dk, ds_address, q_address, group);
         uint32_t pt[kBM / 16][1][4];
         accumulator_to_a<T>(pt, st);
         issue_value_gradient<Traits, T>(dv, pt, do_address);
         wgmma_wait<0>();
         fence_registers(dv[0]);
-        issue_key_gradient_from_query_major<Traits, T>(dk, ds_address, q_address, group);
+        fence_registers(dk[0]);
       }
       if (dq_here) issue_transposed_query_gradient<Traits, T>(dq, ds_address, k_address, group);
       wgmma_wait<0>();
