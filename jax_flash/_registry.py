@@ -88,7 +88,10 @@ def has_platform(platform: str) -> bool:
 
 
 def cpu_kernel_isa() -> str:
-  """The instruction set of the CPU kernel variant this processor runs."""
+  """The instruction set of the CPU kernel variant this processor runs: "avx512_amx",
+  "avx512_bf16", "avx512", "avx2" or "baseline". The best the CPU supports (bfloat16 products on
+  AMX tiles where they are usable; on `vdpbf16ps` on AMD's AVX-512 CPUs with avx512_bf16), or the
+  one the environment variable JAX_FLASH_CPU_ISA names where this CPU can run it."""
   return _native.cpu_kernel_isa()
 
 
