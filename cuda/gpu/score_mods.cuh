@@ -71,11 +71,14 @@ struct ScoreMods {
 
   // For batch element b and query head h of the call (once per tile task: it reads the slope).
   __device__ __forceinline__ ScoreMods(const AttentionParams& p, int64_t b, int64_t h)
-      : scale(p.logits_soft_cap > 0.f ? p.scale / p.logits_soft_cap : p.scale),
-        slope(p.alibi_slopes ? (p.logits_soft_cap > 0.f ? p.alibi_slopes[b * p.shape.heads_q + h] / p.logits_soft_cap
-                                                        : p.alibi_slopes[b * p.shape.heads_q + h])
-                             : 0.f),
-        capped(p.logits_soft_cap > 0.f) {}
+      : scale(p.scale),
+        slope(p.alibi_slopes ? p.alibi_slopes[b * p.shape.heads_q + h] : 0.f),
+        capped(p.logits_soft_cap > 0.f) {
+    if (capped) {  // the cap's units
+      scale /= p.logits_soft_cap;
+      slope /= p.logits_soft_cap;
+    }
+  }
 
   // The scale the softmax and the lse take in the general kernels: the cap (the scores are in
   // its units), else 1 (they are in score units).

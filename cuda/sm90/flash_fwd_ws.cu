@@ -56,7 +56,7 @@ cudaError_t launch(const FwdParams& p, const Sm90FwdOptions& options, cudaStream
   // and so do those with a soft cap or ALiBi alone.
   int smem_bytes = Traits::kSmemBytes;
   if constexpr (Traits::kTmaStoreFits && (Traits::kHeadDim == 64 || Traits::kHeadDim == 128))
-    if (options.tma_store && !p.for_backward() && (!general_kernel(p) || !general_ids(p))) {
+    if (options.tma_store && !p.for_backward() && !general_ids(p)) {
       if (cudaError_t e = make_head_tensor_map(&params.o, p.o, p.dtype, s.batch, s.seq_q, s.heads_q, s.head_dim, 64))
         return e;
       kernel = general_kernel(p) ? flash_fwd_sm90_ws_kernel<Traits, T, true, false, false, false, true>
