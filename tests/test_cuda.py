@@ -48,6 +48,13 @@ LARGE = [
     C(batch=2, seq_q=1000, seq_k=1100, heads_q=8, heads_k=2, head_dim=128, dtype="bfloat16"),
     C(batch=2, seq_q=333, seq_k=333, heads_q=4, heads_k=4, head_dim=128, dtype="float16",
       q_lens=(333, 170), kv_lens=(333, 81)),
+    # Head dim 256's Hopper backward, whose warpgroups share 64-key blocks (split head dim): GQA,
+    # T != S, lengths, partial blocks; causal; and head dim 200 zero-padded onto it.
+    C(batch=2, seq_q=300, seq_k=333, heads_q=4, heads_k=2, head_dim=256, dtype="bfloat16",
+      q_lens=(300, 150), kv_lens=(333, 77)),
+    C(batch=1, seq_q=520, seq_k=520, heads_q=2, heads_k=2, head_dim=256, dtype="float16",
+      is_causal=True),
+    C(batch=1, seq_q=190, seq_k=260, heads_q=4, heads_k=1, head_dim=200, dtype="bfloat16"),
     # decode steps: the split-KV program (pack-GQA, key chunks, the combine) around the forward
     C(batch=4, seq_q=1, seq_k=8192, heads_q=32, heads_k=8, head_dim=128, dtype="bfloat16",
       kv_lens=(8192, 5000, 1, 0)),
@@ -336,12 +343,12 @@ def _run_cuda_tests_on_hopper_with(env_overrides: dict, selection: str,
 
 
 def test_mma_sync_kernels_on_hopper():
-  """On Hopper head dims 33..128 run the wgmma kernels; the mma.sync ones (what A100s run) must
-  pass the same cases there too, dQ by atomics and deterministic, and split o as the Hopper
+  """On Hopper the wgmma kernels run head dims 33..128 (and 193..256's backward); the mma.sync
+  ones (what A100s run) must pass the same cases there too, dQ by atomics and deterministic, and split o as the Hopper
   forward does."""
   _run_cuda_tests_on_hopper_with(
       {"JAX_FLASH_CUDA_FORWARD": "sm80", "JAX_FLASH_CUDA_BACKWARD": "sm80"},
-      "((test_cuda_matches_reference or test_deterministic_matches_reference) and (h64 or h128)) "
+      "((test_cuda_matches_reference or test_deterministic_matches_reference) and (h64 or h128 or h256)) "
       "or test_forward_splits_o_as_xla_would")
 
 

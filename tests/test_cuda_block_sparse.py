@@ -2,7 +2,7 @@
 checked against numpy here, on the CPU), the operands a CUDA call traces to (on the CPU, a GPU
 host simulated), and on a GPU (marked `gpu`) the kernels against the float32 reference of
 tests/test_block_sparse.py by the FlashAttention rule: Hopper forward and backward (head dims
-64, 128), the mma.sync backward (256), deterministic dQ, GQA, T != S with partial blocks, causal,
+64, 128), the split head-dim backward (256), deterministic dQ, GQA, T != S with partial blocks, causal,
 lengths, segment ids, empty rows; and that a hidden block's keys and values are never read.
 """
 

@@ -388,7 +388,7 @@ def test_segment_id_spans(length, rows):
 
 
 # On the GPU (the CUDA kernels take segment ids by default): the cases above in 16 bits, head dims
-# that take the Hopper kernels (64, 128) and the mma.sync backward (256), documents straddling
+# that take the Hopper kernels (64, 128) and the split head-dim backward (256), documents straddling
 # the 64- and 128-row blocks, unsorted ids, and the deterministic backward.
 CUDA_CASES = {
     "causal_h64": Case(dtype="bfloat16", seq_q=300, seq_k=300, head_dim=64, is_causal=True),

@@ -43,6 +43,11 @@ CASES = [
     # sm90ws_m80's 80-row visits (JAX_FLASH_CUDA_BACKWARD=sm90ws_m80, head dim 128, plain calls):
     # a last query block of 10 rows, a partial key block, GQA, two visits a head.
     (1, 170, 150, 4, 2, 128, False, None, False, False),
+    # The split head-dim backward's shared 64-key blocks at head dim 256 (sm90/traits.cuh
+    # kSplitHeadDim): GQA, lengths, a partial key block and a last query block of 5 rows; then head dim 200 on
+    # the 256 kernel, causal.
+    (2, 133, 150, 4, 2, 256, False, None, True, False),
+    (1, 100, 90, 2, 1, 200, True, None, False, False),
 ]
 
 

@@ -25,7 +25,9 @@
 // from shared memory (the general calls too: soft cap, ALiBi, segment ids); sm90ws_tileddq takes
 // the tiled dQ at head dims 65..128 (elsewhere sm90ws); sm90ws_m80 (experimental, session 21)
 // visits 80-row query blocks in the plain non-deterministic calls at head dim 128, dQ computed
-// transposed (FlashAttention-3's non-causal tile; sm90/traits.cuh kDqTransposed).
+// transposed (FlashAttention-3's non-causal tile; sm90/traits.cuh kDqTransposed). At head dims
+// 193..256 every Hopper backward choice runs the split head-dim kernel (sm90/traits.cuh
+// kSplitHeadDim: the warpgroups share 64-key blocks, dQ by atomics).
 // A Hopper choice only applies on Hopper, and only where a Hopper kernel exists.
 //   JAX_FLASH_CUDA_NARROW = split | off (default: split since session 19, whose differential run
 //                           of 2000 configurations gave 0 misses under it): narrow plain calls

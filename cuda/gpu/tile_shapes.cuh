@@ -15,7 +15,7 @@ namespace jax_flash::cuda {
 // launchers' instantiations are both generated from them.
 #define JF_SM80_HEAD_DIMS(X) X(32) X(64) X(128) X(192) X(256)
 #define JF_SM90_FWD_HEAD_DIMS(X) X(64) X(128) X(192) X(256)
-#define JF_SM90_BWD_HEAD_DIMS(X) X(64) X(128)
+#define JF_SM90_BWD_HEAD_DIMS(X) X(64) X(128) X(256)
 
 template <int kHeadDim>
 struct TileShapes {
@@ -57,9 +57,13 @@ struct TileShapes {
     return kHeadDim == 192 || kHeadDim == 256 || (kHeadDim == 64 && !causal);
   }
   // Warp-specialised wgmma backward: a TMA producer warpgroup and 2 consumer warpgroups x 64 keys,
-  // query blocks of 64; dQ added by atomics, or by bulk reductions from a shared tile.
-  using Sm90BwdWs = Sm90BwdWsTraits<kHeadDim>;
-  using Sm90BwdWsBulkDq = Sm90BwdWsTraits<kHeadDim, true>;
+  // query blocks of 64; dQ added by atomics, or by bulk reductions from a shared tile. At head dim
+  // 256 the warpgroups share key blocks of 64 and split the head dim (sm90/traits.cuh
+  // kSplitHeadDim; dQ by atomics only): 1.4-1.5x the mma.sync backward (H200, session 22,
+  // cuda/PERF_NOTES.md v22). Head dim 192 stays on mma.sync (its halves are not whole blocks).
+  static constexpr bool kSplitBwd = kHeadDim == 256;
+  using Sm90BwdWs = Sm90BwdWsTraits<kHeadDim, false, 64, false, kSplitBwd>;
+  using Sm90BwdWsBulkDq = Sm90BwdWsTraits<kHeadDim, !kSplitBwd, 64, false, kSplitBwd>;
   // FlashAttention-3's dQ hand-off, one bulk reduction a warpgroup a visit into an accumulator in
   // the fragments' order (the kernel of head dim 128): the default at head dim 128 (+8-10% on the
   // backward over row reductions, H200, session 18, cuda/PERF_NOTES.md v18), at 65..127 with

@@ -15,31 +15,32 @@
 
 namespace jax_flash::cuda {
 
-// S^T = K Q^T and dP^T = V dO^T for warpgroup `group`'s 64 keys (SS wgmma): issued and committed
-// as two groups, S^T's first (so wgmma_wait<1> waits for S^T only), not waited for.
+// S^T = K Q^T and dP^T = V dO^T for a warpgroup's 64 keys (from key_row0 of the K and V tiles)
+// and Traits::kScoreQueries queries (from query_row0 of the Q and dO stages) (SS wgmma): issued and
+// committed as two groups, S^T's first (so wgmma_wait<1> waits for S^T only), not waited for.
 template <typename Traits, typename T>
-__device__ __forceinline__ void issue_transposed_scores(float (&st)[1][Traits::kBlockM / 8][4],
-                                                  float (&dpt)[1][Traits::kBlockM / 8][4], uint32_t k_address,
+__device__ __forceinline__ void issue_transposed_scores(float (&st)[1][Traits::kScoreQueries / 8][4],
+                                                  float (&dpt)[1][Traits::kScoreQueries / 8][4], uint32_t k_address,
                                                   uint32_t v_address, uint32_t q_address, uint32_t do_address,
-                                                  int group) {
+                                                  int key_row0, int query_row0) {
   using KVTile = typename Traits::KVTile;
   using QTile = typename Traits::QTile;
-  const uint64_t k_desc = made_here(KVTile::k_major(k_address, group * 64, 0));  // (K and V: every visit)
-  const uint64_t q_desc = QTile::k_major(q_address, 0, 0);
-  const uint64_t v_desc = made_here(KVTile::k_major(v_address, group * 64, 0));
-  const uint64_t do_desc = QTile::k_major(do_address, 0, 0);
+  const uint64_t k_desc = made_here(KVTile::k_major(k_address, key_row0, 0));  // (K and V: every visit)
+  const uint64_t q_desc = QTile::k_major(q_address, query_row0, 0);
+  const uint64_t v_desc = made_here(KVTile::k_major(v_address, key_row0, 0));
+  const uint64_t do_desc = QTile::k_major(do_address, query_row0, 0);
   fence_registers(st[0]);
   fence_registers(dpt[0]);
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk)
-    Wgmma<T, Traits::kBlockM>::ss(st[0], KVTile::k_major_from(k_desc, 0, kk), QTile::k_major_from(q_desc, 0, kk),
-                                  kk > 0);
+    Wgmma<T, Traits::kScoreQueries>::ss(st[0], KVTile::k_major_from(k_desc, 0, kk), QTile::k_major_from(q_desc, 0, kk),
+                                        kk > 0);
   wgmma_commit();
 #pragma unroll
   for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk)
-    Wgmma<T, Traits::kBlockM>::ss(dpt[0], KVTile::k_major_from(v_desc, 0, kk), QTile::k_major_from(do_desc, 0, kk),
-                                  kk > 0);
+    Wgmma<T, Traits::kScoreQueries>::ss(dpt[0], KVTile::k_major_from(v_desc, 0, kk),
+                                        QTile::k_major_from(do_desc, 0, kk), kk > 0);
   wgmma_commit();
 }
 
@@ -74,24 +75,26 @@ __device__ __forceinline__ void transposed_score_gradients(float (&dpt)[1][kBloc
     }
 }
 
-// A warp's dS^T rows (keys warp_key0 ..; every query column of the block) to the DsTile at `ds`:
-// each 64-column block as SmemTile<kBlockN, 64> lays it out, which is GmmaTile's block layout.
+// A warp's dS^T rows (keys warp_key0 ..; the warpgroup's Traits::kScoreQueries query columns
+// from query0) to the DsTile at `ds`: each 64-column block as SmemTile<kBlockN, 64> lays it out,
+// which is GmmaTile's block layout. (With kSplitHeadDim also P^T, to its own tile.)
 template <typename Traits, typename T>
-__device__ __forceinline__ void store_transposed_ds(T* ds, const float (&dst)[1][Traits::kBlockM / 8][4],
-                                                    int warp_key0, int lane) {
+__device__ __forceinline__ void store_transposed_ds(T* ds, const float (&dst)[1][Traits::kScoreQueries / 8][4],
+                                                    int warp_key0, int lane, int query0 = 0) {
   using Block = SmemTile<Traits::kBlockN, 64>;
-  using BlockFragment = const float[1][8][4];
+  constexpr int kColumns = Traits::kScoreQueries < 64 ? Traits::kScoreQueries : 64;  // a store's
+  using BlockFragment = const float[1][kColumns / 8][4];
 #pragma unroll
-  for (int b = 0; b < Traits::kBlockM / 64; ++b)
-    store_accumulator<Block>(ds + b * Block::kElements, *reinterpret_cast<BlockFragment*>(&dst[0][8 * b]),
-                             warp_key0, 0, lane);
+  for (int b = 0; b < Traits::kScoreQueries / kColumns; ++b)
+    store_accumulator<Block>(ds + b * Block::kElements, *reinterpret_cast<BlockFragment*>(&dst[0][kColumns / 8 * b]),
+                             warp_key0, query0, lane);
 }
 
 // A warp's rows of a zero dS^T (a warpgroup whose keys the block's queries do not see), stored
 // from constants (store_transposed_ds's layout).
 template <typename Traits, typename T>
 __device__ __forceinline__ void store_zero_ds(T* ds, int warp_key0, int lane) {
-  const float zeros[1][Traits::kBlockM / 8][4] = {};
+  const float zeros[1][Traits::kScoreQueries / 8][4] = {};
   store_transposed_ds<Traits>(ds, zeros, warp_key0, lane);
 }
 
@@ -201,6 +204,57 @@ __device__ __forceinline__ void accumulate_gradients(float (&dk)[1][Traits::kHea
   fence_registers(dq[0]);
 }
 
+// ---- Split head dim (Traits::kSplitHeadDim): the P^T and dS^T tiles are [key][query], every
+// key of the block and every query of the visit; a warpgroup owns head-dim columns
+// kGradColumns * group .. of dK, dV and dQ.
+
+// dV += P^T dO and dK += dS^T Q for warpgroup `group`'s head-dim columns, every operand from
+// shared memory: issued and committed, not waited for.
+template <typename Traits, typename T>
+__device__ __forceinline__ void issue_split_key_gradients(float (&dk)[1][Traits::kGradColumns / 8][4],
+                                                          float (&dv)[1][Traits::kGradColumns / 8][4],
+                                                          uint32_t pt_address, uint32_t ds_address, uint32_t q_address,
+                                                          uint32_t do_address, int group) {
+  static_assert(Traits::kSplitHeadDim, "the split head dim's products");
+  constexpr int kN = Traits::kGradColumns;
+  static_assert(kN % 64 == 0, "halves of whole 64-column blocks");
+  using QTile = typename Traits::QTile;
+  using DsTile = typename Traits::DsTile;
+  const uint32_t columns = group * (kN / 64) * QTile::kBlockBytes;  // the warpgroup's first column
+  const uint64_t pt_desc = DsTile::k_major(pt_address, 0, 0);
+  const uint64_t ds_desc = DsTile::k_major(ds_address, 0, 0);
+  const uint64_t do_desc = QTile::n_major(do_address + columns, 0);
+  const uint64_t q_desc = QTile::n_major(q_address + columns, 0);
+  fence_registers(dv[0]);
+  fence_registers(dk[0]);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < Traits::kBlockM / 16; ++kk)
+    Wgmma<T, kN>::ss_b_transposed(dv[0], DsTile::k_major_from(pt_desc, 0, kk), QTile::n_major_from(do_desc, kk), true);
+#pragma unroll
+  for (int kk = 0; kk < Traits::kBlockM / 16; ++kk)
+    Wgmma<T, kN>::ss_b_transposed(dk[0], DsTile::k_major_from(ds_desc, 0, kk), QTile::n_major_from(q_desc, kk), true);
+  wgmma_commit();
+}
+
+// dQ = dS K for the head-dim columns of 64-column block `column_block` (dS read M-major from the
+// dS^T tile): issued and committed, not waited for. (A warpgroup's whole half of dQ beside dK and
+// dV held more registers than there are: ptxas serialised the products, C7512.)
+template <typename Traits, typename T>
+__device__ __forceinline__ void issue_split_query_gradient(float (&dq)[1][8][4], uint32_t ds_address,
+                                                           uint32_t k_address, int column_block) {
+  using KVTile = typename Traits::KVTile;
+  using DsTile = typename Traits::DsTile;
+  const uint64_t dst_desc = DsTile::n_major(ds_address, 0);
+  const uint64_t k_desc = made_here(KVTile::n_major(k_address + column_block * KVTile::kBlockBytes, 0));
+  fence_registers(dq[0]);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < Traits::kBlockN / 16; ++kk)
+    Wgmma<T, 64>::ss_transposed(dq[0], DsTile::n_major_from(dst_desc, kk), KVTile::n_major_from(k_desc, kk), kk > 0);
+  wgmma_commit();
+}
+
 // ---- 80-row visits (Traits::kDqTransposed): the dS^T buffers are query-major, [query][key].
 
 // A warp's dS^T (its 16 keys from warp_key0 x the block's queries; A fragments, as
@@ -287,15 +341,15 @@ __device__ __forceinline__ void issue_transposed_query_gradient(float (&dqt)[1][
 }
 
 // Adds a warp's part of dQ (rows 16 (warp % 4) .. of warpgroup `group`'s 64 query rows with
-// kDqByRows, else of the query block; warpgroup `group`'s 64 columns without) of the query block
-// from m0 of head h to the float32 accumulator.
-template <bool kDqByRows, int kBlockM, int kBlockN>
+// kDqByRows, else of the query block; kNTiles x 8 columns from col0) of the query block from m0
+// of head h to the float32 accumulator.
+template <bool kDqByRows, int kBlockM, int kBlockN, int kNTiles>
 __device__ __forceinline__ void add_dq(const BwdParams& p, const KeyBlockTask<kBlockM, kBlockN>& task,
-                                       const float (&dq)[1][8][4], int64_t m0, int h, int group, int warp,
-                                       int lane) {
+                                       const float (&dq)[1][kNTiles][4], int64_t m0, int h, int group, int col0,
+                                       int warp, int lane) {
   const AttentionShape& sh = p.shape;
   const int lane_row = (kDqByRows ? group * 64 : 0) + warp % 4 * 16 + lane / 4;
-  const int lane_col = (kDqByRows ? 0 : group * 64) + (lane % 4) * 2;
+  const int lane_col = col0 + (lane % 4) * 2;
   float* dq_block = p.dq_accum + (task.b * sh.seq_q + m0 + lane_row) * task.q_stride + h * sh.head_dim + lane_col;
   const int live_rows = static_cast<int>(min64(kBlockM, task.q_len - m0)) - lane_row;
   const int live_cols = static_cast<int>(sh.head_dim) - lane_col;
@@ -304,24 +358,25 @@ __device__ __forceinline__ void add_dq(const BwdParams& p, const KeyBlockTask<kB
     if (half * 8 >= live_rows) continue;
     float* row = dq_block + half * 8 * task.q_stride;
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
+    for (int nt = 0; nt < kNTiles; ++nt)
       if (nt * 8 < live_cols) atomic_add_pair(row + nt * 8, dq[0][nt][2 * half], dq[0][nt][2 * half + 1]);
   }
 }
 
 // dK and dV rows of the key block (zeros where no query sees the key), through shared memory
 // where K and V were, so that the stores are whole rows: kThreads threads (this one `tid`),
-// `sync` a barrier of all of them (K and V are no longer read once every warp is there).
+// `sync` a barrier of all of them (K and V are no longer read once every warp is there). A
+// thread's fragments are keys warp_key0 .. and head-dim columns col0 .. (Traits::kGradColumns).
 template <typename Traits, int kThreads, typename T, typename Sync>
 __device__ __forceinline__ void store_dk_dv(const BwdParams& p, const KeyBlockTask<Traits::kBlockM, Traits::kBlockN>& task,
-                                            const float (&dk)[1][Traits::kHeadDim / 8][4],
-                                            const float (&dv)[1][Traits::kHeadDim / 8][4], T* s_k, T* s_v,
-                                            int warp_key0, int lane, int tid, Sync sync) {
+                                            const float (&dk)[1][Traits::kGradColumns / 8][4],
+                                            const float (&dv)[1][Traits::kGradColumns / 8][4], T* s_k, T* s_v,
+                                            int warp_key0, int col0, int lane, int tid, Sync sync) {
   using OutTile = SmemTile<Traits::kBlockN, Traits::kHeadDim>;
   static_assert(OutTile::kElements == Traits::KVTile::kElements, "dK and dV staged where K and V were");
   sync();
-  store_accumulator<OutTile>(s_k, dk, warp_key0, 0, lane);
-  store_accumulator<OutTile>(s_v, dv, warp_key0, 0, lane);
+  store_accumulator<OutTile>(s_k, dk, warp_key0, col0, lane);
+  store_accumulator<OutTile>(s_v, dv, warp_key0, col0, lane);
   sync();
   store_tile<OutTile, kThreads>(static_cast<T*>(p.dk) + task.kv_offset, task.kv_stride, s_k, task.keys, task.chunks,
                                 tid);

@@ -65,6 +65,7 @@ struct Sm90BwdWsSmem {
   T* q;      // kStages
   T* d_o;    // kStages
   T* ds;     // two dS^T buffers
+  T* pt;     // two P^T buffers (Traits::kSplitHeadDim)
   float* lse2;   // kStages x kBlockM
   float* delta;  // kStages x kBlockM
   float* dq;     // kBlockM x kDqRowStride (kBulkDq)
@@ -76,7 +77,8 @@ struct Sm90BwdWsSmem {
     q = v + Traits::KVTile::kElements;
     d_o = q + Traits::kStages * Traits::QTile::kElements;
     ds = d_o + Traits::kStages * Traits::QTile::kElements;
-    lse2 = reinterpret_cast<float*>(ds + 2 * Traits::DsTile::kElements);
+    pt = ds + 2 * Traits::DsTile::kElements;
+    lse2 = reinterpret_cast<float*>(ds + Traits::kScoreTiles * Traits::DsTile::kElements);
     delta = lse2 + Traits::kStages * Traits::kBlockM;
     dq = delta + Traits::kStages * Traits::kBlockM;
     bars = reinterpret_cast<BwdWsBarriers<Traits::kStages>*>(dq + (Traits::kBulkDq ? Traits::kBlockM * Traits::kDqRowStride : 0));
@@ -84,6 +86,7 @@ struct Sm90BwdWsSmem {
   __device__ T* q_stage(int stage) const { return q + stage * Traits::QTile::kElements; }
   __device__ T* d_o_stage(int stage) const { return d_o + stage * Traits::QTile::kElements; }
   __device__ T* ds_buffer(int i) const { return ds + i * Traits::DsTile::kElements; }
+  __device__ T* pt_buffer(int i) const { return pt + i * Traits::DsTile::kElements; }
 };
 
 // kDeterministic: p.deterministic as a constant (dQ is then left to its own kernel). Whether a
@@ -255,19 +258,27 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // ---- Consumer warpgroups.
   claim_registers<Traits::kConsumerRegisters>();
   const int ctid = threadIdx.x - 128;                // 0 .. kConsumerThreads - 1
-  const int group = warp / 4 - 1;                    // warpgroup: keys 64 group ..
-  const int warp_key0 = group * 64 + warp % 4 * 16;  // this warp's 16 keys in the block
+  const int group = warp / 4 - 1;  // warpgroup
+  // Its keys (64 group .., or with kSplitHeadDim the block's 64) and this warp's 16 of them; its
+  // queries of each visit's block (kSQ from query0) and head-dim columns of dK, dV (and dQ with
+  // kSplitHeadDim): kGC from grad_col0.
+  constexpr bool kSplit = Traits::kSplitHeadDim;
+  constexpr int kSQ = Traits::kScoreQueries, kGC = Traits::kGradColumns;
+  const int group_keys = kSplit ? 0 : group * 64;
+  const int warp_key0 = group_keys + warp % 4 * 16;
+  const int query0 = kSplit ? group * kSQ : 0;
+  const int grad_col0 = kSplit ? group * kGC : 0;
   const int64_t q_len = task.q_len, kv_len = task.kv_len;
   const int64_t n0 = task.n0;
-  float dk[1][kD / 8][4] = {};
-  float dv[1][kD / 8][4] = {};
+  float dk[1][kGC / 8][4] = {};
+  float dv[1][kGC / 8][4] = {};
   const float scale_log2 = (kGeneral ? ScoreMods::softmax_scale(p) : p.scale) * kLog2e;
   const uint32_t k_address = smem_address(smem.k), v_address = smem_address(smem.v);
   // The two consumer warpgroups meet on named barrier 1 (id 0 is __syncthreads').
   auto consumers_sync = [] { named_barrier_sync(1, kConsumerThreads); };
 
   // The query blocks this warpgroup's keys take part in (the others skip their products).
-  const int64_t group_key0 = n0 + group * 64;
+  const int64_t group_key0 = n0 + group_keys;
   const KeyGroupBlocks group_blocks =
       KeyGroupBlocks::of<kBM>(p.mask, group_key0, min64(group_key0 + 64, n0 + task.live_keys), q_len, kv_len);
 
@@ -285,7 +296,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys, then P^T and dS^T (masked
     // where some query of the block does not see some key). A warpgroup none of whose keys the
     // block's queries see has P^T = dS^T = 0: it skips the products and stores a zero dS^T.
-    float st[1][kBM / 8][4], dpt[1][kBM / 8][4];
+    float st[1][kSQ / 8][4], dpt[1][kSQ / 8][4];
     bool group_live = group_blocks.live(visit.mb);
     // With segment ids: none of this warpgroup's keys may share an id with the block's rows
     // (then it is not live either), or all of them one id (no id mask).
@@ -299,26 +310,28 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         id_mask = !rows.same_single_id(keys);
       }
     if (group_live) {
-      issue_transposed_scores<Traits, T>(st, dpt, k_address, v_address, q_address, do_address, group);
+      issue_transposed_scores<Traits, T>(st, dpt, k_address, v_address, q_address, do_address, group_keys, query0);
       // S^T is in once all but the newest group (dP^T) are: its masks and, in plain calls, P^T
       // run while dP^T is on the tensor cores.
       wgmma_wait<1>();
       fence_registers(st[0]);
-      const float* lse2 = smem.lse2 + stage * kBM;
-      const float* delta = smem.delta + stage * kBM;
-      if constexpr (kGeneral) ScoreMods(p, task.b, visit.h).apply_transposed<!kIds>(st, n0 + warp_key0, m0, lane);
+      const float* lse2 = smem.lse2 + stage * kBM + query0;
+      const float* delta = smem.delta + stage * kBM + query0;
+      const int64_t m0_group = m0 + query0;  // the warpgroup's first query
+      if constexpr (kGeneral)
+        ScoreMods(p, task.b, visit.h).apply_transposed<!kIds>(st, n0 + warp_key0, m0_group, lane);
       if (id_mask)
-        mask_transposed_with_ids(st, SegmentIds(p, task.b), p.mask, n0 + warp_key0, m0, q_len, kv_len, lane);
+        mask_transposed_with_ids(st, SegmentIds(p, task.b), p.mask, n0 + warp_key0, m0_group, q_len, kv_len, lane);
       else if (!group_blocks.whole(visit.mb))
-        mask_transposed_scores(st, p.mask, n0 + warp_key0, m0, q_len, kv_len, lane);
-      if constexpr (!kGeneral) transposed_probabilities<kBM>(st, lse2, scale_log2, lane);
+        mask_transposed_scores(st, p.mask, n0 + warp_key0, m0_group, q_len, kv_len, lane);
+      if constexpr (!kGeneral) transposed_probabilities<kSQ>(st, lse2, scale_log2, lane);
       wgmma_wait<0>();
       fence_registers(dpt[0]);
       if constexpr (kGeneral) {  // the cap's chain rule reads the capped scores, before P^T
-        ScoreMods(p, task.b, visit.h).fold_chain_rule_transposed(dpt, st, delta, n0 + warp_key0, m0, lane);
-        transposed_probabilities<kBM>(st, lse2, scale_log2, lane);
+        ScoreMods(p, task.b, visit.h).fold_chain_rule_transposed(dpt, st, delta, n0 + warp_key0, m0_group, lane);
+        transposed_probabilities<kSQ>(st, lse2, scale_log2, lane);
       }
-      transposed_score_gradients<kBM>(dpt, st, delta, p.scale, lane);
+      transposed_score_gradients<kSQ>(dpt, st, delta, p.scale, lane);
     }
     // (Not live: st and dpt are left unset and never read; the zero dS^T is stored from
     // constants. Zeroing them here cost 30 CS2R every visit, hoisted above the branch.)
@@ -329,12 +342,50 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // dQ (64 query rows or 64 columns a warpgroup: Traits::kDqByRows), waited for; then the
     // stage is released (Q, dO, lse and delta no longer read by this warp) and dQ added to the
     // float32 accumulator.
-    const bool dq_here = !kDeterministic && (Traits::kDqByRows || kD == 128 || group == 0);
+    const bool dq_here = !kDeterministic && (Traits::kDqByRows || kD == 128 || kSplit || group == 0);
     // dQ's fragments: 64 rows or columns x 64, or (kDqTransposed) dQ^T's 64 head-dim rows x the
     // block's queries.
     constexpr int kDqTiles = Traits::kDqTransposed ? kBM / 8 : 8;
     float dq[1][kDqTiles][4];
-    if constexpr (Traits::kDqTransposed) {
+    if constexpr (kSplit) {
+      // P^T and dS^T of the warpgroup's queries to this visit's tiles (every key), then, once
+      // both warpgroups' are in, its head-dim columns of dV and dK from them, waited for (the
+      // stage is then released below), then of dQ a 64-column block at a time, each added to
+      // the accumulator. A block none of whose queries see the keys (both warpgroups alike)
+      // adds nothing: no stores, no products.
+      if (group_live) {
+        store_transposed_ds<Traits>(smem.pt_buffer(it % 2), st, warp_key0, lane, query0);
+        store_transposed_ds<Traits>(ds, dpt, warp_key0, lane, query0);
+      }
+      fence_proxy_async();
+      consumers_sync();  // both warpgroups' P^T and dS^T are in
+      const bool dq_live = dq_here && group_live;
+      if (group_live)
+        issue_split_key_gradients<Traits, T>(dk, dv, smem_address(smem.pt_buffer(it % 2)), ds_address, q_address,
+                                             do_address, group);
+      if (dq_live) {
+        issue_split_query_gradient<Traits, T>(dq, ds_address, k_address, group * 2);
+        wgmma_wait<1>();
+      } else {
+        wgmma_wait<0>();
+      }
+      fence_registers(dv[0]);
+      fence_registers(dk[0]);
+      __syncwarp();
+      if (lane == 0) Mbarrier(&bars.empty[stage]).arrive();
+      if (dq_live) {
+        static_assert(kGC == 128, "two 64-column blocks of dQ a warpgroup");
+        float dq_next[1][8][4];
+        wgmma_wait<0>();
+        fence_registers(dq[0]);
+        issue_split_query_gradient<Traits, T>(dq_next, ds_address, k_address, group * 2 + 1);
+        add_dq<Traits::kDqByRows>(p, task, dq, m0, visit.h, group, grad_col0, warp, lane);
+        wgmma_wait<0>();
+        fence_registers(dq_next[0]);
+        add_dq<Traits::kDqByRows>(p, task, dq_next, m0, visit.h, group, grad_col0 + 64, warp, lane);
+      }
+      continue;
+    } else if constexpr (Traits::kDqTransposed) {
       // 80-row visits: dS^T stored query-major (stmatrix), then after the barrier dK (dS^T from
       // the tile) and dV (P^T from registers) in flight together, then dQ^T. (dV issued first,
       // beside dK or across the barrier, and all three in flight made ptxas serialise the
@@ -427,12 +478,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (lane == 0) Mbarrier(&bars.dq_full[0]).arrive();
       }
     } else if (dq_here) {
-      static_assert(kDqTiles == 8, "64 columns of dQ a warpgroup");
-      add_dq<Traits::kDqByRows>(p, task, dq, m0, visit.h, group, warp, lane);
+      add_dq<Traits::kDqByRows>(p, task, dq, m0, visit.h, group, Traits::kDqByRows ? 0 : group * 64, warp, lane);
     }
   }
 
-  store_dk_dv<Traits, kConsumerThreads>(p, task, dk, dv, smem.k, smem.v, warp_key0, lane, ctid, consumers_sync);
+  store_dk_dv<Traits, kConsumerThreads>(p, task, dk, dv, smem.k, smem.v, warp_key0, grad_col0, lane, ctid,
+                                        consumers_sync);
 #endif  // JF_SM90A
 }
 

@@ -73,9 +73,18 @@ struct Sm90FwdWsTraits {
 // which reads dS^T as a K-major B: the dS^T buffers are query-major, [query][key] (stmatrix
 // .trans from the fragments), and dK += dS^T Q reads them M-major. The tiled hand-off then holds
 // dQ^T fragments (gpu/bwd_postprocess.cuh flash_bwd_convert_transposed_dq_kernel).
-template <int kHeadDim_, bool kBulkDq_ = false, int kBlockM_ = 64, bool kTiledDq_ = false>
+// kSplitHeadDim (head dim 256, where a warpgroup's dK and dV over the whole head dim do not fit in
+// its registers; FlashAttention-3 splits it too): key blocks of 64 that both warpgroups share;
+// each computes S^T and dP^T for its half of the block's queries (N = 32), leaves P^T and dS^T in
+// shared tiles, and after the consumers' barrier accumulates dV, dK and dQ for its half of the
+// head dim (N = 128) from them; dQ by atomics. (At 192 the second half would start mid-way
+// through a 64-column block, which an N-major wgmma operand cannot.)
+template <int kHeadDim_, bool kBulkDq_ = false, int kBlockM_ = 64, bool kTiledDq_ = false, bool kSplitHeadDim_ = false>
 struct Sm90BwdWsTraits {
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr bool kSplitHeadDim = kSplitHeadDim_;
+  static_assert(!kSplitHeadDim || (kBlockM_ == 64 && !kBulkDq_ && kHeadDim == 256),
+                "split head dim: 64-row visits, dQ by atomics, head dim 256");
   static constexpr bool kBulkDq = kBulkDq_;
   static constexpr bool kTiledDq = kTiledDq_;
   static constexpr bool kDqTransposed = kBlockM_ == 80;
@@ -88,8 +97,13 @@ struct Sm90BwdWsTraits {
   // Each warpgroup computes dQ for its 64 query rows (128-row visits), else for 64 of the head
   // dim's columns (warpgroup 0 alone at head dim 64).
   static constexpr bool kDqByRows = kBlockM == 128;
-  static constexpr int kBlockN = 128;  // keys: 2 consumer warpgroups x 64
+  static constexpr int kBlockN = kSplitHeadDim ? 64 : 128;  // keys: 2 consumer warpgroups x 64, or 64 shared
   static constexpr int kConsumers = 2;
+  // A warpgroup's S^T and dP^T: 64 keys x kScoreQueries of the block's queries (all, or its half
+  // with kSplitHeadDim, from kScoreQueries * group); its dK and dV: 64 keys x kGradColumns of the
+  // head dim (all, or its half from kGradColumns * group).
+  static constexpr int kScoreQueries = kSplitHeadDim ? kBlockM_ / 2 : kBlockM_;
+  static constexpr int kGradColumns = kSplitHeadDim ? kHeadDim / 2 : kHeadDim;
   static constexpr int kStages = 2;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kConsumerWarps = 4 * kConsumers;
@@ -113,14 +127,15 @@ struct Sm90BwdWsTraits {
   // Floats of one warpgroup's part of the tiled dQ tile (kTiledDq): 64 rows x its 64 columns, or
   // (kDqTransposed) its 64 head-dim rows of dQ^T x the block's queries.
   static constexpr int kDqPartFloats = kBlockM * kHeadDim / 2;
-  // K, V; kStages of Q and of dO; two dS^T; kStages of the block's lse (log2 units) and delta;
-  // the dQ tile (kBulkDq); the barriers; 1 KiB to align the base.
+  // K, V; kStages of Q and of dO; two dS^T (and two P^T with kSplitHeadDim); kStages of the
+  // block's lse (log2 units) and delta; the dQ tile (kBulkDq); the barriers; 1 KiB to align the base.
   static constexpr int kBarrierBytes = 128;
-  static constexpr int kSmemBytes = 2 * (2 * KVTile::kElements + 2 * kStages * QTile::kElements + 2 * DsTile::kElements) +
+  static constexpr int kScoreTiles = kSplitHeadDim ? 4 : 2;
+  static constexpr int kSmemBytes = 2 * (2 * KVTile::kElements + 2 * kStages * QTile::kElements + kScoreTiles * DsTile::kElements) +
                                     2 * kStages * kBlockM * 4 + (kBulkDq ? kBlockM * kDqRowStride * 4 : 0) +
                                     kBarrierBytes + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
-  static_assert(kHeadDim == 64 || kHeadDim == 128, "wgmma shapes are instantiated for N = 64, 128");
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kSplitHeadDim, "wgmma shapes are instantiated for N = 64, 128");
 };
 
 }  // namespace jax_flash::cuda

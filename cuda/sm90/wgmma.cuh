@@ -141,6 +141,12 @@ struct Wgmma;
   "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
   "%80, %81, %82, %83, %84, %85, %86, %87}"
 
+// N = 32: the backward's split tiles at head dim 256 (sm90/traits.cuh kSplitHeadDim): a
+// warpgroup's S^T and dP^T columns (32 queries).
+#define JF_WGMMA_ACC_N32 JF_WGMMA_ACC(0), JF_WGMMA_ACC(1), JF_WGMMA_ACC(2), JF_WGMMA_ACC(3)
+#define JF_WGMMA_REGS_N32 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+
 // wgmma m64nNk16 with float32 accumulators for the 16-bit type T whose PTX name is PTX ("bf16" or
 // "f16"). ACC and REGS are the accumulator operands and their PTX list for N; the next operand
 // numbers are given as strings: SS (the two descriptors, the accumulate predicate, then the two
@@ -210,6 +216,9 @@ struct Wgmma;
 #define JF_DEFINE_WGMMA_N176(T, PTX)                                                                \
   JF_DEFINE_WGMMA(T, PTX, 176, JF_WGMMA_ACC_N176, JF_WGMMA_REGS_N176, "%88, %89", "%90", "%91, %92", \
                   "{%88, %89, %90, %91}, %92", "%93")
+#define JF_DEFINE_WGMMA_N32(T, PTX)                                                                 \
+  JF_DEFINE_WGMMA(T, PTX, 32, JF_WGMMA_ACC_N32, JF_WGMMA_REGS_N32, "%16, %17", "%18", "%19, %20",  \
+                  "{%16, %17, %18, %19}, %20", "%21")
 JF_DEFINE_WGMMA_N8(__nv_bfloat16, "bf16")
 JF_DEFINE_WGMMA_N8(__half, "f16")
 JF_DEFINE_WGMMA_N64(__nv_bfloat16, "bf16")
@@ -222,12 +231,15 @@ JF_DEFINE_WGMMA_N112(__nv_bfloat16, "bf16")
 JF_DEFINE_WGMMA_N112(__half, "f16")
 JF_DEFINE_WGMMA_N176(__nv_bfloat16, "bf16")
 JF_DEFINE_WGMMA_N176(__half, "f16")
+JF_DEFINE_WGMMA_N32(__nv_bfloat16, "bf16")
+JF_DEFINE_WGMMA_N32(__half, "f16")
 #undef JF_DEFINE_WGMMA_N8
 #undef JF_DEFINE_WGMMA_N64
 #undef JF_DEFINE_WGMMA_N128
 #undef JF_DEFINE_WGMMA_N80
 #undef JF_DEFINE_WGMMA_N112
 #undef JF_DEFINE_WGMMA_N176
+#undef JF_DEFINE_WGMMA_N32
 #undef JF_DEFINE_WGMMA
 #undef JF_WGMMA_REGS_N8
 #undef JF_WGMMA_REGS_N64
@@ -235,12 +247,14 @@ JF_DEFINE_WGMMA_N176(__half, "f16")
 #undef JF_WGMMA_REGS_N80
 #undef JF_WGMMA_REGS_N112
 #undef JF_WGMMA_REGS_N176
+#undef JF_WGMMA_REGS_N32
 #undef JF_WGMMA_ACC_N8
 #undef JF_WGMMA_ACC_N64
 #undef JF_WGMMA_ACC_N128
 #undef JF_WGMMA_ACC_N80
 #undef JF_WGMMA_ACC_N112
 #undef JF_WGMMA_ACC_N176
+#undef JF_WGMMA_ACC_N32
 #undef JF_WGMMA_ACC
 
 }  // namespace jax_flash::cuda
