@@ -234,12 +234,13 @@ def table_lines(capsys):
 
 
 def test_default_table_has_no_variant_columns(capsys):
-  """Without a variant flag the table's header is the one it always was, no variant anywhere."""
+  """Without a variant flag the table's header is the one it always was, no variant anywhere
+  (nor a heads column: that needs --heads or --kv-heads)."""
   assert benchmark.main([*TINY_CPU_RUN, "--skip", "xla", "torch"]) == 0
   out = capsys.readouterr().out
   header = next(line for line in out.splitlines() if line.startswith("| seq |"))
   assert header in (DEFAULT_CPU_HEADER, DEFAULT_CPU_HEADER + " flash % FMA peak |")
-  assert "variant" not in out
+  assert "variant" not in out and "heads" not in header
 
 
 def test_cli_score_variant_columns(tmp_path, capsys):
@@ -688,3 +689,147 @@ def test_value_head_dim_arguments_are_checked():
       benchmark.parse_args(["--platform", "cpu", *bad])
   assert benchmark.parse_args(["--platform", "gpu", "--value-head-dim", "128"]).value_head_dim == 128
   assert benchmark.parse_args(["--platform", "cpu"]).value_head_dim is None
+
+
+# Grouped-query cases (--heads N --kv-heads K): k and v of K heads, each shared by N/K query
+# heads; q, the output and its cotangent keep N; FLOPs count the query heads.
+GQA_CASE = dataclasses.replace(CASE, seq=64, dtype="float32", kv_heads=2)
+GQA_CPU_RUN = ["--platform", "cpu", "--seqs", "64", "--causal", "yes", "--reps", "1",
+               "--heads", "4", "--kv-heads", "2"]
+
+
+def test_grouped_heads_case_inputs_and_flops():
+  """make_inputs: query and cotangent of N heads, key and value of K; with K = N the same
+  arrays as without kv_heads; the FLOPs those of K = N (they count the query heads); K must
+  divide N."""
+  assert GQA_CASE.num_kv_heads == 2 and GQA_CASE.heads_label == "4/2"
+  assert CASE.num_kv_heads == 4 and CASE.heads_label == "4"
+  q, k, v, d_out = benchmark.make_inputs(GQA_CASE).arrays()
+  assert q.shape == d_out.shape == (2, 64, 4, 64) and k.shape == v.shape == (2, 64, 2, 64)
+  mla = dataclasses.replace(GQA_CASE, value_head_dim=32)
+  assert [x.shape[2:] for x in benchmark.make_inputs(mla).arrays()] == [
+      (4, 64), (2, 64), (2, 32), (4, 32)]
+  plain = dataclasses.replace(GQA_CASE, kv_heads=None)
+  same = benchmark.make_inputs(dataclasses.replace(GQA_CASE, kv_heads=4)).arrays()
+  for a, b in zip(benchmark.make_inputs(plain).arrays(), same, strict=True):
+    np.testing.assert_array_equal(a, b)
+  for pass_name in ("fwd", "bwd", "fwd+bwd"):
+    assert GQA_CASE.flops(pass_name) == plain.flops(pass_name)
+  assert GQA_CASE.flops("fwd") == 4 * 2 * 64**2 * 4 * 64 / 2
+  for bad in (3, 8, 0):
+    with pytest.raises(ValueError, match="kv_heads"):
+      dataclasses.replace(CASE, kv_heads=bad)
+
+
+def test_grouped_heads_arguments_are_checked(capsys):
+  """--kv-heads K must divide every case's query heads N (so K <= N): an argument error naming
+  both; neither --heads nor --kv-heads combines with --preset decode."""
+  for argv, said in (
+      (["--heads", "4", "--kv-heads", "3"], "--kv-heads 3 does not divide --heads 4"),
+      (["--heads", "2", "--kv-heads", "4"], "--kv-heads 4 is more than --heads 2"),
+      (["--kv-heads", "8"], "--kv-heads 8 is more than the cpu grid's 4 query heads"),
+      (["--platform", "gpu", "--kv-heads", "16"],
+       "--kv-heads 16 is more than the gpu grid's 8 query heads at head dim 256")):
+    with pytest.raises(SystemExit):
+      benchmark.parse_args(["--platform", "cpu", *argv])
+    assert said in capsys.readouterr().err
+  for bad in (["--kv-heads", "2", "--preset", "decode"], ["--heads", "8", "--preset", "decode"],
+              ["--kv-heads", "0"], ["--heads", "1.5"]):
+    with pytest.raises(SystemExit):
+      benchmark.parse_args(["--platform", "cpu", *bad])
+  assert "do not apply to --preset decode" in capsys.readouterr().err
+  args = benchmark.parse_args(["--platform", "cpu", "--heads", "8", "--kv-heads", "2"])
+  assert (args.heads, args.kv_heads) == (8, 2)
+  assert benchmark.parse_args(["--platform", "gpu", "--kv-heads", "8"]).kv_heads == 8
+  args = benchmark.parse_args(["--platform", "cpu"])
+  assert args.heads is None and args.kv_heads is None
+
+
+def test_heads_option_keeps_the_gpu_batch():
+  """--heads N replaces the grid's heads; the GPU batch stays 16384 // seq."""
+  default = benchmark.gpu_cases([1024], [64, 128], [True])
+  assert [(c.batch, c.heads) for c in default] == [(16, 32), (16, 16)]
+  given = benchmark.gpu_cases([1024], [64, 128], [True], heads=8)
+  assert [(c.batch, c.heads) for c in given] == [(16, 8), (16, 8)]
+  assert [c.heads for c in benchmark.cpu_cases([64], [64], [True], heads=6)] == [6]
+
+
+def test_grouped_heads_peers():
+  """jax_flash and XLA (jax.nn) compute the same grouped-query attention from k and v of K
+  heads; on the GPU platform Pallas' mha reads 'unavailable' (it indexes k and v by the query
+  head) while XLA and jax_flash take such cases."""
+  peers = peers_module()
+  q, k, v, _ = benchmark.make_inputs(GQA_CASE).arrays()
+  outputs = {peer.name: np.asarray(peer.build.args[0](q, k, v, is_causal=True))
+             for peer in (peers.FLASH_CPU, peers.XLA_CPU)}
+  np.testing.assert_allclose(outputs["jax_flash"], outputs["xla"], atol=2e-5)
+  assert outputs["xla"].shape == (2, 64, 4, 64)
+  gpu_case = dataclasses.replace(GPU_CASE, heads=4, kv_heads=2)
+  by_name = {peer.name: peer for peer in benchmark.GPU.peers}
+  assert peers.PALLAS_NO_GROUPED_HEADS in by_name["pallas"].case_unavailable(gpu_case)
+  assert by_name["pallas"].case_unavailable(dataclasses.replace(gpu_case, kv_heads=None)) is None
+  for name in ("jax_flash", "xla"):
+    assert by_name[name].case_unavailable(gpu_case) is None, name
+
+
+def test_torch_takes_grouped_heads_as_they_are():
+  """PyTorch's CPU flash kernel with enable_gqa=True on k and v of K heads gives jax.nn's
+  grouped-query attention (where torch is installed and its flash kernel takes them)."""
+  torch = pytest.importorskip("torch")
+  peers = peers_module()
+  if peers._torch_flash_gqa_refusal() is not None:
+    assert "grouped" in peers.TORCH_CPU.case_unavailable(GQA_CASE)
+    return
+  from torch.nn.attention import SDPBackend, sdpa_kernel
+
+  q, k, v, _ = benchmark.make_inputs(GQA_CASE).arrays()
+  with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+    out = torch.nn.functional.scaled_dot_product_attention(
+        *(torch.from_numpy(np.ascontiguousarray(x.swapaxes(1, 2))) for x in (q, k, v)),
+        is_causal=True, enable_gqa=True)
+  reference = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+  np.testing.assert_allclose(out.numpy().swapaxes(1, 2), reference, atol=2e-5)
+
+
+def test_cli_grouped_heads(tmp_path, capsys, monkeypatch):
+  """--heads 4 --kv-heads 2 on the CPU: every peer gets k and v of 2 heads (q and dO of 4);
+  jax_flash's cells are numbers, the heads column reads 4/2, the caption says so; the FLOPs
+  count the 4 query heads; results.json records heads and kv_heads."""
+  import json
+
+  from jax_flash.benchmark import runner
+
+  shapes = []
+  original = runner.make_inputs
+
+  def recording(case, *args, **kwargs):
+    inputs = original(case, *args, **kwargs)
+    shapes.append(tuple(x.shape for x in inputs.arrays()))
+    return inputs
+
+  monkeypatch.setattr(runner, "make_inputs", recording)
+  assert benchmark.main([*GQA_CPU_RUN, "--out", str(tmp_path)]) == 0
+  assert shapes == [((1, 64, 4, 64), (1, 64, 2, 64), (1, 64, 2, 64), (1, 64, 4, 64))]
+  header, rows = table_rows(table_lines(capsys))
+  assert header[:5] == ["seq", "heads", "hdim", "causal", "pass"]
+  assert [row["pass"] for row in rows] == ["fwd", "bwd", "fwd+bwd"]
+  assert all(row["heads"] == "4/2" for row in rows)
+  for row in (rows[0], rows[2]):  # fwd, fwd+bwd (bwd is derived, and may not be at --reps 1)
+    assert float(row["GFLOP/s"]) > 0 and float(row["jax_flash ms"]) > 0
+    assert row["xla GFLOP/s"] not in ("unavailable", "fails")
+  table = (tmp_path / "table.md").read_text()
+  assert "grouped-query attention: 2 key/value heads" in table
+  results = json.loads((tmp_path / "results.json").read_text())
+  assert results["settings"]["heads"] == 4 and results["settings"]["kv_heads"] == 2
+  case = benchmark.Case(1, 64, 4, 64, "float32", True, kv_heads=2)
+  by_peer = {(m["peer"], m["pass"]): m for m in results["measurements"]}
+  for pass_name in ("fwd", "fwd+bwd"):
+    m = by_peer[("jax_flash", pass_name)]
+    assert m["status"] == "ok" and (m["heads"], m["kv_heads"]) == (4, 2)
+    assert m["flop"] == case.flops(pass_name) == dataclasses.replace(
+        case, kv_heads=None).flops(pass_name)
+  torch_fwd = by_peer[("torch", "fwd")]
+  if importlib.util.find_spec("torch") is None:
+    assert torch_fwd["status"] == "unavailable" and "not installed" in torch_fwd["reason"]
+  else:
+    assert torch_fwd["status"] == "ok" or "grouped" in torch_fwd["reason"], torch_fwd

@@ -6,6 +6,7 @@
                                   [--skip PEER ...] [--block-density D]
                                   [--logits-soft-cap C] [--alibi] [--sinks] [--dropout-rate R]
                                   [--packed-documents D] [--value-head-dim HV]
+                                  [--heads N] [--kv-heads K]
 
 Each platform (`platforms`) has a list of cases (`cases`), a list of peers (`peers`) and a table
 layout (`columns`):
@@ -78,6 +79,20 @@ dim HV, (B, S, N, HV), while query and key keep the case's head dim H (MLA: Deep
 counts above. jax_flash and tokamax (whose dot_product_attention takes a value of another head
 dim) run such cases; jax.nn's cuDNN and XLA, Pallas' mha and PyTorch's CPU flash kernel read
 "unavailable" with the reason (`peers`).
+
+With --heads N, every case has N query heads instead of the grid's (cpu 4, gpu 2048 // head
+dim; the GPU batch stays 16384 // seq). With --kv-heads K (grouped-query attention; multi-query
+with K = 1), every case's key and value have K heads, (B, S, K, H) and (B, S, K, HV), each
+shared by N/K query heads, while the query, the output and its cotangent keep N; every case's N
+must be divisible by K (an argument error naming both otherwise), and neither option applies to
+--preset decode (its shapes have their own heads). With either option the table gains a heads
+column after seq ("N", or "N/K"), results.json records settings' "heads" and "kv_heads" (and
+each measurement its case's "heads" and "kv_heads"); FLOPs count the query heads, the same as
+with K = N. Each peer gets k and v of K heads as they are (none repeats them to N, which would
+change the work): jax_flash, jax.nn's XLA and cuDNN, and tokamax take them natively (probed at
+trace time where a kernel may refuse), PyTorch's CPU flash kernel with enable_gqa=True where it
+takes that (probed: torch 2.13's does); Pallas' mha, which indexes k and v by the query head,
+reads "unavailable" with the reason (`peers`).
 
 With --out DIR: results.json (environment, settings, every measurement) and table.md, rewritten
 after each case so that an interrupted run keeps what it measured (`report`), and plot.png at the

@@ -24,6 +24,8 @@ PASS_PRODUCTS = {"fwd": (1, 1), "bwd": (3, 2), "fwd+bwd": (4, 3)}  # (over H, ov
 # The FlashAttention benchmark's GPU shapes: tokens per batch and model width.
 GPU_TOKENS = 16384
 GPU_HIDDEN = 2048
+# The CPU grid's heads.
+CPU_HEADS = 4
 # Block-sparse cases (--block-density): the random block mask's seed, fixed so that every run
 # and every peer of a run sees the same mask.
 BLOCK_MASK_SEED = 0
@@ -36,7 +38,9 @@ class Case:
   `documents` D packed: each row holds D documents of seq / D tokens end to end
   (document_ids), and a token attends only within its document (None: one sequence a row);
   with `value_head_dim` Hv, v (and so the output and its cotangent) is (B, S, N, Hv) while q
-  and k keep H (MLA; None: Hv = H).
+  and k keep H (MLA; None: Hv = H); with `kv_heads` K, k and v have K heads, (B, S, K, H) and
+  (B, S, K, Hv), each shared by N / K query heads (grouped-query attention, multi-query with
+  K = 1; N % K == 0; None: K = N), while q, the output and its cotangent keep N.
   """
 
   batch: int
@@ -48,6 +52,22 @@ class Case:
   block_density: float | None = None
   documents: int | None = None
   value_head_dim: int | None = None
+  kv_heads: int | None = None
+
+  def __post_init__(self) -> None:
+    if self.kv_heads is not None and (self.kv_heads < 1 or self.heads % self.kv_heads):
+      raise ValueError(f"kv_heads {self.kv_heads} does not divide the {self.heads} query heads "
+                       "(grouped-query attention needs N % K == 0)")
+
+  @property
+  def num_kv_heads(self) -> int:
+    """The key's and value's heads K: kv_heads, else heads (one per query head)."""
+    return self.heads if self.kv_heads is None else self.kv_heads
+
+  @property
+  def heads_label(self) -> str:
+    """The heads as the table shows them: "16", or "16/4" (N/K) with kv_heads."""
+    return str(self.heads) if self.kv_heads is None else f"{self.heads}/{self.kv_heads}"
 
   @property
   def hv(self) -> int:
@@ -64,7 +84,9 @@ class Case:
     2 B N T S per unit of head dim, halved when causal; forward 2 B N T S (H + Hv), backward
     2 B N T S (3 H + 2 Hv) (with Hv = H: 4 B N S^2 H and 2.5x that). A block-sparse case counts
     only the blocks its mask lets through, a packed one only the pairs within documents
-    (computed_fraction)."""
+    (computed_fraction). N is the query heads: with kv_heads K < N (grouped-query attention)
+    every query head still computes its T x S scores, so the count is the same as with K = N.
+    """
     pairs = 2.0 * self.batch * self.seq**2 * self.heads
     if self.causal:
       pairs /= 2
@@ -149,9 +171,9 @@ def packed_cases(cases: Sequence[Case], documents: int) -> list[Case]:
 
 @dataclasses.dataclass(frozen=True)
 class Inputs:
-  """Query, key, value and output cotangent of one case, host arrays: query and key
-  (B, S, N, H), value and cotangent (B, S, N, Hv); and its block mask (Tb, Sb), None when
-  dense."""
+  """Query, key, value and output cotangent of one case, host arrays: query (B, S, N, H), key
+  (B, S, K, H), value (B, S, K, Hv) and cotangent (B, S, N, Hv) (K = N but with the case's
+  kv_heads); and its block mask (Tb, Sb), None when dense."""
 
   query: np.ndarray
   key: np.ndarray
@@ -166,32 +188,42 @@ class Inputs:
 
 def make_inputs(case: Case, seed: int = 0) -> Inputs:
   """Random normal inputs of the case's shapes and dtype (never zeros), with its block mask:
-  query and key of head dim H, value and output cotangent of Hv (case.hv)."""
-  rows = (case.batch, case.seq, case.heads)
-  inputs = _random_inputs((*rows, case.head_dim), (*rows, case.hv), case.dtype, seed)
+  query and key of head dim H, value and output cotangent of Hv (case.hv); query and
+  cotangent of N heads, key and value of K (case.num_kv_heads). With K = N and Hv = H the
+  arrays are those of a case without kv_heads and value_head_dim (the same draws)."""
+  rows, kv_rows = (case.batch, case.seq, case.heads), (case.batch, case.seq, case.num_kv_heads)
+  shapes = ((*rows, case.head_dim), (*kv_rows, case.head_dim), (*kv_rows, case.hv),
+            (*rows, case.hv))
+  inputs = _random_inputs(shapes, case.dtype, seed)
   return dataclasses.replace(inputs, block_mask=case.block_mask())
 
 
 @functools.lru_cache(maxsize=1)  # a causal case and its non-causal twin share their inputs
-def _random_inputs(shape: tuple[int, ...], value_shape: tuple[int, ...], dtype: str,
-                   seed: int) -> Inputs:
+def _random_inputs(shapes: tuple[tuple[int, ...], ...], dtype: str, seed: int) -> Inputs:
+  """Query, key, value and cotangent of `shapes`, drawn in that order."""
   rng = np.random.default_rng(seed)
-  return Inputs(*(rng.standard_normal(s, np.float32).astype(jnp.dtype(dtype))
-                  for s in (shape, shape, value_shape, value_shape)))
+  return Inputs(*(rng.standard_normal(s, np.float32).astype(jnp.dtype(dtype)) for s in shapes))
 
 
-def cpu_cases(seqs: Sequence[int], head_dims: Sequence[int],
-              causal_modes: Sequence[bool]) -> list[Case]:
-  """The CPU grid: B=1, 4 heads, float32."""
-  return [Case(batch=1, seq=seq, heads=4, head_dim=head_dim, dtype="float32", causal=causal)
+def cpu_cases(seqs: Sequence[int], head_dims: Sequence[int], causal_modes: Sequence[bool],
+              heads: int | None = None) -> list[Case]:
+  """The CPU grid: B=1, 4 heads (or `heads`), float32."""
+  heads = CPU_HEADS if heads is None else heads
+  return [Case(batch=1, seq=seq, heads=heads, head_dim=head_dim, dtype="float32", causal=causal)
           for seq in seqs for head_dim in head_dims for causal in causal_modes]
 
 
-def gpu_cases(seqs: Sequence[int], head_dims: Sequence[int],
-              causal_modes: Sequence[bool]) -> list[Case]:
+def gpu_heads(head_dim: int) -> int:
+  """The GPU grid's heads at a head dim: 2048 // head dim (the model width), at least 1."""
+  return max(1, GPU_HIDDEN // head_dim)
+
+
+def gpu_cases(seqs: Sequence[int], head_dims: Sequence[int], causal_modes: Sequence[bool],
+              heads: int | None = None) -> list[Case]:
   """The FlashAttention benchmark's GPU grid: batch = 16384 // seq and heads = 2048 // head dim
-  (each at least 1), bfloat16."""
-  return [Case(batch=max(1, GPU_TOKENS // seq), seq=seq, heads=max(1, GPU_HIDDEN // head_dim),
+  (each at least 1; `heads` instead where given, the batch still 16384 // seq), bfloat16."""
+  return [Case(batch=max(1, GPU_TOKENS // seq), seq=seq,
+               heads=gpu_heads(head_dim) if heads is None else heads,
                head_dim=head_dim, dtype="bfloat16", causal=causal)
           for seq in seqs for head_dim in head_dims for causal in causal_modes]
 

@@ -24,7 +24,7 @@ from jax_flash.benchmark.measure import (ACCELERATOR_CALLS_PER_STEP, TIME_BUDGET
                                          compile_step, failure_reason, time_step)
 from jax_flash.benchmark.packed import packed_caption, with_packed_documents
 from jax_flash.benchmark.platforms import (PLATFORMS, Platform, no_devices, with_block_sparse,
-                                           with_deterministic_flash)
+                                           with_deterministic_flash, with_heads_column)
 from jax_flash.benchmark.plot import write_plot
 from jax_flash.benchmark.report import (block_sparse_speedups, format_table, with_backward,
                                         write_results)
@@ -80,6 +80,11 @@ def value_head_dim(text: str) -> int:
   return int(_number(text, lambda v: v >= 1 and v == int(v), "a positive head dim"))
 
 
+def head_count(text: str) -> int:
+  """A number of heads: a positive integer."""
+  return int(_number(text, lambda v: v >= 1 and v == int(v), "a positive number of heads"))
+
+
 def _per_platform(attribute: str) -> str:
   """Each platform's value of a setting, for help texts: "cpu: 512,1024; gpu: 1024,4096"."""
   values = {p.name: getattr(p, attribute) for p in PLATFORMS.values()}
@@ -129,6 +134,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                            "'unavailable' with the reason (jax.nn's cudnn and xla, Pallas, "
                            "PyTorch's CPU flash kernel); jax_flash and tokamax run it (default: "
                            "HV = H)")
+  parser.add_argument("--heads", type=head_count, metavar="N",
+                      help="the query heads N of every case (default: the platform's grid: cpu "
+                           "4; gpu 2048 // head dim, at least 1; on the GPU the batch stays "
+                           "16384 // seq); the table gains a heads column (N, or N/K with "
+                           "--kv-heads) and results.json records it (settings' heads); not "
+                           "with --preset decode")
+  parser.add_argument("--kv-heads", type=head_count, metavar="K",
+                      help="grouped-query cases (GQA; MQA with K=1): key and value have K heads, "
+                           "k (B, S, K, H) and v (B, S, K, HV), each shared by N/K query heads, "
+                           "while the query, the output and its cotangent keep the N query "
+                           "heads; every case's N must be divisible by K (so K <= N). The "
+                           "table gains a heads column reading N/K, the caption says so, "
+                           "results.json records it (settings' kv_heads, each measurement's "
+                           "kv_heads); FLOPs count the query heads (the same as with K = N). "
+                           "Every peer gets k and v of K heads as they are, none repeats them: "
+                           "jax_flash, jax.nn's xla and cudnn and tokamax run them, PyTorch's "
+                           "CPU flash kernel where it takes enable_gqa=True (probed); Pallas' mha "
+                           "and a kernel that refuses them read 'unavailable' with the reason; "
+                           "not with --preset decode (default: K = N)")
   parser.add_argument("--causal", choices=("both", "yes", "no"), default="both",
                       help="causal cases, non-causal cases or both (default: both)")
   parser.add_argument("--reps", type=int, default=20,
@@ -188,7 +212,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                            "ragged: every other sequence at S/8; B16 T1 16/16 S16384, B32 T4 "
                            "32/8 S8192, B4 T512 32/8 S8192 chunked prefill; head dim 128), "
                            "contiguous and paged, jax_flash beside XLA (and cuDNN on a GPU), "
-                           "forward only; --seqs, --head-dims, --causal and --skip do not apply")
+                           "forward only; --seqs, --head-dims, --causal and --skip do not apply, "
+                           "and --heads and --kv-heads are refused (the shapes have their own "
+                           "query/kv heads)")
   parser.add_argument("--decode-reduce", type=int, metavar="N",
                       help="with --preset decode: divide batch and cache length by N (default: "
                            "8 on the cpu platform, 1 on gpu)")
@@ -214,6 +240,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   if args.value_head_dim is not None and args.preset is not None:
     parser.error("--value-head-dim does not apply to --preset (its cases have head dim 128 "
                  "for q, k and v)")
+  if (args.heads is not None or args.kv_heads is not None) and args.preset is not None:
+    parser.error(f"--heads and --kv-heads do not apply to --preset {args.preset} (its shapes "
+                 "have their own query and key/value heads: B64 T1 32/8, ...)")
   if args.decode_reduce is not None and (args.preset != "decode" or args.decode_reduce < 1):
     parser.error("--decode-reduce takes a positive integer, with --preset decode")
   if args.cases is not None:
@@ -240,7 +269,35 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   if args.head_dims and HEAD_DIM_COLUMN not in platform.columns:
     parser.error(f"--head-dims: the {platform.name} table has no head dim column (its cases "
                  f"have head dim {','.join(map(str, platform.default_head_dims))})")
+  if args.kv_heads is not None and args.preset is None:
+    error = kv_heads_error(args, platform)
+    if error is not None:
+      parser.error(error)
   return args
+
+
+def case_head_dims(args: argparse.Namespace, platform: Platform) -> tuple[int, ...]:
+  """The head dims the arguments ask for on `platform`."""
+  if args.head_dims:
+    return tuple(args.head_dims)
+  return platform.quick_head_dims if args.quick else platform.default_head_dims
+
+
+def kv_heads_error(args: argparse.Namespace, platform: Platform) -> str | None:
+  """Why --kv-heads K does not fit the query heads N of the cases asked for (K > N, or N not
+  divisible by K), naming both; None where it fits every case."""
+  k = args.kv_heads
+  cases = platform.make_cases(case_seqs(args, platform)[:1], case_head_dims(args, platform),
+                              (False,), heads=args.heads)
+  for n, head_dim in dict.fromkeys((case.heads, case.head_dim) for case in cases):
+    if n % k == 0:
+      continue
+    heads = (f"--heads {n}" if args.heads is not None
+             else f"the {platform.name} grid's {n} query heads at head dim {head_dim}")
+    why = "is more than" if k > n else "does not divide"
+    return (f"--kv-heads {k} {why} {heads}: grouped-query attention needs the query heads N "
+            f"divisible by the key/value heads K (N % K == 0)")
+  return None
 
 
 def case_seqs(args: argparse.Namespace, platform: Platform) -> tuple[int, ...]:
@@ -255,6 +312,14 @@ def value_head_dim_caption(hv: int) -> str:
   return (f"value head dim Hv={hv}: v, the output and its cotangent (B, S, N, {hv}), q and k "
           f"the case's head dim H (hdim H/Hv); FLOPs count each product over its head dim: "
           f"forward 2*B*N*T*S*(H+Hv), backward 2*B*N*T*S*(3H+2Hv), halved when causal")
+
+
+def kv_heads_caption(kv_heads: int) -> str:
+  """The caption line of a run with --kv-heads."""
+  return (f"grouped-query attention: {kv_heads} key/value heads, k (B, S, {kv_heads}, H) and v "
+          f"(B, S, {kv_heads}, Hv), each shared by N/{kv_heads} query heads (heads column "
+          f"N/{kv_heads}); q, the output and its cotangent keep the N query heads; FLOPs count "
+          f"the query heads, the same as with K = N")
 
 
 def variant_of(args: argparse.Namespace) -> Variant | None:
@@ -298,14 +363,17 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.preset == "decode":
     return run_decode(platform, args)
   seqs = case_seqs(args, platform)
-  head_dims = args.head_dims or (
-      platform.quick_head_dims if args.quick else platform.default_head_dims)
+  head_dims = case_head_dims(args, platform)
   causal_modes = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
-  cases = platform.make_cases(seqs, head_dims, causal_modes)
+  cases = platform.make_cases(seqs, head_dims, causal_modes, heads=args.heads)
   if args.dtype is not None:
     cases = [dataclasses.replace(case, dtype=args.dtype) for case in cases]
   if args.value_head_dim is not None:
     cases = [dataclasses.replace(case, value_head_dim=args.value_head_dim) for case in cases]
+  if args.kv_heads is not None:
+    cases = [dataclasses.replace(case, kv_heads=args.kv_heads) for case in cases]
+  if args.heads is not None or args.kv_heads is not None:
+    platform = with_heads_column(platform)
   if args.block_density is not None:
     cases = block_sparse_cases(cases, args.block_density)
     platform = with_block_sparse(platform)
@@ -326,7 +394,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   if args.packed_documents is not None else None)
   value_caption = (None if args.value_head_dim is None
                    else value_head_dim_caption(args.value_head_dim))
-  caption = "\n".join(filter(None, (caption, value_caption, mode_caption))) or None
+  heads_caption = None if args.kv_heads is None else kv_heads_caption(args.kv_heads)
+  caption = "\n".join(filter(None, (caption, value_caption, heads_caption, mode_caption))) or None
   settings = dict(seqs=list(seqs), head_dims=list(head_dims), causal=args.causal,
                   reps=args.reps, warm_up_runs=platform.warm_up_runs,
                   time_budget_s=TIME_BUDGET_S, quick=args.quick, cases=len(cases),
@@ -334,7 +403,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   dtype=cases[0].dtype if cases else args.dtype, interleave=args.interleave,
                   load_average=list(os.getloadavg()), block_density=args.block_density,
                   variant=None if args.variant is None else dataclasses.asdict(args.variant),
-                  packed_documents=args.packed_documents, value_head_dim=args.value_head_dim)
+                  packed_documents=args.packed_documents, value_head_dim=args.value_head_dim,
+                  heads=args.heads, kv_heads=args.kv_heads)
   measurements: list[Measurement] = []
   for results in run(platform, cases, args.reps, skip, interleave=args.interleave):
     measurements.extend(results)
@@ -351,6 +421,10 @@ def main(argv: Sequence[str] | None = None) -> int:
       title += f", {args.packed_documents} documents per row"
     if args.value_head_dim is not None:
       title += f", value head dim {args.value_head_dim}"
+    if args.heads is not None:
+      title += f", {args.heads} heads"
+    if args.kv_heads is not None:
+      title += f", {args.kv_heads} key/value heads"
     try:
       write_plot(args.out / "plot.png", platform, measurements, title)
     except Exception as e:  # the plot only shows what results.json holds: warn, lose nothing

@@ -28,6 +28,9 @@ class Column:
 
 
 SEQ_COLUMN = Column("seq", lambda row: str(row.case.seq))
+# Runs given --heads or --kv-heads: the query heads, "N/K" with K key/value heads ("16/4";
+# grouped-query attention). Other runs' tables have no such column.
+HEADS_COLUMN = Column("heads", lambda row: row.case.heads_label)
 # The head dim, "H/Hv" in a run with a value head dim (--value-head-dim: "192/128").
 HEAD_DIM_COLUMN = Column("hdim", lambda row: row.case.head_dim_label)
 CAUSAL_COLUMN = Column("causal", lambda row: "Y" if row.case.causal else "N")

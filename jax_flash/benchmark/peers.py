@@ -6,7 +6,10 @@ kernel this build lacks), everywhere or for a kind of case (block-sparse cases: 
 that can express a block mask run them; packed-document cases: only those that take segment ids
 or a mask, and whose kernel does not refuse them at trace time; cases with a value head dim
 Hv != H (--value-head-dim): only those whose call takes such a value, jax_flash and tokamax; not
-jax.nn's cudnn and xla, Pallas' mha or PyTorch's CPU flash kernel).
+jax.nn's cudnn and xla, Pallas' mha or PyTorch's CPU flash kernel; grouped-query cases, K < N
+key/value heads (--kv-heads): every peer given k and v of K heads as they are, none repeating
+them to N, where its call takes them: jax_flash, jax.nn's xla and cudnn, tokamax, and PyTorch's
+CPU flash kernel where it takes enable_gqa=True (probed); not Pallas' mha).
 """
 
 from __future__ import annotations
@@ -29,9 +32,9 @@ from jax_flash.benchmark.machine import usable_cores
 from jax_flash.benchmark.measure import (ACCELERATOR_CALLS_PER_STEP, Compiled, Prepare,
                                          compile_step, failure_reason)
 
-# An attention function over (B, S, N, H) arrays (value (B, S, N, Hv)): (query, key, value,
-# is_causal) -> output; for a block-sparse case also block_mask=(Tb, Sb) bool, for a packed case
-# documents=D (an int).
+# An attention function over (B, S, N, H) queries, (B, S, K, H) keys and (B, S, K, Hv) values
+# (K = N but in grouped-query cases): (query, key, value, is_causal) -> output; for a
+# block-sparse case also block_mask=(Tb, Sb) bool, for a packed case documents=D (an int).
 AttentionFn = Callable[..., jax.Array]
 
 NO_BLOCK_MASK = "takes no block mask (block-sparse cases run jax_flash's 'cpu' kernel and XLA)"
@@ -42,6 +45,11 @@ JAX_NN_NO_VALUE_HEAD_DIM = ("jax.nn.dot_product_attention takes no value head di
                             "(ValueError: value must have key's shape)")
 PALLAS_NO_VALUE_HEAD_DIM = ("Pallas' mha takes no value head dim Hv != H (ValueError: q, k and v "
                             "must have the same head dimension)")
+# Why Pallas' mha runs no grouped-query case: it reads k and v at the query's head index (its
+# grid runs over the query heads; nothing checks K), so K < N heads are not grouped but read
+# out of bounds.
+PALLAS_NO_GROUPED_HEADS = ("Pallas' mha takes no grouped K/V heads K != N (it reads k and v at "
+                           "the query's head index)")
 # A case's kinds a peer runs: a reason it does not, None where it does.
 CaseKinds = Callable[[Case], str | None]
 
@@ -84,8 +92,11 @@ def trace_refusal(attention: AttentionFn, case: Case,
   NotImplementedError, in its forward or backward), or None; other errors are left to the run,
   which records them as failures. Not cached: each probe traces the call afresh."""
   dtype = jnp.dtype(case.dtype)
-  shape = jax.ShapeDtypeStruct((case.batch, case.seq, case.heads, case.head_dim), dtype)
-  value = jax.ShapeDtypeStruct((case.batch, case.seq, case.heads, case.hv), dtype)
+  rows, kv_rows = (case.batch, case.seq, case.heads), (case.batch, case.seq, case.num_kv_heads)
+  query = jax.ShapeDtypeStruct((*rows, case.head_dim), dtype)
+  key = jax.ShapeDtypeStruct((*kv_rows, case.head_dim), dtype)
+  value = jax.ShapeDtypeStruct((*kv_rows, case.hv), dtype)
+  d_out = jax.ShapeDtypeStruct((*rows, case.hv), dtype)
   mask = case.block_mask()
   blocks = () if mask is None else (jax.ShapeDtypeStruct(mask.shape, mask.dtype),)
   forward = _case_call(attention, case)
@@ -95,7 +106,7 @@ def trace_refusal(attention: AttentionFn, case: Case,
     return vjp(d_out)
 
   try:
-    jax.eval_shape(forward_backward, shape, shape, value, value, *blocks)
+    jax.eval_shape(forward_backward, query, key, value, d_out, *blocks)
   except refused as e:
     return failure_reason(e)
   except Exception:  # noqa: BLE001  (not a refusal: the run records what it is)
@@ -108,15 +119,22 @@ def has_value_head_dim(case: Case) -> bool:
   return case.hv != case.head_dim
 
 
+def has_grouped_heads(case: Case) -> bool:
+  """Whether the case's key and value have fewer heads than its query (grouped-query)."""
+  return case.num_kv_heads != case.heads
+
+
 def probed(attention: AttentionFn, kinds: CaseKinds,
            refused: tuple[type[Exception], ...] = (NotImplementedError,)) -> CaseKinds:
-  """`kinds`, and for a packed case or one with a value head dim Hv != H that it runs, the
-  refusal of `attention` at trace time (trace_refusal: e.g. cuDNN's ValueError for a call it
-  does not support; jax_flash's "cpu" and "cuda" kernels both take segment ids and Hv != H)."""
+  """`kinds`, and for a packed case, one with a value head dim Hv != H or a grouped-query one
+  (K < N key/value heads) that it runs, the refusal of `attention` at trace time
+  (trace_refusal: e.g. cuDNN's ValueError for a call it does not support; jax_flash's "cpu"
+  and "cuda" kernels take segment ids, Hv != H and K < N)."""
 
   def unavailable(case: Case) -> str | None:
     reason = kinds(case)
-    if reason is None and (case.documents is not None or has_value_head_dim(case)):
+    if reason is None and (case.documents is not None or has_value_head_dim(case)
+                           or has_grouped_heads(case)):
       reason = trace_refusal(attention, case, refused)
     return reason
 
@@ -129,13 +147,13 @@ def value_head_dim_refusal(attention: AttentionFn, reason: str, kinds: CaseKinds
                            ) -> CaseKinds:
   """`kinds`, and first, for a case with a value head dim Hv != H, `reason` where `attention`
   refuses such a value at trace time (one of `refused`, probed on the case's plain twin: dense,
-  one sequence a row, so that the refusal is the value's). One line of reason for every case,
-  where the error's own message would name each case's shapes; a peer that comes to take Hv
-  != H runs such cases without a change here."""
+  one sequence a row, K = N, so that the refusal is the value's). One line of reason for every
+  case, where the error's own message would name each case's shapes; a peer that comes to take
+  Hv != H runs such cases without a change here."""
 
   def unavailable(case: Case) -> str | None:
     if has_value_head_dim(case):
-      plain = dataclasses.replace(case, block_density=None, documents=None)
+      plain = dataclasses.replace(case, block_density=None, documents=None, kv_heads=None)
       if trace_refusal(attention, plain, refused) is not None:
         return reason
     return kinds(case)
@@ -294,12 +312,16 @@ def _pallas_unavailable() -> str | None:
 def _pallas_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
                       is_causal: bool, documents: int | None = None) -> jax.Array:
   """Pallas' Triton FlashAttention on (B, T, N, H) arrays, scaled by 1/sqrt(H) as jax.nn is;
-  a packed case with its (B, T) segment ids (a value head dim Hv != H: its ValueError).
+  a packed case with its (B, T) segment ids (a value head dim Hv != H: its ValueError). A
+  grouped-query case (k and v of K < N heads) raises NotImplementedError here
+  (PALLAS_NO_GROUPED_HEADS): mha would index k and v by the query head, out of their bounds.
 
   Its signature has changed between JAX versions: `segment_ids`, `sm_scale` and `causal` are
   passed only where `mha` has them, and a causal or packed case fails where it has no
   `causal` or `segment_ids`.
   """
+  if key.shape[2] != query.shape[2]:
+    raise NotImplementedError(PALLAS_NO_GROUPED_HEADS)
   from jax.experimental.pallas.ops.gpu import attention as pallas_attention
 
   parameters = inspect.signature(pallas_attention.mha).parameters
@@ -338,7 +360,10 @@ def _tokamax_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
   (segment_mask) where its dot_product_attention has a `mask` parameter, else a
   NotImplementedError. A value (B, S, N, Hv) of another head dim is passed as it is: tokamax's
   dot_product_attention takes one (value "*B S K h", output "*B T N h"; the Mosaic GPU kernels
-  size v, the accumulator and the output by v's head dim, forward and backward).
+  size v, the accumulator and the output by v's head dim, forward and backward). So are key
+  and value of K < N heads (grouped-query): its K is their heads, N % K == 0, and the Mosaic
+  kernels read K/V head h // (N / K) for query head h; a tokamax that refused them at trace
+  time (NotImplementedError) would leave the case 'unavailable' with the reason.
 
   `implementation="mosaic"` holds tokamax to that kernel: left to choose, it falls back to
   Triton or XLA without a word where Mosaic does not apply, and the figure would not say which
@@ -411,13 +436,47 @@ def _torch_flash_value_head_dim_refusal() -> str | None:
   return None
 
 
+@functools.lru_cache(maxsize=1)
+def _torch_flash_gqa_refusal() -> str | None:
+  """Why PyTorch's CPU flash kernel takes no key and value of fewer heads than the query here
+  (a tiny forward and backward, 4 query heads over 2 K/V heads, enable_gqa=True, held to it),
+  None where it takes them (torch 2.13's does, K and V as they are: no repeat of them runs
+  beside the flash op). A torch whose scaled_dot_product_attention has no enable_gqa (before
+  2.5) raises TypeError; one whose flash kernel refuses grouped heads, RuntimeError (no kernel
+  left)."""
+  import warnings
+
+  import torch
+  from torch.nn.attention import SDPBackend, sdpa_kernel
+
+  q = torch.randn(1, 4, 8, 8, requires_grad=True)
+  kv = torch.randn(1, 2, 8, 8, requires_grad=True)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    try:
+      with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        torch.nn.functional.scaled_dot_product_attention(q, kv, kv,
+                                                         enable_gqa=True).sum().backward()
+    except (TypeError, RuntimeError) as e:
+      # Its warning says why ("... require query, key and value to have the same num_heads");
+      # the error only that no kernel is left.
+      said = [str(w.message).split(". Query")[0].strip() for w in caught
+              if "num_heads" in str(w.message)]
+      why = said[0].splitlines()[0] if said else failure_reason(e)
+      return (f"its CPU flash kernel (the one timed) takes no grouped K/V heads K != N here "
+              f"({why})")
+  return None
+
+
 def _torch_case_unavailable(case: Case) -> str | None:
-  """PyTorch's flash kernel runs dense cases, packed ones where it takes an attn_mask, and ones
-  with a value head dim Hv != H where it takes such a value."""
+  """PyTorch's flash kernel runs dense cases, packed ones where it takes an attn_mask, ones
+  with a value head dim Hv != H where it takes such a value, and grouped-query ones (K < N
+  key/value heads) where it takes them (enable_gqa=True)."""
   if case.block_density is not None:
     return "its flash kernel (the one timed) takes no block mask"
-  if has_value_head_dim(case):
-    reason = _torch_flash_value_head_dim_refusal()
+  for applies, refusal in ((has_value_head_dim(case), _torch_flash_value_head_dim_refusal),
+                           (has_grouped_heads(case), _torch_flash_gqa_refusal)):
+    reason = refusal() if applies else None
     if reason is not None:
       return reason
   return None if case.documents is None else _torch_flash_mask_refusal()
@@ -441,9 +500,11 @@ def torch_attn_mask(case: Case):
 
 def _build_torch_cpu(case: Case, inputs: Inputs) -> dict[str, Prepare]:
   """Passes of PyTorch's CPU scaled_dot_product_attention, held to its flash kernel, on
-  (B, N, S, H) tensors (value and cotangent Hv) of the case's dtype with a thread per usable
-  core; a packed case with a (B, 1, T, S) bool attn_mask of its documents, the causal mask
-  folded in (PyTorch takes is_causal or attn_mask, not both), made before the steps."""
+  (B, N, S, H) tensors (value and cotangent Hv; key and value K heads) of the case's dtype
+  with a thread per usable core; a packed case with a (B, 1, T, S) bool attn_mask of its
+  documents, the causal mask folded in (PyTorch takes is_causal or attn_mask, not both), made
+  before the steps; a grouped-query case (K < N) with enable_gqa=True (its kernel reads the
+  K heads as they are)."""
   import torch
   from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -455,7 +516,10 @@ def _build_torch_cpu(case: Case, inputs: Inputs) -> dict[str, Prepare]:
       x.swapaxes(1, 2).astype(np.float32))).to(dtype) for x in inputs.arrays())
   leaves = [t.clone().requires_grad_() for t in (q, k, v)]
   mask = torch_attn_mask(case)
-  options = dict(is_causal=case.causal) if mask is None else dict(attn_mask=mask)
+  options: dict[str, object] = (dict(is_causal=case.causal) if mask is None
+                                else dict(attn_mask=mask))
+  if has_grouped_heads(case):
+    options["enable_gqa"] = True
   attention = functools.partial(torch.nn.functional.scaled_dot_product_attention, **options)
 
   def fwd() -> None:
@@ -477,6 +541,9 @@ def _build_torch_cpu(case: Case, inputs: Inputs) -> dict[str, Prepare]:
 # XLA takes every kind of case but a value head dim Hv != H (as cuDNN, both through jax.nn); the
 # rest take packed cases where they do not refuse them at trace time (cuDNN through jax.nn
 # raises ValueError for what it does not support), and Hv != H where their call takes it.
+# Grouped-query cases (K < N key/value heads): jax.nn takes them natively (N % K == 0), XLA
+# without a probe, the others where they do not refuse them at trace time (probed; Pallas'
+# mha refuses them: PALLAS_NO_GROUPED_HEADS).
 _XLA = functools.partial(_jax_nn_attention, "xla")
 _CUDNN = functools.partial(_jax_nn_attention, "cudnn")
 _PACKED_TOO = case_kinds(packed=None)

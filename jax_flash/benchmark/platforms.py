@@ -10,8 +10,9 @@ import jax
 
 from jax_flash.benchmark.cases import Case, cpu_cases, gpu_cases
 from jax_flash.benchmark.columns import (BLOCKS_COLUMN, CAUSAL_COLUMN, DOCUMENTS_COLUMN,
-                                         HEAD_DIM_COLUMN, PASS_COLUMN, SEQ_COLUMN, Column,
-                                         rate_column, ratio_column, temp_column, time_column)
+                                         HEAD_DIM_COLUMN, HEADS_COLUMN, PASS_COLUMN, SEQ_COLUMN,
+                                         Column, rate_column, ratio_column, temp_column,
+                                         time_column)
 from jax_flash.benchmark.measure import RateUnit, failure_reason
 from jax_flash.benchmark.peers import (CUDNN_GPU, FLASH_CPU, FLASH_GPU, PALLAS_GPU, TOKAMAX_GPU,
                                        TORCH_CPU, XLA_CPU, XLA_GPU, Peer, flash_peer)
@@ -22,7 +23,8 @@ class Platform:
   """What one platform measures and how it reports it.
 
   `device_kind` is the jax.devices() kind its JAX peers run on; `make_cases` takes sequence
-  lengths, head dims and causal modes; the first peer is jax_flash; `warm_up_runs` untimed runs
+  lengths, head dims and causal modes (and, as keyword `heads`, the query heads of every case,
+  None for the grid's own); the first peer is jax_flash; `warm_up_runs` untimed runs
   precede the timed ones; `progress` prints a line per case or per peer and pass.
   """
 
@@ -32,7 +34,7 @@ class Platform:
   quick_seqs: tuple[int, ...]
   default_head_dims: tuple[int, ...]
   quick_head_dims: tuple[int, ...]
-  make_cases: Callable[[Sequence[int], Sequence[int], Sequence[bool]], list[Case]]
+  make_cases: Callable[..., list[Case]]
   peers: tuple[Peer, ...]
   warm_up_runs: int
   rate_unit: RateUnit
@@ -95,14 +97,22 @@ def with_deterministic_flash(platform: Platform) -> Platform:
 
 
 # The columns that say which case and pass a row is (kept by beside_baseline).
-KEY_COLUMNS = (SEQ_COLUMN, HEAD_DIM_COLUMN, CAUSAL_COLUMN, BLOCKS_COLUMN, DOCUMENTS_COLUMN,
-               PASS_COLUMN)
+KEY_COLUMNS = (SEQ_COLUMN, HEADS_COLUMN, HEAD_DIM_COLUMN, CAUSAL_COLUMN, BLOCKS_COLUMN,
+               DOCUMENTS_COLUMN, PASS_COLUMN)
 
 
 def with_case_column(platform: Platform, column: Column) -> Platform:
   """The platform's table with `column` after the causal one."""
   columns = list(platform.columns)
   columns.insert(columns.index(CAUSAL_COLUMN) + 1, column)
+  return dataclasses.replace(platform, columns=tuple(columns))
+
+
+def with_heads_column(platform: Platform) -> Platform:
+  """The platform's table with the heads column ("N", or "N/K" with K key/value heads) after
+  the seq one, for a run given --heads or --kv-heads."""
+  columns = list(platform.columns)
+  columns.insert(columns.index(SEQ_COLUMN) + 1, HEADS_COLUMN)
   return dataclasses.replace(platform, columns=tuple(columns))
 
 

@@ -28,7 +28,10 @@ def write_plot(path: pathlib.Path, platform: Platform, measurements: Sequence[Me
   unit = platform.rate_unit
   seqs = sorted({m.case.seq for m in measurements})
   head_dims = sorted({m.case.head_dim for m in measurements})
-  labels = {m.case.head_dim: m.case.head_dim_label for m in measurements}  # "192/128" with Hv
+  # "192/128" with Hv; grouped-query: "64, heads 16/4" (query/key-value heads).
+  labels = {m.case.head_dim: m.case.head_dim_label + ("" if m.case.kv_heads is None
+                                                      else f", heads {m.case.heads_label}")
+            for m in measurements}
   causal_modes = sorted({m.case.causal for m in measurements})
   figure = Figure(figsize=(6 * len(causal_modes), 4 * len(head_dims)), layout="constrained")
   FigureCanvasAgg(figure)

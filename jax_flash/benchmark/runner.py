@@ -65,9 +65,10 @@ def _case_progress(index: int, total: int, case: Case, results: Sequence[Measure
 
 
 def _case_kind(case: Case) -> str:
-  """' blocks 25%' for a block-sparse case (the share of the dense FLOPs it computes),
-  ' docs 16x1024' for a packed one; '' for the rest."""
-  kind = ""
+  """' heads 16/4' for a grouped-query case (query/key-value heads), ' blocks 25%' for a
+  block-sparse one (the share of the dense FLOPs it computes), ' docs 16x1024' for a packed
+  one; '' for the rest."""
+  kind = "" if case.kv_heads is None else f" heads {case.heads_label}"
   if case.block_density is not None:
     kind += f" blocks {100 * case.computed_fraction():.1f}%"
   if case.documents is not None:
