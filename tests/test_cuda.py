@@ -432,6 +432,18 @@ def test_backward_on_80_row_blocks_on_hopper():
       "or test_command_buffer_capture or test_jit_training_step_reduces_loss")
 
 
+def test_backward_with_deferred_dq_on_hopper():
+  """Experimental: with JAX_FLASH_CUDA_BACKWARD=sm90ws_deferdq the plain non-deterministic calls at
+  head dim 128 run the tiled backward without the consumers' barrier, each visit's dQ computed
+  during the next once the other warpgroup has signalled its dS^T: their reference cases
+  (partial blocks, lengths, windows, causal, GQA, T != S), the deterministic ones beside them,
+  the CUDA-graph capture and the training step pass."""
+  _run_cuda_tests_on_hopper_with(
+      {"JAX_FLASH_CUDA_BACKWARD": "sm90ws_deferdq"},
+      "((test_cuda_matches_reference or test_deterministic_matches_reference) and h128) "
+      "or test_command_buffer_capture or test_jit_training_step_reduces_loss")
+
+
 def test_general_backward_beside_80_row_blocks_on_hopper():
   """Under JAX_FLASH_CUDA_BACKWARD=sm90ws_m80 the calls with a soft cap, ALiBi slopes or segment
   ids at head dim 128 keep the 64-row kernel, on a dQ accumulator sized for both tilings; their

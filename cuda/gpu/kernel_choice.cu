@@ -43,9 +43,10 @@ std::optional<KernelFamily> read_override(const char* variable, bool forward, st
   if (!forward && v == "sm90ws_bulkdq") return KernelFamily::kSm90WsBulkDq;
   if (!forward && v == "sm90ws_tileddq") return KernelFamily::kSm90WsTiledDq;
   if (!forward && v == "sm90ws_m80") return KernelFamily::kSm90WsM80;
+  if (!forward && v == "sm90ws_deferdq") return KernelFamily::kSm90WsDeferDq;
   append_unknown_value(error, variable, v,
                        forward ? "sm80, sm90ws, sm90ws_grid, sm90ws_narrow, sm90ws_wide, sm90ws_alusums, sm90ws_directstore"
-                               : "sm80, sm90ws, sm90ws_atomicdq, sm90ws_bulkdq, sm90ws_tileddq, sm90ws_m80");
+                               : "sm80, sm90ws, sm90ws_atomicdq, sm90ws_bulkdq, sm90ws_tileddq, sm90ws_m80, sm90ws_deferdq");
   return std::nullopt;
 }
 

@@ -6,7 +6,7 @@
 //                             sm90ws_alusums | sm90ws_directstore
 //                             (default on Hopper: sm90ws)
 //   JAX_FLASH_CUDA_BACKWARD = sm80 | sm90ws | sm90ws_atomicdq | sm90ws_bulkdq | sm90ws_tileddq |
-//                             sm90ws_m80
+//                             sm90ws_m80 | sm90ws_deferdq
 //                             (default on Hopper: sm90ws)
 // The forward's sm90ws runs on a persistent grid with FlashAttention-3's wider tiles where they
 // measured faster (gpu/tile_shapes.cuh wide_tiles_by_default); sm90ws_grid is the same kernels on
@@ -25,7 +25,9 @@
 // from shared memory (the general calls too: soft cap, ALiBi, segment ids); sm90ws_tileddq takes
 // the tiled dQ at head dims 65..128 (elsewhere sm90ws); sm90ws_m80 (experimental, session 21)
 // visits 80-row query blocks in the plain non-deterministic calls at head dim 128, dQ computed
-// transposed (FlashAttention-3's non-causal tile; sm90/traits.cuh kDqTransposed). At head dims
+// transposed (FlashAttention-3's non-causal tile; sm90/traits.cuh kDqTransposed); sm90ws_deferdq
+// (experimental, session 22) runs those calls on head dim 128's tiled kernel without the
+// consumers' barrier, each visit's dQ computed during the next (sm90/traits.cuh kDeferDq). At head dims
 // 193..256 every Hopper backward choice runs the split head-dim kernel (sm90/traits.cuh
 // kSplitHeadDim: the warpgroups share 64-key blocks, dQ by atomics).
 // A Hopper choice only applies on Hopper, and only where a Hopper kernel exists.
@@ -51,7 +53,7 @@ namespace jax_flash::cuda {
 // consumer warpgroups; head dims 192 and 256: key blocks of 112 and 80).
 enum class KernelFamily {
   kSm80, kSm90Ws, kSm90WsGrid, kSm90WsNarrow, kSm90WsWide, kSm90WsAluSums, kSm90WsDirectStore,
-  kSm90WsAtomicDq, kSm90WsBulkDq, kSm90WsTiledDq, kSm90WsM80
+  kSm90WsAtomicDq, kSm90WsBulkDq, kSm90WsTiledDq, kSm90WsM80, kSm90WsDeferDq
 };
 
 // Empty when the variables are unset or hold a known value; else a message naming the variable,

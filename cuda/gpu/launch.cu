@@ -44,12 +44,19 @@ cudaError_t dispatch_dtype_head_dim(Dtype dtype, int64_t head_dim, Run&& run) {
 
 bool tiled_dq_accum(const AttentionShape& shape) {
   const KernelFamily family = backward_family();
-  return ((family == KernelFamily::kSm90Ws || family == KernelFamily::kSm90WsM80) && shape.head_dim == 128) ||
+  return ((family == KernelFamily::kSm90Ws || family == KernelFamily::kSm90WsM80 ||
+           family == KernelFamily::kSm90WsDeferDq) &&
+          shape.head_dim == 128) ||
          (family == KernelFamily::kSm90WsTiledDq && shape.head_dim > 64 && shape.head_dim <= 128);
 }
 
 bool transposed_dq_accum(const AttentionShape& shape) {
   return backward_family() == KernelFamily::kSm90WsM80 && shape.head_dim == 128;
+}
+
+bool defer_dq_call(const BwdParams& p) {
+  return backward_family() == KernelFamily::kSm90WsDeferDq && p.shape.head_dim == 128 && !p.deterministic &&
+         !general_kernel(p) && !narrow_plain_call(p);
 }
 
 bool m80_call(const BwdParams& p) {
@@ -111,8 +118,10 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
                                : TileShapes<kD>::kSm90BwdBulkDqByDefault ? V::kBulkDq
                                                                          : V::kAtomicDq;
         e = m80                                       ? launch_bwd_main_sm90_ws<T, kD>(p, V::kM80, stream)
+            : tiled && defer_dq_call(p)               ? launch_bwd_main_sm90_ws<T, kD>(p, V::kDeferDq, stream)
             : tiled                                   ? launch_bwd_main_sm90_ws<T, kD>(p, V::kTiledDq, stream)
-            : family == KernelFamily::kSm90Ws || family == KernelFamily::kSm90WsM80
+            : family == KernelFamily::kSm90Ws || family == KernelFamily::kSm90WsM80 ||
+                      family == KernelFamily::kSm90WsDeferDq
                                                       ? launch_bwd_main_sm90_ws<T, kD>(p, kDefault, stream)
             : family == KernelFamily::kSm90WsAtomicDq ? launch_bwd_main_sm90_ws<T, kD>(p, V::kAtomicDq, stream)
             : family == KernelFamily::kSm90WsBulkDq   ? launch_bwd_main_sm90_ws<T, kD>(p, V::kBulkDq, stream)

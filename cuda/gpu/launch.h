@@ -29,6 +29,9 @@ inline constexpr int64_t kTransposedDqRows = 80;
 // Whether this call runs sm90ws_m80's 80-row backward: under that family, plain calls at head
 // dim 128 that are not deterministic.
 bool m80_call(const BwdParams& params);
+// Whether this call runs sm90ws_deferdq's backward (each visit's dQ during the next; the tiled
+// hand-off): under that family, plain calls at head dim 128 that are not deterministic.
+bool defer_dq_call(const BwdParams& params);
 
 // Elements of the accumulator in whole tiles of `rows` query rows x 128 columns per (batch, head).
 inline int64_t dq_tiles_elements(const AttentionShape& shape, int64_t rows) {
@@ -84,7 +87,9 @@ cudaError_t launch_bwd_main_sm80(const BwdParams& params, cudaStream_t stream);
 // accumulator in the fragments' order (tiled_dq_accum), converted by its own kernel.
 // kM80 (experimental, head dim 128, plain non-deterministic calls): 80-row query blocks with dQ
 // computed transposed into the tiled hand-off (sm90/traits.cuh kDqTransposed).
-enum class Sm90BwdVariant { kAtomicDq, kBulkDq, kBlockM128, kTiledDq, kM80 };
+// kDeferDq (experimental, head dim 128, plain non-deterministic calls): kTiledDq without the
+// consumers' barrier, each visit's dQ during the next (sm90/traits.cuh kDeferDq).
+enum class Sm90BwdVariant { kAtomicDq, kBulkDq, kBlockM128, kTiledDq, kM80, kDeferDq };
 template <typename T, int kHeadDim>
 cudaError_t launch_bwd_main_sm90_ws(const BwdParams& params, Sm90BwdVariant variant, cudaStream_t stream);
 // The deterministic mode's dQ kernel (mma.sync on every GPU).

@@ -75,6 +75,10 @@ struct TileShapes {
   // (sm90/traits.cuh kDqTransposed), for plain calls (gpu/launch.h m80_call).
   static constexpr bool kHasSm90BwdM80 = kHeadDim == 128;
   using Sm90BwdWsM80 = Sm90BwdWsTraits<kHeadDim, true, (kHasSm90BwdM80 ? 80 : 64), kHasSm90BwdM80>;
+  // Experimental (JAX_FLASH_CUDA_BACKWARD=sm90ws_deferdq): the tiled kernel without the consumers'
+  // barrier, each visit's dQ computed during the next (sm90/traits.cuh kDeferDq), for plain calls
+  // (gpu/launch.h defer_dq_call).
+  using Sm90BwdWsDeferDq = Sm90BwdWsTraits<kHeadDim, true, 64, kHasSm90BwdTiledDq, false, kHasSm90BwdTiledDq>;
   // 128-row query blocks, dQ split by rows between the consumers (registers allow head dim 64
   // only), dK from registers; the default there: +8-10% over 64-row blocks with atomics
   // (cuda/PERF_NOTES.md v10), +8-10% more from dK's registers (v11).

@@ -21,7 +21,8 @@ cudaError_t tma_params(const BwdParams& p, BwdTmaParams* params) {
   return make_head_tensor_map(&params->d_o, p.d_o, p.dtype, s.batch, s.seq_q, s.heads_q, s.head_dim, Traits::kBlockM);
 }
 
-// Tiles that run plain non-deterministic calls only (sm90ws_m80's; gpu/launch.h m80_call).
+// Tiles that run plain non-deterministic calls only (sm90ws_m80's and sm90ws_deferdq's;
+// gpu/launch.h m80_call, defer_dq_call).
 template <typename Traits, typename T>
 cudaError_t launch_plain(const BwdParams& p, cudaStream_t stream) {
   BwdTmaParams params;
@@ -66,6 +67,8 @@ cudaError_t launch_bwd_main_sm90_ws(const BwdParams& p, Sm90BwdVariant variant, 
     // kernel's visits: a query block of every head-dim column.
     static_assert(Tiled::kBlockM == kTiledDqRows && Tiled::kHeadDim == kTiledDqColumns, "tiled dQ geometry");
     if (variant == Sm90BwdVariant::kTiledDq) return launch<Tiled, T>(p, stream);
+    if (variant == Sm90BwdVariant::kDeferDq)
+      return launch_plain<typename TileShapes<kHeadDim>::Sm90BwdWsDeferDq, T>(p, stream);
   }
   if constexpr (TileShapes<kHeadDim>::kHasSm90BwdM80) {
     using M80 = typename TileShapes<kHeadDim>::Sm90BwdWsM80;

@@ -25,6 +25,8 @@
 
 #include <cuda.h>
 
+#include <type_traits>
+
 #include "common/attention_params.h"
 #include "gpu/block_geometry.cuh"
 #include "gpu/fragments.cuh"
@@ -55,6 +57,13 @@ struct BwdWsBarriers {
   uint64_t dq_full[2], dq_empty[2];  // the dQ tile (Traits::kBulkDq; one pair a warpgroup with kTiledDq)
 };
 
+// With Traits::kDeferDq: a warpgroup's dS^T of a visit in its buffer, one mbarrier a warpgroup and
+// buffer (after the others, so that the other variants' barriers keep their 128 bytes).
+template <int kStages>
+struct BwdWsDeferBarriers : BwdWsBarriers<kStages> {
+  uint64_t ds_full[2][4];
+};
+
 // Shared memory of a warp-specialised backward CTA, from a 1 KiB boundary. The barriers are in
 // it too, last: a static __shared__ beside the 1 KiB-aligned dynamic part took 1 KiB, which the
 // 80-row visits' 226.3 KiB do not leave (227 KiB in all).
@@ -64,24 +73,25 @@ struct Sm90BwdWsSmem {
   T* v;
   T* q;      // kStages
   T* d_o;    // kStages
-  T* ds;     // two dS^T buffers
+  T* ds;     // Traits::kDsBuffers dS^T buffers
   T* pt;     // two P^T buffers (Traits::kSplitHeadDim)
   float* lse2;   // kStages x kBlockM
   float* delta;  // kStages x kBlockM
   float* dq;     // kBlockM x kDqRowStride (kBulkDq)
-  BwdWsBarriers<Traits::kStages>* bars;
-  static_assert(sizeof(BwdWsBarriers<Traits::kStages>) <= Traits::kBarrierBytes, "the barriers' bytes");
+  using Barriers = std::conditional_t<Traits::kDeferDq, BwdWsDeferBarriers<Traits::kStages>, BwdWsBarriers<Traits::kStages>>;
+  Barriers* bars;
+  static_assert(sizeof(Barriers) <= Traits::kBarrierBytes, "the barriers' bytes");
   __device__ explicit Sm90BwdWsSmem(unsigned char* raw) {
     k = first_tile_boundary<T>(raw);
     v = k + Traits::KVTile::kElements;
     q = v + Traits::KVTile::kElements;
     d_o = q + Traits::kStages * Traits::QTile::kElements;
     ds = d_o + Traits::kStages * Traits::QTile::kElements;
-    pt = ds + 2 * Traits::DsTile::kElements;
+    pt = ds + 2 * Traits::DsTile::kElements;  // (kSplitHeadDim: two dS^T buffers)
     lse2 = reinterpret_cast<float*>(ds + Traits::kScoreTiles * Traits::DsTile::kElements);
     delta = lse2 + Traits::kStages * Traits::kBlockM;
     dq = delta + Traits::kStages * Traits::kBlockM;
-    bars = reinterpret_cast<BwdWsBarriers<Traits::kStages>*>(dq + (Traits::kBulkDq ? Traits::kBlockM * Traits::kDqRowStride : 0));
+    bars = reinterpret_cast<Barriers*>(dq + (Traits::kBulkDq ? Traits::kBlockM * Traits::kDqRowStride : 0));
   }
   __device__ T* q_stage(int stage) const { return q + stage * Traits::QTile::kElements; }
   __device__ T* d_o_stage(int stage) const { return d_o + stage * Traits::QTile::kElements; }
@@ -114,7 +124,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const BwdParams& p = params.p;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const Sm90BwdWsSmem<Traits, T> smem(smem_raw);
-  BwdWsBarriers<kStages>& bars = *smem.bars;
+  auto& bars = *smem.bars;
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   if (threadIdx.x == 0) {
@@ -128,6 +138,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     for (int g = 0; g < 2; ++g) {
       Mbarrier(&bars.dq_full[g]).init(Traits::kTiledDq ? 4 : Traits::kDqWarps);
       Mbarrier(&bars.dq_empty[g]).init(32);
+      if constexpr (Traits::kDeferDq) {
+#pragma unroll
+        for (int b = 0; b < 4; ++b) Mbarrier(&bars.ds_full[g][b]).init(1);
+      }
     }
     Mbarrier::fence_init();
   }
@@ -282,6 +296,34 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const KeyGroupBlocks group_blocks =
       KeyGroupBlocks::of<kBM>(p.mask, group_key0, min64(group_key0 + 64, n0 + task.live_keys), q_len, kv_len);
 
+  // This warpgroup's part of visit v's dQ into the tiled hand-off (Traits::kTiledDq), in its
+  // fragments' order, once the writer has taken the part of visit v - 1.
+  // dQ's fragments a warpgroup: 64 rows or columns x 64, or (kDqTransposed) dQ^T's 64 head-dim
+  // rows x the block's queries.
+  constexpr int kDqTiles = Traits::kDqTransposed ? kBM / 8 : 8;
+  auto hand_off_dq_part = [&](const float (&dq)[1][kDqTiles][4], int v) {
+    Mbarrier(&bars.dq_empty[group]).wait((v & 1) ^ 1);
+    float4* part = reinterpret_cast<float4*>(smem.dq + group * Traits::kDqPartFloats) + (ctid % 128);
+#pragma unroll
+    for (int nt = 0; nt < kDqTiles; ++nt)
+      part[nt * 128] = make_float4(dq[0][nt][0], dq[0][nt][1], dq[0][nt][2], dq[0][nt][3]);
+    fence_proxy_async();  // the bulk reductions read through the async proxy
+    __syncwarp();
+    if (lane == 0) Mbarrier(&bars.dq_full[group]).arrive();
+  };
+  // Traits::kDeferDq: visit v's dQ, once the other warpgroup's dS^T of it is in (this one's own
+  // is: the warpgroup's barrier after its stores), handed off.
+  auto deferred_dq = [&](int v) {
+    if constexpr (Traits::kDeferDq) {
+      Mbarrier(&bars.ds_full[1 - group][v % 4]).wait((v / 4) & 1);
+      float dq[1][8][4];
+      issue_query_gradient<Traits, T>(dq, smem_address(smem.ds_buffer(v % 4)), k_address, group);
+      wgmma_wait<0>();
+      fence_registers(dq[0]);
+      hand_off_dq_part(dq, v);
+    }
+  };
+
   if (iterations > 0) Mbarrier(&bars.kv_full).wait(0);
   Visit visit = task.first_visit();
   for (int it = 0; it < iterations; ++it, visit = task.next_visit(visit)) {
@@ -290,7 +332,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const int64_t m0 = static_cast<int64_t>(visit.mb) * kBM;
     const uint32_t q_address = smem_address(smem.q_stage(stage));
     const uint32_t do_address = smem_address(smem.d_o_stage(stage));
-    T* ds = smem.ds_buffer(it % 2);
+    T* ds = smem.ds_buffer(it % Traits::kDsBuffers);
     const uint32_t ds_address = smem_address(ds);
 
     // S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys, then P^T and dS^T (masked
@@ -343,9 +385,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // stage is released (Q, dO, lse and delta no longer read by this warp) and dQ added to the
     // float32 accumulator.
     const bool dq_here = !kDeterministic && (Traits::kDqByRows || kD == 128 || kSplit || group == 0);
-    // dQ's fragments: 64 rows or columns x 64, or (kDqTransposed) dQ^T's 64 head-dim rows x the
-    // block's queries.
-    constexpr int kDqTiles = Traits::kDqTransposed ? kBM / 8 : 8;
     float dq[1][kDqTiles][4];
     if constexpr (kSplit) {
       // P^T and dS^T of the warpgroup's queries to this visit's tiles (every key), then, once
@@ -384,6 +423,22 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         fence_registers(dq_next[0]);
         add_dq<Traits::kDqByRows>(p, task, dq_next, m0, visit.h, group, grad_col0 + 64, warp, lane);
       }
+      continue;
+    } else if constexpr (Traits::kDeferDq) {
+      // This visit's dS^T, signalled to the other warpgroup; dV and dK (this warpgroup's rows of
+      // dS^T), waited for; the stage released; then the last visit's dQ.
+      if (group_live)
+        store_transposed_ds<Traits>(ds, dpt, warp_key0, lane);
+      else
+        store_zero_ds<Traits>(ds, warp_key0, lane);
+      fence_proxy_async();
+      named_barrier_sync(2 + group, 128);  // the warpgroup's dS^T rows are in (its dK reads them)
+      if (ctid % 128 == 0) Mbarrier(&bars.ds_full[group][it % 4]).arrive();
+      accumulate_gradients<Traits, T>(dk, dv, dq, st, q_address, do_address, ds_address, k_address, group,
+                                      group_live, false);
+      __syncwarp();
+      if (lane == 0) Mbarrier(&bars.empty[stage]).arrive();
+      if (dq_here && it > 0) deferred_dq(it - 1);
       continue;
     } else if constexpr (Traits::kDqTransposed) {
       // 80-row visits: dS^T stored query-major (stmatrix), then after the barrier dK (dS^T from
@@ -452,16 +507,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     __syncwarp();
     if (lane == 0) Mbarrier(&bars.empty[stage]).arrive();
     if constexpr (Traits::kTiledDq) {
-      if (dq_here) {  // this warpgroup's part, in its fragments' order (Traits::kTiledDq)
-        Mbarrier(&bars.dq_empty[group]).wait((it & 1) ^ 1);
-        float4* part = reinterpret_cast<float4*>(smem.dq + group * Traits::kDqPartFloats) + (ctid % 128);
-#pragma unroll
-        for (int nt = 0; nt < kDqTiles; ++nt)
-          part[nt * 128] = make_float4(dq[0][nt][0], dq[0][nt][1], dq[0][nt][2], dq[0][nt][3]);
-        fence_proxy_async();  // the bulk reductions read through the async proxy
-        __syncwarp();
-        if (lane == 0) Mbarrier(&bars.dq_full[group]).arrive();
-      }
+      if (dq_here) hand_off_dq_part(dq, it);  // this warpgroup's part (Traits::kTiledDq)
     } else if constexpr (Traits::kBulkDq) {
       static_assert(kDqTiles == 8, "64 columns of dQ a warpgroup");
       if (dq_here) {  // the tile, once the writer has read the last visit's
@@ -482,6 +528,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
   }
 
+  if (!kDeterministic && iterations > 0) deferred_dq(iterations - 1);
   store_dk_dv<Traits, kConsumerThreads>(p, task, dk, dv, smem.k, smem.v, warp_key0, grad_col0, lane, ctid,
                                         consumers_sync);
 #endif  // JF_SM90A

@@ -79,10 +79,20 @@ struct Sm90FwdWsTraits {
 // shared tiles, and after the consumers' barrier accumulates dV, dK and dQ for its half of the
 // head dim (N = 128) from them; dQ by atomics. (At 192 the second half would start mid-way
 // through a 64-column block, which an N-major wgmma operand cannot.)
-template <int kHeadDim_, bool kBulkDq_ = false, int kBlockM_ = 64, bool kTiledDq_ = false, bool kSplitHeadDim_ = false>
+// kDeferDq (experimental, with kTiledDq on 64-row visits): the consumers' barrier goes; each
+// warpgroup computes a visit's dQ during its next visit, once the other warpgroup has signalled
+// that visit's dS^T (an mbarrier a warpgroup and buffer), so the two warpgroups may drift apart
+// and one's softmax run under the other's products. dS^T then takes four buffers (a buffer is
+// written again only once the other warpgroup has signalled a later visit, which it does after
+// its dQ of this one).
+template <int kHeadDim_, bool kBulkDq_ = false, int kBlockM_ = 64, bool kTiledDq_ = false, bool kSplitHeadDim_ = false,
+          bool kDeferDq_ = false>
 struct Sm90BwdWsTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kSplitHeadDim = kSplitHeadDim_;
+  static constexpr bool kDeferDq = kDeferDq_;
+  static_assert(!kDeferDq || (kTiledDq_ && kBlockM_ == 64), "deferred dQ: the tiled hand-off, 64-row visits");
+  static constexpr int kDsBuffers = kDeferDq ? 4 : 2;
   static_assert(!kSplitHeadDim || (kBlockM_ == 64 && !kBulkDq_ && kHeadDim == 256),
                 "split head dim: 64-row visits, dQ by atomics, head dim 256");
   static constexpr bool kBulkDq = kBulkDq_;
@@ -127,10 +137,10 @@ struct Sm90BwdWsTraits {
   // Floats of one warpgroup's part of the tiled dQ tile (kTiledDq): 64 rows x its 64 columns, or
   // (kDqTransposed) its 64 head-dim rows of dQ^T x the block's queries.
   static constexpr int kDqPartFloats = kBlockM * kHeadDim / 2;
-  // K, V; kStages of Q and of dO; two dS^T (and two P^T with kSplitHeadDim); kStages of the
+  // K, V; kStages of Q and of dO; kDsBuffers dS^T (and two P^T with kSplitHeadDim); kStages of the
   // block's lse (log2 units) and delta; the dQ tile (kBulkDq); the barriers; 1 KiB to align the base.
-  static constexpr int kBarrierBytes = 128;
-  static constexpr int kScoreTiles = kSplitHeadDim ? 4 : 2;
+  static constexpr int kBarrierBytes = kDeferDq ? 256 : 128;  // (with ds_full: 200 bytes)
+  static constexpr int kScoreTiles = kSplitHeadDim ? 4 : kDsBuffers;
   static constexpr int kSmemBytes = 2 * (2 * KVTile::kElements + 2 * kStages * QTile::kElements + kScoreTiles * DsTile::kElements) +
                                     2 * kStages * kBlockM * 4 + (kBulkDq ? kBlockM * kDqRowStride * 4 : 0) +
                                     kBarrierBytes + 1024;
