@@ -363,8 +363,8 @@ def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig, segm
     results += (jax.ShapeDtypeStruct(_lse_shape(q), jnp.float32),)  # delta
     rows = (o, lse)
   else:
-    elements = _registry.cuda_dq_accum_elements(batch_size, seq_q, heads_q, head_dim,
-                                                bool(config.deterministic))
+    elements = _registry.cuda_dq_accum_elements(batch_size, seq_q, seq_k, heads_q, heads_k,
+                                                head_dim, bool(config.deterministic))
     rows = (lse, delta_rows(o, d_o, o_error))
   results += (jax.ShapeDtypeStruct((elements,), jnp.float32),)  # dQ accumulator
   if config.implementation == "cpu":  # dbias and its float32 partials (none: dbias itself)

@@ -64,12 +64,15 @@ def cpu_dbias_accum_elements(bias_elements: int, keys_broadcast: bool, float32: 
                                               dq_splits))
 
 
-def cuda_dq_accum_elements(batch: int, seq_q: int, heads_q: int, head_dim: int,
-                           deterministic: bool) -> int:
-  """Elements of the CUDA backward's float32 dQ workspace, as its handler checks them."""
+def cuda_dq_accum_elements(batch: int, seq_q: int, seq_k: int, heads_q: int, heads_k: int,
+                           head_dim: int, deterministic: bool) -> int:
+  """Elements of the CUDA backward's float32 workspace (dQ's accumulator, and dK's and dV's
+  where the Hopper backward splits a group's query heads over CTAs), as its handler checks
+  them."""
   if _native_cuda is None:
     raise RuntimeError("jax_flash was built without CUDA kernels")
-  return int(_native_cuda.dq_accum_elements(batch, seq_q, heads_q, head_dim, deterministic))
+  return int(_native_cuda.dq_accum_elements(batch, seq_q, seq_k, heads_q, heads_k, head_dim,
+                                            deterministic))
 
 
 def cuda_narrow_split_call(is_causal: bool, window_left: int, window_right: int, seq_q: int,

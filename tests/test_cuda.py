@@ -55,6 +55,12 @@ LARGE = [
     C(batch=1, seq_q=520, seq_k=520, heads_q=2, heads_k=2, head_dim=256, dtype="float16",
       is_causal=True),
     C(batch=1, seq_q=190, seq_k=260, heads_q=4, heads_k=1, head_dim=200, dtype="bfloat16"),
+    # MQA: the Hopper backward splits each key block's 16 (8) query heads over CTAs, dK and dV
+    # added in float32 and converted last (gpu/launch.h kv_head_splits): head dims 64 and 256.
+    C(batch=1, seq_q=700, seq_k=900, heads_q=16, heads_k=1, head_dim=64, dtype="bfloat16",
+      is_causal=True),
+    C(batch=2, seq_q=300, seq_k=260, heads_q=8, heads_k=1, head_dim=256, dtype="float16",
+      kv_lens=(260, 131)),
     # decode steps: the split-KV program (pack-GQA, key chunks, the combine) around the forward
     C(batch=4, seq_q=1, seq_k=8192, heads_q=32, heads_k=8, head_dim=128, dtype="bfloat16",
       kv_lens=(8192, 5000, 1, 0)),
@@ -340,6 +346,22 @@ def _run_cuda_tests_on_hopper_with(env_overrides: dict, selection: str,
     pytest.skip("the kernel choice only differs on compute capability 9.x")
   result = _run_in_subprocess(env_overrides, "-k", selection, files=files)
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def test_backward_workspace_holds_dk_dv_where_heads_split():
+  """Where a CTA per (key block, kv head, batch) leaves the SMs short of work (MQA at batch 1),
+  the Hopper backward splits each group's query heads over CTAs and adds dK and dV into float32
+  accumulators placed after dQ's in its workspace; with a kv head per query head, or
+  deterministic, it does not."""
+  major = int(jax.devices("gpu")[0].compute_capability.split(".")[0])
+  if major != 9:
+    pytest.skip("the head splits are the Hopper backward's")
+  from jax_flash import _registry
+  b, t, s, h = 1, 1024, 1024, 128
+  plain = _registry.cuda_dq_accum_elements(b, t, s, 16, 16, h, False)
+  assert plain == b * t * 16 * h
+  assert _registry.cuda_dq_accum_elements(b, t, s, 16, 1, h, False) == plain + 2 * b * s * 1 * h
+  assert _registry.cuda_dq_accum_elements(b, t, s, 16, 1, h, True) == 0
 
 
 def test_mma_sync_kernels_on_hopper():

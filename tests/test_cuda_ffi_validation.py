@@ -55,7 +55,7 @@ def valid_fwd(dtype: str = "bfloat16", o_error: bool = False) -> Call:
 
 
 def dq_accum_elements(deterministic: bool) -> int:
-  return _registry.cuda_dq_accum_elements(B, T, N, H, deterministic)
+  return _registry.cuda_dq_accum_elements(B, T, S, N, K, H, deterministic)
 
 
 def valid_bwd(dtype: str = "bfloat16", deterministic: bool = False) -> Call:

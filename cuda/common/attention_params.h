@@ -205,6 +205,11 @@ struct BwdParams : AttentionParams {
                                  // deterministic on CUDA)
   int64_t dq_splits = 1;         // CPU: key blocks are dealt round-robin to this many partials
   bool deterministic = false;    // CUDA: dQ without atomics (the CPU is always deterministic)
+  // CUDA (the Hopper backward, gpu/launch.h kv_head_splits): a key block's query heads split over
+  // this many CTAs, each adding its dK and dV into the float32 dkv_accum ((2, batch, seq_k,
+  // heads_k, head_dim): dK's then dV's; in dq_accum, after the dQ part), converted last.
+  int kv_head_splits = 1;
+  float* dkv_accum = nullptr;
   // CUDA (the mma.sync backward, narrow calls: gpu/score_mods.cuh narrow_plain_call): dS = 0
   // exactly on rows whose masks leave one key, where P = 1.
   bool zero_single_key_ds = false;

@@ -117,13 +117,18 @@ struct QueryBlockTask {
 // (live: before kv_len), and the visits of its loop: every query block (of kBlockM rows) of every
 // query head of the group whose rows see some live key, head by head. Element offsets: kv_offset
 // of key row n0 of head hk in k / v / dk / dv, q_batch_offset of batch b's row 0 in q / dO.
-template <int kBlockM, int kBlockN>
+// kSplitsHeads: the task may take a part of its group's query heads (p.kv_head_splits, the Hopper
+// backward's; a kernel that never splits reads blockIdx.y as it is: the division's registers
+// spilled the 80-row visits of sm90ws_m80 and the mma.sync backward at head dim 256).
+template <int kBlockM, int kBlockN, bool kSplitsHeads = false>
 struct KeyBlockTask {
   struct Visit {
     int h, mb;  // query head, query block
     int e;      // block-sparse: the entry of `visits` it belongs to (0 otherwise)
   };
-  int b, hk, heads_per_kv;
+  // hk: the kv head; heads_per_kv: the query heads of its group, of which the task visits
+  // heads_per_task() from head0 (all of them but with p.kv_head_splits > 1: one split's).
+  int b, hk, heads_per_kv, head0;
   int64_t q_len, kv_len, q_stride, kv_stride;
   int chunks;  // 16-byte chunks of a row's head dim
   int64_t n0;
@@ -142,8 +147,10 @@ struct KeyBlockTask {
 
   __device__ explicit KeyBlockTask(const BwdParams& p)
       : b(static_cast<int>(blockIdx.z)),
-        hk(static_cast<int>(blockIdx.y)),
+        hk(kSplitsHeads ? static_cast<int>(blockIdx.y) / p.kv_head_splits : static_cast<int>(blockIdx.y)),
         heads_per_kv(static_cast<int>(p.shape.heads_q / p.shape.heads_k)),
+        head0(hk * heads_per_kv +
+              (kSplitsHeads ? static_cast<int>(blockIdx.y) % p.kv_head_splits * (heads_per_kv / p.kv_head_splits) : 0)),
         q_len(clamp_len(p.q_lens, b, p.shape.seq_q)),
         kv_len(clamp_len(p.kv_lens, b, p.shape.seq_k)),
         q_stride(p.shape.heads_q * p.shape.head_dim),
@@ -157,11 +164,12 @@ struct KeyBlockTask {
     const QueryRange seeing = queries_seeing_keys(p.mask, n0, n0 + live_keys, q_len, kv_len);
     mb_first = static_cast<int>(seeing.begin / kBlockM);
     mb_count = seeing.end > seeing.begin ? static_cast<int>((seeing.end - 1) / kBlockM) - mb_first + 1 : 0;
-    iterations = mb_count * heads_per_kv;
+    iterations = mb_count * (kSplitsHeads ? heads_per_kv / p.kv_head_splits : heads_per_kv);
   }
 
   // With kSparse and a block mask, the visits become the mask's live (head, query block) pairs
-  // of this key block within [mb_first, mb_first + mb_count) (call after any narrowing).
+  // of this key block within [mb_first, mb_first + mb_count) (call after any narrowing; every
+  // head of the group: block-sparse calls do not split them, gpu/launch.h kv_head_splits).
   template <bool kSparse>
   __device__ void walk_visits(const BwdParams& p) {
     static_assert(!kSparse || kTilesInMaskBlocks, "every backward tile lies in one block of the block mask");
@@ -179,12 +187,12 @@ struct KeyBlockTask {
     }
   }
 
-  // Dense: iteration it visits query block mb_first + it % mb_count of query head hk *
-  // heads_per_kv + it / mb_count, kept as two counters (no division in the loop). Sparse: the
-  // query blocks of each entry in turn.
+  // Dense: iteration it visits query block mb_first + it % mb_count of query head head0 +
+  // it / mb_count, kept as two counters (no division in the loop). Sparse: the query blocks of
+  // each entry in turn.
   __device__ Visit first_visit() const {
     if (visits != nullptr) return entry_visit(0);
-    return {hk * heads_per_kv, mb_first, 0};
+    return {head0, mb_first, 0};
   }
   __device__ Visit next_visit(Visit v) const {
     if (visits != nullptr) {
@@ -235,7 +243,7 @@ __device__ __forceinline__ void prefetch_next_wave_keys(const BwdParams& p, int 
   const int64_t later =
       blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + gridDim.y * blockIdx.z) + sm_id_bound();
   const int64_t later_n0 = later % gridDim.x * kBlockN;
-  const int64_t later_hk = later / gridDim.x % gridDim.y, later_b = later / gridDim.x / gridDim.y;
+  const int64_t later_hk = later / gridDim.x % gridDim.y / p.kv_head_splits, later_b = later / gridDim.x / gridDim.y;
   constexpr int kLinesPerRow = kHeadDim / 64;  // a row is kHeadDim 16-bit elements
   const int64_t kv_stride = sh.heads_k * sh.head_dim;
   constexpr int kLines = kBlockN * kLinesPerRow;

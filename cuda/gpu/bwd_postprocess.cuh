@@ -25,6 +25,25 @@ __global__ void flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams p)
   }
 }
 
+// dK and dV from their float32 accumulators (BwdParams::dkv_accum, the Hopper backward's head
+// splits), 8 elements a thread per step as flash_bwd_convert_dq_kernel.
+template <typename T>
+__global__ void flash_bwd_convert_dkv_kernel(const __grid_constant__ BwdParams p) {
+  const AttentionShape& sh = p.shape;
+  const int64_t groups = sh.batch * sh.seq_k * sh.heads_k * sh.head_dim / 8;  // of dK, then of dV
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < 2 * groups;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float4 lo = reinterpret_cast<const float4*>(p.dkv_accum)[2 * i];
+    const float4 hi = reinterpret_cast<const float4*>(p.dkv_accum)[2 * i + 1];
+    const uint4 packed = make_uint4(MmaOp<T>::pack(lo.x, lo.y), MmaOp<T>::pack(lo.z, lo.w), MmaOp<T>::pack(hi.x, hi.y),
+                                    MmaOp<T>::pack(hi.z, hi.w));
+    if (i < groups)
+      reinterpret_cast<uint4*>(p.dk)[i] = packed;
+    else
+      reinterpret_cast<uint4*>(p.dv)[i - groups] = packed;
+  }
+}
+
 // dQ from the tiled accumulator (Sm90BwdVariant::kTiledDq, gpu/launch.h tiled_dq_accum): per
 // (batch, head, 64-row block) a tile of 64 x 128 floats, each warpgroup's half (its 64 columns)
 // in its fragments' order: float4 j * 128 + t holds thread t's n-tile j, rows 16 (t / 32) +

@@ -26,10 +26,11 @@ dim3 query_block_grid(const AttentionShape& shape) {
   return dim3((shape.seq_q + Traits::kBlockM - 1) / Traits::kBlockM, shape.heads_q, shape.batch);
 }
 
-// One CTA per (key block, kv head, batch): the grid KeyBlockTask reads (the main backward kernels).
+// One CTA per (key block, kv head, batch), or per (key block, kv head x head split, batch) with
+// `kv_head_splits`: the grid KeyBlockTask reads (the main backward kernels).
 template <typename Traits>
-dim3 key_block_grid(const AttentionShape& shape) {
-  return dim3((shape.seq_k + Traits::kBlockN - 1) / Traits::kBlockN, shape.heads_k, shape.batch);
+dim3 key_block_grid(const AttentionShape& shape, int kv_head_splits = 1) {
+  return dim3((shape.seq_k + Traits::kBlockN - 1) / Traits::kBlockN, shape.heads_k * kv_head_splits, shape.batch);
 }
 
 }  // namespace jax_flash::cuda

@@ -50,6 +50,28 @@ bool tiled_dq_accum(const AttentionShape& shape) {
          (family == KernelFamily::kSm90WsTiledDq && shape.head_dim > 64 && shape.head_dim <= 128);
 }
 
+int kv_head_splits(const AttentionShape& shape, bool deterministic) {
+  if (deterministic || shape.heads_k <= 0 || shape.heads_q <= shape.heads_k) return 1;
+  if (backward_family() == KernelFamily::kSm80 || device_compute_major() != 9) return 1;
+  // The compiled head dim the call runs on, and whether the Hopper backward has it.
+  int compiled = 0;
+#define JF_FIRST_HOLDING(D) \
+  if (compiled == 0 && shape.head_dim <= D) compiled = D;
+  JF_SM80_HEAD_DIMS(JF_FIRST_HOLDING)
+#undef JF_FIRST_HOLDING
+  bool hopper = false;
+#define JF_IS_COMPILED(D) hopper = hopper || compiled == D;
+  JF_SM90_BWD_HEAD_DIMS(JF_IS_COMPILED)
+#undef JF_IS_COMPILED
+  if (!hopper) return 1;
+  const int64_t block_n = compiled > 128 ? 64 : 128;  // the Hopper backward's key blocks
+  const int64_t ctas = (shape.seq_k + block_n - 1) / block_n * shape.heads_k * shape.batch;
+  const int64_t wanted = device_sm_count() * 3 / 2, group = shape.heads_q / shape.heads_k;
+  for (int64_t d = 1; d <= group; ++d)
+    if (group % d == 0 && ctas * d >= wanted) return static_cast<int>(d);
+  return static_cast<int>(group);
+}
+
 bool transposed_dq_accum(const AttentionShape& shape) {
   return backward_family() == KernelFamily::kSm90WsM80 && shape.head_dim == 128;
 }
@@ -110,6 +132,14 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
     if (!p.deterministic)
       if (cudaError_t e = cudaMemsetAsync(p.dq_accum, 0, dq_accum_bytes, stream)) return e;
 
+    // The Hopper backward's head splits (kv_head_splits) in plain calls (segment ids' and block
+    // masks' walks take the whole group; the score variants' kernels have not run split yet):
+    // dK and dV then come from float32 accumulators after the dQ part of the workspace.
+    BwdParams hp = p;
+    if (TileShapes<kD>::kHasSm90Bwd && family != KernelFamily::kSm80 && !general_kernel(p) && !m80)
+      hp.kv_head_splits = kv_head_splits(sh, p.deterministic);
+    if (hp.kv_head_splits > 1) hp.dkv_accum = p.dq_accum + dq_part_elements(sh);
+
     if (sh.seq_k > 0) {  // with no keys, dK and dV are empty and dQ stays 0
       cudaError_t e = cudaSuccess;
       if constexpr (TileShapes<kD>::kHasSm90Bwd) {
@@ -117,20 +147,26 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
         constexpr V kDefault = TileShapes<kD>::kHasSm90BwdBlockM128  ? V::kBlockM128
                                : TileShapes<kD>::kSm90BwdBulkDqByDefault ? V::kBulkDq
                                                                          : V::kAtomicDq;
-        e = m80                                       ? launch_bwd_main_sm90_ws<T, kD>(p, V::kM80, stream)
-            : tiled && defer_dq_call(p)               ? launch_bwd_main_sm90_ws<T, kD>(p, V::kDeferDq, stream)
-            : tiled                                   ? launch_bwd_main_sm90_ws<T, kD>(p, V::kTiledDq, stream)
+        e = m80                                       ? launch_bwd_main_sm90_ws<T, kD>(hp, V::kM80, stream)
+            : tiled && defer_dq_call(p)               ? launch_bwd_main_sm90_ws<T, kD>(hp, V::kDeferDq, stream)
+            : tiled                                   ? launch_bwd_main_sm90_ws<T, kD>(hp, V::kTiledDq, stream)
             : family == KernelFamily::kSm90Ws || family == KernelFamily::kSm90WsM80 ||
                       family == KernelFamily::kSm90WsDeferDq
-                                                      ? launch_bwd_main_sm90_ws<T, kD>(p, kDefault, stream)
-            : family == KernelFamily::kSm90WsAtomicDq ? launch_bwd_main_sm90_ws<T, kD>(p, V::kAtomicDq, stream)
-            : family == KernelFamily::kSm90WsBulkDq   ? launch_bwd_main_sm90_ws<T, kD>(p, V::kBulkDq, stream)
-            : family == KernelFamily::kSm90WsTiledDq  ? launch_bwd_main_sm90_ws<T, kD>(p, kDefault, stream)
+                                                      ? launch_bwd_main_sm90_ws<T, kD>(hp, kDefault, stream)
+            : family == KernelFamily::kSm90WsAtomicDq ? launch_bwd_main_sm90_ws<T, kD>(hp, V::kAtomicDq, stream)
+            : family == KernelFamily::kSm90WsBulkDq   ? launch_bwd_main_sm90_ws<T, kD>(hp, V::kBulkDq, stream)
+            : family == KernelFamily::kSm90WsTiledDq  ? launch_bwd_main_sm90_ws<T, kD>(hp, kDefault, stream)
                                                       : launch_bwd_main_sm80<T, kD>(p, stream);
       } else {
         e = launch_bwd_main_sm80<T, kD>(p, stream);
       }
       if (e != cudaSuccess) return e;
+      if (hp.kv_head_splits > 1) {
+        const int64_t groups = 2 * sh.batch * sh.seq_k * sh.heads_k * sh.head_dim / 8;  // a thread's 8
+        const int blocks = static_cast<int>(std::min<int64_t>((groups + 255) / 256, 65536));
+        flash_bwd_convert_dkv_kernel<T><<<blocks, 256, 0, stream>>>(hp);
+        if (cudaError_t e2 = cudaGetLastError()) return e2;
+      }
     }
 
     if (p.deterministic) return launch_bwd_dq_sm80<T, kD>(p, stream);

@@ -38,16 +38,31 @@ inline int64_t dq_tiles_elements(const AttentionShape& shape, int64_t rows) {
   return shape.batch * shape.heads_q * ((shape.seq_q + rows - 1) / rows) * rows * kTiledDqColumns;
 }
 
-// Elements of the backward's float32 dQ accumulator workspace: one per element of dQ (or a whole
+// The CTAs over which the Hopper backward splits each key block's group of query heads (1: no
+// split): where a CTA per (key block, kv head, batch) leaves the SMs short of work (MQA, few
+// kv heads), the smallest divisor of the group that makes 1.5 waves, each CTA adding its dK and
+// dV into float32 accumulators (BwdParams::dkv_accum) that a last kernel converts. Not in
+// deterministic mode (the additions' order would vary) nor on the mma.sync backward; only plain
+// calls split (gpu/launch.cu), though the others' workspace has the room.
+int kv_head_splits(const AttentionShape& shape, bool deterministic);
+
+// Elements of the dQ part of the backward's float32 workspace: one per element of dQ (or a whole
 // tile per (batch, head, 64-row block) with tiled_dq_accum, the larger of those and the 80-row
-// tiles' with transposed_dq_accum), or none in deterministic mode (dQ then comes from its own
-// kernel, without atomics).
-inline int64_t dq_accum_elements(const AttentionShape& shape, bool deterministic) {
-  if (deterministic) return 0;
+// tiles' with transposed_dq_accum).
+inline int64_t dq_part_elements(const AttentionShape& shape) {
   int64_t elements = shape.batch * shape.heads_q * shape.seq_q * shape.head_dim;
   if (tiled_dq_accum(shape)) elements = std::max(elements, dq_tiles_elements(shape, kTiledDqRows));
   if (transposed_dq_accum(shape)) elements = std::max(elements, dq_tiles_elements(shape, kTransposedDqRows));
   return elements;
+}
+
+// Elements of the backward's float32 accumulator workspace: the dQ part, then, where the heads
+// split (kv_head_splits), dK's and dV's accumulators; none in deterministic mode (dQ then comes
+// from its own kernel, without atomics).
+inline int64_t dq_accum_elements(const AttentionShape& shape, bool deterministic) {
+  if (deterministic) return 0;
+  const int64_t dkv = kv_head_splits(shape, false) > 1 ? 2 * shape.batch * shape.seq_k * shape.heads_k * shape.head_dim : 0;
+  return dq_part_elements(shape) + dkv;
 }
 
 // Forward: o and lse.

@@ -37,11 +37,13 @@ NB_MODULE(_native_cuda, m) {
     return c;
   });
   m.def("dq_accum_elements",
-        [](int64_t batch, int64_t seq_q, int64_t heads_q, int64_t head_dim, bool deterministic) {
-          const jax_flash::AttentionShape shape{batch, seq_q, /*seq_k=*/0, heads_q, /*heads_k=*/0, head_dim};
+        [](int64_t batch, int64_t seq_q, int64_t seq_k, int64_t heads_q, int64_t heads_k, int64_t head_dim,
+           bool deterministic) {
+          const jax_flash::AttentionShape shape{batch, seq_q, seq_k, heads_q, heads_k, head_dim};
           return jax_flash::cuda::dq_accum_elements(shape, deterministic);
         },
-        "Elements of the CUDA backward's float32 dQ workspace (what its handler checks).");
+        "Elements of the CUDA backward's float32 workspace (dQ's accumulator, and dK's and dV's "
+        "where the Hopper backward splits a group's heads): what its handler checks.");
   m.def("narrow_split_call",
         [](bool is_causal, int64_t window_left, int64_t window_right, int64_t seq_q, int64_t seq_k) {
           const jax_flash::MaskParams mask{is_causal, window_left, window_right};

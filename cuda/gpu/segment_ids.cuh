@@ -116,14 +116,15 @@ __device__ inline void narrow_query_block(QueryBlock<kBlockM, kBlockN>& blk, con
 
 // A key block's visits narrowed to the query blocks between the first and the last whose rows'
 // ids can meet its keys' (iterations 0: none). Warp-collective.
-template <int kBlockM, int kBlockN>
-__device__ inline void narrow_key_block(KeyBlockTask<kBlockM, kBlockN>& task, const SegmentIds& ids, int lane) {
+template <int kBlockM, int kBlockN, bool kSplitsHeads>
+__device__ inline void narrow_key_block(KeyBlockTask<kBlockM, kBlockN, kSplitsHeads>& task, const SegmentIds& ids,
+                                        int lane) {
   if (!ids.present() || task.mb_count == 0) return;
   const int2 blocks = narrow_blocks<kBlockM>(task.mb_first, task.mb_first + task.mb_count - 1, ids.q_spans, ids.q_runs,
                                              ids.keys_span(task.n0, task.n0 + task.live_keys), lane);
   task.mb_first = blocks.x;
   task.mb_count = blocks.y - blocks.x + 1;
-  task.iterations = task.mb_count * task.heads_per_kv;
+  task.iterations = task.mb_count * task.heads_per_kv;  // (calls with ids split no heads)
 }
 
 // Whether the scores of rows [m0, m1) and keys [n0, n1) (both non-empty, inside the arrays) need

@@ -343,8 +343,8 @@ __device__ __forceinline__ void issue_transposed_query_gradient(float (&dqt)[1][
 // Adds a warp's part of dQ (rows 16 (warp % 4) .. of warpgroup `group`'s 64 query rows with
 // kDqByRows, else of the query block; kNTiles x 8 columns from col0) of the query block from m0
 // of head h to the float32 accumulator.
-template <bool kDqByRows, int kBlockM, int kBlockN, int kNTiles>
-__device__ __forceinline__ void add_dq(const BwdParams& p, const KeyBlockTask<kBlockM, kBlockN>& task,
+template <bool kDqByRows, int kBlockM, int kBlockN, bool kSplitsHeads, int kNTiles>
+__device__ __forceinline__ void add_dq(const BwdParams& p, const KeyBlockTask<kBlockM, kBlockN, kSplitsHeads>& task,
                                        const float (&dq)[1][kNTiles][4], int64_t m0, int h, int group, int col0,
                                        int warp, int lane) {
   const AttentionShape& sh = p.shape;
@@ -363,12 +363,36 @@ __device__ __forceinline__ void add_dq(const BwdParams& p, const KeyBlockTask<kB
   }
 }
 
+// A head split's dK and dV (p.kv_head_splits > 1; keys warp_key0 .., head-dim columns col0 ..)
+// added to the float32 accumulators p.dkv_accum ((2, batch, seq_k, heads_k, head_dim)).
+template <typename Traits, typename Task>
+__device__ __forceinline__ void add_dk_dv(const BwdParams& p, const Task& task,
+                                          const float (&dk)[1][Traits::kGradColumns / 8][4],
+                                          const float (&dv)[1][Traits::kGradColumns / 8][4], int warp_key0, int col0,
+                                          int lane) {
+  const AttentionShape& sh = p.shape;
+  const int64_t dv_offset = sh.batch * sh.seq_k * sh.heads_k * sh.head_dim;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int key = warp_key0 + lane / 4 + 8 * half;
+    if (key >= task.keys) continue;
+    float* row = p.dkv_accum + ((task.b * sh.seq_k + task.n0 + key) * sh.heads_k + task.hk) * sh.head_dim;
+#pragma unroll
+    for (int nt = 0; nt < Traits::kGradColumns / 8; ++nt) {
+      const int col = col0 + nt * 8 + (lane % 4) * 2;
+      if (col >= sh.head_dim) continue;
+      atomic_add_pair(row + col, dk[0][nt][2 * half], dk[0][nt][2 * half + 1]);
+      atomic_add_pair(row + dv_offset + col, dv[0][nt][2 * half], dv[0][nt][2 * half + 1]);
+    }
+  }
+}
+
 // dK and dV rows of the key block (zeros where no query sees the key), through shared memory
 // where K and V were, so that the stores are whole rows: kThreads threads (this one `tid`),
 // `sync` a barrier of all of them (K and V are no longer read once every warp is there). A
 // thread's fragments are keys warp_key0 .. and head-dim columns col0 .. (Traits::kGradColumns).
-template <typename Traits, int kThreads, typename T, typename Sync>
-__device__ __forceinline__ void store_dk_dv(const BwdParams& p, const KeyBlockTask<Traits::kBlockM, Traits::kBlockN>& task,
+template <typename Traits, int kThreads, typename T, typename Task, typename Sync>
+__device__ __forceinline__ void store_dk_dv(const BwdParams& p, const Task& task,
                                             const float (&dk)[1][Traits::kGradColumns / 8][4],
                                             const float (&dv)[1][Traits::kGradColumns / 8][4], T* s_k, T* s_v,
                                             int warp_key0, int col0, int lane, int tid, Sync sync) {

@@ -27,7 +27,8 @@ template <typename Traits, typename T>
 cudaError_t launch_plain(const BwdParams& p, cudaStream_t stream) {
   BwdTmaParams params;
   if (cudaError_t e = tma_params<Traits>(p, &params)) return e;
-  return launch_with_smem(flash_bwd_sm90_ws_kernel<Traits, T, false, false>, key_block_grid<Traits>(p.shape),
+  return launch_with_smem(flash_bwd_sm90_ws_kernel<Traits, T, false, false>,
+                          key_block_grid<Traits>(p.shape, p.kv_head_splits),
                           Traits::kThreads, Traits::kSmemBytes, stream, params);
 }
 
@@ -52,7 +53,8 @@ cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
   if constexpr (Traits::kHeadDim == 64 || Traits::kHeadDim == 128)
     if (!p.deterministic && plain_block_walk_suffices(p))
       kernel = flash_bwd_sm90_ws_kernel<Traits, T, false, false, true>;
-  return launch_with_smem(kernel, key_block_grid<Traits>(s), Traits::kThreads, Traits::kSmemBytes, stream, params);
+  return launch_with_smem(kernel, key_block_grid<Traits>(s, p.kv_head_splits), Traits::kThreads, Traits::kSmemBytes,
+                          stream, params);
 }
 
 }  // namespace

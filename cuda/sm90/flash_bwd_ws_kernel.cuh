@@ -148,10 +148,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   __syncthreads();
 
   const AttentionShape& sh = p.shape;
-  KeyBlockTask<kBM, kBN> task(p);
+  // A part of the group's heads where the call splits them (not the 80-row visits: launch.cu).
+  using Task = KeyBlockTask<kBM, kBN, !Traits::kDqTransposed>;
+  Task task(p);
   if constexpr (kIds) narrow_key_block(task, SegmentIds(p, task.b), lane);  // warp-collective: every role
   task.template walk_visits<kIds || kBlockWalk>(p);  // a block mask's live query blocks only
-  using Visit = typename KeyBlockTask<kBM, kBN>::Visit;
+  using Visit = typename Task::Visit;
   const int iterations = task.iterations;
 
   if (warp < 4) {
@@ -529,8 +531,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
 
   if (!kDeterministic && iterations > 0) deferred_dq(iterations - 1);
-  store_dk_dv<Traits, kConsumerThreads>(p, task, dk, dv, smem.k, smem.v, warp_key0, grad_col0, lane, ctid,
-                                        consumers_sync);
+  // A part of the group's heads (not with the experimental 80-row visits: their registers
+  // spilled 476 B with it): added, converted by a last kernel.
+  if (!Traits::kDqTransposed && p.kv_head_splits > 1)
+    add_dk_dv<Traits>(p, task, dk, dv, warp_key0, grad_col0, lane);
+  else
+    store_dk_dv<Traits, kConsumerThreads>(p, task, dk, dv, smem.k, smem.v, warp_key0, grad_col0, lane, ctid,
+                                          consumers_sync);
 #endif  // JF_SM90A
 }
 
