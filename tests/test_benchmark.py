@@ -574,13 +574,9 @@ def test_value_head_dim_inputs():
     np.testing.assert_array_equal(a, b)
 
 
-def test_cli_value_head_dim(tmp_path, capsys, monkeypatch):
-  """--value-head-dim on the CPU: the inputs each peer gets have v and dO of HV, q and k of
-  the case's head dim; jax_flash runs (its output of HV); XLA (jax.nn) and PyTorch's flash
-  kernel read 'unavailable' with the reason; the hdim column reads H/HV, the caption and
-  results.json say so, the FLOPs are the honest count."""
-  import json
-
+def record_input_shapes(monkeypatch) -> list:
+  """The list that each case's input shapes (query, key, value, cotangent) are appended to as
+  the runner makes them."""
   from jax_flash.benchmark import runner
 
   shapes = []
@@ -592,6 +588,17 @@ def test_cli_value_head_dim(tmp_path, capsys, monkeypatch):
     return inputs
 
   monkeypatch.setattr(runner, "make_inputs", recording)
+  return shapes
+
+
+def test_cli_value_head_dim(tmp_path, capsys, monkeypatch):
+  """--value-head-dim on the CPU: the inputs each peer gets have v and dO of HV, q and k of
+  the case's head dim; jax_flash runs (its output of HV); XLA (jax.nn) and PyTorch's flash
+  kernel read 'unavailable' with the reason; the hdim column reads H/HV, the caption and
+  results.json say so, the FLOPs are the honest count."""
+  import json
+
+  shapes = record_input_shapes(monkeypatch)
   assert benchmark.main([*HV_CPU_RUN, "--out", str(tmp_path)]) == 0
   assert shapes == [((1, 64, 4, 32), (1, 64, 4, 32), (1, 64, 4, 16), (1, 64, 4, 16))]
   _, rows = table_rows(table_lines(capsys))
@@ -797,17 +804,7 @@ def test_cli_grouped_heads(tmp_path, capsys, monkeypatch):
   count the 4 query heads; results.json records heads and kv_heads."""
   import json
 
-  from jax_flash.benchmark import runner
-
-  shapes = []
-  original = runner.make_inputs
-
-  def recording(case, *args, **kwargs):
-    inputs = original(case, *args, **kwargs)
-    shapes.append(tuple(x.shape for x in inputs.arrays()))
-    return inputs
-
-  monkeypatch.setattr(runner, "make_inputs", recording)
+  shapes = record_input_shapes(monkeypatch)
   assert benchmark.main([*GQA_CPU_RUN, "--out", str(tmp_path)]) == 0
   assert shapes == [((1, 64, 4, 64), (1, 64, 2, 64), (1, 64, 2, 64), (1, 64, 4, 64))]
   header, rows = table_rows(table_lines(capsys))
