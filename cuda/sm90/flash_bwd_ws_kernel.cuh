@@ -390,10 +390,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     float dq[1][kDqTiles][4];
     if constexpr (kSplit) {
       // P^T and dS^T of the warpgroup's queries to this visit's tiles (every key), then, once
-      // both warpgroups' are in, its head-dim columns of dV and dK from them, waited for (the
-      // stage is then released below), then of dQ a 64-column block at a time, each added to
-      // the accumulator. A block none of whose queries see the keys (both warpgroups alike)
-      // adds nothing: no stores, no products.
+      // both warpgroups' are in, its head-dim columns of dV and dK and the first 64-column block
+      // of dQ from them; the stage released once dV and dK are in; dQ's second block issued
+      // while the first's atomics run. A block none of whose queries see the keys (both
+      // warpgroups alike) adds nothing: no stores, no products.
       if (group_live) {
         store_transposed_ds<Traits>(smem.pt_buffer(it % 2), st, warp_key0, lane, query0);
         store_transposed_ds<Traits>(ds, dpt, warp_key0, lane, query0);
