@@ -140,8 +140,10 @@ __device__ __forceinline__ void issue_key_gradients(float (&dk)[1][Traits::kHead
 }
 
 // dQ = dS K for warpgroup `group`'s part: its 64 query rows with every head-dim column
-// (Traits::kDqByRows), else its head-dim columns 64 g .. 64 g + 63 of every row (all of them for
-// head dim 64 in warpgroup 0); issued and committed, not waited for.
+// (Traits::kDqByRows), else the head-dim columns 64 g .. 64 g + 63 of every row (all of them for
+// head dim 64 in warpgroup 0; with kSplitHeadDim g is the 64-column block, two a warpgroup: a
+// warpgroup's whole half of dQ beside dK and dV held more registers than there are, and ptxas
+// serialised the products, C7512); issued and committed, not waited for.
 template <typename Traits, typename T>
 __device__ __forceinline__ void issue_query_gradient(float (&dq)[1][8][4], uint32_t ds_address, uint32_t k_address,
                                                      int group) {
@@ -234,24 +236,6 @@ __device__ __forceinline__ void issue_split_key_gradients(float (&dk)[1][Traits:
 #pragma unroll
   for (int kk = 0; kk < Traits::kBlockM / 16; ++kk)
     Wgmma<T, kN>::ss_b_transposed(dk[0], DsTile::k_major_from(ds_desc, 0, kk), QTile::n_major_from(q_desc, kk), true);
-  wgmma_commit();
-}
-
-// dQ = dS K for the head-dim columns of 64-column block `column_block` (dS read M-major from the
-// dS^T tile): issued and committed, not waited for. (A warpgroup's whole half of dQ beside dK and
-// dV held more registers than there are: ptxas serialised the products, C7512.)
-template <typename Traits, typename T>
-__device__ __forceinline__ void issue_split_query_gradient(float (&dq)[1][8][4], uint32_t ds_address,
-                                                           uint32_t k_address, int column_block) {
-  using KVTile = typename Traits::KVTile;
-  using DsTile = typename Traits::DsTile;
-  const uint64_t dst_desc = DsTile::n_major(ds_address, 0);
-  const uint64_t k_desc = made_here(KVTile::n_major(k_address + column_block * KVTile::kBlockBytes, 0));
-  fence_registers(dq[0]);
-  wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < Traits::kBlockN / 16; ++kk)
-    Wgmma<T, 64>::ss_transposed(dq[0], DsTile::n_major_from(dst_desc, kk), KVTile::n_major_from(k_desc, kk), kk > 0);
   wgmma_commit();
 }
 

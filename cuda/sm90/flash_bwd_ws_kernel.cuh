@@ -405,7 +405,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         issue_split_key_gradients<Traits, T>(dk, dv, smem_address(smem.pt_buffer(it % 2)), ds_address, q_address,
                                              do_address, group);
       if (dq_live) {
-        issue_split_query_gradient<Traits, T>(dq, ds_address, k_address, group * 2);
+        issue_query_gradient<Traits, T>(dq, ds_address, k_address, group * 2);
         wgmma_wait<1>();
       } else {
         wgmma_wait<0>();
@@ -419,7 +419,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         float dq_next[1][8][4];
         wgmma_wait<0>();
         fence_registers(dq[0]);
-        issue_split_query_gradient<Traits, T>(dq_next, ds_address, k_address, group * 2 + 1);
+        issue_query_gradient<Traits, T>(dq_next, ds_address, k_address, group * 2 + 1);
         add_dq<Traits::kDqByRows>(p, task, dq, m0, visit.h, group, grad_col0, warp, lane);
         wgmma_wait<0>();
         fence_registers(dq_next[0]);
