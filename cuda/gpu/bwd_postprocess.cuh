@@ -9,38 +9,39 @@
 
 namespace jax_flash::cuda {
 
-// dQ = the float32 accumulator in the input dtype, 8 elements (two 16-byte loads, one store) a
-// thread per step; the head dim is a multiple of 8, so the element count is too.
+// Group i of 8 float32 values at `from` (two 16-byte loads) in the 16-bit type T at `to` (one
+// 16-byte store).
+template <typename T>
+__device__ __forceinline__ void convert_eight(const float* from, void* to, int64_t i) {
+  const float4 lo = reinterpret_cast<const float4*>(from)[2 * i];
+  const float4 hi = reinterpret_cast<const float4*>(from)[2 * i + 1];
+  reinterpret_cast<uint4*>(to)[i] = make_uint4(MmaOp<T>::pack(lo.x, lo.y), MmaOp<T>::pack(lo.z, lo.w),
+                                               MmaOp<T>::pack(hi.x, hi.y), MmaOp<T>::pack(hi.z, hi.w));
+}
+
+// dQ = the float32 accumulator in the input dtype, 8 elements a thread per step; the head dim is
+// a multiple of 8, so the element count is too.
 template <typename T>
 __global__ void flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams p) {
   const AttentionShape& sh = p.shape;
   const int64_t groups = sh.batch * sh.seq_q * sh.heads_q * sh.head_dim / 8;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < groups;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float4 lo = reinterpret_cast<const float4*>(p.dq_accum)[2 * i];
-    const float4 hi = reinterpret_cast<const float4*>(p.dq_accum)[2 * i + 1];
-    const uint4 packed = make_uint4(MmaOp<T>::pack(lo.x, lo.y), MmaOp<T>::pack(lo.z, lo.w), MmaOp<T>::pack(hi.x, hi.y),
-                                    MmaOp<T>::pack(hi.z, hi.w));
-    reinterpret_cast<uint4*>(p.dq)[i] = packed;
-  }
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    convert_eight<T>(p.dq_accum, p.dq, i);
 }
 
 // dK and dV from their float32 accumulators (BwdParams::dkv_accum, the Hopper backward's head
-// splits), 8 elements a thread per step as flash_bwd_convert_dq_kernel.
+// splits), 8 elements a thread per step.
 template <typename T>
 __global__ void flash_bwd_convert_dkv_kernel(const __grid_constant__ BwdParams p) {
   const AttentionShape& sh = p.shape;
   const int64_t groups = sh.batch * sh.seq_k * sh.heads_k * sh.head_dim / 8;  // of dK, then of dV
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < 2 * groups;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float4 lo = reinterpret_cast<const float4*>(p.dkv_accum)[2 * i];
-    const float4 hi = reinterpret_cast<const float4*>(p.dkv_accum)[2 * i + 1];
-    const uint4 packed = make_uint4(MmaOp<T>::pack(lo.x, lo.y), MmaOp<T>::pack(lo.z, lo.w), MmaOp<T>::pack(hi.x, hi.y),
-                                    MmaOp<T>::pack(hi.z, hi.w));
     if (i < groups)
-      reinterpret_cast<uint4*>(p.dk)[i] = packed;
+      convert_eight<T>(p.dkv_accum, p.dk, i);
     else
-      reinterpret_cast<uint4*>(p.dv)[i - groups] = packed;
+      convert_eight<T>(p.dkv_accum + groups * 8, p.dv, i - groups);
   }
 }
 

@@ -53,18 +53,14 @@ bool tiled_dq_accum(const AttentionShape& shape) {
 int kv_head_splits(const AttentionShape& shape, bool deterministic) {
   if (deterministic || shape.heads_k <= 0 || shape.heads_q <= shape.heads_k) return 1;
   if (backward_family() == KernelFamily::kSm80 || device_compute_major() != 9) return 1;
-  // The compiled head dim the call runs on, and whether the Hopper backward has it.
-  int compiled = 0;
-#define JF_FIRST_HOLDING(D) \
-  if (compiled == 0 && shape.head_dim <= D) compiled = D;
-  JF_SM80_HEAD_DIMS(JF_FIRST_HOLDING)
-#undef JF_FIRST_HOLDING
-  bool hopper = false;
-#define JF_IS_COMPILED(D) hopper = hopper || compiled == D;
-  JF_SM90_BWD_HEAD_DIMS(JF_IS_COMPILED)
-#undef JF_IS_COMPILED
-  if (!hopper) return 1;
-  const int64_t block_n = compiled > 128 ? 64 : 128;  // the Hopper backward's key blocks
+  // The Hopper backward's key blocks at the compiled head dim the call runs on (0: none there).
+  int64_t block_n = 0;
+  dispatch_dtype_head_dim(Dtype::kBFloat16, shape.head_dim, [&](auto, auto head_dim) -> cudaError_t {
+    constexpr int kD = decltype(head_dim)::value;
+    if constexpr (TileShapes<kD>::kHasSm90Bwd) block_n = TileShapes<kD>::Sm90BwdWs::kBlockN;
+    return cudaSuccess;
+  });
+  if (block_n == 0) return 1;
   const int64_t ctas = (shape.seq_k + block_n - 1) / block_n * shape.heads_k * shape.batch;
   const int64_t wanted = device_sm_count() * 3 / 2, group = shape.heads_q / shape.heads_k;
   for (int64_t d = 1; d <= group; ++d)
