@@ -409,31 +409,42 @@ def _torch_flash_mask_refusal() -> str | None:
   return None
 
 
-@functools.lru_cache(maxsize=1)
-def _torch_flash_value_head_dim_refusal() -> str | None:
-  """Why PyTorch's CPU flash kernel takes no value of another head dim here (a tiny forward and
-  backward with Hv != H held to it; torch 2.x refuses, warning that the flash kernel needs one
-  last dimension for q, k and v), None where it takes one."""
+def _torch_flash_probe(step: Callable[[], object], errors: tuple[type[Exception], ...],
+                       keyword: str, cut: str) -> str | None:
+  """Runs `step` (a tiny forward and backward) held to PyTorch's CPU flash kernel: None where it
+  runs, else why not: the first line of the warning naming `keyword` (up to `cut`), which says
+  why, or else the error (one of `errors`), which says only that no kernel is left."""
   import warnings
 
-  import torch
   from torch.nn.attention import SDPBackend, sdpa_kernel
 
-  q = torch.randn(1, 1, 8, 8, requires_grad=True)
-  v = torch.randn(1, 1, 8, 4, requires_grad=True)
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     try:
       with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        torch.nn.functional.scaled_dot_product_attention(q, q, v).sum().backward()
-    except RuntimeError as e:
-      # Its warning says why ("Flash attention requires q,k,v to have the same last
-      # dimension. Got ..."); the error only that no kernel is left.
-      said = [str(w.message).split(". Got")[0].strip() for w in caught
-              if "dimension" in str(w.message)]
-      why = said[0].splitlines()[0] if said else failure_reason(e)
-      return f"its CPU flash kernel (the one timed) takes no value head dim Hv != H here ({why})"
+        step()
+    except errors as e:
+      said = [str(w.message).split(cut)[0].strip() for w in caught if keyword in str(w.message)]
+      return said[0].splitlines()[0] if said else failure_reason(e)
   return None
+
+
+@functools.lru_cache(maxsize=1)
+def _torch_flash_value_head_dim_refusal() -> str | None:
+  """Why PyTorch's CPU flash kernel takes no value of another head dim here (a tiny forward and
+  backward with Hv != H held to it; torch 2.x refuses, warning that the flash kernel needs one
+  last dimension for q, k and v: "Flash attention requires q,k,v to have the same last
+  dimension. Got ..."), None where it takes one."""
+  import torch
+
+  q = torch.randn(1, 1, 8, 8, requires_grad=True)
+  v = torch.randn(1, 1, 8, 4, requires_grad=True)
+  why = _torch_flash_probe(
+      lambda: torch.nn.functional.scaled_dot_product_attention(q, q, v).sum().backward(),
+      (RuntimeError,), "dimension", ". Got")
+  if why is None:
+    return None
+  return f"its CPU flash kernel (the one timed) takes no value head dim Hv != H here ({why})"
 
 
 @functools.lru_cache(maxsize=1)
@@ -442,30 +453,18 @@ def _torch_flash_gqa_refusal() -> str | None:
   (a tiny forward and backward, 4 query heads over 2 K/V heads, enable_gqa=True, held to it),
   None where it takes them (torch 2.13's does, K and V as they are: no repeat of them runs
   beside the flash op). A torch whose scaled_dot_product_attention has no enable_gqa (before
-  2.5) raises TypeError; one whose flash kernel refuses grouped heads, RuntimeError (no kernel
-  left)."""
-  import warnings
-
+  2.5) raises TypeError; one whose flash kernel refuses grouped heads, RuntimeError, warning
+  "... require query, key and value to have the same num_heads. Query ..."."""
   import torch
-  from torch.nn.attention import SDPBackend, sdpa_kernel
 
   q = torch.randn(1, 4, 8, 8, requires_grad=True)
   kv = torch.randn(1, 2, 8, 8, requires_grad=True)
-  with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    try:
-      with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        torch.nn.functional.scaled_dot_product_attention(q, kv, kv,
-                                                         enable_gqa=True).sum().backward()
-    except (TypeError, RuntimeError) as e:
-      # Its warning says why ("... require query, key and value to have the same num_heads");
-      # the error only that no kernel is left.
-      said = [str(w.message).split(". Query")[0].strip() for w in caught
-              if "num_heads" in str(w.message)]
-      why = said[0].splitlines()[0] if said else failure_reason(e)
-      return (f"its CPU flash kernel (the one timed) takes no grouped K/V heads K != N here "
-              f"({why})")
-  return None
+  sdpa = torch.nn.functional.scaled_dot_product_attention
+  why = _torch_flash_probe(lambda: sdpa(q, kv, kv, enable_gqa=True).sum().backward(),
+                           (TypeError, RuntimeError), "num_heads", ". Query")
+  if why is None:
+    return None
+  return f"its CPU flash kernel (the one timed) takes no grouped K/V heads K != N here ({why})"
 
 
 def _torch_case_unavailable(case: Case) -> str | None:
