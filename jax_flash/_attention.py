@@ -354,8 +354,10 @@ def dot_product_attention(
     return_residual: also return the log-sum-exp of each query row's logits, ``(B, T, N)``
       (or ``(T, N)``) in float32, under ``stop_gradient`` as in jax.nn.
     deterministic: make the backward pass bit-identical run after run. The CUDA backward
-      otherwise adds dQ with float32 atomics, whose order varies; deterministic mode computes
-      dQ in a separate pass instead (slower). The CPU backward is always deterministic.
+      otherwise adds dQ with float32 atomics, whose order varies (on Hopper dK and dV too where
+      few kv heads leave the SMs short of work, e.g. MQA: a kv head's query heads are then split
+      over several blocks); deterministic mode computes dQ in a separate pass and never splits
+      (slower). The CPU backward is always deterministic.
     context_parallel: under ``jax.jit`` with the sequence axis of the query sharded over a
       mesh axis, how the kernels run over it: ``"ring"``, ``"all_to_all"`` or
       ``"all_gather"`` (see ``jax_flash.context_parallel_attention``), optionally with the

@@ -342,7 +342,7 @@ def run_jax_flash(case: Case, implementation: str, **extra) -> dict:
 
   def attention(q, k, v):
     call = functools.partial(jax_flash.dot_product_attention, implementation=implementation,
-                             **options)
+                             **options, **extra)
     if case.return_residual:
       return call(q, k, v, return_residual=True)
     return call(q, k, v), call(q, k, v, return_residual=True)[1]
