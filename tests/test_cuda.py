@@ -61,6 +61,20 @@ LARGE = [
       is_causal=True),
     C(batch=2, seq_q=300, seq_k=260, heads_q=8, heads_k=1, head_dim=256, dtype="float16",
       kv_lens=(260, 131)),
+    # Causal backward CTAs started longest key blocks first in chunks of groups (gpu/launch.h
+    # key_major_groups): 80 (batch, kv head) groups of 4 key blocks, a chunk of 66 and a last
+    # one of 14 on an H200's 132 SMs; the last key block partial; lengths.
+    C(batch=8, seq_q=500, seq_k=500, heads_q=20, heads_k=10, head_dim=64, dtype="bfloat16",
+      is_causal=True, kv_lens=(500, 499, 250, 1, 500, 128, 129, 500)),
+    # Head dims 65..96 on the kernels of 96 (128-column tiles whose products stop at 96; the
+    # mma.sync family at 128): GQA, T != S, lengths, causal; a window in float16; MQA causal
+    # (its head splits).
+    C(batch=2, seq_q=1000, seq_k=1200, heads_q=12, heads_k=4, head_dim=96, dtype="bfloat16",
+      is_causal=True, q_lens=(1000, 333), kv_lens=(1200, 700)),
+    C(batch=2, seq_q=700, seq_k=700, heads_q=4, heads_k=4, head_dim=80, dtype="float16",
+      local_window_size=(200, 50)),
+    C(batch=1, seq_q=900, seq_k=900, heads_q=16, heads_k=1, head_dim=96, dtype="bfloat16",
+      is_causal=True),
     # decode steps: the split-KV program (pack-GQA, key chunks, the combine) around the forward
     C(batch=4, seq_q=1, seq_k=8192, heads_q=32, heads_k=8, head_dim=128, dtype="bfloat16",
       kv_lens=(8192, 5000, 1, 0)),
@@ -162,7 +176,7 @@ def jax_flash_call(q, k, v, implementation):
   return jax_flash.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
 
 
-DETERMINISTIC_CASES = [c for c in CASES if c.head_dim in (40, 64, 111, 128, 192, 256)][::3]
+DETERMINISTIC_CASES = [c for c in CASES if c.head_dim in (40, 64, 96, 111, 128, 192, 256)][::3]
 
 
 @pytest.mark.parametrize("case", DETERMINISTIC_CASES, ids=[c.id for c in DETERMINISTIC_CASES])
@@ -254,6 +268,8 @@ def test_single_key_rows_have_exactly_zero_score_gradients(seq_k, window, head_d
 
 
 def test_deterministic_is_bit_identical():
+  """deterministic=True: every output bit-identical run after run, in a GQA call whose default
+  backward would split the kv heads' query heads over CTAs (dK and dV by atomics)."""
   case = C(batch=2, seq_q=1024, seq_k=1024, heads_q=8, heads_k=2, head_dim=128,
            dtype="bfloat16", is_causal=True)
   first = run_jax_flash(case, "cuda", deterministic=True)
@@ -264,9 +280,11 @@ def test_deterministic_is_bit_identical():
 
 
 def test_dk_dv_deterministic():
-  """dK and dV are reduced in registers: bit-identical run after run. (dQ is accumulated with
-  float32 atomics; its order, and so its last bits, can vary.)"""
-  case = C(batch=2, seq_q=1024, seq_k=1024, heads_q=8, heads_k=2, head_dim=128,
+  """Where a key block's query heads are not split over CTAs (here: a kv head per query head),
+  dK and dV are reduced in registers: bit-identical run after run. (dQ is accumulated with
+  float32 atomics, as dK and dV are where the Hopper backward splits a group's heads, gpu/launch.h
+  kv_head_splits: their order, and so their last bits, can vary; deterministic=True fixes both.)"""
+  case = C(batch=2, seq_q=1024, seq_k=1024, heads_q=8, heads_k=8, head_dim=128,
            dtype="bfloat16", is_causal=True)
   first = run_jax_flash(case, "cuda")
   for _ in range(3):
@@ -427,9 +445,10 @@ def test_forward_tile_choices_on_hopper(tiles):
 # The default backward visits 128-row query blocks at head dims 33..64, adds dQ by bulk row
 # reductions at 65..127 and by one bulk reduction a warpgroup into a dQ accumulator in the
 # fragments' order at 128 (gpu/tile_shapes.cuh); each override runs 64-row blocks a way the
-# default does not use at those head dims.
+# default does not use at those head dims (the tiled dQ at 97..127, which run the kernel of 128;
+# at 65..96 under JAX_FLASH_CUDA_HD96=padded: test_head_dims_to_96_padded_to_128_on_cuda).
 @pytest.mark.parametrize("family, head_dims", [("sm90ws_atomicdq", "h40 or h64 or h80 or h96 or h111 or h128"),
-                                               ("sm90ws_tileddq", "h80 or h96 or h111"),
+                                               ("sm90ws_tileddq", "h111 or h128"),
                                                ("sm90ws_bulkdq", "h40 or h64 or h128")])
 def test_backward_dq_by_the_other_way_on_hopper(family, head_dims):
   """The warp-specialised backward with 64-row query blocks and dQ added a way its default does
@@ -482,6 +501,28 @@ def test_general_backward_on_64_row_blocks_on_hopper():
   _run_cuda_tests_on_hopper_with(
       {"JAX_FLASH_CUDA_BACKWARD": "sm90ws_atomicdq"}, "cuda and (h40 or h64)",
       files=("test_softcap.py", "test_alibi.py", "test_segment_ids.py"))
+
+
+def test_backward_in_grid_order_on_cuda():
+  """With JAX_FLASH_CUDA_ORDER=grid the causal backward's CTAs start in the grid's own order
+  (each head's key blocks one after another) instead of longest key blocks first, as before
+  session 23; its causal reference and deterministic cases pass (both families: on Hopper the
+  wgmma kernels, and the mma.sync ones of head dims 129..192)."""
+  result = _run_in_subprocess({"JAX_FLASH_CUDA_ORDER": "grid"}, "-k",
+                              "(test_cuda_matches_reference or test_deterministic_matches_reference) and causal")
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def test_head_dims_to_96_padded_to_128_on_cuda():
+  """With JAX_FLASH_CUDA_HD96=padded head dims 65..96 run the kernels of head dim 128 (their
+  inputs zero-padded by TMA), as before session 23, where the default runs those of 96; their
+  reference and deterministic cases, and the tiled dQ's (sm90ws_tileddq) then taking them on
+  Hopper, pass."""
+  selection = "(test_cuda_matches_reference or test_deterministic_matches_reference) and (h80 or h96)"
+  result = _run_in_subprocess({"JAX_FLASH_CUDA_HD96": "padded"}, "-k", selection)
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  _run_cuda_tests_on_hopper_with({"JAX_FLASH_CUDA_HD96": "padded", "JAX_FLASH_CUDA_BACKWARD": "sm90ws_tileddq"},
+                                 selection)
 
 
 def test_narrow_calls_unsplit_on_cuda():

@@ -48,6 +48,9 @@ CASES = [
     # the 256 kernel, causal.
     (2, 133, 150, 4, 2, 256, False, None, True, False),
     (1, 100, 90, 2, 1, 200, True, None, False, False),
+    # Head dim 80 on the kernels of 96 (128-column tiles, products of N = 96): MQA, lengths, a
+    # window, deterministic (the mma.sync dQ kernel at 128 beside the wgmma main kernel of 96).
+    (2, 140, 200, 4, 1, 80, False, (60, 10), True, True),
 ]
 
 

@@ -210,6 +210,10 @@ struct BwdParams : AttentionParams {
   // heads_k, head_dim): dK's then dV's; in dq_accum, after the dQ part), converted last.
   int kv_head_splits = 1;
   float* dkv_accum = nullptr;
+  // CUDA (both families' main backward, gpu/block_geometry.cuh key_block_of_cta): the CTAs run
+  // key block major in chunks of this many (kv-head slot, batch) groups, longest causal key
+  // blocks first; 0: the grid's own order. Set by the launchers (gpu/launch.h key_major_groups).
+  int key_major_groups = 0;
   // CUDA (the mma.sync backward, narrow calls: gpu/score_mods.cuh narrow_plain_call): dS = 0
   // exactly on rows whose masks leave one key, where P = 1.
   bool zero_single_key_ds = false;

@@ -112,13 +112,42 @@ struct QueryBlockTask {
   }
 };
 
+// The (key block, kv-head slot, batch element) of the backward CTA at launch position `cta`
+// (blockIdx in launch order: x fastest) of a key_block_grid (x key blocks, y kv-head slots, z
+// batch). With key_major_groups = 0 that is the grid's own order: each group's (slot, batch) key
+// blocks one after another. With C > 0 (gpu/launch.h key_major_groups: causal calls)
+// the groups are taken C at a time, and within such a chunk every group's first key block comes
+// first, then every group's second, ...: under a causal mask key block j sees the queries from
+// j on, so the longest start first, and the SMs, which start CTAs in launch order, end together
+// instead of a last group's long blocks starting behind the others' short ones (MQA's two waves
+// of CTAs: ~1.6x the least time the work allows, by a list-scheduling model). A chunk holds about
+// two waves of CTAs on a few heads, whose Q and dO they share in L2.
+struct KeyBlockCoords {
+  int kb, slot, b;
+};
+__device__ __forceinline__ KeyBlockCoords key_block_of_cta(int64_t cta, int key_major_groups) {
+  const int64_t blocks = gridDim.x, slots = gridDim.y;
+  if (key_major_groups <= 0)
+    return {static_cast<int>(cta % blocks), static_cast<int>(cta / blocks % slots), static_cast<int>(cta / blocks / slots)};
+  const int64_t chunk_ctas = key_major_groups * blocks;
+  const int64_t first_group = cta / chunk_ctas * key_major_groups;
+  const int64_t groups = min64(key_major_groups, slots * gridDim.z - first_group);  // (the last chunk's fewer)
+  const int64_t r = cta - first_group * blocks;
+  const int64_t group = first_group + r % groups;
+  return {static_cast<int>(r / groups), static_cast<int>(group % slots), static_cast<int>(group / slots)};
+}
+// This CTA's launch position.
+__device__ __forceinline__ int64_t cta_launch_position() {
+  return blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + static_cast<int64_t>(gridDim.y) * blockIdx.z);
+}
+
 // A key-block CTA's problem (both families' main backward kernels): batch b, kv head hk and the
 // heads_per_kv query heads that share it, valid lengths, row strides, its keys [n0, n0 + keys)
 // (live: before kv_len), and the visits of its loop: every query block (of kBlockM rows) of every
 // query head of the group whose rows see some live key, head by head. Element offsets: kv_offset
 // of key row n0 of head hk in k / v / dk / dv, q_batch_offset of batch b's row 0 in q / dO.
 // kSplitsHeads: the task may take a part of its group's query heads (p.kv_head_splits, the Hopper
-// backward's; a kernel that never splits reads blockIdx.y as it is: the division's registers
+// backward's; a kernel that never splits takes its slot as the kv head: the division's registers
 // spilled the 80-row visits of sm90ws_m80 and the mma.sync backward at head dim 256).
 template <int kBlockM, int kBlockN, bool kSplitsHeads = false>
 struct KeyBlockTask {
@@ -146,17 +175,18 @@ struct KeyBlockTask {
   static constexpr bool kTilesInMaskBlocks = kBlockMaskRows % kBlockM == 0 && kBlockMaskKeys % kBlockN == 0;
 
   __device__ explicit KeyBlockTask(const BwdParams& p)
-      : b(static_cast<int>(blockIdx.z)),
-        hk(kSplitsHeads ? static_cast<int>(blockIdx.y) / p.kv_head_splits : static_cast<int>(blockIdx.y)),
+      : KeyBlockTask(p, key_block_of_cta(cta_launch_position(), p.key_major_groups)) {}
+  __device__ KeyBlockTask(const BwdParams& p, const KeyBlockCoords& at)
+      : b(at.b),
+        hk(kSplitsHeads ? at.slot / p.kv_head_splits : at.slot),
         heads_per_kv(static_cast<int>(p.shape.heads_q / p.shape.heads_k)),
-        head0(hk * heads_per_kv +
-              (kSplitsHeads ? static_cast<int>(blockIdx.y) % p.kv_head_splits * (heads_per_kv / p.kv_head_splits) : 0)),
+        head0(hk * heads_per_kv + (kSplitsHeads ? at.slot % p.kv_head_splits * (heads_per_kv / p.kv_head_splits) : 0)),
         q_len(clamp_len(p.q_lens, b, p.shape.seq_q)),
         kv_len(clamp_len(p.kv_lens, b, p.shape.seq_k)),
         q_stride(p.shape.heads_q * p.shape.head_dim),
         kv_stride(p.shape.heads_k * p.shape.head_dim),
         chunks(static_cast<int>(p.shape.head_dim / 8)),
-        n0(static_cast<int64_t>(static_cast<int>(blockIdx.x)) * kBlockN),
+        n0(static_cast<int64_t>(at.kb) * kBlockN),
         keys(static_cast<int>(min64(kBlockN, p.shape.seq_k - n0))),
         live_keys(static_cast<int>(max64(0, min64(keys, kv_len - n0)))),
         kv_offset((b * p.shape.seq_k + n0) * kv_stride + hk * p.shape.head_dim),
@@ -234,17 +264,16 @@ struct KeyBlockTask {
 };
 
 // Warms L2 with the K and V tiles of the key-block CTA that should start on this SM about a
-// wave after this one (one CTA an SM, CTAs started in the grid order of key_block_grid): its
+// wave after this one (one CTA an SM, CTAs started in launch order: key_block_of_cta): its
 // prologue, which has nothing to overlap its loads with, then waits on L2 rather than DRAM.
 // kThreads threads (this one `tid`) share the tile's 128-byte lines.
 template <int kBlockN, int kHeadDim, int kThreads, typename T>
 __device__ __forceinline__ void prefetch_next_wave_keys(const BwdParams& p, int tid) {
   const AttentionShape& sh = p.shape;
-  const int64_t later =
-      blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + gridDim.y * blockIdx.z) + sm_id_bound();
-  const int64_t later_n0 = later % gridDim.x * kBlockN;
-  const int64_t later_hk = later / gridDim.x % gridDim.y / p.kv_head_splits, later_b = later / gridDim.x / gridDim.y;
-  constexpr int kLinesPerRow = kHeadDim / 64;  // a row is kHeadDim 16-bit elements
+  const KeyBlockCoords later = key_block_of_cta(cta_launch_position() + sm_id_bound(), p.key_major_groups);
+  const int64_t later_n0 = static_cast<int64_t>(later.kb) * kBlockN;
+  const int64_t later_hk = later.slot / p.kv_head_splits, later_b = later.b;
+  constexpr int kLinesPerRow = (kHeadDim + 63) / 64;  // a row is kHeadDim 16-bit elements
   const int64_t kv_stride = sh.heads_k * sh.head_dim;
   constexpr int kLines = kBlockN * kLinesPerRow;
 #pragma unroll

@@ -12,11 +12,15 @@ namespace {
 constexpr const char* kForwardVariable = "JAX_FLASH_CUDA_FORWARD";
 constexpr const char* kBackwardVariable = "JAX_FLASH_CUDA_BACKWARD";
 constexpr const char* kNarrowVariable = "JAX_FLASH_CUDA_NARROW";
+constexpr const char* kOrderVariable = "JAX_FLASH_CUDA_ORDER";
+constexpr const char* kHeadDim96Variable = "JAX_FLASH_CUDA_HD96";
 
 struct Overrides {
   std::optional<KernelFamily> forward;
   std::optional<KernelFamily> backward;
   bool narrow_split = true;  // JAX_FLASH_CUDA_NARROW=off turns it off
+  bool longest_first = true;  // JAX_FLASH_CUDA_ORDER=grid turns it off
+  bool native_head_dim_96 = true;  // JAX_FLASH_CUDA_HD96=padded turns it off
   std::string error;
 };
 
@@ -61,6 +65,20 @@ Overrides read_overrides() {
     else if (v != "split")
       append_unknown_value(o.error, kNarrowVariable, v, "split, off");
   }
+  if (const char* value = std::getenv(kOrderVariable); value != nullptr && *value != '\0') {
+    const std::string v = value;
+    if (v == "grid")
+      o.longest_first = false;
+    else if (v != "longest")
+      append_unknown_value(o.error, kOrderVariable, v, "longest, grid");
+  }
+  if (const char* value = std::getenv(kHeadDim96Variable); value != nullptr && *value != '\0') {
+    const std::string v = value;
+    if (v == "padded")
+      o.native_head_dim_96 = false;
+    else if (v != "native")
+      append_unknown_value(o.error, kHeadDim96Variable, v, "native, padded");
+  }
   return o;
 }
 
@@ -101,5 +119,7 @@ int device_max_smem_per_block() { return device_attribute<cudaDevAttrMaxSharedMe
 KernelFamily forward_family() { return choose(overrides().forward, KernelFamily::kSm90Ws); }
 KernelFamily backward_family() { return choose(overrides().backward, KernelFamily::kSm90Ws); }
 bool narrow_split_enabled() { return overrides().narrow_split; }
+bool longest_first_enabled() { return overrides().longest_first; }
+bool native_head_dim_96_enabled() { return overrides().native_head_dim_96; }
 
 }  // namespace jax_flash::cuda

@@ -23,7 +23,8 @@
 // sm90/traits.cuh kTiledDq; bulk row reductions at 65..127, atomics elsewhere); sm90ws_atomicdq
 // and sm90ws_bulkdq force 64-row query blocks with dQ added by atomics or by bulk row reductions
 // from shared memory (the general calls too: soft cap, ALiBi, segment ids); sm90ws_tileddq takes
-// the tiled dQ at head dims 65..128 (elsewhere sm90ws); sm90ws_m80 (experimental, session 21)
+// the tiled dQ at the head dims that run the kernels of 128 (97..128, or 65..128 under
+// JAX_FLASH_CUDA_HD96=padded; elsewhere sm90ws); sm90ws_m80 (experimental, session 21)
 // visits 80-row query blocks in the plain non-deterministic calls at head dim 128, dQ computed
 // transposed (FlashAttention-3's non-causal tile; sm90/traits.cuh kDqTransposed); sm90ws_deferdq
 // (experimental, session 22) runs those calls on head dim 128's tiled kernel without the
@@ -31,6 +32,15 @@
 // 193..256 every Hopper backward choice runs the split head-dim kernel (sm90/traits.cuh
 // kSplitHeadDim: the warpgroups share 64-key blocks, dQ by atomics).
 // A Hopper choice only applies on Hopper, and only where a Hopper kernel exists.
+//   JAX_FLASH_CUDA_ORDER = longest | grid (default: longest since session 23): the order in which
+//                          the main backward's CTAs (both families) start on a causal call:
+//                          longest key blocks first, in chunks of about two waves
+//                          (gpu/block_geometry.cuh key_block_of_cta), or the grid's own order
+//                          (each head's key blocks one after another), as before.
+//   JAX_FLASH_CUDA_HD96 = native | padded (default: native since session 23): head dims 65..96
+//                         run the kernels compiled for head dim 96 (the wgmma ones: 128-column
+//                         tiles whose products stop at 96, sm90/traits.cuh tile_head_dim; the
+//                         mma.sync family runs them at 128 either way), or those of 128, as before.
 //   JAX_FLASH_CUDA_NARROW = split | off (default: split since session 19, whose differential run
 //                           of 2000 configurations gave 0 misses under it): narrow plain calls
 //                           (narrow_shape below) run the mma.sync kernels with P and dS as hi +
@@ -66,6 +76,12 @@ KernelFamily forward_family();
 KernelFamily backward_family();
 // Whether narrow calls run the split (unless JAX_FLASH_CUDA_NARROW=off).
 bool narrow_split_enabled();
+// Whether causal backward calls start their longest key blocks first (unless
+// JAX_FLASH_CUDA_ORDER=grid; gpu/launch.h key_major_groups).
+bool longest_first_enabled();
+// Whether head dims 65..96 run the kernels of head dim 96 (unless JAX_FLASH_CUDA_HD96=padded:
+// those of 128).
+bool native_head_dim_96_enabled();
 
 // Narrow calls (common/mask.h narrow_shape): by default (JAX_FLASH_CUDA_NARROW=split) plain ones
 // run the mma.sync kernels with P and dS as hi + lo (two 16-bit operands: about float32;

@@ -23,13 +23,15 @@ struct TypeTag {
 };
 
 // run(TypeTag<T>{}, std::integral_constant<int, D>{}) for the 16-bit dtype T and the smallest
-// compiled head dim D >= head_dim; cudaErrorInvalidValue for anything else.
+// compiled head dim D >= head_dim (of JF_HEAD_DIMS; 96 skipped under JAX_FLASH_CUDA_HD96=padded);
+// cudaErrorInvalidValue for anything else. The mma.sync launchers then run at sm80_head_dim(D).
 template <typename Run>
 cudaError_t dispatch_dtype_head_dim(Dtype dtype, int64_t head_dim, Run&& run) {
+  const bool native_96 = native_head_dim_96_enabled();
   auto with_type = [&](auto type) -> cudaError_t {
 #define JF_HEAD_DIM_CASE(D) \
-  if (head_dim <= D) return run(type, std::integral_constant<int, D>{});
-    JF_SM80_HEAD_DIMS(JF_HEAD_DIM_CASE)
+  if (head_dim <= D && (D != 96 || native_96)) return run(type, std::integral_constant<int, D>{});
+    JF_HEAD_DIMS(JF_HEAD_DIM_CASE)
 #undef JF_HEAD_DIM_CASE
     return cudaErrorInvalidValue;
   };
@@ -44,10 +46,15 @@ cudaError_t dispatch_dtype_head_dim(Dtype dtype, int64_t head_dim, Run&& run) {
 
 bool tiled_dq_accum(const AttentionShape& shape) {
   const KernelFamily family = backward_family();
-  return ((family == KernelFamily::kSm90Ws || family == KernelFamily::kSm90WsM80 ||
-           family == KernelFamily::kSm90WsDeferDq) &&
-          shape.head_dim == 128) ||
-         (family == KernelFamily::kSm90WsTiledDq && shape.head_dim > 64 && shape.head_dim <= 128);
+  bool tiled_kernel = false;  // the call's compiled head dim has the tiled kernel (128's)
+  dispatch_dtype_head_dim(Dtype::kBFloat16, shape.head_dim, [&](auto, auto head_dim) -> cudaError_t {
+    tiled_kernel = TileShapes<decltype(head_dim)::value>::kHasSm90BwdTiledDq;
+    return cudaSuccess;
+  });
+  return tiled_kernel && (((family == KernelFamily::kSm90Ws || family == KernelFamily::kSm90WsM80 ||
+                            family == KernelFamily::kSm90WsDeferDq) &&
+                           shape.head_dim == 128) ||
+                          family == KernelFamily::kSm90WsTiledDq);
 }
 
 int kv_head_splits(const AttentionShape& shape, bool deterministic) {
@@ -66,6 +73,13 @@ int kv_head_splits(const AttentionShape& shape, bool deterministic) {
   for (int64_t d = 1; d <= group; ++d)
     if (group % d == 0 && ctas * d >= wanted) return static_cast<int>(d);
   return static_cast<int>(group);
+}
+
+int key_major_groups(const BwdParams& p, dim3 grid) {
+  const int64_t key_blocks = grid.x;
+  if (!p.mask.causal || key_blocks <= 1 || !longest_first_enabled()) return 0;
+  const int64_t two_waves = 2 * std::max(1, device_sm_count());
+  return static_cast<int>(std::max<int64_t>(1, (two_waves + key_blocks - 1) / key_blocks));
 }
 
 bool transposed_dq_accum(const AttentionShape& shape) {
@@ -102,7 +116,7 @@ cudaError_t launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
         return launch_fwd_sm90_ws<T, kD>(p, options, stream);
       }
     }
-    return launch_fwd_sm80<T, kD>(p, stream);
+    return launch_fwd_sm80<T, sm80_head_dim(kD)>(p, stream);
   });
 }
 
@@ -152,9 +166,9 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
             : family == KernelFamily::kSm90WsAtomicDq ? launch_bwd_main_sm90_ws<T, kD>(hp, V::kAtomicDq, stream)
             : family == KernelFamily::kSm90WsBulkDq   ? launch_bwd_main_sm90_ws<T, kD>(hp, V::kBulkDq, stream)
             : family == KernelFamily::kSm90WsTiledDq  ? launch_bwd_main_sm90_ws<T, kD>(hp, kDefault, stream)
-                                                      : launch_bwd_main_sm80<T, kD>(p, stream);
+                                                      : launch_bwd_main_sm80<T, sm80_head_dim(kD)>(p, stream);
       } else {
-        e = launch_bwd_main_sm80<T, kD>(p, stream);
+        e = launch_bwd_main_sm80<T, sm80_head_dim(kD)>(p, stream);
       }
       if (e != cudaSuccess) return e;
       if (hp.kv_head_splits > 1) {
@@ -165,7 +179,7 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
       }
     }
 
-    if (p.deterministic) return launch_bwd_dq_sm80<T, kD>(p, stream);
+    if (p.deterministic) return launch_bwd_dq_sm80<T, sm80_head_dim(kD)>(p, stream);
     if (m80) {  // a CTA a tile
       const int64_t tiles = sh.batch * sh.heads_q * ((sh.seq_q + kTransposedDqRows - 1) / kTransposedDqRows);
       const int blocks = static_cast<int>(std::min<int64_t>(tiles, 1 << 20));

@@ -18,7 +18,8 @@ namespace jax_flash::cuda {
 inline constexpr int64_t kHeadDimMultiple = 8;
 
 // Whether the backward adds dQ in tiles of 64 rows x 128 columns in the fragments' order
-// (Sm90BwdVariant::kTiledDq): on Hopper at head dim 128 by default, at 65..128 with
+// (Sm90BwdVariant::kTiledDq): on Hopper at head dim 128 by default, at the head dims that run the
+// kernels of 128 (97..128; 65..128 under JAX_FLASH_CUDA_HD96=padded) with
 // JAX_FLASH_CUDA_BACKWARD=sm90ws_tileddq (elsewhere the padding to 128 columns would cost memory).
 bool tiled_dq_accum(const AttentionShape& shape);
 inline constexpr int64_t kTiledDqRows = 64, kTiledDqColumns = 128;
@@ -45,6 +46,12 @@ inline int64_t dq_tiles_elements(const AttentionShape& shape, int64_t rows) {
 // deterministic mode (the additions' order would vary) nor on the mma.sync backward; only plain
 // calls split (gpu/launch.cu), though the others' workspace has the room.
 int kv_head_splits(const AttentionShape& shape, bool deterministic);
+
+// BwdParams::key_major_groups for a main backward grid (gpu/kernel_launch.cuh key_block_grid): on
+// a causal call, chunks of about two waves of CTAs (at least one group), longest key blocks first
+// (gpu/block_geometry.cuh key_block_of_cta); 0 (the grid's order) otherwise, where the key
+// blocks' work is equal, or under JAX_FLASH_CUDA_ORDER=grid.
+int key_major_groups(const BwdParams& p, dim3 grid);
 
 // Elements of the dQ part of the backward's float32 workspace: one per element of dQ (or a whole
 // tile per (batch, head, 64-row block) with tiled_dq_accum, the larger of those and the 80-row

@@ -12,10 +12,22 @@
 namespace jax_flash::cuda {
 
 // The compiled head dims of each family, smallest first, as X-macros: the launch switch and the
-// launchers' instantiations are both generated from them.
+// launchers' instantiations are both generated from them. JF_HEAD_DIMS is the launch switch's:
+// every family's; a family without a compiled head dim runs the smallest of its own that holds it
+// (sm80_head_dim: head dim 96 is the wgmma kernels' alone, the mma.sync ones run it at 128).
+#define JF_HEAD_DIMS(X) X(32) X(64) X(96) X(128) X(192) X(256)
 #define JF_SM80_HEAD_DIMS(X) X(32) X(64) X(128) X(192) X(256)
-#define JF_SM90_FWD_HEAD_DIMS(X) X(64) X(128) X(192) X(256)
-#define JF_SM90_BWD_HEAD_DIMS(X) X(64) X(128) X(256)
+#define JF_SM90_FWD_HEAD_DIMS(X) X(64) X(96) X(128) X(192) X(256)
+#define JF_SM90_BWD_HEAD_DIMS(X) X(64) X(96) X(128) X(256)
+
+// The smallest mma.sync head dim at or above head_dim.
+constexpr int sm80_head_dim(int head_dim) {
+#define JF_SM80_AT_LEAST(D) \
+  if (head_dim <= D) return D;
+  JF_SM80_HEAD_DIMS(JF_SM80_AT_LEAST)
+#undef JF_SM80_AT_LEAST
+  return 0;
+}
 
 template <int kHeadDim>
 struct TileShapes {
@@ -48,6 +60,7 @@ struct TileShapes {
   // 112 and 80 (the most shared memory holds, against 64). Not for the general calls (tiles that
   // straddle the block mask's 128 x 128 blocks).
   static constexpr bool kHasSm90FwdWide = kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 192 || kHeadDim == 256;
+  // (Head dim 96: the 128 x 128 tiles; the wide ones not measured there.)
   static constexpr int kWideKeys = kHeadDim == 128 ? 176 : kHeadDim == 192 ? 112 : kHeadDim == 256 ? 80 : 128;
   using Sm90FwdWsWide = Sm90FwdWsTraits<kHeadDim, kWideKeys, 2, (kHeadDim == 64 ? 3 : 2)>;
   // Where the wide tiles run by default: where they measured faster (H200, seq 8192, session 17,
@@ -86,8 +99,9 @@ struct TileShapes {
   using Sm90BwdWsBlockM128 = Sm90BwdWsTraits<kHeadDim, false, (kHasSm90BwdBlockM128 ? 128 : 64)>;
   // With 64-row query blocks, the backward's dQ by default as measured on the H200 (v6): bulk
   // reductions at head dim 128 (+5-11% over atomics), atomics elsewhere (bulk reductions 25%
-  // slower at 64).
-  static constexpr bool kSm90BwdBulkDqByDefault = kHeadDim == 128;
+  // slower at 64). Head dim 96 computes dQ as 128 does (two warpgroups of 64 columns) and keeps
+  // the bulk reductions that its calls ran on the kernel of 128 before session 23.
+  static constexpr bool kSm90BwdBulkDqByDefault = kHeadDim == 96 || kHeadDim == 128;
 };
 
 // Explicit instantiations of a launcher template<T, kHeadDim> for both 16-bit dtypes.

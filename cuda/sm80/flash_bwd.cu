@@ -9,19 +9,21 @@
 namespace jax_flash::cuda {
 
 template <typename T, int kHeadDim>
-cudaError_t launch_bwd_main_sm80(const BwdParams& p, cudaStream_t stream) {
+cudaError_t launch_bwd_main_sm80(const BwdParams& params, cudaStream_t stream) {
   using Traits = typename TileShapes<kHeadDim>::Sm80Bwd;
   using SplitTraits = typename TileShapes<kHeadDim>::Sm80BwdSplitDs;
+  BwdParams p = params;
+  const dim3 grid = key_block_grid<Traits>(p.shape);
+  p.key_major_groups = key_major_groups(p, grid);
   // (The split's third tile needs more shared memory than an A100 has at head dim 128: there
   // narrow calls keep the 16-bit dS.)
   if (narrow_plain_call(p) && SplitTraits::kSmemBytes <= device_max_smem_per_block()) {
-    BwdParams narrow = p;
-    narrow.zero_single_key_ds = true;
+    p.zero_single_key_ds = true;
     return launch_with_smem(flash_bwd_kernel<SplitTraits, T, false>, key_block_grid<SplitTraits>(p.shape),
-                            SplitTraits::kThreads, SplitTraits::kSmemBytes, stream, narrow);
+                            SplitTraits::kThreads, SplitTraits::kSmemBytes, stream, p);
   }
   auto kernel = general_kernel(p) ? flash_bwd_kernel<Traits, T, true> : flash_bwd_kernel<Traits, T, false>;
-  return launch_with_smem(kernel, key_block_grid<Traits>(p.shape), Traits::kThreads, Traits::kSmemBytes, stream, p);
+  return launch_with_smem(kernel, grid, Traits::kThreads, Traits::kSmemBytes, stream, p);
 }
 
 template <typename T, int kHeadDim>

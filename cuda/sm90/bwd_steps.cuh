@@ -380,7 +380,7 @@ __device__ __forceinline__ void store_dk_dv(const BwdParams& p, const Task& task
                                             const float (&dk)[1][Traits::kGradColumns / 8][4],
                                             const float (&dv)[1][Traits::kGradColumns / 8][4], T* s_k, T* s_v,
                                             int warp_key0, int col0, int lane, int tid, Sync sync) {
-  using OutTile = SmemTile<Traits::kBlockN, Traits::kHeadDim>;
+  using OutTile = SmemTile<Traits::kBlockN, Traits::kTileHeadDim>;
   static_assert(OutTile::kElements == Traits::KVTile::kElements, "dK and dV staged where K and V were");
   sync();
   store_accumulator<OutTile>(s_k, dk, warp_key0, col0, lane);

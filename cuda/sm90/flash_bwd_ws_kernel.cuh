@@ -386,7 +386,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // dQ (64 query rows or 64 columns a warpgroup: Traits::kDqByRows), waited for; then the
     // stage is released (Q, dO, lse and delta no longer read by this warp) and dQ added to the
     // float32 accumulator.
-    const bool dq_here = !kDeterministic && (Traits::kDqByRows || kD == 128 || kSplit || group == 0);
+    const bool dq_here = !kDeterministic && (Traits::kDqByRows || Traits::kTileHeadDim == 128 || kSplit || group == 0);
     float dq[1][kDqTiles][4];
     if constexpr (kSplit) {
       // P^T and dS^T of the warpgroup's queries to this visit's tiles (every key), then, once

@@ -29,10 +29,9 @@ cudaError_t launch(const FwdParams& p, const Sm90FwdOptions& options, cudaStream
   // A persistent CTA takes tiles two at a time.
   const int64_t ctas = persistent ? std::min<int64_t>((tiles + 1) / 2, std::max(1, device_sm_count())) : tiles;
   auto kernel = flash_fwd_sm90_ws_kernel<Traits, T, false>;
-  // (The 128 x 128 tiles at head dims 64 and 128 only: compile time, and the wide tiles' registers:
-  // at key blocks of 176 ptxas serialises the products, C7512.)
-  constexpr bool kSumTiles =
-      (Traits::kHeadDim == 64 || Traits::kHeadDim == 128) && Traits::kBlockN == 128 && Traits::kConsumers == 2;
+  // (The 128 x 128 tiles at head dims 64, 96 and 128 only: compile time, and the wide tiles'
+  // registers: at key blocks of 176 ptxas serialises the products, C7512.)
+  constexpr bool kSumTiles = Traits::kTileHeadDim <= 128 && Traits::kBlockN == 128 && Traits::kConsumers == 2;
   const bool tensor_sums = options.tensor_sums && p.for_backward();
   if constexpr (kSumTiles)
     if (tensor_sums) kernel = flash_fwd_sm90_ws_kernel<Traits, T, false, false, true>;
@@ -55,7 +54,7 @@ cudaError_t launch(const FwdParams& p, const Sm90FwdOptions& options, cudaStream
   // Plain calls with a 16-bit o store it by TMA from shared memory (not under sm90ws_directstore),
   // and so do those with a soft cap or ALiBi alone.
   int smem_bytes = Traits::kSmemBytes;
-  if constexpr (Traits::kTmaStoreFits && (Traits::kHeadDim == 64 || Traits::kHeadDim == 128))
+  if constexpr (Traits::kTmaStoreFits && Traits::kTileHeadDim <= 128)
     if (options.tma_store && !p.for_backward() && !general_ids(p)) {
       if (cudaError_t e = make_head_tensor_map(&params.o, p.o, p.dtype, s.batch, s.seq_q, s.heads_q, s.head_dim, 64))
         return e;

@@ -87,7 +87,7 @@ struct FwdWsBarriers {
 // unpacking and adding of every P (OnlineSoftmax::add_rounded_sums: about a quarter of the
 // consumers' instructions a block). The same float32 sums of the same 16-bit values, in another
 // order.
-// kTmaStore (inference calls at head dims 64 and 128, plain or with a soft cap or ALiBi alone,
+// kTmaStore (inference calls at head dims 64, 96 and 128, plain or with a soft cap or ALiBi alone,
 // unless JAX_FLASH_CUDA_FORWARD=sm90ws_directstore; +1-7% on the plain forward, session 21):
 // each consumer warpgroup writes its normalised O rows to the O tile in shared memory and one of
 // its threads stores them by TMA (FlashAttention-3's epilogue), instead of every thread storing

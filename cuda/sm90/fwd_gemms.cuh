@@ -34,7 +34,7 @@ __device__ __forceinline__ uint64_t ones_descriptor(uint32_t ones_address) {
 
 // O += P V for the warpgroup: P from registers, V (N-major) at v_address; one wgmma group, not
 // waited for. Head dims past 128 are done as products of N = 128 (and a last one of 64) over the
-// column blocks of V and O. With kRowSums also row_sums += P times a column of ones (the
+// column blocks of V and O; head dim 96 as one of N = 96 (1.5 of V's column blocks). With kRowSums also row_sums += P times a column of ones (the
 // ones tile's descriptor): each row's sum of P as rounded to 16 bits, in float32, on the tensor
 // cores (every column of the m64n8 accumulator holds it), where the softmax would otherwise
 // unpack and add every 16-bit P (OnlineSoftmax::add_rounded_sums). `row_sums` is a pointer only
@@ -45,7 +45,7 @@ __device__ __forceinline__ void issue_output(float (&o)[1][Traits::kHeadDim / 8]
                                              float (*row_sums)[1][4] = nullptr, uint64_t ones_desc = 0) {
   constexpr int kD = Traits::kHeadDim;
   constexpr int kN = kD < 128 ? kD : 128;  // columns of each product
-  static_assert(kD % 64 == 0, "whole 64-column blocks");
+  static_assert(kD % 64 == 0 || kD == 96, "whole 64-column blocks, or one product of N = 96");
   const uint64_t v_base = Traits::KVTile::n_major(v_address, 0);
   fence_registers(o[0]);
   if constexpr (kRowSums) fence_registers(*row_sums);

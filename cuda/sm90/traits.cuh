@@ -8,12 +8,20 @@
 
 namespace jax_flash::cuda {
 
+// The columns of a kernel's shared Q, K, V (and dO) tiles: the head dim in whole 64-column blocks
+// (the 128-byte swizzle's). At head dim 96 the tiles are 128 wide, their last 32 columns zeros
+// that TMA fills (the tensor maps end at the head dim) and no product reads: the products over
+// the head dim take 6 k-steps, those that make head-dim columns N = 96 (session 23; before, head
+// dims 65..96 ran the kernels of 128 whole).
+constexpr int tile_head_dim(int head_dim) { return (head_dim + 63) / 64 * 64; }
+
 // The warp-specialised forward (sm90/flash_fwd_ws_kernel.cuh): a producer warpgroup (TMA) and
 // kConsumers consumer warpgroups (2, or 3: FlashAttention-3's 192-row tile at head dim 64) of 64
 // query rows each, kStages stages of K and of V.
 template <int kHeadDim_, int kBlockN_, int kStages_, int kConsumers_ = 2>
 struct Sm90FwdWsTraits {
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kTileHeadDim = tile_head_dim(kHeadDim);
   static constexpr int kConsumers = kConsumers_;
   static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups");
   static constexpr int kBlockM = 64 * kConsumers;
@@ -32,8 +40,8 @@ struct Sm90FwdWsTraits {
   // the register file over kThreads, in multiples of 8 a thread); asking for more hangs.
   static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumers <= 65536 / kThreads / 8 * 8 * kThreads,
                 "registers past the launch allocation");
-  using QTile = GmmaTile<kBlockM, kHeadDim>;
-  using KVTile = GmmaTile<kBlockN, kHeadDim>;
+  using QTile = GmmaTile<kBlockM, kTileHeadDim>;
+  using KVTile = GmmaTile<kBlockN, kTileHeadDim>;
   // Q, kStages stages of K and of V, the ones tile (1 KiB: sm90/fwd_gemms.cuh issue_output's row
   // sums), and 1 KiB to align the base.
   static constexpr int kOnesElements = 512;
@@ -43,7 +51,7 @@ struct Sm90FwdWsTraits {
   // kTmaStore): where it fits.
   static constexpr int kSmemBytesTmaStore = kSmemBytes + 2 * QTile::kElements;
   static constexpr bool kTmaStoreFits = kSmemBytesTmaStore <= 227 * 1024;
-  static_assert(kHeadDim % 64 == 0, "P V is done in products of N = 128 and 64");
+  static_assert(kHeadDim % 64 == 0 || kHeadDim == 96, "P V is done in products of N = 128 and 64, or 96");
   static_assert(kBlockN == 64 || kBlockN == 80 || kBlockN == 112 || kBlockN == 128 || kBlockN == 176,
                 "wgmma shapes are instantiated for N = 64, 80, 112, 128, 176");
 };
@@ -89,6 +97,7 @@ template <int kHeadDim_, bool kBulkDq_ = false, int kBlockM_ = 64, bool kTiledDq
           bool kDeferDq_ = false>
 struct Sm90BwdWsTraits {
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kTileHeadDim = tile_head_dim(kHeadDim);
   static constexpr bool kSplitHeadDim = kSplitHeadDim_;
   static constexpr bool kDeferDq = kDeferDq_;
   static_assert(!kDeferDq || (kTiledDq_ && kBlockM_ == 64), "deferred dQ: the tiled hand-off, 64-row visits");
@@ -117,23 +126,23 @@ struct Sm90BwdWsTraits {
   static constexpr int kStages = 2;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kConsumerWarps = 4 * kConsumers;
-  // Consumer warps that compute dQ: each warpgroup 64 of the head dim's columns.
-  static constexpr int kDqWarps = 4 * (kHeadDim / 64);
+  // Consumer warps that compute dQ: each warpgroup 64 of the (tile's) head dim's columns.
+  static constexpr int kDqWarps = 4 * (kTileHeadDim / 64);
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
   // setmaxnreg moves registers within the CTA's launch allocation (__launch_bounds__(kThreads, 1):
   // the register file over kThreads, in multiples of 8 a thread); asking for more hangs.
   static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumers <= 65536 / kThreads / 8 * 8 * kThreads,
                 "registers past the launch allocation");
-  using KVTile = GmmaTile<kBlockN, kHeadDim>;
-  using QTile = GmmaTile<kBlockM, kHeadDim>;
+  using KVTile = GmmaTile<kBlockN, kTileHeadDim>;
+  using QTile = GmmaTile<kBlockM, kTileHeadDim>;
   // dS^T: [key][query], or [query][key] (kDqTransposed)
   using DsTile = std::conditional_t<kDqTransposed, GmmaTile<kBlockM, kBlockN>, GmmaTile<kBlockN, kBlockM>>;
   // Row stride (floats) of the dQ tile: 16-byte rows for the bulk copies, 8 banks apart, so
   // that a half-warp's float2 stores (4 rows x 4 column pairs) meet 32 distinct banks (4 apart
   // made rows r and r + 1 share 4 banks: the hd128 profile counted 34M conflicts on 87M
   // store wavefronts).
-  static constexpr int kDqRowStride = kTiledDq ? kHeadDim : kHeadDim + 8;
+  static constexpr int kDqRowStride = kTiledDq ? kHeadDim : kTileHeadDim + 8;
   // Floats of one warpgroup's part of the tiled dQ tile (kTiledDq): 64 rows x its 64 columns, or
   // (kDqTransposed) its 64 head-dim rows of dQ^T x the block's queries.
   static constexpr int kDqPartFloats = kBlockM * kHeadDim / 2;
@@ -145,7 +154,8 @@ struct Sm90BwdWsTraits {
                                     2 * kStages * kBlockM * 4 + (kBulkDq ? kBlockM * kDqRowStride * 4 : 0) +
                                     kBarrierBytes + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
-  static_assert(kHeadDim == 64 || kHeadDim == 128 || kSplitHeadDim, "wgmma shapes are instantiated for N = 64, 128");
+  static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128 || kSplitHeadDim,
+                "wgmma shapes are instantiated for N = 64, 96, 128");
 };
 
 }  // namespace jax_flash::cuda

@@ -141,6 +141,15 @@ struct Wgmma;
   "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
   "%80, %81, %82, %83, %84, %85, %86, %87}"
 
+// N = 96: head dim 96's products over the head dim (O += P V; dV, dK), whose operand tiles are
+// 128 columns wide (sm90/traits.cuh kTileHeadDim) and read 1.5 column blocks.
+#define JF_WGMMA_ACC_N96 \
+  JF_WGMMA_ACC_N64, JF_WGMMA_ACC(8), JF_WGMMA_ACC(9), JF_WGMMA_ACC(10), JF_WGMMA_ACC(11)
+#define JF_WGMMA_REGS_N96 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}"
+
 // N = 32: the backward's split tiles at head dim 256 (sm90/traits.cuh kSplitHeadDim): a
 // warpgroup's S^T and dP^T columns (32 queries).
 #define JF_WGMMA_ACC_N32 JF_WGMMA_ACC(0), JF_WGMMA_ACC(1), JF_WGMMA_ACC(2), JF_WGMMA_ACC(3)
@@ -216,6 +225,9 @@ struct Wgmma;
 #define JF_DEFINE_WGMMA_N176(T, PTX)                                                                \
   JF_DEFINE_WGMMA(T, PTX, 176, JF_WGMMA_ACC_N176, JF_WGMMA_REGS_N176, "%88, %89", "%90", "%91, %92", \
                   "{%88, %89, %90, %91}, %92", "%93")
+#define JF_DEFINE_WGMMA_N96(T, PTX)                                                                 \
+  JF_DEFINE_WGMMA(T, PTX, 96, JF_WGMMA_ACC_N96, JF_WGMMA_REGS_N96, "%48, %49", "%50", "%51, %52",  \
+                  "{%48, %49, %50, %51}, %52", "%53")
 #define JF_DEFINE_WGMMA_N32(T, PTX)                                                                 \
   JF_DEFINE_WGMMA(T, PTX, 32, JF_WGMMA_ACC_N32, JF_WGMMA_REGS_N32, "%16, %17", "%18", "%19, %20",  \
                   "{%16, %17, %18, %19}, %20", "%21")
@@ -231,6 +243,8 @@ JF_DEFINE_WGMMA_N112(__nv_bfloat16, "bf16")
 JF_DEFINE_WGMMA_N112(__half, "f16")
 JF_DEFINE_WGMMA_N176(__nv_bfloat16, "bf16")
 JF_DEFINE_WGMMA_N176(__half, "f16")
+JF_DEFINE_WGMMA_N96(__nv_bfloat16, "bf16")
+JF_DEFINE_WGMMA_N96(__half, "f16")
 JF_DEFINE_WGMMA_N32(__nv_bfloat16, "bf16")
 JF_DEFINE_WGMMA_N32(__half, "f16")
 #undef JF_DEFINE_WGMMA_N8
@@ -240,6 +254,7 @@ JF_DEFINE_WGMMA_N32(__half, "f16")
 #undef JF_DEFINE_WGMMA_N112
 #undef JF_DEFINE_WGMMA_N176
 #undef JF_DEFINE_WGMMA_N32
+#undef JF_DEFINE_WGMMA_N96
 #undef JF_DEFINE_WGMMA
 #undef JF_WGMMA_REGS_N8
 #undef JF_WGMMA_REGS_N64
@@ -248,6 +263,7 @@ JF_DEFINE_WGMMA_N32(__half, "f16")
 #undef JF_WGMMA_REGS_N112
 #undef JF_WGMMA_REGS_N176
 #undef JF_WGMMA_REGS_N32
+#undef JF_WGMMA_REGS_N96
 #undef JF_WGMMA_ACC_N8
 #undef JF_WGMMA_ACC_N64
 #undef JF_WGMMA_ACC_N128
@@ -255,6 +271,7 @@ JF_DEFINE_WGMMA_N32(__half, "f16")
 #undef JF_WGMMA_ACC_N112
 #undef JF_WGMMA_ACC_N176
 #undef JF_WGMMA_ACC_N32
+#undef JF_WGMMA_ACC_N96
 #undef JF_WGMMA_ACC
 
 }  // namespace jax_flash::cuda
