@@ -542,9 +542,11 @@ def test_split_kv_decoding_on_cuda():
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
-def test_unknown_kernel_choice_is_an_error():
+@pytest.mark.parametrize("variable, value", [("JAX_FLASH_CUDA_FORWARD", "sm90-pipelind"),
+                                             ("JAX_FLASH_CUDA_ORDER", "longst"),
+                                             ("JAX_FLASH_CUDA_HD96", "nativ")])
+def test_unknown_kernel_choice_is_an_error(variable, value):
   """A misspelt override is reported by name, not ignored."""
-  result = _run_in_subprocess({"JAX_FLASH_CUDA_FORWARD": "sm90-pipelind"}, "-k",
-                              "test_cuda_is_default_on_gpu")
+  result = _run_in_subprocess({variable: value}, "-k", "test_cuda_is_default_on_gpu")
   assert result.returncode != 0
-  assert "JAX_FLASH_CUDA_FORWARD=sm90-pipelind is not one of" in result.stdout + result.stderr
+  assert f"{variable}={value} is not one of" in result.stdout + result.stderr

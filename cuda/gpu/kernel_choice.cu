@@ -54,31 +54,23 @@ std::optional<KernelFamily> read_override(const char* variable, bool forward, st
   return std::nullopt;
 }
 
+// A two-valued switch: false where `variable` is set to `off_value`, true where unset or set to
+// `on_value`; another value is appended to `error`.
+bool read_switch(const char* variable, const char* on_value, const char* off_value, std::string& error) {
+  const char* value = std::getenv(variable);
+  if (value == nullptr || *value == '\0' || std::string(value) == on_value) return true;
+  if (std::string(value) == off_value) return false;
+  append_unknown_value(error, variable, value, (std::string(on_value) + ", " + off_value).c_str());
+  return true;
+}
+
 Overrides read_overrides() {
   Overrides o;
   o.forward = read_override(kForwardVariable, true, o.error);
   o.backward = read_override(kBackwardVariable, false, o.error);
-  if (const char* value = std::getenv(kNarrowVariable); value != nullptr && *value != '\0') {
-    const std::string v = value;
-    if (v == "off")
-      o.narrow_split = false;
-    else if (v != "split")
-      append_unknown_value(o.error, kNarrowVariable, v, "split, off");
-  }
-  if (const char* value = std::getenv(kOrderVariable); value != nullptr && *value != '\0') {
-    const std::string v = value;
-    if (v == "grid")
-      o.longest_first = false;
-    else if (v != "longest")
-      append_unknown_value(o.error, kOrderVariable, v, "longest, grid");
-  }
-  if (const char* value = std::getenv(kHeadDim96Variable); value != nullptr && *value != '\0') {
-    const std::string v = value;
-    if (v == "padded")
-      o.native_head_dim_96 = false;
-    else if (v != "native")
-      append_unknown_value(o.error, kHeadDim96Variable, v, "native, padded");
-  }
+  o.narrow_split = read_switch(kNarrowVariable, "split", "off", o.error);
+  o.longest_first = read_switch(kOrderVariable, "longest", "grid", o.error);
+  o.native_head_dim_96 = read_switch(kHeadDim96Variable, "native", "padded", o.error);
   return o;
 }
 
