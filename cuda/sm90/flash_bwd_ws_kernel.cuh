@@ -12,7 +12,7 @@
 //   warpgroups 1-2, the consumers (64 keys each): per visit S^T = K Q^T and dP^T = V dO^T (SS),
 //     P^T and dS^T in registers, dS^T to one of two shared buffers, the two warpgroups meet on
 //     a named barrier, then dV += P^T dO (RS), dK += dS^T Q and dQ = dS K (SS); each consumer
-//     warp releases the stage once its products are in.
+//     thread releases the stage once its products are in.
 //   With Traits::kBulkDq the consumers leave dQ in a float32 shared tile instead of adding it
 //   with atomics, and the producer's second warp adds the tile's rows to the accumulator with
 //   bulk reductions (cp.reduce.async.bulk), FlashAttention-3's way of keeping the atomics and
@@ -126,13 +126,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const Sm90BwdWsSmem<Traits, T> smem(smem_raw);
   auto& bars = *smem.bars;
 
+  // A stage is released by every consumer thread, each for its own reads of the rows' lse and
+  // delta (plain loads): a warp barrier before one lane's arrive orders them as well by the PTX
+  // memory model, but compute-sanitizer's racecheck does not follow it (session 23: 4 hazards).
+  constexpr int kReleaseCount = kConsumerThreads;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   if (threadIdx.x == 0) {
     Mbarrier(&bars.kv_full).init(32);
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
       Mbarrier(&bars.full[s]).init(32);
-      Mbarrier(&bars.empty[s]).init(Traits::kConsumerWarps);
+      Mbarrier(&bars.empty[s]).init(kReleaseCount);
     }
 #pragma unroll
     for (int g = 0; g < 2; ++g) {
@@ -274,7 +278,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // ---- Consumer warpgroups.
   claim_registers<Traits::kConsumerRegisters>();
   const int ctid = threadIdx.x - 128;                // 0 .. kConsumerThreads - 1
-  const int group = warp / 4 - 1;  // warpgroup
+  // The warpgroup; in the plain kernels of 64-row visits broadcast from lane 0, so that ptxas
+  // knows it warp-uniform: what derives from it (the wgmma descriptors of K, V and dS^T) then
+  // lives in uniform registers, moved per k-step by one UIADD3.64 instead of a 64-bit add and two
+  // R2UR in the vector pipe (head dim 128's visit: 929 -> 729 instructions, bwd +1-3% on the
+  // H200, session 24). The general kernels and the 128-row visits (head dim 64) keep the plain
+  // index: with it uniform ptxas spilled more in most of them, and head dim 64's backward ran
+  // 2-3% slower.
+  constexpr bool kUniformGroup = !kGeneral && Traits::kBlockM != 128;
+  const int group = kUniformGroup ? __shfl_sync(0xffffffff, warp / 4 - 1, 0) : warp / 4 - 1;
   // Its keys (64 group .., or with kSplitHeadDim the block's 64) and this warp's 16 of them; its
   // queries of each visit's block (kSQ from query0) and head-dim columns of dK, dV (and dQ with
   // kSplitHeadDim): kGC from grad_col0.
@@ -412,8 +424,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
       fence_registers(dv[0]);
       fence_registers(dk[0]);
-      __syncwarp();
-      if (lane == 0) Mbarrier(&bars.empty[stage]).arrive();
+      Mbarrier(&bars.empty[stage]).arrive();  // every lane (kReleaseCount)
       if (dq_live) {
         static_assert(kGC == 128, "two 64-column blocks of dQ a warpgroup");
         float dq_next[1][8][4];
@@ -438,8 +449,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       if (ctid % 128 == 0) Mbarrier(&bars.ds_full[group][it % 4]).arrive();
       accumulate_gradients<Traits, T>(dk, dv, dq, st, q_address, do_address, ds_address, k_address, group,
                                       group_live, false);
-      __syncwarp();
-      if (lane == 0) Mbarrier(&bars.empty[stage]).arrive();
+      Mbarrier(&bars.empty[stage]).arrive();  // every lane (kReleaseCount)
       if (dq_here && it > 0) deferred_dq(it - 1);
       continue;
     } else if constexpr (Traits::kDqTransposed) {
@@ -504,10 +514,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       accumulate_gradients<Traits, T>(dk, dv, dq, st, q_address, do_address, ds_address, k_address, group,
                                       group_live, dq_here);
     }
-    // Every lane's reads of the stage (lse, delta) are ordered before lane 0's release of it
-    // by the warp barrier, not only through the consumers' named barrier above.
-    __syncwarp();
-    if (lane == 0) Mbarrier(&bars.empty[stage]).arrive();
+    // Every lane releases its own reads of the stage (lse, delta; kReleaseCount).
+    Mbarrier(&bars.empty[stage]).arrive();
     if constexpr (Traits::kTiledDq) {
       if (dq_here) hand_off_dq_part(dq, it);  // this warpgroup's part (Traits::kTiledDq)
     } else if constexpr (Traits::kBulkDq) {
