@@ -18,6 +18,18 @@ if [[ ! -x $cuobjdump ]]; then
   cuobjdump=$(find build/tools -name cuobjdump -type f | head -1)
   chmod +x "$cuobjdump"
 fi
+# cuobjdump -sass runs nvdisasm (the nvidia-cuda-nvdisasm wheel, unpacked beside it).
+if ! command -v nvdisasm >/dev/null; then
+  nvdisasm=$(find build/tools -name nvdisasm -type f 2>/dev/null | head -1)
+  if [[ -z $nvdisasm ]]; then
+    mkdir -p build/tools
+    python3 -m pip download -q --no-deps nvidia-cuda-nvdisasm -d build/tools
+    python3 -m zipfile -e build/tools/nvidia_cuda_nvdisasm-*.whl build/tools
+    nvdisasm=$(find build/tools -name nvdisasm -type f | head -1)
+  fi
+  chmod +x "$nvdisasm"
+  PATH="$(cd "$(dirname "$nvdisasm")" && pwd):$PATH"
+fi
 include=$(python3 -c "import jax; print(jax.ffi.include_dir())")
 cubin=build/tools/$(basename "$source" .cu).sm_$arch.cubin
 nvcc -O3 -std=c++17 --expt-relaxed-constexpr -DNDEBUG "-gencode=arch=compute_$arch,code=sm_$arch" -Icuda \
