@@ -12,6 +12,9 @@ template <typename T, int kHeadDim>
 cudaError_t launch_bwd_main_sm80(const BwdParams& params, cudaStream_t stream) {
   using Traits = typename TileShapes<kHeadDim>::Sm80Bwd;
   using SplitTraits = typename TileShapes<kHeadDim>::Sm80BwdSplitDs;
+  // One grid for either kernel (the split's key blocks are the plain one's), so that the CTA order
+  // computed for it (key_major_groups) is the launched grid's.
+  static_assert(SplitTraits::kBlockN == Traits::kBlockN, "the split kernel's key blocks");
   BwdParams p = params;
   const dim3 grid = key_block_grid<Traits>(p.shape);
   p.key_major_groups = key_major_groups(p, grid);
@@ -19,8 +22,8 @@ cudaError_t launch_bwd_main_sm80(const BwdParams& params, cudaStream_t stream) {
   // narrow calls keep the 16-bit dS.)
   if (narrow_plain_call(p) && SplitTraits::kSmemBytes <= device_max_smem_per_block()) {
     p.zero_single_key_ds = true;
-    return launch_with_smem(flash_bwd_kernel<SplitTraits, T, false>, key_block_grid<SplitTraits>(p.shape),
-                            SplitTraits::kThreads, SplitTraits::kSmemBytes, stream, p);
+    return launch_with_smem(flash_bwd_kernel<SplitTraits, T, false>, grid, SplitTraits::kThreads,
+                            SplitTraits::kSmemBytes, stream, p);
   }
   auto kernel = general_kernel(p) ? flash_bwd_kernel<Traits, T, true> : flash_bwd_kernel<Traits, T, false>;
   return launch_with_smem(kernel, grid, Traits::kThreads, Traits::kSmemBytes, stream, p);

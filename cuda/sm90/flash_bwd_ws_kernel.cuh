@@ -278,15 +278,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // ---- Consumer warpgroups.
   claim_registers<Traits::kConsumerRegisters>();
   const int ctid = threadIdx.x - 128;                // 0 .. kConsumerThreads - 1
-  // The warpgroup; in the plain kernels of 64-row visits broadcast from lane 0, so that ptxas
-  // knows it warp-uniform: what derives from it (the wgmma descriptors of K, V and dS^T) then
-  // lives in uniform registers, moved per k-step by one UIADD3.64 instead of a 64-bit add and two
-  // R2UR in the vector pipe (head dim 128's visit: 929 -> 729 instructions, bwd +1-3% on the
-  // H200, session 24). The general kernels and the 128-row visits (head dim 64) keep the plain
-  // index: with it uniform ptxas spilled more in most of them, and head dim 64's backward ran
-  // 2-3% slower.
-  constexpr bool kUniformGroup = !kGeneral && Traits::kBlockM != 128;
-  const int group = kUniformGroup ? __shfl_sync(0xffffffff, warp / 4 - 1, 0) : warp / 4 - 1;
+  // The warpgroup, warp-uniform (K's, V's and dS^T's descriptors in uniform registers: bwd +1-3%
+  // on the H200, session 24) in the plain kernels of 64-row visits; the general kernels and the
+  // 128-row visits (head dim 64) keep the plain index: with it ptxas spilled more in most of
+  // them, and head dim 64's backward ran 2-3% slower.
+  const int group = consumer_warpgroup<!kGeneral && Traits::kBlockM != 128>(warp);
   // Its keys (64 group .., or with kSplitHeadDim the block's 64) and this warp's 16 of them; its
   // queries of each visit's block (kSQ from query0) and head-dim columns of dK, dV (and dQ with
   // kSplitHeadDim): kGC from grad_col0.

@@ -199,10 +199,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   // ---- Consumer warpgroups.
   claim_registers<Traits::kConsumerRegisters>();
-  // The warpgroup; in the plain kernels broadcast from lane 0, so that ptxas knows it
-  // warp-uniform and keeps the Q descriptor derived from it in uniform registers
-  // (sm90/flash_bwd_ws_kernel.cuh says more; the general kernels spilled up to 344 B with it).
-  const int group = kGeneral ? warp / 4 - 1 : __shfl_sync(0xffffffff, warp / 4 - 1, 0);
+  // The warpgroup, warp-uniform (the Q descriptor in uniform registers) in the plain kernels; the
+  // general kernels spilled up to 344 B with it.
+  const int group = consumer_warpgroup<!kGeneral>(warp);
   const int warp_m0 = group * 64 + warp % 4 * 16;  // this warp's first row in the block
   const float softmax_scale = kGeneral ? ScoreMods::softmax_scale(p) : p.scale;
   const float scale_log2 = softmax_scale * kLog2e;

@@ -51,6 +51,15 @@ __device__ __forceinline__ uint64_t made_here(uint64_t desc) {
   asm volatile("" : "+l"(desc));
   return desc;
 }
+// The consumer warpgroup of warp `warp` in a warp-specialised kernel (warps 0-3 are the
+// producer's). With kUniform broadcast from lane 0, so that ptxas knows it warp-uniform: the wgmma
+// descriptors derived from it then live in uniform registers, moved per k-step by one UIADD3.64
+// instead of a 64-bit add and two R2UR in the vector pipe (head dim 128's backward visit: 929 ->
+// 729 instructions, session 24). The callers say where that pays (ptxas may spill more with it).
+template <bool kUniform>
+__device__ __forceinline__ int consumer_warpgroup(int warp) {
+  return kUniform ? __shfl_sync(0xffffffff, warp / 4 - 1, 0) : warp / 4 - 1;
+}
 
 // Orders this thread's earlier register writes before the warpgroup's next wgmma reads them.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
