@@ -6,7 +6,8 @@
 One jitted forward+backward at the benchmark's shape (16k tokens, hidden 2048, bf16): the first
 two launches matched by the regex are the forward kernel and the main backward kernel.
 `--peer cudnn` runs jax.nn's cuDNN attention instead (the same shape and step), so that the
-peer's kernels can be profiled with the same metrics in the same call.
+peer's kernels can be profiled with the same metrics in the same call. `--forward-only` runs the
+inference forward alone (the benchmark's fwd rows: no gradient, so no saved statistics).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def main() -> None:
   parser.add_argument("--head-dim", type=int, default=128)
   parser.add_argument("--causal", action="store_true")
   parser.add_argument("--deterministic", action="store_true")
+  parser.add_argument("--forward-only", action="store_true")
   parser.add_argument("--peer", choices=("jax_flash", "cudnn"), default="jax_flash")
   args = parser.parse_args()
   batch, heads = max(1, 16384 // args.seq), max(1, 2048 // args.head_dim)
@@ -32,16 +34,17 @@ def main() -> None:
   q, k, v, d_out = (jax.random.normal(key, shape, jnp.bfloat16)
                     for key in jax.random.split(jax.random.key(0), 4))
 
-  def loss(q, k, v):
+  def attention(q, k, v):
     if args.peer == "cudnn":
-      out = jax.nn.dot_product_attention(q, k, v, is_causal=args.causal, implementation="cudnn")
-    else:
-      out = jax_flash.dot_product_attention(q, k, v, is_causal=args.causal, implementation="cuda",
-                                            deterministic=args.deterministic)
-    return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32))
+      return jax.nn.dot_product_attention(q, k, v, is_causal=args.causal, implementation="cudnn")
+    return jax_flash.dot_product_attention(q, k, v, is_causal=args.causal, implementation="cuda",
+                                           deterministic=args.deterministic)
 
-  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
-  jax.block_until_ready(grads)
+  def loss(q, k, v):
+    return jnp.sum(attention(q, k, v).astype(jnp.float32) * d_out.astype(jnp.float32))
+
+  step = jax.jit(attention) if args.forward_only else jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  jax.block_until_ready(step(q, k, v))
   print("profiled", args.peer, shape, "causal" if args.causal else "non-causal")
 
 

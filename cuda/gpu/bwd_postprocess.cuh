@@ -9,25 +9,28 @@
 
 namespace jax_flash::cuda {
 
-// Group i of 8 float32 values at `from` (two 16-byte loads) in the 16-bit type T at `to` (one
-// 16-byte store).
+// Group i of 8 float32 values at `from` (two 16-byte loads) times `scale` in the 16-bit type T at
+// `to` (one 16-byte store).
 template <typename T>
-__device__ __forceinline__ void convert_eight(const float* from, void* to, int64_t i) {
+__device__ __forceinline__ void convert_eight(const float* from, void* to, int64_t i, float scale = 1.f) {
   const float4 lo = reinterpret_cast<const float4*>(from)[2 * i];
   const float4 hi = reinterpret_cast<const float4*>(from)[2 * i + 1];
-  reinterpret_cast<uint4*>(to)[i] = make_uint4(MmaOp<T>::pack(lo.x, lo.y), MmaOp<T>::pack(lo.z, lo.w),
-                                               MmaOp<T>::pack(hi.x, hi.y), MmaOp<T>::pack(hi.z, hi.w));
+  reinterpret_cast<uint4*>(to)[i] =
+      make_uint4(MmaOp<T>::pack(scale * lo.x, scale * lo.y), MmaOp<T>::pack(scale * lo.z, scale * lo.w),
+                 MmaOp<T>::pack(scale * hi.x, scale * hi.y), MmaOp<T>::pack(scale * hi.z, scale * hi.w));
 }
 
-// dQ = the float32 accumulator in the input dtype, 8 elements a thread per step; the head dim is
-// a multiple of 8, so the element count is too.
+// dQ = dq_scale times the float32 accumulator, in the input dtype, 8 elements a thread per step
+// (the head dim is a multiple of 8, so the element count is too). dq_scale: the softmax scale
+// where the main kernel left it out of dS (the Hopper kernels: sm90/bwd_steps.cuh
+// transposed_score_gradients), else 1.
 template <typename T>
-__global__ void flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams p) {
+__global__ void flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams p, float dq_scale) {
   const AttentionShape& sh = p.shape;
   const int64_t groups = sh.batch * sh.seq_q * sh.heads_q * sh.head_dim / 8;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < groups;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    convert_eight<T>(p.dq_accum, p.dq, i);
+    convert_eight<T>(p.dq_accum, p.dq, i, dq_scale);
 }
 
 // dK and dV from their float32 accumulators (BwdParams::dkv_accum, the Hopper backward's head
@@ -49,7 +52,8 @@ __global__ void flash_bwd_convert_dkv_kernel(const __grid_constant__ BwdParams p
 // (batch, head, 64-row block) a tile of 64 x 128 floats, each warpgroup's half (its 64 columns)
 // in its fragments' order: float4 j * 128 + t holds thread t's n-tile j, rows 16 (t / 32) +
 // (t % 32) / 4 (+ 8 for the float4's last two), columns 8 j + 2 (t % 4) and + 1. One float4 a
-// thread per step; rows past seq_q and columns past head_dim are padding.
+// thread per step; rows past seq_q and columns past head_dim are padding. The Hopper kernel left
+// the softmax scale out of dS: dQ takes it here.
 template <typename T>
 __global__ void flash_bwd_convert_tiled_dq_kernel(const __grid_constant__ BwdParams p) {
   constexpr int kRows = kTiledDqRows, kColumns = kTiledDqColumns, kPart = kRows * kColumns / 2;
@@ -68,11 +72,12 @@ __global__ void flash_bwd_convert_tiled_dq_kernel(const __grid_constant__ BwdPar
     const int64_t h = bh % sh.heads_q, b = bh / sh.heads_q;
     if (col >= sh.head_dim) continue;
     const float4 x = reinterpret_cast<const float4*>(p.dq_accum)[i];
+    const float s = p.scale;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int64_t q = m_block * kRows + row + 8 * half;
       if (q >= sh.seq_q) continue;
-      const uint32_t pair = half == 0 ? MmaOp<T>::pack(x.x, x.y) : MmaOp<T>::pack(x.z, x.w);
+      const uint32_t pair = half == 0 ? MmaOp<T>::pack(s * x.x, s * x.y) : MmaOp<T>::pack(s * x.z, s * x.w);
       *reinterpret_cast<uint32_t*>(static_cast<T*>(p.dq) + ((b * sh.seq_q + q) * sh.heads_q + h) * sh.head_dim + col) =
           pair;
     }
@@ -84,7 +89,8 @@ __global__ void flash_bwd_convert_tiled_dq_kernel(const __grid_constant__ BwdPar
 // rows of dQ^T) in its fragments' order: float4 j * 128 + t holds thread t's n-tile j, head-dim
 // rows 16 (t / 32) + (t % 32) / 4 (+ 8 for the float4's last two) of the part, queries 8 j +
 // 2 (t % 4) and + 1. A CTA of 256 threads a tile: coalesced float4 reads transposed through
-// shared memory, then 16-byte stores of whole dQ rows. Rows past seq_q are padding.
+// shared memory, then 16-byte stores of whole dQ rows (times the softmax scale, which the Hopper
+// kernel left out of dS). Rows past seq_q are padding.
 template <typename T>
 __global__ void __launch_bounds__(256) flash_bwd_convert_transposed_dq_kernel(const __grid_constant__ BwdParams p) {
   constexpr int kRows = kTransposedDqRows, kColumns = kTiledDqColumns, kQuads = kRows * kColumns / 4;
@@ -113,11 +119,12 @@ __global__ void __launch_bounds__(256) flash_bwd_convert_transposed_dq_kernel(co
       const int row = i / (kColumns / 8), column = (i % (kColumns / 8)) * 8;
       const int64_t q = m_block * kRows + row;
       if (q < sh.seq_q && column < sh.head_dim) {
+        const float s = p.scale;
         const float4 lo = *reinterpret_cast<const float4*>(&tile[row * kStride + column]);
         const float4 hi = *reinterpret_cast<const float4*>(&tile[row * kStride + column + 4]);
         *reinterpret_cast<uint4*>(static_cast<T*>(p.dq) + ((b * sh.seq_q + q) * sh.heads_q + h) * sh.head_dim + column) =
-            make_uint4(MmaOp<T>::pack(lo.x, lo.y), MmaOp<T>::pack(lo.z, lo.w), MmaOp<T>::pack(hi.x, hi.y),
-                       MmaOp<T>::pack(hi.z, hi.w));
+            make_uint4(MmaOp<T>::pack(s * lo.x, s * lo.y), MmaOp<T>::pack(s * lo.z, s * lo.w),
+                       MmaOp<T>::pack(s * hi.x, s * hi.y), MmaOp<T>::pack(s * hi.z, s * hi.w));
       }
     }
     __syncthreads();  // the tile is read before the next one is written

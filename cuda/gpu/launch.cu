@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <optional>
 #include <type_traits>
 
 #include "gpu/bwd_postprocess.cuh"
@@ -150,26 +151,28 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
       hp.kv_head_splits = kv_head_splits(sh, p.deterministic);
     if (hp.kv_head_splits > 1) hp.dkv_accum = p.dq_accum + dq_part_elements(sh);
 
+    // The Hopper variant that runs the main kernel, if one does.
+    std::optional<Sm90BwdVariant> sm90_variant;
+    if constexpr (TileShapes<kD>::kHasSm90Bwd) {
+      using V = Sm90BwdVariant;
+      constexpr V kDefault = TileShapes<kD>::kHasSm90BwdBlockM128    ? V::kBlockM128
+                             : TileShapes<kD>::kSm90BwdBulkDqByDefault ? V::kBulkDq
+                                                                       : V::kAtomicDq;
+      if (m80)
+        sm90_variant = V::kM80;
+      else if (tiled)
+        sm90_variant = defer_dq_call(p) ? V::kDeferDq : V::kTiledDq;
+      else if (family == KernelFamily::kSm90Ws || family == KernelFamily::kSm90WsM80 ||
+               family == KernelFamily::kSm90WsDeferDq || family == KernelFamily::kSm90WsTiledDq)
+        sm90_variant = kDefault;
+      else if (family == KernelFamily::kSm90WsAtomicDq)
+        sm90_variant = V::kAtomicDq;
+      else if (family == KernelFamily::kSm90WsBulkDq)
+        sm90_variant = V::kBulkDq;
+    }
     if (sh.seq_k > 0) {  // with no keys, dK and dV are empty and dQ stays 0
-      cudaError_t e = cudaSuccess;
-      if constexpr (TileShapes<kD>::kHasSm90Bwd) {
-        using V = Sm90BwdVariant;
-        constexpr V kDefault = TileShapes<kD>::kHasSm90BwdBlockM128  ? V::kBlockM128
-                               : TileShapes<kD>::kSm90BwdBulkDqByDefault ? V::kBulkDq
-                                                                         : V::kAtomicDq;
-        e = m80                                       ? launch_bwd_main_sm90_ws<T, kD>(hp, V::kM80, stream)
-            : tiled && defer_dq_call(p)               ? launch_bwd_main_sm90_ws<T, kD>(hp, V::kDeferDq, stream)
-            : tiled                                   ? launch_bwd_main_sm90_ws<T, kD>(hp, V::kTiledDq, stream)
-            : family == KernelFamily::kSm90Ws || family == KernelFamily::kSm90WsM80 ||
-                      family == KernelFamily::kSm90WsDeferDq
-                                                      ? launch_bwd_main_sm90_ws<T, kD>(hp, kDefault, stream)
-            : family == KernelFamily::kSm90WsAtomicDq ? launch_bwd_main_sm90_ws<T, kD>(hp, V::kAtomicDq, stream)
-            : family == KernelFamily::kSm90WsBulkDq   ? launch_bwd_main_sm90_ws<T, kD>(hp, V::kBulkDq, stream)
-            : family == KernelFamily::kSm90WsTiledDq  ? launch_bwd_main_sm90_ws<T, kD>(hp, kDefault, stream)
-                                                      : launch_bwd_main_sm80<T, sm80_head_dim(kD)>(p, stream);
-      } else {
-        e = launch_bwd_main_sm80<T, sm80_head_dim(kD)>(p, stream);
-      }
+      const cudaError_t e = sm90_variant ? launch_bwd_main_sm90_ws<T, kD>(hp, *sm90_variant, stream)
+                                         : launch_bwd_main_sm80<T, sm80_head_dim(kD)>(p, stream);
       if (e != cudaSuccess) return e;
       if (hp.kv_head_splits > 1) {
         const int64_t groups = 2 * sh.batch * sh.seq_k * sh.heads_k * sh.head_dim / 8;  // a thread's 8
@@ -194,7 +197,9 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
     }
     const int64_t groups = rows * sh.head_dim / 8;  // the convert kernel's 8 elements a thread
     const int blocks = static_cast<int>(std::min<int64_t>((groups + 255) / 256, 65536));
-    flash_bwd_convert_dq_kernel<T><<<blocks, 256, 0, stream>>>(p);
+    // The Hopper kernels leave the softmax scale out of dS (sm90/bwd_steps.cuh
+    // transposed_score_gradients); dQ takes it here.
+    flash_bwd_convert_dq_kernel<T><<<blocks, 256, 0, stream>>>(p, sm90_variant ? p.scale : 1.f);
     return cudaGetLastError();
   });
 }

@@ -62,6 +62,14 @@ __device__ __forceinline__ void stmatrix_x4_trans(uint32_t address, const uint32
                : "memory");
 }
 
+// The same four matrices stored as they are (sm_90): lane l gives the address of row l % 8 of
+// matrix l / 8.
+__device__ __forceinline__ void stmatrix_x4(uint32_t address, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(address), "r"(r[0]),
+               "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+
 __device__ __forceinline__ void st_shared_b32(uint32_t address, uint32_t value) {
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(address), "r"(value));
 }

@@ -60,19 +60,36 @@ __device__ __forceinline__ void transposed_probabilities(float (&st)[1][kBlockM 
     }
 }
 
-// dpt <- dS^T = scale P^T (dP^T - delta), with pt = P^T (transposed_probabilities) and the
-// block's rows' delta.
+// dpt <- dS^T / scale = P^T (dP^T - delta), with pt = P^T (transposed_probabilities) and the
+// block's rows' delta. The softmax scale, a factor of every dS, is left out (one multiply a score
+// fewer, ~5% of a visit's instructions): dK takes it once before its store, dQ in its convert
+// kernel (gpu/bwd_postprocess.cuh).
 template <int kBlockM>
 __device__ __forceinline__ void transposed_score_gradients(float (&dpt)[1][kBlockM / 8][4],
                                                            const float (&pt)[1][kBlockM / 8][4], const float* delta,
-                                                           float scale, int lane) {
+                                                           int lane) {
 #pragma unroll
   for (int nt = 0; nt < kBlockM / 8; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int query = nt * 8 + (lane % 4) * 2 + e % 2;
-      dpt[0][nt][e] = scale * pt[0][nt][e] * (dpt[0][nt][e] - delta[query]);
+      dpt[0][nt][e] = pt[0][nt][e] * (dpt[0][nt][e] - delta[query]);
     }
+}
+
+// A warp's A fragments (16 rows from row0 a row tile, 16 columns from col0 a k tile, as
+// accumulator_to_a packs them) into the 16-bit SmemTile `tile`: one stmatrix a 16 x 16 fragment
+// where st.shared.b32 takes eight. Lane l addresses row l % 8 of matrix l / 8, which is the
+// fragment's rows + 8 (l / 8 % 2) and chunk + (l / 16).
+template <typename Tile, int kKTiles, int kMTiles, typename T>
+__device__ __forceinline__ void stmatrix_a_fragments(T* tile, const uint32_t (&a)[kKTiles][kMTiles][4], int row0,
+                                                     int col0, int lane) {
+  static_assert(kPowerOfTwo<2 * kKTiles>, "k tiles' chunks XOR-ed onto the lane's");
+  const SmemOperand<Tile, true> op(tile, row0 + lane % 8 + (lane / 8 % 2) * 8, col0 / 8 + lane / 16);
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int kt = 0; kt < kKTiles; ++kt) stmatrix_x4(op.at(mt * 16, 2 * kt), a[kt][mt]);
 }
 
 // A warp's dS^T rows (keys warp_key0 ..; the warpgroup's Traits::kScoreQueries query columns
@@ -83,11 +100,12 @@ __device__ __forceinline__ void store_transposed_ds(T* ds, const float (&dst)[1]
                                                     int warp_key0, int lane, int query0 = 0) {
   using Block = SmemTile<Traits::kBlockN, 64>;
   constexpr int kColumns = Traits::kScoreQueries < 64 ? Traits::kScoreQueries : 64;  // a store's
-  using BlockFragment = const float[1][kColumns / 8][4];
 #pragma unroll
-  for (int b = 0; b < Traits::kScoreQueries / kColumns; ++b)
-    store_accumulator<Block>(ds + b * Block::kElements, *reinterpret_cast<BlockFragment*>(&dst[0][kColumns / 8 * b]),
-                             warp_key0, query0, lane);
+  for (int b = 0; b < Traits::kScoreQueries / kColumns; ++b) {
+    uint32_t a[kColumns / 16][1][4];
+    accumulator_to_a<T>(a, *reinterpret_cast<const float(*)[1][kColumns / 8][4]>(&dst[0][kColumns / 8 * b]));
+    stmatrix_a_fragments<Block>(ds + b * Block::kElements, a, warp_key0, query0, lane);
+  }
 }
 
 // A warp's rows of a zero dS^T (a warpgroup whose keys the block's queries do not see), stored
@@ -106,8 +124,8 @@ __device__ __forceinline__ void store_transposed_ds_fragments(T* ds, const uint3
   using BlockFragments = const uint32_t[4][1][4];
 #pragma unroll
   for (int b = 0; b < Traits::kBlockM / 64; ++b)
-    store_a_fragments<Block>(ds + b * Block::kElements, *reinterpret_cast<BlockFragments*>(&dst[4 * b]), warp_key0, 0,
-                             lane);
+    stmatrix_a_fragments<Block>(ds + b * Block::kElements, *reinterpret_cast<BlockFragments*>(&dst[4 * b]), warp_key0,
+                                0, lane);
 }
 
 // dV += P^T dO and dK += dS^T Q with both A operands from registers (Traits::kDkFromRegisters):

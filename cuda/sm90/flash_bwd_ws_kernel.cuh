@@ -383,7 +383,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         ScoreMods(p, task.b, visit.h).fold_chain_rule_transposed(dpt, st, delta, n0 + warp_key0, m0_group, lane);
         transposed_probabilities<kSQ>(st, lse2, scale_log2, lane);
       }
-      transposed_score_gradients<kSQ>(dpt, st, delta, p.scale, lane);
+      transposed_score_gradients<kSQ>(dpt, st, delta, lane);
     }
     // (Not live: st and dpt are left unset and never read; the zero dS^T is stored from
     // constants. Zeroing them here cost 30 CS2R every visit, hoisted above the branch.)
@@ -535,6 +535,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
 
   if (!kDeterministic && iterations > 0) deferred_dq(iterations - 1);
+  // dS^T left the softmax scale out (transposed_score_gradients): dK takes it here.
+#pragma unroll
+  for (int nt = 0; nt < kGC / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[0][nt][e] *= p.scale;
   // A part of the group's heads (not with the experimental 80-row visits: their registers
   // spilled 476 B with it): added, converted by a last kernel.
   if (!Traits::kDqTransposed && p.kv_head_splits > 1)
