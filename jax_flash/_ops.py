@@ -266,8 +266,9 @@ def _flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig, segment_ids=None,
       jax.ShapeDtypeStruct(_output_shape(q, v), jnp.float32 if config.o_float32 else q.dtype),
       jax.ShapeDtypeStruct(_lse_shape(q), jnp.float32),
   )
-  if config.implementation == "cuda":  # its last result: o_error, or no elements for none
-    results += (jax.ShapeDtypeStruct(_output_shape(q, v) if config.o_split else (0,), jnp.int8),)
+  if config.implementation == "cuda":  # o_error, or no elements for none; the scheduler workspace
+    results += (jax.ShapeDtypeStruct(_output_shape(q, v) if config.o_split else (0,), jnp.int8),
+                jax.ShapeDtypeStruct((_registry.CUDA_KERNEL_CONSTANTS["fwd_scheduler_elements"],), jnp.int32))
   call = jax.ffi.ffi_call(_target(config, "fwd"), results, vmap_method="broadcast_all")
   ids, id_attributes = _segment_operands(config, segment_ids)
   alibi, alibi_attributes = _alibi_operands(config, alibi_slopes)
@@ -277,7 +278,7 @@ def _flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig, segment_ids=None,
   outputs = call(q, k, v, q_lens, kv_lens, *ids, *alibi, *blocks, *drop, *logits,
                  **config.attributes(), **id_attributes, **_soft_cap_attribute(config),
                  **alibi_attributes, **block_attributes, **drop_attributes, **logit_attributes)
-  return outputs if config.o_split else outputs[:2]
+  return outputs[:3] if config.o_split else outputs[:2]
 
 
 # The kernel ops have one derivative, their custom VJP's: differentiating them raises.

@@ -555,7 +555,7 @@ def simulate_cuda_host(monkeypatch) -> None:
   monkeypatch.setattr(_registry, "cuda_gpu_present", lambda: True)
   monkeypatch.setattr(_registry, "CUDA_KERNEL_CONSTANTS", dict(
       head_dim_multiple=8, max_head_dim=256, decode_rows_per_cta=16, decode_block_n=64,
-      decode_max_head_dim=256, segment_id_span_rows=64))
+      decode_max_head_dim=256, segment_id_span_rows=64, fwd_scheduler_elements=1))
   monkeypatch.setattr(_registry, "_native_cuda",
                       types.SimpleNamespace(dq_accum_elements=lambda *args: 64,
                                             narrow_split_call=lambda *args: False))

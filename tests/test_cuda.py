@@ -402,6 +402,28 @@ def test_forward_on_a_cta_per_tile_on_hopper():
       "or test_command_buffer_capture or test_jit_training_step_reduces_loss")
 
 
+def test_forward_on_a_static_persistent_grid_on_hopper():
+  """The default forward's kernel on its persistent grid dealt tiles statically in pairs whatever
+  the mask (JAX_FLASH_CUDA_FORWARD=sm90ws_static; the default deals them so with a causal mask
+  only) passes the reference cases of head dims 33..128, the CUDA-graph capture and the training
+  step."""
+  _run_cuda_tests_on_hopper_with(
+      {"JAX_FLASH_CUDA_FORWARD": "sm90ws_static"},
+      "(test_cuda_matches_reference and (h40 or h64 or h80 or h96 or h111 or h128)) "
+      "or test_command_buffer_capture or test_jit_training_step_reduces_loss")
+
+
+def test_forward_on_a_dynamic_persistent_grid_on_hopper():
+  """The default forward's kernel on its persistent grid taking tiles from the counter whatever
+  the mask (JAX_FLASH_CUDA_FORWARD=sm90ws_dynamic; the default takes it without a causal mask
+  only) passes the reference cases of head dims 33..128 (causal ones among them) and the
+  CUDA-graph capture."""
+  _run_cuda_tests_on_hopper_with(
+      {"JAX_FLASH_CUDA_FORWARD": "sm90ws_dynamic"},
+      "(test_cuda_matches_reference and (h40 or h64 or h80 or h96 or h111 or h128)) "
+      "or test_forward_only_matches_reference or test_command_buffer_capture")
+
+
 def test_forward_alu_sums_on_hopper():
   """With JAX_FLASH_CUDA_FORWARD=sm90ws_alusums the differentiated forward on the 128 x 128 tiles
   (head dims 64 and 128) sums its 16-bit P in the softmax (unpacking and adding each) instead of

@@ -50,7 +50,8 @@ def valid_fwd(dtype: str = "bfloat16", o_error: bool = False) -> Call:
   return Call("jax_flash_cuda_fwd",
               dict(q=(Q, dtype), k=(KV, dtype), v=(KV, dtype), q_lens=((B,), "int32"),
                    kv_lens=((B,), "int32"), **NO_IDS, alibi_slopes=((0,), "float32"), **NO_FWD_BLOCKS),
-              dict(o=(Q, dtype), lse=(ROWS, "float32"), o_error=(Q if o_error else (0,), "int8")),
+              dict(o=(Q, dtype), lse=(ROWS, "float32"), o_error=(Q if o_error else (0,), "int8"),
+                   scheduler=((_registry.CUDA_KERNEL_CONSTANTS["fwd_scheduler_elements"],), "int32")),
               attributes())
 
 
@@ -78,7 +79,7 @@ def test_valid_calls_run(rng, make, dtype):
 
 
 def test_forward_writing_the_rounding_error_of_o_runs(rng):
-  o, lse, o_error = valid_fwd(o_error=True).run(rng)
+  o, lse, o_error, _ = valid_fwd(o_error=True).run(rng)
   assert np.isfinite(np.asarray(o, np.float32)).all() and np.isfinite(np.asarray(lse)).all()
   assert np.asarray(o_error).dtype == np.int8 and np.asarray(o_error).shape == Q
 
@@ -150,6 +151,10 @@ FWD_ERRORS = [
     ("o_error_int16", lambda c: with_dtype(c, "int16", "o_error"), ("o_error(0,) int16", "must be int8")),
     ("o_error_beside_float32_o", lambda c: with_shape(with_dtype(c, "float32", "o"), "o_error", Q),
      ("o_error(2, 5, 4, 16) int8", "shape of a 16-bit", "o(2, 5, 4, 16) float32")),
+    # The scheduler workspace (the persistent grid's tile counter).
+    ("scheduler_empty", lambda c: with_shape(c, "scheduler", (0,)),
+     ("scheduler(0,) int32", "must hold at least 1 int32")),
+    ("scheduler_int16", lambda c: with_dtype(c, "int16", "scheduler"), ("scheduler(1,) int16", "must be int32")),
 ]
 
 

@@ -20,7 +20,7 @@ from attention_testing import ffi_calls, random_array, reference_f32
 
 F32, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
 FAKE_CUDA_CONSTANTS = dict(head_dim_multiple=8, max_head_dim=256, decode_rows_per_cta=16,
-                           decode_block_n=64, decode_max_head_dim=256)
+                           decode_block_n=64, decode_max_head_dim=256, fwd_scheduler_elements=1)
 
 
 @pytest.fixture

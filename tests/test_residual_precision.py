@@ -61,7 +61,8 @@ def test_cuda_forward_splits_its_output_itself(monkeypatch):
       jax.grad(lambda q: attention(q).astype(jnp.float32).sum()), q)
   assert (fwd, bwd) == ("jax_flash_cuda_fwd", "jax_flash_cuda_bwd")
   assert [(r.shape, r.dtype) for r in fwd_results] == [
-      (q.shape, jnp.bfloat16), ((2, 2, 32), jnp.float32), (q.shape, jnp.int8)]
+      (q.shape, jnp.bfloat16), ((2, 2, 32), jnp.float32), (q.shape, jnp.int8),
+      ((1,), jnp.int32)]  # o, lse, o_error, the scheduler workspace
   rows = ((2, 2, 32), jnp.float32)
   assert [(x.shape, x.dtype) for x in bwd_operands[:6]] == [
       (q.shape, jnp.bfloat16), (k.shape, jnp.bfloat16), (v.shape, jnp.bfloat16), rows, rows,

@@ -173,7 +173,7 @@ def test_ring_pads_the_head_dim_for_the_cuda_kernels(mesh, monkeypatch):
   # The CUDA module's constants (as built with CUDA; stand-ins so the test runs without it).
   monkeypatch.setattr(_registry, "CUDA_KERNEL_CONSTANTS",
                       dict(head_dim_multiple=8, max_head_dim=256, decode_rows_per_cta=16,
-                           decode_block_n=64, decode_max_head_dim=256))
+                           decode_block_n=64, decode_max_head_dim=256, fwd_scheduler_elements=1))
   q, k, v, _ = _inputs(9, seq=32, head_dim=111)
   q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
   spec = P(None, "seq", None, None)

@@ -171,6 +171,9 @@ struct FwdParams : AttentionParams {
   // The CUDA forwards' P is 2^-pv_headroom_log2 of exp2(S - reference), so that their unnormalised
   // P V cannot overflow where jax.nn's normalised one does not (pv_headroom_log2 below).
   float pv_headroom_log2 = 0.f;
+  // The Hopper forward's tile counter (CUDA; its persistent grid takes tiles from it: the
+  // scheduler workspace, an output of the custom call, zeroed by the launch).
+  int* tile_counter = nullptr;
 };
 
 // The CUDA forwards sum P V unnormalised: up to seq_k weights of at most 2^8 (their lazy

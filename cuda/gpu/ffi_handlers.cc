@@ -77,13 +77,25 @@ ffi::Error set_block_lists(const ffi::AnyBuffer& kv_lists, const ffi::AnyBuffer&
   return ffi::Error::Success();
 }
 
+// The forward's scheduler workspace: int32, at least kFwdSchedulerElements elements (vmap
+// prepends its batch dims; the kernel uses the first). The launch zeroes what it uses.
+ffi::Error set_tile_counter(const ffi::AnyBuffer& scheduler, FwdParams& params) {
+  JF_RETURN_IF_ERROR(expect_dtype("scheduler", scheduler, ffi::DataType::S32));
+  if (static_cast<int64_t>(scheduler.element_count()) < cuda::kFwdSchedulerElements)
+    return invalid(describe("scheduler", scheduler) + ": must hold at least " +
+                   std::to_string(cuda::kFwdSchedulerElements) + " int32 elements");
+  params.tile_counter = scheduler.typed_data<int32_t>();
+  return ffi::Error::Success();
+}
+
 ffi::Error run_fwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens, ffi::Result<ffi::AnyBuffer> o,
                    ffi::Result<ffi::AnyBuffer> lse, double scale, bool is_causal, int64_t window_left,
                    int64_t window_right, ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
                    bool segment_ids, ffi::AnyBuffer q_segment_id_spans, ffi::AnyBuffer kv_segment_id_spans,
                    double logits_soft_cap, ffi::AnyBuffer alibi_slopes, bool alibi, ffi::AnyBuffer kv_block_lists,
-                   ffi::AnyBuffer kv_block_counts, bool block_sparse, ffi::Result<ffi::AnyBuffer> o_error) {
+                   ffi::AnyBuffer kv_block_counts, bool block_sparse, ffi::Result<ffi::AnyBuffer> o_error,
+                   ffi::Result<ffi::AnyBuffer> scheduler) {
   FwdParams params;
   JF_RETURN_IF_ERROR(make_fwd_params(q, k, v, q_lens, kv_lens, *o, *lse, scale, is_causal,
                                      window_left, window_right, params));
@@ -95,6 +107,7 @@ ffi::Error run_fwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   JF_RETURN_IF_ERROR(set_alibi_slopes(alibi_slopes, alibi, q, params));
   JF_RETURN_IF_ERROR(set_block_lists(kv_block_lists, kv_block_counts, nullptr, nullptr, block_sparse, q, params));
   JF_RETURN_IF_ERROR(set_o_error(*o_error, *o, params));
+  JF_RETURN_IF_ERROR(set_tile_counter(*scheduler, params));
   if (cudaError_t e = cuda::launch_flash_fwd(params, stream)) return cuda_error("forward launch", e);
   return ffi::Error::Success();
 }
@@ -174,7 +187,8 @@ auto with_kernel_options(Binding binding) {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaFlashFwd, run_fwd,
                               with_kernel_options(with_segment_ids(fwd_binding<ffi::PlatformStream<cudaStream_t>>()))
                                   .Attr<bool>("block_sparse")
-                                  .Ret<ffi::AnyBuffer>(),  // o_error int8, o's shape (o 16-bit) or empty
+                                  .Ret<ffi::AnyBuffer>()   // o_error int8, o's shape (o 16-bit) or empty
+                                  .Ret<ffi::AnyBuffer>(),  // scheduler workspace int32 (kFwdSchedulerElements)
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaFlashBwd, run_bwd,

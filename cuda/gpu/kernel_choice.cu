@@ -39,6 +39,8 @@ std::optional<KernelFamily> read_override(const char* variable, bool forward, st
   if (v == "sm80") return KernelFamily::kSm80;
   if (v == "sm90ws") return KernelFamily::kSm90Ws;
   if (forward && v == "sm90ws_grid") return KernelFamily::kSm90WsGrid;
+  if (forward && v == "sm90ws_static") return KernelFamily::kSm90WsStatic;
+  if (forward && v == "sm90ws_dynamic") return KernelFamily::kSm90WsDynamic;
   if (forward && v == "sm90ws_narrow") return KernelFamily::kSm90WsNarrow;
   if (forward && v == "sm90ws_wide") return KernelFamily::kSm90WsWide;
   if (forward && v == "sm90ws_alusums") return KernelFamily::kSm90WsAluSums;
@@ -49,7 +51,7 @@ std::optional<KernelFamily> read_override(const char* variable, bool forward, st
   if (!forward && v == "sm90ws_m80") return KernelFamily::kSm90WsM80;
   if (!forward && v == "sm90ws_deferdq") return KernelFamily::kSm90WsDeferDq;
   append_unknown_value(error, variable, v,
-                       forward ? "sm80, sm90ws, sm90ws_grid, sm90ws_narrow, sm90ws_wide, sm90ws_alusums, sm90ws_directstore"
+                       forward ? "sm80, sm90ws, sm90ws_grid, sm90ws_static, sm90ws_dynamic, sm90ws_narrow, sm90ws_wide, sm90ws_alusums, sm90ws_directstore"
                                : "sm80, sm90ws, sm90ws_atomicdq, sm90ws_bulkdq, sm90ws_tileddq, sm90ws_m80, sm90ws_deferdq");
   return std::nullopt;
 }

@@ -2,15 +2,21 @@
 // wgmma (sm90ws) kernels, wherever gpu/tile_shapes.cuh has one for the head dim; the mma.sync
 // (sm80) family everywhere else. Three environment variables, read once per process, override the
 // choice for experiments and comparisons:
-//   JAX_FLASH_CUDA_FORWARD  = sm80 | sm90ws | sm90ws_grid | sm90ws_narrow | sm90ws_wide |
+//   JAX_FLASH_CUDA_FORWARD  = sm80 | sm90ws | sm90ws_grid | sm90ws_static | sm90ws_dynamic |
+//                             sm90ws_narrow | sm90ws_wide |
 //                             sm90ws_alusums | sm90ws_directstore
 //                             (default on Hopper: sm90ws)
 //   JAX_FLASH_CUDA_BACKWARD = sm80 | sm90ws | sm90ws_atomicdq | sm90ws_bulkdq | sm90ws_tileddq |
 //                             sm90ws_m80 | sm90ws_deferdq
 //                             (default on Hopper: sm90ws)
-// The forward's sm90ws runs on a persistent grid with FlashAttention-3's wider tiles where they
-// measured faster (gpu/tile_shapes.cuh wide_tiles_by_default); sm90ws_grid is the same kernels on
-// a CTA per tile, sm90ws_narrow never takes the wide tiles, sm90ws_wide wherever they exist;
+// The forward's sm90ws runs on a persistent grid whose CTAs take tiles from a counter as they free
+// (sm90/tile_scheduler.cuh kDynamic, session 25) where there is no causal mask, and are dealt
+// them statically in pairs of a long and a short causal block where there is (kStaticPairs), with
+// FlashAttention-3's wider tiles where they measured faster (gpu/tile_shapes.cuh
+// wide_tiles_by_default); sm90ws_grid is the same kernels on a CTA per tile, sm90ws_static and
+// sm90ws_dynamic on the persistent grid dealt tiles statically (the default before session 25)
+// or from the counter whatever the mask, sm90ws_narrow never takes the wide tiles, sm90ws_wide
+// wherever they exist;
 // sm90ws takes a plain differentiated call's sums of the 16-bit P from the tensor cores (P times
 // a column of ones) on the 128 x 128 tiles at head dims 64 and 128 (+0.9-2.4% fwd+bwd at hd128,
 // session 18), sm90ws_alusums from the softmax's own unpacking and adding, as before;
@@ -62,7 +68,7 @@ namespace jax_flash::cuda {
 // they exist (head dim 128 non-causal: key blocks of 176; head dim 64: 192 query rows, three
 // consumer warpgroups; head dims 192 and 256: key blocks of 112 and 80).
 enum class KernelFamily {
-  kSm80, kSm90Ws, kSm90WsGrid, kSm90WsNarrow, kSm90WsWide, kSm90WsAluSums, kSm90WsDirectStore,
+  kSm80, kSm90Ws, kSm90WsGrid, kSm90WsStatic, kSm90WsDynamic, kSm90WsNarrow, kSm90WsWide, kSm90WsAluSums, kSm90WsDirectStore,
   kSm90WsAtomicDq, kSm90WsBulkDq, kSm90WsTiledDq, kSm90WsM80, kSm90WsDeferDq
 };
 

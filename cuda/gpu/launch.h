@@ -86,8 +86,15 @@ cudaError_t launch_fwd_sm80(const FwdParams& params, cudaStream_t stream);
 // walking the block mask. Plain calls take FlashAttention-3's wider tiles (gpu/tile_shapes.cuh)
 // where they measured faster (kMeasured), never (kNarrow), or wherever they exist (kWide).
 enum class Sm90FwdTiles { kMeasured, kNarrow, kWide };
+// How the Hopper forward's CTAs take their query tiles (sm90/tile_scheduler.cuh).
+enum class QueryTileGrid : int { kPerTile, kStaticPairs, kDynamic };
+// int32 elements of the CUDA forward's scheduler workspace (FwdParams::tile_counter), an output
+// of its custom call.
+inline constexpr int64_t kFwdSchedulerElements = 1;
 struct Sm90FwdOptions {
-  bool persistent = true;
+  // How the grid's CTAs take tiles (sm90/tile_scheduler.cuh): from a counter, dealt statically in
+  // pairs or a CTA each (gpu/launch.cu chooses by the mask and the kernel choice).
+  QueryTileGrid grid = QueryTileGrid::kDynamic;
   Sm90FwdTiles tiles = Sm90FwdTiles::kMeasured;
   // Plain differentiated calls on the 128 x 128 tiles at head dims 64 and 128 take the 16-bit P's
   // row sums from the tensor cores (flash_fwd_ws_kernel.cuh kTensorSums; off: sm90ws_alusums).

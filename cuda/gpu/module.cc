@@ -34,6 +34,7 @@ NB_MODULE(_native_cuda, m) {
     c["decode_rows_per_cta"] = jax_flash::cuda::kDecodeRowsPerCta;
     c["decode_block_n"] = jax_flash::cuda::kDecodeBlockN;
     c["decode_max_head_dim"] = jax_flash::cuda::kDecodeMaxHeadDim;
+    c["fwd_scheduler_elements"] = jax_flash::cuda::kFwdSchedulerElements;
     return c;
   });
   m.def("dq_accum_elements",

@@ -1,5 +1,6 @@
 // Launcher of the warp-specialised wgmma forward (TMA descriptors made here, per call), for the
-// head dims of gpu/tile_shapes.cuh: a persistent grid (a CTA per SM) or a CTA per tile.
+// head dims of gpu/tile_shapes.cuh: a persistent grid (a CTA per SM, taking tiles from a counter or
+// dealt them statically) or a CTA per tile (sm90/tile_scheduler.cuh).
 #include <algorithm>
 #include <cstdint>
 
@@ -17,17 +18,22 @@ namespace {
 
 template <typename Traits, typename T>
 cudaError_t launch(const FwdParams& p, const Sm90FwdOptions& options, cudaStream_t stream) {
-  const bool persistent = options.persistent;
   const AttentionShape& s = p.shape;
   const int64_t tiles = (s.seq_q + Traits::kBlockM - 1) / Traits::kBlockM * s.heads_q * s.batch;
-  if (tiles > INT32_MAX) return cudaErrorInvalidConfiguration;  // the scheduler counts in int
+  // The scheduler counts in int (kDynamic: up to tiles + a CTA per SM).
+  if (tiles > INT32_MAX / 2) return cudaErrorInvalidConfiguration;
   FwdTmaParams params;
   params.p = p;
-  params.persistent = persistent;
+  params.grid = options.grid;
   if (cudaError_t e = make_qkv_tensor_maps(p, Traits::kBlockM, Traits::kBlockN, &params.q, &params.k, &params.v))
     return e;
-  // A persistent CTA takes tiles two at a time.
-  const int64_t ctas = persistent ? std::min<int64_t>((tiles + 1) / 2, std::max(1, device_sm_count())) : tiles;
+  const int64_t ctas = QueryTileScheduler<Traits::kBlockM>::ctas(tiles, device_sm_count(), options.grid);
+  if (options.grid == QueryTileGrid::kDynamic) {
+    // The tiles past the first CTA's each come from this counter (a memset node when XLA
+    // captures the call in a graph).
+    if (p.tile_counter == nullptr) return cudaErrorInvalidValue;
+    if (cudaError_t e = cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream)) return e;
+  }
   auto kernel = flash_fwd_sm90_ws_kernel<Traits, T, false>;
   // (The 128 x 128 tiles at head dims 64, 96 and 128 only: compile time, and the wide tiles'
   // registers: at key blocks of 176 ptxas serialises the products, C7512.)

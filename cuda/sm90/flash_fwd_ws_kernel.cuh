@@ -12,8 +12,9 @@
 //     (named barriers), so that one's softmax runs under the other's GEMMs.
 //
 // The epilogue (normalisation, lse, empty rows) is gpu/epilogue.cuh's, from registers. The CTA
-// computes the tiles sm90/tile_scheduler.cuh gives it: with a persistent grid, the producer
-// loads the next tile while the consumers finish the last.
+// computes the tiles sm90/tile_scheduler.cuh gives it: the producer warp decides each next tile
+// and hands it to the consumers through shared memory (a slot and a full/empty mbarrier pair);
+// with a persistent grid it loads the next tile while the consumers finish the last.
 #pragma once
 
 #include <cuda.h>
@@ -41,7 +42,7 @@ namespace jax_flash::cuda {
 struct FwdTmaParams {
   FwdParams p;
   CUtensorMap q, k, v, o;
-  bool persistent;  // the grid is persistent (sm90/tile_scheduler.cuh)
+  QueryTileGrid grid;  // how the grid's CTAs take tiles (sm90/tile_scheduler.cuh)
 };
 
 // Shared memory of a warp-specialised forward CTA, from a 1 KiB boundary: Q, kStages stages of
@@ -65,10 +66,13 @@ struct Sm90FwdWsSmem {
   __device__ T* v_stage(int stage) const { return v + stage * Traits::KVTile::kElements; }
 };
 
-// The barriers: Q's buffer's, then the full and empty barriers of each K and V stage.
+// The barriers: the tile slot's (the producer's hand-off of each next tile), Q's buffer's, then the
+// full and empty barriers of each K and V stage; and the tile slot.
 template <int kStages>
 struct FwdWsBarriers {
-  uint64_t q_full, q_empty, k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
+  uint64_t tile_full, tile_empty, q_full, q_empty, k_full[kStages], k_empty[kStages], v_full[kStages],
+      v_empty[kStages];
+  int tile;  // the next tile, or scheduler.total and past for none
 };
 
 // kGeneral: the call has a soft cap or ALiBi slopes (gpu/score_mods.cuh), applied to every
@@ -108,6 +112,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   if (threadIdx.x == 0) {
+    Mbarrier(&bars.tile_full).init(1);
+    Mbarrier(&bars.tile_empty).init(128 * Traits::kConsumers);  // every consumer thread reads the slot
     Mbarrier(&bars.q_full).init(1);
     Mbarrier(&bars.q_empty).init(Traits::kConsumerWarps);
 #pragma unroll
@@ -126,9 +132,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
   __syncthreads();
 
-  const QueryTileScheduler<kBM> scheduler(p.shape, params.persistent);
-  // Both roles walk the same tiles; key blocks run through the stage ring in one sequence over
-  // all of them (block `ring` of the sequence uses stage ring % kStages, in its
+  const QueryTileScheduler<kBM> scheduler(p.shape, params.grid, p.tile_counter);
+  // Both roles walk the tiles the producer hands over; key blocks run through the stage ring in one
+  // sequence over all of them (block `ring` of the sequence uses stage ring % kStages, in its
   // (ring / kStages)-th round), and Q's buffer is filled once per tile with keys.
   auto task_of = [&](int t) {
     const auto tile = scheduler.tile(t);
@@ -148,11 +154,24 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       prefetch_tensor_map(params.v);
     }
     int ring = 0, q_round = 0;
-    for (int t = scheduler.first(); t < scheduler.total; t = scheduler.next(t)) {
+    for (int t = scheduler.first(), round = 0;; ++round) {
+      // Tile t (or the end) to the consumers, once every one of them has read the last.
+      if (lane == 0) {
+        Mbarrier(&bars.tile_empty).wait((round & 1) ^ 1);
+        bars.tile = t;
+        Mbarrier(&bars.tile_full).arrive();
+      }
+      if (t >= scheduler.total) break;
+      // The tile after it, asked for now (kDynamic: an atomic, its latency under this tile's loads).
+      const int next = lane == 0 ? scheduler.next(t) : 0;
       const QueryBlockTask<kBM, kBN> task = task_of(t);
       const QueryBlock<kBM, kBN>& blk = task.blk;
       const int count = task.keys.count;  // key blocks, visited last first
-      if (count <= 0) continue;
+      auto advance = [&] { t = __shfl_sync(0xffffffffu, next, 0); };
+      if (count <= 0) {
+        advance();
+        continue;
+      }
       if (lane == 0) {
         Mbarrier(&bars.q_empty).wait((q_round & 1) ^ 1);
         const Mbarrier q_full(&bars.q_full);
@@ -193,6 +212,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // two phases early, which its parity cannot tell from the right one.
         __syncwarp();
       }
+      advance();
     }
     return;
   }
@@ -224,7 +244,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   };
 
   int ring = 0, q_round = 0;
-  for (int t = scheduler.first(); t < scheduler.total; t = scheduler.next(t)) {
+  for (int round = 0;; ++round) {
+    Mbarrier(&bars.tile_full).wait(round & 1);
+    const int t = bars.tile;
+    Mbarrier(&bars.tile_empty).arrive();
+    if (t >= scheduler.total) break;
     const QueryBlockTask<kBM, kBN> task = task_of(t);
     const QueryBlock<kBM, kBN>& blk = task.blk;
     const int count = task.keys.count;
