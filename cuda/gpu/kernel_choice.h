@@ -62,13 +62,15 @@
 namespace jax_flash::cuda {
 
 // The kernel family of a pass: mma.sync (sm80) or warp-specialised wgmma (sm90ws); for the forward
-// also sm90ws on a CTA per tile (sm90ws_grid), for the backward sm90ws with 64-row query blocks
-// and dQ forced to atomics or to bulk reductions.
+// also sm90ws on a CTA per tile (sm90ws_grid) or on its persistent grid with the tiles dealt
+// statically / from the counter whatever the mask (sm90ws_static / sm90ws_dynamic), for the
+// backward sm90ws with 64-row query blocks and dQ forced to atomics or to bulk reductions.
 // sm90ws_narrow / sm90ws_wide (forward): sm90ws with the plain calls' wide tiles never / wherever
 // they exist (head dim 128 non-causal: key blocks of 176; head dim 64: 192 query rows, three
 // consumer warpgroups; head dims 192 and 256: key blocks of 112 and 80).
 enum class KernelFamily {
-  kSm80, kSm90Ws, kSm90WsGrid, kSm90WsStatic, kSm90WsDynamic, kSm90WsNarrow, kSm90WsWide, kSm90WsAluSums, kSm90WsDirectStore,
+  kSm80, kSm90Ws, kSm90WsGrid, kSm90WsStatic, kSm90WsDynamic, kSm90WsNarrow, kSm90WsWide, kSm90WsAluSums,
+  kSm90WsDirectStore,
   kSm90WsAtomicDq, kSm90WsBulkDq, kSm90WsTiledDq, kSm90WsM80, kSm90WsDeferDq
 };
 

@@ -67,7 +67,7 @@ struct Sm90FwdWsSmem {
 };
 
 // The barriers: the tile slot's (the producer's hand-off of each next tile), Q's buffer's, then the
-// full and empty barriers of each K and V stage; and the tile slot.
+// full and empty barriers of each K and V stage; and the slot itself.
 template <int kStages>
 struct FwdWsBarriers {
   uint64_t tile_full, tile_empty, q_full, q_empty, k_full[kStages], k_empty[kStages], v_full[kStages],
