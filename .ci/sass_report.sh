@@ -10,26 +10,23 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source=$1 pattern=$2
 shift 2
 arch=${ARCH:-90a}
-cuobjdump=${CUOBJDUMP:-$(command -v cuobjdump || echo build/tools/nvidia/cu13/bin/cuobjdump)}
-if [[ ! -x $cuobjdump ]]; then
-  mkdir -p build/tools
-  python3 -m pip download -q --no-deps nvidia-cuda-cuobjdump -d build/tools
-  python3 -m zipfile -e build/tools/nvidia_cuda_cuobjdump-*.whl build/tools
-  cuobjdump=$(find build/tools -name cuobjdump -type f | head -1)
-  chmod +x "$cuobjdump"
-fi
-# cuobjdump -sass runs nvdisasm (the nvidia-cuda-nvdisasm wheel, unpacked beside it).
-if ! command -v nvdisasm >/dev/null; then
-  nvdisasm=$(find build/tools -name nvdisasm -type f 2>/dev/null | head -1)
-  if [[ -z $nvdisasm ]]; then
+# A CUDA binary tool: on PATH, or unpacked once into build/tools from its nvidia-cuda-<name> wheel.
+tool() {
+  local name=$1 found
+  found=$(command -v "$name" || find build/tools -name "$name" -type f 2>/dev/null | head -1)
+  if [[ -z $found ]]; then
     mkdir -p build/tools
-    python3 -m pip download -q --no-deps nvidia-cuda-nvdisasm -d build/tools
-    python3 -m zipfile -e build/tools/nvidia_cuda_nvdisasm-*.whl build/tools
-    nvdisasm=$(find build/tools -name nvdisasm -type f | head -1)
+    python3 -m pip download -q --no-deps "nvidia-cuda-$name" -d build/tools
+    python3 -m zipfile -e build/tools/nvidia_cuda_"$name"-*.whl build/tools
+    found=$(find build/tools -name "$name" -type f | head -1)
   fi
-  chmod +x "$nvdisasm"
-  PATH="$(cd "$(dirname "$nvdisasm")" && pwd):$PATH"
-fi
+  chmod +x "$found" 2>/dev/null || true
+  echo "$found"
+}
+cuobjdump=${CUOBJDUMP:-$(tool cuobjdump)}
+# cuobjdump -sass runs nvdisasm, found on PATH.
+nvdisasm=$(tool nvdisasm)
+PATH="$(cd "$(dirname "$nvdisasm")" && pwd):$PATH"
 include=$(python3 -c "import jax; print(jax.ffi.include_dir())")
 cubin=build/tools/$(basename "$source" .cu).sm_$arch.cubin
 nvcc -O3 -std=c++17 --expt-relaxed-constexpr -DNDEBUG "-gencode=arch=compute_$arch,code=sm_$arch" -Icuda \
