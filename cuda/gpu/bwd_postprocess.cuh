@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "common/attention_params.h"
+#include "gpu/dq_accum_layout.cuh"
 #include "gpu/launch.h"
 #include "gpu/ptx.cuh"
 
@@ -31,6 +32,33 @@ __global__ void flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams p,
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < groups;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
     convert_eight<T>(p.dq_accum, p.dq, i, dq_scale);
+}
+
+// The same from the accumulator in the quad order (gpu/dq_accum_layout.cuh; the Hopper kernels
+// that add dQ by atomics, head dims that are multiples of 16): a 16-column group a thread per step
+// (four 16-byte loads, two 16-byte stores).
+template <typename T>
+__global__ void flash_bwd_convert_quad_dq_kernel(const __grid_constant__ BwdParams p, float dq_scale) {
+  const AttentionShape& sh = p.shape;
+  const int64_t groups = sh.batch * sh.seq_q * sh.heads_q * sh.head_dim / 16;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < groups;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float x[16];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const float4 v = reinterpret_cast<const float4*>(p.dq_accum)[4 * i + q];
+      x[4 * q] = v.x, x[4 * q + 1] = v.y, x[4 * q + 2] = v.z, x[4 * q + 3] = v.w;
+    }
+    uint32_t packed[8];  // logical columns 2 pair and + 1
+#pragma unroll
+    for (int pair = 0; pair < 8; ++pair) {
+      const int physical = quad_physical_column(2 * pair);
+      packed[pair] = MmaOp<T>::pack(dq_scale * x[physical], dq_scale * x[physical + 1]);
+    }
+    uint4* to = reinterpret_cast<uint4*>(p.dq) + 2 * i;
+    to[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    to[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+  }
 }
 
 // dK and dV from their float32 accumulators (BwdParams::dkv_accum, the Hopper backward's head

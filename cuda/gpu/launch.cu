@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "gpu/bwd_postprocess.cuh"
+#include "gpu/dq_accum_layout.cuh"
 #include "gpu/kernel_choice.h"
 #include "gpu/launch.h"
 #include "gpu/score_mods.cuh"
@@ -129,6 +130,25 @@ cudaError_t launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
   });
 }
 
+// Whether a Hopper variant's kernel adds dQ by atomics (sm90/bwd_steps.cuh add_dq), which then
+// writes the accumulator in the quad order where gpu/dq_accum_layout.cuh's rule allows.
+template <int kD>
+bool sm90_dq_by_atomics(Sm90BwdVariant variant) {
+  using Shapes = TileShapes<kD>;
+  if constexpr (!Shapes::kHasSm90Bwd) {
+    return false;
+  } else {
+    switch (variant) {
+      case Sm90BwdVariant::kAtomicDq: return !Shapes::Sm90BwdWs::kBulkDq;
+      case Sm90BwdVariant::kBulkDq: return !Shapes::Sm90BwdWsBulkDq::kBulkDq;  // (head dim 256's split)
+      case Sm90BwdVariant::kBlockM128:
+        if constexpr (Shapes::kHasSm90BwdBlockM128) return !Shapes::Sm90BwdWsBlockM128::kBulkDq;
+        return false;
+      default: return false;  // the tiled hand-offs
+    }
+  }
+}
+
 // dQ accumulator zeroed -> main (either family) -> convert dQ, or the deterministic dQ kernel
 // instead of the atomics and the convert. delta = rowsum(dO * O) comes formed (BwdParams::delta).
 cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
@@ -203,11 +223,18 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
       flash_bwd_convert_tiled_dq_kernel<T><<<blocks, 256, 0, stream>>>(p);
       return cudaGetLastError();
     }
-    const int64_t groups = rows * sh.head_dim / 8;  // the convert kernel's 8 elements a thread
-    const int blocks = static_cast<int>(std::min<int64_t>((groups + 255) / 256, 65536));
     // The Hopper kernels leave the softmax scale out of dS (sm90/bwd_steps.cuh
     // transposed_score_gradients); dQ takes it here.
-    flash_bwd_convert_dq_kernel<T><<<blocks, 256, 0, stream>>>(p, sm90_variant ? p.scale : 1.f);
+    const float dq_scale = sm90_variant ? p.scale : 1.f;
+    if (sm90_variant && sm90_dq_by_atomics<kD>(*sm90_variant) && dq_accum_in_quads(p.dq_accum, sh.head_dim)) {
+      const int64_t groups = rows * sh.head_dim / 16;  // a thread's 16-column group
+      const int blocks = static_cast<int>(std::min<int64_t>((groups + 255) / 256, 65536));
+      flash_bwd_convert_quad_dq_kernel<T><<<blocks, 256, 0, stream>>>(p, dq_scale);
+      return cudaGetLastError();
+    }
+    const int64_t groups = rows * sh.head_dim / 8;  // the convert kernel's 8 elements a thread
+    const int blocks = static_cast<int>(std::min<int64_t>((groups + 255) / 256, 65536));
+    flash_bwd_convert_dq_kernel<T><<<blocks, 256, 0, stream>>>(p, dq_scale);
     return cudaGetLastError();
   });
 }

@@ -129,6 +129,16 @@ __device__ __forceinline__ void atomic_add_pair(float* p, float a, float b) {
 #endif
 }
 
+// p[0..3] += (a, b, c, d): one 16-byte atomic on sm_90 (p 16-byte aligned).
+__device__ __forceinline__ void atomic_add_quad(float* p, float a, float b, float c, float d) {
+#if __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float4*>(p), make_float4(a, b, c, d));
+#else
+  atomic_add_pair(p, a, b);
+  atomic_add_pair(p + 2, c, d);
+#endif
+}
+
 // min(x, y) that keeps a NaN (fminf returns the other operand).
 __device__ __forceinline__ float min_keeping_nan(float x, float y) {
   float z;

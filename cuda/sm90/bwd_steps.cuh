@@ -7,6 +7,7 @@
 
 #include "common/attention_params.h"
 #include "gpu/block_geometry.cuh"
+#include "gpu/dq_accum_layout.cuh"
 #include "gpu/fragments.cuh"
 #include "gpu/ptx.cuh"
 #include "gpu/smem_tile.cuh"
@@ -344,7 +345,8 @@ __device__ __forceinline__ void issue_transposed_query_gradient(float (&dqt)[1][
 
 // Adds a warp's part of dQ (rows 16 (warp % 4) .. of warpgroup `group`'s 64 query rows with
 // kDqByRows, else of the query block; kNTiles x 8 columns from col0) of the query block from m0
-// of head h to the float32 accumulator.
+// of head h to the float32 accumulator, 16-byte atomics where it is in the quad order
+// (gpu/dq_accum_layout.cuh), else 8-byte ones.
 template <bool kDqByRows, int kBlockM, int kBlockN, bool kSplitsHeads, int kNTiles>
 __device__ __forceinline__ void add_dq(const BwdParams& p, const KeyBlockTask<kBlockM, kBlockN, kSplitsHeads>& task,
                                        const float (&dq)[1][kNTiles][4], int64_t m0, int h, int group, int col0,
@@ -355,6 +357,22 @@ __device__ __forceinline__ void add_dq(const BwdParams& p, const KeyBlockTask<kB
   float* dq_block = p.dq_accum + (task.b * sh.seq_q + m0 + lane_row) * task.q_stride + h * sh.head_dim + lane_col;
   const int live_rows = static_cast<int>(min64(kBlockM, task.q_len - m0)) - lane_row;
   const int live_cols = static_cast<int>(sh.head_dim) - lane_col;
+  if (dq_accum_in_quads(p.dq_accum, sh.head_dim)) {
+    // gpu/dq_accum_layout.cuh: tiles 2j and 2j + 1's pairs, 4 floats from 16 j + 4 (lane % 4).
+    static_assert(kNTiles % 2 == 0, "whole 16-column groups");
+    float* quads = dq_block + (lane % 4) * 2;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      if (half * 8 >= live_rows) continue;
+      float* row = quads + half * 8 * task.q_stride;
+#pragma unroll
+      for (int j = 0; j < kNTiles / 2; ++j)
+        if (j * 16 < live_cols)
+          atomic_add_quad(row + j * 16, dq[0][2 * j][2 * half], dq[0][2 * j][2 * half + 1], dq[0][2 * j + 1][2 * half],
+                          dq[0][2 * j + 1][2 * half + 1]);
+    }
+    return;
+  }
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     if (half * 8 >= live_rows) continue;

@@ -1,0 +1,30 @@
+// The row-major float32 dQ accumulator's column order where the Hopper backward adds dQ by
+// atomics (sm90/bwd_steps.cuh add_dq; read back by gpu/bwd_postprocess.cuh).
+//
+// A wgmma accumulator gives a thread two adjacent columns an 8-column tile (2 (lane % 4) and + 1,
+// rows lane / 4 and + 8), so row-major columns take one 8-byte atomic a tile and row. The "quad"
+// order stores each 16-column group's two tiles interleaved by thread: logical column
+// 16 g + 8 h + 2 c + e sits at 16 g + 4 c + 2 h + e, so a thread's pairs of tiles 2j and 2j + 1
+// are four consecutive floats, one 16-byte atomic (red.global.add.v4.f32, sm_90) instead of two.
+#pragma once
+
+#include <cstdint>
+
+namespace jax_flash::cuda {
+
+// Whether the accumulator at `accum` for this head dim is in the quad order: 16-byte aligned
+// quads need whole 16-column groups and a 16-byte aligned base. The main kernel and the convert
+// decide by this one rule.
+__host__ __device__ __forceinline__ bool dq_accum_in_quads(const float* accum, int64_t head_dim) {
+  return head_dim % 16 == 0 && reinterpret_cast<uintptr_t>(accum) % 16 == 0;
+}
+
+// Where logical column `logical` (8 h + 2 c + e) of a 16-column group sits: 4 c + 2 h + e.
+__host__ __device__ constexpr int quad_physical_column(int logical) {
+  return logical % 8 / 2 * 4 + logical / 8 * 2 + logical % 2;
+}
+static_assert(quad_physical_column(0) == 0 && quad_physical_column(1) == 1 && quad_physical_column(8) == 2 &&
+                  quad_physical_column(2) == 4 && quad_physical_column(15) == 15,
+              "a thread's pairs of tiles 2j and 2j + 1 side by side");
+
+}  // namespace jax_flash::cuda
