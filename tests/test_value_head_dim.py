@@ -564,7 +564,8 @@ def test_cuda_handler_refuses_it(rng):
                   alibi_slopes=((0,), "float32"), kv_block_lists=((0,), "int32"),
                   kv_block_counts=((0,), "int32"))
   outputs = dict(o=((B, T, N, 8), "bfloat16"), lse=((B, N, T), "float32"),
-                 o_error=((0,), "int8"))
+                 o_error=((0,), "int8"),
+                 scheduler=((_registry.CUDA_KERNEL_CONSTANTS["fwd_scheduler_elements"],), "int32"))
   attributes = dict(scale=0.5, is_causal=False, window_left=np.int64(-1),
                     window_right=np.int64(-1), segment_ids=False, logits_soft_cap=0.0,
                     alibi=False, block_sparse=False)
