@@ -220,6 +220,26 @@ def test_interleave_times_a_block_sparse_case_with_its_dense_twin():
   assert all(m.ok for group in groups for m in group if m.peer == "jax_flash")
 
 
+@pytest.mark.parametrize("interleave", [True, False])
+def test_interleaved_rounds_let_the_cpu_settle_before_each_run(monkeypatch, interleave):
+  """Under --interleave each timed run on the CPU follows a pause of Platform.settle_s (a peer's
+  OpenMP workers spin on after its call and would slow the next peer's run); back-to-back
+  timing runs one peer's repetitions together and pauses never."""
+  from jax_flash.benchmark import runner
+
+  pauses = []
+  monkeypatch.setattr(runner.time, "sleep", pauses.append)
+  case = benchmark.CPU.make_cases((64,), (32,), (True,))[0]
+  [measurements] = list(benchmark.run(benchmark.CPU, [case], reps=3, skip=("xla", "torch"),
+                                      interleave=interleave))
+  timed = [m for m in measurements if m.ok]
+  assert timed and benchmark.CPU.settle_s > 0
+  if interleave:
+    assert pauses == [benchmark.CPU.settle_s] * sum(len(m.times_s) for m in timed)
+  else:
+    assert pauses == []
+
+
 # Score variants (--logits-soft-cap, --alibi, --sinks, --dropout-rate): jax_flash plain and with
 # the variant in the same run.
 TINY_CPU_RUN = ["--platform", "cpu", "--seqs", "64", "--causal", "yes", "--reps", "1"]

@@ -25,7 +25,10 @@ class Platform:
   `device_kind` is the jax.devices() kind its JAX peers run on; `make_cases` takes sequence
   lengths, head dims and causal modes (and, as keyword `heads`, the query heads of every case,
   None for the grid's own); the first peer is jax_flash; `warm_up_runs` untimed runs
-  precede the timed ones; `progress` prints a line per case or per peer and pass.
+  precede the timed ones; `progress` prints a line per case or per peer and pass;
+  `settle_s`: the pause before each timed run of the alternating rounds (--interleave), so
+  that the run before it has left the cores: PyTorch's OpenMP workers spin for a while after
+  its call, which read the next peer's run 10-25% slow at seq 2048 on a 2-core CPU.
   """
 
   name: str
@@ -40,6 +43,7 @@ class Platform:
   rate_unit: RateUnit
   columns: tuple[Column, ...]
   progress: Literal["case", "pass"]
+  settle_s: float = 0.0
 
 
 CPU = Platform(
@@ -59,6 +63,7 @@ CPU = Platform(
              ratio_column(FLASH_CPU, XLA_CPU), ratio_column(FLASH_CPU, TORCH_CPU),
              temp_column(FLASH_CPU), temp_column(XLA_CPU)),
     progress="case",
+    settle_s=0.02,
 )
 
 # tokamax sits beside cuDNN: the two fastest JAX attentions on Hopper, read side by side.

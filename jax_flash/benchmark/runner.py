@@ -7,6 +7,7 @@ run goes on.
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterator, Sequence
 
 from jax_flash.benchmark.cases import PASSES, Case, Inputs, make_inputs
@@ -130,6 +131,8 @@ def measure_interleaved(platform: Platform, entries: Sequence[Entry],
   times: dict[tuple[int, str], list[float]] = {(i, p): [] for i, _, _, p, _, _ in ready}
   for _ in range(rounds):
     for i, _, _, p, compiled, _ in ready:
+      if platform.settle_s > 0:
+        time.sleep(platform.settle_s)  # the last run's threads off the cores (Platform.settle_s)
       times[(i, p)].append(run_timed(compiled.step) / compiled.calls_per_step)
   for i, peer, case, p, compiled, _ in ready:
     results[(i, p)] = Measurement(peer.name, case, p, "ok", times_s=tuple(times[(i, p)]),
