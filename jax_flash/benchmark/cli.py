@@ -164,7 +164,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--interleave", action="store_true",
                       help="time each case's peers and passes in alternating rounds (one run "
                            "of each per round) instead of one after another: on a machine "
-                           "shared with other work, load then falls on every peer alike")
+                           "shared with other work, load then falls on every peer alike "
+                           f"(on the CPU each timed run waits {PLATFORMS['cpu'].settle_s * 1e3:g} "
+                           "ms first, so that the last run's threads have left the cores)")
   parser.add_argument("--deterministic", action="store_true",
                       help="time jax_flash's deterministic backward (deterministic=True)")
   parser.add_argument("--skip", nargs="+", default=[], metavar="PEER",
