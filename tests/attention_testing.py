@@ -547,15 +547,21 @@ def ffi_calls(fn, *args) -> list[tuple[str, dict, list, list]]:
   return found
 
 
+# Stand-ins for the CUDA module's constants (jax_flash._registry.CUDA_KERNEL_CONSTANTS as built
+# with CUDA), for tests that trace CUDA calls on a machine without it: one dict, so that a
+# constant the module gains is added once.
+SIMULATED_CUDA_CONSTANTS = dict(head_dim_multiple=8, max_head_dim=256, decode_rows_per_cta=16,
+                                decode_block_n=64, decode_max_head_dim=256, segment_id_span_rows=64,
+                                fwd_scheduler_elements=1)
+
+
 def simulate_cuda_host(monkeypatch) -> None:
   """This CPU machine as a GPU host with the CUDA kernels built (an H200's SM count, stand-in
   constants and dQ workspace size, no call narrow: JAX_FLASH_CUDA_NARROW=off), for tests that trace CUDA calls
   without running them."""
   monkeypatch.setattr(_registry, "has_platform", lambda platform: platform in ("cpu", "cuda"))
   monkeypatch.setattr(_registry, "cuda_gpu_present", lambda: True)
-  monkeypatch.setattr(_registry, "CUDA_KERNEL_CONSTANTS", dict(
-      head_dim_multiple=8, max_head_dim=256, decode_rows_per_cta=16, decode_block_n=64,
-      decode_max_head_dim=256, segment_id_span_rows=64, fwd_scheduler_elements=1))
+  monkeypatch.setattr(_registry, "CUDA_KERNEL_CONSTANTS", dict(SIMULATED_CUDA_CONSTANTS))
   monkeypatch.setattr(_registry, "_native_cuda",
                       types.SimpleNamespace(dq_accum_elements=lambda *args: 64,
                                             narrow_split_call=lambda *args: False))

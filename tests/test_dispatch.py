@@ -16,11 +16,9 @@ import pytest
 import jax_flash
 from jax_flash import _dispatch, _native, _ops, _registry
 from jax_flash._reference import EMPTY_ROW_LSE
-from attention_testing import ffi_calls, random_array, reference_f32
+from attention_testing import SIMULATED_CUDA_CONSTANTS, ffi_calls, random_array, reference_f32
 
 F32, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
-FAKE_CUDA_CONSTANTS = dict(head_dim_multiple=8, max_head_dim=256, decode_rows_per_cta=16,
-                           decode_block_n=64, decode_max_head_dim=256, fwd_scheduler_elements=1)
 
 
 @pytest.fixture
@@ -30,7 +28,7 @@ def gpu_host(monkeypatch):
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   monkeypatch.setattr(_registry, "has_platform", lambda platform: platform in ("cpu", "cuda"))
   monkeypatch.setattr(_registry, "cuda_gpu_present", lambda: True)
-  monkeypatch.setattr(_registry, "CUDA_KERNEL_CONSTANTS", FAKE_CUDA_CONSTANTS)
+  monkeypatch.setattr(_registry, "CUDA_KERNEL_CONSTANTS", dict(SIMULATED_CUDA_CONSTANTS))
 
 
 def call(shape=(2, 8, 4, 16), dtype=F32, **kwargs) -> _dispatch.Call:
@@ -59,8 +57,8 @@ def test_each_implementation_states_what_it_supports():
 def test_cuda_states_its_limits_from_its_native_module(gpu_host):
   cuda = _dispatch.capabilities("cuda")
   assert F32 not in cuda.dtypes and BF16 in cuda.dtypes
-  assert cuda.max_head_dim == FAKE_CUDA_CONSTANTS["max_head_dim"]
-  assert cuda.head_dim_multiple == FAKE_CUDA_CONSTANTS["head_dim_multiple"]
+  assert cuda.max_head_dim == SIMULATED_CUDA_CONSTANTS["max_head_dim"]
+  assert cuda.head_dim_multiple == SIMULATED_CUDA_CONSTANTS["head_dim_multiple"]
 
 
 @pytest.mark.parametrize("dtype,want", [(F32, "blockwise"), (BF16, "cuda"),

@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_flash
-from attention_testing import random_qkv_and_cotangent
+from attention_testing import SIMULATED_CUDA_CONSTANTS, random_qkv_and_cotangent
 
 DEVICES = 4
 
@@ -171,9 +171,7 @@ def test_ring_pads_the_head_dim_for_the_cuda_kernels(mesh, monkeypatch):
   monkeypatch.setattr(_registry, "has_platform", lambda platform: platform in ("cpu", "cuda"))
   monkeypatch.setattr(_registry, "cuda_gpu_present", lambda: True)
   # The CUDA module's constants (as built with CUDA; stand-ins so the test runs without it).
-  monkeypatch.setattr(_registry, "CUDA_KERNEL_CONSTANTS",
-                      dict(head_dim_multiple=8, max_head_dim=256, decode_rows_per_cta=16,
-                           decode_block_n=64, decode_max_head_dim=256, fwd_scheduler_elements=1))
+  monkeypatch.setattr(_registry, "CUDA_KERNEL_CONSTANTS", dict(SIMULATED_CUDA_CONSTANTS))
   q, k, v, _ = _inputs(9, seq=32, head_dim=111)
   q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
   spec = P(None, "seq", None, None)
