@@ -130,22 +130,15 @@ cudaError_t launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
   });
 }
 
-// Whether a Hopper variant's kernel adds dQ by atomics (sm90/bwd_steps.cuh add_dq), which then
-// writes the accumulator in the quad order where gpu/dq_accum_layout.cuh's rule allows.
+// Whether a Hopper variant's kernel adds dQ by atomics (sm90/bwd_steps.cuh add_dq; the others
+// hand it off to bulk reductions), which then writes the accumulator in the quad order where
+// gpu/dq_accum_layout.cuh's rule allows.
 template <int kD>
 bool sm90_dq_by_atomics(Sm90BwdVariant variant) {
-  using Shapes = TileShapes<kD>;
-  if constexpr (!Shapes::kHasSm90Bwd) {
+  if constexpr (!TileShapes<kD>::kHasSm90Bwd) {
     return false;
   } else {
-    switch (variant) {
-      case Sm90BwdVariant::kAtomicDq: return !Shapes::Sm90BwdWs::kBulkDq;
-      case Sm90BwdVariant::kBulkDq: return !Shapes::Sm90BwdWsBulkDq::kBulkDq;  // (head dim 256's split)
-      case Sm90BwdVariant::kBlockM128:
-        if constexpr (Shapes::kHasSm90BwdBlockM128) return !Shapes::Sm90BwdWsBlockM128::kBulkDq;
-        return false;
-      default: return false;  // the tiled hand-offs
-    }
+    return with_sm90_bwd_traits<kD>(variant, [](auto traits) { return !decltype(traits)::type::kBulkDq; });
   }
 }
 

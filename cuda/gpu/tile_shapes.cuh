@@ -104,6 +104,39 @@ struct TileShapes {
   static constexpr bool kSm90BwdBulkDqByDefault = kHeadDim == 96 || kHeadDim == 128;
 };
 
+// A type as a value (C++17 has no std::type_identity).
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+// The traits of the kernel that runs the Hopper backward's `variant` at head dim kD: the one
+// mapping from a variant to its kernel, read by its launch (sm90/flash_bwd_ws.cu) and by the
+// steps around it (gpu/launch.cu: whether the kernel adds dQ by atomics, which decides dQ's
+// convert). Returns f(TypeTag<Traits>{}). A variant the head dim has no kernel of takes the
+// 64-row atomics kernel (gpu/launch.cu never asks for one).
+template <int kD, typename F>
+decltype(auto) with_sm90_bwd_traits(Sm90BwdVariant variant, F&& f) {
+  using Shapes = TileShapes<kD>;
+  if (variant == Sm90BwdVariant::kBulkDq) return f(TypeTag<typename Shapes::Sm90BwdWsBulkDq>{});
+  if constexpr (Shapes::kHasSm90BwdTiledDq) {
+    using Tiled = typename Shapes::Sm90BwdWsTiledDq;
+    // The accumulator's tiles (gpu/launch.h, sized there and read by the tiled convert) are the
+    // kernel's visits: a query block of every head-dim column.
+    static_assert(Tiled::kBlockM == kTiledDqRows && Tiled::kHeadDim == kTiledDqColumns, "tiled dQ geometry");
+    if (variant == Sm90BwdVariant::kTiledDq) return f(TypeTag<Tiled>{});
+    if (variant == Sm90BwdVariant::kDeferDq) return f(TypeTag<typename Shapes::Sm90BwdWsDeferDq>{});
+  }
+  if constexpr (Shapes::kHasSm90BwdM80) {
+    using M80 = typename Shapes::Sm90BwdWsM80;
+    static_assert(M80::kBlockM == kTransposedDqRows && M80::kHeadDim == kTiledDqColumns, "transposed dQ geometry");
+    if (variant == Sm90BwdVariant::kM80) return f(TypeTag<M80>{});
+  }
+  if constexpr (Shapes::kHasSm90BwdBlockM128)
+    if (variant == Sm90BwdVariant::kBlockM128) return f(TypeTag<typename Shapes::Sm90BwdWsBlockM128>{});
+  return f(TypeTag<typename Shapes::Sm90BwdWs>{});
+}
+
 // Explicit instantiations of a launcher template<T, kHeadDim> for both 16-bit dtypes.
 #define JF_INSTANTIATE_LAUNCHER(launcher, Params, D)                                  \
   template cudaError_t launcher<__nv_bfloat16, D>(const Params&, cudaStream_t); \

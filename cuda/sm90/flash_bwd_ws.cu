@@ -62,26 +62,13 @@ cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
 
 template <typename T, int kHeadDim>
 cudaError_t launch_bwd_main_sm90_ws(const BwdParams& p, Sm90BwdVariant variant, cudaStream_t stream) {
-  if (variant == Sm90BwdVariant::kBulkDq)
-    return launch<typename TileShapes<kHeadDim>::Sm90BwdWsBulkDq, T>(p, stream);
-  if constexpr (TileShapes<kHeadDim>::kHasSm90BwdTiledDq) {
-    using Tiled = typename TileShapes<kHeadDim>::Sm90BwdWsTiledDq;
-    // The accumulator's tiles (gpu/launch.h, sized there and read by the tiled convert) are the
-    // kernel's visits: a query block of every head-dim column.
-    static_assert(Tiled::kBlockM == kTiledDqRows && Tiled::kHeadDim == kTiledDqColumns, "tiled dQ geometry");
-    if (variant == Sm90BwdVariant::kTiledDq) return launch<Tiled, T>(p, stream);
-    if (variant == Sm90BwdVariant::kDeferDq)
-      return launch_plain<typename TileShapes<kHeadDim>::Sm90BwdWsDeferDq, T>(p, stream);
-  }
-  if constexpr (TileShapes<kHeadDim>::kHasSm90BwdM80) {
-    using M80 = typename TileShapes<kHeadDim>::Sm90BwdWsM80;
-    static_assert(M80::kBlockM == kTransposedDqRows && M80::kHeadDim == kTiledDqColumns, "transposed dQ geometry");
-    if (variant == Sm90BwdVariant::kM80) return launch_plain<M80, T>(p, stream);
-  }
-  if constexpr (TileShapes<kHeadDim>::kHasSm90BwdBlockM128)
-    if (variant == Sm90BwdVariant::kBlockM128)
-      return launch<typename TileShapes<kHeadDim>::Sm90BwdWsBlockM128, T>(p, stream);
-  return launch<typename TileShapes<kHeadDim>::Sm90BwdWs, T>(p, stream);
+  return with_sm90_bwd_traits<kHeadDim>(variant, [&](auto traits) {
+    using Traits = typename decltype(traits)::type;
+    if constexpr (Traits::kDqTransposed || Traits::kDeferDq)
+      return launch_plain<Traits, T>(p, stream);
+    else
+      return launch<Traits, T>(p, stream);
+  });
 }
 
 #define JF_INSTANTIATE(D)                                                                                \
