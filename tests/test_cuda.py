@@ -525,6 +525,23 @@ def test_general_backward_on_64_row_blocks_on_hopper():
       files=("test_softcap.py", "test_alibi.py", "test_segment_ids.py"))
 
 
+def test_mma_sync_backward_with_quad_dq_on_hopper():
+  """Experimental: with JAX_FLASH_CUDA_SM80_DQ=quads the mma.sync backward on Hopper adds dQ in the
+  accumulator's quad order (16-byte atomics; gpu/dq_accum_layout.cuh), converted back by the quad
+  convert: head dim 192 (mma.sync by default on Hopper), then every head dim under
+  JAX_FLASH_CUDA_BACKWARD=sm80 (those that are not multiples of 16 keep the row-major order: h40,
+  h111), pass their reference and deterministic cases, the CUDA-graph capture and the training
+  step; and the score variants' cases on its general kernel (every head dim under sm80)."""
+  selection = "(test_cuda_matches_reference or test_deterministic_matches_reference) and ({})"
+  _run_cuda_tests_on_hopper_with({"JAX_FLASH_CUDA_SM80_DQ": "quads"}, selection.format("h192"))
+  _run_cuda_tests_on_hopper_with(
+      {"JAX_FLASH_CUDA_SM80_DQ": "quads", "JAX_FLASH_CUDA_BACKWARD": "sm80"},
+      selection.format("h32 or h40 or h64 or h80 or h96 or h111 or h128 or h256") +
+      " or test_command_buffer_capture or test_jit_training_step_reduces_loss")
+  _run_cuda_tests_on_hopper_with({"JAX_FLASH_CUDA_SM80_DQ": "quads", "JAX_FLASH_CUDA_BACKWARD": "sm80"}, "cuda",
+                                 files=("test_softcap.py", "test_alibi.py", "test_segment_ids.py"))
+
+
 def test_backward_in_grid_order_on_cuda():
   """With JAX_FLASH_CUDA_ORDER=grid the causal backward's CTAs start in the grid's own order
   (each head's key blocks one after another) instead of longest key blocks first, as before
@@ -566,7 +583,8 @@ def test_split_kv_decoding_on_cuda():
 
 @pytest.mark.parametrize("variable, value", [("JAX_FLASH_CUDA_FORWARD", "sm90-pipelind"),
                                              ("JAX_FLASH_CUDA_ORDER", "longst"),
-                                             ("JAX_FLASH_CUDA_HD96", "nativ")])
+                                             ("JAX_FLASH_CUDA_HD96", "nativ"),
+                                             ("JAX_FLASH_CUDA_SM80_DQ", "quad")])
 def test_unknown_kernel_choice_is_an_error(variable, value):
   """A misspelt override is reported by name, not ignored."""
   result = _run_in_subprocess({variable: value}, "-k", "test_cuda_is_default_on_gpu")

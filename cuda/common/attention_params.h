@@ -220,6 +220,9 @@ struct BwdParams : AttentionParams {
   // CUDA (the mma.sync backward, narrow calls: gpu/score_mods.cuh narrow_plain_call): dS = 0
   // exactly on rows whose masks leave one key, where P = 1.
   bool zero_single_key_ds = false;
+  // CUDA (the mma.sync backward, gpu/launch.cu): dQ goes into dq_accum in the quad order
+  // (gpu/dq_accum_layout.cuh), which the launch then converts back; decided there.
+  bool dq_quads = false;
   // CPU, with a bias: its gradient dS summed over the bias's broadcast dims, in the bias's shape
   // and dtype (null: not asked for); dbias_accum holds dbias_parts float32 partial sums in the
   // bias's own layout (one per dQ split where the bias has no key dim, else one; dbias itself

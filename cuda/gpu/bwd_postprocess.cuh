@@ -34,8 +34,8 @@ __global__ void flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams p,
     convert_eight<T>(p.dq_accum, p.dq, i, dq_scale);
 }
 
-// The same from the accumulator in the quad order (gpu/dq_accum_layout.cuh; the Hopper kernels
-// that add dQ by atomics, head dims that are multiples of 16): a 16-column group a thread per step
+// The same from the accumulator in the quad order (gpu/dq_accum_layout.cuh; the kernels that add
+// dQ by atomics, head dims that are multiples of 16): a 16-column group a thread per step
 // (four 16-byte loads, two 16-byte stores).
 template <typename T>
 __global__ void flash_bwd_convert_quad_dq_kernel(const __grid_constant__ BwdParams p, float dq_scale) {

@@ -1,8 +1,10 @@
-// The row-major float32 dQ accumulator's column order where the Hopper backward adds dQ by
-// atomics (sm90/bwd_steps.cuh add_dq; read back by gpu/bwd_postprocess.cuh).
+// The row-major float32 dQ accumulator's column order where a backward kernel adds dQ by atomics
+// (the Hopper kernels' sm90/bwd_steps.cuh add_dq, the mma.sync kernel's sm80/flash_bwd_kernel.cuh;
+// read back by gpu/bwd_postprocess.cuh).
 //
-// A wgmma accumulator gives a thread two adjacent columns an 8-column tile (2 (lane % 4) and + 1,
-// rows lane / 4 and + 8), so row-major columns take one 8-byte atomic a tile and row. The "quad"
+// A wgmma accumulator, like an m16n8 mma.sync one, gives a thread two adjacent columns an 8-column
+// tile (2 (lane % 4) and + 1, rows lane / 4 and + 8), so row-major columns take one 8-byte atomic
+// a tile and row. The "quad"
 // order stores each 16-column group's two tiles interleaved by thread: logical column
 // 16 g + 8 h + 2 c + e sits at 16 g + 4 c + 2 h + e, so a thread's pairs of tiles 2j and 2j + 1
 // are four consecutive floats, one 16-byte atomic (red.global.add.v4.f32, sm_90) instead of two.
@@ -18,6 +20,18 @@ namespace jax_flash::cuda {
 __host__ __device__ __forceinline__ bool dq_accum_in_quads(const float* accum, int64_t head_dim) {
   return head_dim % 16 == 0 && reinterpret_cast<uintptr_t>(accum) % 16 == 0;
 }
+
+// Whether this compilation of the mma.sync backward can write the quad order (BwdParams::dq_quads):
+// its sm_90a build, whose 16-byte atomics it is for. The sm_80 build keeps the row-major order
+// alone (both orders' code cost its head-dim-128 kernel 32 bytes of spills there, for no gain:
+// sm_80 has no 16-byte atomics). The kernels are SASS for sm_80 and sm_90a alone (no PTX,
+// gpu/cuda_build.cmake), so the sm_90a build is the one that runs on a device of compute
+// capability 9, which is what gpu/launch.cu asks before it sets dq_quads.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+inline constexpr bool kQuadOrderBuild = true;
+#else
+inline constexpr bool kQuadOrderBuild = false;
+#endif
 
 // Where logical column `logical` (8 h + 2 c + e) of a 16-column group sits: 4 c + 2 h + e.
 __host__ __device__ constexpr int quad_physical_column(int logical) {

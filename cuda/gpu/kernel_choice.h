@@ -47,6 +47,11 @@
 //                         run the kernels compiled for head dim 96 (the wgmma ones: 128-column
 //                         tiles whose products stop at 96, sm90/traits.cuh tile_head_dim; the
 //                         mma.sync family runs them at 128 either way), or those of 128, as before.
+//   JAX_FLASH_CUDA_SM80_DQ = rows | quads (default: rows; quads experimental, session 27, not yet
+//                            run on a GPU): on Hopper the mma.sync backward (head dim 192, narrow
+//                            calls, JAX_FLASH_CUDA_BACKWARD=sm80) adds dQ into the float32
+//                            accumulator in row-major order by 8-byte atomics, or in the quad order
+//                            by 16-byte ones as the Hopper kernels do (gpu/dq_accum_layout.cuh).
 //   JAX_FLASH_CUDA_NARROW = split | off (default: split since session 19, whose differential run
 //                           of 2000 configurations gave 0 misses under it): narrow plain calls
 //                           (narrow_shape below) run the mma.sync kernels with P and dS as hi +
@@ -90,6 +95,9 @@ bool longest_first_enabled();
 // Whether head dims 65..96 run the kernels of head dim 96 (unless JAX_FLASH_CUDA_HD96=padded:
 // those of 128).
 bool native_head_dim_96_enabled();
+// Whether the mma.sync backward adds dQ in the accumulator's quad order on Hopper
+// (JAX_FLASH_CUDA_SM80_DQ=quads; experimental, session 27).
+bool sm80_dq_quads_enabled();
 
 // Narrow calls (common/mask.h narrow_shape): by default (JAX_FLASH_CUDA_NARROW=split) plain ones
 // run the mma.sync kernels with P and dS as hi + lo (two 16-bit operands: about float32;

@@ -191,9 +191,17 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
       else if (family == KernelFamily::kSm90WsBulkDq)
         sm90_variant = V::kBulkDq;
     }
+    // Whether the main kernel adds dQ by atomics in the quad order (gpu/dq_accum_layout.cuh's
+    // rule), which the convert below then reads: a Hopper variant whose kernel adds dQ by atomics
+    // (the kernel applies the rule itself); the mma.sync kernel when asked (BwdParams::dq_quads:
+    // on a Hopper device, whose sm_90a build writes quads, and JAX_FLASH_CUDA_SM80_DQ=quads).
+    const bool quad_order_kernel = sm90_variant ? sm90_dq_by_atomics<kD>(*sm90_variant)
+                                                : device_compute_major() == 9 && sm80_dq_quads_enabled();
+    const bool dq_quads = quad_order_kernel && !p.deterministic && dq_accum_in_quads(p.dq_accum, sh.head_dim);
+    if (!sm90_variant) hp.dq_quads = dq_quads;
     if (sh.seq_k > 0) {  // with no keys, dK and dV are empty and dQ stays 0
       const cudaError_t e = sm90_variant ? launch_bwd_main_sm90_ws<T, kD>(hp, *sm90_variant, stream)
-                                         : launch_bwd_main_sm80<T, sm80_head_dim(kD)>(p, stream);
+                                         : launch_bwd_main_sm80<T, sm80_head_dim(kD)>(hp, stream);
       if (e != cudaSuccess) return e;
       if (hp.kv_head_splits > 1) {
         const int64_t groups = 2 * sh.batch * sh.seq_k * sh.heads_k * sh.head_dim / 8;  // a thread's 8
@@ -219,7 +227,7 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
     // The Hopper kernels leave the softmax scale out of dS (sm90/bwd_steps.cuh
     // transposed_score_gradients); dQ takes it here.
     const float dq_scale = sm90_variant ? p.scale : 1.f;
-    if (sm90_variant && sm90_dq_by_atomics<kD>(*sm90_variant) && dq_accum_in_quads(p.dq_accum, sh.head_dim)) {
+    if (dq_quads) {
       const int64_t groups = rows * sh.head_dim / 16;  // a thread's 16-column group
       const int blocks = static_cast<int>(std::min<int64_t>((groups + 255) / 256, 65536));
       flash_bwd_convert_quad_dq_kernel<T><<<blocks, 256, 0, stream>>>(p, dq_scale);

@@ -14,6 +14,7 @@
 
 #include "common/attention_params.h"
 #include "gpu/block_geometry.cuh"
+#include "gpu/dq_accum_layout.cuh"
 #include "gpu/fragments.cuh"
 #include "gpu/mask.cuh"
 #include "gpu/ptx.cuh"
@@ -194,6 +195,12 @@ __global__ void __launch_bounds__(Traits::kThreads)
       float* dq_block = p.dq_accum + (b * sh.seq_q + m0 + lane_row) * q_stride + h * sh.head_dim + lane_col;
       const int live_rows = static_cast<int>(min64(kBM, q_len - m0)) - lane_row;
       const int live_cols = static_cast<int>(sh.head_dim) - lane_col;
+      // The accumulator's quad order where the launch asks for it (sm_90a build only,
+      // gpu/dq_accum_layout.cuh; every warp's columns start on a 16-column group): a thread's
+      // pairs of n-tiles 2j and 2j + 1 are four consecutive floats from 16 j + 4 (lane % 4), one
+      // 16-byte atomic instead of two of 8 bytes.
+      const bool quads = kQuadOrderBuild && p.dq_quads;
+      static_assert(Dq::kCols % 16 == 0, "a warp's dQ columns are whole 16-column groups");
 #pragma unroll
       for (int c0 = 0; c0 < Dq::kCols; c0 += kDqChunk) {
         float dq[Dq::kMTiles][kDqChunk / 8][4] = {};
@@ -207,11 +214,21 @@ __global__ void __launch_bounds__(Traits::kThreads)
           for (int half = 0; half < 2; ++half) {
             const int r = mt * 16 + half * 8;
             if (r >= live_rows) continue;
+            float* row = dq_block + r * q_stride;
+            if (quads) {
 #pragma unroll
-            for (int nt = 0; nt < kDqChunk / 8; ++nt) {
-              const int c = c0 + nt * 8;
-              if (c < live_cols)
-                atomic_add_pair(dq_block + r * q_stride + c, dq[mt][nt][2 * half], dq[mt][nt][2 * half + 1]);
+              for (int j = 0; j < kDqChunk / 16; ++j) {
+                const int c = c0 + j * 16;
+                if (c < live_cols)
+                  atomic_add_quad(row + (lane % 4) * 2 + c, dq[mt][2 * j][2 * half], dq[mt][2 * j][2 * half + 1],
+                                  dq[mt][2 * j + 1][2 * half], dq[mt][2 * j + 1][2 * half + 1]);
+              }
+            } else {
+#pragma unroll
+              for (int nt = 0; nt < kDqChunk / 8; ++nt) {
+                const int c = c0 + nt * 8;
+                if (c < live_cols) atomic_add_pair(row + c, dq[mt][nt][2 * half], dq[mt][nt][2 * half + 1]);
+              }
             }
           }
       }
