@@ -432,6 +432,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         fence_registers(dq_next[0]);
         add_dq<Traits::kDqByRows>(p, task, dq_next, m0, visit.h, group, grad_col0 + 64, warp, lane);
       }
+      // Every path has waited for its products by now; said here, where the paths join, ptxas
+      // need not inject the wait itself (C7517, a no-op DEPBAR a visit either way).
+      wgmma_wait<0>();
       continue;
     } else if constexpr (Traits::kDeferDq) {
       // This visit's dS^T, signalled to the other warpgroup; dV and dK (this warpgroup's rows of
