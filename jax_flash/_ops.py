@@ -372,8 +372,9 @@ def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig, segm
     if bias is None or not dbias:
       results += (jax.ShapeDtypeStruct((0,), jnp.float32),) * 2
     else:
+      one_each = _registry.cpu_dbias_one_each(bias.shape, batch_size, heads_q, seq_q, seq_k)
       partials = _registry.cpu_dbias_accum_elements(bias.size, bias.shape[-1] == 1,
-                                                    bias.dtype == jnp.float32, splits)
+                                                    bias.dtype == jnp.float32, splits, one_each)
       results += (jax.ShapeDtypeStruct(bias.shape, bias.dtype),
                   jax.ShapeDtypeStruct((partials,), jnp.float32))
   call = jax.ffi.ffi_call(_target(config, "bwd"), results, vmap_method="broadcast_all")

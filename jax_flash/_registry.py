@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 
@@ -57,11 +58,23 @@ def cpu_dq_accum_elements(dq_splits: int, batch: int, seq_q: int, heads_q: int,
 
 
 def cpu_dbias_accum_elements(bias_elements: int, keys_broadcast: bool, float32: bool,
-                             dq_splits: int) -> int:
-  """Elements of the CPU backward's float32 dbias workspace (0: dbias itself), as its handler
-  checks them: `keys_broadcast` where the bias's key dim is 1, `float32` for a float32 bias."""
+                             dq_splits: int, one_each: bool) -> int:
+  """Elements of the CPU backward's float32 dbias workspace (0: none), as its handler checks
+  them: `keys_broadcast` where the bias's key dim is 1, `float32` for a float32 bias, `one_each`
+  where each dbias element takes one dS (cpu_dbias_one_each)."""
   return int(_native.cpu_dbias_accum_elements(bias_elements, bool(keys_broadcast), bool(float32),
-                                              dq_splits))
+                                              dq_splits, bool(one_each)))
+
+
+def cpu_dbias_one_each(bias_shape: tuple[int, ...], batch: int, heads_q: int, seq_q: int,
+                       seq_k: int) -> bool:
+  """Whether each element of the CPU backward's dbias takes one dS, for a bias of `bias_shape`
+  (q's rank: leading dims, then heads, T, S, each of the call's size or 1) in a call of `batch`
+  (q's leading dims' product), `heads_q`, `seq_q` and `seq_k`: then the backward stores dS into
+  dbias directly, with no float32 workspace, as its handler decides."""
+  *lead, heads, rows, keys = bias_shape
+  return bool(_native.cpu_dbias_one_each(math.prod(lead), heads, rows, keys, batch, heads_q, seq_q,
+                                         seq_k))
 
 
 def cuda_dq_accum_elements(batch: int, seq_q: int, seq_k: int, heads_q: int, heads_k: int,

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jax_flash
-from jax_flash import _ops
+from jax_flash import _ops, _registry
 from jax_flash._reference import EMPTY_ROW_LSE
 from attention_testing import (F32, assert_within_rule, ffi_calls, key_visibility, max_abs,
                                random_array)
@@ -171,12 +171,30 @@ def test_heads_and_t_above_s(heads):
          heads=heads)
 
 
-@pytest.mark.parametrize("shape", ["11TS", "BNT1", "NT1", "1111"])
+@pytest.mark.parametrize("shape", ["11TS", "BNT1", "NT1", "1111", "BNTS"])
 def test_dbias_from_several_dq_splits(monkeypatch, shape):
   """Key blocks dealt to 3 dQ splits: a bias without a key dim sums a partial per split, one
-  with it has each split own its columns."""
+  with it has each split own its columns (a full one, BNTS, stores its dS directly)."""
   monkeypatch.setattr(_ops, "dq_splits", lambda *args: 3)
   _check(5, F32, bias_shape=BIAS_SHAPES[shape], mask_shape=(T, S), is_causal=True)
+
+
+def test_dbias_is_stored_directly_where_each_element_takes_one_ds():
+  """Where no dim of the bias is broadcast over more than one of the call's indices, each dbias
+  element takes one dS: the backward stores it there, in the bias's dtype, with no float32
+  workspace (the rule is the native module's, read by the handler and by the Python side)."""
+  one_each = _registry.cpu_dbias_one_each
+  assert one_each((B, N, T, S), B, N, T, S)
+  assert one_each((1, N, T, S), 1, N, T, S)  # a batch of one
+  assert one_each((B, N, 1, S), B, N, 1, S)  # a single query row
+  assert not one_each((1, N, T, S), B, N, T, S)  # shared by the batch
+  assert not one_each((B, 1, T, S), B, N, T, S)  # by the heads
+  assert not one_each((B, N, 1, S), B, N, T, S)  # by the rows
+  assert not one_each((B, N, T, 1), B, N, T, S)  # by the keys
+  assert _registry.cpu_dbias_accum_elements(B * N * T * S, False, False, 1, True) == 0
+  assert _registry.cpu_dbias_accum_elements(B * N * T * S, False, False, 1, False) == B * N * T * S
+  # A full bfloat16 bias (stored directly) under a causal window, against jax.nn.
+  _check(6, jnp.dtype(jnp.bfloat16), bias_shape=(B, N, T, S), is_causal=True, local_window_size=(30, 5))
 
 
 @settings(max_examples=12, deadline=None)

@@ -184,9 +184,10 @@ def with_bias(call: Call, shape=(1, N, T, S), dtype="float32", accum=None) -> Ca
   if "dbias" in call.outputs:
     call.outputs["dbias"] = (tuple(shape), dtype)
     if accum is None:
+      one_each = len(shape) >= 3 and _registry.cpu_dbias_one_each(shape, B, N, T, S)
       accum = _registry.cpu_dbias_accum_elements(int(np.prod(shape)), shape[-1] == 1,
                                                  dtype == "float32",
-                                                 int(call.attributes["dq_splits"]))
+                                                 int(call.attributes["dq_splits"]), one_each)
     call.outputs["dbias_accum"] = ((accum,), "float32")
   return with_attributes(call, bias=True)
 
@@ -359,6 +360,9 @@ BWD_ERRORS = [
      ("dbias_accum(", f"expected {2 * N * T}")),
     ("dbias_accum_bf16_missing", lambda c: with_bias(c, dtype="bfloat16", accum=0),
      ("dbias_accum(0,) float32", f"expected {N * T * S}")),
+    # A bias of the call's every dim gives each dbias element one dS: stored directly, no workspace.
+    ("dbias_accum_one_each", lambda c: with_bias(c, shape=(B, N, T, S), dtype="bfloat16", accum=B * N * T * S),
+     ("dbias_accum(", "expected 0")),
 ]
 
 

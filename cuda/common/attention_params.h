@@ -230,6 +230,9 @@ struct BwdParams : AttentionParams {
   void* dbias = nullptr;
   float* dbias_accum = nullptr;
   int64_t dbias_parts = 1;
+  // CPU: each dbias element takes one dS (cpu::dbias_one_each): stored into dbias directly, in its
+  // dtype, after dbias is zeroed (dbias_accum then unused).
+  bool dbias_direct = false;
 };
 
 // The largest head dim any kernel takes (the Python side reads it from the native module).

@@ -194,12 +194,17 @@ ffi::Error set_dbias(ffi::AnyBuffer& dbias, ffi::AnyBuffer& accum, const ffi::An
     return expect_float32("dbias_accum", accum, 0);
   }
   JF_RETURN_IF_ERROR(expect_like("dbias", dbias, "bias", bias));
-  const bool keys_broadcast = params.bias.col == 0, float32 = params.bias.dtype == Dtype::kFloat32;
-  const int64_t elements = cpu::dbias_accum_elements(params.bias.elements, keys_broadcast, float32, params.dq_splits);
+  const LogitArray& b = params.bias;
+  const AttentionShape& sh = params.shape;
+  const bool keys_broadcast = b.col == 0, float32 = b.dtype == Dtype::kFloat32;
+  const bool one_each = cpu::dbias_one_each(sh.batch / b.batch_div, b.head ? sh.heads_q : 1, b.row ? sh.seq_q : 1,
+                                            b.col ? sh.seq_k : 1, sh);
+  const int64_t elements = cpu::dbias_accum_elements(b.elements, keys_broadcast, float32, params.dq_splits, one_each);
   JF_RETURN_IF_ERROR(expect_float32("dbias_accum", accum, elements));
   params.dbias = dbias.untyped_data();
+  params.dbias_direct = one_each;
   params.dbias_parts = cpu::dbias_parts(keys_broadcast, params.dq_splits);
-  params.dbias_accum = elements ? accum.typed_data<float>() : static_cast<float*>(params.dbias);
+  params.dbias_accum = elements ? accum.typed_data<float>() : one_each ? nullptr : static_cast<float*>(params.dbias);
   return ffi::Error::Success();
 }
 

@@ -127,7 +127,8 @@ struct FlashBwdMain {
     const bool blocks = p.block_mask != nullptr;
     const LogitArray& bias = p.bias;
     const LogitArray& logit_mask = p.logit_mask;
-    float* dbias_part = p.dbias ? p.dbias_accum + (p.dbias_parts > 1 ? split : 0) * bias.elements : nullptr;
+    float* dbias_part =
+        p.dbias && !p.dbias_direct ? p.dbias_accum + (p.dbias_parts > 1 ? split : 0) * bias.elements : nullptr;
 
     // Scratch tiles: P, dS, lse, delta for the query block, with soft-capping the cap's
     // derivative per score, and with dropout Z and then P * Z, and Z^T as drawn (rows from a
@@ -260,6 +261,7 @@ struct FlashBwdMain {
           }
           // dbias += dS (by the biased score: the bias comes after the cap).
           if (dbias_part) accumulate_dbias(dbias_part + bias_base, bias, dscores, bk, i0, rows, j0, live_cols);
+          if (p.dbias_direct) store_dbias(p.dbias, bias, bias_base, dscores, bk, i0, rows, j0, live_cols);
           // Soft-capping: dS by the raw score is dS by the capped one times 1 - tanh^2.
           if (cap)
             for (int64_t x = 0; x < rows * bk; x += kLanes) store(dscores + x, load(dscores + x) * load(cap_grad + x));

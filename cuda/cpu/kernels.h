@@ -29,14 +29,25 @@ static inline int64_t dq_accum_elements(const AttentionShape& shape, int64_t dq_
   return dq_splits * shape.batch * shape.heads_q * shape.seq_q * padded_head_dim(shape.head_dim);
 }
 
+// Whether each dbias element takes one dS at most: the bias (leading dims' product bias_batch,
+// then bias_heads x bias_rows x bias_keys) has size 1 along a dim only where the call's size is 1
+// too. Then the backward stores dS into dbias itself, in the bias's dtype (BwdParams::dbias_direct):
+// no float32 partials to zero, add into and convert.
+static inline bool dbias_one_each(int64_t bias_batch, int64_t bias_heads, int64_t bias_rows, int64_t bias_keys,
+                                  const AttentionShape& shape) {
+  return (bias_batch == shape.batch || shape.batch == 1) && (bias_heads == shape.heads_q || shape.heads_q == 1) &&
+         (bias_rows == shape.seq_q || shape.seq_q == 1) && (bias_keys == shape.seq_k || shape.seq_k == 1);
+}
+
 // The backward's float32 dbias workspace (BwdParams::dbias_accum): partials of the bias's
 // elements, one per dQ split where the bias has no key dim (every split adds to each of its
-// elements), else one; none where that one is dbias itself (a float32 bias).
+// elements), else one; none where that one is dbias itself (a float32 bias) or where each element
+// takes one dS (dbias_one_each).
 static inline int64_t dbias_parts(bool keys_broadcast, int64_t dq_splits) { return keys_broadcast ? dq_splits : 1; }
 static inline int64_t dbias_accum_elements(int64_t bias_elements, bool keys_broadcast, bool float32,
-                                           int64_t dq_splits) {
+                                           int64_t dq_splits, bool one_each) {
   const int64_t parts = dbias_parts(keys_broadcast, dq_splits);
-  return parts == 1 && float32 ? 0 : parts * bias_elements;
+  return one_each || (parts == 1 && float32) ? 0 : parts * bias_elements;
 }
 
 // Runs body(arg, i) for every i in [0, n) on the caller's thread pool and returns when all ran.

@@ -9,6 +9,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 #include "common/attention_params.h"
 #include "common/mask.h"
@@ -110,11 +112,40 @@ inline void accumulate_dbias(float* acc, const LogitArray& a, const float* ds, i
   }
 }
 
+// dbias = dS over a tile where each dbias element takes one dS (BwdParams::dbias_direct): dbias
+// (the bias's dtype, at the (b, h) slice) gets ds[r * ld + c] at row i0 + r and key j0 + c.
+inline void store_dbias(void* dbias, const LogitArray& a, int64_t base, const float* ds, int64_t ld, int64_t i0,
+                        int64_t rows, int64_t j0, int64_t cols) {
+  auto store = [&](auto* typed) {
+    using T = std::remove_pointer_t<decltype(typed)>;
+    for (int64_t r = 0; r < rows; ++r) {
+      T* out = typed + base + (i0 + r) * a.row + j0 * a.col;
+      const float* in = ds + r * ld;
+      for (int64_t c = 0; c < cols; ++c) out[c * a.col] = from_float<T>(in[c]);
+    }
+  };
+  switch (a.dtype) {
+    case Dtype::kFloat32: return store(static_cast<float*>(dbias));
+    case Dtype::kBFloat16: return store(static_cast<BFloat16*>(dbias));
+    case Dtype::kFloat16: return store(static_cast<_Float16*>(dbias));
+  }
+}
+
 // Elements of the dbias workspace each task of zero_dbias / finish_dbias takes.
 inline constexpr int64_t kDbiasChunk = 1 << 14;
 
-// Zeroes the dbias partials before the backward's main pass.
+// Zeroes the dbias partials before the backward's main pass; with direct stores dbias itself (the
+// elements no visited tile stores: hidden, past the lengths, out of the masks' ranges).
 inline void zero_dbias(const BwdParams& p, const TaskRunner& runner) {
+  if (p.dbias_direct) {
+    const int64_t bytes = p.bias.elements * (p.bias.dtype == Dtype::kFloat32 ? 4 : 2);
+    auto zero = [&](int64_t task) {
+      const int64_t begin = task * kDbiasChunk * 4;
+      std::memset(static_cast<char*>(p.dbias) + begin, 0, min64(bytes - begin, kDbiasChunk * 4));
+    };
+    parallel_for(runner, ceil_div(bytes, kDbiasChunk * 4), zero);
+    return;
+  }
   const int64_t n = p.dbias_parts * p.bias.elements;
   auto zero = [&](int64_t task) {
     for (int64_t x = task * kDbiasChunk; x < min64(n, (task + 1) * kDbiasChunk); ++x) p.dbias_accum[x] = 0.f;
@@ -123,10 +154,10 @@ inline void zero_dbias(const BwdParams& p, const TaskRunner& runner) {
 }
 
 // dbias = the sum of its partials (in order: the same bits every run), in the bias's dtype;
-// nothing to do where the one partial is dbias itself.
+// nothing to do where the one partial is dbias itself or the tiles stored into it directly.
 inline void finish_dbias(const BwdParams& p, const TaskRunner& runner) {
   const int64_t n = p.bias.elements;
-  if (p.dbias_accum == p.dbias) return;
+  if (p.dbias_direct || p.dbias_accum == p.dbias) return;
   auto finish = [&](int64_t task) {
     const int64_t end = min64(n, (task + 1) * kDbiasChunk);
     for (int64_t x = task * kDbiasChunk; x < end; ++x) {

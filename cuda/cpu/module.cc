@@ -55,7 +55,17 @@ NB_MODULE(_native, m) {
         "Elements of the CPU backward's float32 dQ workspace (what its handler checks).");
   m.def("cpu_dbias_accum_elements", &jax_flash::cpu::dbias_accum_elements,
         "Elements of the CPU backward's float32 dbias workspace (bias_elements, keys_broadcast: "
-        "the bias's key dim is 1, float32: the bias is float32, dq_splits); 0: dbias itself.");
+        "the bias's key dim is 1, float32: the bias is float32, dq_splits, one_each: "
+        "cpu_dbias_one_each); 0: none.");
+  m.def("cpu_dbias_one_each",
+        [](int64_t bias_batch, int64_t bias_heads, int64_t bias_rows, int64_t bias_keys, int64_t batch,
+           int64_t heads_q, int64_t seq_q, int64_t seq_k) {
+          const jax_flash::AttentionShape shape{batch, seq_q, seq_k, heads_q, /*heads_k=*/0, /*head_dim=*/0};
+          return jax_flash::cpu::dbias_one_each(bias_batch, bias_heads, bias_rows, bias_keys, shape);
+        },
+        "Whether each element of the CPU backward's dbias takes one dS (the bias's leading dims' "
+        "product, heads, rows and keys; the call's batch, query heads, T and S): then it is stored "
+        "directly, with no float32 workspace.");
   m.def("decode_workspace_elements",
         [](int64_t num_splits, int64_t batch, int64_t seq_q, int64_t heads_q, int64_t head_dim_v) {
           // o_partial holds output rows: v's head dim Hv (q's and k's does not enter).
