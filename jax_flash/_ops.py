@@ -369,6 +369,7 @@ def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig, segm
     rows = (lse, delta_rows(o, d_o, o_error))
   results += (jax.ShapeDtypeStruct((elements,), jnp.float32),)  # dQ accumulator
   if config.implementation == "cpu":  # dbias and its float32 partials (none: dbias itself)
+    # (none either where each dbias element takes one dS: then it is stored directly)
     if bias is None or not dbias:
       results += (jax.ShapeDtypeStruct((0,), jnp.float32),) * 2
     else:

@@ -123,6 +123,12 @@ def _check(seed, dtype, bias_shape=None, bias_dtype=None, mask_shape=None, t=T, 
     if r32 is None:
       continue
     assert x.shape == r32.shape, name
+    if name == "dbias" and bias.shape[-1] == 1 and "sinks" not in options:
+      # No key dim: the softmax cancels the bias and jax_flash's dbias is exactly 0; jax.nn's is
+      # the rounding of its sum of dS over every key and broadcast element (CI drew a (1, 1, 1, 1)
+      # bias whose reference, 5.2e-5, was past the rule's bound for a 0).
+      assert np.all(x == 0), f"dbias of a bias with no key dim: max|dbias| = {max_abs(x):.4g}"
+      continue
     assert_within_rule(name, x, r32, rd, magnitude=magnitude)
   if bias is not None:
     dbias = jax.jit(jax.grad(lambda b: jnp.sum(_flash(mask, options)(q, k, v, b)

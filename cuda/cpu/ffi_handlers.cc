@@ -185,7 +185,8 @@ ffi::Error set_logit_arrays(const ffi::AnyBuffer& bias, bool has_bias, const ffi
 
 // The backward's dbias result (the bias's shape and dtype; a float32 (0,) with no bias, or for a
 // bias nothing differentiates: then no dbias is formed) and its float32 workspace
-// (cpu::dbias_accum_elements of them; none: dbias itself is the one partial). Call after
+// (cpu::dbias_accum_elements of them; none: dbias itself is the one partial, or each of its
+// elements takes one dS, stored there directly: cpu::dbias_one_each). Call after
 // set_logit_arrays and with params.dq_splits set.
 ffi::Error set_dbias(ffi::AnyBuffer& dbias, ffi::AnyBuffer& accum, const ffi::AnyBuffer& bias, BwdParams& params) {
   // (A bias has q's rank, >= 3: a rank-1 dbias is the (0,) of "none".)
