@@ -112,23 +112,28 @@ inline void accumulate_dbias(float* acc, const LogitArray& a, const float* ds, i
   }
 }
 
+// f(typed pointer to dbias's elements, in the bias's dtype `dtype`), as with_bias_elements.
+template <typename F>
+inline void with_dbias_elements(void* dbias, Dtype dtype, F&& f) {
+  switch (dtype) {
+    case Dtype::kFloat32: return f(static_cast<float*>(dbias));
+    case Dtype::kBFloat16: return f(static_cast<BFloat16*>(dbias));
+    case Dtype::kFloat16: return f(static_cast<_Float16*>(dbias));
+  }
+}
+
 // dbias = dS over a tile where each dbias element takes one dS (BwdParams::dbias_direct): dbias
 // (the bias's dtype, at the (b, h) slice) gets ds[r * ld + c] at row i0 + r and key j0 + c.
 inline void store_dbias(void* dbias, const LogitArray& a, int64_t base, const float* ds, int64_t ld, int64_t i0,
                         int64_t rows, int64_t j0, int64_t cols) {
-  auto store = [&](auto* typed) {
+  with_dbias_elements(dbias, a.dtype, [&](auto* typed) {
     using T = std::remove_pointer_t<decltype(typed)>;
     for (int64_t r = 0; r < rows; ++r) {
       T* out = typed + base + (i0 + r) * a.row + j0 * a.col;
       const float* in = ds + r * ld;
       for (int64_t c = 0; c < cols; ++c) out[c * a.col] = from_float<T>(in[c]);
     }
-  };
-  switch (a.dtype) {
-    case Dtype::kFloat32: return store(static_cast<float*>(dbias));
-    case Dtype::kBFloat16: return store(static_cast<BFloat16*>(dbias));
-    case Dtype::kFloat16: return store(static_cast<_Float16*>(dbias));
-  }
+  });
 }
 
 // Elements of the dbias workspace each task of zero_dbias / finish_dbias takes.
@@ -160,15 +165,14 @@ inline void finish_dbias(const BwdParams& p, const TaskRunner& runner) {
   if (p.dbias_direct || p.dbias_accum == p.dbias) return;
   auto finish = [&](int64_t task) {
     const int64_t end = min64(n, (task + 1) * kDbiasChunk);
-    for (int64_t x = task * kDbiasChunk; x < end; ++x) {
-      float sum = p.dbias_accum[x];
-      for (int64_t part = 1; part < p.dbias_parts; ++part) sum += p.dbias_accum[part * n + x];
-      switch (p.bias.dtype) {
-        case Dtype::kFloat32: static_cast<float*>(p.dbias)[x] = sum; break;
-        case Dtype::kBFloat16: static_cast<BFloat16*>(p.dbias)[x] = from_float<BFloat16>(sum); break;
-        case Dtype::kFloat16: static_cast<_Float16*>(p.dbias)[x] = from_float<_Float16>(sum); break;
+    with_dbias_elements(p.dbias, p.bias.dtype, [&](auto* dbias) {
+      using T = std::remove_pointer_t<decltype(dbias)>;
+      for (int64_t x = task * kDbiasChunk; x < end; ++x) {
+        float sum = p.dbias_accum[x];
+        for (int64_t part = 1; part < p.dbias_parts; ++part) sum += p.dbias_accum[part * n + x];
+        dbias[x] = from_float<T>(sum);
       }
-    }
+    });
   };
   parallel_for(runner, ceil_div(n, kDbiasChunk), finish);
 }
