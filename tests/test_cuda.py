@@ -55,6 +55,11 @@ LARGE = [
     C(batch=1, seq_q=520, seq_k=520, heads_q=2, heads_k=2, head_dim=256, dtype="float16",
       is_causal=True),
     C(batch=1, seq_q=190, seq_k=260, heads_q=4, heads_k=1, head_dim=200, dtype="bfloat16"),
+    # Head dims 129..192 (on Hopper the backward on the split wgmma kernels of 256, zero-padded;
+    # elsewhere mma.sync): MQA's head splits, lengths; 160 causal, GQA, T != S.
+    C(batch=2, seq_q=300, seq_k=260, heads_q=8, heads_k=1, head_dim=192, dtype="bfloat16",
+      kv_lens=(260, 131)),
+    C(batch=1, seq_q=333, seq_k=300, heads_q=4, heads_k=2, head_dim=160, dtype="float16", is_causal=True),
     # MQA: the Hopper backward splits each key block's 16 (8) query heads over CTAs, dK and dV
     # added in float32 and converted last (gpu/launch.h kv_head_splits): head dims 64 and 256.
     C(batch=1, seq_q=700, seq_k=900, heads_q=16, heads_k=1, head_dim=64, dtype="bfloat16",
@@ -383,7 +388,7 @@ def test_backward_workspace_holds_dk_dv_where_heads_split():
 
 
 def test_mma_sync_kernels_on_hopper():
-  """On Hopper the wgmma kernels run head dims 33..128 (and 193..256's backward); the mma.sync
+  """On Hopper the wgmma kernels run head dims 33..128 (and 129..256's backward); the mma.sync
   ones (what A100s run) must pass the same cases there too, dQ by atomics and deterministic, and split o as the Hopper
   forward does."""
   _run_cuda_tests_on_hopper_with(
@@ -525,20 +530,32 @@ def test_general_backward_on_64_row_blocks_on_hopper():
       files=("test_softcap.py", "test_alibi.py", "test_segment_ids.py"))
 
 
-def test_mma_sync_backward_with_quad_dq_on_hopper():
-  """Experimental: with JAX_FLASH_CUDA_SM80_DQ=quads the mma.sync backward on Hopper adds dQ in the
-  accumulator's quad order (16-byte atomics; gpu/dq_accum_layout.cuh), converted back by the quad
-  convert: head dim 192 (mma.sync by default on Hopper), then every head dim under
-  JAX_FLASH_CUDA_BACKWARD=sm80 (those that are not multiples of 16 keep the row-major order: h40,
-  h111), pass their reference and deterministic cases, the CUDA-graph capture and the training
-  step; and the score variants' cases on its general kernel (every head dim under sm80)."""
-  selection = "(test_cuda_matches_reference or test_deterministic_matches_reference) and ({})"
-  _run_cuda_tests_on_hopper_with({"JAX_FLASH_CUDA_SM80_DQ": "quads"}, selection.format("h192"))
+def test_mma_sync_backward_adds_quad_dq_on_hopper():
+  """On Hopper the mma.sync backward adds dQ in the accumulator's quad order (16-byte atomics;
+  gpu/dq_accum_layout.cuh), converted back by the quad convert (narrow calls; +12-13% on head dim
+  192's mma.sync backward, H200, session 28). Under JAX_FLASH_CUDA_BACKWARD=sm80 every
+  head dim takes it (those that are not multiples of 16 keep the row-major order: h40, h111) and
+  passes its reference and deterministic cases, the CUDA-graph capture and the training step; so
+  do the score variants' cases on its general kernel."""
+  selection = "((test_cuda_matches_reference or test_deterministic_matches_reference) and ({})) or {}"
   _run_cuda_tests_on_hopper_with(
-      {"JAX_FLASH_CUDA_SM80_DQ": "quads", "JAX_FLASH_CUDA_BACKWARD": "sm80"},
-      selection.format("h32 or h40 or h64 or h80 or h96 or h111 or h128 or h256") +
-      " or test_command_buffer_capture or test_jit_training_step_reduces_loss")
-  _run_cuda_tests_on_hopper_with({"JAX_FLASH_CUDA_SM80_DQ": "quads", "JAX_FLASH_CUDA_BACKWARD": "sm80"}, "cuda",
+      {"JAX_FLASH_CUDA_BACKWARD": "sm80"},
+      selection.format("h32 or h40 or h64 or h80 or h96 or h111 or h128 or h256",
+                       "test_command_buffer_capture or test_jit_training_step_reduces_loss"))
+  _run_cuda_tests_on_hopper_with({"JAX_FLASH_CUDA_BACKWARD": "sm80"}, "cuda",
+                                 files=("test_softcap.py", "test_alibi.py", "test_segment_ids.py"))
+
+
+def test_head_dims_to_192_backward_on_mma_sync_on_hopper():
+  """On Hopper the backward of head dims 129..192 runs the split wgmma kernels of 256 (columns
+  192..255 zero-filled by TMA), which the suite runs; with JAX_FLASH_CUDA_HD192_BWD=sm80 it runs
+  the mma.sync kernels of 192 (dQ in the quad order), as before session 28: the reference and
+  deterministic cases of head dims 160 and 192 (GQA, MQA, lengths, causal), the CUDA-graph
+  capture, the training step and the score variants' cases pass there too."""
+  selection = "((test_cuda_matches_reference or test_deterministic_matches_reference) and (h160 or h192)) or {}"
+  _run_cuda_tests_on_hopper_with({"JAX_FLASH_CUDA_HD192_BWD": "sm80"},
+                                 selection.format("test_command_buffer_capture or test_jit_training_step_reduces_loss"))
+  _run_cuda_tests_on_hopper_with({"JAX_FLASH_CUDA_HD192_BWD": "sm80"}, "cuda",
                                  files=("test_softcap.py", "test_alibi.py", "test_segment_ids.py"))
 
 
@@ -546,7 +563,7 @@ def test_backward_in_grid_order_on_cuda():
   """With JAX_FLASH_CUDA_ORDER=grid the causal backward's CTAs start in the grid's own order
   (each head's key blocks one after another) instead of longest key blocks first, as before
   session 23; its causal reference and deterministic cases pass (both families: on Hopper the
-  wgmma kernels, and the mma.sync ones of head dims 129..192)."""
+  wgmma kernels, and the mma.sync ones of head dims 129..192's deterministic calls)."""
   result = _run_in_subprocess({"JAX_FLASH_CUDA_ORDER": "grid"}, "-k",
                               "(test_cuda_matches_reference or test_deterministic_matches_reference) and causal")
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -584,7 +601,7 @@ def test_split_kv_decoding_on_cuda():
 @pytest.mark.parametrize("variable, value", [("JAX_FLASH_CUDA_FORWARD", "sm90-pipelind"),
                                              ("JAX_FLASH_CUDA_ORDER", "longst"),
                                              ("JAX_FLASH_CUDA_HD96", "nativ"),
-                                             ("JAX_FLASH_CUDA_SM80_DQ", "quad")])
+                                             ("JAX_FLASH_CUDA_HD192_BWD", "pad")])
 def test_unknown_kernel_choice_is_an_error(variable, value):
   """A misspelt override is reported by name, not ignored."""
   result = _run_in_subprocess({variable: value}, "-k", "test_cuda_is_default_on_gpu")

@@ -190,8 +190,8 @@ def test_cuda_kernels_take_the_cap(monkeypatch):
 
 
 # The CUDA kernels (16-bit inputs): the CPU cases' shapes in bf16/f16 (without segment ids),
-# and head dims that take the Hopper kernels (64, 128) and the backward whose warpgroups split
-# head dim 256 (sm90/traits.cuh kSplitHeadDim).
+# and head dims that take the Hopper kernels (64, 128), the backward whose warpgroups split
+# head dim 256 (sm90/traits.cuh kSplitHeadDim), which 192's runs on Hopper (zero-padded).
 CUDA_CASES = [
     CapCase(Case(batch=2, seq_q=70, seq_k=90, heads_q=4, heads_k=2, head_dim=40,
                  dtype="bfloat16"), cap=2.0, q_gain=3.0),
@@ -205,6 +205,8 @@ CUDA_CASES = [
                  dtype="bfloat16", is_causal=True), cap=4.0, q_gain=4.0),
     CapCase(Case(batch=1, seq_q=100, seq_k=140, heads_q=2, heads_k=1, head_dim=256,
                  dtype="bfloat16"), cap=3.0, q_gain=4.0),
+    CapCase(Case(batch=1, seq_q=150, seq_k=130, heads_q=4, heads_k=2, head_dim=192,
+                 dtype="float16", is_causal=True), cap=3.0, q_gain=4.0),
 ]
 
 

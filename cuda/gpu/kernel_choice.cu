@@ -14,7 +14,7 @@ constexpr const char* kBackwardVariable = "JAX_FLASH_CUDA_BACKWARD";
 constexpr const char* kNarrowVariable = "JAX_FLASH_CUDA_NARROW";
 constexpr const char* kOrderVariable = "JAX_FLASH_CUDA_ORDER";
 constexpr const char* kHeadDim96Variable = "JAX_FLASH_CUDA_HD96";
-constexpr const char* kSm80DqVariable = "JAX_FLASH_CUDA_SM80_DQ";
+constexpr const char* kHeadDim192BackwardVariable = "JAX_FLASH_CUDA_HD192_BWD";
 
 struct Overrides {
   std::optional<KernelFamily> forward;
@@ -22,7 +22,7 @@ struct Overrides {
   bool narrow_split = true;  // JAX_FLASH_CUDA_NARROW=off turns it off
   bool longest_first = true;  // JAX_FLASH_CUDA_ORDER=grid turns it off
   bool native_head_dim_96 = true;  // JAX_FLASH_CUDA_HD96=padded turns it off
-  bool sm80_dq_quads = false;  // JAX_FLASH_CUDA_SM80_DQ=quads turns it on
+  bool padded_head_dim_192_backward = true;  // JAX_FLASH_CUDA_HD192_BWD=sm80 turns it off
   std::string error;
 };
 
@@ -75,7 +75,7 @@ Overrides read_overrides() {
   o.narrow_split = read_switch(kNarrowVariable, "split", "off", o.error);
   o.longest_first = read_switch(kOrderVariable, "longest", "grid", o.error);
   o.native_head_dim_96 = read_switch(kHeadDim96Variable, "native", "padded", o.error);
-  o.sm80_dq_quads = !read_switch(kSm80DqVariable, "rows", "quads", o.error);
+  o.padded_head_dim_192_backward = read_switch(kHeadDim192BackwardVariable, "padded", "sm80", o.error);
   return o;
 }
 
@@ -118,6 +118,6 @@ KernelFamily backward_family() { return choose(overrides().backward, KernelFamil
 bool narrow_split_enabled() { return overrides().narrow_split; }
 bool longest_first_enabled() { return overrides().longest_first; }
 bool native_head_dim_96_enabled() { return overrides().native_head_dim_96; }
-bool sm80_dq_quads_enabled() { return overrides().sm80_dq_quads; }
+bool padded_head_dim_192_backward_enabled() { return overrides().padded_head_dim_192_backward; }
 
 }  // namespace jax_flash::cuda

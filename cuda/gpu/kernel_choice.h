@@ -26,7 +26,8 @@
 // backward's sm90ws runs the variant measured fastest for the head dim (TileShapes:
 // 128-row query blocks with dK from registers at head dim 64, dQ added as FlashAttention-3 does at
 // 128: one bulk reduction a warpgroup a visit into an accumulator in the fragments' order,
-// sm90/traits.cuh kTiledDq; bulk row reductions at 65..127, atomics elsewhere); sm90ws_atomicdq
+// sm90/traits.cuh kTiledDq; bulk row reductions at 97..127, atomics elsewhere, 65..96 among
+// them since session 28); sm90ws_atomicdq
 // and sm90ws_bulkdq force 64-row query blocks with dQ added by atomics or by bulk row reductions
 // from shared memory (the general calls too: soft cap, ALiBi, segment ids); sm90ws_tileddq takes
 // the tiled dQ at the head dims that run the kernels of 128 (97..128, or 65..128 under
@@ -36,7 +37,8 @@
 // (experimental, session 22) runs those calls on head dim 128's tiled kernel without the
 // consumers' barrier, each visit's dQ computed during the next (sm90/traits.cuh kDeferDq). At head dims
 // 193..256 every Hopper backward choice runs the split head-dim kernel (sm90/traits.cuh
-// kSplitHeadDim: the warpgroups share 64-key blocks, dQ by atomics).
+// kSplitHeadDim: the warpgroups share 64-key blocks, dQ by atomics), and at 129..192 too, zero-padded
+// (JAX_FLASH_CUDA_HD192_BWD below).
 // A Hopper choice only applies on Hopper, and only where a Hopper kernel exists.
 //   JAX_FLASH_CUDA_ORDER = longest | grid (default: longest since session 23): the order in which
 //                          the main backward's CTAs (both families) start on a causal call:
@@ -47,11 +49,11 @@
 //                         run the kernels compiled for head dim 96 (the wgmma ones: 128-column
 //                         tiles whose products stop at 96, sm90/traits.cuh tile_head_dim; the
 //                         mma.sync family runs them at 128 either way), or those of 128, as before.
-//   JAX_FLASH_CUDA_SM80_DQ = rows | quads (default: rows; quads experimental, session 27, not yet
-//                            run on a GPU): on Hopper the mma.sync backward (head dim 192, narrow
-//                            calls, JAX_FLASH_CUDA_BACKWARD=sm80) adds dQ into the float32
-//                            accumulator in row-major order by 8-byte atomics, or in the quad order
-//                            by 16-byte ones as the Hopper kernels do (gpu/dq_accum_layout.cuh).
+//   JAX_FLASH_CUDA_HD192_BWD = padded | sm80 (default: padded since session 28, +42-49% on head
+//                              dim 192's backward): on Hopper the backward of head dims 129..192
+//                              runs the split wgmma kernels of 256 (columns 192..255 zero-filled
+//                              by TMA; deterministic calls keep 192's), or the mma.sync kernels of
+//                              192, as before.
 //   JAX_FLASH_CUDA_NARROW = split | off (default: split since session 19, whose differential run
 //                           of 2000 configurations gave 0 misses under it): narrow plain calls
 //                           (narrow_shape below) run the mma.sync kernels with P and dS as hi +
@@ -95,9 +97,9 @@ bool longest_first_enabled();
 // Whether head dims 65..96 run the kernels of head dim 96 (unless JAX_FLASH_CUDA_HD96=padded:
 // those of 128).
 bool native_head_dim_96_enabled();
-// Whether the mma.sync backward adds dQ in the accumulator's quad order on Hopper
-// (JAX_FLASH_CUDA_SM80_DQ=quads; experimental, session 27).
-bool sm80_dq_quads_enabled();
+// Whether Hopper backwards of head dims 129..192 run on the kernels of 256 (unless
+// JAX_FLASH_CUDA_HD192_BWD=sm80: the mma.sync ones of 192).
+bool padded_head_dim_192_backward_enabled();
 
 // Narrow calls (common/mask.h narrow_shape): by default (JAX_FLASH_CUDA_NARROW=split) plain ones
 // run the mma.sync kernels with P and dS as hi + lo (two 16-bit operands: about float32;

@@ -25,14 +25,16 @@ struct TypeTag {
 };
 
 // run(TypeTag<T>{}, std::integral_constant<int, D>{}) for the 16-bit dtype T and the smallest
-// compiled head dim D >= head_dim (of JF_HEAD_DIMS; 96 skipped under JAX_FLASH_CUDA_HD96=padded);
-// cudaErrorInvalidValue for anything else. The mma.sync launchers then run at sm80_head_dim(D).
+// compiled head dim D >= head_dim (of JF_HEAD_DIMS; 96 skipped under JAX_FLASH_CUDA_HD96=padded,
+// 192 where `skip_192`: pads_192_backward); cudaErrorInvalidValue for anything else. The mma.sync
+// launchers then run at sm80_head_dim(D).
 template <typename Run>
-cudaError_t dispatch_dtype_head_dim(Dtype dtype, int64_t head_dim, Run&& run) {
+cudaError_t dispatch_dtype_head_dim(Dtype dtype, int64_t head_dim, Run&& run, bool skip_192 = false) {
   const bool native_96 = native_head_dim_96_enabled();
   auto with_type = [&](auto type) -> cudaError_t {
 #define JF_HEAD_DIM_CASE(D) \
-  if (head_dim <= D && (D != 96 || native_96)) return run(type, std::integral_constant<int, D>{});
+  if (head_dim <= D && (D != 96 || native_96) && (D != 192 || !skip_192)) \
+    return run(type, std::integral_constant<int, D>{});
     JF_HEAD_DIMS(JF_HEAD_DIM_CASE)
 #undef JF_HEAD_DIM_CASE
     return cudaErrorInvalidValue;
@@ -42,6 +44,15 @@ cudaError_t dispatch_dtype_head_dim(Dtype dtype, int64_t head_dim, Run&& run) {
     case Dtype::kFloat16: return with_type(TypeTag<__half>{});
     default: return cudaErrorInvalidValue;
   }
+}
+
+// Whether a backward of this family runs head dims 129..192 on the kernels of 256 (the split wgmma
+// backward, TMA zero-filling columns 192..255, where head dim 192 has no wgmma backward of its
+// own: 1.42-1.49x the mma.sync one at 192 on the H200, session 28; JAX_FLASH_CUDA_HD192_BWD=sm80
+// keeps 192's): Hopper, not deterministic (whose dQ kernel would run padded too).
+bool pads_192_backward(KernelFamily family, bool deterministic) {
+  return padded_head_dim_192_backward_enabled() && family != KernelFamily::kSm80 && !deterministic &&
+         device_compute_major() == 9;
 }
 
 }  // namespace
@@ -64,11 +75,14 @@ int kv_head_splits(const AttentionShape& shape, bool deterministic) {
   if (backward_family() == KernelFamily::kSm80 || device_compute_major() != 9) return 1;
   // The Hopper backward's key blocks at the compiled head dim the call runs on (0: none there).
   int64_t block_n = 0;
-  dispatch_dtype_head_dim(Dtype::kBFloat16, shape.head_dim, [&](auto, auto head_dim) -> cudaError_t {
-    constexpr int kD = decltype(head_dim)::value;
-    if constexpr (TileShapes<kD>::kHasSm90Bwd) block_n = TileShapes<kD>::Sm90BwdWs::kBlockN;
-    return cudaSuccess;
-  });
+  dispatch_dtype_head_dim(
+      Dtype::kBFloat16, shape.head_dim,
+      [&](auto, auto head_dim) -> cudaError_t {
+        constexpr int kD = decltype(head_dim)::value;
+        if constexpr (TileShapes<kD>::kHasSm90Bwd) block_n = TileShapes<kD>::Sm90BwdWs::kBlockN;
+        return cudaSuccess;
+      },
+      pads_192_backward(backward_family(), deterministic));
   if (block_n == 0) return 1;
   const int64_t ctas = (shape.seq_k + block_n - 1) / block_n * shape.heads_k * shape.batch;
   const int64_t wanted = device_sm_count() * 3 / 2, group = shape.heads_q / shape.heads_k;
@@ -145,6 +159,7 @@ bool sm90_dq_by_atomics(Sm90BwdVariant variant) {
 cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
   if (p.shape.batch == 0 || p.shape.seq_q == 0) return cudaSuccess;  // empty outputs
   const KernelFamily family = narrow_plain_call(p) ? KernelFamily::kSm80 : backward_family();
+  const bool skip_192 = pads_192_backward(family, p.deterministic);
   return dispatch_dtype_head_dim(p.dtype, p.shape.head_dim, [&](auto type, auto head_dim) -> cudaError_t {
     using T = typename decltype(type)::type;
     constexpr int kD = decltype(head_dim)::value;
@@ -191,10 +206,9 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
     }
     // Whether the main kernel adds dQ by atomics in the quad order (gpu/dq_accum_layout.cuh's
     // rule), which the convert below then reads: a Hopper variant whose kernel adds dQ by atomics
-    // (the kernel applies the rule itself); the mma.sync kernel when asked (BwdParams::dq_quads:
-    // on a Hopper device, whose sm_90a build writes quads, and JAX_FLASH_CUDA_SM80_DQ=quads).
-    const bool quad_order_kernel = sm90_variant ? sm90_dq_by_atomics<kD>(*sm90_variant)
-                                                : device_compute_major() == 9 && sm80_dq_quads_enabled();
+    // (the kernel applies the rule itself); the mma.sync kernel on a Hopper device, whose sm_90a
+    // build writes quads (BwdParams::dq_quads; +12-13% on head dim 192's backward, session 28).
+    const bool quad_order_kernel = sm90_variant ? sm90_dq_by_atomics<kD>(*sm90_variant) : device_compute_major() == 9;
     const bool dq_quads = quad_order_kernel && !p.deterministic && dq_accum_in_quads(p.dq_accum, sh.head_dim);
     if (!sm90_variant) hp.dq_quads = dq_quads;
     if (sh.seq_k > 0) {  // with no keys, dK and dV are empty and dQ stays 0
@@ -235,7 +249,7 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
     const int blocks = static_cast<int>(std::min<int64_t>((groups + 255) / 256, 65536));
     flash_bwd_convert_dq_kernel<T><<<blocks, 256, 0, stream>>>(p, dq_scale);
     return cudaGetLastError();
-  });
+  }, skip_192);
 }
 
 }  // namespace jax_flash::cuda

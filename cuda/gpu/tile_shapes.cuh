@@ -73,7 +73,8 @@ struct TileShapes {
   // query blocks of 64; dQ added by atomics, or by bulk reductions from a shared tile. At head dim
   // 256 the warpgroups share key blocks of 64 and split the head dim (sm90/traits.cuh
   // kSplitHeadDim; dQ by atomics only): 1.4-1.5x the mma.sync backward (H200, session 22,
-  // cuda/PERF_NOTES.md v22). Head dim 192 stays on mma.sync (its halves are not whole blocks).
+  // cuda/PERF_NOTES.md v22). Head dim 192 has none of its own (its halves are not whole 64-column
+  // blocks): its backward runs on 256's, zero-padded (gpu/launch.cu pads_192_backward; v28).
   static constexpr bool kSplitBwd = kHeadDim == 256;
   using Sm90BwdWs = Sm90BwdWsTraits<kHeadDim, false, 64, false, kSplitBwd>;
   using Sm90BwdWsBulkDq = Sm90BwdWsTraits<kHeadDim, !kSplitBwd, 64, false, kSplitBwd>;
@@ -99,9 +100,10 @@ struct TileShapes {
   using Sm90BwdWsBlockM128 = Sm90BwdWsTraits<kHeadDim, false, (kHasSm90BwdBlockM128 ? 128 : 64)>;
   // With 64-row query blocks, the backward's dQ by default as measured on the H200 (v6): bulk
   // reductions at head dim 128 (+5-11% over atomics), atomics elsewhere (bulk reductions 25%
-  // slower at 64). Head dim 96 computes dQ as 128 does (two warpgroups of 64 columns) and keeps
-  // the bulk reductions that its calls ran on the kernel of 128 before session 23.
-  static constexpr bool kSm90BwdBulkDqByDefault = kHeadDim == 96 || kHeadDim == 128;
+  // slower at 64). Head dim 96 (and 65..95, its kernel) adds dQ by atomics since session 28: with
+  // the quad order's 16-byte atomics (v26) they beat the bulk row reductions by 9-19% on the
+  // backward (cuda/PERF_NOTES.md v28).
+  static constexpr bool kSm90BwdBulkDqByDefault = kHeadDim == 128;
 };
 
 // A type as a value (C++17 has no std::type_identity).
