@@ -12,6 +12,8 @@
 
 #include <cstdint>
 
+#include "gpu/ptx.cuh"
+
 namespace jax_flash::cuda {
 
 // Whether the accumulator at `accum` for this head dim is in the quad order: 16-byte aligned
@@ -40,5 +42,30 @@ __host__ __device__ constexpr int quad_physical_column(int logical) {
 static_assert(quad_physical_column(0) == 0 && quad_physical_column(1) == 1 && quad_physical_column(8) == 2 &&
                   quad_physical_column(2) == 4 && quad_physical_column(15) == 15,
               "a thread's pairs of tiles 2j and 2j + 1 side by side");
+
+// Adds one half (rows lane / 4 + 8 half) of a thread's kNTiles accumulator n-tiles (frag[nt][2 half]
+// and [2 half + 1]: columns 8 nt + 2 (lane % 4) and + 1) to the accumulator, `at` being the
+// thread's first float of the tiles' row (2 (lane % 4) past their start in row-major order, 4
+// (lane % 4) in the quad order) and `col0` the tiles' first column, the tiles from `live_cols`
+// columns on skipped: in the quad order
+// by 16-byte atomics (kQuads), else row-major by 8-byte ones. Both families' dQ atomics
+// (sm90/bwd_steps.cuh add_dq, sm80/flash_bwd_kernel.cuh), each choosing the order where its loops
+// had it (the same SASS as before the helper).
+template <bool kQuads, int kNTiles>
+__device__ __forceinline__ void add_fragment_half(float* at, const float (&frag)[kNTiles][4], int half, int col0,
+                                                  int live_cols) {
+  if constexpr (kQuads) {
+    static_assert(kNTiles % 2 == 0, "whole 16-column groups");
+#pragma unroll
+    for (int j = 0; j < kNTiles / 2; ++j)
+      if (col0 + j * 16 < live_cols)
+        atomic_add_quad(at + (col0 + j * 16), frag[2 * j][2 * half], frag[2 * j][2 * half + 1], frag[2 * j + 1][2 * half],
+                        frag[2 * j + 1][2 * half + 1]);
+  } else {
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+      if (col0 + nt * 8 < live_cols) atomic_add_pair(at + (col0 + nt * 8), frag[nt][2 * half], frag[nt][2 * half + 1]);
+  }
+}
 
 }  // namespace jax_flash::cuda

@@ -215,21 +215,10 @@ __global__ void __launch_bounds__(Traits::kThreads)
             const int r = mt * 16 + half * 8;
             if (r >= live_rows) continue;
             float* row = dq_block + r * q_stride;
-            if (quads) {
-#pragma unroll
-              for (int j = 0; j < kDqChunk / 16; ++j) {
-                const int c = c0 + j * 16;
-                if (c < live_cols)
-                  atomic_add_quad(row + (lane % 4) * 2 + c, dq[mt][2 * j][2 * half], dq[mt][2 * j][2 * half + 1],
-                                  dq[mt][2 * j + 1][2 * half], dq[mt][2 * j + 1][2 * half + 1]);
-              }
-            } else {
-#pragma unroll
-              for (int nt = 0; nt < kDqChunk / 8; ++nt) {
-                const int c = c0 + nt * 8;
-                if (c < live_cols) atomic_add_pair(row + c, dq[mt][nt][2 * half], dq[mt][nt][2 * half + 1]);
-              }
-            }
+            if (quads)  // 16 j + 4 (lane % 4)
+              add_fragment_half<true>(row + (lane % 4) * 2, dq[mt], half, c0, live_cols);
+            else
+              add_fragment_half<false>(row, dq[mt], half, c0, live_cols);
           }
       }
     }

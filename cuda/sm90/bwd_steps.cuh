@@ -358,29 +358,15 @@ __device__ __forceinline__ void add_dq(const BwdParams& p, const KeyBlockTask<kB
   const int live_rows = static_cast<int>(min64(kBlockM, task.q_len - m0)) - lane_row;
   const int live_cols = static_cast<int>(sh.head_dim) - lane_col;
   if (dq_accum_in_quads(p.dq_accum, sh.head_dim)) {
-    // gpu/dq_accum_layout.cuh: tiles 2j and 2j + 1's pairs, 4 floats from 16 j + 4 (lane % 4).
-    static_assert(kNTiles % 2 == 0, "whole 16-column groups");
-    float* quads = dq_block + (lane % 4) * 2;
+    float* quads = dq_block + (lane % 4) * 2;  // 16 j + 4 (lane % 4)
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      if (half * 8 >= live_rows) continue;
-      float* row = quads + half * 8 * task.q_stride;
-#pragma unroll
-      for (int j = 0; j < kNTiles / 2; ++j)
-        if (j * 16 < live_cols)
-          atomic_add_quad(row + j * 16, dq[0][2 * j][2 * half], dq[0][2 * j][2 * half + 1], dq[0][2 * j + 1][2 * half],
-                          dq[0][2 * j + 1][2 * half + 1]);
-    }
+    for (int half = 0; half < 2; ++half)
+      if (half * 8 < live_rows) add_fragment_half<true>(quads + half * 8 * task.q_stride, dq[0], half, 0, live_cols);
     return;
   }
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    if (half * 8 >= live_rows) continue;
-    float* row = dq_block + half * 8 * task.q_stride;
-#pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt)
-      if (nt * 8 < live_cols) atomic_add_pair(row + nt * 8, dq[0][nt][2 * half], dq[0][nt][2 * half + 1]);
-  }
+  for (int half = 0; half < 2; ++half)
+    if (half * 8 < live_rows) add_fragment_half<false>(dq_block + half * 8 * task.q_stride, dq[0], half, 0, live_cols);
 }
 
 // A head split's dK and dV (p.kv_head_splits > 1; keys warp_key0 .., head-dim columns col0 ..)
