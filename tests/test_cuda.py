@@ -559,6 +559,19 @@ def test_head_dims_to_192_backward_on_mma_sync_on_hopper():
                                  files=("test_softcap.py", "test_alibi.py", "test_segment_ids.py"))
 
 
+def test_split_backward_with_staged_dq_on_hopper():
+  """Experimental: with JAX_FLASH_CUDA_BACKWARD=sm90ws_stagedq the split kernels (head dims
+  129..256 on Hopper) hand dQ off through the stage's Q and dO tiles to bulk reductions into a
+  tiled accumulator (sm90/traits.cuh kStageDq): the reference and deterministic cases of head
+  dims 160, 192, 200 and 256 (GQA, MQA's head splits, lengths, windows, causal), the CUDA-graph
+  capture and the training step pass, and so do the score variants' cases."""
+  selection = ("((test_cuda_matches_reference or test_deterministic_matches_reference) and "
+               "(h160 or h192 or h200 or h256)) or test_command_buffer_capture or test_jit_training_step_reduces_loss")
+  _run_cuda_tests_on_hopper_with({"JAX_FLASH_CUDA_BACKWARD": "sm90ws_stagedq"}, selection)
+  _run_cuda_tests_on_hopper_with({"JAX_FLASH_CUDA_BACKWARD": "sm90ws_stagedq"}, "cuda",
+                                 files=("test_softcap.py", "test_alibi.py", "test_segment_ids.py"))
+
+
 def test_backward_in_grid_order_on_cuda():
   """With JAX_FLASH_CUDA_ORDER=grid the causal backward's CTAs start in the grid's own order
   (each head's key blocks one after another) instead of longest key blocks first, as before

@@ -76,26 +76,27 @@ __global__ void flash_bwd_convert_dkv_kernel(const __grid_constant__ BwdParams p
   }
 }
 
-// dQ from the tiled accumulator (Sm90BwdVariant::kTiledDq, gpu/launch.h tiled_dq_accum): per
-// (batch, head, 64-row block) a tile of 64 x 128 floats, each warpgroup's half (its 64 columns)
-// in its fragments' order: float4 j * 128 + t holds thread t's n-tile j, rows 16 (t / 32) +
-// (t % 32) / 4 (+ 8 for the float4's last two), columns 8 j + 2 (t % 4) and + 1. One float4 a
+// dQ from the tiled accumulator (Sm90BwdVariant::kTiledDq and kStageDq, gpu/launch.h
+// tiled_dq_accum, staged_dq_accum): per (batch, head, 64-row block) a tile of 64 x kColumns
+// floats (128; or the head dim in whole 64-column parts: 192, 256), each 64-column part in a warpgroup's
+// fragments' order: float4 j * 128 + t holds thread t's n-tile j, rows 16 (t / 32) + (t % 32) / 4
+// (+ 8 for the float4's last two), columns 8 j + 2 (t % 4) and + 1 of the part. One float4 a
 // thread per step; rows past seq_q and columns past head_dim are padding. The Hopper kernel left
 // the softmax scale out of dS: dQ takes it here.
-template <typename T>
+template <typename T, int kColumns>
 __global__ void flash_bwd_convert_tiled_dq_kernel(const __grid_constant__ BwdParams p) {
-  constexpr int kRows = kTiledDqRows, kColumns = kTiledDqColumns, kPart = kRows * kColumns / 2;
+  constexpr int kRows = kTiledDqRows, kPartQuads = kRows * 64 / 4, kTileQuads = kRows * kColumns / 4;
   const AttentionShape& sh = p.shape;
   const int64_t m_blocks = (sh.seq_q + kRows - 1) / kRows;
-  const int64_t quads = sh.batch * sh.heads_q * m_blocks * kRows * kColumns / 4;
+  const int64_t quads = sh.batch * sh.heads_q * m_blocks * kTileQuads;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < quads;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t tile = i / (kRows * kColumns / 4);
-    const int in_tile = static_cast<int>(i % (kRows * kColumns / 4));
-    const int group = in_tile / (kPart / 4), in_part = in_tile % (kPart / 4);
+    const int64_t tile = i / kTileQuads;
+    const int in_tile = static_cast<int>(i % kTileQuads);
+    const int part = in_tile / kPartQuads, in_part = in_tile % kPartQuads;
     const int j = in_part / 128, t = in_part % 128;
     const int row = 16 * (t / 32) + (t % 32) / 4;
-    const int col = group * 64 + 8 * j + 2 * (t % 4);
+    const int col = part * 64 + 8 * j + 2 * (t % 4);
     const int64_t m_block = tile % m_blocks, bh = tile / m_blocks;
     const int64_t h = bh % sh.heads_q, b = bh / sh.heads_q;
     if (col >= sh.head_dim) continue;

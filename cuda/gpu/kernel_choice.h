@@ -7,7 +7,7 @@
 //                             sm90ws_alusums | sm90ws_directstore
 //                             (default on Hopper: sm90ws)
 //   JAX_FLASH_CUDA_BACKWARD = sm80 | sm90ws | sm90ws_atomicdq | sm90ws_bulkdq | sm90ws_tileddq |
-//                             sm90ws_m80 | sm90ws_deferdq
+//                             sm90ws_m80 | sm90ws_deferdq | sm90ws_stagedq
 //                             (default on Hopper: sm90ws)
 // The forward's sm90ws runs on a persistent grid whose CTAs take tiles from a counter as they free
 // (sm90/tile_scheduler.cuh kDynamic, session 25) where there is no causal mask, and are dealt
@@ -35,7 +35,10 @@
 // visits 80-row query blocks in the plain non-deterministic calls at head dim 128, dQ computed
 // transposed (FlashAttention-3's non-causal tile; sm90/traits.cuh kDqTransposed); sm90ws_deferdq
 // (experimental, session 22) runs those calls on head dim 128's tiled kernel without the
-// consumers' barrier, each visit's dQ computed during the next (sm90/traits.cuh kDeferDq). At head dims
+// consumers' barrier, each visit's dQ computed during the next (sm90/traits.cuh kDeferDq);
+// sm90ws_stagedq (experimental, session 28) runs the split kernels (head dims 129..256) with dQ
+// handed off through the stage's Q and dO tiles to bulk reductions, no atomics (sm90/traits.cuh
+// kStageDq; non-deterministic calls; elsewhere sm90ws). At head dims
 // 193..256 every Hopper backward choice runs the split head-dim kernel (sm90/traits.cuh
 // kSplitHeadDim: the warpgroups share 64-key blocks, dQ by atomics), and at 129..192 too, zero-padded
 // (JAX_FLASH_CUDA_HD192_BWD below).
@@ -78,7 +81,7 @@ namespace jax_flash::cuda {
 enum class KernelFamily {
   kSm80, kSm90Ws, kSm90WsGrid, kSm90WsStatic, kSm90WsDynamic, kSm90WsNarrow, kSm90WsWide, kSm90WsAluSums,
   kSm90WsDirectStore,
-  kSm90WsAtomicDq, kSm90WsBulkDq, kSm90WsTiledDq, kSm90WsM80, kSm90WsDeferDq
+  kSm90WsAtomicDq, kSm90WsBulkDq, kSm90WsTiledDq, kSm90WsM80, kSm90WsDeferDq, kSm90WsStageDq
 };
 
 // Empty when the variables are unset or hold a known value; else a message naming the variable,

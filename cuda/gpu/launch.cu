@@ -65,9 +65,23 @@ bool tiled_dq_accum(const AttentionShape& shape) {
     return cudaSuccess;
   });
   return tiled_kernel && (((family == KernelFamily::kSm90Ws || family == KernelFamily::kSm90WsM80 ||
-                            family == KernelFamily::kSm90WsDeferDq) &&
+                            family == KernelFamily::kSm90WsDeferDq || family == KernelFamily::kSm90WsStageDq) &&
                            shape.head_dim == 128) ||
                           family == KernelFamily::kSm90WsTiledDq);
+}
+
+bool staged_dq_accum(const AttentionShape& shape, bool deterministic) {
+  const KernelFamily family = backward_family();
+  if (family != KernelFamily::kSm90WsStageDq || deterministic) return false;
+  bool split_kernel = false;  // the call's compiled head dim runs the split kernels
+  dispatch_dtype_head_dim(
+      Dtype::kBFloat16, shape.head_dim,
+      [&](auto, auto head_dim) -> cudaError_t {
+        split_kernel = TileShapes<decltype(head_dim)::value>::kSplitBwd;
+        return cudaSuccess;
+      },
+      pads_192_backward(family, deterministic));
+  return split_kernel;
 }
 
 int kv_head_splits(const AttentionShape& shape, bool deterministic) {
@@ -174,6 +188,9 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
     const bool tiled = kTiledDqKernel && family != KernelFamily::kSm80 && tiled_dq_accum(sh);
     // 80-row visits with dQ^T in tiles (experimental: sm90ws_m80), and their own convert.
     const bool m80 = TileShapes<kD>::kHasSm90BwdM80 && m80_call(p);
+    // The split kernels' dQ through the stage, in tiles (experimental: sm90ws_stagedq); narrow
+    // calls run mma.sync (the accumulator is as large, in rows).
+    const bool staged = TileShapes<kD>::kSplitBwd && family != KernelFamily::kSm80 && staged_dq_accum(sh, p.deterministic);
     if (!p.deterministic)
       if (cudaError_t e = cudaMemsetAsync(p.dq_accum, 0, dq_accum_bytes, stream)) return e;
 
@@ -194,10 +211,13 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
                                                                        : V::kAtomicDq;
       if (m80)
         sm90_variant = V::kM80;
+      else if (staged)
+        sm90_variant = V::kStageDq;
       else if (tiled)
         sm90_variant = defer_dq_call(p) ? V::kDeferDq : V::kTiledDq;
       else if (family == KernelFamily::kSm90Ws || family == KernelFamily::kSm90WsM80 ||
-               family == KernelFamily::kSm90WsDeferDq || family == KernelFamily::kSm90WsTiledDq)
+               family == KernelFamily::kSm90WsDeferDq || family == KernelFamily::kSm90WsTiledDq ||
+               family == KernelFamily::kSm90WsStageDq)
         sm90_variant = kDefault;
       else if (family == KernelFamily::kSm90WsAtomicDq)
         sm90_variant = V::kAtomicDq;
@@ -230,10 +250,18 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
       flash_bwd_convert_transposed_dq_kernel<T><<<blocks, 256, 0, stream>>>(p);
       return cudaGetLastError();
     }
-    if (tiled) {
-      const int64_t quads = dq_tiles_elements(sh, kTiledDqRows) / 4;  // the tiled convert's float4 a thread
+    if (tiled || staged) {
+      const int columns = static_cast<int>(tiled ? kTiledDqColumns : staged_dq_columns(sh));
+      const int64_t quads = dq_tiles_elements(sh, kTiledDqRows, columns) / 4;  // the convert's float4 a thread
       const int blocks = static_cast<int>(std::min<int64_t>((quads + 255) / 256, 65536));
-      flash_bwd_convert_tiled_dq_kernel<T><<<blocks, 256, 0, stream>>>(p);
+      if (columns == 128)
+        flash_bwd_convert_tiled_dq_kernel<T, 128><<<blocks, 256, 0, stream>>>(p);
+      else if (columns == 192)
+        flash_bwd_convert_tiled_dq_kernel<T, 192><<<blocks, 256, 0, stream>>>(p);
+      else if (columns == 256)
+        flash_bwd_convert_tiled_dq_kernel<T, 256><<<blocks, 256, 0, stream>>>(p);
+      else
+        return cudaErrorInvalidValue;  // no tiled dQ of another width (gpu/launch.h staged_dq_columns)
       return cudaGetLastError();
     }
     // The Hopper kernels leave the softmax scale out of dS (sm90/bwd_steps.cuh

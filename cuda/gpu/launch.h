@@ -35,9 +35,15 @@ bool m80_call(const BwdParams& params);
 bool defer_dq_call(const BwdParams& params);
 
 // Elements of the accumulator in whole tiles of `rows` query rows x 128 columns per (batch, head).
-inline int64_t dq_tiles_elements(const AttentionShape& shape, int64_t rows) {
-  return shape.batch * shape.heads_q * ((shape.seq_q + rows - 1) / rows) * rows * kTiledDqColumns;
+inline int64_t dq_tiles_elements(const AttentionShape& shape, int64_t rows, int64_t columns = kTiledDqColumns) {
+  return shape.batch * shape.heads_q * ((shape.seq_q + rows - 1) / rows) * rows * columns;
 }
+// Whether the call's backward adds dQ in tiles of 64 rows x staged_dq_columns through the stage
+// (experimental: JAX_FLASH_CUDA_BACKWARD=sm90ws_stagedq where the split kernels run, head dims
+// 129..256 on Hopper; sm90/traits.cuh kStageDq); deterministic calls do not.
+bool staged_dq_accum(const AttentionShape& shape, bool deterministic);
+// Columns of a staged dQ tile: the head dim in whole 64-column parts.
+inline int64_t staged_dq_columns(const AttentionShape& shape) { return (shape.head_dim + 63) / 64 * 64; }
 
 // The CTAs over which the Hopper backward splits each key block's group of query heads (1: no
 // split): where a CTA per (key block, kv head, batch) leaves the SMs short of work (MQA, few
@@ -54,12 +60,14 @@ int kv_head_splits(const AttentionShape& shape, bool deterministic);
 int key_major_groups(const BwdParams& p, dim3 grid);
 
 // Elements of the dQ part of the backward's float32 workspace: one per element of dQ (or a whole
-// tile per (batch, head, 64-row block) with tiled_dq_accum, the larger of those and the 80-row
-// tiles' with transposed_dq_accum).
+// tile per (batch, head, 64-row block) with tiled_dq_accum or staged_dq_accum, the larger of those
+// and the 80-row tiles' with transposed_dq_accum).
 inline int64_t dq_part_elements(const AttentionShape& shape) {
   int64_t elements = shape.batch * shape.heads_q * shape.seq_q * shape.head_dim;
   if (tiled_dq_accum(shape)) elements = std::max(elements, dq_tiles_elements(shape, kTiledDqRows));
   if (transposed_dq_accum(shape)) elements = std::max(elements, dq_tiles_elements(shape, kTransposedDqRows));
+  if (staged_dq_accum(shape, false))
+    elements = std::max(elements, dq_tiles_elements(shape, kTiledDqRows, staged_dq_columns(shape)));
   return elements;
 }
 
@@ -118,7 +126,7 @@ cudaError_t launch_bwd_main_sm80(const BwdParams& params, cudaStream_t stream);
 // computed transposed into the tiled hand-off (sm90/traits.cuh kDqTransposed).
 // kDeferDq (experimental, head dim 128, plain non-deterministic calls): kTiledDq without the
 // consumers' barrier, each visit's dQ during the next (sm90/traits.cuh kDeferDq).
-enum class Sm90BwdVariant { kAtomicDq, kBulkDq, kBlockM128, kTiledDq, kM80, kDeferDq };
+enum class Sm90BwdVariant { kAtomicDq, kBulkDq, kBlockM128, kTiledDq, kM80, kDeferDq, kStageDq };
 template <typename T, int kHeadDim>
 cudaError_t launch_bwd_main_sm90_ws(const BwdParams& params, Sm90BwdVariant variant, cudaStream_t stream);
 // The deterministic mode's dQ kernel (mma.sync on every GPU).

@@ -78,6 +78,9 @@ struct TileShapes {
   static constexpr bool kSplitBwd = kHeadDim == 256;
   using Sm90BwdWs = Sm90BwdWsTraits<kHeadDim, false, 64, false, kSplitBwd>;
   using Sm90BwdWsBulkDq = Sm90BwdWsTraits<kHeadDim, !kSplitBwd, 64, false, kSplitBwd>;
+  // Experimental (JAX_FLASH_CUDA_BACKWARD=sm90ws_stagedq): the split kernel with dQ handed off
+  // through the stage's Q and dO tiles into a tiled accumulator (sm90/traits.cuh kStageDq).
+  using Sm90BwdWsStageDq = Sm90BwdWsTraits<kHeadDim, false, 64, false, kSplitBwd, false, kSplitBwd>;
   // FlashAttention-3's dQ hand-off, one bulk reduction a warpgroup a visit into an accumulator in
   // the fragments' order (the kernel of head dim 128): the default at head dim 128 (+8-10% on the
   // backward over row reductions, H200, session 18, cuda/PERF_NOTES.md v18), at 65..127 with
@@ -134,6 +137,8 @@ decltype(auto) with_sm90_bwd_traits(Sm90BwdVariant variant, F&& f) {
     static_assert(M80::kBlockM == kTransposedDqRows && M80::kHeadDim == kTiledDqColumns, "transposed dQ geometry");
     if (variant == Sm90BwdVariant::kM80) return f(TypeTag<M80>{});
   }
+  if constexpr (Shapes::kSplitBwd)
+    if (variant == Sm90BwdVariant::kStageDq) return f(TypeTag<typename Shapes::Sm90BwdWsStageDq>{});
   if constexpr (Shapes::kHasSm90BwdBlockM128)
     if (variant == Sm90BwdVariant::kBlockM128) return f(TypeTag<typename Shapes::Sm90BwdWsBlockM128>{});
   return f(TypeTag<typename Shapes::Sm90BwdWs>{});

@@ -33,12 +33,9 @@ cudaError_t launch_plain(const BwdParams& p, cudaStream_t stream) {
                           Traits::kThreads, Traits::kSmemBytes, stream, params);
 }
 
+// Kernels for every call: the run-time switches as template constants.
 template <typename Traits, typename T>
-cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
-  const AttentionShape& s = p.shape;
-  BwdTmaParams params;
-  if (cudaError_t e = tma_params<Traits>(p, &params)) return e;
-  // The run-time switches as template constants.
+cudaError_t launch_any(const BwdParams& p, const BwdTmaParams& params, cudaStream_t stream) {
   auto kernel = p.deterministic ? flash_bwd_sm90_ws_kernel<Traits, T, true, false>
                                 : flash_bwd_sm90_ws_kernel<Traits, T, false, false>;
   if (general_kernel(p))
@@ -54,8 +51,29 @@ cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
   if constexpr (Traits::kHeadDim == 64 || Traits::kHeadDim == 128)
     if (!p.deterministic && plain_block_walk_suffices(p))
       kernel = flash_bwd_sm90_ws_kernel<Traits, T, false, false, true>;
-  return launch_with_smem(kernel, key_block_grid<Traits>(s, p.kv_head_splits), Traits::kThreads, Traits::kSmemBytes,
-                          stream, params);
+  return launch_with_smem(kernel, key_block_grid<Traits>(p.shape, p.kv_head_splits), Traits::kThreads,
+                          Traits::kSmemBytes, stream, params);
+}
+
+// Kernels for non-deterministic calls only (sm90ws_stagedq's: gpu/launch.cu staged_dq_accum).
+template <typename Traits, typename T>
+cudaError_t launch_nondeterministic(const BwdParams& p, const BwdTmaParams& params, cudaStream_t stream) {
+  auto kernel = flash_bwd_sm90_ws_kernel<Traits, T, false, false>;
+  if (general_kernel(p))
+    kernel = general_ids(p) ? flash_bwd_sm90_ws_kernel<Traits, T, false, true>
+                            : flash_bwd_sm90_ws_kernel<Traits, T, false, true, false, false>;
+  return launch_with_smem(kernel, key_block_grid<Traits>(p.shape, p.kv_head_splits), Traits::kThreads,
+                          Traits::kSmemBytes, stream, params);
+}
+
+template <typename Traits, typename T>
+cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
+  BwdTmaParams params;
+  if (cudaError_t e = tma_params<Traits>(p, &params)) return e;
+  if constexpr (Traits::kStageDq)
+    return launch_nondeterministic<Traits, T>(p, params, stream);
+  else
+    return launch_any<Traits, T>(p, params, stream);
 }
 
 }  // namespace

@@ -55,6 +55,7 @@ template <int kStages>
 struct BwdWsBarriers {
   uint64_t kv_full, full[kStages], empty[kStages];
   uint64_t dq_full[2], dq_empty[2];  // the dQ tile (Traits::kBulkDq; one pair a warpgroup with kTiledDq)
+  uint32_t staged_dq_live[kStages][2];  // Traits::kStageDq: whether a stage holds warpgroup g's dQ
 };
 
 // With Traits::kDeferDq: a warpgroup's dS^T of a visit in its buffer, one mbarrier a warpgroup and
@@ -129,7 +130,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // A stage is released by every consumer thread, each for its own reads of the rows' lse and
   // delta (plain loads): a warp barrier before one lane's arrive orders them as well by the PTX
   // memory model, but compute-sanitizer's racecheck does not follow it (session 23: 4 hazards).
-  constexpr int kReleaseCount = kConsumerThreads;
+  // With Traits::kStageDq the dQ writer releases it too, once its bulk reductions have read the
+  // dQ left in the stage.
+  constexpr bool kStagedDq = Traits::kStageDq && !kDeterministic;
+  constexpr int kReleaseCount = kConsumerThreads + (kStagedDq ? 1 : 0);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   if (threadIdx.x == 0) {
     Mbarrier(&bars.kv_full).init(32);
@@ -140,7 +144,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
 #pragma unroll
     for (int g = 0; g < 2; ++g) {
-      Mbarrier(&bars.dq_full[g]).init(Traits::kTiledDq ? 4 : Traits::kDqWarps);
+      Mbarrier(&bars.dq_full[g]).init(Traits::kTiledDq || Traits::kStageDq ? 4 : Traits::kDqWarps);
       Mbarrier(&bars.dq_empty[g]).init(32);
       if constexpr (Traits::kDeferDq) {
 #pragma unroll
@@ -163,6 +167,39 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if (warp < 4) {
     // ---- Producer warpgroup: warp 0 loads, the others leave.
     release_registers<Traits::kProducerRegisters>();
+    if (kStagedDq && warp == 1) {
+      // The dQ writer (through the stage): each visit's live 64-column parts (a warpgroup's two:
+      // the first in its half of the stage's Q tile, the second in its half of dO's), one bulk
+      // reduction each into the accumulator's tile of (batch, head, query block), columns past
+      // the head dim skipped; then the stage released.
+      const int64_t m_blocks = (sh.seq_q + kBM - 1) / kBM;
+      const int parts = static_cast<int>((sh.head_dim + 63) / 64);
+      constexpr int kPartFloats = kBM * 64;
+      static_assert(2 * QTile::kBlockBytes == kPartFloats * 4, "a 64-column part of dQ in two blocks of Q or dO");
+      Visit visit = task.first_visit();
+      for (int it = 0; it < iterations; ++it, visit = task.next_visit(visit)) {
+        const int stage = it % kStages;
+        Mbarrier(&bars.dq_full[0]).wait(it & 1);
+        Mbarrier(&bars.dq_full[1]).wait(it & 1);
+        if (lane == 0) {
+          float* tile = p.dq_accum + ((task.b * sh.heads_q + visit.h) * m_blocks + visit.mb) * (kBM * parts * 64);
+#pragma unroll
+          for (int g = 0; g < 2; ++g) {
+            if (!bars.staged_dq_live[stage][g]) continue;
+            const float* q_half = reinterpret_cast<const float*>(smem.q_stage(stage)) + g * kPartFloats;
+            const float* do_half = reinterpret_cast<const float*>(smem.d_o_stage(stage)) + g * kPartFloats;
+            if (2 * g < parts) bulk_reduce_add(tile + 2 * g * kPartFloats, q_half, kPartFloats * 4);
+            if (2 * g + 1 < parts) bulk_reduce_add(tile + (2 * g + 1) * kPartFloats, do_half, kPartFloats * 4);
+          }
+          bulk_commit();
+          bulk_wait_read();
+          Mbarrier(&bars.empty[stage]).arrive();
+        }
+        __syncwarp();
+      }
+      if (lane == 0) bulk_wait_all();  // the last reductions complete before the warp exits
+      return;
+    }
     if (Traits::kBulkDq && Traits::kTiledDq && !kDeterministic && warp == 1) {
       // The dQ writer (tiled): each visit's two warpgroup parts, one bulk reduction each, into
       // the accumulator's tile of (batch, head, query block) in the same order.
@@ -420,7 +457,35 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
       fence_registers(dv[0]);
       fence_registers(dk[0]);
-      Mbarrier(&bars.empty[stage]).arrive();  // every lane (kReleaseCount)
+      Mbarrier(&bars.empty[stage]).arrive();  // every lane (kConsumerThreads of kReleaseCount)
+      if constexpr (kStagedDq) {
+        // dV and dK are in: this warpgroup's halves of Q and dO are no longer read (the other
+        // warpgroup reads its own halves; S^T and dP^T were in before the barrier). dQ's first
+        // 64-column block goes where its Q columns were, the second where its dO columns were,
+        // each in the fragments' order (conflict-free 16-byte stores); then the writer is told.
+        if (dq_live) {
+          float dq_next[1][8][4];
+          wgmma_wait<0>();
+          fence_registers(dq[0]);
+          issue_query_gradient<Traits, T>(dq_next, ds_address, k_address, group * 2 + 1);
+          float4* q_half = reinterpret_cast<float4*>(smem.q_stage(stage)) + group * (kBM * 64 / 4) + ctid % 128;
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt)
+            q_half[nt * 128] = make_float4(dq[0][nt][0], dq[0][nt][1], dq[0][nt][2], dq[0][nt][3]);
+          wgmma_wait<0>();
+          fence_registers(dq_next[0]);
+          float4* do_half = reinterpret_cast<float4*>(smem.d_o_stage(stage)) + group * (kBM * 64 / 4) + ctid % 128;
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt)
+            do_half[nt * 128] = make_float4(dq_next[0][nt][0], dq_next[0][nt][1], dq_next[0][nt][2], dq_next[0][nt][3]);
+          fence_proxy_async();  // the bulk reductions read through the async proxy
+        }
+        if (ctid % 128 == 0) bars.staged_dq_live[stage][group] = dq_live;
+        __syncwarp();
+        if (lane == 0) Mbarrier(&bars.dq_full[group]).arrive();
+        wgmma_wait<0>();
+        continue;
+      }
       if (dq_live) {
         static_assert(kGC == 128, "two 64-column blocks of dQ a warpgroup");
         float dq_next[1][8][4];

@@ -93,12 +93,21 @@ struct Sm90FwdWsTraits {
 // and one's softmax run under the other's products. dS^T then takes four buffers (a buffer is
 // written again only once the other warpgroup has signalled a later visit, which it does after
 // its dQ of this one).
+// kStageDq (experimental, with kSplitHeadDim: JAX_FLASH_CUDA_BACKWARD=sm90ws_stagedq): no atomics
+// for dQ. Once its dK and dV are in, a warpgroup's half of the stage's Q and dO tiles (the columns
+// its products read, 16 KiB each) is free: it leaves its two 64-column blocks of dQ there in its
+// fragments' order, and the producer's second warp adds them to the tiled accumulator (as at head
+// dim 128, 64-column parts) with one 16 KiB bulk reduction each, then releases the stage itself
+// (FlashAttention-3 hands dQ off through a shared tile of its own, which 256 columns leave no
+// room for beside two stages).
 template <int kHeadDim_, bool kBulkDq_ = false, int kBlockM_ = 64, bool kTiledDq_ = false, bool kSplitHeadDim_ = false,
-          bool kDeferDq_ = false>
+          bool kDeferDq_ = false, bool kStageDq_ = false>
 struct Sm90BwdWsTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kTileHeadDim = tile_head_dim(kHeadDim);
   static constexpr bool kSplitHeadDim = kSplitHeadDim_;
+  static constexpr bool kStageDq = kStageDq_;
+  static_assert(!kStageDq || kSplitHeadDim_, "dQ through the stage: the split head dim's");
   static constexpr bool kDeferDq = kDeferDq_;
   static_assert(!kDeferDq || (kTiledDq_ && kBlockM_ == 64), "deferred dQ: the tiled hand-off, 64-row visits");
   static constexpr int kDsBuffers = kDeferDq ? 4 : 2;
