@@ -1,6 +1,6 @@
 // Which CUDA kernel family runs each pass. On Hopper (compute capability 9.x) the warp-specialised
 // wgmma (sm90ws) kernels, wherever gpu/tile_shapes.cuh has one for the head dim; the mma.sync
-// (sm80) family everywhere else. Three environment variables, read once per process, override the
+// (sm80) family everywhere else. These environment variables, read once per process, override the
 // choice for experiments and comparisons:
 //   JAX_FLASH_CUDA_FORWARD  = sm80 | sm90ws | sm90ws_grid | sm90ws_static | sm90ws_dynamic |
 //                             sm90ws_narrow | sm90ws_wide |
