@@ -34,7 +34,7 @@ bool m80_call(const BwdParams& params);
 // hand-off): under that family, plain calls at head dim 128 that are not deterministic.
 bool defer_dq_call(const BwdParams& params);
 
-// Elements of the accumulator in whole tiles of `rows` query rows x 128 columns per (batch, head).
+// Elements of the accumulator in whole tiles of `rows` query rows x `columns` per (batch, head).
 inline int64_t dq_tiles_elements(const AttentionShape& shape, int64_t rows, int64_t columns = kTiledDqColumns) {
   return shape.batch * shape.heads_q * ((shape.seq_q + rows - 1) / rows) * rows * columns;
 }

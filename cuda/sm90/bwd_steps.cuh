@@ -343,6 +343,16 @@ __device__ __forceinline__ void issue_transposed_query_gradient(float (&dqt)[1][
   wgmma_commit();
 }
 
+// A consumer thread's accumulator fragments (kTiles n-tiles of 8 columns) stored in the fragments'
+// order, `at` being the thread's float4 (its index t in the warpgroup past the part's start): n-tile
+// j at float4 j * 128 + t, conflict-free 16-byte stores (the tiled dQ hand-offs' layout, read back
+// by gpu/bwd_postprocess.cuh flash_bwd_convert_tiled_dq_kernel).
+template <int kTiles>
+__device__ __forceinline__ void store_in_fragment_order(float4* at, const float (&frag)[1][kTiles][4]) {
+#pragma unroll
+  for (int nt = 0; nt < kTiles; ++nt) at[nt * 128] = make_float4(frag[0][nt][0], frag[0][nt][1], frag[0][nt][2], frag[0][nt][3]);
+}
+
 // Adds a warp's part of dQ (rows 16 (warp % 4) .. of warpgroup `group`'s 64 query rows with
 // kDqByRows, else of the query block; kNTiles x 8 columns from col0) of the query block from m0
 // of head h to the float32 accumulator, 16-byte atomics where it is in the quad order

@@ -33,18 +33,23 @@ cudaError_t launch_plain(const BwdParams& p, cudaStream_t stream) {
                           Traits::kThreads, Traits::kSmemBytes, stream, params);
 }
 
-// Kernels for every call: the run-time switches as template constants.
 template <typename Traits, typename T>
-cudaError_t launch_any(const BwdParams& p, const BwdTmaParams& params, cudaStream_t stream) {
-  auto kernel = p.deterministic ? flash_bwd_sm90_ws_kernel<Traits, T, true, false>
-                                : flash_bwd_sm90_ws_kernel<Traits, T, false, false>;
-  if (general_kernel(p))
-    kernel = p.deterministic ? flash_bwd_sm90_ws_kernel<Traits, T, true, true>
-                             : flash_bwd_sm90_ws_kernel<Traits, T, false, true>;
+cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
+  BwdTmaParams params;
+  if (cudaError_t e = tma_params<Traits>(p, &params)) return e;
+  // The run-time switches as template constants. The staged dQ's kernels serve non-deterministic
+  // calls only (gpu/launch.cu staged_dq_accum): no deterministic instantiations of them.
+  constexpr bool kDeterministicKernels = !Traits::kStageDq;
+  auto kernel = flash_bwd_sm90_ws_kernel<Traits, T, false, false>;
+  if (general_kernel(p)) kernel = flash_bwd_sm90_ws_kernel<Traits, T, false, true>;
   // Soft cap or ALiBi alone: the general kernel without the ids' and block walk's code
   // (general_ids; deterministic calls keep the whole one: compile time).
   if (general_kernel(p) && !general_ids(p) && !p.deterministic)
     kernel = flash_bwd_sm90_ws_kernel<Traits, T, false, true, false, false>;
+  if constexpr (kDeterministicKernels)
+    if (p.deterministic)
+      kernel = general_kernel(p) ? flash_bwd_sm90_ws_kernel<Traits, T, true, true>
+                                 : flash_bwd_sm90_ws_kernel<Traits, T, true, false>;
   // Block-sparse calls with nothing else of the general kernels: the plain kernel with the block
   // walk (head dims 64 and 128, the benchmark's: compile time; 1.06-1.07x the general kernel's
   // block-sparse backward at seq 8192 hd128, cuda/PERF_NOTES.md v17).
@@ -53,27 +58,6 @@ cudaError_t launch_any(const BwdParams& p, const BwdTmaParams& params, cudaStrea
       kernel = flash_bwd_sm90_ws_kernel<Traits, T, false, false, true>;
   return launch_with_smem(kernel, key_block_grid<Traits>(p.shape, p.kv_head_splits), Traits::kThreads,
                           Traits::kSmemBytes, stream, params);
-}
-
-// Kernels for non-deterministic calls only (sm90ws_stagedq's: gpu/launch.cu staged_dq_accum).
-template <typename Traits, typename T>
-cudaError_t launch_nondeterministic(const BwdParams& p, const BwdTmaParams& params, cudaStream_t stream) {
-  auto kernel = flash_bwd_sm90_ws_kernel<Traits, T, false, false>;
-  if (general_kernel(p))
-    kernel = general_ids(p) ? flash_bwd_sm90_ws_kernel<Traits, T, false, true>
-                            : flash_bwd_sm90_ws_kernel<Traits, T, false, true, false, false>;
-  return launch_with_smem(kernel, key_block_grid<Traits>(p.shape, p.kv_head_splits), Traits::kThreads,
-                          Traits::kSmemBytes, stream, params);
-}
-
-template <typename Traits, typename T>
-cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
-  BwdTmaParams params;
-  if (cudaError_t e = tma_params<Traits>(p, &params)) return e;
-  if constexpr (Traits::kStageDq)
-    return launch_nondeterministic<Traits, T>(p, params, stream);
-  else
-    return launch_any<Traits, T>(p, params, stream);
 }
 
 }  // namespace

@@ -350,10 +350,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kDqTiles = Traits::kDqTransposed ? kBM / 8 : 8;
   auto hand_off_dq_part = [&](const float (&dq)[1][kDqTiles][4], int v) {
     Mbarrier(&bars.dq_empty[group]).wait((v & 1) ^ 1);
-    float4* part = reinterpret_cast<float4*>(smem.dq + group * Traits::kDqPartFloats) + (ctid % 128);
-#pragma unroll
-    for (int nt = 0; nt < kDqTiles; ++nt)
-      part[nt * 128] = make_float4(dq[0][nt][0], dq[0][nt][1], dq[0][nt][2], dq[0][nt][3]);
+    store_in_fragment_order(reinterpret_cast<float4*>(smem.dq + group * Traits::kDqPartFloats) + (ctid % 128), dq);
     fence_proxy_async();  // the bulk reductions read through the async proxy
     __syncwarp();
     if (lane == 0) Mbarrier(&bars.dq_full[group]).arrive();
@@ -468,16 +465,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           wgmma_wait<0>();
           fence_registers(dq[0]);
           issue_query_gradient<Traits, T>(dq_next, ds_address, k_address, group * 2 + 1);
-          float4* q_half = reinterpret_cast<float4*>(smem.q_stage(stage)) + group * (kBM * 64 / 4) + ctid % 128;
-#pragma unroll
-          for (int nt = 0; nt < 8; ++nt)
-            q_half[nt * 128] = make_float4(dq[0][nt][0], dq[0][nt][1], dq[0][nt][2], dq[0][nt][3]);
+          store_in_fragment_order(reinterpret_cast<float4*>(smem.q_stage(stage)) + group * (kBM * 64 / 4) + ctid % 128, dq);
           wgmma_wait<0>();
           fence_registers(dq_next[0]);
-          float4* do_half = reinterpret_cast<float4*>(smem.d_o_stage(stage)) + group * (kBM * 64 / 4) + ctid % 128;
-#pragma unroll
-          for (int nt = 0; nt < 8; ++nt)
-            do_half[nt * 128] = make_float4(dq_next[0][nt][0], dq_next[0][nt][1], dq_next[0][nt][2], dq_next[0][nt][3]);
+          store_in_fragment_order(reinterpret_cast<float4*>(smem.d_o_stage(stage)) + group * (kBM * 64 / 4) + ctid % 128,
+                                  dq_next);
           fence_proxy_async();  // the bulk reductions read through the async proxy
         }
         if (ctid % 128 == 0) bars.staged_dq_live[stage][group] = dq_live;
