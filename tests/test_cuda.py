@@ -55,11 +55,15 @@ LARGE = [
     C(batch=1, seq_q=520, seq_k=520, heads_q=2, heads_k=2, head_dim=256, dtype="float16",
       is_causal=True),
     C(batch=1, seq_q=190, seq_k=260, heads_q=4, heads_k=1, head_dim=200, dtype="bfloat16"),
-    # Head dims 129..192 (on Hopper the backward on the split wgmma kernels of 256, zero-padded;
-    # elsewhere mma.sync): MQA's head splits, lengths; 160 causal, GQA, T != S.
+    # Head dims 129..192 (on Hopper the backward on the split wgmma kernels of 192, whose second
+    # warpgroup takes 64 columns of dK and dV and two blocks of dQ; elsewhere mma.sync): MQA's
+    # head splits, lengths; 160 causal, GQA, T != S; 136 (the second warpgroup's columns mostly
+    # zeros) with a window.
     C(batch=2, seq_q=300, seq_k=260, heads_q=8, heads_k=1, head_dim=192, dtype="bfloat16",
       kv_lens=(260, 131)),
     C(batch=1, seq_q=333, seq_k=300, heads_q=4, heads_k=2, head_dim=160, dtype="float16", is_causal=True),
+    C(batch=2, seq_q=200, seq_k=250, heads_q=6, heads_k=2, head_dim=136, dtype="bfloat16",
+      local_window_size=(60, 10)),
     # MQA: the Hopper backward splits each key block's 16 (8) query heads over CTAs, dK and dV
     # added in float32 and converted last (gpu/launch.h kv_head_splits): head dims 64 and 256.
     C(batch=1, seq_q=700, seq_k=900, heads_q=16, heads_k=1, head_dim=64, dtype="bfloat16",
@@ -546,22 +550,24 @@ def test_mma_sync_backward_adds_quad_dq_on_hopper():
                                  files=("test_softcap.py", "test_alibi.py", "test_segment_ids.py"))
 
 
-def test_head_dims_to_192_backward_on_mma_sync_on_hopper():
-  """On Hopper the backward of head dims 129..192 runs the split wgmma kernels of 256 (columns
-  192..255 zero-filled by TMA), which the suite runs; with JAX_FLASH_CUDA_HD192_BWD=sm80 it runs
-  the mma.sync kernels of 192 (dQ in the quad order), as before session 28: the reference and
-  deterministic cases of head dims 160 and 192 (GQA, MQA, lengths, causal), the CUDA-graph
-  capture, the training step and the score variants' cases pass there too."""
-  selection = "((test_cuda_matches_reference or test_deterministic_matches_reference) and (h160 or h192)) or {}"
-  _run_cuda_tests_on_hopper_with({"JAX_FLASH_CUDA_HD192_BWD": "sm80"},
-                                 selection.format("test_command_buffer_capture or test_jit_training_step_reduces_loss"))
-  _run_cuda_tests_on_hopper_with({"JAX_FLASH_CUDA_HD192_BWD": "sm80"}, "cuda",
+@pytest.mark.parametrize("kernels", ["sm80", "padded"])
+def test_head_dims_to_192_backward_off_their_own_kernels_on_hopper(kernels):
+  """On Hopper the backward of head dims 129..192 runs the split wgmma kernels of 192, which the
+  suite runs; with JAX_FLASH_CUDA_HD192_BWD=sm80 it runs the mma.sync kernels of 192 (dQ in the
+  quad order), as before session 28, and with =padded the split kernels of 256 (columns 192..255
+  zero-filled by TMA), as in session 28: the reference and deterministic cases of head dims 136,
+  160 and 192 (GQA, MQA, lengths, windows, causal), the CUDA-graph capture, the training step
+  and the score variants' cases pass there too."""
+  selection = ("((test_cuda_matches_reference or test_deterministic_matches_reference) and (h136 or h160 or h192)) "
+               "or test_command_buffer_capture or test_jit_training_step_reduces_loss")
+  _run_cuda_tests_on_hopper_with({"JAX_FLASH_CUDA_HD192_BWD": kernels}, selection)
+  _run_cuda_tests_on_hopper_with({"JAX_FLASH_CUDA_HD192_BWD": kernels}, "cuda",
                                  files=("test_softcap.py", "test_alibi.py", "test_segment_ids.py"))
 
 
 def test_split_backward_with_staged_dq_on_hopper():
-  """Experimental: with JAX_FLASH_CUDA_BACKWARD=sm90ws_stagedq the split kernels (head dims
-  129..256 on Hopper) hand dQ off through the stage's Q and dO tiles to bulk reductions into a
+  """Experimental: with JAX_FLASH_CUDA_BACKWARD=sm90ws_stagedq the split kernels of head dim 256
+  (head dims 193..256 on Hopper; 129..192 keep theirs, dQ by atomics) hand dQ off through the stage's Q and dO tiles to bulk reductions into a
   tiled accumulator (sm90/traits.cuh kStageDq): the reference and deterministic cases of head
   dims 160, 192, 200 and 256 (GQA, MQA's head splits, lengths, windows, causal), the CUDA-graph
   capture and the training step pass, and so do the score variants' cases."""
@@ -575,8 +581,8 @@ def test_split_backward_with_staged_dq_on_hopper():
 def test_backward_in_grid_order_on_cuda():
   """With JAX_FLASH_CUDA_ORDER=grid the causal backward's CTAs start in the grid's own order
   (each head's key blocks one after another) instead of longest key blocks first, as before
-  session 23; its causal reference and deterministic cases pass (both families: on Hopper the
-  wgmma kernels, and the mma.sync ones of head dims 129..192's deterministic calls)."""
+  session 23; its causal reference and deterministic cases pass (on Hopper the wgmma kernels,
+  elsewhere the mma.sync ones)."""
   result = _run_in_subprocess({"JAX_FLASH_CUDA_ORDER": "grid"}, "-k",
                               "(test_cuda_matches_reference or test_deterministic_matches_reference) and causal")
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

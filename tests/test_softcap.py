@@ -191,7 +191,7 @@ def test_cuda_kernels_take_the_cap(monkeypatch):
 
 # The CUDA kernels (16-bit inputs): the CPU cases' shapes in bf16/f16 (without segment ids),
 # and head dims that take the Hopper kernels (64, 128), the backward whose warpgroups split
-# head dim 256 (sm90/traits.cuh kSplitHeadDim), which 192's runs on Hopper (zero-padded).
+# head dims 192 and 256 (sm90/traits.cuh kSplitHeadDim).
 CUDA_CASES = [
     CapCase(Case(batch=2, seq_q=70, seq_k=90, heads_q=4, heads_k=2, head_dim=40,
                  dtype="bfloat16"), cap=2.0, q_gain=3.0),

@@ -51,6 +51,10 @@ CASES = [
     # Head dim 80 on the kernels of 96 (128-column tiles, products of N = 96): MQA, lengths, a
     # window, deterministic (the mma.sync dQ kernel at 128 beside the wgmma main kernel of 96).
     (2, 140, 200, 4, 1, 80, False, (60, 10), True, True),
+    # The split backward of head dim 192 (its second warpgroup: 64 columns of dK and dV, two
+    # blocks of dQ): head dim 176 causal with lengths and GQA; 192 with a window, deterministic.
+    (2, 133, 150, 4, 2, 176, True, None, True, False),
+    (1, 100, 90, 2, 1, 192, False, (40, 5), False, True),
 ]
 
 

@@ -22,7 +22,7 @@ struct Overrides {
   bool narrow_split = true;  // JAX_FLASH_CUDA_NARROW=off turns it off
   bool longest_first = true;  // JAX_FLASH_CUDA_ORDER=grid turns it off
   bool native_head_dim_96 = true;  // JAX_FLASH_CUDA_HD96=padded turns it off
-  bool padded_head_dim_192_backward = true;  // JAX_FLASH_CUDA_HD192_BWD=sm80 turns it off
+  HeadDim192Backward head_dim_192_backward = HeadDim192Backward::kNative;
   std::string error;
 };
 
@@ -69,6 +69,16 @@ bool read_switch(const char* variable, const char* on_value, const char* off_val
   return true;
 }
 
+// JAX_FLASH_CUDA_HD192_BWD: native where unset; another value is appended to `error`.
+HeadDim192Backward read_head_dim_192_backward(std::string& error) {
+  const char* value = std::getenv(kHeadDim192BackwardVariable);
+  if (value == nullptr || *value == '\0' || std::string(value) == "native") return HeadDim192Backward::kNative;
+  if (std::string(value) == "padded") return HeadDim192Backward::kPadded;
+  if (std::string(value) == "sm80") return HeadDim192Backward::kSm80;
+  append_unknown_value(error, kHeadDim192BackwardVariable, value, "native, padded, sm80");
+  return HeadDim192Backward::kNative;
+}
+
 Overrides read_overrides() {
   Overrides o;
   o.forward = read_override(kForwardVariable, true, o.error);
@@ -76,7 +86,7 @@ Overrides read_overrides() {
   o.narrow_split = read_switch(kNarrowVariable, "split", "off", o.error);
   o.longest_first = read_switch(kOrderVariable, "longest", "grid", o.error);
   o.native_head_dim_96 = read_switch(kHeadDim96Variable, "native", "padded", o.error);
-  o.padded_head_dim_192_backward = read_switch(kHeadDim192BackwardVariable, "padded", "sm80", o.error);
+  o.head_dim_192_backward = read_head_dim_192_backward(o.error);
   return o;
 }
 
@@ -119,6 +129,6 @@ KernelFamily backward_family() { return choose(overrides().backward, KernelFamil
 bool narrow_split_enabled() { return overrides().narrow_split; }
 bool longest_first_enabled() { return overrides().longest_first; }
 bool native_head_dim_96_enabled() { return overrides().native_head_dim_96; }
-bool padded_head_dim_192_backward_enabled() { return overrides().padded_head_dim_192_backward; }
+HeadDim192Backward head_dim_192_backward() { return overrides().head_dim_192_backward; }
 
 }  // namespace jax_flash::cuda

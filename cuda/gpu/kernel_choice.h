@@ -36,12 +36,12 @@
 // transposed (FlashAttention-3's non-causal tile; sm90/traits.cuh kDqTransposed); sm90ws_deferdq
 // (experimental, session 22) runs those calls on head dim 128's tiled kernel without the
 // consumers' barrier, each visit's dQ computed during the next (sm90/traits.cuh kDeferDq);
-// sm90ws_stagedq (experimental, session 28) runs the split kernels (head dims 129..256) with dQ
-// handed off through the stage's Q and dO tiles to bulk reductions, no atomics (sm90/traits.cuh
-// kStageDq; non-deterministic calls; elsewhere sm90ws). At head dims
-// 193..256 every Hopper backward choice runs the split head-dim kernel (sm90/traits.cuh
-// kSplitHeadDim: the warpgroups share 64-key blocks, dQ by atomics), and at 129..192 too, zero-padded
-// (JAX_FLASH_CUDA_HD192_BWD below).
+// sm90ws_stagedq (experimental, session 28) runs the split kernels of 256 (head dims 193..256)
+// with dQ handed off through the stage's Q and dO tiles to bulk reductions, no atomics
+// (sm90/traits.cuh kStageDq; non-deterministic calls; elsewhere sm90ws). At head dims 129..256
+// every Hopper backward choice runs the split head-dim kernels of 192 and 256 (sm90/traits.cuh
+// kSplitHeadDim: the warpgroups share 64-key blocks, dQ by atomics; JAX_FLASH_CUDA_HD192_BWD
+// below for 129..192).
 // A Hopper choice only applies on Hopper, and only where a Hopper kernel exists.
 //   JAX_FLASH_CUDA_ORDER = longest | grid (default: longest since session 23): the order in which
 //                          the main backward's CTAs (both families) start on a causal call:
@@ -52,11 +52,11 @@
 //                         run the kernels compiled for head dim 96 (the wgmma ones: 128-column
 //                         tiles whose products stop at 96, sm90/traits.cuh tile_head_dim; the
 //                         mma.sync family runs them at 128 either way), or those of 128, as before.
-//   JAX_FLASH_CUDA_HD192_BWD = padded | sm80 (default: padded since session 28, +42-49% on head
-//                              dim 192's backward): on Hopper the backward of head dims 129..192
-//                              runs the split wgmma kernels of 256 (columns 192..255 zero-filled
-//                              by TMA; deterministic calls keep 192's), or the mma.sync kernels of
-//                              192, as before.
+//   JAX_FLASH_CUDA_HD192_BWD = native | padded | sm80 (default: native since session 29): on Hopper
+//                              the backward of head dims 129..192 runs the split wgmma kernels of
+//                              192 (sm90/traits.cuh kSplitHeadDim), or those of 256 with columns
+//                              192..255 zero-filled by TMA (session 28's default; deterministic
+//                              calls keep 192's), or the mma.sync kernels of 192.
 //   JAX_FLASH_CUDA_NARROW = split | off (default: split since session 19, whose differential run
 //                           of 2000 configurations gave 0 misses under it): narrow plain calls
 //                           (narrow_shape below) run the mma.sync kernels with P and dS as hi +
@@ -100,9 +100,9 @@ bool longest_first_enabled();
 // Whether head dims 65..96 run the kernels of head dim 96 (unless JAX_FLASH_CUDA_HD96=padded:
 // those of 128).
 bool native_head_dim_96_enabled();
-// Whether Hopper backwards of head dims 129..192 run on the kernels of 256 (unless
-// JAX_FLASH_CUDA_HD192_BWD=sm80: the mma.sync ones of 192).
-bool padded_head_dim_192_backward_enabled();
+// The kernels that Hopper backwards of head dims 129..192 run on (JAX_FLASH_CUDA_HD192_BWD).
+enum class HeadDim192Backward { kNative, kPadded, kSm80 };
+HeadDim192Backward head_dim_192_backward();
 
 // Narrow calls (common/mask.h narrow_shape): by default (JAX_FLASH_CUDA_NARROW=split) plain ones
 // run the mma.sync kernels with P and dS as hi + lo (two 16-bit operands: about float32;

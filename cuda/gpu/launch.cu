@@ -46,19 +46,27 @@ cudaError_t dispatch_dtype_head_dim(Dtype dtype, int64_t head_dim, Run&& run, bo
   }
 }
 
+// The backward family of a call of this head dim: backward_family(), but mma.sync for head dims
+// 129..192 under JAX_FLASH_CUDA_HD192_BWD=sm80.
+KernelFamily backward_family_of(int64_t head_dim) {
+  if (head_dim > 128 && head_dim <= 192 && head_dim_192_backward() == HeadDim192Backward::kSm80)
+    return KernelFamily::kSm80;
+  return backward_family();
+}
+
 // Whether a backward of this family runs head dims 129..192 on the kernels of 256 (the split wgmma
-// backward, TMA zero-filling columns 192..255, where head dim 192 has no wgmma backward of its
-// own: 1.42-1.49x the mma.sync one at 192 on the H200, session 28; JAX_FLASH_CUDA_HD192_BWD=sm80
-// keeps 192's): Hopper, not deterministic (whose dQ kernel would run padded too).
+// backward, TMA zero-filling columns 192..255; session 28's default, 1.42-1.49x the mma.sync one
+// at 192 on the H200): under JAX_FLASH_CUDA_HD192_BWD=padded, on Hopper, not deterministic (whose
+// dQ kernel would run padded too).
 bool pads_192_backward(KernelFamily family, bool deterministic) {
-  return padded_head_dim_192_backward_enabled() && family != KernelFamily::kSm80 && !deterministic &&
+  return head_dim_192_backward() == HeadDim192Backward::kPadded && family != KernelFamily::kSm80 && !deterministic &&
          device_compute_major() == 9;
 }
 
 }  // namespace
 
 bool tiled_dq_accum(const AttentionShape& shape) {
-  const KernelFamily family = backward_family();
+  const KernelFamily family = backward_family_of(shape.head_dim);
   bool tiled_kernel = false;  // the call's compiled head dim has the tiled kernel (128's)
   dispatch_dtype_head_dim(Dtype::kBFloat16, shape.head_dim, [&](auto, auto head_dim) -> cudaError_t {
     tiled_kernel = TileShapes<decltype(head_dim)::value>::kHasSm90BwdTiledDq;
@@ -71,22 +79,23 @@ bool tiled_dq_accum(const AttentionShape& shape) {
 }
 
 bool staged_dq_accum(const AttentionShape& shape, bool deterministic) {
-  const KernelFamily family = backward_family();
+  const KernelFamily family = backward_family_of(shape.head_dim);
   if (family != KernelFamily::kSm90WsStageDq || deterministic) return false;
-  bool split_kernel = false;  // the call's compiled head dim runs the split kernels
+  bool staged_kernel = false;  // the call's compiled head dim has the staged kernel (256's)
   dispatch_dtype_head_dim(
       Dtype::kBFloat16, shape.head_dim,
       [&](auto, auto head_dim) -> cudaError_t {
-        split_kernel = TileShapes<decltype(head_dim)::value>::kSplitBwd;
+        staged_kernel = TileShapes<decltype(head_dim)::value>::kHasSm90BwdStageDq;
         return cudaSuccess;
       },
       pads_192_backward(family, deterministic));
-  return split_kernel;
+  return staged_kernel;
 }
 
 int kv_head_splits(const AttentionShape& shape, bool deterministic) {
   if (deterministic || shape.heads_k <= 0 || shape.heads_q <= shape.heads_k) return 1;
-  if (backward_family() == KernelFamily::kSm80 || device_compute_major() != 9) return 1;
+  const KernelFamily family = backward_family_of(shape.head_dim);
+  if (family == KernelFamily::kSm80 || device_compute_major() != 9) return 1;
   // The Hopper backward's key blocks at the compiled head dim the call runs on (0: none there).
   int64_t block_n = 0;
   dispatch_dtype_head_dim(
@@ -96,7 +105,7 @@ int kv_head_splits(const AttentionShape& shape, bool deterministic) {
         if constexpr (TileShapes<kD>::kHasSm90Bwd) block_n = TileShapes<kD>::Sm90BwdWs::kBlockN;
         return cudaSuccess;
       },
-      pads_192_backward(backward_family(), deterministic));
+      pads_192_backward(family, deterministic));
   if (block_n == 0) return 1;
   const int64_t ctas = (shape.seq_k + block_n - 1) / block_n * shape.heads_k * shape.batch;
   const int64_t wanted = device_sm_count() * 3 / 2, group = shape.heads_q / shape.heads_k;
@@ -172,7 +181,7 @@ bool sm90_dq_by_atomics(Sm90BwdVariant variant) {
 // instead of the atomics and the convert. delta = rowsum(dO * O) comes formed (BwdParams::delta).
 cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
   if (p.shape.batch == 0 || p.shape.seq_q == 0) return cudaSuccess;  // empty outputs
-  const KernelFamily family = narrow_plain_call(p) ? KernelFamily::kSm80 : backward_family();
+  const KernelFamily family = narrow_plain_call(p) ? KernelFamily::kSm80 : backward_family_of(p.shape.head_dim);
   const bool skip_192 = pads_192_backward(family, p.deterministic);
   return dispatch_dtype_head_dim(p.dtype, p.shape.head_dim, [&](auto type, auto head_dim) -> cudaError_t {
     using T = typename decltype(type)::type;
@@ -190,7 +199,7 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
     const bool m80 = TileShapes<kD>::kHasSm90BwdM80 && m80_call(p);
     // The split kernels' dQ through the stage, in tiles (experimental: sm90ws_stagedq); narrow
     // calls run mma.sync (the accumulator is as large, in rows).
-    const bool staged = TileShapes<kD>::kSplitBwd && family != KernelFamily::kSm80 && staged_dq_accum(sh, p.deterministic);
+    const bool staged = TileShapes<kD>::kHasSm90BwdStageDq && family != KernelFamily::kSm80 && staged_dq_accum(sh, p.deterministic);
     if (!p.deterministic)
       if (cudaError_t e = cudaMemsetAsync(p.dq_accum, 0, dq_accum_bytes, stream)) return e;
 

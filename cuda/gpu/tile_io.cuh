@@ -59,12 +59,15 @@ template <typename Tile, int kThreads, typename T>
 __device__ __forceinline__ void store_tile(T* gmem, int64_t row_stride, const T* smem, int rows, int chunks,
                                            int tid) {
   constexpr int kCopies = Tile::kRows * Tile::kChunks;
-  static_assert(kCopies % kThreads == 0 && kThreads % Tile::kChunks == 0, "every thread copies as many chunks");
-  constexpr int kRowsPerPass = kThreads / Tile::kChunks;
-  const int c = tid % Tile::kChunks, r0 = tid / Tile::kChunks;
+  static_assert(kCopies % kThreads == 0, "every thread copies as many chunks");
+  // A pass covers whole rows where the threads divide into them (each thread then keeps its
+  // chunk); else (rows of 24 chunks: head dim 192) thread t copies chunks t, t + kThreads, ...
+  constexpr bool kWholeRows = kThreads % Tile::kChunks == 0;
+  constexpr int kRowsPerPass = kWholeRows ? kThreads / Tile::kChunks : 0;
 #pragma unroll
   for (int i = 0; i < kCopies / kThreads; ++i) {
-    const int r = r0 + i * kRowsPerPass;
+    const int index = kWholeRows ? tid : tid + i * kThreads;
+    const int c = index % Tile::kChunks, r = index / Tile::kChunks + i * kRowsPerPass;
     if (r < rows && c < chunks)
       *reinterpret_cast<uint4*>(gmem + r * row_stride + c * 8) =
           *reinterpret_cast<const uint4*>(smem + Tile::offset(r, c));

@@ -18,7 +18,7 @@ namespace jax_flash::cuda {
 #define JF_HEAD_DIMS(X) X(32) X(64) X(96) X(128) X(192) X(256)
 #define JF_SM80_HEAD_DIMS(X) X(32) X(64) X(128) X(192) X(256)
 #define JF_SM90_FWD_HEAD_DIMS(X) X(64) X(96) X(128) X(192) X(256)
-#define JF_SM90_BWD_HEAD_DIMS(X) X(64) X(96) X(128) X(256)
+#define JF_SM90_BWD_HEAD_DIMS(X) X(64) X(96) X(128) X(192) X(256)
 
 // The smallest mma.sync head dim at or above head_dim.
 constexpr int sm80_head_dim(int head_dim) {
@@ -70,17 +70,19 @@ struct TileShapes {
     return kHeadDim == 192 || kHeadDim == 256 || (kHeadDim == 64 && !causal);
   }
   // Warp-specialised wgmma backward: a TMA producer warpgroup and 2 consumer warpgroups x 64 keys,
-  // query blocks of 64; dQ added by atomics, or by bulk reductions from a shared tile. At head dim
-  // 256 the warpgroups share key blocks of 64 and split the head dim (sm90/traits.cuh
-  // kSplitHeadDim; dQ by atomics only): 1.4-1.5x the mma.sync backward (H200, session 22,
-  // cuda/PERF_NOTES.md v22). Head dim 192 has none of its own (its halves are not whole 64-column
-  // blocks): its backward runs on 256's, zero-padded (gpu/launch.cu pads_192_backward; v28).
-  static constexpr bool kSplitBwd = kHeadDim == 256;
+  // query blocks of 64; dQ added by atomics, or by bulk reductions from a shared tile. At head dims
+  // 192 and 256 the warpgroups share key blocks of 64 and split the head dim's products
+  // (sm90/traits.cuh kSplitHeadDim; dQ by atomics only): at 256 1.4-1.5x the mma.sync backward
+  // (H200, session 22, cuda/PERF_NOTES.md v22). Head dim 192 ran 256's kernels zero-padded in
+  // session 28 (JAX_FLASH_CUDA_HD192_BWD=padded; gpu/launch.cu pads_192_backward).
+  static constexpr bool kSplitBwd = kHeadDim == 192 || kHeadDim == 256;
   using Sm90BwdWs = Sm90BwdWsTraits<kHeadDim, false, 64, false, kSplitBwd>;
   using Sm90BwdWsBulkDq = Sm90BwdWsTraits<kHeadDim, !kSplitBwd, 64, false, kSplitBwd>;
-  // Experimental (JAX_FLASH_CUDA_BACKWARD=sm90ws_stagedq): the split kernel with dQ handed off
-  // through the stage's Q and dO tiles into a tiled accumulator (sm90/traits.cuh kStageDq).
-  using Sm90BwdWsStageDq = Sm90BwdWsTraits<kHeadDim, false, 64, false, kSplitBwd, false, kSplitBwd>;
+  // Experimental (JAX_FLASH_CUDA_BACKWARD=sm90ws_stagedq): the split kernel of head dim 256 with
+  // dQ handed off through the stage's Q and dO tiles into a tiled accumulator (sm90/traits.cuh
+  // kStageDq).
+  static constexpr bool kHasSm90BwdStageDq = kHeadDim == 256;
+  using Sm90BwdWsStageDq = Sm90BwdWsTraits<kHeadDim, false, 64, false, kSplitBwd, false, kHasSm90BwdStageDq>;
   // FlashAttention-3's dQ hand-off, one bulk reduction a warpgroup a visit into an accumulator in
   // the fragments' order (the kernel of head dim 128): the default at head dim 128 (+8-10% on the
   // backward over row reductions, H200, session 18, cuda/PERF_NOTES.md v18), at 65..127 with
@@ -137,7 +139,7 @@ decltype(auto) with_sm90_bwd_traits(Sm90BwdVariant variant, F&& f) {
     static_assert(M80::kBlockM == kTransposedDqRows && M80::kHeadDim == kTiledDqColumns, "transposed dQ geometry");
     if (variant == Sm90BwdVariant::kM80) return f(TypeTag<M80>{});
   }
-  if constexpr (Shapes::kSplitBwd)
+  if constexpr (Shapes::kHasSm90BwdStageDq)
     if (variant == Sm90BwdVariant::kStageDq) return f(TypeTag<typename Shapes::Sm90BwdWsStageDq>{});
   if constexpr (Shapes::kHasSm90BwdBlockM128)
     if (variant == Sm90BwdVariant::kBlockM128) return f(TypeTag<typename Shapes::Sm90BwdWsBlockM128>{});

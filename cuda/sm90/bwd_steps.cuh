@@ -227,21 +227,28 @@ __device__ __forceinline__ void accumulate_gradients(float (&dk)[1][Traits::kHea
 
 // ---- Split head dim (Traits::kSplitHeadDim): the P^T and dS^T tiles are [key][query], every
 // key of the block and every query of the visit; a warpgroup owns head-dim columns
-// kGradColumns * group .. of dK, dV and dQ.
+// kGradColumns * group .. of dK and dV (Traits::split_grad_columns) and 64-column blocks of dQ
+// (Traits::split_dq_blocks).
 
-// dV += P^T dO and dK += dS^T Q for warpgroup `group`'s head-dim columns, every operand from
-// shared memory: issued and committed, not waited for.
-template <typename Traits, typename T>
-__device__ __forceinline__ void issue_split_key_gradients(float (&dk)[1][Traits::kGradColumns / 8][4],
-                                                          float (&dv)[1][Traits::kGradColumns / 8][4],
+// The first kTiles n-tiles of an accumulator, as an accumulator of their own: a warpgroup's
+// columns of the split kernels' dK and dV, whose arrays hold the widest warpgroup's.
+template <int kTiles, int kAllTiles>
+__device__ __forceinline__ auto leading_tiles(float (&x)[1][kAllTiles][4]) -> float (&)[1][kTiles][4] {
+  static_assert(kTiles <= kAllTiles, "a part of the accumulator");
+  return *reinterpret_cast<float(*)[1][kTiles][4]>(&x);
+}
+
+// dV += P^T dO and dK += dS^T Q for kN head-dim columns from 64-column block col_block0, every
+// operand from shared memory: issued and committed, not waited for.
+template <typename Traits, int kN, typename T>
+__device__ __forceinline__ void issue_split_key_gradients(float (&dk)[1][kN / 8][4], float (&dv)[1][kN / 8][4],
                                                           uint32_t pt_address, uint32_t ds_address, uint32_t q_address,
-                                                          uint32_t do_address, int group) {
+                                                          uint32_t do_address, int col_block0) {
   static_assert(Traits::kSplitHeadDim, "the split head dim's products");
-  constexpr int kN = Traits::kGradColumns;
-  static_assert(kN % 64 == 0, "halves of whole 64-column blocks");
+  static_assert(kN % 64 == 0, "whole 64-column blocks");
   using QTile = typename Traits::QTile;
   using DsTile = typename Traits::DsTile;
-  const uint32_t columns = group * (kN / 64) * QTile::kBlockBytes;  // the warpgroup's first column
+  const uint32_t columns = col_block0 * QTile::kBlockBytes;
   const uint64_t pt_desc = DsTile::k_major(pt_address, 0, 0);
   const uint64_t ds_desc = DsTile::k_major(ds_address, 0, 0);
   const uint64_t do_desc = QTile::n_major(do_address + columns, 0);
@@ -406,11 +413,10 @@ __device__ __forceinline__ void add_dk_dv(const BwdParams& p, const Task& task,
 // dK and dV rows of the key block (zeros where no query sees the key), through shared memory
 // where K and V were, so that the stores are whole rows: kThreads threads (this one `tid`),
 // `sync` a barrier of all of them (K and V are no longer read once every warp is there). A
-// thread's fragments are keys warp_key0 .. and head-dim columns col0 .. (Traits::kGradColumns).
-template <typename Traits, int kThreads, typename T, typename Task, typename Sync>
-__device__ __forceinline__ void store_dk_dv(const BwdParams& p, const Task& task,
-                                            const float (&dk)[1][Traits::kGradColumns / 8][4],
-                                            const float (&dv)[1][Traits::kGradColumns / 8][4], T* s_k, T* s_v,
+// thread's fragments are keys warp_key0 .. and head-dim columns col0 .. (kTiles x 8 of them).
+template <typename Traits, int kThreads, typename T, typename Task, typename Sync, int kTiles>
+__device__ __forceinline__ void store_dk_dv(const BwdParams& p, const Task& task, const float (&dk)[1][kTiles][4],
+                                            const float (&dv)[1][kTiles][4], T* s_k, T* s_v,
                                             int warp_key0, int col0, int lane, int tid, Sync sync) {
   using OutTile = SmemTile<Traits::kBlockN, Traits::kTileHeadDim>;
   static_assert(OutTile::kElements == Traits::KVTile::kElements, "dK and dV staged where K and V were");

@@ -432,10 +432,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     float dq[1][kDqTiles][4];
     if constexpr (kSplit) {
       // P^T and dS^T of the warpgroup's queries to this visit's tiles (every key), then, once
-      // both warpgroups' are in, its head-dim columns of dV and dK and the first 64-column block
-      // of dQ from them; the stage released once dV and dK are in; dQ's second block issued
-      // while the first's atomics run. A block none of whose queries see the keys (both
-      // warpgroups alike) adds nothing: no stores, no products.
+      // both warpgroups' are in, its head-dim columns of dV and dK and its first 64-column block
+      // of dQ from them; the stage released once dV and dK are in; dQ's second block (if it has
+      // one) issued while the first's atomics run. A block none of whose queries see the keys
+      // (both warpgroups alike) adds nothing: no stores, no products.
       if (group_live) {
         store_transposed_ds<Traits>(smem.pt_buffer(it % 2), st, warp_key0, lane, query0);
         store_transposed_ds<Traits>(ds, dpt, warp_key0, lane, query0);
@@ -443,55 +443,71 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       fence_proxy_async();
       consumers_sync();  // both warpgroups' P^T and dS^T are in
       const bool dq_live = dq_here && group_live;
-      if (group_live)
-        issue_split_key_gradients<Traits, T>(dk, dv, smem_address(smem.pt_buffer(it % 2)), ds_address, q_address,
-                                             do_address, group);
-      if (dq_live) {
-        issue_query_gradient<Traits, T>(dq, ds_address, k_address, group * 2);
-        wgmma_wait<1>();
-      } else {
-        wgmma_wait<0>();
-      }
-      fence_registers(dv[0]);
-      fence_registers(dk[0]);
-      Mbarrier(&bars.empty[stage]).arrive();  // every lane (kConsumerThreads of kReleaseCount)
-      if constexpr (kStagedDq) {
-        // dV and dK are in: this warpgroup's halves of Q and dO are no longer read (the other
-        // warpgroup reads its own halves; S^T and dP^T were in before the barrier). dQ's first
-        // 64-column block goes where its Q columns were, the second where its dO columns were,
-        // each in the fragments' order (conflict-free 16-byte stores); then the writer is told.
+      // Warpgroup `kG`'s products and dQ, its column counts as constants (they differ between the
+      // warpgroups at head dim 192).
+      auto split_gradients = [&](auto group_constant) {
+        constexpr int kG = decltype(group_constant)::value;
+        constexpr int kN = Traits::split_grad_columns(kG), kDqBlocks = Traits::split_dq_blocks(kG);
+        const int dq_block0 = Traits::split_dq_block0(group);  // (group is kG where the warpgroups differ)
+        auto& dk_part = leading_tiles<kN / 8>(dk);
+        auto& dv_part = leading_tiles<kN / 8>(dv);
+        if (group_live)
+          issue_split_key_gradients<Traits, kN, T>(dk_part, dv_part, smem_address(smem.pt_buffer(it % 2)), ds_address,
+                                                   q_address, do_address, grad_col0 / 64);
         if (dq_live) {
-          float dq_next[1][8][4];
+          issue_query_gradient<Traits, T>(dq, ds_address, k_address, dq_block0);
+          wgmma_wait<1>();
+        } else {
+          wgmma_wait<0>();
+        }
+        fence_registers(dv_part[0]);
+        fence_registers(dk_part[0]);
+        Mbarrier(&bars.empty[stage]).arrive();  // every lane (kConsumerThreads of kReleaseCount)
+        if constexpr (kStagedDq) {
+          // dV and dK are in: this warpgroup's halves of Q and dO are no longer read (the other
+          // warpgroup reads its own halves; S^T and dP^T were in before the barrier). dQ's first
+          // 64-column block goes where its Q columns were, the second where its dO columns were,
+          // each in the fragments' order (conflict-free 16-byte stores); then the writer is told.
+          static_assert(kDqBlocks == 2, "two 64-column blocks of dQ a warpgroup");
+          if (dq_live) {
+            float dq_next[1][8][4];
+            wgmma_wait<0>();
+            fence_registers(dq[0]);
+            issue_query_gradient<Traits, T>(dq_next, ds_address, k_address, dq_block0 + 1);
+            store_in_fragment_order(reinterpret_cast<float4*>(smem.q_stage(stage)) + group * (kBM * 64 / 4) + ctid % 128,
+                                    dq);
+            wgmma_wait<0>();
+            fence_registers(dq_next[0]);
+            store_in_fragment_order(reinterpret_cast<float4*>(smem.d_o_stage(stage)) + group * (kBM * 64 / 4) + ctid % 128,
+                                    dq_next);
+            fence_proxy_async();  // the bulk reductions read through the async proxy
+          }
+          if (ctid % 128 == 0) bars.staged_dq_live[stage][group] = dq_live;
+          __syncwarp();
+          if (lane == 0) Mbarrier(&bars.dq_full[group]).arrive();
+        } else if (dq_live) {
           wgmma_wait<0>();
           fence_registers(dq[0]);
-          issue_query_gradient<Traits, T>(dq_next, ds_address, k_address, group * 2 + 1);
-          store_in_fragment_order(reinterpret_cast<float4*>(smem.q_stage(stage)) + group * (kBM * 64 / 4) + ctid % 128, dq);
-          wgmma_wait<0>();
-          fence_registers(dq_next[0]);
-          store_in_fragment_order(reinterpret_cast<float4*>(smem.d_o_stage(stage)) + group * (kBM * 64 / 4) + ctid % 128,
-                                  dq_next);
-          fence_proxy_async();  // the bulk reductions read through the async proxy
+          if constexpr (kDqBlocks == 2) {
+            float dq_next[1][8][4];
+            issue_query_gradient<Traits, T>(dq_next, ds_address, k_address, dq_block0 + 1);
+            add_dq<Traits::kDqByRows>(p, task, dq, m0, visit.h, group, dq_block0 * 64, warp, lane);
+            wgmma_wait<0>();
+            fence_registers(dq_next[0]);
+            add_dq<Traits::kDqByRows>(p, task, dq_next, m0, visit.h, group, dq_block0 * 64 + 64, warp, lane);
+          } else {
+            static_assert(kDqBlocks == 1, "one or two 64-column blocks of dQ a warpgroup");
+            add_dq<Traits::kDqByRows>(p, task, dq, m0, visit.h, group, dq_block0 * 64, warp, lane);
+          }
         }
-        if (ctid % 128 == 0) bars.staged_dq_live[stage][group] = dq_live;
-        __syncwarp();
-        if (lane == 0) Mbarrier(&bars.dq_full[group]).arrive();
+        // Every path has waited for its products by now; said here, where the paths join, ptxas
+        // need not inject the wait itself (C7517, a no-op DEPBAR a visit either way).
         wgmma_wait<0>();
-        continue;
-      }
-      if (dq_live) {
-        static_assert(kGC == 128, "two 64-column blocks of dQ a warpgroup");
-        float dq_next[1][8][4];
-        wgmma_wait<0>();
-        fence_registers(dq[0]);
-        issue_query_gradient<Traits, T>(dq_next, ds_address, k_address, group * 2 + 1);
-        add_dq<Traits::kDqByRows>(p, task, dq, m0, visit.h, group, grad_col0, warp, lane);
-        wgmma_wait<0>();
-        fence_registers(dq_next[0]);
-        add_dq<Traits::kDqByRows>(p, task, dq_next, m0, visit.h, group, grad_col0 + 64, warp, lane);
-      }
-      // Every path has waited for its products by now; said here, where the paths join, ptxas
-      // need not inject the wait itself (C7517, a no-op DEPBAR a visit either way).
-      wgmma_wait<0>();
+      };
+      if (Traits::split_grad_columns(0) == Traits::split_grad_columns(1) || group == 0)
+        split_gradients(std::integral_constant<int, 0>{});
+      else
+        split_gradients(std::integral_constant<int, 1>{});
       continue;
     } else if constexpr (Traits::kDeferDq) {
       // This visit's dS^T, signalled to the other warpgroup; dV and dK (this warpgroup's rows of
@@ -602,11 +618,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     for (int e = 0; e < 4; ++e) dk[0][nt][e] *= p.scale;
   // A part of the group's heads (not with the experimental 80-row visits: their registers
   // spilled 476 B with it): added, converted by a last kernel.
-  if (!Traits::kDqTransposed && p.kv_head_splits > 1)
-    add_dk_dv<Traits>(p, task, dk, dv, warp_key0, grad_col0, lane);
-  else
+  if (!Traits::kDqTransposed && p.kv_head_splits > 1) {
+    add_dk_dv<Traits>(p, task, dk, dv, warp_key0, grad_col0, lane);  // (columns past the head dim skipped)
+  } else if (kSplit && group == 1 && Traits::split_grad_columns(1) < kGC) {
+    constexpr int kTiles = (kSplit ? Traits::split_grad_columns(1) : kGC) / 8;  // (head dim 192's)
+    store_dk_dv<Traits, kConsumerThreads>(p, task, leading_tiles<kTiles>(dk), leading_tiles<kTiles>(dv), smem.k,
+                                          smem.v, warp_key0, grad_col0, lane, ctid, consumers_sync);
+  } else {
     store_dk_dv<Traits, kConsumerThreads>(p, task, dk, dv, smem.k, smem.v, warp_key0, grad_col0, lane, ctid,
                                           consumers_sync);
+  }
 #endif  // JF_SM90A
 }
 

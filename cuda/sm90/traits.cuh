@@ -81,12 +81,14 @@ struct Sm90FwdWsTraits {
 // which reads dS^T as a K-major B: the dS^T buffers are query-major, [query][key] (stmatrix
 // .trans from the fragments), and dK += dS^T Q reads them M-major. The tiled hand-off then holds
 // dQ^T fragments (gpu/bwd_postprocess.cuh flash_bwd_convert_transposed_dq_kernel).
-// kSplitHeadDim (head dim 256, where a warpgroup's dK and dV over the whole head dim do not fit in
-// its registers; FlashAttention-3 splits it too): key blocks of 64 that both warpgroups share;
-// each computes S^T and dP^T for its half of the block's queries (N = 32), leaves P^T and dS^T in
-// shared tiles, and after the consumers' barrier accumulates dV, dK and dQ for its half of the
-// head dim (N = 128) from them; dQ by atomics. (At 192 the second half would start mid-way
-// through a 64-column block, which an N-major wgmma operand cannot.)
+// kSplitHeadDim (head dims 192 and 256, where a warpgroup's dK and dV over the whole head dim do
+// not fit in its registers; FlashAttention-3 splits them too): key blocks of 64 that both
+// warpgroups share; each computes S^T and dP^T for its half of the block's queries (N = 32),
+// leaves P^T and dS^T in shared tiles, and after the consumers' barrier accumulates dV and dK for
+// its head-dim columns (warpgroup 0 the first 128, warpgroup 1 the rest: 128 or 64) and dQ for its
+// 64-column blocks of it (two each at 256; at 192 one for warpgroup 0 and two for warpgroup 1, so
+// that each takes about half the products: split_grad_columns, split_dq_blocks); dQ by atomics.
+// (Halves of 96 would start mid-way through a 64-column block, which an N-major operand cannot.)
 // kDeferDq (experimental, with kTiledDq on 64-row visits): the consumers' barrier goes; each
 // warpgroup computes a visit's dQ during its next visit, once the other warpgroup has signalled
 // that visit's dS^T (an mbarrier a warpgroup and buffer), so the two warpgroups may drift apart
@@ -107,12 +109,12 @@ struct Sm90BwdWsTraits {
   static constexpr int kTileHeadDim = tile_head_dim(kHeadDim);
   static constexpr bool kSplitHeadDim = kSplitHeadDim_;
   static constexpr bool kStageDq = kStageDq_;
-  static_assert(!kStageDq || kSplitHeadDim_, "dQ through the stage: the split head dim's");
+  static_assert(!kStageDq || (kSplitHeadDim_ && kHeadDim == 256), "dQ through the stage: the split head dim 256's");
   static constexpr bool kDeferDq = kDeferDq_;
   static_assert(!kDeferDq || (kTiledDq_ && kBlockM_ == 64), "deferred dQ: the tiled hand-off, 64-row visits");
   static constexpr int kDsBuffers = kDeferDq ? 4 : 2;
-  static_assert(!kSplitHeadDim || (kBlockM_ == 64 && !kBulkDq_ && kHeadDim == 256),
-                "split head dim: 64-row visits, dQ by atomics, head dim 256");
+  static_assert(!kSplitHeadDim || (kBlockM_ == 64 && !kBulkDq_ && (kHeadDim == 192 || kHeadDim == 256)),
+                "split head dim: 64-row visits, dQ by atomics, head dim 192 or 256");
   static constexpr bool kBulkDq = kBulkDq_;
   static constexpr bool kTiledDq = kTiledDq_;
   static constexpr bool kDqTransposed = kBlockM_ == 80;
@@ -128,10 +130,17 @@ struct Sm90BwdWsTraits {
   static constexpr int kBlockN = kSplitHeadDim ? 64 : 128;  // keys: 2 consumer warpgroups x 64, or 64 shared
   static constexpr int kConsumers = 2;
   // A warpgroup's S^T and dP^T: 64 keys x kScoreQueries of the block's queries (all, or its half
-  // with kSplitHeadDim, from kScoreQueries * group); its dK and dV: 64 keys x kGradColumns of the
-  // head dim (all, or its half from kGradColumns * group).
+  // with kSplitHeadDim, from kScoreQueries * group); its dK and dV: 64 keys x at most
+  // kGradColumns of the head dim (all, or with kSplitHeadDim split_grad_columns(group) of them
+  // from kGradColumns * group).
   static constexpr int kScoreQueries = kSplitHeadDim ? kBlockM_ / 2 : kBlockM_;
-  static constexpr int kGradColumns = kSplitHeadDim ? kHeadDim / 2 : kHeadDim;
+  static constexpr int kGradColumns = kSplitHeadDim ? 128 : kHeadDim;
+  // kSplitHeadDim: warpgroup g's columns of dK and dV, and its 64-column blocks of dQ (from
+  // split_dq_block0(g)): at 192 warpgroup 0 takes 128 + 64 columns of products, warpgroup 1
+  // 64 + 128.
+  static constexpr int split_grad_columns(int g) { return g == 0 ? 128 : kHeadDim - 128; }
+  static constexpr int split_dq_blocks(int g) { return g == 0 ? kHeadDim / 128 : kHeadDim / 64 - kHeadDim / 128; }
+  static constexpr int split_dq_block0(int g) { return g == 0 ? 0 : kHeadDim / 128; }
   static constexpr int kStages = 2;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kConsumerWarps = 4 * kConsumers;
