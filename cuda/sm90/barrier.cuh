@@ -28,6 +28,10 @@ struct Mbarrier {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(address), "r"(bytes)
                  : "memory");
   }
+  // Expects `bytes` more of asynchronous copies in this phase, without arriving.
+  __device__ __forceinline__ void expect_bytes(uint32_t bytes) const {
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(address), "r"(bytes) : "memory");
+  }
   __device__ __forceinline__ void arrive() const {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(address) : "memory");
   }

@@ -274,6 +274,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       Mbarrier(&bars.empty[stage]).wait(phase ^ 1);
       const int64_t m0 = static_cast<int64_t>(visit.mb) * kBM;
       const int rows = task.rows(visit);
+      // Whole tiles by TMA: with Traits::kStatsUnderTma issued before the rows' lse and delta
+      // load (lane 0 expects the bytes; the phase completes once every lane has arrived after its
+      // stores, and the bytes are in), else after them (lane 0's arrival expecting the bytes).
+      const bool whole_tiles = rows == kBM || task.q_len == sh.seq_q;
+      auto issue_whole_tiles = [&] {
+        tma_load_tile<QTile>(smem.q_stage(stage), params.q, visit.h, m0, task.b, full);
+        tma_load_tile<QTile>(smem.d_o_stage(stage), params.d_o, visit.h, m0, task.b, full);
+      };
+      constexpr uint32_t kStageBytes = 2 * QTile::kElements * sizeof(T);
+      if (Traits::kStatsUnderTma && whole_tiles && lane == 0) {
+        full.expect_bytes(kStageBytes);
+        issue_whole_tiles();
+      }
       // The rows' lse in log2 units (+inf for rows that attend to nothing or are past q_len,
       // so that their P is 0) and delta.
 #pragma unroll
@@ -287,11 +300,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         smem.lse2[stage * kBM + r] = lse == kEmptyRowLse ? INFINITY : lse * kLog2e;
         smem.delta[stage * kBM + r] = delta;
       }
-      if (rows == kBM || task.q_len == sh.seq_q) {
-        if (lane == 0) {
-          full.arrive_expect_bytes(2 * QTile::kElements * sizeof(T));
-          tma_load_tile<QTile>(smem.q_stage(stage), params.q, visit.h, m0, task.b, full);
-          tma_load_tile<QTile>(smem.d_o_stage(stage), params.d_o, visit.h, m0, task.b, full);
+      if (whole_tiles) {
+        if (!Traits::kStatsUnderTma && lane == 0) {
+          full.arrive_expect_bytes(kStageBytes);
+          issue_whole_tiles();
         } else {
           full.arrive();
         }

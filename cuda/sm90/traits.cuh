@@ -142,6 +142,10 @@ struct Sm90BwdWsTraits {
   static constexpr int split_dq_blocks(int g) { return g == 0 ? kHeadDim / 128 : kHeadDim / 64 - kHeadDim / 128; }
   static constexpr int split_dq_block0(int g) { return g == 0 ? 0 : kHeadDim / 128; }
   static constexpr int kStages = 2;
+  // The producer issues a stage's TMA before it loads the rows' lse and delta, so that those
+  // loads run under the copies: bwd +1-2% at head dims 128 and 256 on the H200, but 2-3% slower
+  // at 192's split kernel, which keeps the loads first (session 29, cuda/PERF_NOTES.md v29).
+  static constexpr bool kStatsUnderTma = !(kSplitHeadDim && kHeadDim == 192);
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kConsumerWarps = 4 * kConsumers;
   // Consumer warps that compute dQ: each warpgroup 64 of the (tile's) head dim's columns.
