@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdlib>
 #include <optional>
 
@@ -59,24 +60,34 @@ std::optional<KernelFamily> read_override(const char* variable, bool forward, st
   return std::nullopt;
 }
 
-// A two-valued switch: false where `variable` is set to `off_value`, true where unset or set to
-// `on_value`; another value is appended to `error`.
-bool read_switch(const char* variable, const char* on_value, const char* off_value, std::string& error) {
+// The index of `variable`'s value in `values`: 0 (the default) where unset or empty; another
+// value is appended to `error` (with the values it takes) and reads as 0.
+template <size_t kValues>
+size_t read_choice(const char* variable, const char* const (&values)[kValues], std::string& error) {
   const char* value = std::getenv(variable);
-  if (value == nullptr || *value == '\0' || std::string(value) == on_value) return true;
-  if (std::string(value) == off_value) return false;
-  append_unknown_value(error, variable, value, (std::string(on_value) + ", " + off_value).c_str());
-  return true;
+  if (value == nullptr || *value == '\0') return 0;
+  std::string choices;
+  for (size_t i = 0; i < kValues; ++i) {
+    if (std::string(value) == values[i]) return i;
+    choices += std::string(i ? ", " : "") + values[i];
+  }
+  append_unknown_value(error, variable, value, choices.c_str());
+  return 0;
 }
 
-// JAX_FLASH_CUDA_HD192_BWD: native where unset; another value is appended to `error`.
+// A two-valued switch: false where `variable` is set to `off_value`, true where unset or set to
+// `on_value`.
+bool read_switch(const char* variable, const char* on_value, const char* off_value, std::string& error) {
+  const char* const values[] = {on_value, off_value};
+  return read_choice(variable, values, error) == 0;
+}
+
+// JAX_FLASH_CUDA_HD192_BWD: native where unset.
 HeadDim192Backward read_head_dim_192_backward(std::string& error) {
-  const char* value = std::getenv(kHeadDim192BackwardVariable);
-  if (value == nullptr || *value == '\0' || std::string(value) == "native") return HeadDim192Backward::kNative;
-  if (std::string(value) == "padded") return HeadDim192Backward::kPadded;
-  if (std::string(value) == "sm80") return HeadDim192Backward::kSm80;
-  append_unknown_value(error, kHeadDim192BackwardVariable, value, "native, padded, sm80");
-  return HeadDim192Backward::kNative;
+  const char* const values[] = {"native", "padded", "sm80"};
+  constexpr HeadDim192Backward kChoices[] = {HeadDim192Backward::kNative, HeadDim192Backward::kPadded,
+                                             HeadDim192Backward::kSm80};
+  return kChoices[read_choice(kHeadDim192BackwardVariable, values, error)];
 }
 
 Overrides read_overrides() {

@@ -39,8 +39,9 @@ inline int64_t dq_tiles_elements(const AttentionShape& shape, int64_t rows, int6
   return shape.batch * shape.heads_q * ((shape.seq_q + rows - 1) / rows) * rows * columns;
 }
 // Whether the call's backward adds dQ in tiles of 64 rows x staged_dq_columns through the stage
-// (experimental: JAX_FLASH_CUDA_BACKWARD=sm90ws_stagedq where the split kernels run, head dims
-// 129..256 on Hopper; sm90/traits.cuh kStageDq); deterministic calls do not.
+// (experimental: JAX_FLASH_CUDA_BACKWARD=sm90ws_stagedq where the split kernel of 256 runs, head
+// dims 193..256 on Hopper, 129..256 under JAX_FLASH_CUDA_HD192_BWD=padded; sm90/traits.cuh
+// kStageDq); deterministic calls do not.
 bool staged_dq_accum(const AttentionShape& shape, bool deterministic);
 // Columns of a staged dQ tile: the head dim in whole 64-column parts.
 inline int64_t staged_dq_columns(const AttentionShape& shape) { return (shape.head_dim + 63) / 64 * 64; }
