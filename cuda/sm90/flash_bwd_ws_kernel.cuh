@@ -349,6 +349,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const uint32_t k_address = smem_address(smem.k), v_address = smem_address(smem.v);
   // The two consumer warpgroups meet on named barrier 1 (id 0 is __syncthreads').
   auto consumers_sync = [] { named_barrier_sync(1, kConsumerThreads); };
+  // f(std::integral_constant<int, g>) with this warpgroup's g where the split warpgroups' column
+  // counts differ (Traits::kSplitUneven), else f(integral_constant<int, 0>): one instantiation.
+  auto with_group_constant = [&](auto&& f) {
+    if (!Traits::kSplitUneven || group == 0)
+      f(std::integral_constant<int, 0>{});
+    else
+      f(std::integral_constant<int, 1>{});
+  };
 
   // The query blocks this warpgroup's keys take part in (the others skip their products).
   const int64_t group_key0 = n0 + group_keys;
@@ -516,10 +524,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // need not inject the wait itself (C7517, a no-op DEPBAR a visit either way).
         wgmma_wait<0>();
       };
-      if (Traits::split_grad_columns(0) == Traits::split_grad_columns(1) || group == 0)
-        split_gradients(std::integral_constant<int, 0>{});
-      else
-        split_gradients(std::integral_constant<int, 1>{});
+      with_group_constant(split_gradients);
       continue;
     } else if constexpr (Traits::kDeferDq) {
       // This visit's dS^T, signalled to the other warpgroup; dV and dK (this warpgroup's rows of
@@ -632,10 +637,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // spilled 476 B with it): added, converted by a last kernel.
   if (!Traits::kDqTransposed && p.kv_head_splits > 1) {
     add_dk_dv<Traits>(p, task, dk, dv, warp_key0, grad_col0, lane);  // (columns past the head dim skipped)
-  } else if (kSplit && group == 1 && Traits::split_grad_columns(1) < kGC) {
-    constexpr int kTiles = (kSplit ? Traits::split_grad_columns(1) : kGC) / 8;  // (head dim 192's)
-    store_dk_dv<Traits, kConsumerThreads>(p, task, leading_tiles<kTiles>(dk), leading_tiles<kTiles>(dv), smem.k,
-                                          smem.v, warp_key0, grad_col0, lane, ctid, consumers_sync);
+  } else if constexpr (Traits::kSplitUneven) {
+    with_group_constant([&](auto group_constant) {  // the warpgroup's columns only
+      constexpr int kTiles = Traits::split_grad_columns(decltype(group_constant)::value) / 8;
+      store_dk_dv<Traits, kConsumerThreads>(p, task, leading_tiles<kTiles>(dk), leading_tiles<kTiles>(dv), smem.k,
+                                            smem.v, warp_key0, grad_col0, lane, ctid, consumers_sync);
+    });
   } else {
     store_dk_dv<Traits, kConsumerThreads>(p, task, dk, dv, smem.k, smem.v, warp_key0, grad_col0, lane, ctid,
                                           consumers_sync);

@@ -140,7 +140,10 @@ struct Sm90BwdWsTraits {
   // 64 + 128.
   static constexpr int split_grad_columns(int g) { return g == 0 ? 128 : kHeadDim - 128; }
   static constexpr int split_dq_blocks(int g) { return g == 0 ? kHeadDim / 128 : kHeadDim / 64 - kHeadDim / 128; }
-  static constexpr int split_dq_block0(int g) { return g == 0 ? 0 : kHeadDim / 128; }
+  static constexpr int split_dq_block0(int g) { return g == 0 ? 0 : split_dq_blocks(0); }
+  // Whether the two warpgroups' column counts differ (head dim 192): each then runs its own
+  // instantiation of the products that depend on them.
+  static constexpr bool kSplitUneven = kSplitHeadDim && split_grad_columns(0) != split_grad_columns(1);
   static constexpr int kStages = 2;
   // The producer issues a stage's TMA before it loads the rows' lse and delta, so that those
   // loads run under the copies: bwd +1-2% at head dims 128 and 256 on the H200, but 2-3% slower
