@@ -187,9 +187,11 @@ def block_sparse_lists(block_mask: jax.Array, heads_k: int) -> tuple[jax.Array, 
 
 
 def _check_value_head_dim(config: KernelConfig, q, v) -> None:
-  """Only the "cpu" kernels take v's head dim Hv != q's H (call_kernels pads the "cuda" calls'
-  head dims to one; this guards the kernel calls themselves)."""
-  if config.implementation != "cpu" and v.shape[-1] != q.shape[-1]:
+  """Only the "cpu" kernels, and the "cuda" forward where a kernel of the pair runs it
+  (_registry.cuda_forward_takes_value_head_dim; its handler refuses the rest), take v's head dim
+  Hv != q's H (call_kernels pads the other "cuda" calls' head dims to one, and _flash_bwd v and
+  dO; this guards the kernel calls themselves)."""
+  if config.implementation not in ("cpu", "cuda") and v.shape[-1] != q.shape[-1]:
     raise NotImplementedError(
         f"the {config.implementation!r} kernels take no value head dim Hv other than the "
         f"query/key head dim H; got q{tuple(q.shape)} and v{tuple(v.shape)}: use "
@@ -328,7 +330,7 @@ def delta_rows(o, d_o, o_error=None) -> jax.Array:
 
 def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig, segment_ids=None,
                o_error=None, alibi_slopes=None, block_mask=None, dropout_seeds=None, bias=None,
-               mask=None, dbias=True):
+               mask=None, dbias=True, delta=None):
   """Returns (dq, dk, dv), and with a `bias` and `dbias` (dq, dk, dv, dbias), dbias in the
   bias's shape and dtype (dS summed over its broadcast dims; "cpu" only; without `dbias` the
   kernel neither forms nor returns it: a bias nothing differentiates); the kernel's workspaces come back as extra outputs and are dropped:
@@ -340,8 +342,23 @@ def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig, segm
   and its error are dead before the call's dQ accumulator is live (the fwd+bwd's peak memory).
   `alibi_slopes`: those of the forward (the kernel recomputes the same biased scores; the slopes
   get no gradient). `dropout_seeds`: those of the forward (the kernel regenerates the same
-  mask)."""
+  mask). `delta`: the CUDA kernels' rowsum(dO * O) where the caller formed it (o then unused).
+  On CUDA a value head dim Hv < H runs the kernels of H, v and dO zero-padded."""
   _check_value_head_dim(config, q, v)
+  head_dim_v = v.shape[-1]
+  if config.implementation == "cuda" and head_dim_v != q.shape[-1]:
+    # Only the forward has kernels of a value head dim of its own: the backward takes v and dO
+    # zero-padded to H (their zero columns leave every score, dP and delta as they are: delta
+    # is formed below from o and dO as they came) and gives dv's first Hv columns.
+    if head_dim_v > q.shape[-1]:
+      raise NotImplementedError(f"the CUDA backward takes Hv > H only padded: q{tuple(q.shape)}, "
+                                f"v{tuple(v.shape)} (call_kernels pads q and k)")
+    delta = delta_rows(o, d_o, o_error)
+    widths = [(0, 0)] * (v.ndim - 1) + [(0, q.shape[-1] - head_dim_v)]
+    dq, dk, dv, *rest = _flash_bwd(q, k, jnp.pad(v, widths), None, lse, jnp.pad(d_o, widths), q_lens,
+                                   kv_lens, config, segment_ids, None, alibi_slopes, block_mask,
+                                   dropout_seeds, bias, mask, dbias, delta=delta)
+    return (dq, dk, dv[..., :head_dim_v], *rest)
   if o_error is not None and config.implementation != "cuda":
     o, o_error = _rounding.join_rounding(o, o_error), None
   *batch, seq_q, heads_q, head_dim = q.shape
@@ -366,7 +383,7 @@ def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig, segm
   else:
     elements = _registry.cuda_dq_accum_elements(batch_size, seq_q, seq_k, heads_q, heads_k,
                                                 head_dim, bool(config.deterministic))
-    rows = (lse, delta_rows(o, d_o, o_error))
+    rows = (lse, delta_rows(o, d_o, o_error) if delta is None else delta)
   results += (jax.ShapeDtypeStruct((elements,), jnp.float32),)  # dQ accumulator
   if config.implementation == "cpu":  # dbias and its float32 partials (none: dbias itself)
     # (none either where each dbias element takes one dS: then it is stored directly)
@@ -415,6 +432,16 @@ def _gpu_processors() -> int:
     return 132
 
 
+def _forward_takes_value_head_dim(implementation: str, head_dim: int, head_dim_v: int,
+                                  kv_splits: int) -> bool:
+  """Whether a call of these padded head dims H != Hv gives v to the kernels as it is: the
+  "cuda" tiled forward (not the decode kernel: `kv_splits` 0) where a kernel of the pair runs it
+  (_registry.cuda_forward_takes_value_head_dim); its backward pads v and dO (_flash_bwd)."""
+  if implementation != "cuda" or head_dim == head_dim_v or kv_splits:
+    return False
+  return _registry.cuda_forward_takes_value_head_dim(head_dim, head_dim_v)
+
+
 def head_dim_padding(implementation: str, head_dim: int) -> int:
   """How many zero columns the `implementation` kernels need appended to the head dim (the CUDA
   kernels read rows in 16-byte chunks: a multiple of 8 16-bit values)."""
@@ -446,8 +473,10 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
   made positive (positive_scale) and the head dim zero-padded as `implementation` needs
   (head_dim_padding), both outside the custom VJP so JAX differentiates them; the padding is
   sliced off the output again. q, k are rank 4 (B, T|S, N|K, H), v (B, S, K, Hv); Hv != H
-  reaches the "cpu" kernels as it is, the "cuda" ones with q and k, or v, zero-padded to the
-  larger head dim (Capabilities.value_head_dim_by_padding); out is (B, T, N, Hv).
+  reaches the "cpu" kernels as it is, and the "cuda" forward where a kernel of the pair runs it
+  (_forward_takes_value_head_dim; JAX_FLASH_CUDA_VALUE_HEAD_DIM=native), else the "cuda" ones
+  with q and k, or v, zero-padded to the larger head dim
+  (Capabilities.value_head_dim_by_padding); out is (B, T, N, Hv).
 
   On the "cpu" kernel a call with few query rows per kv head runs the split-KV decode kernel
   (jax_flash._decode.kv_splits decides; KernelConfig.kv_splits records it), except with
@@ -477,17 +506,6 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
     return jnp.zeros(_output_shape(q, v), q.dtype), empty_lse(batch, heads_q, seq_q, sinks)
   head_dim_v = v.shape[-1]
   q, scale = positive_scale(q, scale)
-  # Zero columns change no score (q, k) and give zero output columns (v).
-  pad, pad_v = (head_dim_padding(implementation, x.shape[-1]) for x in (q, v))
-  if _dispatch.capabilities(implementation).value_head_dim_by_padding:
-    # Kernels of one head dim take Hv != H at the larger of the two (MLA's 192 / 128: v padded).
-    common = max(q.shape[-1] + pad, head_dim_v + pad_v)
-    pad, pad_v = common - q.shape[-1], common - head_dim_v
-  if pad:
-    widths = [(0, 0)] * 3 + [(0, pad)]
-    q, k = (jnp.pad(x, widths) for x in (q, k))
-  if pad_v:
-    v = jnp.pad(v, [(0, 0)] * 3 + [(0, pad_v)])
   batch, seq_q, heads_q, _ = q.shape
   if implementation == "cuda" and not _decode.cuda_kernel_enabled():
     splits = cuda_kv_splits(batch, seq_q, heads_q, k.shape[2], k.shape[1], bool(is_causal),
@@ -498,6 +516,19 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
       or block_mask is not None or dropout_rate is not None or bias is not None
       or mask is not None):
     splits = 0
+  # Zero columns change no score (q, k) and give zero output columns (v).
+  pad, pad_v = (head_dim_padding(implementation, x.shape[-1]) for x in (q, v))
+  if (_dispatch.capabilities(implementation).value_head_dim_by_padding
+      and not _forward_takes_value_head_dim(implementation, q.shape[-1] + pad,
+                                            head_dim_v + pad_v, splits)):
+    # Kernels of one head dim take Hv != H at the larger of the two (MLA's 192 / 128: v padded).
+    common = max(q.shape[-1] + pad, head_dim_v + pad_v)
+    pad, pad_v = common - q.shape[-1], common - head_dim_v
+  if pad:
+    widths = [(0, 0)] * 3 + [(0, pad)]
+    q, k = (jnp.pad(x, widths) for x in (q, k))
+  if pad_v:
+    v = jnp.pad(v, [(0, 0)] * 3 + [(0, pad_v)])
   config = KernelConfig(implementation, scale, bool(is_causal), window_left, window_right,
                         deterministic, context_parallel=context_parallel, kv_splits=splits,
                         logits_soft_cap=0.0 if logits_soft_cap is None else float(logits_soft_cap),

@@ -98,6 +98,16 @@ def cuda_narrow_split_call(is_causal: bool, window_left: int, window_right: int,
   return bool(_native_cuda.narrow_split_call(is_causal, window_left, window_right, seq_q, seq_k))
 
 
+def cuda_forward_takes_value_head_dim(head_dim: int, head_dim_v: int) -> bool:
+  """Whether a CUDA forward of query/key head dim `head_dim` and value head dim `head_dim_v`
+  (both padded to the kernels' multiple, different) runs a kernel of that pair taking v as it is
+  (JAX_FLASH_CUDA_VALUE_HEAD_DIM=native on Hopper, where the pair is compiled:
+  cuda/gpu/launch.h forward_takes_value_head_dim); False without CUDA."""
+  if _native_cuda is None:
+    return False
+  return bool(_native_cuda.forward_takes_value_head_dim(head_dim, head_dim_v))
+
+
 def has_platform(platform: str) -> bool:
   """Whether kernels for `platform` ("cpu" or "cuda") were built and registered."""
   return bool(REGISTERED.get(platform))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import re
 
 import jax
@@ -27,10 +28,10 @@ from jax.sharding import PartitionSpec as P
 
 import jax_flash
 from jax_flash import _decode, _dispatch, _ops, _registry
-from tests.attention_testing import (F32, Case, assert_within_rule, check_score_variant, ffi_calls,
-                                     outputs_and_grads, packed_segment_ids, random_array,
-                                     score_variant_attention, score_variant_references,
-                                     simulate_cuda_host, visible_keys)
+from tests.attention_testing import (F32, Case, assert_within_rule, check_score_variant,
+                                     check_score_variant_output, ffi_calls, outputs_and_grads,
+                                     packed_segment_ids, random_array, score_variant_attention,
+                                     score_variant_references, simulate_cuda_host, visible_keys)
 
 IMPLEMENTATIONS = ["cpu", "blockwise", "xla"]
 
@@ -381,23 +382,115 @@ def test_cuda_calls_pad_to_one_head_dim(monkeypatch, head_dim, head_dim_v):
     for name, _, operands, results in calls:
       heads = {x.shape[-1] for x in (*operands, *results) if x.ndim == 4 and x.dtype == jnp.bfloat16}
       assert heads == {common}, (name, implementation, operands, results)
-  config = _ops.KernelConfig("cuda", 0.125, False, -1, -1)
-  lens = jnp.full((2,), 128, jnp.int32)
-  with pytest.raises(NotImplementedError, match=_pattern("'cuda' kernels", f"q(2, 128, 2, {head_dim})",
-                                                         f"v(2, 128, 2, {head_dim_v})")):
-    _ops.flash_fwd(q, q, v, lens, lens, config)
+
+
+@pytest.mark.parametrize("head_dim, head_dim_v", [(192, 128), (160, 120)])
+def test_cuda_forward_of_the_pair_takes_v_as_it_is(monkeypatch, head_dim, head_dim_v):
+  """Where a CUDA forward of the (H, Hv) pair runs (simulated: the native module says so, as it
+  does on Hopper under JAX_FLASH_CUDA_VALUE_HEAD_DIM=native), the forward custom call takes v and
+  gives o with Hv, q and k keeping H, while the backward's takes v and dO zero-padded to H and
+  gives dv's first Hv columns; the module is asked with the padded head dims. Decode shapes
+  (the decode kernel) still pad."""
+  simulate_cuda_host(monkeypatch)
+  asked = []
+
+  def takes(h, hv):
+    asked.append((h, hv))
+    return True
+
+  monkeypatch.setattr(_registry._native_cuda, "forward_takes_value_head_dim", takes)
+  q = jnp.ones((2, 128, 2, head_dim), jnp.bfloat16)
+  v = jnp.ones((2, 128, 2, head_dim_v), jnp.bfloat16)
+
+  def loss(q, k, v):
+    out = jax_flash.dot_product_attention(q, k, v, is_causal=True, implementation="cuda")
+    assert out.shape == (2, 128, 2, head_dim_v)
+    return out.astype(F32).sum()
+
+  grads = jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), q, q, v)
+  assert [x.shape for x in grads] == [q.shape, q.shape, v.shape]
+  calls = ffi_calls(jax.grad(loss, argnums=(0, 1, 2)), q, q, v)
+  assert [name for name, *_ in calls] == ["jax_flash_cuda_fwd", "jax_flash_cuda_bwd"]
+  (_, _, fwd_in, fwd_out), (_, _, bwd_in, bwd_out) = calls
+  assert [x.shape[-1] for x in fwd_in[:3]] == [head_dim, head_dim, head_dim_v]
+  assert fwd_out[0].shape[-1] == head_dim_v  # o
+  # q, k, v, lse, delta, dO: v and dO padded to H; dq, dk, dv with H.
+  assert [x.shape[-1] for x in (*bwd_in[:3], bwd_in[5])] == [head_dim] * 4
+  assert [x.shape[-1] for x in bwd_out[:3]] == [head_dim] * 3
+  assert asked and set(asked) == {(head_dim, head_dim_v)}
+  # One query row a kv head's group: the decode kernel, which pads.
+  q1 = jnp.ones((2, 1, 2, head_dim), jnp.bfloat16)
+  k1 = jnp.ones((2, 4096, 2, head_dim), jnp.bfloat16)
+  v1 = jnp.ones((2, 4096, 2, head_dim_v), jnp.bfloat16)
+  decode = ffi_calls(functools.partial(jax_flash.dot_product_attention, implementation="cuda"),
+                     q1, k1, v1)
+  assert decode and all(x.shape[-1] == head_dim for _, _, ins, _ in decode for x in ins[:3]
+                        if x.ndim == 4), decode
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("index", [0, 1, 2, 3, 5])
 def test_cuda_matches_padded_reference(index):
   """The CUDA kernels on the cases above in 16-bit (float32 ones cast to bfloat16): Hv != H
-  through their zero-padded head dims, forward and every gradient against the float32
-  reference, by the FlashAttention rule."""
+  through their zero-padded head dims (or, for 192 / 128 under
+  JAX_FLASH_CUDA_VALUE_HEAD_DIM=native, the forward of the pair), forward and every gradient
+  against the float32 reference, by the FlashAttention rule."""
   vc = CASES[index]
   if vc.case.jdtype == jnp.float32:
     vc = dataclasses.replace(vc, case=dataclasses.replace(vc.case, dtype="bfloat16"))
   check_score_variant(run(vc, "cuda"), *references(vc), _live(vc))
+
+
+# Cases for the CUDA forward of the (192, 128) pair (cuda/gpu/tile_shapes.cuh
+# JF_SM90_FWD_VALUE_HEAD_DIMS): several 128-row tiles and 128-key blocks, partial last ones.
+PAIR_CASES = [
+    # Causal GQA, lengths: a batch element with no keys (empty rows), one with part of them.
+    ValueCase(C(batch=3, seq_q=200, seq_k=300, heads_q=4, heads_k=2, head_dim=192,
+                dtype="bfloat16", is_causal=True, kv_lens=(300, 150, 0)), 128),
+    # H 160 and Hv 120 run the pair's kernels (columns past them zero-filled and not stored);
+    # a local window, query lengths, MQA, float16.
+    ValueCase(C(batch=2, seq_q=257, seq_k=257, heads_q=2, heads_k=1, head_dim=160,
+                dtype="float16", local_window_size=(64, 16), q_lens=(250, 257)), 120),
+    # The general kernels: soft cap, ALiBi and segment ids, causal.
+    ValueCase(C(batch=2, seq_q=256, seq_k=256, heads_q=2, heads_k=2, head_dim=192,
+                dtype="bfloat16", is_causal=True), 128, cap=30.0, alibi=True, segment_ids=True),
+    # Non-causal, T != S, several kv blocks: the persistent grid's tile counter.
+    ValueCase(C(batch=2, seq_q=384, seq_k=520, heads_q=3, heads_k=3, head_dim=192,
+                dtype="bfloat16"), 128),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vc", PAIR_CASES, ids=[vc.id for vc in PAIR_CASES])
+def test_cuda_value_head_dim_pairs(vc):
+  """The PAIR_CASES on the CUDA kernels, differentiated (forward, lse, every gradient) and as an
+  inference call (the 16-bit o straight from the forward), against the float32 reference by
+  the FlashAttention rule; whether the forward takes v as it is depends on
+  JAX_FLASH_CUDA_VALUE_HEAD_DIM (test_cuda_own_value_head_dim_on_hopper runs these under
+  =native), and where the environment asks for it on Hopper, it does."""
+  native = os.environ.get("JAX_FLASH_CUDA_VALUE_HEAD_DIM") == "native"
+  hopper = jax.devices("gpu")[0].compute_capability.startswith("9.")
+  assert _registry.cuda_forward_takes_value_head_dim(192, 128) == (native and hopper)
+  check_score_variant(run(vc, "cuda"), *references(vc), _live(vc))
+  q, k, v, _ = vc.inputs()
+  out = jax.jit(functools.partial(jax_flash.dot_product_attention, implementation="cuda",
+                                  **vc.options()))(q, k, v)
+  check_score_variant_output(out, *references(vc), _live(vc))
+
+
+@pytest.mark.gpu
+def test_cuda_own_value_head_dim_on_hopper():
+  """Under JAX_FLASH_CUDA_VALUE_HEAD_DIM=native the Hopper forward of 192 / 128 (and the head
+  dims that run at that pair) takes v as it is, P V making 128 columns (gpu/tile_shapes.cuh
+  ValueHeadDimShapes): the pair cases and the padded cases pass there, on its default tiles
+  and (JAX_FLASH_CUDA_FORWARD=sm90ws_wide) on the wide ones with the TMA store."""
+  from tests.test_cuda import _run_cuda_tests_on_hopper_with
+  selection = "test_cuda_value_head_dim_pairs or test_cuda_matches_padded_reference"
+  _run_cuda_tests_on_hopper_with({"JAX_FLASH_CUDA_VALUE_HEAD_DIM": "native"}, selection,
+                                 files=("test_value_head_dim.py",))
+  _run_cuda_tests_on_hopper_with({"JAX_FLASH_CUDA_VALUE_HEAD_DIM": "native",
+                                  "JAX_FLASH_CUDA_FORWARD": "sm90ws_wide"},
+                                 "test_cuda_value_head_dim_pairs", files=("test_value_head_dim.py",))
 
 
 def test_cuda_paged_kernel_refuses_it(monkeypatch):
@@ -556,7 +649,8 @@ def test_ffi_paged_checks_the_value_pages(rng):
 
 @pytest.mark.gpu
 def test_cuda_handler_refuses_it(rng):
-  """The CUDA handlers take Hv == H only (the shared checks' default), whoever calls them."""
+  """The CUDA forward handler takes Hv != H only where a kernel of the pair runs it (never for
+  16 / 8), whoever calls it."""
   operands = dict(q=((B, T, N, 16), "bfloat16"), k=((B, S, K, 16), "bfloat16"),
                   v=((B, S, K, 8), "bfloat16"), q_lens=((B,), "int32"), kv_lens=((B,), "int32"),
                   q_segment_ids=((0,), "int32"), kv_segment_ids=((0,), "int32"),
@@ -569,5 +663,6 @@ def test_cuda_handler_refuses_it(rng):
   attributes = dict(scale=0.5, is_causal=False, window_left=np.int64(-1),
                     window_right=np.int64(-1), segment_ids=False, logits_soft_cap=0.0,
                     alibi=False, block_sparse=False)
-  with pytest.raises(FFI_ERROR, match=_pattern("Hv=8 differs", "H=16", "Hv == H only")):
+  with pytest.raises(FFI_ERROR, match=_pattern("Hv=8 differs", "H=16", "JF_SM90_FWD_VALUE_HEAD_DIMS",
+                                               "pad v to H")):
     _call("jax_flash_cuda_fwd", rng, operands, outputs, attributes)

@@ -112,6 +112,24 @@ struct QueryBlockTask {
   }
 };
 
+// Where a query-block task's rows of V and of O lie: with kOwnHeadDim (V's and O's head dim Hv
+// differs from H: MLA-style calls on the kernels that take it, sm90/traits.cuh kValueHeadDim)
+// from Hv, else the task's K and Q layout as it is.
+struct ValueRows {
+  int64_t v_stride, v_offset, o_stride, o_offset, head_dim;
+  int chunks;  // 16-byte chunks of a V row
+};
+template <bool kOwnHeadDim, typename Task>
+__device__ __forceinline__ ValueRows value_rows(const AttentionParams& p, const Task& task) {
+  if constexpr (!kOwnHeadDim) {
+    return {task.kv_stride, task.kv_offset, task.q_stride, task.q_offset, p.shape.head_dim, task.chunks};
+  } else {
+    const int64_t hv = p.shape.head_dim_v, v_stride = p.shape.heads_k * hv, o_stride = p.shape.heads_q * hv;
+    return {v_stride, task.b * p.shape.seq_k * v_stride + task.hk * hv,
+            o_stride, (task.b * p.shape.seq_q + task.blk.m0) * o_stride + task.h * hv, hv, static_cast<int>(hv / 8)};
+  }
+}
+
 // The (key block, kv-head slot, batch element) of the backward CTA at launch position `cta`
 // (blockIdx in launch order: x fastest) of a key_block_grid (x key blocks, y kv-head slots, z
 // batch). With key_major_groups = 0 that is the grid's own order: each group's (slot, batch) key

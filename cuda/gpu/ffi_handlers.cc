@@ -29,10 +29,22 @@ ffi::Error check_cuda_inputs(const ffi::AnyBuffer& q, const AttentionShape& shap
     return ffi::Error::InvalidArgument(error);
   if (dtype == Dtype::kFloat32)
     return invalid("the CUDA kernels take bfloat16 or float16; got " + describe("q", q));
-  if (shape.head_dim % cuda::kHeadDimMultiple != 0)
-    return invalid("the CUDA kernels need the head dim padded to a multiple of " +
-                   std::to_string(cuda::kHeadDimMultiple) + "; got " + describe("q", q));
+  if (shape.head_dim % cuda::kHeadDimMultiple != 0 || shape.head_dim_v % cuda::kHeadDimMultiple != 0)
+    return invalid("the CUDA kernels need the head dims padded to a multiple of " +
+                   std::to_string(cuda::kHeadDimMultiple) + "; got " + describe("q", q) + " and v's head dim Hv=" +
+                   std::to_string(shape.head_dim_v));
   return ffi::Error::Success();
+}
+
+// A forward whose value head dim Hv differs from H: only where a kernel of that pair runs it
+// (gpu/launch.h forward_takes_value_head_dim; the Python side pads v to H elsewhere).
+ffi::Error check_value_head_dim(const FwdParams& params) {
+  const AttentionShape& s = params.shape;
+  if (s.head_dim_v == s.head_dim || cuda::forward_takes_value_head_dim(s)) return ffi::Error::Success();
+  return invalid("v's head dim Hv=" + std::to_string(s.head_dim_v) + " differs from q and k's H=" +
+                 std::to_string(s.head_dim) + ", and no CUDA forward of that pair runs this call (the kernels of " +
+                 "gpu/tile_shapes.cuh JF_SM90_FWD_VALUE_HEAD_DIMS, on Hopper, under " +
+                 "JAX_FLASH_CUDA_VALUE_HEAD_DIM=native): pad v to H");
 }
 
 // The block mask's lists (gpu/block_sparse.cuh; jax_flash._ops.block_sparse_lists forms them):
@@ -98,7 +110,7 @@ ffi::Error run_fwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                    ffi::Result<ffi::AnyBuffer> scheduler) {
   FwdParams params;
   JF_RETURN_IF_ERROR(make_fwd_params(q, k, v, q_lens, kv_lens, *o, *lse, scale, is_causal,
-                                     window_left, window_right, params));
+                                     window_left, window_right, params, ValueHeadDim::kOwn));
   JF_RETURN_IF_ERROR(check_cuda_inputs(q, params.shape, params.dtype));
   JF_RETURN_IF_ERROR(set_segment_ids(q_segment_ids, kv_segment_ids, segment_ids, q, k, params));
   JF_RETURN_IF_ERROR(
@@ -108,6 +120,7 @@ ffi::Error run_fwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   JF_RETURN_IF_ERROR(set_block_lists(kv_block_lists, kv_block_counts, nullptr, nullptr, block_sparse, q, params));
   JF_RETURN_IF_ERROR(set_o_error(*o_error, *o, params));
   JF_RETURN_IF_ERROR(set_tile_counter(*scheduler, params));
+  JF_RETURN_IF_ERROR(check_value_head_dim(params));
   if (cudaError_t e = cuda::launch_flash_fwd(params, stream)) return cuda_error("forward launch", e);
   return ffi::Error::Success();
 }

@@ -16,6 +16,7 @@ constexpr const char* kNarrowVariable = "JAX_FLASH_CUDA_NARROW";
 constexpr const char* kOrderVariable = "JAX_FLASH_CUDA_ORDER";
 constexpr const char* kHeadDim96Variable = "JAX_FLASH_CUDA_HD96";
 constexpr const char* kHeadDim192BackwardVariable = "JAX_FLASH_CUDA_HD192_BWD";
+constexpr const char* kValueHeadDimVariable = "JAX_FLASH_CUDA_VALUE_HEAD_DIM";
 
 struct Overrides {
   std::optional<KernelFamily> forward;
@@ -24,6 +25,7 @@ struct Overrides {
   bool longest_first = true;  // JAX_FLASH_CUDA_ORDER=grid turns it off
   bool native_head_dim_96 = true;  // JAX_FLASH_CUDA_HD96=padded turns it off
   HeadDim192Backward head_dim_192_backward = HeadDim192Backward::kNative;
+  bool own_value_head_dim = false;  // JAX_FLASH_CUDA_VALUE_HEAD_DIM=native turns it on
   std::string error;
 };
 
@@ -98,6 +100,7 @@ Overrides read_overrides() {
   o.longest_first = read_switch(kOrderVariable, "longest", "grid", o.error);
   o.native_head_dim_96 = read_switch(kHeadDim96Variable, "native", "padded", o.error);
   o.head_dim_192_backward = read_head_dim_192_backward(o.error);
+  o.own_value_head_dim = !read_switch(kValueHeadDimVariable, "padded", "native", o.error);
   return o;
 }
 
@@ -141,5 +144,6 @@ bool narrow_split_enabled() { return overrides().narrow_split; }
 bool longest_first_enabled() { return overrides().longest_first; }
 bool native_head_dim_96_enabled() { return overrides().native_head_dim_96; }
 HeadDim192Backward head_dim_192_backward() { return overrides().head_dim_192_backward; }
+bool own_value_head_dim_enabled() { return overrides().own_value_head_dim; }
 
 }  // namespace jax_flash::cuda

@@ -57,6 +57,12 @@
 //                              192 (sm90/traits.cuh kSplitHeadDim), or those of 256 with columns
 //                              192..255 zero-filled by TMA (session 28's default; deterministic
 //                              calls keep 192's), or the mma.sync kernels of 192.
+//   JAX_FLASH_CUDA_VALUE_HEAD_DIM = padded | native (default: padded): a forward whose value head
+//                                   dim Hv differs from H (MLA's 192 / 128) runs on Hopper a
+//                                   kernel of that pair where one is compiled (gpu/tile_shapes.cuh
+//                                   JF_SM90_FWD_VALUE_HEAD_DIMS: P V makes Hv columns), or the
+//                                   kernels of H with v zero-padded to H (jax_flash._ops pads;
+//                                   the backward pads either way).
 //   JAX_FLASH_CUDA_NARROW = split | off (default: split since session 19, whose differential run
 //                           of 2000 configurations gave 0 misses under it): narrow plain calls
 //                           (narrow_shape below) run the mma.sync kernels with P and dS as hi +
@@ -103,6 +109,10 @@ bool native_head_dim_96_enabled();
 // The kernels that Hopper backwards of head dims 129..192 run on (JAX_FLASH_CUDA_HD192_BWD).
 enum class HeadDim192Backward { kNative, kPadded, kSm80 };
 HeadDim192Backward head_dim_192_backward();
+// Whether a Hopper forward of a value head dim Hv != H runs a kernel of that (H, Hv) pair where
+// one is compiled (JAX_FLASH_CUDA_VALUE_HEAD_DIM=native; padded, the default, zero-pads v to H:
+// gpu/launch.h forward_takes_value_head_dim).
+bool own_value_head_dim_enabled();
 
 // Narrow calls (common/mask.h narrow_shape): by default (JAX_FLASH_CUDA_NARROW=split) plain ones
 // run the mma.sync kernels with P and dS as hi + lo (two 16-bit operands: about float32;

@@ -19,11 +19,6 @@
 namespace jax_flash::cuda {
 namespace {
 
-template <typename T>
-struct TypeTag {
-  using type = T;
-};
-
 // run(TypeTag<T>{}, std::integral_constant<int, D>{}) for the 16-bit dtype T and the smallest
 // compiled head dim D >= head_dim (of JF_HEAD_DIMS; 96 skipped under JAX_FLASH_CUDA_HD96=padded,
 // 192 where `skip_192`: pads_192_backward); cudaErrorInvalidValue for anything else. The mma.sync
@@ -134,8 +129,70 @@ bool m80_call(const BwdParams& p) {
   return transposed_dq_accum(p.shape) && !p.deterministic && !general_kernel(p) && !narrow_plain_call(p);
 }
 
+namespace {
+
+// The compiled head dim that a call of this head dim runs at (dispatch_dtype_head_dim's); 0 for
+// none.
+int compiled_head_dim(int64_t head_dim) {
+  int compiled = 0;
+  dispatch_dtype_head_dim(Dtype::kBFloat16, head_dim, [&](auto, auto d) -> cudaError_t {
+    compiled = decltype(d)::value;
+    return cudaSuccess;
+  });
+  return compiled;
+}
+
+// The options of a warp-specialised forward `family` (any wgmma forward family) for call `p`.
+Sm90FwdOptions sm90_fwd_options(KernelFamily family, const FwdParams& p) {
+  Sm90FwdOptions options;
+  // Measured (H200, session 25): the tile counter +4-17% at head dim 64 without a causal
+  // mask (even at 128, 256); the static pairs 5-12% faster on causal calls at 128, 256.
+  options.grid = family == KernelFamily::kSm90WsGrid      ? QueryTileGrid::kPerTile
+                 : family == KernelFamily::kSm90WsStatic  ? QueryTileGrid::kStaticPairs
+                 : family == KernelFamily::kSm90WsDynamic ? QueryTileGrid::kDynamic
+                 : p.mask.causal                          ? QueryTileGrid::kStaticPairs
+                                                          : QueryTileGrid::kDynamic;
+  options.tensor_sums = family != KernelFamily::kSm90WsAluSums;
+  options.tma_store = family != KernelFamily::kSm90WsDirectStore;
+  options.tiles = family == KernelFamily::kSm90WsNarrow ? Sm90FwdTiles::kNarrow
+                  : family == KernelFamily::kSm90WsWide ? Sm90FwdTiles::kWide
+                                                        : Sm90FwdTiles::kMeasured;
+  return options;
+}
+
+}  // namespace
+
+bool forward_takes_value_head_dim(const AttentionShape& shape) {
+  if (shape.head_dim_v == shape.head_dim || !own_value_head_dim_enabled()) return false;
+  if (forward_family() == KernelFamily::kSm80) return false;  // (as it is off Hopper)
+  const int d = compiled_head_dim(shape.head_dim), dv = compiled_head_dim(shape.head_dim_v);
+#define JF_IS_PAIR(D, DV) \
+  if (d == D && dv == DV) return true;
+  JF_SM90_FWD_VALUE_HEAD_DIMS(JF_IS_PAIR)
+#undef JF_IS_PAIR
+  return false;
+}
+
 cudaError_t launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
   if (p.shape.seq_q == 0 || p.shape.batch == 0) return cudaSuccess;
+  if (p.shape.head_dim_v != p.shape.head_dim) {
+    // A value head dim of its own: the pair's kernel (the handler checked that it runs), narrow
+    // calls included (their hi + lo P is the mma.sync kernels').
+    if (!forward_takes_value_head_dim(p.shape)) return cudaErrorInvalidValue;
+    const Sm90FwdOptions options = sm90_fwd_options(forward_family(), p);
+    const int d = compiled_head_dim(p.shape.head_dim), dv = compiled_head_dim(p.shape.head_dim_v);
+    auto run_pair = [&](auto type) -> cudaError_t {
+      using T = typename decltype(type)::type;
+#define JF_PAIR_CASE(D, DV) \
+  if (d == D && dv == DV) return launch_fwd_sm90_ws<T, D, DV>(p, options, stream);
+      JF_SM90_FWD_VALUE_HEAD_DIMS(JF_PAIR_CASE)
+#undef JF_PAIR_CASE
+      return cudaErrorInvalidValue;
+    };
+    return p.dtype == Dtype::kBFloat16 ? run_pair(TypeTag<__nv_bfloat16>{})
+           : p.dtype == Dtype::kFloat16 ? run_pair(TypeTag<__half>{})
+                                        : cudaErrorInvalidValue;
+  }
   // Narrow calls (few keys a row) on the mma.sync kernels, with P and dS as hi + lo.
   const KernelFamily family = narrow_plain_call(p) ? KernelFamily::kSm80 : forward_family();
   return dispatch_dtype_head_dim(p.dtype, p.shape.head_dim, [&](auto type, auto head_dim) -> cudaError_t {
@@ -144,22 +201,7 @@ cudaError_t launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
     if constexpr (TileShapes<kD>::kHasSm90Fwd) {
       // Every forward family but mma.sync is the warp-specialised kernel with options
       // (forward_family never gives a backward-only one).
-      if (family != KernelFamily::kSm80) {
-        Sm90FwdOptions options;
-        // Measured (H200, session 25): the tile counter +4-17% at head dim 64 without a causal
-        // mask (even at 128, 256); the static pairs 5-12% faster on causal calls at 128, 256.
-        options.grid = family == KernelFamily::kSm90WsGrid      ? QueryTileGrid::kPerTile
-                       : family == KernelFamily::kSm90WsStatic  ? QueryTileGrid::kStaticPairs
-                       : family == KernelFamily::kSm90WsDynamic ? QueryTileGrid::kDynamic
-                       : p.mask.causal                          ? QueryTileGrid::kStaticPairs
-                                                                : QueryTileGrid::kDynamic;
-        options.tensor_sums = family != KernelFamily::kSm90WsAluSums;
-        options.tma_store = family != KernelFamily::kSm90WsDirectStore;
-        options.tiles = family == KernelFamily::kSm90WsNarrow ? Sm90FwdTiles::kNarrow
-                        : family == KernelFamily::kSm90WsWide ? Sm90FwdTiles::kWide
-                                                              : Sm90FwdTiles::kMeasured;
-        return launch_fwd_sm90_ws<T, kD>(p, options, stream);
-      }
+      if (family != KernelFamily::kSm80) return launch_fwd_sm90_ws<T, kD>(p, sm90_fwd_options(family, p), stream);
     }
     return launch_fwd_sm80<T, sm80_head_dim(kD)>(p, stream);
   });

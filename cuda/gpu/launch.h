@@ -81,6 +81,13 @@ inline int64_t dq_accum_elements(const AttentionShape& shape, bool deterministic
   return dq_part_elements(shape) + dkv;
 }
 
+// Whether the forward of a call whose value head dim Hv differs from H runs a kernel of its own
+// for the pair (JAX_FLASH_CUDA_VALUE_HEAD_DIM=native, on Hopper, a wgmma forward family, and the
+// compiled head dims of H and Hv a pair of JF_SM90_FWD_VALUE_HEAD_DIMS): of the shape alone, so
+// that the Python side's answer holds for every shard of a call. The handler takes Hv != H only
+// then (the Python side pads v to H otherwise); false where Hv == H.
+bool forward_takes_value_head_dim(const AttentionShape& shape);
+
 // Forward: o and lse.
 cudaError_t launch_flash_fwd(const FwdParams& params, cudaStream_t stream);
 // Backward: dq, dk, dv, using params.delta and params.dq_accum (dq_accum_elements) as workspaces
@@ -112,7 +119,9 @@ struct Sm90FwdOptions {
   // JAX_FLASH_CUDA_FORWARD=sm90ws_directstore).
   bool tma_store = false;
 };
-template <typename T, int kHeadDim>
+// kValueHeadDim: V's and O's head dim where a pair of gpu/tile_shapes.cuh JF_SM90_FWD_VALUE_HEAD_DIMS
+// runs (forward_takes_value_head_dim).
+template <typename T, int kHeadDim, int kValueHeadDim = kHeadDim>
 cudaError_t launch_fwd_sm90_ws(const FwdParams& params, const Sm90FwdOptions& options, cudaStream_t stream);
 template <typename T, int kHeadDim>
 cudaError_t launch_bwd_main_sm80(const BwdParams& params, cudaStream_t stream);

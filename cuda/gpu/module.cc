@@ -52,6 +52,13 @@ NB_MODULE(_native_cuda, m) {
         },
         "Whether a plain call of this mask and shape runs the narrow split (JAX_FLASH_CUDA_NARROW=split; "
         "gpu/score_mods.cuh narrow_plain_call).");
+  m.def("forward_takes_value_head_dim",
+        [](int64_t head_dim, int64_t head_dim_v) {
+          jax_flash::AttentionShape shape{1, 1, 1, 1, 1, head_dim, head_dim_v};
+          return jax_flash::cuda::forward_takes_value_head_dim(shape);
+        },
+        "Whether a forward of these head dims (H != Hv, padded to the kernels' multiple) runs a kernel "
+        "of the pair, taking v as it is (gpu/launch.h forward_takes_value_head_dim).");
   m.def("device_sm_count", [] { return jax_flash::cuda::device_sm_count(); },
         "Streaming multiprocessors of the current CUDA device (asked once; 0 if CUDA cannot say).");
 }

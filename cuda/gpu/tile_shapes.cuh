@@ -19,6 +19,10 @@ namespace jax_flash::cuda {
 #define JF_SM80_HEAD_DIMS(X) X(32) X(64) X(128) X(192) X(256)
 #define JF_SM90_FWD_HEAD_DIMS(X) X(64) X(96) X(128) X(192) X(256)
 #define JF_SM90_BWD_HEAD_DIMS(X) X(64) X(96) X(128) X(192) X(256)
+// The (H, Hv) pairs whose Hopper forward has kernels of their own where the value head dim Hv
+// differs from H (MLA's 192 / 128; ValueHeadDimShapes), compiled head dims both: a call runs the
+// pair of its compiled H and Hv where that pair is listed (gpu/launch.cu), else v zero-padded to H.
+#define JF_SM90_FWD_VALUE_HEAD_DIMS(X) X(192, 128)
 
 // The smallest mma.sync head dim at or above head_dim.
 constexpr int sm80_head_dim(int head_dim) {
@@ -109,6 +113,16 @@ struct TileShapes {
   // the quad order's 16-byte atomics (v26) they beat the bulk row reductions by 9-19% on the
   // backward (cuda/PERF_NOTES.md v28).
   static constexpr bool kSm90BwdBulkDqByDefault = kHeadDim == 128;
+};
+
+// The Hopper forward's tiles for a value head dim Hv != H (JF_SM90_FWD_VALUE_HEAD_DIMS): V and O
+// Hv columns wide, Q and K H. At 192 / 128 the consumers hold O as at head dim 128 (64 floats a
+// thread), so key blocks of 128 fit their registers, as at 128; the wide tiles are head dim 192's
+// (112 keys), the only ones with room for the TMA store's O tile.
+template <int kHeadDim, int kValueHeadDim>
+struct ValueHeadDimShapes {
+  using Sm90FwdWs = Sm90FwdWsTraits<kHeadDim, 128, 2, 2, kValueHeadDim>;
+  using Sm90FwdWsWide = Sm90FwdWsTraits<kHeadDim, TileShapes<kHeadDim>::kWideKeys, 2, 2, kValueHeadDim>;
 };
 
 // A type as a value (C++17 has no std::type_identity).

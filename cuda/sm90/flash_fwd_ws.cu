@@ -37,7 +37,7 @@ cudaError_t launch(const FwdParams& p, const Sm90FwdOptions& options, cudaStream
   auto kernel = flash_fwd_sm90_ws_kernel<Traits, T, false>;
   // (The 128 x 128 tiles at head dims 64, 96 and 128 only: compile time, and the wide tiles'
   // registers: at key blocks of 176 ptxas serialises the products, C7512.)
-  constexpr bool kSumTiles = Traits::kTileHeadDim <= 128 && Traits::kBlockN == 128 && Traits::kConsumers == 2;
+  constexpr bool kSumTiles = Traits::kTileValueHeadDim <= 128 && Traits::kBlockN == 128 && Traits::kConsumers == 2;
   const bool tensor_sums = options.tensor_sums && p.for_backward();
   if constexpr (kSumTiles)
     if (tensor_sums) kernel = flash_fwd_sm90_ws_kernel<Traits, T, false, false, true>;
@@ -60,9 +60,9 @@ cudaError_t launch(const FwdParams& p, const Sm90FwdOptions& options, cudaStream
   // Plain calls with a 16-bit o store it by TMA from shared memory (not under sm90ws_directstore),
   // and so do those with a soft cap or ALiBi alone.
   int smem_bytes = Traits::kSmemBytes;
-  if constexpr (Traits::kTmaStoreFits && Traits::kTileHeadDim <= 128)
+  if constexpr (Traits::kTmaStoreFits && Traits::kTileValueHeadDim <= 128)
     if (options.tma_store && !p.for_backward() && !general_ids(p)) {
-      if (cudaError_t e = make_head_tensor_map(&params.o, p.o, p.dtype, s.batch, s.seq_q, s.heads_q, s.head_dim, 64))
+      if (cudaError_t e = make_head_tensor_map(&params.o, p.o, p.dtype, s.batch, s.seq_q, s.heads_q, s.head_dim_v, 64))
         return e;
       kernel = general_kernel(p) ? flash_fwd_sm90_ws_kernel<Traits, T, true, false, false, false, true>
                                  : flash_fwd_sm90_ws_kernel<Traits, T, false, false, false, false, true>;
@@ -73,16 +73,23 @@ cudaError_t launch(const FwdParams& p, const Sm90FwdOptions& options, cudaStream
 
 }  // namespace
 
-template <typename T, int kHeadDim>
+template <typename T, int kHeadDim, int kValueHeadDim>
 cudaError_t launch_fwd_sm90_ws(const FwdParams& p, const Sm90FwdOptions& options, cudaStream_t stream) {
-  using Shapes = TileShapes<kHeadDim>;
-  if constexpr (Shapes::kHasSm90FwdWide) {
-    const bool wide = options.tiles == Sm90FwdTiles::kWide ||
-                      (options.tiles == Sm90FwdTiles::kMeasured && Shapes::wide_tiles_by_default(p.mask.causal));
-    if (wide && !general_kernel(p) && (kHeadDim != 128 || !p.mask.causal))
+  if constexpr (kValueHeadDim != kHeadDim) {
+    using Shapes = ValueHeadDimShapes<kHeadDim, kValueHeadDim>;
+    if (options.tiles == Sm90FwdTiles::kWide && !general_kernel(p))
       return launch<typename Shapes::Sm90FwdWsWide, T>(p, options, stream);
+    return launch<typename Shapes::Sm90FwdWs, T>(p, options, stream);
+  } else {
+    using Shapes = TileShapes<kHeadDim>;
+    if constexpr (Shapes::kHasSm90FwdWide) {
+      const bool wide = options.tiles == Sm90FwdTiles::kWide ||
+                        (options.tiles == Sm90FwdTiles::kMeasured && Shapes::wide_tiles_by_default(p.mask.causal));
+      if (wide && !general_kernel(p) && (kHeadDim != 128 || !p.mask.causal))
+        return launch<typename Shapes::Sm90FwdWsWide, T>(p, options, stream);
+    }
+    return launch<typename Shapes::Sm90FwdWs, T>(p, options, stream);
   }
-  return launch<typename Shapes::Sm90FwdWs, T>(p, options, stream);
 }
 
 #define JF_INSTANTIATE(D)                                                                                  \
@@ -90,5 +97,10 @@ cudaError_t launch_fwd_sm90_ws(const FwdParams& p, const Sm90FwdOptions& options
   template cudaError_t launch_fwd_sm90_ws<__half, D>(const FwdParams&, const Sm90FwdOptions&, cudaStream_t);
 JF_SM90_FWD_HEAD_DIMS(JF_INSTANTIATE)
 #undef JF_INSTANTIATE
+#define JF_INSTANTIATE_PAIR(D, DV)                                                                                   \
+  template cudaError_t launch_fwd_sm90_ws<__nv_bfloat16, D, DV>(const FwdParams&, const Sm90FwdOptions&, cudaStream_t); \
+  template cudaError_t launch_fwd_sm90_ws<__half, D, DV>(const FwdParams&, const Sm90FwdOptions&, cudaStream_t);
+JF_SM90_FWD_VALUE_HEAD_DIMS(JF_INSTANTIATE_PAIR)
+#undef JF_INSTANTIATE_PAIR
 
 }  // namespace jax_flash::cuda

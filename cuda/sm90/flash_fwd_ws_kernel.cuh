@@ -6,7 +6,8 @@
 //     and an "empty" one (completed when every consumer warp has released it);
 //   warpgroups 1.., the consumers: 64 query rows each, take the registers; per key block
 //     S = Q K^T (wgmma SS), masks and the online softmax in registers (gpu/softmax.cuh), then
-//     O += P V with P from registers (wgmma RS). Within a warpgroup the next block's S is issued
+//     O += P V with P from registers (wgmma RS); V and O have the value head dim (Hv, which
+//     differs from Q's and K's H in the kernels of gpu/tile_shapes.cuh ValueHeadDimShapes). Within a warpgroup the next block's S is issued
 //     with this block's P V, and the softmax of the next block runs while P V is on the tensor
 //     cores; with kPingPong the two consumer warpgroups also take turns to issue their products
 //     (named barriers), so that one's softmax runs under the other's GEMMs.
@@ -46,7 +47,7 @@ struct FwdTmaParams {
 };
 
 // Shared memory of a warp-specialised forward CTA, from a 1 KiB boundary: Q, kStages stages of
-// K, kStages of V, the ones tile (kTensorSums), the O tile (kTmaStore: a QTile; the launch then
+// K, kStages of V, the ones tile (kTensorSums), the O tile (kTmaStore: an OTile; the launch then
 // allocates Traits::kSmemBytesTmaStore).
 template <typename Traits, typename T>
 struct Sm90FwdWsSmem {
@@ -58,12 +59,12 @@ struct Sm90FwdWsSmem {
   __device__ explicit Sm90FwdWsSmem(unsigned char* raw) {
     q = first_tile_boundary<T>(raw);
     k = q + Traits::QTile::kElements;
-    v = k + Traits::kStages * Traits::KVTile::kElements;
-    ones = v + Traits::kStages * Traits::KVTile::kElements;
+    v = k + Traits::kStages * Traits::KTile::kElements;
+    ones = v + Traits::kStages * Traits::VTile::kElements;
     o = ones + Traits::kOnesElements;  // (1 KiB of ones: o stays on a 1 KiB boundary)
   }
-  __device__ T* k_stage(int stage) const { return k + stage * Traits::KVTile::kElements; }
-  __device__ T* v_stage(int stage) const { return v + stage * Traits::KVTile::kElements; }
+  __device__ T* k_stage(int stage) const { return k + stage * Traits::KTile::kElements; }
+  __device__ T* v_stage(int stage) const { return v + stage * Traits::VTile::kElements; }
 };
 
 // The barriers: the tile slot's (the producer's hand-off of each next tile), Q's buffer's, then the
@@ -101,10 +102,12 @@ template <typename Traits, typename T, bool kGeneral, bool kBlockWalk = false, b
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdTmaParams params) {
 #if JF_SM90A
-  constexpr int kBM = Traits::kBlockM, kBN = Traits::kBlockN, kD = Traits::kHeadDim;
+  constexpr int kBM = Traits::kBlockM, kBN = Traits::kBlockN, kDv = Traits::kValueHeadDim;
   constexpr int kStages = Traits::kStages;
+  constexpr bool kOwnValueHeadDim = Traits::kValueHeadDim != Traits::kHeadDim;
   using QTile = typename Traits::QTile;
-  using KVTile = typename Traits::KVTile;
+  using KTile = typename Traits::KTile;
+  using VTile = typename Traits::VTile;
   const FwdParams& p = params.p;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   __shared__ FwdWsBarriers<kStages> bars;
@@ -185,8 +188,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (lane == 0) {
           Mbarrier(&bars.k_empty[stage]).wait(phase ^ 1);
           const Mbarrier k_full(&bars.k_full[stage]);
-          k_full.arrive_expect_bytes(KVTile::kElements * sizeof(T));
-          tma_load_tile<KVTile>(smem.k_stage(stage), params.k, task.hk, n0, task.b, k_full);
+          k_full.arrive_expect_bytes(KTile::kElements * sizeof(T));
+          tma_load_tile<KTile>(smem.k_stage(stage), params.k, task.hk, n0, task.b, k_full);
         }
         // V rows in [kv_len, seq_k) hold the array's data past this batch element's length,
         // which the masks give probability 0 but which P V would still multiply (0 * NaN is
@@ -195,13 +198,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (n0 + kBN <= task.kv_len || task.kv_len == p.shape.seq_k) {
           if (lane == 0) {
             v_empty.wait(phase ^ 1);
-            v_full.arrive_expect_bytes(KVTile::kElements * sizeof(T));
-            tma_load_tile<KVTile>(smem.v_stage(stage), params.v, task.hk, n0, task.b, v_full);
+            v_full.arrive_expect_bytes(VTile::kElements * sizeof(T));
+            tma_load_tile<VTile>(smem.v_stage(stage), params.v, task.hk, n0, task.b, v_full);
           }
         } else {
           v_empty.wait(phase ^ 1);
-          warp_load_tile<KVTile>(smem.v_stage(stage), static_cast<const T*>(p.v) + task.kv_offset + n0 * task.kv_stride,
-                                 task.kv_stride, static_cast<int>(task.kv_len - n0), task.chunks, lane);
+          const ValueRows values = value_rows<kOwnValueHeadDim>(p, task);
+          warp_load_tile<VTile>(smem.v_stage(stage), static_cast<const T*>(p.v) + values.v_offset + n0 * values.v_stride,
+                                values.v_stride, static_cast<int>(task.kv_len - n0), values.chunks, lane);
           cp_async_commit();
           cp_async_wait<0>();
           fence_proxy_async();
@@ -254,7 +258,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const int count = task.keys.count;
     const int64_t m0 = blk.m0;
     OnlineSoftmax<1> softmax(p.pv_headroom_log2);
-    float o[1][kD / 8][4] = {};
+    float o[1][kDv / 8][4] = {};
     float row_sums[1][1][4] = {};  // kTensorSums: the 16-bit P's row sums (every column the row's)
     SeenRows<1> seen(!(kIds && tracks_seen_rows(p)) && untracked_seen_rows(count));  // rows that met a key
 
@@ -338,6 +342,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       ++q_round;
     }
 
+    const ValueRows values = value_rows<kOwnValueHeadDim>(p, task);
     if constexpr (kTmaStore) {
       // The warpgroup's rows of the O tile: once its last TMA store has read them, written by
       // every thread, then stored by the warpgroup's first thread.
@@ -345,19 +350,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const int o_tile_barrier = 1 + Traits::kConsumers + group;  // (1 .. kConsumers: the turns)
       if (issuer) bulk_wait_read();
       named_barrier_sync(o_tile_barrier, 128);
-      store_output<T, 1, kD / 8, typename Traits::QTile>(p.o, false, nullptr, task.q_offset, task.q_stride,
-                                                         p.lse + task.stat_offset + m0, o, softmax, softmax_scale,
-                                                         warp_m0, blk.rows, p.shape.head_dim, p.mask, m0, task.q_len,
-                                                         task.kv_len, lane, nullptr, smem.o);
+      store_output<T, 1, kDv / 8, typename Traits::OTile>(p.o, false, nullptr, values.o_offset, values.o_stride,
+                                                          p.lse + task.stat_offset + m0, o, softmax, softmax_scale,
+                                                          warp_m0, blk.rows, values.head_dim, p.mask, m0, task.q_len,
+                                                          task.kv_len, lane, nullptr, smem.o);
       fence_proxy_async();  // the TMA store reads the tile through the async proxy
       named_barrier_sync(o_tile_barrier, 128);
       if (issuer) {
-        tma_store_rows<typename Traits::QTile, 64>(params.o, smem.o, group * 64, task.h, m0 + group * 64, task.b);
+        tma_store_rows<typename Traits::OTile, 64>(params.o, smem.o, group * 64, task.h, m0 + group * 64, task.b);
         bulk_commit();
       }
     } else {
-      store_output<T>(p.o, p.o_float32, p.o_error, task.q_offset, task.q_stride, p.lse + task.stat_offset + m0, o,
-                      softmax, softmax_scale, warp_m0, blk.rows, p.shape.head_dim, p.mask, m0, task.q_len,
+      store_output<T>(p.o, p.o_float32, p.o_error, values.o_offset, values.o_stride, p.lse + task.stat_offset + m0, o,
+                      softmax, softmax_scale, warp_m0, blk.rows, values.head_dim, p.mask, m0, task.q_len,
                       task.kv_len, lane, kIds || kBlockWalk ? &seen : nullptr);
     }
   }

@@ -48,7 +48,7 @@ cudaError_t make_qkv_tensor_maps(const AttentionParams& p, int q_rows, int kv_ro
   const AttentionShape& s = p.shape;
   if (cudaError_t e = make_head_tensor_map(q, p.q, p.dtype, s.batch, s.seq_q, s.heads_q, s.head_dim, q_rows)) return e;
   if (cudaError_t e = make_head_tensor_map(k, p.k, p.dtype, s.batch, s.seq_k, s.heads_k, s.head_dim, kv_rows)) return e;
-  return make_head_tensor_map(v, p.v, p.dtype, s.batch, s.seq_k, s.heads_k, s.head_dim, kv_rows);
+  return make_head_tensor_map(v, p.v, p.dtype, s.batch, s.seq_k, s.heads_k, s.head_dim_v, kv_rows);
 }
 
 }  // namespace jax_flash::cuda

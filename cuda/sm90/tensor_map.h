@@ -19,7 +19,7 @@ namespace jax_flash::cuda {
 cudaError_t make_head_tensor_map(CUtensorMap* map, const void* base, Dtype dtype, int64_t batch, int64_t seq,
                                  int64_t heads, int64_t head_dim, int rows);
 
-// The descriptors of q (boxes of q_rows rows), k and v (kv_rows rows) of a pass.
+// The descriptors of q (boxes of q_rows rows), k and v (kv_rows rows; v at its head dim Hv) of a pass.
 cudaError_t make_qkv_tensor_maps(const AttentionParams& p, int q_rows, int kv_rows, CUtensorMap* q, CUtensorMap* k,
                                  CUtensorMap* v);
 

@@ -17,11 +17,15 @@ constexpr int tile_head_dim(int head_dim) { return (head_dim + 63) / 64 * 64; }
 
 // The warp-specialised forward (sm90/flash_fwd_ws_kernel.cuh): a producer warpgroup (TMA) and
 // kConsumers consumer warpgroups (2, or 3: FlashAttention-3's 192-row tile at head dim 64) of 64
-// query rows each, kStages stages of K and of V.
-template <int kHeadDim_, int kBlockN_, int kStages_, int kConsumers_ = 2>
+// query rows each, kStages stages of K and of V. kValueHeadDim: V's and O's head dim Hv where it
+// differs from Q's and K's (MLA's 192 / 128: P V then makes Hv columns, not H of which H - Hv are
+// zeros; gpu/tile_shapes.cuh ValueHeadDimShapes).
+template <int kHeadDim_, int kBlockN_, int kStages_, int kConsumers_ = 2, int kValueHeadDim_ = kHeadDim_>
 struct Sm90FwdWsTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kTileHeadDim = tile_head_dim(kHeadDim);
+  static constexpr int kValueHeadDim = kValueHeadDim_;
+  static constexpr int kTileValueHeadDim = tile_head_dim(kValueHeadDim);
   static constexpr int kConsumers = kConsumers_;
   static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups");
   static constexpr int kBlockM = 64 * kConsumers;
@@ -41,17 +45,20 @@ struct Sm90FwdWsTraits {
   static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumers <= 65536 / kThreads / 8 * 8 * kThreads,
                 "registers past the launch allocation");
   using QTile = GmmaTile<kBlockM, kTileHeadDim>;
-  using KVTile = GmmaTile<kBlockN, kTileHeadDim>;
+  using KTile = GmmaTile<kBlockN, kTileHeadDim>;
+  using VTile = GmmaTile<kBlockN, kTileValueHeadDim>;
+  using OTile = GmmaTile<kBlockM, kTileValueHeadDim>;
   // Q, kStages stages of K and of V, the ones tile (1 KiB: sm90/fwd_gemms.cuh issue_output's row
   // sums), and 1 KiB to align the base.
   static constexpr int kOnesElements = 512;
-  static constexpr int kSmemBytes = 2 * (QTile::kElements + 2 * kStages * KVTile::kElements + kOnesElements) + 1024;
+  static constexpr int kSmemBytes =
+      2 * (QTile::kElements + kStages * (KTile::kElements + VTile::kElements) + kOnesElements) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
-  // With the O tile (a QTile) that the TMA-store epilogue writes from (flash_fwd_ws_kernel.cuh
-  // kTmaStore): where it fits.
-  static constexpr int kSmemBytesTmaStore = kSmemBytes + 2 * QTile::kElements;
+  // With the O tile that the TMA-store epilogue writes from (flash_fwd_ws_kernel.cuh kTmaStore):
+  // where it fits.
+  static constexpr int kSmemBytesTmaStore = kSmemBytes + 2 * OTile::kElements;
   static constexpr bool kTmaStoreFits = kSmemBytesTmaStore <= 227 * 1024;
-  static_assert(kHeadDim % 64 == 0 || kHeadDim == 96, "P V is done in products of N = 128 and 64, or 96");
+  static_assert(kValueHeadDim % 64 == 0 || kValueHeadDim == 96, "P V is done in products of N = 128 and 64, or 96");
   static_assert(kBlockN == 64 || kBlockN == 80 || kBlockN == 112 || kBlockN == 128 || kBlockN == 176,
                 "wgmma shapes are instantiated for N = 64, 80, 112, 128, 176");
 };
