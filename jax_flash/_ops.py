@@ -474,8 +474,8 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
   (head_dim_padding), both outside the custom VJP so JAX differentiates them; the padding is
   sliced off the output again. q, k are rank 4 (B, T|S, N|K, H), v (B, S, K, Hv); Hv != H
   reaches the "cpu" kernels as it is, and the "cuda" forward where a kernel of the pair runs it
-  (_forward_takes_value_head_dim; JAX_FLASH_CUDA_VALUE_HEAD_DIM=native), else the "cuda" ones
-  with q and k, or v, zero-padded to the larger head dim
+  (_forward_takes_value_head_dim: on Hopper unless JAX_FLASH_CUDA_VALUE_HEAD_DIM=padded),
+  else the "cuda" ones with q and k, or v, zero-padded to the larger head dim
   (Capabilities.value_head_dim_by_padding); out is (B, T, N, Hv).
 
   On the "cpu" kernel a call with few query rows per kv head runs the split-KV decode kernel

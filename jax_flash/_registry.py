@@ -101,7 +101,7 @@ def cuda_narrow_split_call(is_causal: bool, window_left: int, window_right: int,
 def cuda_forward_takes_value_head_dim(head_dim: int, head_dim_v: int) -> bool:
   """Whether a CUDA forward of query/key head dim `head_dim` and value head dim `head_dim_v`
   (both padded to the kernels' multiple, different) runs a kernel of that pair taking v as it is
-  (JAX_FLASH_CUDA_VALUE_HEAD_DIM=native on Hopper, where the pair is compiled:
+  (on Hopper where the pair is compiled, unless JAX_FLASH_CUDA_VALUE_HEAD_DIM=padded:
   cuda/gpu/launch.h forward_takes_value_head_dim); False without CUDA."""
   if _native_cuda is None:
     return False

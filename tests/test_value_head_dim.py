@@ -387,7 +387,7 @@ def test_cuda_calls_pad_to_one_head_dim(monkeypatch, head_dim, head_dim_v):
 @pytest.mark.parametrize("head_dim, head_dim_v", [(192, 128), (160, 120)])
 def test_cuda_forward_of_the_pair_takes_v_as_it_is(monkeypatch, head_dim, head_dim_v):
   """Where a CUDA forward of the (H, Hv) pair runs (simulated: the native module says so, as it
-  does on Hopper under JAX_FLASH_CUDA_VALUE_HEAD_DIM=native), the forward custom call takes v and
+  does on Hopper unless JAX_FLASH_CUDA_VALUE_HEAD_DIM=padded), the forward custom call takes v and
   gives o with Hv, q and k keeping H, while the backward's takes v and dO zero-padded to H and
   gives dv's first Hv columns; the module is asked with the padded head dims. Decode shapes
   (the decode kernel) still pad."""
@@ -432,9 +432,8 @@ def test_cuda_forward_of_the_pair_takes_v_as_it_is(monkeypatch, head_dim, head_d
 @pytest.mark.parametrize("index", [0, 1, 2, 3, 5])
 def test_cuda_matches_padded_reference(index):
   """The CUDA kernels on the cases above in 16-bit (float32 ones cast to bfloat16): Hv != H
-  through their zero-padded head dims (or, for 192 / 128 under
-  JAX_FLASH_CUDA_VALUE_HEAD_DIM=native, the forward of the pair), forward and every gradient
-  against the float32 reference, by the FlashAttention rule."""
+  through their zero-padded head dims (192 / 128's forward, on Hopper, on the pair's kernels),
+  forward and every gradient against the float32 reference, by the FlashAttention rule."""
   vc = CASES[index]
   if vc.case.jdtype == jnp.float32:
     vc = dataclasses.replace(vc, case=dataclasses.replace(vc.case, dtype="bfloat16"))
@@ -465,12 +464,12 @@ PAIR_CASES = [
 def test_cuda_value_head_dim_pairs(vc):
   """The PAIR_CASES on the CUDA kernels, differentiated (forward, lse, every gradient) and as an
   inference call (the 16-bit o straight from the forward), against the float32 reference by
-  the FlashAttention rule; whether the forward takes v as it is depends on
-  JAX_FLASH_CUDA_VALUE_HEAD_DIM (test_cuda_own_value_head_dim_on_hopper runs these under
-  =native), and where the environment asks for it on Hopper, it does."""
-  native = os.environ.get("JAX_FLASH_CUDA_VALUE_HEAD_DIM") == "native"
+  the FlashAttention rule. On Hopper the forward takes v as it is (the pair's kernels), unless
+  JAX_FLASH_CUDA_VALUE_HEAD_DIM=padded (test_cuda_value_head_dim_padded_on_hopper runs these
+  so)."""
+  padded = os.environ.get("JAX_FLASH_CUDA_VALUE_HEAD_DIM") == "padded"
   hopper = jax.devices("gpu")[0].compute_capability.startswith("9.")
-  assert _registry.cuda_forward_takes_value_head_dim(192, 128) == (native and hopper)
+  assert _registry.cuda_forward_takes_value_head_dim(192, 128) == (hopper and not padded)
   check_score_variant(run(vc, "cuda"), *references(vc), _live(vc))
   q, k, v, _ = vc.inputs()
   out = jax.jit(functools.partial(jax_flash.dot_product_attention, implementation="cuda",
@@ -479,18 +478,19 @@ def test_cuda_value_head_dim_pairs(vc):
 
 
 @pytest.mark.gpu
-def test_cuda_own_value_head_dim_on_hopper():
-  """Under JAX_FLASH_CUDA_VALUE_HEAD_DIM=native the Hopper forward of 192 / 128 (and the head
-  dims that run at that pair) takes v as it is, P V making 128 columns (gpu/tile_shapes.cuh
-  ValueHeadDimShapes): the pair cases and the padded cases pass there, on its default tiles
-  and (JAX_FLASH_CUDA_FORWARD=sm90ws_wide) on the wide ones with the TMA store."""
+def test_cuda_value_head_dim_padded_on_hopper():
+  """The Hopper forward of 192 / 128 (and the head dims that run at that pair) takes v as it is
+  by default, P V making 128 columns (gpu/tile_shapes.cuh ValueHeadDimShapes); the pair cases
+  also pass on its wide tiles with the TMA store (JAX_FLASH_CUDA_FORWARD=sm90ws_wide), and,
+  with the padded cases, under JAX_FLASH_CUDA_VALUE_HEAD_DIM=padded (v zero-padded to H, as
+  before session 30)."""
   from tests.test_cuda import _run_cuda_tests_on_hopper_with
-  selection = "test_cuda_value_head_dim_pairs or test_cuda_matches_padded_reference"
-  _run_cuda_tests_on_hopper_with({"JAX_FLASH_CUDA_VALUE_HEAD_DIM": "native"}, selection,
-                                 files=("test_value_head_dim.py",))
-  _run_cuda_tests_on_hopper_with({"JAX_FLASH_CUDA_VALUE_HEAD_DIM": "native",
-                                  "JAX_FLASH_CUDA_FORWARD": "sm90ws_wide"},
-                                 "test_cuda_value_head_dim_pairs", files=("test_value_head_dim.py",))
+  files = ("test_value_head_dim.py",)
+  _run_cuda_tests_on_hopper_with({"JAX_FLASH_CUDA_FORWARD": "sm90ws_wide"},
+                                 "test_cuda_value_head_dim_pairs", files=files)
+  _run_cuda_tests_on_hopper_with(
+      {"JAX_FLASH_CUDA_VALUE_HEAD_DIM": "padded"},
+      "test_cuda_value_head_dim_pairs or test_cuda_matches_padded_reference", files=files)
 
 
 def test_cuda_paged_kernel_refuses_it(monkeypatch):
@@ -663,6 +663,6 @@ def test_cuda_handler_refuses_it(rng):
   attributes = dict(scale=0.5, is_causal=False, window_left=np.int64(-1),
                     window_right=np.int64(-1), segment_ids=False, logits_soft_cap=0.0,
                     alibi=False, block_sparse=False)
-  with pytest.raises(FFI_ERROR, match=_pattern("Hv=8 differs", "H=16", "JF_SM90_FWD_VALUE_HEAD_DIMS",
-                                               "pad v to H")):
+  with pytest.raises(FFI_ERROR, match=_pattern("Hv=8 differs", "H=16",
+                                               "JF_SM90_FWD_VALUE_HEAD_DIMS", "pad v to H")):
     _call("jax_flash_cuda_fwd", rng, operands, outputs, attributes)

@@ -25,7 +25,7 @@ struct Overrides {
   bool longest_first = true;  // JAX_FLASH_CUDA_ORDER=grid turns it off
   bool native_head_dim_96 = true;  // JAX_FLASH_CUDA_HD96=padded turns it off
   HeadDim192Backward head_dim_192_backward = HeadDim192Backward::kNative;
-  bool own_value_head_dim = false;  // JAX_FLASH_CUDA_VALUE_HEAD_DIM=native turns it on
+  bool own_value_head_dim = true;  // JAX_FLASH_CUDA_VALUE_HEAD_DIM=padded turns it off
   std::string error;
 };
 
@@ -100,7 +100,7 @@ Overrides read_overrides() {
   o.longest_first = read_switch(kOrderVariable, "longest", "grid", o.error);
   o.native_head_dim_96 = read_switch(kHeadDim96Variable, "native", "padded", o.error);
   o.head_dim_192_backward = read_head_dim_192_backward(o.error);
-  o.own_value_head_dim = !read_switch(kValueHeadDimVariable, "padded", "native", o.error);
+  o.own_value_head_dim = read_switch(kValueHeadDimVariable, "native", "padded", o.error);
   return o;
 }
 

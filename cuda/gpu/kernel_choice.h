@@ -57,9 +57,10 @@
 //                              192 (sm90/traits.cuh kSplitHeadDim), or those of 256 with columns
 //                              192..255 zero-filled by TMA (session 28's default; deterministic
 //                              calls keep 192's), or the mma.sync kernels of 192.
-//   JAX_FLASH_CUDA_VALUE_HEAD_DIM = padded | native (default: padded): a forward whose value head
-//                                   dim Hv differs from H (MLA's 192 / 128) runs on Hopper a
-//                                   kernel of that pair where one is compiled (gpu/tile_shapes.cuh
+//   JAX_FLASH_CUDA_VALUE_HEAD_DIM = native | padded (default: native since session 30, +28-35% on
+//                                   the forward at 192 / 128): a forward whose value head dim Hv
+//                                   differs from H (MLA's 192 / 128) runs on Hopper a kernel of
+//                                   that pair where one is compiled (gpu/tile_shapes.cuh
 //                                   JF_SM90_FWD_VALUE_HEAD_DIMS: P V makes Hv columns), or the
 //                                   kernels of H with v zero-padded to H (jax_flash._ops pads;
 //                                   the backward pads either way).
@@ -110,7 +111,7 @@ bool native_head_dim_96_enabled();
 enum class HeadDim192Backward { kNative, kPadded, kSm80 };
 HeadDim192Backward head_dim_192_backward();
 // Whether a Hopper forward of a value head dim Hv != H runs a kernel of that (H, Hv) pair where
-// one is compiled (JAX_FLASH_CUDA_VALUE_HEAD_DIM=native; padded, the default, zero-pads v to H:
+// one is compiled (unless JAX_FLASH_CUDA_VALUE_HEAD_DIM=padded, which zero-pads v to H:
 // gpu/launch.h forward_takes_value_head_dim).
 bool own_value_head_dim_enabled();
 
