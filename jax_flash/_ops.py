@@ -343,13 +343,16 @@ def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig, segm
   `alibi_slopes`: those of the forward (the kernel recomputes the same biased scores; the slopes
   get no gradient). `dropout_seeds`: those of the forward (the kernel regenerates the same
   mask). `delta`: the CUDA kernels' rowsum(dO * O) where the caller formed it (o then unused).
-  On CUDA a value head dim Hv < H runs the kernels of H, v and dO zero-padded."""
+  On CUDA a value head dim Hv < H runs a kernel of the pair where one runs the call
+  (_registry.cuda_backward_takes_value_head_dim), else the kernels of H, v and dO zero-padded."""
   _check_value_head_dim(config, q, v)
   head_dim_v = v.shape[-1]
-  if config.implementation == "cuda" and head_dim_v != q.shape[-1]:
-    # Only the forward has kernels of a value head dim of its own: the backward takes v and dO
+  if (config.implementation == "cuda" and head_dim_v != q.shape[-1]
+      and not _registry.cuda_backward_takes_value_head_dim(q.shape[-1], head_dim_v,
+                                                           bool(config.deterministic))):
+    # Where no backward kernel of the pair runs the call, the kernels of H take v and dO
     # zero-padded to H (their zero columns leave every score, dP and delta as they are: delta
-    # is formed below from o and dO as they came) and gives dv's first Hv columns.
+    # is formed below from o and dO as they came) and give dv's first Hv columns.
     if head_dim_v > q.shape[-1]:
       raise NotImplementedError(f"the CUDA backward takes Hv > H only padded: q{tuple(q.shape)}, "
                                 f"v{tuple(v.shape)} (call_kernels pads q and k)")
@@ -382,7 +385,7 @@ def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig, segm
     rows = (o, lse)
   else:
     elements = _registry.cuda_dq_accum_elements(batch_size, seq_q, seq_k, heads_q, heads_k,
-                                                head_dim, bool(config.deterministic))
+                                                head_dim, bool(config.deterministic), v.shape[-1])
     rows = (lse, delta_rows(o, d_o, o_error) if delta is None else delta)
   results += (jax.ShapeDtypeStruct((elements,), jnp.float32),)  # dQ accumulator
   if config.implementation == "cpu":  # dbias and its float32 partials (none: dbias itself)

@@ -78,14 +78,15 @@ def cpu_dbias_one_each(bias_shape: tuple[int, ...], batch: int, heads_q: int, se
 
 
 def cuda_dq_accum_elements(batch: int, seq_q: int, seq_k: int, heads_q: int, heads_k: int,
-                           head_dim: int, deterministic: bool) -> int:
+                           head_dim: int, deterministic: bool, head_dim_v: int | None = None) -> int:
   """Elements of the CUDA backward's float32 workspace (dQ's accumulator, and dK's and dV's
   where the Hopper backward splits a group's query heads over CTAs), as its handler checks
-  them."""
+  them; `head_dim_v`: v's head dim as the call passes it (None: `head_dim`)."""
   if _native_cuda is None:
     raise RuntimeError("jax_flash was built without CUDA kernels")
+  head_dim_v = head_dim if head_dim_v is None else head_dim_v
   return int(_native_cuda.dq_accum_elements(batch, seq_q, seq_k, heads_q, heads_k, head_dim,
-                                            deterministic))
+                                            head_dim_v, deterministic))
 
 
 def cuda_narrow_split_call(is_causal: bool, window_left: int, window_right: int, seq_q: int,
@@ -106,6 +107,15 @@ def cuda_forward_takes_value_head_dim(head_dim: int, head_dim_v: int) -> bool:
   if _native_cuda is None:
     return False
   return bool(_native_cuda.forward_takes_value_head_dim(head_dim, head_dim_v))
+
+
+def cuda_backward_takes_value_head_dim(head_dim: int, head_dim_v: int, deterministic: bool) -> bool:
+  """Whether a CUDA backward of these head dims (padded, different) runs a kernel of the pair
+  taking v and dO as they are (cuda/gpu/launch.h backward_takes_value_head_dim: as the forward,
+  and not deterministic); False without CUDA."""
+  if _native_cuda is None:
+    return False
+  return bool(_native_cuda.backward_takes_value_head_dim(head_dim, head_dim_v, deterministic))
 
 
 def has_platform(platform: str) -> bool:

@@ -565,5 +565,6 @@ def simulate_cuda_host(monkeypatch) -> None:
   monkeypatch.setattr(_registry, "_native_cuda",
                       types.SimpleNamespace(dq_accum_elements=lambda *args: 64,
                                             narrow_split_call=lambda *args: False,
-                                            forward_takes_value_head_dim=lambda *args: False))
+                                            forward_takes_value_head_dim=lambda *args: False,
+                                            backward_takes_value_head_dim=lambda *args: False))
   monkeypatch.setattr(_decode, "_cuda_sm_count", lambda: 132)

@@ -187,8 +187,8 @@ def test_cuda_workspace_size_comes_from_the_cuda_module(gpu_host, monkeypatch):
   results are dq, dk, dv and that workspace (delta is an operand, formed by XLA)."""
   asked = []
 
-  def dq_accum_elements(batch, seq_q, seq_k, heads_q, heads_k, head_dim, deterministic):
-    asked.append((batch, seq_q, seq_k, heads_q, heads_k, head_dim, deterministic))
+  def dq_accum_elements(batch, seq_q, seq_k, heads_q, heads_k, head_dim, head_dim_v, deterministic):
+    asked.append((batch, seq_q, seq_k, heads_q, heads_k, head_dim, head_dim_v, deterministic))
     return 12345
 
   fake = types.SimpleNamespace(dq_accum_elements=dq_accum_elements, narrow_split_call=lambda *args: False)
@@ -202,7 +202,7 @@ def test_cuda_workspace_size_comes_from_the_cuda_module(gpu_host, monkeypatch):
     shapes = ffi_result_shapes(
         lambda q, k: _ops.flash_bwd(q, k, k, q, lse, q, lens, lens, config), q, k)
     assert shapes == [((2, 8, 4, 16), (2, 8, 2, 16), (2, 8, 2, 16), (12345,))]
-  assert asked == [(2, 8, 8, 4, 2, 16, False), (2, 8, 8, 4, 2, 16, True)]
+  assert asked == [(2, 8, 8, 4, 2, 16, 16, False), (2, 8, 8, 4, 2, 16, 16, True)]
 
 
 def test_cpu_workspace_size_comes_from_the_native_module(monkeypatch):

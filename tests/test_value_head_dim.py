@@ -43,11 +43,13 @@ class ValueCase:
   cap: float | None = None
   alibi: bool = False
   segment_ids: bool = False  # documents of random lengths, sorted by position
+  deterministic: bool = False
 
   @property
   def id(self) -> str:
     return (f"{self.case.id}_hv{self.head_dim_v}" + (f"_cap{self.cap}" if self.cap else "")
-            + ("_alibi" if self.alibi else "") + ("_ids" if self.segment_ids else ""))
+            + ("_alibi" if self.alibi else "") + ("_ids" if self.segment_ids else "")
+            + ("_deterministic" if self.deterministic else ""))
 
   def inputs(self):
     """q, k (..., H), v (..., Hv) in the case's dtype, and a float32 cotangent (..., T, N, Hv)
@@ -77,6 +79,8 @@ class ValueCase:
       opts["alibi_slopes"] = self.slopes()
     if self.segment_ids:
       opts.update(q_segment_ids=self.ids(), kv_segment_ids=self.ids())
+    if self.deterministic:
+      opts["deterministic"] = True
     return opts
 
   def visible(self) -> np.ndarray:
@@ -384,21 +388,31 @@ def test_cuda_calls_pad_to_one_head_dim(monkeypatch, head_dim, head_dim_v):
       assert heads == {common}, (name, implementation, operands, results)
 
 
+@pytest.mark.parametrize("backward_kernel", [False, True])
 @pytest.mark.parametrize("head_dim, head_dim_v", [(192, 128), (160, 120)])
-def test_cuda_forward_of_the_pair_takes_v_as_it_is(monkeypatch, head_dim, head_dim_v):
+def test_cuda_forward_of_the_pair_takes_v_as_it_is(monkeypatch, head_dim, head_dim_v,
+                                                   backward_kernel):
   """Where a CUDA forward of the (H, Hv) pair runs (simulated: the native module says so, as it
   does on Hopper unless JAX_FLASH_CUDA_VALUE_HEAD_DIM=padded), the forward custom call takes v and
-  gives o with Hv, q and k keeping H, while the backward's takes v and dO zero-padded to H and
-  gives dv's first Hv columns; the module is asked with the padded head dims. Decode shapes
-  (the decode kernel) still pad."""
+  gives o with Hv, q and k keeping H; the backward's takes v and dO as they are and gives dv with
+  Hv where a backward kernel of the pair runs (`backward_kernel`: not deterministic, on Hopper),
+  else v and dO zero-padded to H, dv's first Hv columns kept. The module is asked with the padded
+  head dims (and the backward with `deterministic`). Decode shapes (the decode kernel) still
+  pad."""
   simulate_cuda_host(monkeypatch)
-  asked = []
+  asked, asked_backward = [], []
 
   def takes(h, hv):
     asked.append((h, hv))
     return True
 
+  def backward_takes(h, hv, deterministic):
+    asked_backward.append((h, hv, deterministic))
+    return backward_kernel
+
   monkeypatch.setattr(_registry._native_cuda, "forward_takes_value_head_dim", takes)
+  monkeypatch.setattr(_registry._native_cuda, "backward_takes_value_head_dim", backward_takes)
+  jax.clear_caches()  # (the backward's trace is cached across the parametrisations otherwise)
   q = jnp.ones((2, 128, 2, head_dim), jnp.bfloat16)
   v = jnp.ones((2, 128, 2, head_dim_v), jnp.bfloat16)
 
@@ -414,10 +428,12 @@ def test_cuda_forward_of_the_pair_takes_v_as_it_is(monkeypatch, head_dim, head_d
   (_, _, fwd_in, fwd_out), (_, _, bwd_in, bwd_out) = calls
   assert [x.shape[-1] for x in fwd_in[:3]] == [head_dim, head_dim, head_dim_v]
   assert fwd_out[0].shape[-1] == head_dim_v  # o
-  # q, k, v, lse, delta, dO: v and dO padded to H; dq, dk, dv with H.
-  assert [x.shape[-1] for x in (*bwd_in[:3], bwd_in[5])] == [head_dim] * 4
-  assert [x.shape[-1] for x in bwd_out[:3]] == [head_dim] * 3
+  # q, k, v, lse, delta, dO: v and dO as they are, or padded to H; dq, dk, dv likewise.
+  value = head_dim_v if backward_kernel else head_dim
+  assert [x.shape[-1] for x in (*bwd_in[:3], bwd_in[5])] == [head_dim, head_dim, value, value]
+  assert [x.shape[-1] for x in bwd_out[:3]] == [head_dim, head_dim, value]
   assert asked and set(asked) == {(head_dim, head_dim_v)}
+  assert set(asked_backward) == {(head_dim, head_dim_v, False)}
   # One query row a kv head's group: the decode kernel, which pads.
   q1 = jnp.ones((2, 1, 2, head_dim), jnp.bfloat16)
   k1 = jnp.ones((2, 4096, 2, head_dim), jnp.bfloat16)
@@ -456,6 +472,9 @@ PAIR_CASES = [
     # Non-causal, T != S, several kv blocks: the persistent grid's tile counter.
     ValueCase(C(batch=2, seq_q=384, seq_k=520, heads_q=3, heads_k=3, head_dim=192,
                 dtype="bfloat16"), 128),
+    # Deterministic: the backward on the kernels of H (v and dO padded), the forward the pair's.
+    ValueCase(C(batch=2, seq_q=200, seq_k=300, heads_q=4, heads_k=2, head_dim=192,
+                dtype="bfloat16", is_causal=True, kv_lens=(300, 150)), 128, deterministic=True),
 ]
 
 
@@ -464,12 +483,14 @@ PAIR_CASES = [
 def test_cuda_value_head_dim_pairs(vc):
   """The PAIR_CASES on the CUDA kernels, differentiated (forward, lse, every gradient) and as an
   inference call (the 16-bit o straight from the forward), against the float32 reference by
-  the FlashAttention rule. On Hopper the forward takes v as it is (the pair's kernels), unless
-  JAX_FLASH_CUDA_VALUE_HEAD_DIM=padded (test_cuda_value_head_dim_padded_on_hopper runs these
-  so)."""
+  the FlashAttention rule. On Hopper the forward and the backward (not deterministic) take v
+  (and dO) as they are (the pair's kernels), unless JAX_FLASH_CUDA_VALUE_HEAD_DIM=padded
+  (test_cuda_value_head_dim_padded_on_hopper runs these so)."""
   padded = os.environ.get("JAX_FLASH_CUDA_VALUE_HEAD_DIM") == "padded"
   hopper = jax.devices("gpu")[0].compute_capability.startswith("9.")
   assert _registry.cuda_forward_takes_value_head_dim(192, 128) == (hopper and not padded)
+  assert _registry.cuda_backward_takes_value_head_dim(192, 128, False) == (hopper and not padded)
+  assert not _registry.cuda_backward_takes_value_head_dim(192, 128, True)
   check_score_variant(run(vc, "cuda"), *references(vc), _live(vc))
   q, k, v, _ = vc.inputs()
   out = jax.jit(functools.partial(jax_flash.dot_product_attention, implementation="cuda",
@@ -666,3 +687,27 @@ def test_cuda_handler_refuses_it(rng):
   with pytest.raises(FFI_ERROR, match=_pattern("Hv=8 differs", "H=16",
                                                "JF_SM90_FWD_VALUE_HEAD_DIMS", "pad v to H")):
     _call("jax_flash_cuda_fwd", rng, operands, outputs, attributes)
+
+
+@pytest.mark.gpu
+def test_cuda_backward_handler_refuses_deterministic_pairs(rng):
+  """The CUDA backward handler takes Hv != H only where a backward kernel of the pair runs it:
+  never deterministic (the deterministic dQ kernel has one head dim), whoever calls it."""
+  operands = dict(q=((B, T, N, 192), "bfloat16"), k=((B, S, K, 192), "bfloat16"),
+                  v=((B, S, K, 128), "bfloat16"), lse=((B, N, T), "float32"),
+                  delta=((B, N, T), "float32"), do=((B, T, N, 128), "bfloat16"),
+                  q_lens=((B,), "int32"), kv_lens=((B,), "int32"),
+                  q_segment_ids=((0,), "int32"), kv_segment_ids=((0,), "int32"),
+                  q_segment_id_spans=((0,), "int32"), kv_segment_id_spans=((0,), "int32"),
+                  alibi_slopes=((0,), "float32"), kv_block_lists=((0,), "int32"),
+                  kv_block_counts=((0,), "int32"), q_block_visits=((0,), "int32"),
+                  q_block_visit_counts=((0,), "int32"))
+  outputs = dict(dq=((B, T, N, 192), "bfloat16"), dk=((B, S, K, 192), "bfloat16"),
+                 dv=((B, S, K, 128), "bfloat16"), dq_accum=((0,), "float32"))
+  attributes = dict(scale=0.5, is_causal=False, window_left=np.int64(-1),
+                    window_right=np.int64(-1), deterministic=True, segment_ids=False,
+                    logits_soft_cap=0.0, alibi=False, block_sparse=False)
+  with pytest.raises(FFI_ERROR, match=_pattern("Hv=128 differs", "H=192", "no CUDA backward",
+                                               "JF_SM90_BWD_VALUE_HEAD_DIMS", "not deterministic",
+                                               "pad v and do to H")):
+    _call("jax_flash_cuda_bwd", rng, operands, outputs, attributes)

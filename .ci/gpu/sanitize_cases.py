@@ -1,6 +1,7 @@
 """Small odd-shaped attention calls for compute-sanitizer (memcheck, racecheck, initcheck): every
 CUDA kernel family and pass on shapes that hit tile edges, T != S, head dims 40/96/256, lengths,
-windows, GQA, deterministic, and the differentiated forward that writes o in float32.
+windows, GQA, deterministic, value head dims of their own, and the differentiated forward that
+writes o in float32.
 
   compute-sanitizer --tool memcheck python3 .ci/gpu/sanitize_cases.py [--score-mods] [--segment-ids]
       [--block-sparse] [--cases 0,3]
@@ -22,7 +23,8 @@ import jax.numpy as jnp
 import jax_flash
 
 CASES = [
-    # (batch, T, S, heads_q, heads_k, head_dim, causal, window, lengths, deterministic)
+    # (batch, T, S, heads_q, heads_k, head_dim, causal, window, lengths, deterministic[,
+    #  value head dim Hv: head_dim where not given])
     (1, 17, 33, 2, 1, 40, False, None, False, False),
     (2, 65, 31, 4, 2, 96, True, None, True, False),
     # (A window wider than 16 keys: narrower calls run the mma.sync kernels, gpu/score_mods.cuh.)
@@ -55,6 +57,11 @@ CASES = [
     # blocks of dQ): head dim 176 causal with lengths and GQA; 192 with a window, deterministic.
     (2, 133, 150, 4, 2, 176, True, None, True, False),
     (1, 100, 90, 2, 1, 192, False, (40, 5), False, True),
+    # A value head dim of its own (the pair kernels of 192 / 128, forward and split backward:
+    # warpgroup 0 dV's 128 columns and dK's first 64, warpgroup 1 dK's other 128): causal, GQA,
+    # lengths, partial blocks; then H 160 and Hv 120 on them (zero-filled columns), a window.
+    (2, 133, 150, 4, 2, 192, True, None, True, False, 128),
+    (1, 100, 90, 2, 1, 160, False, (40, 5), False, False, 120),
 ]
 
 
@@ -65,14 +72,15 @@ def main() -> None:
   chosen = range(len(CASES))
   if "--cases" in sys.argv[1:]:
     chosen = [int(c) for c in sys.argv[sys.argv.index("--cases") + 1].split(",")]
-  for i, (b, t, s, n, kh, h, causal, window, lengths, det) in enumerate(CASES):
+  for i, (b, t, s, n, kh, h, causal, window, lengths, det, *value_dim) in enumerate(CASES):
     if i not in chosen:
       continue
+    hv = value_dim[0] if value_dim else h
     ks = jax.random.split(jax.random.key(i), 4)
     q = jax.random.normal(ks[0], (b, t, n, h), jnp.bfloat16)
     k = jax.random.normal(ks[1], (b, s, kh, h), jnp.bfloat16)
-    v = jax.random.normal(ks[2], (b, s, kh, h), jnp.bfloat16)
-    d_o = jax.random.normal(ks[3], (b, t, n, h), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (b, s, kh, hv), jnp.bfloat16)
+    d_o = jax.random.normal(ks[3], (b, t, n, hv), jnp.bfloat16)
     kwargs = dict(is_causal=causal, local_window_size=window, implementation="cuda",
                   deterministic=det)
     if score_mods:
@@ -97,7 +105,7 @@ def main() -> None:
     plain = jax_flash.dot_product_attention(q, k, v, **kwargs)
     jax.block_until_ready((out, grads, plain))
     finite = all(bool(jnp.isfinite(x.astype(jnp.float32)).all()) for x in (out, plain, *grads))
-    print(f"case {i}: B{b} T{t} S{s} N{n}/{kh} H{h} causal={causal} window={window} "
+    print(f"case {i}: B{b} T{t} S{s} N{n}/{kh} H{h} Hv{hv} causal={causal} window={window} "
           f"lengths={lengths} deterministic={det} score_mods={score_mods} "
           f"segment_ids={segment_ids} block_sparse={block_sparse}: finite={finite}")
 

@@ -284,8 +284,9 @@ struct KeyBlockTask {
 // Warms L2 with the K and V tiles of the key-block CTA that should start on this SM about a
 // wave after this one (one CTA an SM, CTAs started in launch order: key_block_of_cta): its
 // prologue, which has nothing to overlap its loads with, then waits on L2 rather than DRAM.
-// kThreads threads (this one `tid`) share the tile's 128-byte lines.
-template <int kBlockN, int kHeadDim, int kThreads, typename T>
+// kThreads threads (this one `tid`) share the tile's 128-byte lines. kValueHeadDim: V's head
+// dim where it differs (its rows then have their own strides).
+template <int kBlockN, int kHeadDim, int kThreads, typename T, int kValueHeadDim = kHeadDim>
 __device__ __forceinline__ void prefetch_next_wave_keys(const BwdParams& p, int tid) {
   const AttentionShape& sh = p.shape;
   const KeyBlockCoords later = key_block_of_cta(cta_launch_position() + sm_id_bound(), p.key_major_groups);
@@ -301,8 +302,32 @@ __device__ __forceinline__ void prefetch_next_wave_keys(const BwdParams& p, int 
     if (later_b < sh.batch && index < kLines && later_n0 + row < sh.seq_k && line * 64 < sh.head_dim) {
       const int64_t offset = (later_b * sh.seq_k + later_n0 + row) * kv_stride + later_hk * sh.head_dim + line * 64;
       prefetch_l2(static_cast<const T*>(p.k) + offset);
-      prefetch_l2(static_cast<const T*>(p.v) + offset);
+      if constexpr (kValueHeadDim == kHeadDim) {
+        prefetch_l2(static_cast<const T*>(p.v) + offset);
+      } else if (line * 64 < sh.head_dim_v) {
+        const int64_t v_row = (later_b * sh.seq_k + later_n0 + row) * sh.heads_k + later_hk;
+        prefetch_l2(static_cast<const T*>(p.v) + v_row * sh.head_dim_v + line * 64);
+      }
     }
+  }
+}
+
+// Where a key-block task's rows of V and dV, and its query rows of dO, lie: with kOwnHeadDim
+// (their head dim Hv differs from H: sm90/traits.cuh Sm90BwdWsTraits::kOwnValueHeadDim) from Hv,
+// else the task's K and Q layout as it is (v_offset: the block's first key row, as kv_offset;
+// do_batch_offset: the batch element's first query row, as q_batch_offset).
+struct KeyBlockValueRows {
+  int64_t v_stride, v_offset, do_stride, do_batch_offset, head_dim;
+  int chunks;  // 16-byte chunks of a V or dO row
+};
+template <bool kOwnHeadDim, typename Task>
+__device__ __forceinline__ KeyBlockValueRows key_block_value_rows(const AttentionParams& p, const Task& task) {
+  if constexpr (!kOwnHeadDim) {
+    return {task.kv_stride, task.kv_offset, task.q_stride, task.q_batch_offset, p.shape.head_dim, task.chunks};
+  } else {
+    const int64_t hv = p.shape.head_dim_v, v_stride = p.shape.heads_k * hv, do_stride = p.shape.heads_q * hv;
+    return {v_stride, (task.b * p.shape.seq_k + task.n0) * v_stride + task.hk * hv, do_stride,
+            task.b * p.shape.seq_q * do_stride, hv, static_cast<int>(hv / 8)};
   }
 }
 

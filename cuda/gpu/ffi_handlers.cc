@@ -5,6 +5,7 @@
 
 #include <cuda_runtime.h>
 
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -36,15 +37,20 @@ ffi::Error check_cuda_inputs(const ffi::AnyBuffer& q, const AttentionShape& shap
   return ffi::Error::Success();
 }
 
-// A forward whose value head dim Hv differs from H: only where a kernel of that pair runs it
-// (gpu/launch.h forward_takes_value_head_dim; the Python side pads v to H elsewhere).
-ffi::Error check_value_head_dim(const FwdParams& params) {
-  const AttentionShape& s = params.shape;
-  if (s.head_dim_v == s.head_dim || cuda::forward_takes_value_head_dim(s)) return ffi::Error::Success();
+// A pass whose value head dim Hv differs from H: only where a kernel of that pair runs it
+// (gpu/launch.h forward_takes_value_head_dim, and for the backward, given `deterministic`,
+// backward_takes_value_head_dim); the Python side pads v (and dO) to H elsewhere.
+ffi::Error check_value_head_dim(const AttentionShape& s, std::optional<bool> deterministic = std::nullopt) {
+  if (s.head_dim_v == s.head_dim) return ffi::Error::Success();
+  const bool backward = deterministic.has_value();
+  if (backward ? cuda::backward_takes_value_head_dim(s, *deterministic) : cuda::forward_takes_value_head_dim(s))
+    return ffi::Error::Success();
   return invalid("v's head dim Hv=" + std::to_string(s.head_dim_v) + " differs from q and k's H=" +
-                 std::to_string(s.head_dim) + ", and no CUDA forward of that pair runs this call (the kernels of " +
-                 "gpu/tile_shapes.cuh JF_SM90_FWD_VALUE_HEAD_DIMS, on Hopper, under " +
-                 "JAX_FLASH_CUDA_VALUE_HEAD_DIM=native): pad v to H");
+                 std::to_string(s.head_dim) + ", and no CUDA " + (backward ? "backward" : "forward") +
+                 " of that pair runs this call (the kernels of gpu/tile_shapes.cuh JF_SM90_" +
+                 (backward ? "BWD" : "FWD") + "_VALUE_HEAD_DIMS, on Hopper, unless " +
+                 "JAX_FLASH_CUDA_VALUE_HEAD_DIM=padded" + (backward ? "; not deterministic" : "") + "): pad v" +
+                 (backward ? " and do" : "") + " to H");
 }
 
 // The block mask's lists (gpu/block_sparse.cuh; jax_flash._ops.block_sparse_lists forms them):
@@ -120,7 +126,7 @@ ffi::Error run_fwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   JF_RETURN_IF_ERROR(set_block_lists(kv_block_lists, kv_block_counts, nullptr, nullptr, block_sparse, q, params));
   JF_RETURN_IF_ERROR(set_o_error(*o_error, *o, params));
   JF_RETURN_IF_ERROR(set_tile_counter(*scheduler, params));
-  JF_RETURN_IF_ERROR(check_value_head_dim(params));
+  JF_RETURN_IF_ERROR(check_value_head_dim(params.shape));
   if (cudaError_t e = cuda::launch_flash_fwd(params, stream)) return cuda_error("forward launch", e);
   return ffi::Error::Success();
 }
@@ -137,8 +143,9 @@ ffi::Error run_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                    bool block_sparse) {
   BwdParams params;
   JF_RETURN_IF_ERROR(make_bwd_params_without_o(q, k, v, lse, d_o, q_lens, kv_lens, *dq, *dk, *dv, delta, scale,
-                                               is_causal, window_left, window_right, params));
+                                               is_causal, window_left, window_right, params, ValueHeadDim::kOwn));
   JF_RETURN_IF_ERROR(check_cuda_inputs(q, params.shape, params.dtype));
+  JF_RETURN_IF_ERROR(check_value_head_dim(params.shape, deterministic));
   JF_RETURN_IF_ERROR(set_segment_ids(q_segment_ids, kv_segment_ids, segment_ids, q, k, params));
   JF_RETURN_IF_ERROR(
       set_segment_id_spans(q_segment_id_spans, kv_segment_id_spans, q_segment_ids, kv_segment_ids, params));

@@ -89,6 +89,7 @@ bool staged_dq_accum(const AttentionShape& shape, bool deterministic) {
 
 int kv_head_splits(const AttentionShape& shape, bool deterministic) {
   if (deterministic || shape.heads_k <= 0 || shape.heads_q <= shape.heads_k) return 1;
+  if (shape.head_dim_v != shape.head_dim) return 1;  // (the float32 dK and dV accumulators have one head dim)
   const KernelFamily family = backward_family_of(shape.head_dim);
   if (family == KernelFamily::kSm80 || device_compute_major() != 9) return 1;
   // The Hopper backward's key blocks at the compiled head dim the call runs on (0: none there).
@@ -173,6 +174,19 @@ bool forward_takes_value_head_dim(const AttentionShape& shape) {
   return false;
 }
 
+bool backward_takes_value_head_dim(const AttentionShape& shape, bool deterministic) {
+  if (shape.head_dim_v == shape.head_dim || deterministic || !own_value_head_dim_enabled()) return false;
+  const KernelFamily family = backward_family_of(shape.head_dim);
+  if (family == KernelFamily::kSm80 || device_compute_major() != 9 || pads_192_backward(family, deterministic))
+    return false;
+  const int d = compiled_head_dim(shape.head_dim), dv = compiled_head_dim(shape.head_dim_v);
+#define JF_IS_PAIR(D, DV) \
+  if (d == D && dv == DV) return true;
+  JF_SM90_BWD_VALUE_HEAD_DIMS(JF_IS_PAIR)
+#undef JF_IS_PAIR
+  return false;
+}
+
 cudaError_t launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
   if (p.shape.seq_q == 0 || p.shape.batch == 0) return cudaSuccess;
   if (p.shape.head_dim_v != p.shape.head_dim) {
@@ -223,7 +237,13 @@ bool sm90_dq_by_atomics(Sm90BwdVariant variant) {
 // instead of the atomics and the convert. delta = rowsum(dO * O) comes formed (BwdParams::delta).
 cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
   if (p.shape.batch == 0 || p.shape.seq_q == 0) return cudaSuccess;  // empty outputs
-  const KernelFamily family = narrow_plain_call(p) ? KernelFamily::kSm80 : backward_family_of(p.shape.head_dim);
+  // A value head dim of its own: the pair's kernel (the handler checked that it runs; narrow calls
+  // included, whose hi + lo dS is the mma.sync kernels').
+  const bool own_value_head_dim = p.shape.head_dim_v != p.shape.head_dim;
+  if (own_value_head_dim && !backward_takes_value_head_dim(p.shape, p.deterministic)) return cudaErrorInvalidValue;
+  const int compiled_value_head_dim = own_value_head_dim ? compiled_head_dim(p.shape.head_dim_v) : 0;
+  const KernelFamily family =
+      narrow_plain_call(p) && !own_value_head_dim ? KernelFamily::kSm80 : backward_family_of(p.shape.head_dim);
   const bool skip_192 = pads_192_backward(family, p.deterministic);
   return dispatch_dtype_head_dim(p.dtype, p.shape.head_dim, [&](auto type, auto head_dim) -> cudaError_t {
     using T = typename decltype(type)::type;
@@ -282,8 +302,20 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
     const bool quad_order_kernel = sm90_variant ? sm90_dq_by_atomics<kD>(*sm90_variant) : device_compute_major() == 9;
     const bool dq_quads = quad_order_kernel && !p.deterministic && dq_accum_in_quads(p.dq_accum, sh.head_dim);
     if (!sm90_variant) hp.dq_quads = dq_quads;
+    // The Hopper main kernel: of the head dim, or of the (H, Hv) pair.
+    auto launch_sm90_main = [&](Sm90BwdVariant variant) -> cudaError_t {
+      if constexpr (TileShapes<kD>::kHasSm90Bwd) {
+        if (!own_value_head_dim) return launch_bwd_main_sm90_ws<T, kD>(hp, variant, stream);
+#define JF_PAIR_CASE(D, DV) \
+  if constexpr (kD == D)    \
+    if (compiled_value_head_dim == DV) return launch_bwd_main_sm90_ws<T, D, DV>(hp, variant, stream);
+        JF_SM90_BWD_VALUE_HEAD_DIMS(JF_PAIR_CASE)
+#undef JF_PAIR_CASE
+      }
+      return cudaErrorInvalidValue;
+    };
     if (sh.seq_k > 0) {  // with no keys, dK and dV are empty and dQ stays 0
-      const cudaError_t e = sm90_variant ? launch_bwd_main_sm90_ws<T, kD>(hp, *sm90_variant, stream)
+      const cudaError_t e = sm90_variant ? launch_sm90_main(*sm90_variant)
                                          : launch_bwd_main_sm80<T, sm80_head_dim(kD)>(hp, stream);
       if (e != cudaSuccess) return e;
       if (hp.kv_head_splits > 1) {

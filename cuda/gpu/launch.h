@@ -50,8 +50,9 @@ inline int64_t staged_dq_columns(const AttentionShape& shape) { return (shape.he
 // split): where a CTA per (key block, kv head, batch) leaves the SMs short of work (MQA, few
 // kv heads), the smallest divisor of the group that makes 1.5 waves, each CTA adding its dK and
 // dV into float32 accumulators (BwdParams::dkv_accum) that a last kernel converts. Not in
-// deterministic mode (the additions' order would vary) nor on the mma.sync backward; only plain
-// calls split (gpu/launch.cu), though the others' workspace has the room.
+// deterministic mode (the additions' order would vary) nor on the mma.sync backward, nor with a
+// value head dim of its own (Hv != H); only plain calls split (gpu/launch.cu), though the others'
+// workspace has the room.
 int kv_head_splits(const AttentionShape& shape, bool deterministic);
 
 // BwdParams::key_major_groups for a main backward grid (gpu/kernel_launch.cuh key_block_grid): on
@@ -87,6 +88,12 @@ inline int64_t dq_accum_elements(const AttentionShape& shape, bool deterministic
 // that the Python side's answer holds for every shard of a call. The handler takes Hv != H only
 // then (the Python side pads v to H otherwise); false where Hv == H.
 bool forward_takes_value_head_dim(const AttentionShape& shape);
+
+// Whether the backward of a call whose value head dim Hv differs from H runs a kernel of its own
+// for the pair (as forward_takes_value_head_dim, with the Hopper backward family at H's compiled
+// head dim, JF_SM90_BWD_VALUE_HEAD_DIMS, and not deterministic); the Python side pads v and dO
+// to H otherwise. False where Hv == H.
+bool backward_takes_value_head_dim(const AttentionShape& shape, bool deterministic);
 
 // Forward: o and lse.
 cudaError_t launch_flash_fwd(const FwdParams& params, cudaStream_t stream);
@@ -136,8 +143,10 @@ cudaError_t launch_bwd_main_sm80(const BwdParams& params, cudaStream_t stream);
 // computed transposed into the tiled hand-off (sm90/traits.cuh kDqTransposed).
 // kDeferDq (experimental, head dim 128, plain non-deterministic calls): kTiledDq without the
 // consumers' barrier, each visit's dQ during the next (sm90/traits.cuh kDeferDq).
+// kValueHeadDim != kHeadDim: a pair of JF_SM90_BWD_VALUE_HEAD_DIMS (backward_takes_value_head_dim),
+// whose one kernel runs whatever the variant.
 enum class Sm90BwdVariant { kAtomicDq, kBulkDq, kBlockM128, kTiledDq, kM80, kDeferDq, kStageDq };
-template <typename T, int kHeadDim>
+template <typename T, int kHeadDim, int kValueHeadDim = kHeadDim>
 cudaError_t launch_bwd_main_sm90_ws(const BwdParams& params, Sm90BwdVariant variant, cudaStream_t stream);
 // The deterministic mode's dQ kernel (mma.sync on every GPU).
 template <typename T, int kHeadDim>

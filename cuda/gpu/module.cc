@@ -39,12 +39,13 @@ NB_MODULE(_native_cuda, m) {
   });
   m.def("dq_accum_elements",
         [](int64_t batch, int64_t seq_q, int64_t seq_k, int64_t heads_q, int64_t heads_k, int64_t head_dim,
-           bool deterministic) {
-          const jax_flash::AttentionShape shape{batch, seq_q, seq_k, heads_q, heads_k, head_dim};
+           int64_t head_dim_v, bool deterministic) {
+          const jax_flash::AttentionShape shape{batch, seq_q, seq_k, heads_q, heads_k, head_dim, head_dim_v};
           return jax_flash::cuda::dq_accum_elements(shape, deterministic);
         },
         "Elements of the CUDA backward's float32 workspace (dQ's accumulator, and dK's and dV's "
-        "where the Hopper backward splits a group's heads): what its handler checks.");
+        "where the Hopper backward splits a group's heads) for v's head dim as the call passes it: "
+        "what its handler checks.");
   m.def("narrow_split_call",
         [](bool is_causal, int64_t window_left, int64_t window_right, int64_t seq_q, int64_t seq_k) {
           const jax_flash::MaskParams mask{is_causal, window_left, window_right};
@@ -59,6 +60,13 @@ NB_MODULE(_native_cuda, m) {
         },
         "Whether a forward of these head dims (H != Hv, padded to the kernels' multiple) runs a kernel "
         "of the pair, taking v as it is (gpu/launch.h forward_takes_value_head_dim).");
+  m.def("backward_takes_value_head_dim",
+        [](int64_t head_dim, int64_t head_dim_v, bool deterministic) {
+          jax_flash::AttentionShape shape{1, 1, 1, 1, 1, head_dim, head_dim_v};
+          return jax_flash::cuda::backward_takes_value_head_dim(shape, deterministic);
+        },
+        "Whether a backward of these head dims (H != Hv, padded to the kernels' multiple) runs a "
+        "kernel of the pair, taking v and dO as they are (gpu/launch.h backward_takes_value_head_dim).");
   m.def("device_sm_count", [] { return jax_flash::cuda::device_sm_count(); },
         "Streaming multiprocessors of the current CUDA device (asked once; 0 if CUDA cannot say).");
 }

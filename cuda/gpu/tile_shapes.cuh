@@ -23,6 +23,9 @@ namespace jax_flash::cuda {
 // differs from H (MLA's 192 / 128; ValueHeadDimShapes), compiled head dims both: a call runs the
 // pair of its compiled H and Hv where that pair is listed (gpu/launch.cu), else v zero-padded to H.
 #define JF_SM90_FWD_VALUE_HEAD_DIMS(X) X(192, 128)
+// ... and whose Hopper backward has (its split kernel; non-deterministic calls: the deterministic
+// dQ kernel is the mma.sync family's, of one head dim).
+#define JF_SM90_BWD_VALUE_HEAD_DIMS(X) X(192, 128)
 
 // The smallest mma.sync head dim at or above head_dim.
 constexpr int sm80_head_dim(int head_dim) {
@@ -119,10 +122,14 @@ struct TileShapes {
 // Hv columns wide, Q and K H. At 192 / 128 the consumers hold O as at head dim 128 (64 floats a
 // thread), so key blocks of 128 fit their registers, as at 128; the wide tiles are head dim 192's
 // (112 keys), the only ones with room for the TMA store's O tile.
+// The backward's: the split kernel of H (sm90/traits.cuh kSplitHeadDim) with V and dO tiles Hv
+// wide and each warpgroup's columns of dK and dV its own (split_dk_columns, split_dv_columns).
 template <int kHeadDim, int kValueHeadDim>
 struct ValueHeadDimShapes {
   using Sm90FwdWs = Sm90FwdWsTraits<kHeadDim, 128, 2, 2, kValueHeadDim>;
   using Sm90FwdWsWide = Sm90FwdWsTraits<kHeadDim, TileShapes<kHeadDim>::kWideKeys, 2, 2, kValueHeadDim>;
+  static_assert(TileShapes<kHeadDim>::kSplitBwd, "the split backward's head dims");
+  using Sm90BwdWs = Sm90BwdWsTraits<kHeadDim, false, 64, false, true, false, false, kValueHeadDim>;
 };
 
 // A type as a value (C++17 has no std::type_identity).

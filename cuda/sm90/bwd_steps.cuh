@@ -17,31 +17,34 @@
 namespace jax_flash::cuda {
 
 // S^T = K Q^T and dP^T = V dO^T for a warpgroup's 64 keys (from key_row0 of the K and V tiles)
-// and Traits::kScoreQueries queries (from query_row0 of the Q and dO stages) (SS wgmma): issued and
-// committed as two groups, S^T's first (so wgmma_wait<1> waits for S^T only), not waited for.
+// and Traits::kScoreQueries queries (from query_row0 of the Q and dO stages) (SS wgmma; dP^T over
+// the value head dim): issued and committed as two groups, S^T's first (so wgmma_wait<1> waits
+// for S^T only), not waited for.
 template <typename Traits, typename T>
 __device__ __forceinline__ void issue_transposed_scores(float (&st)[1][Traits::kScoreQueries / 8][4],
                                                   float (&dpt)[1][Traits::kScoreQueries / 8][4], uint32_t k_address,
                                                   uint32_t v_address, uint32_t q_address, uint32_t do_address,
                                                   int key_row0, int query_row0) {
-  using KVTile = typename Traits::KVTile;
+  using KTile = typename Traits::KTile;
   using QTile = typename Traits::QTile;
-  const uint64_t k_desc = made_here(KVTile::k_major(k_address, key_row0, 0));  // (K and V: every visit)
+  using VTile = typename Traits::VTile;
+  using DoTile = typename Traits::DoTile;
+  const uint64_t k_desc = made_here(KTile::k_major(k_address, key_row0, 0));  // (K and V: every visit)
   const uint64_t q_desc = QTile::k_major(q_address, query_row0, 0);
-  const uint64_t v_desc = made_here(KVTile::k_major(v_address, key_row0, 0));
-  const uint64_t do_desc = QTile::k_major(do_address, query_row0, 0);
+  const uint64_t v_desc = made_here(VTile::k_major(v_address, key_row0, 0));
+  const uint64_t do_desc = DoTile::k_major(do_address, query_row0, 0);
   fence_registers(st[0]);
   fence_registers(dpt[0]);
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk)
-    Wgmma<T, Traits::kScoreQueries>::ss(st[0], KVTile::k_major_from(k_desc, 0, kk), QTile::k_major_from(q_desc, 0, kk),
+    Wgmma<T, Traits::kScoreQueries>::ss(st[0], KTile::k_major_from(k_desc, 0, kk), QTile::k_major_from(q_desc, 0, kk),
                                         kk > 0);
   wgmma_commit();
 #pragma unroll
-  for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk)
-    Wgmma<T, Traits::kScoreQueries>::ss(dpt[0], KVTile::k_major_from(v_desc, 0, kk),
-                                        QTile::k_major_from(do_desc, 0, kk), kk > 0);
+  for (int kk = 0; kk < Traits::kValueHeadDim / 16; ++kk)
+    Wgmma<T, Traits::kScoreQueries>::ss(dpt[0], VTile::k_major_from(v_desc, 0, kk),
+                                        DoTile::k_major_from(do_desc, 0, kk), kk > 0);
   wgmma_commit();
 }
 
@@ -166,17 +169,17 @@ __device__ __forceinline__ void issue_key_gradients(float (&dk)[1][Traits::kHead
 template <typename Traits, typename T>
 __device__ __forceinline__ void issue_query_gradient(float (&dq)[1][8][4], uint32_t ds_address, uint32_t k_address,
                                                      int group) {
-  using KVTile = typename Traits::KVTile;
+  using KTile = typename Traits::KTile;
   using DsTile = typename Traits::DsTile;
   const uint32_t ds_part = (Traits::kDqByRows ? group : 0) * DsTile::kBlockBytes;
-  const uint32_t k_part = (Traits::kDqByRows ? 0 : group) * KVTile::kBlockBytes;
+  const uint32_t k_part = (Traits::kDqByRows ? 0 : group) * KTile::kBlockBytes;
   const uint64_t ds_desc = DsTile::n_major(ds_address + ds_part, 0);
-  const uint64_t k_desc = made_here(KVTile::n_major(k_address + k_part, 0));
+  const uint64_t k_desc = made_here(KTile::n_major(k_address + k_part, 0));
   fence_registers(dq[0]);
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < Traits::kBlockN / 16; ++kk)
-    Wgmma<T, 64>::ss_transposed(dq[0], DsTile::n_major_from(ds_desc, kk), KVTile::n_major_from(k_desc, kk), kk > 0);
+    Wgmma<T, 64>::ss_transposed(dq[0], DsTile::n_major_from(ds_desc, kk), KTile::n_major_from(k_desc, kk), kk > 0);
   wgmma_commit();
 }
 
@@ -226,9 +229,8 @@ __device__ __forceinline__ void accumulate_gradients(float (&dk)[1][Traits::kHea
 }
 
 // ---- Split head dim (Traits::kSplitHeadDim): the P^T and dS^T tiles are [key][query], every
-// key of the block and every query of the visit; a warpgroup owns head-dim columns
-// kGradColumns * group .. of dK and dV (Traits::split_grad_columns) and 64-column blocks of dQ
-// (Traits::split_dq_blocks).
+// key of the block and every query of the visit; a warpgroup owns head-dim columns of dK and dV
+// (Traits::split_dk_columns, split_dv_columns) and 64-column blocks of dQ (split_dq_blocks).
 
 // The first kTiles n-tiles of an accumulator, as an accumulator of their own: a warpgroup's
 // columns of the split kernels' dK and dV, whose arrays hold the widest warpgroup's.
@@ -237,31 +239,42 @@ __device__ __forceinline__ auto leading_tiles(float (&x)[1][kAllTiles][4]) -> fl
   static_assert(kTiles <= kAllTiles, "a part of the accumulator");
   return *reinterpret_cast<float(*)[1][kTiles][4]>(&x);
 }
+template <int kTiles, int kAllTiles>
+__device__ __forceinline__ auto leading_tiles(const float (&x)[1][kAllTiles][4]) -> const float (&)[1][kTiles][4] {
+  static_assert(kTiles <= kAllTiles, "a part of the accumulator");
+  return *reinterpret_cast<const float(*)[1][kTiles][4]>(&x);
+}
 
-// dV += P^T dO and dK += dS^T Q for kN head-dim columns from 64-column block col_block0, every
-// operand from shared memory: issued and committed, not waited for.
-template <typename Traits, int kN, typename T>
-__device__ __forceinline__ void issue_split_key_gradients(float (&dk)[1][kN / 8][4], float (&dv)[1][kN / 8][4],
+// dV += P^T dO for kNv head-dim columns from 64-column block dv_block0 and dK += dS^T Q for kNk
+// from dk_block0 (the first kNv / 8 and kNk / 8 n-tiles of dv and dk; none of dV where kNv is 0),
+// every operand from shared memory: issued and committed, not waited for.
+template <typename Traits, int kNk, int kNv, typename T, int kDkTiles, int kDvTiles>
+__device__ __forceinline__ void issue_split_key_gradients(float (&dk_all)[1][kDkTiles][4], float (&dv_all)[1][kDvTiles][4],
                                                           uint32_t pt_address, uint32_t ds_address, uint32_t q_address,
-                                                          uint32_t do_address, int col_block0) {
+                                                          uint32_t do_address, int dk_block0, int dv_block0) {
   static_assert(Traits::kSplitHeadDim, "the split head dim's products");
-  static_assert(kN % 64 == 0, "whole 64-column blocks");
+  static_assert(kNk % 64 == 0 && kNv % 64 == 0 && kNk > 0, "whole 64-column blocks");
   using QTile = typename Traits::QTile;
+  using DoTile = typename Traits::DoTile;
   using DsTile = typename Traits::DsTile;
-  const uint32_t columns = col_block0 * QTile::kBlockBytes;
+  auto& dk = leading_tiles<kNk / 8>(dk_all);
   const uint64_t pt_desc = DsTile::k_major(pt_address, 0, 0);
   const uint64_t ds_desc = DsTile::k_major(ds_address, 0, 0);
-  const uint64_t do_desc = QTile::n_major(do_address + columns, 0);
-  const uint64_t q_desc = QTile::n_major(q_address + columns, 0);
-  fence_registers(dv[0]);
+  const uint64_t do_desc = DoTile::n_major(do_address + dv_block0 * DoTile::kBlockBytes, 0);
+  const uint64_t q_desc = QTile::n_major(q_address + dk_block0 * QTile::kBlockBytes, 0);
+  if constexpr (kNv > 0) fence_registers(leading_tiles<kNv / 8>(dv_all)[0]);
   fence_registers(dk[0]);
   wgmma_fence();
+  if constexpr (kNv > 0) {
+    auto& dv = leading_tiles<kNv / 8>(dv_all);
+#pragma unroll
+    for (int kk = 0; kk < Traits::kBlockM / 16; ++kk)
+      Wgmma<T, kNv>::ss_b_transposed(dv[0], DsTile::k_major_from(pt_desc, 0, kk), DoTile::n_major_from(do_desc, kk),
+                                     true);
+  }
 #pragma unroll
   for (int kk = 0; kk < Traits::kBlockM / 16; ++kk)
-    Wgmma<T, kN>::ss_b_transposed(dv[0], DsTile::k_major_from(pt_desc, 0, kk), QTile::n_major_from(do_desc, kk), true);
-#pragma unroll
-  for (int kk = 0; kk < Traits::kBlockM / 16; ++kk)
-    Wgmma<T, kN>::ss_b_transposed(dk[0], DsTile::k_major_from(ds_desc, 0, kk), QTile::n_major_from(q_desc, kk), true);
+    Wgmma<T, kNk>::ss_b_transposed(dk[0], DsTile::k_major_from(ds_desc, 0, kk), QTile::n_major_from(q_desc, kk), true);
   wgmma_commit();
 }
 
@@ -337,15 +350,15 @@ __device__ __forceinline__ void issue_key_gradient_from_query_major(float (&dk)[
 template <typename Traits, typename T>
 __device__ __forceinline__ void issue_transposed_query_gradient(float (&dqt)[1][Traits::kBlockM / 8][4],
                                                                 uint32_t ds_address, uint32_t k_address, int group) {
-  using KVTile = typename Traits::KVTile;
+  using KTile = typename Traits::KTile;
   using DsTile = typename Traits::DsTile;
-  const uint64_t k_desc = made_here(KVTile::n_major(k_address + group * KVTile::kBlockBytes, 0));
+  const uint64_t k_desc = made_here(KTile::n_major(k_address + group * KTile::kBlockBytes, 0));
   const uint64_t ds_desc = DsTile::k_major(ds_address, 0, 0);
   fence_registers(dqt[0]);
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < Traits::kBlockN / 16; ++kk)
-    Wgmma<T, Traits::kBlockM>::ss_a_transposed(dqt[0], KVTile::n_major_from(k_desc, kk),
+    Wgmma<T, Traits::kBlockM>::ss_a_transposed(dqt[0], KTile::n_major_from(k_desc, kk),
                                                DsTile::k_major_from(ds_desc, 0, kk), kk > 0);
   wgmma_commit();
 }
@@ -390,9 +403,10 @@ __device__ __forceinline__ void add_dq(const BwdParams& p, const KeyBlockTask<kB
 // added to the float32 accumulators p.dkv_accum ((2, batch, seq_k, heads_k, head_dim)).
 template <typename Traits, typename Task>
 __device__ __forceinline__ void add_dk_dv(const BwdParams& p, const Task& task,
-                                          const float (&dk)[1][Traits::kGradColumns / 8][4],
-                                          const float (&dv)[1][Traits::kGradColumns / 8][4], int warp_key0, int col0,
+                                          const float (&dk)[1][Traits::kDkTiles][4],
+                                          const float (&dv)[1][Traits::kDvTiles][4], int warp_key0, int col0,
                                           int lane) {
+  static_assert(!Traits::kOwnValueHeadDim && Traits::kDkTiles == Traits::kDvTiles, "dK's columns are dV's");
   const AttentionShape& sh = p.shape;
   const int64_t dv_offset = sh.batch * sh.seq_k * sh.heads_k * sh.head_dim;
 #pragma unroll
@@ -401,7 +415,7 @@ __device__ __forceinline__ void add_dk_dv(const BwdParams& p, const Task& task,
     if (key >= task.keys) continue;
     float* row = p.dkv_accum + ((task.b * sh.seq_k + task.n0 + key) * sh.heads_k + task.hk) * sh.head_dim;
 #pragma unroll
-    for (int nt = 0; nt < Traits::kGradColumns / 8; ++nt) {
+    for (int nt = 0; nt < Traits::kDkTiles; ++nt) {
       const int col = col0 + nt * 8 + (lane % 4) * 2;
       if (col >= sh.head_dim) continue;
       atomic_add_pair(row + col, dk[0][nt][2 * half], dk[0][nt][2 * half + 1]);
@@ -413,21 +427,27 @@ __device__ __forceinline__ void add_dk_dv(const BwdParams& p, const Task& task,
 // dK and dV rows of the key block (zeros where no query sees the key), through shared memory
 // where K and V were, so that the stores are whole rows: kThreads threads (this one `tid`),
 // `sync` a barrier of all of them (K and V are no longer read once every warp is there). A
-// thread's fragments are keys warp_key0 .. and head-dim columns col0 .. (kTiles x 8 of them).
-template <typename Traits, int kThreads, typename T, typename Task, typename Sync, int kTiles>
-__device__ __forceinline__ void store_dk_dv(const BwdParams& p, const Task& task, const float (&dk)[1][kTiles][4],
-                                            const float (&dv)[1][kTiles][4], T* s_k, T* s_v,
-                                            int warp_key0, int col0, int lane, int tid, Sync sync) {
-  using OutTile = SmemTile<Traits::kBlockN, Traits::kTileHeadDim>;
-  static_assert(OutTile::kElements == Traits::KVTile::kElements, "dK and dV staged where K and V were");
+// thread's fragments are keys warp_key0 .., head-dim columns dk_col0 .. of dK (the first kNk / 8
+// n-tiles of dk) and dv_col0 .. of dV (kNv / 8 of dv; none where kNv is 0); V's and dV's rows are
+// `values`' (key_block_value_rows).
+template <typename Traits, int kThreads, int kNk, int kNv, typename T, typename Task, typename Sync, int kDkTiles,
+          int kDvTiles>
+__device__ __forceinline__ void store_dk_dv(const BwdParams& p, const Task& task, const float (&dk)[1][kDkTiles][4],
+                                            const float (&dv)[1][kDvTiles][4], T* s_k, T* s_v,
+                                            const KeyBlockValueRows& values, int warp_key0, int dk_col0, int dv_col0,
+                                            int lane, int tid, Sync sync) {
+  using KOutTile = SmemTile<Traits::kBlockN, Traits::kTileHeadDim>;
+  using VOutTile = SmemTile<Traits::kBlockN, Traits::kTileValueHeadDim>;
+  static_assert(KOutTile::kElements == Traits::KTile::kElements && VOutTile::kElements == Traits::VTile::kElements,
+                "dK and dV staged where K and V were");
   sync();
-  store_accumulator<OutTile>(s_k, dk, warp_key0, col0, lane);
-  store_accumulator<OutTile>(s_v, dv, warp_key0, col0, lane);
+  store_accumulator<KOutTile>(s_k, leading_tiles<kNk / 8>(dk), warp_key0, dk_col0, lane);
+  if constexpr (kNv > 0) store_accumulator<VOutTile>(s_v, leading_tiles<kNv / 8>(dv), warp_key0, dv_col0, lane);
   sync();
-  store_tile<OutTile, kThreads>(static_cast<T*>(p.dk) + task.kv_offset, task.kv_stride, s_k, task.keys, task.chunks,
-                                tid);
-  store_tile<OutTile, kThreads>(static_cast<T*>(p.dv) + task.kv_offset, task.kv_stride, s_v, task.keys, task.chunks,
-                                tid);
+  store_tile<KOutTile, kThreads>(static_cast<T*>(p.dk) + task.kv_offset, task.kv_stride, s_k, task.keys, task.chunks,
+                                 tid);
+  store_tile<VOutTile, kThreads>(static_cast<T*>(p.dv) + values.v_offset, values.v_stride, s_v, task.keys,
+                                 values.chunks, tid);
 }
 
 }  // namespace jax_flash::cuda

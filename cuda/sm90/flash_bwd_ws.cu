@@ -19,7 +19,7 @@ cudaError_t tma_params(const BwdParams& p, BwdTmaParams* params) {
   params->p.key_major_groups = key_major_groups(p, key_block_grid<Traits>(s, p.kv_head_splits));
   if (cudaError_t e = make_qkv_tensor_maps(p, Traits::kBlockM, Traits::kBlockN, &params->q, &params->k, &params->v))
     return e;
-  return make_head_tensor_map(&params->d_o, p.d_o, p.dtype, s.batch, s.seq_q, s.heads_q, s.head_dim, Traits::kBlockM);
+  return make_head_tensor_map(&params->d_o, p.d_o, p.dtype, s.batch, s.seq_q, s.heads_q, s.head_dim_v, Traits::kBlockM);
 }
 
 // Tiles that run plain non-deterministic calls only (sm90ws_m80's and sm90ws_deferdq's;
@@ -37,9 +37,10 @@ template <typename Traits, typename T>
 cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
   BwdTmaParams params;
   if (cudaError_t e = tma_params<Traits>(p, &params)) return e;
-  // The run-time switches as template constants. The staged dQ's kernels serve non-deterministic
-  // calls only (gpu/launch.cu staged_dq_accum): no deterministic instantiations of them.
-  constexpr bool kDeterministicKernels = !Traits::kStageDq;
+  // The run-time switches as template constants. The staged dQ's kernels and those of a value
+  // head dim of its own serve non-deterministic calls only (gpu/launch.cu staged_dq_accum,
+  // backward_takes_value_head_dim): no deterministic instantiations of them.
+  constexpr bool kDeterministicKernels = !Traits::kStageDq && !Traits::kOwnValueHeadDim;
   auto kernel = flash_bwd_sm90_ws_kernel<Traits, T, false, false>;
   if (general_kernel(p)) kernel = flash_bwd_sm90_ws_kernel<Traits, T, false, true>;
   // Soft cap or ALiBi alone: the general kernel without the ids' and block walk's code
@@ -62,15 +63,20 @@ cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
 
 }  // namespace
 
-template <typename T, int kHeadDim>
+template <typename T, int kHeadDim, int kValueHeadDim>
 cudaError_t launch_bwd_main_sm90_ws(const BwdParams& p, Sm90BwdVariant variant, cudaStream_t stream) {
-  return with_sm90_bwd_traits<kHeadDim>(variant, [&](auto traits) {
-    using Traits = typename decltype(traits)::type;
-    if constexpr (Traits::kDqTransposed || Traits::kDeferDq)
-      return launch_plain<Traits, T>(p, stream);
-    else
-      return launch<Traits, T>(p, stream);
-  });
+  if constexpr (kValueHeadDim != kHeadDim) {
+    // The pair's one kernel (dQ by atomics), whichever variant the head dim's calls take.
+    return launch<typename ValueHeadDimShapes<kHeadDim, kValueHeadDim>::Sm90BwdWs, T>(p, stream);
+  } else {
+    return with_sm90_bwd_traits<kHeadDim>(variant, [&](auto traits) {
+      using Traits = typename decltype(traits)::type;
+      if constexpr (Traits::kDqTransposed || Traits::kDeferDq)
+        return launch_plain<Traits, T>(p, stream);
+      else
+        return launch<Traits, T>(p, stream);
+    });
+  }
 }
 
 #define JF_INSTANTIATE(D)                                                                                \
@@ -79,5 +85,10 @@ cudaError_t launch_bwd_main_sm90_ws(const BwdParams& p, Sm90BwdVariant variant, 
   template cudaError_t launch_bwd_main_sm90_ws<__half, D>(const BwdParams&, Sm90BwdVariant, cudaStream_t);
 JF_SM90_BWD_HEAD_DIMS(JF_INSTANTIATE)
 #undef JF_INSTANTIATE
+#define JF_INSTANTIATE_PAIR(D, DV)                                                                                  \
+  template cudaError_t launch_bwd_main_sm90_ws<__nv_bfloat16, D, DV>(const BwdParams&, Sm90BwdVariant, cudaStream_t); \
+  template cudaError_t launch_bwd_main_sm90_ws<__half, D, DV>(const BwdParams&, Sm90BwdVariant, cudaStream_t);
+JF_SM90_BWD_VALUE_HEAD_DIMS(JF_INSTANTIATE_PAIR)
+#undef JF_INSTANTIATE_PAIR
 
 }  // namespace jax_flash::cuda

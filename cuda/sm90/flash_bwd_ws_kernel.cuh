@@ -19,6 +19,9 @@
 //   their addresses off the math warps.
 //   With 80-row visits (Traits::kDqTransposed, experimental) dS^T is stored query-major and the
 //   consumers compute dQ^T = K^T dS^T (wgmma's M is 64), handed off in tiles as at head dim 128.
+//   With a value head dim of its own (Traits::kOwnValueHeadDim: MLA's 192 / 128, the split
+//   kernel) V, dO and dV have Hv columns: dP^T runs over Hv, and each warpgroup's columns of dK
+//   and dV are dealt apart (Traits::split_dk_columns, split_dv_columns).
 //
 // The prepare and convert kernels around it are shared with the sm80 family (gpu/launch.cu).
 #pragma once
@@ -84,10 +87,10 @@ struct Sm90BwdWsSmem {
   static_assert(sizeof(Barriers) <= Traits::kBarrierBytes, "the barriers' bytes");
   __device__ explicit Sm90BwdWsSmem(unsigned char* raw) {
     k = first_tile_boundary<T>(raw);
-    v = k + Traits::KVTile::kElements;
-    q = v + Traits::KVTile::kElements;
+    v = k + Traits::KTile::kElements;
+    q = v + Traits::VTile::kElements;
     d_o = q + Traits::kStages * Traits::QTile::kElements;
-    ds = d_o + Traits::kStages * Traits::QTile::kElements;
+    ds = d_o + Traits::kStages * Traits::DoTile::kElements;
     pt = ds + 2 * Traits::DsTile::kElements;  // (kSplitHeadDim: two dS^T buffers)
     lse2 = reinterpret_cast<float*>(ds + Traits::kScoreTiles * Traits::DsTile::kElements);
     delta = lse2 + Traits::kStages * Traits::kBlockM;
@@ -95,7 +98,7 @@ struct Sm90BwdWsSmem {
     bars = reinterpret_cast<Barriers*>(dq + (Traits::kBulkDq ? Traits::kBlockM * Traits::kDqRowStride : 0));
   }
   __device__ T* q_stage(int stage) const { return q + stage * Traits::QTile::kElements; }
-  __device__ T* d_o_stage(int stage) const { return d_o + stage * Traits::QTile::kElements; }
+  __device__ T* d_o_stage(int stage) const { return d_o + stage * Traits::DoTile::kElements; }
   __device__ T* ds_buffer(int i) const { return ds + i * Traits::DsTile::kElements; }
   __device__ T* pt_buffer(int i) const { return pt + i * Traits::DsTile::kElements; }
 };
@@ -119,8 +122,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kBM = Traits::kBlockM, kBN = Traits::kBlockN, kD = Traits::kHeadDim;
   constexpr int kStages = Traits::kStages;
   constexpr int kConsumerThreads = 128 * Traits::kConsumers;
-  using KVTile = typename Traits::KVTile;
+  using KTile = typename Traits::KTile;
   using QTile = typename Traits::QTile;
+  using VTile = typename Traits::VTile;
+  using DoTile = typename Traits::DoTile;
   using DsTile = typename Traits::DsTile;
   const BwdParams& p = params.p;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -244,24 +249,26 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       return;
     }
     if (warp != 0) return;
-    prefetch_next_wave_keys<kBN, kD, 32, T>(p, lane);
+    prefetch_next_wave_keys<kBN, kD, 32, T, Traits::kValueHeadDim>(p, lane);
     if (iterations == 0) return;
+    // V's and dO's rows (their own head dim with Traits::kOwnValueHeadDim).
+    const KeyBlockValueRows values = key_block_value_rows<Traits::kOwnValueHeadDim>(p, task);
     const Mbarrier kv_full(&bars.kv_full);
     if (task.live_keys == kBN || task.kv_len == sh.seq_k) {
       if (lane == 0) {
         prefetch_tensor_map(params.q);
         prefetch_tensor_map(params.d_o);
-        kv_full.arrive_expect_bytes(2 * KVTile::kElements * sizeof(T));
-        tma_load_tile<KVTile>(smem.k, params.k, task.hk, task.n0, task.b, kv_full);
-        tma_load_tile<KVTile>(smem.v, params.v, task.hk, task.n0, task.b, kv_full);
+        kv_full.arrive_expect_bytes((KTile::kElements + VTile::kElements) * sizeof(T));
+        tma_load_tile<KTile>(smem.k, params.k, task.hk, task.n0, task.b, kv_full);
+        tma_load_tile<VTile>(smem.v, params.v, task.hk, task.n0, task.b, kv_full);
       } else {
         kv_full.arrive();
       }
     } else {  // keys past kv_len in the block: zero-filled
-      warp_load_tile<KVTile>(smem.k, static_cast<const T*>(p.k) + task.kv_offset, task.kv_stride, task.live_keys,
-                             task.chunks, lane);
-      warp_load_tile<KVTile>(smem.v, static_cast<const T*>(p.v) + task.kv_offset, task.kv_stride, task.live_keys,
-                             task.chunks, lane);
+      warp_load_tile<KTile>(smem.k, static_cast<const T*>(p.k) + task.kv_offset, task.kv_stride, task.live_keys,
+                            task.chunks, lane);
+      warp_load_tile<VTile>(smem.v, static_cast<const T*>(p.v) + values.v_offset, values.v_stride, task.live_keys,
+                            values.chunks, lane);
       cp_async_commit();
       cp_async_wait<0>();
       fence_proxy_async();
@@ -280,9 +287,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const bool whole_tiles = rows == kBM || task.q_len == sh.seq_q;
       auto issue_whole_tiles = [&] {
         tma_load_tile<QTile>(smem.q_stage(stage), params.q, visit.h, m0, task.b, full);
-        tma_load_tile<QTile>(smem.d_o_stage(stage), params.d_o, visit.h, m0, task.b, full);
+        tma_load_tile<DoTile>(smem.d_o_stage(stage), params.d_o, visit.h, m0, task.b, full);
       };
-      constexpr uint32_t kStageBytes = 2 * QTile::kElements * sizeof(T);
+      constexpr uint32_t kStageBytes = (QTile::kElements + DoTile::kElements) * sizeof(T);
       if (Traits::kStatsUnderTma && whole_tiles && lane == 0) {
         full.expect_bytes(kStageBytes);
         issue_whole_tiles();
@@ -309,10 +316,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
       } else {  // rows past q_len in the block: zero-filled
         const int64_t offset = task.q_batch_offset + m0 * task.q_stride + visit.h * sh.head_dim;
+        const int64_t do_offset = Traits::kOwnValueHeadDim
+                                      ? values.do_batch_offset + m0 * values.do_stride + visit.h * values.head_dim
+                                      : offset;
         warp_load_tile<QTile>(smem.q_stage(stage), static_cast<const T*>(p.q) + offset, task.q_stride, rows,
                               task.chunks, lane);
-        warp_load_tile<QTile>(smem.d_o_stage(stage), static_cast<const T*>(p.d_o) + offset, task.q_stride, rows,
-                              task.chunks, lane);
+        warp_load_tile<DoTile>(smem.d_o_stage(stage), static_cast<const T*>(p.d_o) + do_offset, values.do_stride, rows,
+                               values.chunks, lane);
         cp_async_commit();
         cp_async_wait<0>();
         fence_proxy_async();
@@ -333,18 +343,20 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // them, and head dim 64's backward ran 2-3% slower.
   const int group = consumer_warpgroup<!kGeneral && Traits::kBlockM != 128>(warp);
   // Its keys (64 group .., or with kSplitHeadDim the block's 64) and this warp's 16 of them; its
-  // queries of each visit's block (kSQ from query0) and head-dim columns of dK, dV (and dQ with
-  // kSplitHeadDim): kGC from grad_col0.
+  // queries of each visit's block (kSQ from query0) and head-dim columns of dK and dV (all, or
+  // with kSplitHeadDim its own from dk_col0 and dv_col0).
   constexpr bool kSplit = Traits::kSplitHeadDim;
-  constexpr int kSQ = Traits::kScoreQueries, kGC = Traits::kGradColumns;
+  constexpr int kSQ = Traits::kScoreQueries;
   const int group_keys = kSplit ? 0 : group * 64;
   const int warp_key0 = group_keys + warp % 4 * 16;
   const int query0 = kSplit ? group * kSQ : 0;
-  const int grad_col0 = kSplit ? group * kGC : 0;
+  // (Warpgroup 0's columns start at 0.)
+  const int dk_col0 = kSplit ? group * Traits::split_dk_col0(1) : 0;
+  const int dv_col0 = kSplit ? group * Traits::split_dv_col0(1) : 0;
   const int64_t q_len = task.q_len, kv_len = task.kv_len;
   const int64_t n0 = task.n0;
-  float dk[1][kGC / 8][4] = {};
-  float dv[1][kGC / 8][4] = {};
+  float dk[1][Traits::kDkTiles][4] = {};
+  float dv[1][Traits::kDvTiles][4] = {};
   const float scale_log2 = (kGeneral ? ScoreMods::softmax_scale(p) : p.scale) * kLog2e;
   const uint32_t k_address = smem_address(smem.k), v_address = smem_address(smem.v);
   // The two consumer warpgroups meet on named barrier 1 (id 0 is __syncthreads').
@@ -467,21 +479,20 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // warpgroups at head dim 192).
       auto split_gradients = [&](auto group_constant) {
         constexpr int kG = decltype(group_constant)::value;
-        constexpr int kN = Traits::split_grad_columns(kG), kDqBlocks = Traits::split_dq_blocks(kG);
+        constexpr int kNk = Traits::split_dk_columns(kG), kNv = Traits::split_dv_columns(kG);
+        constexpr int kDqBlocks = Traits::split_dq_blocks(kG);
         const int dq_block0 = Traits::split_dq_block0(group);  // (group is kG where the warpgroups differ)
-        auto& dk_part = leading_tiles<kN / 8>(dk);
-        auto& dv_part = leading_tiles<kN / 8>(dv);
         if (group_live)
-          issue_split_key_gradients<Traits, kN, T>(dk_part, dv_part, smem_address(smem.pt_buffer(it % 2)), ds_address,
-                                                   q_address, do_address, grad_col0 / 64);
+          issue_split_key_gradients<Traits, kNk, kNv, T>(dk, dv, smem_address(smem.pt_buffer(it % 2)), ds_address,
+                                                         q_address, do_address, dk_col0 / 64, dv_col0 / 64);
         if (dq_live) {
           issue_query_gradient<Traits, T>(dq, ds_address, k_address, dq_block0);
           wgmma_wait<1>();
         } else {
           wgmma_wait<0>();
         }
-        fence_registers(dv_part[0]);
-        fence_registers(dk_part[0]);
+        if constexpr (kNv > 0) fence_registers(leading_tiles<kNv / 8>(dv)[0]);
+        fence_registers(leading_tiles<kNk / 8>(dk)[0]);
         Mbarrier(&bars.empty[stage]).arrive();  // every lane (kConsumerThreads of kReleaseCount)
         if constexpr (kStagedDq) {
           // dV and dK are in: this warpgroup's halves of Q and dO are no longer read (the other
@@ -630,22 +641,25 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if (!kDeterministic && iterations > 0) deferred_dq(iterations - 1);
   // dS^T left the softmax scale out (transposed_score_gradients): dK takes it here.
 #pragma unroll
-  for (int nt = 0; nt < kGC / 8; ++nt)
+  for (int nt = 0; nt < Traits::kDkTiles; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk[0][nt][e] *= p.scale;
   // A part of the group's heads (not with the experimental 80-row visits: their registers
-  // spilled 476 B with it): added, converted by a last kernel.
-  if (!Traits::kDqTransposed && p.kv_head_splits > 1) {
-    add_dk_dv<Traits>(p, task, dk, dv, warp_key0, grad_col0, lane);  // (columns past the head dim skipped)
+  // spilled 476 B with it; nor with a value head dim of its own: gpu/launch.h kv_head_splits):
+  // added, converted by a last kernel.
+  const KeyBlockValueRows values = key_block_value_rows<Traits::kOwnValueHeadDim>(p, task);
+  if (!Traits::kDqTransposed && !Traits::kOwnValueHeadDim && p.kv_head_splits > 1) {
+    if constexpr (!Traits::kOwnValueHeadDim)
+      add_dk_dv<Traits>(p, task, dk, dv, warp_key0, dk_col0, lane);  // (columns past the head dim skipped)
   } else if constexpr (Traits::kSplitUneven) {
     with_group_constant([&](auto group_constant) {  // the warpgroup's columns only
-      constexpr int kTiles = Traits::split_grad_columns(decltype(group_constant)::value) / 8;
-      store_dk_dv<Traits, kConsumerThreads>(p, task, leading_tiles<kTiles>(dk), leading_tiles<kTiles>(dv), smem.k,
-                                            smem.v, warp_key0, grad_col0, lane, ctid, consumers_sync);
+      constexpr int kG = decltype(group_constant)::value;
+      store_dk_dv<Traits, kConsumerThreads, Traits::split_dk_columns(kG), Traits::split_dv_columns(kG)>(
+          p, task, dk, dv, smem.k, smem.v, values, warp_key0, dk_col0, dv_col0, lane, ctid, consumers_sync);
     });
   } else {
-    store_dk_dv<Traits, kConsumerThreads>(p, task, dk, dv, smem.k, smem.v, warp_key0, grad_col0, lane, ctid,
-                                          consumers_sync);
+    store_dk_dv<Traits, kConsumerThreads, 8 * Traits::kDkTiles, 8 * Traits::kDvTiles>(
+        p, task, dk, dv, smem.k, smem.v, values, warp_key0, dk_col0, dv_col0, lane, ctid, consumers_sync);
   }
 #endif  // JF_SM90A
 }

@@ -94,7 +94,7 @@ struct Sm90FwdWsTraits {
 // leaves P^T and dS^T in shared tiles, and after the consumers' barrier accumulates dV and dK for
 // its head-dim columns (warpgroup 0 the first 128, warpgroup 1 the rest: 128 or 64) and dQ for its
 // 64-column blocks of it (two each at 256; at 192 one for warpgroup 0 and two for warpgroup 1, so
-// that each takes about half the products: split_grad_columns, split_dq_blocks); dQ by atomics.
+// that each takes about half the products: split_dk_columns, split_dq_blocks); dQ by atomics.
 // (Halves of 96 would start mid-way through a 64-column block, which an N-major operand cannot.)
 // kDeferDq (experimental, with kTiledDq on 64-row visits): the consumers' barrier goes; each
 // warpgroup computes a visit's dQ during its next visit, once the other warpgroup has signalled
@@ -109,12 +109,20 @@ struct Sm90FwdWsTraits {
 // dim 128, 64-column parts) with one 16 KiB bulk reduction each, then releases the stage itself
 // (FlashAttention-3 hands dQ off through a shared tile of its own, which 256 columns leave no
 // room for beside two stages).
+// kValueHeadDim (with kSplitHeadDim: gpu/tile_shapes.cuh ValueHeadDimShapes): V's, dO's and dV's
+// head dim Hv where it differs from H (MLA's 192 / 128): V and dO tiles Hv wide, dP^T over Hv,
+// and the warpgroups' columns of dK and dV dealt apart (split_dk_columns, split_dv_columns).
 template <int kHeadDim_, bool kBulkDq_ = false, int kBlockM_ = 64, bool kTiledDq_ = false, bool kSplitHeadDim_ = false,
-          bool kDeferDq_ = false, bool kStageDq_ = false>
+          bool kDeferDq_ = false, bool kStageDq_ = false, int kValueHeadDim_ = kHeadDim_>
 struct Sm90BwdWsTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kTileHeadDim = tile_head_dim(kHeadDim);
+  static constexpr int kValueHeadDim = kValueHeadDim_;
+  static constexpr int kTileValueHeadDim = tile_head_dim(kValueHeadDim);
+  static constexpr bool kOwnValueHeadDim = kValueHeadDim != kHeadDim;
   static constexpr bool kSplitHeadDim = kSplitHeadDim_;
+  static_assert(!kOwnValueHeadDim || (kSplitHeadDim_ && kHeadDim == 192 && kValueHeadDim == 128 && !kStageDq_),
+                "a value head dim of its own: the split kernel of 192 / 128");
   static constexpr bool kStageDq = kStageDq_;
   static_assert(!kStageDq || (kSplitHeadDim_ && kHeadDim == 256), "dQ through the stage: the split head dim 256's");
   static constexpr bool kDeferDq = kDeferDq_;
@@ -137,20 +145,34 @@ struct Sm90BwdWsTraits {
   static constexpr int kBlockN = kSplitHeadDim ? 64 : 128;  // keys: 2 consumer warpgroups x 64, or 64 shared
   static constexpr int kConsumers = 2;
   // A warpgroup's S^T and dP^T: 64 keys x kScoreQueries of the block's queries (all, or its half
-  // with kSplitHeadDim, from kScoreQueries * group); its dK and dV: 64 keys x at most
-  // kGradColumns of the head dim (all, or with kSplitHeadDim split_grad_columns(group) of them
-  // from kGradColumns * group).
+  // with kSplitHeadDim, from kScoreQueries * group); its dK and dV: 64 keys x the head dim's
+  // columns (all, or with kSplitHeadDim those below).
   static constexpr int kScoreQueries = kSplitHeadDim ? kBlockM_ / 2 : kBlockM_;
-  static constexpr int kGradColumns = kSplitHeadDim ? 128 : kHeadDim;
-  // kSplitHeadDim: warpgroup g's columns of dK and dV, and its 64-column blocks of dQ (from
-  // split_dq_block0(g)): at 192 warpgroup 0 takes 128 + 64 columns of products, warpgroup 1
-  // 64 + 128.
-  static constexpr int split_grad_columns(int g) { return g == 0 ? 128 : kHeadDim - 128; }
+  // kSplitHeadDim: warpgroup g's columns of dK and of dV (split_dk_columns from split_dk_col0,
+  // likewise dV), and its 64-column blocks of dQ (from split_dq_block0(g)). At 192 warpgroup 0
+  // takes 128 columns of dK and dV and a block of dQ, warpgroup 1 64 and two (128 + 64 columns
+  // of products against 64 + 128). At 192 / 128 (kOwnValueHeadDim) warpgroup 0 takes dV's 128
+  // columns, dK's first 64 and a block of dQ, warpgroup 1 dK's other 128 and two blocks of dQ:
+  // 256 columns of products each.
+  static constexpr int split_dk_columns(int g) {
+    return kOwnValueHeadDim ? (g == 0 ? 64 : kHeadDim - 64) : (g == 0 ? 128 : kHeadDim - 128);
+  }
+  static constexpr int split_dk_col0(int g) { return g == 0 ? 0 : split_dk_columns(0); }
+  static constexpr int split_dv_columns(int g) {
+    return kOwnValueHeadDim ? (g == 0 ? kValueHeadDim : 0) : split_dk_columns(g);
+  }
+  static constexpr int split_dv_col0(int g) { return g == 0 ? 0 : split_dv_columns(0); }
   static constexpr int split_dq_blocks(int g) { return g == 0 ? kHeadDim / 128 : kHeadDim / 64 - kHeadDim / 128; }
   static constexpr int split_dq_block0(int g) { return g == 0 ? 0 : split_dq_blocks(0); }
   // Whether the two warpgroups' column counts differ (head dim 192): each then runs its own
   // instantiation of the products that depend on them.
-  static constexpr bool kSplitUneven = kSplitHeadDim && split_grad_columns(0) != split_grad_columns(1);
+  static constexpr bool kSplitUneven = kSplitHeadDim && (split_dk_columns(0) != split_dk_columns(1) ||
+                                                         split_dv_columns(0) != split_dv_columns(1));
+  // The n-tiles of a consumer thread's dK and dV accumulators: the head dim's, or with
+  // kSplitHeadDim the widest warpgroup's columns.
+  static constexpr int max2(int a, int b) { return a > b ? a : b; }
+  static constexpr int kDkTiles = (kSplitHeadDim ? max2(split_dk_columns(0), split_dk_columns(1)) : kHeadDim) / 8;
+  static constexpr int kDvTiles = (kSplitHeadDim ? max2(split_dv_columns(0), split_dv_columns(1)) : kHeadDim) / 8;
   static constexpr int kStages = 2;
   // The producer issues a stage's TMA before it loads the rows' lse and delta, so that those
   // loads run under the copies: bwd +1-2% at head dims 128 and 256 on the H200, but 2-3% slower
@@ -166,8 +188,10 @@ struct Sm90BwdWsTraits {
   // the register file over kThreads, in multiples of 8 a thread); asking for more hangs.
   static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumers <= 65536 / kThreads / 8 * 8 * kThreads,
                 "registers past the launch allocation");
-  using KVTile = GmmaTile<kBlockN, kTileHeadDim>;
+  using KTile = GmmaTile<kBlockN, kTileHeadDim>;
   using QTile = GmmaTile<kBlockM, kTileHeadDim>;
+  using VTile = GmmaTile<kBlockN, kTileValueHeadDim>;
+  using DoTile = GmmaTile<kBlockM, kTileValueHeadDim>;
   // dS^T: [key][query], or [query][key] (kDqTransposed)
   using DsTile = std::conditional_t<kDqTransposed, GmmaTile<kBlockM, kBlockN>, GmmaTile<kBlockN, kBlockM>>;
   // Row stride (floats) of the dQ tile: 16-byte rows for the bulk copies, 8 banks apart, so
@@ -182,7 +206,8 @@ struct Sm90BwdWsTraits {
   // block's lse (log2 units) and delta; the dQ tile (kBulkDq); the barriers; 1 KiB to align the base.
   static constexpr int kBarrierBytes = kDeferDq ? 256 : 128;  // (with ds_full: 200 bytes)
   static constexpr int kScoreTiles = kSplitHeadDim ? 4 : kDsBuffers;
-  static constexpr int kSmemBytes = 2 * (2 * KVTile::kElements + 2 * kStages * QTile::kElements + kScoreTiles * DsTile::kElements) +
+  static constexpr int kSmemBytes = 2 * (KTile::kElements + VTile::kElements +
+                                         kStages * (QTile::kElements + DoTile::kElements) + kScoreTiles * DsTile::kElements) +
                                     2 * kStages * kBlockM * 4 + (kBulkDq ? kBlockM * kDqRowStride * 4 : 0) +
                                     kBarrierBytes + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
