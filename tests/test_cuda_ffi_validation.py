@@ -95,7 +95,7 @@ ERRORS = [
     ("float32_inputs", lambda c: with_dtype(c, "float32", "q", "k", "v", "o", "do", "dq", "dk", "dv"),
      ("CUDA kernels take bfloat16 or float16", "q(2, 5, 4, 16) float32")),
     ("head_dim_unpadded", lambda c: with_shapes(c, (B, T, N, 12), (B, S, K, 12)),
-     ("head dim padded to a multiple of 8", "q(2, 5, 4, 12)")),
+     ("head dims padded to a multiple of 8", "q(2, 5, 4, 12)")),
     ("k_f16_q_bf16", lambda c: with_dtype(c, "float16", "k", "v"),
      ("one dtype", "q(2, 5, 4, 16) bfloat16", "k(2, 7, 2, 16) float16")),
     ("lse_short", lambda c: with_shape(c, "lse", (B, N, T - 1)), ("lse(2, 4, 4) float32", "expected 40")),

@@ -485,11 +485,15 @@ def test_cuda_value_head_dim_pairs(vc):
   inference call (the 16-bit o straight from the forward), against the float32 reference by
   the FlashAttention rule. On Hopper the forward and the backward (not deterministic) take v
   (and dO) as they are (the pair's kernels), unless JAX_FLASH_CUDA_VALUE_HEAD_DIM=padded
-  (test_cuda_value_head_dim_padded_on_hopper runs these so)."""
+  (test_cuda_value_head_dim_kernel_choices_on_hopper runs these so)."""
   padded = os.environ.get("JAX_FLASH_CUDA_VALUE_HEAD_DIM") == "padded"
   hopper = jax.devices("gpu")[0].compute_capability.startswith("9.")
+  # (The backward of the pair is head dim 192's split kernel: not where 192 runs other kernels.)
+  split_192 = (os.environ.get("JAX_FLASH_CUDA_HD192_BWD", "native") == "native"
+               and os.environ.get("JAX_FLASH_CUDA_BACKWARD", "sm90ws") != "sm80")
   assert _registry.cuda_forward_takes_value_head_dim(192, 128) == (hopper and not padded)
-  assert _registry.cuda_backward_takes_value_head_dim(192, 128, False) == (hopper and not padded)
+  assert _registry.cuda_backward_takes_value_head_dim(192, 128, False) == (
+      hopper and not padded and split_192)
   assert not _registry.cuda_backward_takes_value_head_dim(192, 128, True)
   check_score_variant(run(vc, "cuda"), *references(vc), _live(vc))
   q, k, v, _ = vc.inputs()
@@ -499,12 +503,13 @@ def test_cuda_value_head_dim_pairs(vc):
 
 
 @pytest.mark.gpu
-def test_cuda_value_head_dim_padded_on_hopper():
-  """The Hopper forward of 192 / 128 (and the head dims that run at that pair) takes v as it is
-  by default, P V making 128 columns (gpu/tile_shapes.cuh ValueHeadDimShapes); the pair cases
-  also pass on its wide tiles with the TMA store (JAX_FLASH_CUDA_FORWARD=sm90ws_wide), and,
-  with the padded cases, under JAX_FLASH_CUDA_VALUE_HEAD_DIM=padded (v zero-padded to H, as
-  before session 30)."""
+def test_cuda_value_head_dim_kernel_choices_on_hopper():
+  """The Hopper forward and backward of 192 / 128 (and the head dims that run at that pair) take
+  v (and dO) as they are by default (gpu/tile_shapes.cuh ValueHeadDimShapes); the pair cases
+  also pass on the forward's wide tiles with the TMA store (JAX_FLASH_CUDA_FORWARD=sm90ws_wide),
+  with the backward padded where head dim 192's runs on 256's kernels
+  (JAX_FLASH_CUDA_HD192_BWD=padded), and, with the padded cases, under
+  JAX_FLASH_CUDA_VALUE_HEAD_DIM=padded (v zero-padded to H, as before session 30)."""
   from tests.test_cuda import _run_cuda_tests_on_hopper_with
   files = ("test_value_head_dim.py",)
   _run_cuda_tests_on_hopper_with({"JAX_FLASH_CUDA_FORWARD": "sm90ws_wide"},
@@ -512,6 +517,9 @@ def test_cuda_value_head_dim_padded_on_hopper():
   _run_cuda_tests_on_hopper_with(
       {"JAX_FLASH_CUDA_VALUE_HEAD_DIM": "padded"},
       "test_cuda_value_head_dim_pairs or test_cuda_matches_padded_reference", files=files)
+  # The backward padded where head dim 192's backward runs 256's kernels (the forward the pair's).
+  _run_cuda_tests_on_hopper_with({"JAX_FLASH_CUDA_HD192_BWD": "padded"},
+                                 "test_cuda_value_head_dim_pairs", files=files)
 
 
 def test_cuda_paged_kernel_refuses_it(monkeypatch):

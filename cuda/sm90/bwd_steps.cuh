@@ -440,8 +440,15 @@ __device__ __forceinline__ void store_dk_dv(const BwdParams& p, const Task& task
   using VOutTile = SmemTile<Traits::kBlockN, Traits::kTileValueHeadDim>;
   static_assert(KOutTile::kElements == Traits::KTile::kElements && VOutTile::kElements == Traits::VTile::kElements,
                 "dK and dV staged where K and V were");
+  // The stores address a thread's columns by XOR moves from the first (gpu/smem_tile.cuh
+  // SmemOperand), which holds where they start at a multiple of their width: so do dV's and,
+  // but for the pair's warpgroup 1 (64 + 128 columns), dK's; that one's go in 64-column pieces.
+  constexpr int kDkPiece = Traits::kOwnValueHeadDim ? 64 : kNk;
   sync();
-  store_accumulator<KOutTile>(s_k, leading_tiles<kNk / 8>(dk), warp_key0, dk_col0, lane);
+#pragma unroll
+  for (int piece = 0; piece < kNk / kDkPiece; ++piece)
+    store_accumulator<KOutTile>(s_k, *reinterpret_cast<const float(*)[1][kDkPiece / 8][4]>(&dk[0][piece * kDkPiece / 8]),
+                                warp_key0, dk_col0 + piece * kDkPiece, lane);
   if constexpr (kNv > 0) store_accumulator<VOutTile>(s_v, leading_tiles<kNv / 8>(dv), warp_key0, dv_col0, lane);
   sync();
   store_tile<KOutTile, kThreads>(static_cast<T*>(p.dk) + task.kv_offset, task.kv_stride, s_k, task.keys, task.chunks,
