@@ -112,13 +112,15 @@ struct QueryBlockTask {
   }
 };
 
-// Where a query-block task's rows of V and of O lie: with kOwnHeadDim (V's and O's head dim Hv
-// differs from H: MLA-style calls on the kernels that take it, sm90/traits.cuh kValueHeadDim)
-// from Hv, else the task's K and Q layout as it is.
+// Where a task's rows of V lie, and those of the query-side array with the value head dim (O in
+// the forward, from the task's first query row; dO in the backward, from the batch element's
+// first row): with kOwnHeadDim (their head dim Hv differs from H: the kernels of
+// sm90/traits.cuh kValueHeadDim) from Hv, else the task's K and Q layout as it is.
 struct ValueRows {
-  int64_t v_stride, v_offset, o_stride, o_offset, head_dim;
+  int64_t v_stride, v_offset, row_stride, row_offset, head_dim;
   int chunks;  // 16-byte chunks of a V row
 };
+// A query-block task's (QueryBlockTask: O from the block's first row; V from key 0).
 template <bool kOwnHeadDim, typename Task>
 __device__ __forceinline__ ValueRows value_rows(const AttentionParams& p, const Task& task) {
   if constexpr (!kOwnHeadDim) {
@@ -312,16 +314,10 @@ __device__ __forceinline__ void prefetch_next_wave_keys(const BwdParams& p, int 
   }
 }
 
-// Where a key-block task's rows of V and dV, and its query rows of dO, lie: with kOwnHeadDim
-// (their head dim Hv differs from H: sm90/traits.cuh Sm90BwdWsTraits::kOwnValueHeadDim) from Hv,
-// else the task's K and Q layout as it is (v_offset: the block's first key row, as kv_offset;
-// do_batch_offset: the batch element's first query row, as q_batch_offset).
-struct KeyBlockValueRows {
-  int64_t v_stride, v_offset, do_stride, do_batch_offset, head_dim;
-  int chunks;  // 16-byte chunks of a V or dO row
-};
+// A key-block task's (KeyBlockTask: V and dV from the block's first key, as kv_offset; dO from
+// the batch element's first row, as q_batch_offset).
 template <bool kOwnHeadDim, typename Task>
-__device__ __forceinline__ KeyBlockValueRows key_block_value_rows(const AttentionParams& p, const Task& task) {
+__device__ __forceinline__ ValueRows key_block_value_rows(const AttentionParams& p, const Task& task) {
   if constexpr (!kOwnHeadDim) {
     return {task.kv_stride, task.kv_offset, task.q_stride, task.q_batch_offset, p.shape.head_dim, task.chunks};
   } else {

@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <optional>
 #include <type_traits>
 
@@ -161,17 +162,30 @@ Sm90FwdOptions sm90_fwd_options(KernelFamily family, const FwdParams& p) {
   return options;
 }
 
+// The (H, Hv) pairs of each pass's kernels (gpu/tile_shapes.cuh's X-macros), as arrays.
+struct HeadDimPair {
+  int head_dim, head_dim_v;
+};
+#define JF_PAIR_ENTRY(D, DV) HeadDimPair{D, DV},
+constexpr HeadDimPair kForwardPairs[] = {JF_SM90_FWD_VALUE_HEAD_DIMS(JF_PAIR_ENTRY)};
+constexpr HeadDimPair kBackwardPairs[] = {JF_SM90_BWD_VALUE_HEAD_DIMS(JF_PAIR_ENTRY)};
+#undef JF_PAIR_ENTRY
+
+// Whether the compiled head dims of the shape's H and Hv are one of `pairs`.
+template <size_t kPairs>
+bool compiled_pair_in(const HeadDimPair (&pairs)[kPairs], const AttentionShape& shape) {
+  const int d = compiled_head_dim(shape.head_dim), dv = compiled_head_dim(shape.head_dim_v);
+  for (const HeadDimPair& pair : pairs)
+    if (pair.head_dim == d && pair.head_dim_v == dv) return true;
+  return false;
+}
+
 }  // namespace
 
 bool forward_takes_value_head_dim(const AttentionShape& shape) {
   if (shape.head_dim_v == shape.head_dim || !own_value_head_dim_enabled()) return false;
   if (forward_family() == KernelFamily::kSm80) return false;  // (as it is off Hopper)
-  const int d = compiled_head_dim(shape.head_dim), dv = compiled_head_dim(shape.head_dim_v);
-#define JF_IS_PAIR(D, DV) \
-  if (d == D && dv == DV) return true;
-  JF_SM90_FWD_VALUE_HEAD_DIMS(JF_IS_PAIR)
-#undef JF_IS_PAIR
-  return false;
+  return compiled_pair_in(kForwardPairs, shape);
 }
 
 bool backward_takes_value_head_dim(const AttentionShape& shape, bool deterministic) {
@@ -179,12 +193,7 @@ bool backward_takes_value_head_dim(const AttentionShape& shape, bool determinist
   const KernelFamily family = backward_family_of(shape.head_dim);
   if (family == KernelFamily::kSm80 || device_compute_major() != 9 || pads_192_backward(family, deterministic))
     return false;
-  const int d = compiled_head_dim(shape.head_dim), dv = compiled_head_dim(shape.head_dim_v);
-#define JF_IS_PAIR(D, DV) \
-  if (d == D && dv == DV) return true;
-  JF_SM90_BWD_VALUE_HEAD_DIMS(JF_IS_PAIR)
-#undef JF_IS_PAIR
-  return false;
+  return compiled_pair_in(kBackwardPairs, shape);
 }
 
 cudaError_t launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {

@@ -434,7 +434,7 @@ template <typename Traits, int kThreads, int kNk, int kNv, typename T, typename 
           int kDvTiles>
 __device__ __forceinline__ void store_dk_dv(const BwdParams& p, const Task& task, const float (&dk)[1][kDkTiles][4],
                                             const float (&dv)[1][kDvTiles][4], T* s_k, T* s_v,
-                                            const KeyBlockValueRows& values, int warp_key0, int dk_col0, int dv_col0,
+                                            const ValueRows& values, int warp_key0, int dk_col0, int dv_col0,
                                             int lane, int tid, Sync sync) {
   using KOutTile = SmemTile<Traits::kBlockN, Traits::kTileHeadDim>;
   using VOutTile = SmemTile<Traits::kBlockN, Traits::kTileValueHeadDim>;

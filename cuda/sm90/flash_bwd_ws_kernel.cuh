@@ -252,7 +252,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     prefetch_next_wave_keys<kBN, kD, 32, T, Traits::kValueHeadDim>(p, lane);
     if (iterations == 0) return;
     // V's and dO's rows (their own head dim with Traits::kOwnValueHeadDim).
-    const KeyBlockValueRows values = key_block_value_rows<Traits::kOwnValueHeadDim>(p, task);
+    const ValueRows values = key_block_value_rows<Traits::kOwnValueHeadDim>(p, task);
     const Mbarrier kv_full(&bars.kv_full);
     if (task.live_keys == kBN || task.kv_len == sh.seq_k) {
       if (lane == 0) {
@@ -317,11 +317,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       } else {  // rows past q_len in the block: zero-filled
         const int64_t offset = task.q_batch_offset + m0 * task.q_stride + visit.h * sh.head_dim;
         const int64_t do_offset = Traits::kOwnValueHeadDim
-                                      ? values.do_batch_offset + m0 * values.do_stride + visit.h * values.head_dim
+                                      ? values.row_offset + m0 * values.row_stride + visit.h * values.head_dim
                                       : offset;
         warp_load_tile<QTile>(smem.q_stage(stage), static_cast<const T*>(p.q) + offset, task.q_stride, rows,
                               task.chunks, lane);
-        warp_load_tile<DoTile>(smem.d_o_stage(stage), static_cast<const T*>(p.d_o) + do_offset, values.do_stride, rows,
+        warp_load_tile<DoTile>(smem.d_o_stage(stage), static_cast<const T*>(p.d_o) + do_offset, values.row_stride, rows,
                                values.chunks, lane);
         cp_async_commit();
         cp_async_wait<0>();
@@ -647,7 +647,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // A part of the group's heads (not with the experimental 80-row visits: their registers
   // spilled 476 B with it; nor with a value head dim of its own: gpu/launch.h kv_head_splits):
   // added, converted by a last kernel.
-  const KeyBlockValueRows values = key_block_value_rows<Traits::kOwnValueHeadDim>(p, task);
+  const ValueRows values = key_block_value_rows<Traits::kOwnValueHeadDim>(p, task);
   if (!Traits::kDqTransposed && !Traits::kOwnValueHeadDim && p.kv_head_splits > 1) {
     if constexpr (!Traits::kOwnValueHeadDim)
       add_dk_dv<Traits>(p, task, dk, dv, warp_key0, dk_col0, lane);  // (columns past the head dim skipped)

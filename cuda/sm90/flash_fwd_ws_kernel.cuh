@@ -350,7 +350,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const int o_tile_barrier = 1 + Traits::kConsumers + group;  // (1 .. kConsumers: the turns)
       if (issuer) bulk_wait_read();
       named_barrier_sync(o_tile_barrier, 128);
-      store_output<T, 1, kDv / 8, typename Traits::OTile>(p.o, false, nullptr, values.o_offset, values.o_stride,
+      store_output<T, 1, kDv / 8, typename Traits::OTile>(p.o, false, nullptr, values.row_offset, values.row_stride,
                                                           p.lse + task.stat_offset + m0, o, softmax, softmax_scale,
                                                           warp_m0, blk.rows, values.head_dim, p.mask, m0, task.q_len,
                                                           task.kv_len, lane, nullptr, smem.o);
@@ -361,7 +361,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         bulk_commit();
       }
     } else {
-      store_output<T>(p.o, p.o_float32, p.o_error, values.o_offset, values.o_stride, p.lse + task.stat_offset + m0, o,
+      store_output<T>(p.o, p.o_float32, p.o_error, values.row_offset, values.row_stride, p.lse + task.stat_offset + m0, o,
                       softmax, softmax_scale, warp_m0, blk.rows, values.head_dim, p.mask, m0, task.q_len,
                       task.kv_len, lane, kIds || kBlockWalk ? &seen : nullptr);
     }
