@@ -57,7 +57,7 @@
 //                              192 (sm90/traits.cuh kSplitHeadDim), or those of 256 with columns
 //                              192..255 zero-filled by TMA (session 28's default; deterministic
 //                              calls keep 192's), or the mma.sync kernels of 192.
-//   JAX_FLASH_CUDA_VALUE_HEAD_DIM = native | padded (default: native since session 30, +28-35% on
+//   JAX_FLASH_CUDA_VALUE_HEAD_DIM = native | padded (default: native since session 30, +18-31% on
 //                                   the forward at 192 / 128): a forward whose value head dim Hv
 //                                   differs from H (MLA's 192 / 128) runs on Hopper a kernel of
 //                                   that pair where one is compiled (gpu/tile_shapes.cuh
