@@ -186,18 +186,6 @@ def block_sparse_lists(block_mask: jax.Array, heads_k: int) -> tuple[jax.Array, 
   return live_first(by_query), count(by_query), live_first(by_key), count(by_key)
 
 
-def _check_value_head_dim(config: KernelConfig, q, v) -> None:
-  """Only the "cpu" kernels, and the "cuda" forward where a kernel of the pair runs it
-  (_registry.cuda_forward_takes_value_head_dim; its handler refuses the rest), take v's head dim
-  Hv != q's H (call_kernels pads the other "cuda" calls' head dims to one, and _flash_bwd v and
-  dO; this guards the kernel calls themselves)."""
-  if config.implementation not in ("cpu", "cuda") and v.shape[-1] != q.shape[-1]:
-    raise NotImplementedError(
-        f"the {config.implementation!r} kernels take no value head dim Hv other than the "
-        f"query/key head dim H; got q{tuple(q.shape)} and v{tuple(v.shape)}: use "
-        "implementation='blockwise' or 'xla'")
-
-
 def _dropout_operands(config: KernelConfig, dropout_seeds) -> tuple[tuple, dict]:
   """The dropout operand and attribute of a kernel call: the "cpu" passes always take the
   uint32 seeds (..., N, 4) (a (0,) placeholder without) and the rate "dropout_rate" (0.0: off);
@@ -251,7 +239,6 @@ def _flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig, segment_ids=None,
                         ("dropout", bool(config.dropout_rate) or dropout_seeds is not None)):
       if given:
         raise ValueError(f"split-KV decoding takes no {name} (call_kernels sets kv_splits=0)")
-  _check_value_head_dim(config, q, v)
   if config.kv_splits and config.implementation == "cuda" and not _decode.cuda_kernel_enabled():
     tiled = dataclasses.replace(config, kv_splits=0, o_float32=True)
     return _split_kv.split_kv_forward(
@@ -345,7 +332,6 @@ def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig, segm
   mask). `delta`: the CUDA kernels' rowsum(dO * O) where the caller formed it (o then unused).
   On CUDA a value head dim Hv < H runs a kernel of the pair where one runs the call
   (_registry.cuda_backward_takes_value_head_dim), else the kernels of H, v and dO zero-padded."""
-  _check_value_head_dim(config, q, v)
   head_dim_v = v.shape[-1]
   if (config.implementation == "cuda" and head_dim_v != q.shape[-1]
       and not _registry.cuda_backward_takes_value_head_dim(q.shape[-1], head_dim_v,

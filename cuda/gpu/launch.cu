@@ -190,9 +190,8 @@ bool forward_takes_value_head_dim(const AttentionShape& shape) {
 
 bool backward_takes_value_head_dim(const AttentionShape& shape, bool deterministic) {
   if (shape.head_dim_v == shape.head_dim || deterministic || !own_value_head_dim_enabled()) return false;
-  const KernelFamily family = backward_family_of(shape.head_dim);
-  if (family == KernelFamily::kSm80 || device_compute_major() != 9 || pads_192_backward(family, deterministic))
-    return false;
+  const KernelFamily family = backward_family_of(shape.head_dim);  // (mma.sync off Hopper)
+  if (family == KernelFamily::kSm80 || pads_192_backward(family, deterministic)) return false;
   return compiled_pair_in(kBackwardPairs, shape);
 }
 
