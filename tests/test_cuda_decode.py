@@ -174,6 +174,21 @@ def test_under_the_tiled_override():
   assert " passed" in result.stdout and " skipped" not in result.stdout, result.stdout[-3000:]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("loads", ["evict_first", "prefetch256"])
+def test_under_the_l2_hints(loads):
+  """The kernel's contiguous and paged reference cases under each experimental L2 hint of its
+  K/V copies (JAX_FLASH_CUDA_DECODE_LOADS, read once per process: a subprocess each)."""
+  result = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-k",
+       "test_contiguous_matches_the_reference or test_paged_matches_the_reference",
+       os.path.abspath(__file__)],
+      env=dict(os.environ, JAX_FLASH_CUDA_DECODE_LOADS=loads), capture_output=True, text=True,
+      timeout=1200)
+  assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+  assert " passed" in result.stdout, result.stdout[-3000:]
+
+
 C = Case
 CONTIGUOUS = [
     # T = 1: GQA 4, MQA, MHA; ragged lengths with an empty and a full sequence.

@@ -12,6 +12,7 @@
 
 #include "common/decode_ffi_params.h"
 #include "gpu/flash_decode.h"
+#include "gpu/kernel_choice.h"
 #include "gpu/launch.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -20,9 +21,11 @@ namespace ffi = xla::ffi;
 namespace jax_flash {
 namespace {
 
-// bfloat16/float16; the head dim a multiple of kHeadDimMultiple (the Python side pads it) and at
+// No misspelt kernel choice (gpu/kernel_choice.h); bfloat16/float16; the head dim a multiple of kHeadDimMultiple (the Python side pads it) and at
 // most the decode kernel's largest; grids that fit a launch.
 ffi::Error check_cuda_decode(const ffi::AnyBuffer& q, const DecodeParams& params) {
+  if (const std::string& error = cuda::kernel_override_error(); !error.empty())
+    return ffi::Error::InvalidArgument(error);
   if (params.dtype == Dtype::kFloat32)
     return invalid("the CUDA decode kernel takes bfloat16 or float16; got " + describe("q", q));
   if (params.shape.head_dim % cuda::kHeadDimMultiple != 0 || params.shape.head_dim > cuda::kDecodeMaxHeadDim)

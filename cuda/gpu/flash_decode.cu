@@ -7,6 +7,7 @@
 
 #include "gpu/flash_decode.h"
 #include "gpu/flash_decode_kernel.cuh"
+#include "gpu/kernel_choice.h"
 #include "gpu/kernel_launch.cuh"
 
 namespace jax_flash::cuda {
@@ -20,8 +21,12 @@ template <typename T, int kHeadDim>
 cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {
   using Traits = DecodeTraits<kHeadDim>;
   const int64_t ctas = decode_split_ctas(p.shape, p.num_splits);
-  if (cudaError_t e = launch_with_smem(flash_decode_kernel<Traits, T>, dim3(static_cast<unsigned>(ctas)),
-                                       Traits::kThreads, Traits::kSmemBytes, stream, p))
+  // The K/V copies' L2 hint (JAX_FLASH_CUDA_DECODE_LOADS) as a template constant.
+  auto kernel = flash_decode_kernel<Traits, T>;
+  if (decode_loads() == DecodeLoads::kEvictFirst) kernel = flash_decode_kernel<Traits, T, L2Hint::kEvictFirst>;
+  if (decode_loads() == DecodeLoads::kPrefetch256) kernel = flash_decode_kernel<Traits, T, L2Hint::kPrefetch256>;
+  if (cudaError_t e = launch_with_smem(kernel, dim3(static_cast<unsigned>(ctas)), Traits::kThreads,
+                                       Traits::kSmemBytes, stream, p))
     return e;
   if (p.num_splits == 1) return cudaSuccess;
   flash_decode_combine_kernel<T><<<static_cast<unsigned>(decode_combine_ctas(p.shape)),

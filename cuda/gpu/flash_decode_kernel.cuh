@@ -175,7 +175,8 @@ struct DecodeTask {
   __device__ __forceinline__ int64_t head(int r) const { return hk * group + (p0 + r) % group; }
 };
 
-template <typename Traits, typename T>
+// kHint: the K/V copies' L2 hint (experimental: gpu/kernel_choice.h DecodeLoads).
+template <typename Traits, typename T, L2Hint kHint = L2Hint::kNone>
 __global__ void __launch_bounds__(Traits::kThreads)
     flash_decode_kernel(const __grid_constant__ DecodeParams p) {
   constexpr int kD = Traits::kHeadDim, kBN = Traits::kBlockN, kS = Traits::kStages;
@@ -231,6 +232,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
   auto block_key = [&](int n) { return task.c0 + static_cast<int64_t>(n) * kBN; };
 
   // The K and V copies of block n into stage n % kS (pool rows from s_row).
+  const uint64_t policy = kHint == L2Hint::kEvictFirst ? l2_evict_first_policy() : 0;
   auto load_block = [&](int n) {
     const int stage = n % kS;
     T* sk = s_kv + (2 * stage) * KVTile::kElements;
@@ -243,8 +245,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
       const int64_t row = rows[r];
       const bool valid = row >= 0 && c < chunks;
       const int64_t at = row * row_stride + head_offset + c * 8;
-      cp_async_16(sk + KVTile::offset(r, c), valid ? k_base + at : k_base, valid);
-      cp_async_16(sv + KVTile::offset(r, c), valid ? v_base + at : v_base, valid);
+      cp_async_16_hinted<kHint>(sk + KVTile::offset(r, c), valid ? k_base + at : k_base, valid, policy);
+      cp_async_16_hinted<kHint>(sv + KVTile::offset(r, c), valid ? v_base + at : v_base, valid, policy);
     }
   };
 

@@ -17,6 +17,7 @@ constexpr const char* kOrderVariable = "JAX_FLASH_CUDA_ORDER";
 constexpr const char* kHeadDim96Variable = "JAX_FLASH_CUDA_HD96";
 constexpr const char* kHeadDim192BackwardVariable = "JAX_FLASH_CUDA_HD192_BWD";
 constexpr const char* kValueHeadDimVariable = "JAX_FLASH_CUDA_VALUE_HEAD_DIM";
+constexpr const char* kDecodeLoadsVariable = "JAX_FLASH_CUDA_DECODE_LOADS";
 
 struct Overrides {
   std::optional<KernelFamily> forward;
@@ -26,6 +27,7 @@ struct Overrides {
   bool native_head_dim_96 = true;  // JAX_FLASH_CUDA_HD96=padded turns it off
   HeadDim192Backward head_dim_192_backward = HeadDim192Backward::kNative;
   bool own_value_head_dim = true;  // JAX_FLASH_CUDA_VALUE_HEAD_DIM=padded turns it off
+  DecodeLoads decode_loads = DecodeLoads::kPlain;
   std::string error;
 };
 
@@ -92,6 +94,13 @@ HeadDim192Backward read_head_dim_192_backward(std::string& error) {
   return kChoices[read_choice(kHeadDim192BackwardVariable, values, error)];
 }
 
+// JAX_FLASH_CUDA_DECODE_LOADS: plain where unset.
+DecodeLoads read_decode_loads(std::string& error) {
+  const char* const values[] = {"plain", "evict_first", "prefetch256"};
+  constexpr DecodeLoads kChoices[] = {DecodeLoads::kPlain, DecodeLoads::kEvictFirst, DecodeLoads::kPrefetch256};
+  return kChoices[read_choice(kDecodeLoadsVariable, values, error)];
+}
+
 Overrides read_overrides() {
   Overrides o;
   o.forward = read_override(kForwardVariable, true, o.error);
@@ -101,6 +110,7 @@ Overrides read_overrides() {
   o.native_head_dim_96 = read_switch(kHeadDim96Variable, "native", "padded", o.error);
   o.head_dim_192_backward = read_head_dim_192_backward(o.error);
   o.own_value_head_dim = read_switch(kValueHeadDimVariable, "native", "padded", o.error);
+  o.decode_loads = read_decode_loads(o.error);
   return o;
 }
 
@@ -145,5 +155,6 @@ bool longest_first_enabled() { return overrides().longest_first; }
 bool native_head_dim_96_enabled() { return overrides().native_head_dim_96; }
 HeadDim192Backward head_dim_192_backward() { return overrides().head_dim_192_backward; }
 bool own_value_head_dim_enabled() { return overrides().own_value_head_dim; }
+DecodeLoads decode_loads() { return overrides().decode_loads; }
 
 }  // namespace jax_flash::cuda

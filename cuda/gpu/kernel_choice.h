@@ -64,6 +64,10 @@
 //                                   JF_SM90_FWD_VALUE_HEAD_DIMS: P V makes Hv columns), or the
 //                                   kernels of H with v zero-padded to H (jax_flash._ops pads;
 //                                   the backward pads either way).
+//   JAX_FLASH_CUDA_DECODE_LOADS = plain | evict_first | prefetch256 (default: plain; experimental,
+//                                 session 31): the split-KV decode kernel's K/V copies as they
+//                                 are, or with an L2 hint: evict-first (K/V are read once), or a
+//                                 256-byte prefetch (gpu/ptx.cuh cp_async_16_hinted).
 //   JAX_FLASH_CUDA_NARROW = split | off (default: split since session 19, whose differential run
 //                           of 2000 configurations gave 0 misses under it): narrow plain calls
 //                           (narrow_shape below) run the mma.sync kernels with P and dS as hi +
@@ -114,6 +118,10 @@ HeadDim192Backward head_dim_192_backward();
 // one is compiled (unless JAX_FLASH_CUDA_VALUE_HEAD_DIM=padded, which zero-pads v to H:
 // gpu/launch.h forward_takes_value_head_dim).
 bool own_value_head_dim_enabled();
+
+// The L2 hint of the decode kernel's K/V copies (JAX_FLASH_CUDA_DECODE_LOADS).
+enum class DecodeLoads { kPlain, kEvictFirst, kPrefetch256 };
+DecodeLoads decode_loads();
 
 // Narrow calls (common/mask.h narrow_shape): by default (JAX_FLASH_CUDA_NARROW=split) plain ones
 // run the mma.sync kernels with P and dS as hi + lo (two 16-bit operands: about float32;

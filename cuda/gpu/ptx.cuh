@@ -27,6 +27,26 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(smem)),
                "l"(gmem), "r"(src_bytes));
 }
+// The same with a hint to L2: kEvictFirst (with l2_evict_first_policy) marks the line first to
+// go, for data read once; kPrefetch256 asks L2 to fetch the whole 256-byte block around it.
+enum class L2Hint { kNone, kEvictFirst, kPrefetch256 };
+__device__ __forceinline__ uint64_t l2_evict_first_policy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+template <L2Hint kHint>
+__device__ __forceinline__ void cp_async_16_hinted(void* smem, const void* gmem, bool valid, uint64_t policy) {
+  const int src_bytes = valid ? 16 : 0;
+  if constexpr (kHint == L2Hint::kEvictFirst)
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(smem_address(smem)),
+                 "l"(gmem), "r"(src_bytes), "l"(policy));
+  else if constexpr (kHint == L2Hint::kPrefetch256)
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(smem_address(smem)),
+                 "l"(gmem), "r"(src_bytes));
+  else
+    cp_async_16(smem, gmem, valid);
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 // Asks L2 for the 128-byte line holding p (no result, no fault semantics beyond the address).
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
