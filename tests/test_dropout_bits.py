@@ -50,6 +50,30 @@ def test_the_kernels_header_gives_the_same_words(tmp_path):
   np.testing.assert_array_equal(native, ours)
 
 
+@pytest.mark.parametrize("layout", ["forward", "transposed"])
+@pytest.mark.parametrize("rate", [0.1, 0.5])
+def test_the_cuda_fragments_keep_the_references_elements(tmp_path, layout, rate):
+  """cuda/gpu/dropout_fragments.h, run for every lane of every 16-row warp tile (the CUDA kernels'
+  accumulator layouts: the forward's S, the backward's transposed S^T), keeps exactly the elements
+  the reference keeps, for one (batch, head) stream with nonzero head and batch words."""
+  compiler = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+  if compiler is None:
+    pytest.skip("no C++ compiler")
+  binary = tmp_path / "dropout_fragments_check"
+  subprocess.run([compiler, "-std=c++17", "-O1", f"-I{ROOT / 'cuda'}",
+                  str(ROOT / "tests" / "cpp" / "dropout_fragments_check.cc"), "-o", str(binary)], check=True)
+  seed_words = _dropout.seeds(jax.random.key(11), 3, 5)[2, 3]  # (key0, key1, head 3, batch 2)
+  seq_q, seq_k = 48, 80
+  words = [str(int(w)) for w in seed_words]
+  out = subprocess.run([str(binary), layout, *words, str(_dropout.threshold(rate)), str(seq_q), str(seq_k)],
+                       check=True, capture_output=True, text=True).stdout
+  native = np.array([[c == "1" for c in line] for line in out.split()])
+  expected = np.asarray(_dropout.keep_from_seeds(seed_words, rate, jnp.arange(seq_q), jnp.arange(seq_k)))
+  assert native.shape == expected.shape
+  np.testing.assert_array_equal(native, expected)
+  assert 0 < native.mean() < 1
+
+
 def test_keep_rate_within_three_standard_errors():
   """Over 10^7 elements the kept fraction is 1 - rate within 3 standard errors, for each rate."""
   key = jax.random.key(7)
