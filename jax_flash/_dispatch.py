@@ -19,7 +19,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from jax_flash import _registry
+from jax_flash import _dropout, _registry
 
 Implementation = Literal["cpu", "cuda", "xla", "blockwise"]
 IMPLEMENTATIONS = (None, "cpu", "cuda", "xla", "blockwise")
@@ -102,6 +102,10 @@ def capabilities(name: str) -> Capabilities:
         segment_ids=True,
         # block_mask: the same kernels walk only the live blocks (cuda/gpu/block_sparse.cuh)
         block_mask=True,
+        # dropout: the Hopper kernels' general instantiations (cuda/gpu/dropout_fragments.h),
+        # experimental: only under JAX_FLASH_CUDA_DROPOUT=on (jax_flash._dropout); not with
+        # deterministic=True (its dQ kernel is an mma.sync one: refused below)
+        dropout_rate=_dropout.cuda_kernels_take_dropout(),
         # Hv != H: q, k or v zero-padded to the larger head dim (the paged kernel refuses it)
         value_head_dim=True, value_head_dim_by_padding=True)
   if name in ("xla", "blockwise"):
@@ -260,6 +264,11 @@ def select(implementation: str | None, call: Call, *,
     raise NotImplementedError(
         f"{caller}: the {name!r} kernels ({picked}) take no {argument} yet; got {passed} with "
         f"query{call.query}. Implementations {takers} take {pronoun}: pass {instead}")
+  if name == "cuda" and call.dropout_rate is not None and call.deterministic:
+    raise NotImplementedError(
+        f"{caller}: the 'cuda' kernels take dropout_rate={call.dropout_rate!r} without "
+        "deterministic=True only (the deterministic backward's dQ kernel has no dropout yet); "
+        "pass implementation='blockwise' for a reproducible backward with dropout")
   if call.value is not None and not can.value_head_dim:
     takers = _takers(lambda other: other.value_head_dim)
     raise NotImplementedError(

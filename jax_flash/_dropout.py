@@ -6,9 +6,40 @@ build their reference from keep_mask(), so a kernel and its reference drop the s
 from __future__ import annotations
 
 import functools
+import os
+import warnings
 
 import jax
 import jax.numpy as jnp
+
+# Fused dropout on the CUDA kernels (the Hopper kernels' general instantiations: cuda/gpu/
+# dropout_fragments.h; the mma.sync family and deterministic backwards refuse it) is
+# experimental until its GPU tests have run: off unless JAX_FLASH_CUDA_DROPOUT=on when jax_flash
+# is imported. Off, the "cuda" implementation takes no dropout_rate (jax_flash._dispatch says to
+# pass implementation="blockwise").
+CUDA_DROPOUT_VARIABLE = "JAX_FLASH_CUDA_DROPOUT"
+CUDA_DROPOUT_VALUES = ("off", "on")
+
+
+def _read_cuda_dropout(value: str | None) -> bool:
+  """Whether a value of JAX_FLASH_CUDA_DROPOUT turns the CUDA kernels' dropout on: unset or
+  empty is "off"; an unknown value warns (naming the values) and means "off"."""
+  if not value:
+    return False
+  if value not in CUDA_DROPOUT_VALUES:
+    warnings.warn(f"{CUDA_DROPOUT_VARIABLE}={value!r} is not one of {CUDA_DROPOUT_VALUES}; using 'off'",
+                  stacklevel=2)
+    return False
+  return value == "on"
+
+
+_CUDA_DROPOUT = _read_cuda_dropout(os.environ.get(CUDA_DROPOUT_VARIABLE))
+
+
+def cuda_kernels_take_dropout() -> bool:
+  """Whether the "cuda" implementation takes dropout_rate in this process
+  (JAX_FLASH_CUDA_DROPOUT=on when jax_flash was imported; experimental)."""
+  return _CUDA_DROPOUT
 
 _MUL = (0xD2511F53, 0xCD9E8D57)
 _BUMP = (0x9E3779B9, 0xBB67AE85)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash import _decode, _derivatives, _dispatch, _registry, _rounding, _split_kv
+from jax_flash import _decode, _derivatives, _dispatch, _dropout, _registry, _rounding, _split_kv
 from jax_flash._reference import empty_lse
 
 # At most this many float32 dQ partials: the workspace stays a small multiple of dQ however many
@@ -187,17 +187,16 @@ def block_sparse_lists(block_mask: jax.Array, heads_k: int) -> tuple[jax.Array, 
 
 
 def _dropout_operands(config: KernelConfig, dropout_seeds) -> tuple[tuple, dict]:
-  """The dropout operand and attribute of a kernel call: the "cpu" passes always take the
-  uint32 seeds (..., N, 4) (a (0,) placeholder without) and the rate "dropout_rate" (0.0: off);
-  the "cuda" ones take neither, and no dropout (jax_flash._dispatch refuses it there). The
-  seeds come exactly with a rate > 0."""
+  """The dropout operand and attribute of a kernel call: the "cpu" and "cuda" passes always take
+  the uint32 seeds (..., N, 4) (a (0,) placeholder without) and the rate "dropout_rate" (0.0:
+  off). The seeds come exactly with a rate > 0 (on "cuda" only where
+  jax_flash._dropout.cuda_kernels_take_dropout; jax_flash._dispatch refuses it otherwise)."""
   if (dropout_seeds is None) != (not config.dropout_rate):
     raise ValueError(f"dropout_rate={config.dropout_rate!r} and dropout seeds go together "
                      f"(got seeds: {dropout_seeds is not None})")
-  if config.implementation != "cpu":
-    if dropout_seeds is not None:
-      raise NotImplementedError(f"the {config.implementation!r} kernels take no dropout_rate")
-    return (), {}
+  if config.implementation == "cuda" and dropout_seeds is not None and not _dropout.cuda_kernels_take_dropout():
+    raise NotImplementedError(f"the 'cuda' kernels take dropout_rate only under "
+                              f"{_dropout.CUDA_DROPOUT_VARIABLE}=on (experimental)")
   if dropout_seeds is None:
     return (jnp.zeros((0,), jnp.uint32),), {"dropout_rate": 0.0}
   return (dropout_seeds,), {"dropout_rate": float(config.dropout_rate)}

@@ -38,9 +38,13 @@ NO_FWD_BLOCKS = {k: NO_BLOCKS[k] for k in ("kv_block_lists", "kv_block_counts")}
 TB, SB = 1, 1  # mask blocks of 128 rows / keys: T = 5 and S = 7 make one each
 
 
+# Dropout's seeds without dropout: a uint32 placeholder (its rate 0.0 in attributes()).
+NO_DROPOUT = dict(dropout_seeds=((0,), "uint32"))
+
+
 def attributes(**overrides) -> dict:
   base = dict(scale=0.25, is_causal=False, window_left=np.int64(-1), window_right=np.int64(-1),
-              segment_ids=False, logits_soft_cap=0.0, alibi=False, block_sparse=False)
+              segment_ids=False, logits_soft_cap=0.0, alibi=False, block_sparse=False, dropout_rate=0.0)
   return {**base, **overrides}
 
 
@@ -49,7 +53,8 @@ def valid_fwd(dtype: str = "bfloat16", o_error: bool = False) -> Call:
   split o: KernelConfig.o_split); else that result is the empty placeholder."""
   return Call("jax_flash_cuda_fwd",
               dict(q=(Q, dtype), k=(KV, dtype), v=(KV, dtype), q_lens=((B,), "int32"),
-                   kv_lens=((B,), "int32"), **NO_IDS, alibi_slopes=((0,), "float32"), **NO_FWD_BLOCKS),
+                   kv_lens=((B,), "int32"), **NO_IDS, alibi_slopes=((0,), "float32"), **NO_FWD_BLOCKS,
+                   **NO_DROPOUT),
               dict(o=(Q, dtype), lse=(ROWS, "float32"), o_error=(Q if o_error else (0,), "int8"),
                    scheduler=((_registry.CUDA_KERNEL_CONSTANTS["fwd_scheduler_elements"],), "int32")),
               attributes())
@@ -64,7 +69,8 @@ def valid_bwd(dtype: str = "bfloat16", deterministic: bool = False) -> Call:
   return Call("jax_flash_cuda_bwd",
               dict(q=(Q, dtype), k=(KV, dtype), v=(KV, dtype), lse=(ROWS, "float32"),
                    delta=(ROWS, "float32"), do=(Q, dtype), q_lens=((B,), "int32"),
-                   kv_lens=((B,), "int32"), **NO_IDS, alibi_slopes=((0,), "float32"), **NO_BLOCKS),
+                   kv_lens=((B,), "int32"), **NO_IDS, alibi_slopes=((0,), "float32"), **NO_BLOCKS,
+                   **NO_DROPOUT),
               dict(dq=(Q, dtype), dk=(KV, dtype), dv=(KV, dtype),
                    dq_accum=((dq_accum_elements(deterministic),), "float32")),
               attributes(deterministic=deterministic))

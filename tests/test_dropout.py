@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -27,8 +30,9 @@ import pytest
 
 import jax_flash
 from jax_flash import _dispatch, _dropout, _ops
-from tests.attention_testing import (Case, F32, check_score_variant, outputs_and_grads,
-                                     packed_segment_ids, score_variant_references, visible_keys)
+from tests.attention_testing import (Case, F32, check_score_variant, ffi_calls, outputs_and_grads,
+                                     packed_segment_ids, score_variant_references,
+                                     simulate_cuda_host, visible_keys)
 
 IMPLEMENTATIONS = ["cpu", "blockwise", "xla"]
 
@@ -117,6 +121,99 @@ CASES = [
 @pytest.mark.parametrize("dc", CASES, ids=[c.id for c in CASES])
 def test_against_reference(dc, implementation):
   check_score_variant(run(dc, implementation), *references(dc), _live(dc))
+
+
+# The CUDA kernels' dropout (experimental: JAX_FLASH_CUDA_DROPOUT=on, read at import; the GPU
+# tests below run in a subprocess with it, test_cuda_kernels_under_the_switch): 16-bit inputs,
+# head dims above 32 (the Hopper kernels), no segment ids (refused beside dropout there yet).
+CUDA_CASES = [
+    # Head dim 64 (the 128-row backward), GQA 2:1, T < S.
+    DropoutCase(Case(batch=2, seq_q=200, seq_k=300, heads_q=4, heads_k=2, head_dim=64,
+                     dtype="bfloat16")),
+    # Head dim 128 causal (dQ's bulk hand-off), float16, half of P dropped.
+    DropoutCase(Case(batch=1, seq_q=130, seq_k=150, heads_q=2, heads_k=1, head_dim=128,
+                     dtype="float16", is_causal=True), rate=0.5),
+    # Head dim 96 (the kernels of 96), a window and lengths with an empty batch element.
+    DropoutCase(Case(batch=2, seq_q=65, seq_k=180, heads_q=2, heads_k=2, head_dim=96,
+                     dtype="bfloat16", local_window_size=(40, 3), q_lens=(60, 65),
+                     kv_lens=(0, 177)), rate=0.2),
+    # Head dims 256 and 192: the split backward (32-query halves of a visit a warpgroup).
+    DropoutCase(Case(batch=1, seq_q=70, seq_k=150, heads_q=2, heads_k=1, head_dim=256,
+                     dtype="bfloat16", is_causal=True), rate=0.1),
+    DropoutCase(Case(batch=1, seq_q=100, seq_k=90, heads_q=2, heads_k=2, head_dim=192,
+                     dtype="bfloat16"), rate=0.4),
+    # A decode shape: the tiled forward (the decode kernel takes no dropout).
+    DropoutCase(Case(batch=2, seq_q=1, seq_k=300, heads_q=8, heads_k=2, head_dim=128,
+                     dtype="bfloat16", kv_lens=(300, 123))),
+]
+
+
+def _needs_the_cuda_switch():
+  if not _dropout.cuda_kernels_take_dropout():
+    pytest.skip("runs under JAX_FLASH_CUDA_DROPOUT=on (test_cuda_kernels_under_the_switch)")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dc", CUDA_CASES, ids=[c.id for c in CUDA_CASES])
+def test_cuda_against_reference(dc):
+  _needs_the_cuda_switch()
+  check_score_variant(run(dc, "cuda"), *references(dc), _live(dc))
+
+
+@pytest.mark.gpu
+def test_cuda_each_element_is_the_masks():
+  """test_each_element_is_the_masks on the CUDA kernels (bfloat16: the one-hot outputs 1 / (S (1 -
+  rate)) round to 0.4% at most, far from the next integer once scaled back)."""
+  _needs_the_cuda_switch()
+  batch, seq_q, seq_k, heads_q, heads_k, rate = 2, 37, 41, 4, 2, 0.4
+  q = jnp.zeros((batch, seq_q, heads_q, seq_k), jnp.bfloat16)
+  k = jnp.ones((batch, seq_k, heads_k, seq_k), jnp.bfloat16)
+  v = jnp.broadcast_to(jnp.eye(seq_k, dtype=jnp.bfloat16)[None, :, None, :], k.shape)
+  key = jax.random.key(11)
+  out = jax.jit(lambda q, k, v: jax_flash.dot_product_attention(
+      q, k, v, dropout_rate=rate, dropout_key=key, implementation="cuda"))(q, k, v)
+  got = np.rint(np.asarray(out, np.float32) * seq_k * (1 - rate))
+  want = np.asarray(_dropout.keep_mask(key, rate, batch, heads_q, seq_q, seq_k))
+  np.testing.assert_array_equal(got, np.moveaxis(want, 1, 2).astype(np.float64))
+
+
+@pytest.mark.gpu
+def test_cuda_with_the_soft_cap_matches_xla():
+  """Dropout beside the soft cap on the CUDA kernels (the cap's chain rule folds into Z dP):
+  output and gradients against "xla" in float32 with the same key, by the FlashAttention rule
+  (at most twice the error of "xla" run on the bfloat16 inputs, plus a small floor)."""
+  _needs_the_cuda_switch()
+  q, k, v = (x.astype(jnp.bfloat16) for x in _qkv((1, 140, 4, 64), kv_heads=2))
+  rate, key = 0.35, jax.random.key(8)
+
+  def fg(implementation, dtype):
+    def loss(q, k, v):
+      out = jax_flash.dot_product_attention(q, k, v, dropout_rate=rate, dropout_key=key,
+                                            implementation=implementation, logits_soft_cap=2.0)
+      out = out.astype(F32)
+      return jnp.sum(out * jnp.sin(out)), out
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(
+        *(x.astype(dtype) for x in (q, k, v)))
+    return [np.asarray(x, np.float32) for x in (out, *grads)]
+
+  exact = fg("xla", F32)
+  rounded = fg("xla", jnp.bfloat16)
+  got = fg("cuda", jnp.bfloat16)
+  for name, g, r, e in zip(("out", "dq", "dk", "dv"), got, rounded, exact):
+    assert np.abs(g - e).max() <= 2 * np.abs(r - e).max() + 1e-3, name
+
+
+@pytest.mark.gpu
+def test_cuda_kernels_under_the_switch():
+  """The CUDA dropout tests above, in a process with JAX_FLASH_CUDA_DROPOUT=on."""
+  result = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-k",
+       "test_cuda_against_reference or test_cuda_each_element or test_cuda_with_the_soft_cap",
+       os.path.abspath(__file__)],
+      env=dict(os.environ, JAX_FLASH_CUDA_DROPOUT="on"), capture_output=True, text=True,
+      timeout=1200)
+  assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+  assert " passed" in result.stdout and " skipped" not in result.stdout, result.stdout[-3000:]
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -320,6 +417,47 @@ def test_cuda_kernels_refuse_dropout(monkeypatch):
   config = _ops.KernelConfig("cuda", 1.0, False, -1, -1, dropout_rate=0.1)
   with pytest.raises(NotImplementedError, match="dropout_rate"):
     _ops._dropout_operands(config, jnp.zeros((2, 2, 4), jnp.uint32))
+
+
+def test_cuda_dropout_switch_reads_its_values():
+  """JAX_FLASH_CUDA_DROPOUT (experimental, read at import): "on" turns the CUDA kernels' dropout
+  on; unset, empty or "off" leave it off; another value warns, naming the values, and is off."""
+  assert _dropout._read_cuda_dropout("on") is True
+  for value in (None, "", "off"):
+    assert _dropout._read_cuda_dropout(value) is False
+  with pytest.warns(UserWarning, match=r"JAX_FLASH_CUDA_DROPOUT='yes' is not one of \('off', 'on'\)"):
+    assert _dropout._read_cuda_dropout("yes") is False
+
+
+def test_cuda_calls_carry_the_seeds_and_rate_under_the_switch(monkeypatch):
+  """With JAX_FLASH_CUDA_DROPOUT=on (simulated here: the switch's value patched, this machine a
+  CUDA host), a differentiated CUDA call with dropout traces to the forward and backward custom
+  calls with the rate and the (B, N, 4) uint32 seeds of jax_flash._dropout.seeds; one without
+  dropout passes rate 0 and an empty uint32 operand; deterministic=True with dropout is refused
+  at trace time (its dQ kernel has no dropout)."""
+  simulate_cuda_host(monkeypatch)
+  monkeypatch.setattr(_dropout, "_CUDA_DROPOUT", True)
+  assert _dispatch.capabilities("cuda").dropout_rate
+  q, k, v = (jnp.ones((2, 40, 4, 64), jnp.bfloat16) for _ in range(3))
+  key = jax.random.key(3)
+
+  def loss(q, k, v, rate, deterministic=False):
+    dropout = dict(dropout_rate=rate, dropout_key=key) if rate else {}
+    out = jax_flash.dot_product_attention(q, k, v, implementation="cuda",
+                                          deterministic=deterministic, **dropout)
+    return out.astype(jnp.float32).sum()
+
+  calls = ffi_calls(jax.grad(functools.partial(loss, rate=0.2), argnums=(0, 1, 2)), q, k, v)
+  assert [name for name, *_ in calls] == ["jax_flash_cuda_fwd", "jax_flash_cuda_bwd"]
+  for name, attributes, operands, _ in calls:
+    assert float(attributes["dropout_rate"]) == pytest.approx(0.2), name
+    assert [tuple(x.shape) for x in operands if x.dtype == jnp.uint32] == [(2, 4, 4)], name
+  for name, attributes, operands, _ in ffi_calls(
+      jax.grad(functools.partial(loss, rate=None), argnums=(0, 1, 2)), q, k, v):
+    assert float(attributes["dropout_rate"]) == 0.0, name
+    assert [tuple(x.shape) for x in operands if x.dtype == jnp.uint32] == [(0,)], name
+  with pytest.raises(NotImplementedError, match="without deterministic=True only"):
+    jax.grad(functools.partial(loss, rate=0.2, deterministic=True), argnums=(0, 1, 2))(q, k, v)
 
 
 def test_vmap():

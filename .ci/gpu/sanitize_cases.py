@@ -9,18 +9,24 @@ writes o in float32.
 --score-mods: every call with a soft cap and ALiBi slopes too; --segment-ids: with packed
 documents (ids sorted, documents of 1..40 tokens, so that they straddle every block edge);
 --block-sparse: with a random block mask (half the 128 x 128 blocks). Each runs the kernels' general (kGeneral)
-instantiations. --cases runs only the listed CASES (by index), e.g. to give racecheck, which is
-slow, one case per process.
+instantiations. --dropout: with fused dropout (rate 0.2; the Hopper kernels' dropout
+instantiations, experimental: the script sets JAX_FLASH_CUDA_DROPOUT=on; the deterministic cases
+and head dims up to 32, which the CUDA kernels refuse with dropout, are skipped). --cases runs
+only the listed CASES (by index), e.g. to give racecheck, which is slow, one case per process.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
-import jax
-import jax.numpy as jnp
+if "--dropout" in sys.argv[1:]:  # read when jax_flash is imported
+  os.environ["JAX_FLASH_CUDA_DROPOUT"] = "on"
 
-import jax_flash
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import jax_flash  # noqa: E402
 
 CASES = [
     # (batch, T, S, heads_q, heads_k, head_dim, causal, window, lengths, deterministic[,
@@ -69,11 +75,12 @@ def main() -> None:
   score_mods = "--score-mods" in sys.argv[1:]
   segment_ids = "--segment-ids" in sys.argv[1:]
   block_sparse = "--block-sparse" in sys.argv[1:]
+  dropout = "--dropout" in sys.argv[1:]
   chosen = range(len(CASES))
   if "--cases" in sys.argv[1:]:
     chosen = [int(c) for c in sys.argv[sys.argv.index("--cases") + 1].split(",")]
   for i, (b, t, s, n, kh, h, causal, window, lengths, det, *value_dim) in enumerate(CASES):
-    if i not in chosen:
+    if i not in chosen or (dropout and (det or h <= 32)):
       continue
     hv = value_dim[0] if value_dim else h
     ks = jax.random.split(jax.random.key(i), 4)
@@ -97,6 +104,8 @@ def main() -> None:
     if block_sparse:
       tb, sb = jax_flash.block_mask_shape(t, s)
       kwargs["block_mask"] = jax.random.bernoulli(ks[2], 0.5, (b, n, tb, sb))
+    if dropout:
+      kwargs.update(dropout_rate=0.2, dropout_key=jax.random.key(100 + i))
     if lengths:
       kwargs["query_seq_lengths"] = jnp.array([max(1, t - 3)] * b, jnp.int32)
       kwargs["key_value_seq_lengths"] = jnp.array([max(1, s // 2)] * b, jnp.int32)
@@ -107,7 +116,7 @@ def main() -> None:
     finite = all(bool(jnp.isfinite(x.astype(jnp.float32)).all()) for x in (out, plain, *grads))
     print(f"case {i}: B{b} T{t} S{s} N{n}/{kh} H{h} Hv{hv} causal={causal} window={window} "
           f"lengths={lengths} deterministic={det} score_mods={score_mods} "
-          f"segment_ids={segment_ids} block_sparse={block_sparse}: finite={finite}")
+          f"segment_ids={segment_ids} block_sparse={block_sparse} dropout={dropout}: finite={finite}")
 
 
 if __name__ == "__main__":

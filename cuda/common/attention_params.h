@@ -11,7 +11,7 @@
 //   alibi_slopes : (batch, heads_q), float32, or absent
 //   block_mask   : (batch, heads_q, q_blocks, k_blocks), bool, or absent (CPU); blocks of
 //                  kBlockMaskRows x kBlockMaskKeys (128 x 128)
-//   dropout_seeds : (batch, heads_q, 4), uint32, or absent (CPU)
+//   dropout_seeds : (batch, heads_q, 4), uint32, or absent
 //   bias, mask   : broadcastable to (batch, heads_q, seq_q, seq_k) (LogitArray), or absent (CPU)
 // "batch" is every leading dimension folded together (vmap adds them).
 #pragma once
@@ -136,8 +136,9 @@ struct AttentionParams {
   // key (so nothing T x S is stored, and the backward regenerates the forward's mask). The
   // head and batch words are the caller's (the global indices under batch or head sharding and
   // vmap; the same for every element where one mask is shared). The normalised probabilities P
-  // become P * keep / (1 - rate) before P V; the lse is not affected. Only the CPU kernel
-  // reads it (the CUDA handlers take no such operand, and the Python side refuses it there).
+  // become P * keep / (1 - rate) before P V; the lse is not affected. The CPU kernel reads
+  // it, and the Hopper CUDA kernels' dropout instantiations (gpu/dropout_fragments.h;
+  // experimental: the Python side passes it to them only under JAX_FLASH_CUDA_DROPOUT=on).
   const uint32_t* dropout_seeds = nullptr;
   uint32_t dropout_threshold = 0;  // words below it drop their element (dropout_threshold(rate))
   float dropout_scale = 1.f;       // 1 / (1 - rate): the kept elements' factor

@@ -18,6 +18,7 @@
 #include <utility>
 
 #include "common/attention_params.h"
+#include "common/dropout_bits.h"
 #include "xla/ffi/api/ffi.h"
 
 #define JF_RETURN_IF_ERROR(expr)                        \
@@ -501,6 +502,38 @@ auto with_segment_ids(Binding binding) {
       .template Arg<ffi::AnyBuffer>()  // q_segment_ids (..., T) int32, or (0,) without
       .template Arg<ffi::AnyBuffer>()  // kv_segment_ids (..., S) int32, or (0,) without
       .template Attr<bool>("segment_ids");
+}
+
+// Fused dropout: with dropout_rate in (0, 1), dropout_seeds (..., N, 4) uint32, its leading
+// dimensions those of q and N q's query heads (per batch element and query head the Philox key
+// words and the counter's head and batch words: AttentionParams::dropout_seeds); with rate 0,
+// a uint32 operand of no elements (the callers pass a (0,) placeholder). Call after the
+// attention inputs are set (it reads params.shape). The CPU and CUDA passes take it alike.
+inline xla::ffi::Error set_dropout(const xla::ffi::AnyBuffer& seeds, double rate, const xla::ffi::AnyBuffer& q,
+                                   AttentionParams& params) {
+  JF_RETURN_IF_ERROR(expect_dtype("dropout_seeds", seeds, xla::ffi::DataType::U32));
+  if (!(rate >= 0.0 && rate < 1.0)) {  // NaN fails too
+    char text[80];
+    std::snprintf(text, sizeof(text), "dropout_rate must be in [0, 1); got %.9g", rate);
+    return invalid(text);
+  }
+  if (rate == 0.0) {
+    if (seeds.element_count() != 0)
+      return invalid("dropout_rate=0 takes an empty dropout_seeds operand; got " + describe("dropout_seeds", seeds));
+    params.dropout_seeds = nullptr;
+    return xla::ffi::Error::Success();
+  }
+  const auto sd = seeds.dimensions(), qd = q.dimensions();
+  bool match = sd.size() + 1 == qd.size();
+  for (size_t i = 0; match && i + 2 < sd.size(); ++i) match = sd[i] == qd[i];
+  if (match) match = sd[sd.size() - 2] == params.shape.heads_q && sd[sd.size() - 1] == 4;
+  if (!match)
+    return invalid(describe("dropout_seeds", seeds) + ": must be q's batch dims, query heads and 4 words (..., N, 4), " +
+                   "for " + describe("q", q));
+  params.dropout_seeds = static_cast<const uint32_t*>(seeds.untyped_data());
+  params.dropout_threshold = dropout_threshold(rate);
+  params.dropout_scale = static_cast<float>(1.0 / (1.0 - rate));
+  return xla::ffi::Error::Success();
 }
 
 }  // namespace jax_flash

@@ -15,7 +15,6 @@
 #include "cpu/decode.h"
 #include "cpu/kernels.h"
 #include "common/decode_ffi_params.h"
-#include "common/dropout_bits.h"
 #include "common/ffi_params.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -97,38 +96,6 @@ ffi::Error set_block_mask(const ffi::AnyBuffer& mask, bool blocks, const ffi::An
   params.block_mask = static_cast<const uint8_t*>(mask.untyped_data());
   params.block_mask_q_blocks = q_blocks;
   params.block_mask_k_blocks = k_blocks;
-  return ffi::Error::Success();
-}
-
-// Fused dropout: with dropout_rate in (0, 1), dropout_seeds (..., N, 4) uint32, its leading
-// dimensions those of q and N q's query heads (per batch element and query head the Philox key
-// words and the counter's head and batch words: AttentionParams::dropout_seeds); with rate 0,
-// a uint32 operand of no elements (the callers pass a (0,) placeholder). Call after the
-// attention inputs are set (it reads params.shape).
-ffi::Error set_dropout(const ffi::AnyBuffer& seeds, double rate, const ffi::AnyBuffer& q,
-                       AttentionParams& params) {
-  JF_RETURN_IF_ERROR(expect_dtype("dropout_seeds", seeds, ffi::DataType::U32));
-  if (!(rate >= 0.0 && rate < 1.0)) {  // NaN fails too
-    char text[80];
-    std::snprintf(text, sizeof(text), "dropout_rate must be in [0, 1); got %.9g", rate);
-    return invalid(text);
-  }
-  if (rate == 0.0) {
-    if (seeds.element_count() != 0)
-      return invalid("dropout_rate=0 takes an empty dropout_seeds operand; got " + describe("dropout_seeds", seeds));
-    params.dropout_seeds = nullptr;
-    return ffi::Error::Success();
-  }
-  const auto sd = seeds.dimensions(), qd = q.dimensions();
-  bool match = sd.size() + 1 == qd.size();
-  for (size_t i = 0; match && i + 2 < sd.size(); ++i) match = sd[i] == qd[i];
-  if (match) match = sd[sd.size() - 2] == params.shape.heads_q && sd[sd.size() - 1] == 4;
-  if (!match)
-    return invalid(describe("dropout_seeds", seeds) + ": must be q's batch dims, query heads and 4 words (..., N, 4), " +
-                   "for " + describe("q", q));
-  params.dropout_seeds = static_cast<const uint32_t*>(seeds.untyped_data());
-  params.dropout_threshold = dropout_threshold(rate);
-  params.dropout_scale = static_cast<float>(1.0 / (1.0 - rate));
   return ffi::Error::Success();
 }
 

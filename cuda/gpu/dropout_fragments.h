@@ -29,6 +29,7 @@ struct DropoutStream {
   uint32_t key0 = 0, key1 = 0, head = 0, batch = 0;
   uint32_t threshold = 0;  // words below it drop their element
 
+  JF_HOST_DEVICE DropoutStream() {}
   JF_HOST_DEVICE DropoutStream(const uint32_t* seed, uint32_t threshold_)
       : key0(seed[0]), key1(seed[1]), head(seed[2]), batch(seed[3]), threshold(threshold_) {}
 
@@ -72,5 +73,46 @@ JF_HOST_DEVICE inline uint32_t transposed_keep_bits(const DropoutStream& d, int6
   }
   return bits;
 }
+
+#ifdef __CUDACC__
+// Zeroes the dropped probabilities of a forward block's 16-bit A fragments, as accumulator_to_a
+// packs them (n-tile nt's elements 2 half and 2 half + 1 in the low and high halves of
+// a[nt / 2][0][2 (nt % 2) + half]); row0 and col0 as forward_keep_bits' for n-tile 0.
+template <int kNTiles>
+__device__ __forceinline__ void drop_forward_probabilities(uint32_t (&a)[kNTiles / 2][1][4], const DropoutStream& d,
+                                                           int64_t row0, int64_t col0) {
+#pragma unroll
+  for (int nt = 0; nt < kNTiles; ++nt) {
+    const uint32_t bits = forward_keep_bits(d, row0, col0 + nt * 8);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const uint32_t mask = ((bits >> (2 * half)) & 1u ? 0x0000FFFFu : 0u) | ((bits >> (2 * half + 1)) & 1u ? 0xFFFF0000u : 0u);
+      a[nt / 2][0][(nt % 2) * 2 + half] &= mask;
+    }
+  }
+}
+
+// The keep decisions of a transposed fragment of kNTiles n-tiles (query rows from query0, query0
+// % 16 == 0 plus 2 (lane % 4); keys key0 and key0 + 8): bit 4 nt + e keeps element e of n-tile nt.
+template <int kNTiles>
+__device__ __forceinline__ uint64_t transposed_keep_mask(const DropoutStream& d, int64_t key0, int64_t query0) {
+  static_assert(kNTiles % 2 == 0 && kNTiles <= 16, "pairs of n-tiles, 64 decisions at most");
+  uint64_t keep = 0;
+#pragma unroll
+  for (int pair = 0; pair < kNTiles / 2; ++pair)
+    keep |= static_cast<uint64_t>(transposed_keep_bits(d, key0, query0 + 16 * pair)) << (8 * pair);
+  return keep;
+}
+
+// x <- x * Z for a fragment of kNTiles n-tiles, Z = scale where bit 4 nt + e of keep is set, else
+// 0: a multiply, as the CPU kernel and the references do, so that a NaN stays NaN.
+template <int kNTiles>
+__device__ __forceinline__ void apply_keep_mask(float (&x)[1][kNTiles][4], uint64_t keep, float scale) {
+#pragma unroll
+  for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) x[0][nt][e] *= (keep >> (4 * nt + e)) & 1u ? scale : 0.f;
+}
+#endif  // __CUDACC__
 
 }  // namespace jax_flash::cuda

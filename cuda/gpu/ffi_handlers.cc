@@ -97,6 +97,23 @@ ffi::Error set_block_lists(const ffi::AnyBuffer& kv_lists, const ffi::AnyBuffer&
 
 // The forward's scheduler workspace: int32, at least kFwdSchedulerElements elements (vmap
 // prepends its batch dims; the kernel uses the first). The launch zeroes what it uses.
+// Fused dropout runs on the Hopper kernels only (gpu/launch.h hopper_takes_dropout), in their
+// general instantiations without the ids' code (not beside segment ids or a block mask); other
+// calls are refused, naming why.
+ffi::Error check_dropout(const AttentionParams& params, bool backward, bool deterministic) {
+  if (params.dropout_seeds == nullptr) return ffi::Error::Success();
+  if (params.q_segment_ids != nullptr || params.kv_block_lists != nullptr)
+    return invalid("dropout on the CUDA kernels: not beside segment ids or a block mask yet; use "
+                   "implementation=\"blockwise\" for this call");
+  if (cuda::hopper_takes_dropout(params.shape, backward, deterministic)) return ffi::Error::Success();
+  std::string why = cuda::device_compute_major() != 9 ? "this GPU is not a Hopper (sm_90) one"
+                    : params.shape.head_dim <= 32    ? "head dims up to 32 run the mma.sync kernels"
+                    : deterministic                  ? "deterministic=True's dQ kernel is an mma.sync one"
+                                                     : "JAX_FLASH_CUDA_FORWARD/BACKWARD chose the mma.sync kernels";
+  return invalid("dropout on the CUDA kernels runs on the Hopper wgmma kernels only (" + why +
+                 "); use implementation=\"blockwise\" for this call");
+}
+
 ffi::Error set_tile_counter(const ffi::AnyBuffer& scheduler, FwdParams& params) {
   JF_RETURN_IF_ERROR(expect_dtype("scheduler", scheduler, ffi::DataType::S32));
   if (static_cast<int64_t>(scheduler.element_count()) < cuda::kFwdSchedulerElements)
@@ -112,8 +129,8 @@ ffi::Error run_fwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                    int64_t window_right, ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
                    bool segment_ids, ffi::AnyBuffer q_segment_id_spans, ffi::AnyBuffer kv_segment_id_spans,
                    double logits_soft_cap, ffi::AnyBuffer alibi_slopes, bool alibi, ffi::AnyBuffer kv_block_lists,
-                   ffi::AnyBuffer kv_block_counts, bool block_sparse, ffi::Result<ffi::AnyBuffer> o_error,
-                   ffi::Result<ffi::AnyBuffer> scheduler) {
+                   ffi::AnyBuffer kv_block_counts, bool block_sparse, ffi::AnyBuffer dropout_seeds,
+                   double dropout_rate, ffi::Result<ffi::AnyBuffer> o_error, ffi::Result<ffi::AnyBuffer> scheduler) {
   FwdParams params;
   JF_RETURN_IF_ERROR(make_fwd_params(q, k, v, q_lens, kv_lens, *o, *lse, scale, is_causal,
                                      window_left, window_right, params, ValueHeadDim::kOwn));
@@ -124,6 +141,8 @@ ffi::Error run_fwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   JF_RETURN_IF_ERROR(attention_soft_cap(logits_soft_cap, params.logits_soft_cap));
   JF_RETURN_IF_ERROR(set_alibi_slopes(alibi_slopes, alibi, q, params));
   JF_RETURN_IF_ERROR(set_block_lists(kv_block_lists, kv_block_counts, nullptr, nullptr, block_sparse, q, params));
+  JF_RETURN_IF_ERROR(set_dropout(dropout_seeds, dropout_rate, q, params));
+  JF_RETURN_IF_ERROR(check_dropout(params, false, false));
   JF_RETURN_IF_ERROR(set_o_error(*o_error, *o, params));
   JF_RETURN_IF_ERROR(set_tile_counter(*scheduler, params));
   JF_RETURN_IF_ERROR(check_value_head_dim(params.shape));
@@ -140,7 +159,7 @@ ffi::Error run_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                    bool segment_ids, ffi::AnyBuffer q_segment_id_spans, ffi::AnyBuffer kv_segment_id_spans,
                    double logits_soft_cap, ffi::AnyBuffer alibi_slopes, bool alibi, ffi::AnyBuffer kv_block_lists,
                    ffi::AnyBuffer kv_block_counts, ffi::AnyBuffer q_block_visits, ffi::AnyBuffer q_block_visit_counts,
-                   bool block_sparse) {
+                   bool block_sparse, ffi::AnyBuffer dropout_seeds, double dropout_rate) {
   BwdParams params;
   JF_RETURN_IF_ERROR(make_bwd_params_without_o(q, k, v, lse, d_o, q_lens, kv_lens, *dq, *dk, *dv, delta, scale,
                                                is_causal, window_left, window_right, params, ValueHeadDim::kOwn));
@@ -153,6 +172,8 @@ ffi::Error run_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   JF_RETURN_IF_ERROR(set_alibi_slopes(alibi_slopes, alibi, q, params));
   JF_RETURN_IF_ERROR(set_block_lists(kv_block_lists, kv_block_counts, &q_block_visits, &q_block_visit_counts,
                                      block_sparse, q, params));
+  JF_RETURN_IF_ERROR(set_dropout(dropout_seeds, dropout_rate, q, params));
+  JF_RETURN_IF_ERROR(check_dropout(params, true, deterministic));
   JF_RETURN_IF_ERROR(
       expect_float32("dq_accum", *dq_accum, cuda::dq_accum_elements(params.shape, deterministic)));
   params.dq_accum = deterministic ? nullptr : dq_accum->typed_data<float>();
@@ -207,6 +228,8 @@ auto with_kernel_options(Binding binding) {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaFlashFwd, run_fwd,
                               with_kernel_options(with_segment_ids(fwd_binding<ffi::PlatformStream<cudaStream_t>>()))
                                   .Attr<bool>("block_sparse")
+                                  .Arg<ffi::AnyBuffer>()   // dropout_seeds (..., N, 4) uint32, or (0,) without
+                                  .Attr<double>("dropout_rate")
                                   .Ret<ffi::AnyBuffer>()   // o_error int8, o's shape (o 16-bit) or empty
                                   .Ret<ffi::AnyBuffer>(),  // scheduler workspace int32 (kFwdSchedulerElements)
                               {ffi::Traits::kCmdBufferCompatible});
@@ -215,7 +238,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaFlashBwd, run_bwd,
                               with_kernel_options(with_segment_ids(cuda_bwd_binding().Attr<bool>("deterministic")))
                                   .Arg<ffi::AnyBuffer>()  // q_block_visits (..., K, Sb, N / K * Tb) int32, or (0,)
                                   .Arg<ffi::AnyBuffer>()  // q_block_visit_counts (..., K, Sb) int32, or (0,)
-                                  .Attr<bool>("block_sparse"),
+                                  .Attr<bool>("block_sparse")
+                                  .Arg<ffi::AnyBuffer>()  // dropout_seeds (..., N, 4) uint32, or (0,) without
+                                  .Attr<double>("dropout_rate"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_flash

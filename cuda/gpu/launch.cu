@@ -195,6 +195,12 @@ bool backward_takes_value_head_dim(const AttentionShape& shape, bool determinist
   return compiled_pair_in(kBackwardPairs, shape);
 }
 
+bool hopper_takes_dropout(const AttentionShape& shape, bool backward, bool deterministic) {
+  if (device_compute_major() != 9 || shape.head_dim <= 32) return false;
+  if (!backward) return forward_family() != KernelFamily::kSm80;
+  return !deterministic && backward_family_of(shape.head_dim) != KernelFamily::kSm80;
+}
+
 cudaError_t launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
   if (p.shape.seq_q == 0 || p.shape.batch == 0) return cudaSuccess;
   if (p.shape.head_dim_v != p.shape.head_dim) {

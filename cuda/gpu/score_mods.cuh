@@ -23,12 +23,13 @@
 namespace jax_flash::cuda {
 
 // Whether a call takes the general kernels (kGeneral: host side, where the launchers choose):
-// those instantiated with the score modifications here, the segment ids of gpu/segment_ids.cuh
-// and the block mask's walks of gpu/block_sparse.cuh; the plain calls' kernels hold none of
-// their code.
+// those instantiated with the score modifications here, the segment ids of gpu/segment_ids.cuh,
+// the block mask's walks of gpu/block_sparse.cuh and fused dropout (gpu/dropout_fragments.h;
+// the Hopper kernels only: gpu/launch.h hopper_takes_dropout); the plain calls' kernels hold
+// none of their code.
 inline bool general_kernel(const AttentionParams& p) {
   return p.logits_soft_cap > 0.f || p.alibi_slopes != nullptr || p.q_segment_ids != nullptr ||
-         p.kv_block_lists != nullptr;
+         p.kv_block_lists != nullptr || p.dropout_seeds != nullptr;
 }
 
 // Whether a general call needs the general kernels' ids and block-walk code (kIds): segment ids
@@ -46,11 +47,11 @@ inline bool narrow_plain_call(const AttentionParams& p) {
 }
 
 // Whether a block-sparse call needs nothing of the general kernels but the block mask's walk (no
-// score modification, segment ids or local window): then its rows need no tracking either
+// score modification, segment ids, dropout or local window): then its rows need no tracking either
 // (gpu/segment_ids.cuh's tracks_seen_rows), and the plain Hopper kernels with the walk run it.
 inline bool plain_block_walk_suffices(const AttentionParams& p) {
   return p.kv_block_lists != nullptr && p.logits_soft_cap <= 0.f && p.alibi_slopes == nullptr &&
-         p.q_segment_ids == nullptr && !p.mask.windowed();
+         p.q_segment_ids == nullptr && p.dropout_seeds == nullptr && !p.mask.windowed();
 }
 
 // tanh by the hardware's approximation (one MUFU operation; relative error 2^-11, below the

@@ -47,6 +47,10 @@ cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
   // (general_ids; deterministic calls keep the whole one: compile time).
   if (general_kernel(p) && !general_ids(p) && !p.deterministic)
     kernel = flash_bwd_sm90_ws_kernel<Traits, T, false, true, false, false>;
+  // Fused dropout: a general kernel of its own (not deterministic, not beside ids or a block mask:
+  // the handler refuses those).
+  if (p.dropout_seeds != nullptr && !p.deterministic)
+    kernel = flash_bwd_sm90_ws_kernel<Traits, T, false, true, false, false, true>;
   if constexpr (kDeterministicKernels)
     if (p.deterministic)
       kernel = general_kernel(p) ? flash_bwd_sm90_ws_kernel<Traits, T, true, true>

@@ -32,6 +32,7 @@
 
 #include "common/attention_params.h"
 #include "gpu/block_geometry.cuh"
+#include "gpu/dropout_fragments.h"
 #include "gpu/fragments.cuh"
 #include "gpu/mask.cuh"
 #include "gpu/ptx.cuh"
@@ -114,10 +115,15 @@ struct Sm90BwdWsSmem {
 // need nothing else of the general kernels (plain_block_walk_suffices).
 // kIds (general kernels only): the ids' and the block walk's code is compiled in (general_ids);
 // without it a general kernel has only the score modifications beside the plain kernel's masks.
+// kDropout (non-deterministic general kernels without ids): fused dropout (gpu/dropout_fragments.h),
+// an instantiation of its own so that the other general kernels keep their registers (with it,
+// the capped kernels spilled up to 250 bytes).
 template <typename Traits, typename T, bool kDeterministic, bool kGeneral, bool kBlockWalk = false,
-          bool kIds = kGeneral>
+          bool kIds = kGeneral, bool kDropout = false>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams params) {
+  static_assert(!kDropout || (kGeneral && !kIds && !kDeterministic && !kBlockWalk),
+                "dropout: a non-deterministic general kernel without ids");
 #if JF_SM90A
   constexpr int kBM = Traits::kBlockM, kBN = Traits::kBlockN, kD = Traits::kHeadDim;
   constexpr int kStages = Traits::kStages;
@@ -445,11 +451,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       if constexpr (!kGeneral) transposed_probabilities<kSQ>(st, lse2, scale_log2, lane);
       wgmma_wait<0>();
       fence_registers(dpt[0]);
+      // Fused dropout (kDropout): Z = keep / (1 - rate) of this warpgroup's elements; dS^T = P^T (Z dP^T - delta) wants dP^T times Z
+      // first (the cap's chain rule then folds into Z dP^T), and dV the dropped P^T, formed once
+      // dS^T has read P^T.
+      uint64_t keep = 0;
+      const bool dropout = kDropout && p.dropout_seeds != nullptr;
       if constexpr (kGeneral) {  // the cap's chain rule reads the capped scores, before P^T
+        if constexpr (kDropout)
+          if (dropout) {
+            keep = transposed_keep_mask<kSQ / 8>(dropout_stream(p, task.b, visit.h), n0 + warp_key0 + lane / 4,
+                                                 m0_group + 2 * (lane % 4));
+            apply_keep_mask(dpt, keep, p.dropout_scale);
+          }
         ScoreMods(p, task.b, visit.h).fold_chain_rule_transposed(dpt, st, delta, n0 + warp_key0, m0_group, lane);
         transposed_probabilities<kSQ>(st, lse2, scale_log2, lane);
       }
       transposed_score_gradients<kSQ>(dpt, st, delta, lane);
+      if (dropout) apply_keep_mask(st, keep, p.dropout_scale);
     }
     // (Not live: st and dpt are left unset and never read; the zero dS^T is stored from
     // constants. Zeroing them here cost 30 CS2R every visit, hoisted above the branch.)

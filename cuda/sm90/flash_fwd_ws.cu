@@ -56,12 +56,15 @@ cudaError_t launch(const FwdParams& p, const Sm90FwdOptions& options, cudaStream
     // block-sparse forward at seq 8192 hd128, cuda/PERF_NOTES.md v17).
     if constexpr (Traits::kHeadDim == 64 || Traits::kHeadDim == 128)
       if (plain_block_walk_suffices(p)) kernel = flash_fwd_sm90_ws_kernel<Traits, T, false, true>;
+    // Fused dropout: a general kernel of its own (the handler refuses it beside ids or a block
+    // mask; no tensor sums: P V's operand has the dropped probabilities, the sums every one).
+    if (p.dropout_seeds != nullptr) kernel = flash_fwd_sm90_ws_kernel<Traits, T, true, false, false, false, false, true>;
   }
   // Plain calls with a 16-bit o store it by TMA from shared memory (not under sm90ws_directstore),
-  // and so do those with a soft cap or ALiBi alone.
+  // and so do those with a soft cap or ALiBi alone (not with dropout).
   int smem_bytes = Traits::kSmemBytes;
   if constexpr (Traits::kTmaStoreFits && Traits::kTileValueHeadDim <= 128)
-    if (options.tma_store && !p.for_backward() && !general_ids(p)) {
+    if (options.tma_store && !p.for_backward() && !general_ids(p) && p.dropout_seeds == nullptr) {
       if (cudaError_t e = make_head_tensor_map(&params.o, p.o, p.dtype, s.batch, s.seq_q, s.heads_q, s.head_dim_v, 64))
         return e;
       kernel = general_kernel(p) ? flash_fwd_sm90_ws_kernel<Traits, T, true, false, false, false, true>

@@ -22,6 +22,7 @@
 
 #include "common/attention_params.h"
 #include "gpu/block_geometry.cuh"
+#include "gpu/dropout_fragments.h"
 #include "gpu/epilogue.cuh"
 #include "gpu/fragments.cuh"
 #include "gpu/mask.cuh"
@@ -97,10 +98,15 @@ struct FwdWsBarriers {
 // each consumer warpgroup writes its normalised O rows to the O tile in shared memory and one of
 // its threads stores them by TMA (FlashAttention-3's epilogue), instead of every thread storing
 // 4-byte pairs to global memory; the warpgroup goes on to its next tile while the copy runs.
+// kDropout (general kernels without ids, tensor sums or the TMA store): fused dropout
+// (gpu/dropout_fragments.h), an instantiation of its own so that the other general kernels keep
+// their registers.
 template <typename Traits, typename T, bool kGeneral, bool kBlockWalk = false, bool kTensorSums = false,
-          bool kIds = kGeneral, bool kTmaStore = false>
+          bool kIds = kGeneral, bool kTmaStore = false, bool kDropout = false>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdTmaParams params) {
+  static_assert(!kDropout || (kGeneral && !kIds && !kTensorSums && !kTmaStore && !kBlockWalk),
+                "dropout: a general kernel without ids, tensor sums or the TMA store");
 #if JF_SM90A
   constexpr int kBM = Traits::kBlockM, kBN = Traits::kBlockN, kDv = Traits::kValueHeadDim;
   constexpr int kStages = Traits::kStages;
@@ -262,10 +268,22 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     float row_sums[1][1][4] = {};  // kTensorSums: the 16-bit P's row sums (every column the row's)
     SeenRows<1> seen(!(kIds && tracks_seen_rows(p)) && untracked_seen_rows(count));  // rows that met a key
 
+    // Fused dropout (kDropout; the handler refuses it beside segment ids or a block mask): the
+    // tile's stream; each block's dropped probabilities are zeroed in P V's operand once the row
+    // sums have them, and O is scaled by 1 / (1 - rate).
+    constexpr bool kDropoutKernel = kDropout;
+    const bool dropout = kDropout && p.dropout_seeds != nullptr;
     if (count > 0) {
       auto stage_of = [&](int i) { return (ring + i) % kStages; };
       auto phase_of = [&](int i) { return ((ring + i) / kStages) & 1; };
       const ScoreMods mods(p, task.b, task.h);  // unused (and not read) without kGeneral
+      const DropoutStream drop_stream = dropout ? dropout_stream(p, task.b, task.h) : DropoutStream();
+      auto drop_block = [&](uint32_t (&pa)[kBN / 16][1][4], int i) {
+        if constexpr (kDropoutKernel)
+          if (dropout)
+            drop_forward_probabilities<kBN / 8>(pa, drop_stream, m0 + warp_m0 + lane / 4,
+                                                static_cast<int64_t>(task.keys.descending(i)) * kBN + 2 * (lane % 4));
+      };
       auto mask_block = [&](float (&s)[1][kBN / 8][4], int i) {
         const int64_t n0 = static_cast<int64_t>(task.keys.descending(i)) * kBN;
         if constexpr (kGeneral) mods.apply<!kIds>(s, m0 + warp_m0, n0, lane);
@@ -293,6 +311,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       uint32_t pa[kBN / 16][1][4];
       accumulator_to_a<T>(pa, s);
       if (!kTensorSums && p.for_backward()) softmax.template add_rounded_sums<T>(pa);  // differentiated calls only
+      drop_block(pa, 0);
 
       for (int i = 0; i + 1 < count; ++i) {
         const int stage = stage_of(i), next = stage_of(i + 1);
@@ -321,6 +340,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
         accumulator_to_a<T>(pa, s);
         if (!kTensorSums && p.for_backward()) softmax.template add_rounded_sums<T>(pa);  // differentiated calls only
+        drop_block(pa, i + 1);
       }
       // The last warpgroup's last pass_turn (or its first arrival) is still to be taken.
       if constexpr (Traits::kPingPong)
@@ -340,6 +360,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       release(&bars.v_empty[last]);
       ring += count;
       ++q_round;
+      if (dropout) {
+#pragma unroll
+        for (int dt = 0; dt < kDv / 8; ++dt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) o[0][dt][e] *= p.dropout_scale;
+      }
     }
 
     const ValueRows values = value_rows<kOwnValueHeadDim>(p, task);
