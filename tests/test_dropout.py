@@ -394,8 +394,8 @@ def test_a_traced_rate_raises_a_traced_key_is_fine():
 
 
 def test_cuda_kernels_refuse_dropout(monkeypatch):
-  """The CUDA kernels take no dropout: the dispatch raises at trace time, before any custom
-  call, naming the argument, its value and the implementations that take it; where None picks
+  """By default (JAX_FLASH_CUDA_DROPOUT unset, as here) the CUDA kernels take no dropout: the
+  dispatch raises at trace time, before any custom call, naming the argument, its value and the implementations that take it; where None picks
   CUDA and where "cuda" is forced (its GPU check stubbed out: this machine has none). A rate of
   0 is no dropout, which CUDA runs."""
   q = jnp.ones((2, 8, 2, 16), jnp.bfloat16)
@@ -413,7 +413,8 @@ def test_cuda_kernels_refuse_dropout(monkeypatch):
   assert _dispatch.select("cuda", call) == "cuda"
   with pytest.raises(NotImplementedError, match="take no dropout_rate"):
     _dispatch.select("cuda", dataclasses.replace(call, dropout_rate=0.5))
-  # And the op layer itself never builds a CUDA call with dropout.
+  # And the op layer itself never builds a CUDA call with dropout without the switch.
+  assert not _dropout.cuda_kernels_take_dropout()
   config = _ops.KernelConfig("cuda", 1.0, False, -1, -1, dropout_rate=0.1)
   with pytest.raises(NotImplementedError, match="dropout_rate"):
     _ops._dropout_operands(config, jnp.zeros((2, 2, 4), jnp.uint32))
