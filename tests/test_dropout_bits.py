@@ -32,14 +32,20 @@ def test_philox_known_answers(counter, key, expected):
   assert tuple(int(w) for w in words) == expected
 
 
-def test_the_kernels_header_gives_the_same_words(tmp_path):
-  """Every element of a grid with odd sizes (rows past a 16-row group, odd columns)."""
+def _compile(tmp_path, name: str):
+  """tests/cpp/<name>.cc built against cuda/ (skips without a C++ compiler): the binary's path."""
   compiler = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
   if compiler is None:
     pytest.skip("no C++ compiler")
-  binary = tmp_path / "dropout_bits_check"
+  binary = tmp_path / name
   subprocess.run([compiler, "-std=c++17", "-O1", f"-I{ROOT / 'cuda'}",
-                  str(ROOT / "tests" / "cpp" / "dropout_bits_check.cc"), "-o", str(binary)], check=True)
+                  str(ROOT / "tests" / "cpp" / f"{name}.cc"), "-o", str(binary)], check=True)
+  return binary
+
+
+def test_the_kernels_header_gives_the_same_words(tmp_path):
+  """Every element of a grid with odd sizes (rows past a 16-row group, odd columns)."""
+  binary = _compile(tmp_path, "dropout_bits_check")
   key = jax.random.key(2024)
   k0, k1 = (int(w) for w in _dropout.key_words(key))
   shape = (2, 3, 37, 41)
@@ -56,12 +62,7 @@ def test_the_cuda_fragments_keep_the_references_elements(tmp_path, layout, rate)
   """cuda/gpu/dropout_fragments.h, run for every lane of every 16-row warp tile (the CUDA kernels'
   accumulator layouts: the forward's S, the backward's transposed S^T), keeps exactly the elements
   the reference keeps, for one (batch, head) stream with nonzero head and batch words."""
-  compiler = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-  if compiler is None:
-    pytest.skip("no C++ compiler")
-  binary = tmp_path / "dropout_fragments_check"
-  subprocess.run([compiler, "-std=c++17", "-O1", f"-I{ROOT / 'cuda'}",
-                  str(ROOT / "tests" / "cpp" / "dropout_fragments_check.cc"), "-o", str(binary)], check=True)
+  binary = _compile(tmp_path, "dropout_fragments_check")
   seed_words = _dropout.seeds(jax.random.key(11), 3, 5)[2, 3]  # (key0, key1, head 3, batch 2)
   seq_q, seq_k = 48, 80
   words = [str(int(w)) for w in seed_words]
