@@ -451,9 +451,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       if constexpr (!kGeneral) transposed_probabilities<kSQ>(st, lse2, scale_log2, lane);
       wgmma_wait<0>();
       fence_registers(dpt[0]);
-      // Fused dropout (kDropout): Z = keep / (1 - rate) of this warpgroup's elements; dS^T = P^T (Z dP^T - delta) wants dP^T times Z
-      // first (the cap's chain rule then folds into Z dP^T), and dV the dropped P^T, formed once
-      // dS^T has read P^T.
+      // Fused dropout (kDropout): Z = keep / (1 - rate) of this warpgroup's elements. dS^T =
+      // P^T (Z dP^T - delta) wants dP^T times Z first (the cap's chain rule then folds into
+      // Z dP^T), and dV the dropped P^T, formed once dS^T has read P^T.
       uint64_t keep = 0;
       const bool dropout = kDropout && p.dropout_seeds != nullptr;
       if constexpr (kGeneral) {  // the cap's chain rule reads the capped scores, before P^T

@@ -271,7 +271,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // Fused dropout (kDropout; the handler refuses it beside segment ids or a block mask): the
     // tile's stream; each block's dropped probabilities are zeroed in P V's operand once the row
     // sums have them, and O is scaled by 1 / (1 - rate).
-    constexpr bool kDropoutKernel = kDropout;
     const bool dropout = kDropout && p.dropout_seeds != nullptr;
     if (count > 0) {
       auto stage_of = [&](int i) { return (ring + i) % kStages; };
@@ -279,7 +278,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const ScoreMods mods(p, task.b, task.h);  // unused (and not read) without kGeneral
       const DropoutStream drop_stream = dropout ? dropout_stream(p, task.b, task.h) : DropoutStream();
       auto drop_block = [&](uint32_t (&pa)[kBN / 16][1][4], int i) {
-        if constexpr (kDropoutKernel)
+        if constexpr (kDropout)
           if (dropout)
             drop_forward_probabilities<kBN / 8>(pa, drop_stream, m0 + warp_m0 + lane / 4,
                                                 static_cast<int64_t>(task.keys.descending(i)) * kBN + 2 * (lane % 4));
