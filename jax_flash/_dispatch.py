@@ -264,11 +264,18 @@ def select(implementation: str | None, call: Call, *,
     raise NotImplementedError(
         f"{caller}: the {name!r} kernels ({picked}) take no {argument} yet; got {passed} with "
         f"query{call.query}. Implementations {takers} take {pronoun}: pass {instead}")
-  if name == "cuda" and call.dropout_rate is not None and call.deterministic:
-    raise NotImplementedError(
-        f"{caller}: the 'cuda' kernels take dropout_rate={call.dropout_rate!r} without "
-        "deterministic=True only (the deterministic backward's dQ kernel has no dropout yet); "
-        "pass implementation='blockwise' for a reproducible backward with dropout")
+  if name == "cuda" and call.dropout_rate is not None:
+    # What the CUDA kernels' dropout (experimental) does not cover yet: the handlers refuse it
+    # too (cuda/gpu/ffi_handlers.cc check_dropout), here it is said at trace time.
+    missing = ("deterministic=True (the deterministic backward's dQ kernel has no dropout yet)"
+               if call.deterministic else
+               "segment ids or a block mask beside it" if call.segment_ids or call.block_mask else
+               f"head dims up to 32 (H={call.head_dim}: the mma.sync kernels run those)"
+               if call.head_dim <= 32 else None)
+    if missing:
+      raise NotImplementedError(
+          f"{caller}: the 'cuda' kernels take dropout_rate={call.dropout_rate!r} but not with "
+          f"{missing}; got query{call.query}; pass implementation='blockwise'")
   if call.value is not None and not can.value_head_dim:
     takers = _takers(lambda other: other.value_head_dim)
     raise NotImplementedError(

@@ -434,8 +434,8 @@ def test_cuda_calls_carry_the_seeds_and_rate_under_the_switch(monkeypatch):
   """With JAX_FLASH_CUDA_DROPOUT=on (simulated here: the switch's value patched, this machine a
   CUDA host), a differentiated CUDA call with dropout traces to the forward and backward custom
   calls with the rate and the (B, N, 4) uint32 seeds of jax_flash._dropout.seeds; one without
-  dropout passes rate 0 and an empty uint32 operand; deterministic=True with dropout is refused
-  at trace time (its dQ kernel has no dropout)."""
+  dropout passes rate 0 and an empty uint32 operand; what the kernels' dropout does not cover
+  (deterministic=True, segment ids, head dims up to 32) is refused at trace time."""
   simulate_cuda_host(monkeypatch)
   monkeypatch.setattr(_dropout, "_CUDA_DROPOUT", True)
   assert _dispatch.capabilities("cuda").dropout_rate
@@ -457,8 +457,17 @@ def test_cuda_calls_carry_the_seeds_and_rate_under_the_switch(monkeypatch):
       jax.grad(functools.partial(loss, rate=None), argnums=(0, 1, 2)), q, k, v):
     assert float(attributes["dropout_rate"]) == 0.0, name
     assert [tuple(x.shape) for x in operands if x.dtype == jnp.uint32] == [(0,)], name
-  with pytest.raises(NotImplementedError, match="without deterministic=True only"):
+  with pytest.raises(NotImplementedError, match=r"not with deterministic=True"):
     jax.grad(functools.partial(loss, rate=0.2, deterministic=True), argnums=(0, 1, 2))(q, k, v)
+  # Segment ids beside dropout, and head dims up to 32, are refused at trace time too.
+  ids = jnp.zeros((2, 40), jnp.int32)
+  with pytest.raises(NotImplementedError, match="not with segment ids or a block mask"):
+    jax_flash.dot_product_attention(q, k, v, implementation="cuda", dropout_rate=0.2,
+                                    dropout_key=key, q_segment_ids=ids, kv_segment_ids=ids)
+  small = jnp.ones((2, 40, 4, 32), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match=r"head dims up to 32 \(H=32"):
+    jax_flash.dot_product_attention(small, small, small, implementation="cuda", dropout_rate=0.2,
+                                    dropout_key=key)
 
 
 def test_vmap():
