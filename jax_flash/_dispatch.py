@@ -270,8 +270,9 @@ def select(implementation: str | None, call: Call, *,
     missing = ("deterministic=True (the deterministic backward's dQ kernel has no dropout yet)"
                if call.deterministic else
                "segment ids or a block mask beside it" if call.segment_ids or call.block_mask else
-               f"head dims up to 32 (H={call.head_dim}: the mma.sync kernels run those)"
-               if call.head_dim <= 32 else None)
+               f"head dim H={call.head_dim} here (only the Hopper kernels apply it, not the "
+               "mma.sync ones that run it)"
+               if not _registry.cuda_takes_dropout(call.head_dim, call.deterministic) else None)
     if missing:
       raise NotImplementedError(
           f"{caller}: the 'cuda' kernels take dropout_rate={call.dropout_rate!r} but not with "

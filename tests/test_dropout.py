@@ -465,7 +465,7 @@ def test_cuda_calls_carry_the_seeds_and_rate_under_the_switch(monkeypatch):
     jax_flash.dot_product_attention(q, k, v, implementation="cuda", dropout_rate=0.2,
                                     dropout_key=key, q_segment_ids=ids, kv_segment_ids=ids)
   small = jnp.ones((2, 40, 4, 32), jnp.bfloat16)
-  with pytest.raises(NotImplementedError, match=r"head dims up to 32 \(H=32"):
+  with pytest.raises(NotImplementedError, match=r"head dim H=32 here \(only the Hopper kernels"):
     jax_flash.dot_product_attention(small, small, small, implementation="cuda", dropout_rate=0.2,
                                     dropout_key=key)
 

@@ -106,10 +106,13 @@ ffi::Error check_dropout(const AttentionParams& params, bool backward, bool dete
     return invalid("dropout on the CUDA kernels: not beside segment ids or a block mask yet; use "
                    "implementation=\"blockwise\" for this call");
   if (cuda::hopper_takes_dropout(params.shape, backward, deterministic)) return ffi::Error::Success();
+  const bool sm80_chosen = cuda::forward_family() == cuda::KernelFamily::kSm80 ||
+                          cuda::backward_family() == cuda::KernelFamily::kSm80;
   std::string why = cuda::device_compute_major() != 9 ? "this GPU is not a Hopper (sm_90) one"
-                    : params.shape.head_dim <= 32    ? "head dims up to 32 run the mma.sync kernels"
-                    : deterministic                  ? "deterministic=True's dQ kernel is an mma.sync one"
-                                                     : "JAX_FLASH_CUDA_FORWARD/BACKWARD chose the mma.sync kernels";
+                    : deterministic && backward      ? "deterministic=True's dQ kernel is an mma.sync one"
+                    : sm80_chosen                    ? "a JAX_FLASH_CUDA_* switch chose the mma.sync kernels"
+                                                     : "head dim " + std::to_string(params.shape.head_dim) +
+                                                           " runs the mma.sync kernels";
   return invalid("dropout on the CUDA kernels runs on the Hopper wgmma kernels only (" + why +
                  "); use implementation=\"blockwise\" for this call");
 }

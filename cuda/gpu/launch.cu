@@ -196,7 +196,14 @@ bool backward_takes_value_head_dim(const AttentionShape& shape, bool determinist
 }
 
 bool hopper_takes_dropout(const AttentionShape& shape, bool backward, bool deterministic) {
-  if (device_compute_major() != 9 || shape.head_dim <= 32) return false;
+  if (device_compute_major() != 9) return false;
+  bool hopper_kernel = false;  // the call's compiled head dim has the pass's Hopper kernel
+  dispatch_dtype_head_dim(Dtype::kBFloat16, shape.head_dim, [&](auto, auto head_dim) -> cudaError_t {
+    constexpr int kD = decltype(head_dim)::value;
+    hopper_kernel = backward ? TileShapes<kD>::kHasSm90Bwd : TileShapes<kD>::kHasSm90Fwd;
+    return cudaSuccess;
+  });
+  if (!hopper_kernel) return false;
   if (!backward) return forward_family() != KernelFamily::kSm80;
   return !deterministic && backward_family_of(shape.head_dim) != KernelFamily::kSm80;
 }
