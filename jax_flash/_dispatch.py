@@ -102,9 +102,9 @@ def capabilities(name: str) -> Capabilities:
         segment_ids=True,
         # block_mask: the same kernels walk only the live blocks (cuda/gpu/block_sparse.cuh)
         block_mask=True,
-        # dropout: the Hopper kernels' general instantiations (cuda/gpu/dropout_fragments.h),
-        # experimental: only under JAX_FLASH_CUDA_DROPOUT=on (jax_flash._dropout); not with
-        # deterministic=True (its dQ kernel is an mma.sync one: refused below)
+        # dropout: the kernels' dropout instantiations (cuda/gpu/dropout_fragments.h),
+        # experimental: only under JAX_FLASH_CUDA_DROPOUT=on (jax_flash._dropout); not beside
+        # segment ids or a block mask (refused below)
         dropout_rate=_dropout.cuda_kernels_take_dropout(),
         # Hv != H: q, k or v zero-padded to the larger head dim (the paged kernel refuses it)
         value_head_dim=True, value_head_dim_by_padding=True)
@@ -264,19 +264,13 @@ def select(implementation: str | None, call: Call, *,
     raise NotImplementedError(
         f"{caller}: the {name!r} kernels ({picked}) take no {argument} yet; got {passed} with "
         f"query{call.query}. Implementations {takers} take {pronoun}: pass {instead}")
-  if name == "cuda" and call.dropout_rate is not None:
+  if name == "cuda" and call.dropout_rate is not None and (call.segment_ids or call.block_mask):
     # What the CUDA kernels' dropout (experimental) does not cover yet: the handlers refuse it
     # too (cuda/gpu/ffi_handlers.cc check_dropout), here it is said at trace time.
-    missing = ("deterministic=True (the deterministic backward's dQ kernel has no dropout yet)"
-               if call.deterministic else
-               "segment ids or a block mask beside it" if call.segment_ids or call.block_mask else
-               f"head dim H={call.head_dim} here (only the Hopper kernels apply it, not the "
-               "mma.sync ones that run it)"
-               if not _registry.cuda_takes_dropout(call.head_dim, call.deterministic) else None)
-    if missing:
-      raise NotImplementedError(
-          f"{caller}: the 'cuda' kernels take dropout_rate={call.dropout_rate!r} but not with "
-          f"{missing}; got query{call.query}; pass implementation='blockwise'")
+    raise NotImplementedError(
+        f"{caller}: the 'cuda' kernels take dropout_rate={call.dropout_rate!r} but not with "
+        f"segment ids or a block mask beside it; got query{call.query}; pass "
+        "implementation='blockwise'")
   if call.value is not None and not can.value_head_dim:
     takers = _takers(lambda other: other.value_head_dim)
     raise NotImplementedError(

@@ -1,7 +1,8 @@
-"""The random bits of fused dropout, in JAX: the same Philox4x32-10 words and keep decisions as
+"""The random bits of fused dropout, in JAX: the same Philox4x32-10 bits and keep decisions as
 cuda/common/dropout_bits.h, which the kernels use (its header comment gives the layout: one call
-per 2 x 2 quad of score elements, rows r and r + 8, columns c and c + 1). The kernels' tests
-build their reference from keep_mask(), so a kernel and its reference drop the same elements."""
+per 2 x 4 group of score elements, rows r and r + 8, columns c, c + 1, c + 8 and c + 9, 16 bits
+each). The kernels' tests build their reference from keep_mask(), so a kernel and its reference
+drop the same elements."""
 
 from __future__ import annotations
 
@@ -70,9 +71,9 @@ def philox4x32_10(counter: tuple[jax.Array, ...], key: tuple[jax.Array, jax.Arra
 
 
 def threshold(rate: float) -> int:
-  """Words below this drop their element (dropout_threshold in the header)."""
-  t = rate * 2.0**32
-  return 0xFFFFFFFF if t >= 0xFFFFFFFF else int(t + 0.5)
+  """16-bit values below this drop their element, in [0, 2^16] (dropout_threshold in the
+  header)."""
+  return int(rate * 65536.0 + 0.5)
 
 
 def key_words(key: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -86,9 +87,9 @@ def key_words(key: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
-def dropout_words(key: jax.Array, batch: int, heads: int, seq_q: int, seq_k: int) -> jax.Array:
-  """The Philox word of every score element: uint32 (batch, heads, seq_q, seq_k)."""
-  return words_from_seeds(seeds(key, batch, heads), jnp.arange(seq_q), jnp.arange(seq_k))
+def dropout_bits(key: jax.Array, batch: int, heads: int, seq_q: int, seq_k: int) -> jax.Array:
+  """The 16 Philox bits of every score element: uint32 in [0, 2^16), (batch, heads, seq_q, seq_k)."""
+  return bits_from_seeds(seeds(key, batch, heads), jnp.arange(seq_q), jnp.arange(seq_k))
 
 
 def seeds(key: jax.Array, batch: int, heads: int, *, shared: bool = False) -> jax.Array:
@@ -105,16 +106,18 @@ def seeds(key: jax.Array, batch: int, heads: int, *, shared: bool = False) -> ja
   return jnp.stack([jnp.broadcast_to(k0, shape), jnp.broadcast_to(k1, shape), h, b], axis=-1)
 
 
-def words_from_seeds(seed_words: jax.Array, rows: jax.Array, cols: jax.Array) -> jax.Array:
-  """The Philox word of query rows `rows` (T,) and keys `cols` (S,) (int positions) under
-  `seed_words` (..., 4) as seeds() makes them: uint32 (..., T, S), dropout_bits.h's layout."""
+def bits_from_seeds(seed_words: jax.Array, rows: jax.Array, cols: jax.Array) -> jax.Array:
+  """The 16 Philox bits of query rows `rows` (T,) and keys `cols` (S,) (int positions) under
+  `seed_words` (..., 4) as seeds() makes them: uint32 in [0, 2^16), (..., T, S), dropout_bits.h's
+  layout."""
   seed_words = seed_words[..., None, None, :]
   r = jnp.asarray(rows).astype(jnp.uint32)[:, None]
   c = jnp.asarray(cols).astype(jnp.uint32)[None, :]
-  words = philox4x32_10((c // 2, (r // 16) * 8 + r % 8, seed_words[..., 2], seed_words[..., 3]),
-                        (seed_words[..., 0], seed_words[..., 1]))
-  index = 2 * ((r // 8) % 2) + c % 2
-  return jnp.select([index == 0, index == 1, index == 2], words[:3], words[3])
+  words = philox4x32_10(((c // 16) * 4 + (c % 8) // 2, (r // 16) * 8 + r % 8, seed_words[..., 2],
+                         seed_words[..., 3]), (seed_words[..., 0], seed_words[..., 1]))
+  index = 2 * ((r // 8) % 2) + (c // 8) % 2
+  word = jnp.select([index == 0, index == 1, index == 2], words[:3], words[3])
+  return jnp.where(c % 2 == 1, word >> 16, word & 0xFFFF)
 
 
 def keep_from_seeds(seed_words: jax.Array, rate: float, rows: jax.Array,
@@ -123,7 +126,7 @@ def keep_from_seeds(seed_words: jax.Array, rate: float, rows: jax.Array,
   `seed_words` (..., 4) as seeds() makes them: bool (..., T, S). keep_mask(key, rate, B, N, T,
   S) is this of seeds(key, B, N), every row and every key; the "blockwise" path asks it for one
   key block at a time."""
-  return words_from_seeds(seed_words, rows, cols) >= jnp.uint32(threshold(rate))
+  return bits_from_seeds(seed_words, rows, cols) >= jnp.uint32(threshold(rate))
 
 
 def multipliers(seed_words: jax.Array, rate: float, rows: jax.Array, cols: jax.Array) -> jax.Array:
@@ -138,4 +141,4 @@ def keep_mask(key: jax.Array, rate: float, batch: int, heads: int, seq_q: int, s
   kernels' own decisions (kept elements are scaled by 1 / (1 - rate))."""
   if not 0.0 <= rate < 1.0:
     raise ValueError(f"dropout rate must be in [0, 1); got {rate}")
-  return dropout_words(key, batch, heads, seq_q, seq_k) >= jnp.uint32(threshold(rate))
+  return dropout_bits(key, batch, heads, seq_q, seq_k) >= jnp.uint32(threshold(rate))

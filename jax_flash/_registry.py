@@ -118,15 +118,6 @@ def cuda_backward_takes_value_head_dim(head_dim: int, head_dim_v: int, determini
   return bool(_native_cuda.backward_takes_value_head_dim(head_dim, head_dim_v, deterministic))
 
 
-def cuda_takes_dropout(head_dim: int, deterministic: bool) -> bool:
-  """Whether a differentiated CUDA call of this head dim with fused dropout runs kernels that
-  apply it, forward and backward (the Hopper kernels of its compiled head dim, not
-  deterministic: cuda/gpu/launch.h hopper_takes_dropout); False without CUDA."""
-  if _native_cuda is None:
-    return False
-  return bool(_native_cuda.takes_dropout(head_dim, deterministic))
-
-
 def has_platform(platform: str) -> bool:
   """Whether kernels for `platform` ("cpu" or "cuda") were built and registered."""
   return bool(REGISTERED.get(platform))

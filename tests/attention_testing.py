@@ -566,8 +566,5 @@ def simulate_cuda_host(monkeypatch) -> None:
                       types.SimpleNamespace(dq_accum_elements=lambda *args: 64,
                                             narrow_split_call=lambda *args: False,
                                             forward_takes_value_head_dim=lambda *args: False,
-                                            backward_takes_value_head_dim=lambda *args: False,
-                                            # an H200's answer: head dims above 32 (whose
-                                            # compiled head dim is 32) run Hopper kernels
-                                            takes_dropout=lambda head_dim, det: head_dim > 32 and not det))
+                                            backward_takes_value_head_dim=lambda *args: False))
   monkeypatch.setattr(_decode, "_cuda_sm_count", lambda: 132)

@@ -43,10 +43,12 @@ class DropoutCase:
   rate: float = 0.3
   segment_ids: bool = False  # documents of random lengths, sorted by position
   seed: int = 5  # the dropout key's
+  deterministic: bool = False
 
   @property
   def id(self) -> str:
-    return f"{self.case.id}_p{self.rate}" + ("_ids" if self.segment_ids else "")
+    return (f"{self.case.id}_p{self.rate}" + ("_ids" if self.segment_ids else "")
+            + ("_det" if self.deterministic else ""))
 
   def key(self) -> jax.Array:
     return jax.random.key(self.seed)
@@ -82,6 +84,8 @@ def run(dc: DropoutCase, implementation: str, **extra):
   ids = dc.ids()
   if ids is not None:
     opts.update(q_segment_ids=ids, kv_segment_ids=ids)
+  if dc.deterministic:
+    opts.update(deterministic=True)
 
   def attention(q, k, v):
     return jax_flash.dot_product_attention(
@@ -124,8 +128,9 @@ def test_against_reference(dc, implementation):
 
 
 # The CUDA kernels' dropout (experimental: JAX_FLASH_CUDA_DROPOUT=on, read at import; the GPU
-# tests below run in a subprocess with it, test_cuda_kernels_under_the_switch): 16-bit inputs,
-# head dims above 32 (the Hopper kernels), no segment ids (refused beside dropout there yet).
+# tests below run in a subprocess with it, test_cuda_kernels_under_the_switch, once as the
+# kernels are chosen and once with every call on the mma.sync kernels): 16-bit inputs, no
+# segment ids (refused beside dropout there yet).
 CUDA_CASES = [
     # Head dim 64 (the 128-row backward), GQA 2:1, T < S.
     DropoutCase(Case(batch=2, seq_q=200, seq_k=300, heads_q=4, heads_k=2, head_dim=64,
@@ -145,6 +150,14 @@ CUDA_CASES = [
     # A decode shape: the tiled forward (the decode kernel takes no dropout).
     DropoutCase(Case(batch=2, seq_q=1, seq_k=300, heads_q=8, heads_k=2, head_dim=128,
                      dtype="bfloat16", kv_lens=(300, 123))),
+    # Head dim 32: the mma.sync kernels on any GPU; causal, GQA 2:1, T < S.
+    DropoutCase(Case(batch=2, seq_q=70, seq_k=130, heads_q=4, heads_k=2, head_dim=32,
+                     dtype="bfloat16", is_causal=True), rate=0.25),
+    # deterministic=True: the dQ kernel of its own (and, with dropout, the mma.sync main
+    # backward); MQA, lengths.
+    DropoutCase(Case(batch=2, seq_q=130, seq_k=200, heads_q=4, heads_k=1, head_dim=128,
+                     dtype="bfloat16", q_lens=(130, 97), kv_lens=(200, 150)), rate=0.3,
+                deterministic=True),
 ]
 
 
@@ -204,14 +217,19 @@ def test_cuda_with_the_soft_cap_matches_xla():
 
 
 @pytest.mark.gpu
-def test_cuda_kernels_under_the_switch():
-  """The CUDA dropout tests above, in a process with JAX_FLASH_CUDA_DROPOUT=on."""
+@pytest.mark.parametrize("kernels", ["chosen", "sm80"])
+def test_cuda_kernels_under_the_switch(kernels):
+  """The CUDA dropout tests above, in a process with JAX_FLASH_CUDA_DROPOUT=on: with the kernels
+  each call runs (on Hopper the wgmma ones, at head dim 32 and deterministic the mma.sync ones),
+  and with every call on the mma.sync kernels (JAX_FLASH_CUDA_FORWARD/BACKWARD=sm80)."""
+  env = dict(os.environ, JAX_FLASH_CUDA_DROPOUT="on")
+  if kernels == "sm80":
+    env.update(JAX_FLASH_CUDA_FORWARD="sm80", JAX_FLASH_CUDA_BACKWARD="sm80")
   result = subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-k",
        "test_cuda_against_reference or test_cuda_each_element or test_cuda_with_the_soft_cap",
        os.path.abspath(__file__)],
-      env=dict(os.environ, JAX_FLASH_CUDA_DROPOUT="on"), capture_output=True, text=True,
-      timeout=1200)
+      env=env, capture_output=True, text=True, timeout=1200)
   assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
   assert " passed" in result.stdout and " skipped" not in result.stdout, result.stdout[-3000:]
 
@@ -434,8 +452,9 @@ def test_cuda_calls_carry_the_seeds_and_rate_under_the_switch(monkeypatch):
   """With JAX_FLASH_CUDA_DROPOUT=on (simulated here: the switch's value patched, this machine a
   CUDA host), a differentiated CUDA call with dropout traces to the forward and backward custom
   calls with the rate and the (B, N, 4) uint32 seeds of jax_flash._dropout.seeds; one without
-  dropout passes rate 0 and an empty uint32 operand; what the kernels' dropout does not cover
-  (deterministic=True, segment ids, head dims up to 32) is refused at trace time."""
+  dropout passes rate 0 and an empty uint32 operand, deterministic=True and head dims up to 32
+  (the mma.sync kernels) carry them too; what the kernels' dropout does not cover (segment ids,
+  a block mask) is refused at trace time."""
   simulate_cuda_host(monkeypatch)
   monkeypatch.setattr(_dropout, "_CUDA_DROPOUT", True)
   assert _dispatch.capabilities("cuda").dropout_rate
@@ -457,17 +476,20 @@ def test_cuda_calls_carry_the_seeds_and_rate_under_the_switch(monkeypatch):
       jax.grad(functools.partial(loss, rate=None), argnums=(0, 1, 2)), q, k, v):
     assert float(attributes["dropout_rate"]) == 0.0, name
     assert [tuple(x.shape) for x in operands if x.dtype == jnp.uint32] == [(0,)], name
-  with pytest.raises(NotImplementedError, match=r"not with deterministic=True"):
-    jax.grad(functools.partial(loss, rate=0.2, deterministic=True), argnums=(0, 1, 2))(q, k, v)
-  # Segment ids beside dropout, and head dims up to 32, are refused at trace time too.
+  small = jnp.ones((2, 40, 4, 32), jnp.bfloat16)
+  for args, deterministic in (((q, k, v), True), ((small, small, small), False)):
+    calls = ffi_calls(jax.grad(functools.partial(loss, rate=0.2, deterministic=deterministic),
+                               argnums=(0, 1, 2)), *args)
+    assert [name for name, *_ in calls] == ["jax_flash_cuda_fwd", "jax_flash_cuda_bwd"]
+    assert all(float(attributes["dropout_rate"]) == pytest.approx(0.2) for _, attributes, *_ in calls)
+  # Segment ids or a block mask beside dropout are refused at trace time.
   ids = jnp.zeros((2, 40), jnp.int32)
   with pytest.raises(NotImplementedError, match="not with segment ids or a block mask"):
     jax_flash.dot_product_attention(q, k, v, implementation="cuda", dropout_rate=0.2,
                                     dropout_key=key, q_segment_ids=ids, kv_segment_ids=ids)
-  small = jnp.ones((2, 40, 4, 32), jnp.bfloat16)
-  with pytest.raises(NotImplementedError, match=r"head dim H=32 here \(only the Hopper kernels"):
-    jax_flash.dot_product_attention(small, small, small, implementation="cuda", dropout_rate=0.2,
-                                    dropout_key=key)
+  with pytest.raises(NotImplementedError, match="not with segment ids or a block mask"):
+    jax_flash.dot_product_attention(q, k, v, implementation="cuda", dropout_rate=0.2,
+                                    dropout_key=key, block_mask=jnp.ones((1, 1), bool))
 
 
 def test_vmap():

@@ -43,8 +43,9 @@ def _compile(tmp_path, name: str):
   return binary
 
 
-def test_the_kernels_header_gives_the_same_words(tmp_path):
-  """Every element of a grid with odd sizes (rows past a 16-row group, odd columns)."""
+def test_the_kernels_header_gives_the_same_bits(tmp_path):
+  """Every element of a grid with odd sizes (rows past a 16-row group, columns past a 16-column
+  group, odd columns)."""
   binary = _compile(tmp_path, "dropout_bits_check")
   key = jax.random.key(2024)
   k0, k1 = (int(w) for w in _dropout.key_words(key))
@@ -52,7 +53,7 @@ def test_the_kernels_header_gives_the_same_words(tmp_path):
   out = subprocess.run([str(binary), str(k0), str(k1), *map(str, shape)], check=True,
                        capture_output=True, text=True).stdout
   native = np.array(out.split(), np.uint64).reshape(shape)
-  ours = np.asarray(_dropout.dropout_words(key, *shape), np.uint64)
+  ours = np.asarray(_dropout.dropout_bits(key, *shape), np.uint64)
   np.testing.assert_array_equal(native, ours)
 
 
@@ -80,9 +81,9 @@ def test_keep_rate_within_three_standard_errors():
   key = jax.random.key(7)
   shape = (4, 8, 512, 640)  # 10,485,760 elements
   count = np.prod(shape)
-  words = _dropout.dropout_words(key, *shape)
-  for rate in (0.1, 0.5, 0.9):
-    kept = float(jnp.mean(words >= jnp.uint32(_dropout.threshold(rate)), dtype=jnp.float32))
+  bits = _dropout.dropout_bits(key, *shape)
+  for rate in (0.1, 0.5, 0.9, 0.123456):
+    kept = float(jnp.mean(bits >= jnp.uint32(_dropout.threshold(rate)), dtype=jnp.float32))
     stderr = np.sqrt(rate * (1 - rate) / count)
     assert abs(kept - (1 - rate)) < 3 * stderr, (rate, kept, stderr)
 
@@ -92,11 +93,19 @@ def test_masks_are_deterministic_and_depend_on_the_key():
   a = _dropout.keep_mask(jax.random.key(1), 0.5, *shape)
   assert np.array_equal(a, _dropout.keep_mask(jax.random.key(1), 0.5, *shape))
   assert not np.array_equal(a, _dropout.keep_mask(jax.random.key(2), 0.5, *shape))
-  # Neighbouring heads, batch elements and 16-row groups get different bits.
-  words = np.asarray(_dropout.dropout_words(jax.random.key(1), 2, 2, 32, 8))
-  assert not np.array_equal(words[0, 0], words[0, 1])
-  assert not np.array_equal(words[0, 0], words[1, 0])
-  assert not np.array_equal(words[0, 0, :16], words[0, 0, 16:])
+  # Neighbouring heads, batch elements, 16-row groups and 16-column groups get different bits,
+  # and so do the eight elements of one Philox call (rows 8 apart, columns 1 and 8 apart).
+  bits = np.asarray(_dropout.dropout_bits(jax.random.key(1), 2, 2, 32, 32))
+  assert bits.max() < 2**16 and bits.max() >= 2**15
+  assert not np.array_equal(bits[0, 0], bits[0, 1])
+  assert not np.array_equal(bits[0, 0], bits[1, 0])
+  assert not np.array_equal(bits[0, 0, :16], bits[0, 0, 16:])
+  assert not np.array_equal(bits[0, 0, :, :16], bits[0, 0, :, 16:])
+  group = bits[0, 0, :16, :16].reshape(2, 8, 2, 4, 2)  # (row half, r, column half, pair, parity)
+  group = group.transpose(1, 3, 0, 2, 4).reshape(32, 8)  # the 32 calls' eight elements
+  for i in range(8):
+    for j in range(i):
+      assert not np.array_equal(group[:, i], group[:, j]), (i, j)
 
 
 def test_rate_zero_keeps_everything_and_bad_rates_are_errors():
@@ -109,6 +118,6 @@ def test_rate_zero_keeps_everything_and_bad_rates_are_errors():
 def test_raw_and_typed_keys_agree_and_other_keys_are_refused():
   typed = jax.random.key(3)
   raw = jax.random.key_data(typed)
-  assert np.array_equal(_dropout.dropout_words(typed, 1, 1, 8, 8), _dropout.dropout_words(raw, 1, 1, 8, 8))
+  assert np.array_equal(_dropout.dropout_bits(typed, 1, 1, 8, 8), _dropout.dropout_bits(raw, 1, 1, 8, 8))
   with pytest.raises(ValueError, match="two uint32 words"):
     _dropout.key_words(jnp.zeros((4,), jnp.uint32))

@@ -140,7 +140,7 @@ struct AttentionParams {
   // it, and the Hopper CUDA kernels' dropout instantiations (gpu/dropout_fragments.h;
   // experimental: the Python side passes it to them only under JAX_FLASH_CUDA_DROPOUT=on).
   const uint32_t* dropout_seeds = nullptr;
-  uint32_t dropout_threshold = 0;  // words below it drop their element (dropout_threshold(rate))
+  uint32_t dropout_threshold = 0;  // 16-bit halves below it drop their element (dropout_threshold(rate))
   float dropout_scale = 1.f;       // 1 / (1 - rate): the kept elements' factor
   // jax.nn's bias and mask arrays (LogitArray), or empty for none: the bias (times log2(e) in
   // the kernels' base-2 scores) is added after the soft cap and ALiBi, before the masks; a false

@@ -5,13 +5,18 @@
 // JAX (the reference the kernels' tests compare against); tests/test_dropout_bits.py checks both
 // against the generator's published known-answer vectors and each other.
 //
-// One Philox call gives four 32-bit words; they cover the 2 x 2 score elements (rows r, r + 8;
-// columns c, c + 1; r % 16 < 8, c even) that one thread holds in an mma.sync or wgmma accumulator
-// fragment, so a GPU thread spends one call per fragment quad:
-//   counter = (c / 2, (r / 16) * 8 + r % 8, head, batch), key = the JAX key's two words,
-//   word index = 2 * ((r / 8) % 2) + c % 2.
-// An element is kept when its word is >= the threshold round(rate * 2^32) (keep probability
-// 1 - threshold / 2^32).
+// One Philox call gives four 32-bit words, eight 16-bit halves: one each for the 2 x 4 score
+// elements rows r, r + 8 and columns c, c + 1, c + 8, c + 9 (r % 16 < 8; c even, c % 16 < 8):
+//   counter = ((c / 16) * 4 + (c % 16) / 2, (r / 16) * 8 + r % 8, head, batch),
+//   key = the JAX key's two words,
+//   word index = 2 * ((r / 8) % 2) + (c / 8) % 2, its low half for even c, high half for odd c.
+// An element is kept when its half is >= the threshold round(rate * 2^16) (keep probability
+// 1 - threshold / 2^16: the rate to 2^-17, far inside the 3-standard-error test over 10^7).
+// The group is what the CUDA kernels' threads hold of two adjacent 8-column n-tiles: the
+// forward's S fragments hold all eight, the backward's transposed S^T fragments (rows = keys)
+// hold the four of one parity of c, so neighbouring lanes (keys c and c + 1) each make one of
+// two calls and swap halves (gpu/dropout_fragments.h): one call per eight decisions either way
+// (16-bit halves, not whole words: Philox's rounds were 2-3x the tile's own work at 32 bits).
 #pragma once
 
 #include <cstdint>
@@ -43,19 +48,23 @@ JF_HOST_DEVICE inline PhiloxWords philox4x32_10(PhiloxWords counter, uint32_t ke
   return counter;
 }
 
-// The Philox counter of score element (row, column) of (batch, head), and the index of its word.
+// The Philox counter of score element (row, column) of (batch, head), the index of its word and
+// its 16 bits (dropout_bits).
 JF_HOST_DEVICE inline PhiloxWords dropout_counter(int64_t batch, int64_t head, int64_t row, int64_t column) {
-  return {{static_cast<uint32_t>(column / 2), static_cast<uint32_t>((row / 16) * 8 + row % 8),
+  return {{static_cast<uint32_t>((column / 16) * 4 + (column % 8) / 2), static_cast<uint32_t>((row / 16) * 8 + row % 8),
            static_cast<uint32_t>(head), static_cast<uint32_t>(batch)}};
 }
 JF_HOST_DEVICE inline int dropout_word_index(int64_t row, int64_t column) {
-  return static_cast<int>(2 * ((row / 8) % 2) + column % 2);
+  return static_cast<int>(2 * ((row / 8) % 2) + (column / 8) % 2);
+}
+JF_HOST_DEVICE inline uint32_t dropout_half(uint32_t word, int64_t column) {
+  return column % 2 ? word >> 16 : word & 0xFFFFu;
 }
 
-// The keep threshold of a dropout rate in [0, 1): words below it drop their element.
+// The keep threshold of a dropout rate in [0, 1), in [0, 2^16]: halves below it drop their
+// element (2^16, rates within 2^-17 of 1: every element).
 JF_HOST_DEVICE inline uint32_t dropout_threshold(double rate) {
-  const double t = rate * 4294967296.0;
-  return t >= 4294967295.0 ? 0xFFFFFFFFu : static_cast<uint32_t>(t + 0.5);
+  return static_cast<uint32_t>(rate * 65536.0 + 0.5);
 }
 
 }  // namespace jax_flash

@@ -299,7 +299,7 @@ inline void alibi_rows(float* s, int64_t ld, int64_t rows, int64_t cols, int64_t
 struct Dropout {
   uint32_t key0 = 0, key1 = 0;  // the Philox key
   uint32_t head = 0, batch = 0;  // the counter's head and batch words
-  uint32_t threshold = 0;  // words below it drop their element
+  uint32_t threshold = 0;  // 16-bit halves below it drop their element
   float scale = 1.f;  // 1 / (1 - rate)
   bool on = false;
   Dropout(const AttentionParams& p, int64_t b, int64_t h) {
@@ -370,51 +370,56 @@ inline void philox_lanes(UVec w[4], uint32_t key0, uint32_t key1) {
 }
 
 // Rows of a tile of keep decisions that dropout_columns produces together: one group of 16
-// rows (dropout_bits.h's counter covers rows i and i + 8 in one call), two with 16 lanes.
+// rows (dropout_bits.h's call covers rows i and i + 8), two with 16 lanes.
 inline constexpr int64_t kDropoutRows = kLanes > 8 ? 32 : 16;
 
 // The keep decisions of a tile, kLanes query rows a vector, as the forward's transposed scores
 // want them: calls apply(c, r, keep) for every key j0 + c (0 <= c < cols) and every vector of
 // the rows i0 + r, ..., i0 + r + kLanes - 1 (0 <= r < round_up(rows, kDropoutRows), r a multiple
 // of kLanes), `keep` the mask of the lanes whose element dropout keeps. i0 must be a multiple
-// of kDropoutRows. dropout_bits.h's layout: the Philox call of row word w = (i / 16) * 8 + i % 8
-// and key pair j / 2 gives the words of (i, j), (i, j + 1), (i + 8, j), (i + 8, j + 1) (j
-// even); kLanes consecutive row words go through the rounds together, so their words 0 and 1
-// are the keys' decisions for kLanes consecutive rows of one 16-row group (the first 8), words 2
-// and 3 for the next rows (the last 8); with 16 lanes two groups, regrouped by a shuffle.
+// of kDropoutRows. dropout_bits.h's layout: the Philox call of row word (i / 16) * 8 + i % 8 and
+// column word (j / 16) * 4 + (j % 16) / 2 (j even, j % 16 < 8) gives the bits of keys j, j + 1
+// (word 0's halves) and j + 8, j + 9 (word 1's) for row i, words 2 and 3 for row i + 8; kLanes
+// consecutive row words go through the rounds together, so words 0 and 1 are the keys'
+// decisions for kLanes consecutive rows of one 16-row group (the first 8), words 2 and 3 for the
+// next rows (the last 8); with 16 lanes two groups, regrouped by a shuffle.
 template <typename Apply>
 inline void dropout_columns(const Dropout& dropout, int64_t i0, int64_t rows, int64_t j0, int64_t cols,
                             Apply&& apply) {
   UVec lanes;
   for (int l = 0; l < kLanes; ++l) lanes[l] = static_cast<uint32_t>(l);
   const UVec threshold = dropout.threshold - UVec{};
-  const int64_t pair_begin = j0 / 2, pair_end = (j0 + cols + 1) / 2;  // key pairs (j / 2)
+  const int64_t group_begin = j0 / 16, group_end = (j0 + cols + 15) / 16;  // 16-key groups
   for (int64_t span = 0; span < rows; span += kDropoutRows) {
     const int64_t first_word = (i0 + span) / 2;  // the span's first row word: 8 per 16 rows
     for (int64_t w0 = 0; w0 < kDropoutRows / 2; w0 += kLanes) {
       const UVec row_words = static_cast<uint32_t>(first_word + w0) + lanes;
-      for (int64_t pair = pair_begin; pair < pair_end; ++pair) {
-        UVec w[4] = {static_cast<uint32_t>(pair) - UVec{}, row_words, dropout.head - UVec{},
-                     dropout.batch - UVec{}};
-        philox_lanes(w, dropout.key0, dropout.key1);
-        const int64_t c = 2 * pair - j0;  // the tile column of the even key
-        for (int odd = 0; odd < 2; ++odd) {
-          if (c + odd < 0 || c + odd >= cols) continue;
-          const UVec top = w[odd], bottom = w[2 + odd];  // rows +0..7 and +8..15 of a group
+      for (int64_t group = group_begin; group < group_end; ++group)
+        for (int pair = 0; pair < 4; ++pair) {
+          UVec w[4] = {static_cast<uint32_t>(group * 4 + pair) - UVec{}, row_words, dropout.head - UVec{},
+                       dropout.batch - UVec{}};
+          philox_lanes(w, dropout.key0, dropout.key1);
+          for (int k = 0; k < 4; ++k) {  // keys + 0, + 1 (word 0's halves), + 8, + 9 (word 1's)
+            const int64_t c = 16 * group + 2 * pair + 8 * (k / 2) + k % 2 - j0;  // the tile column
+            if (c < 0 || c >= cols) continue;
+            const int word = k / 2;
+            // rows +0..7 and +8..15 of a group
+            const UVec top = k % 2 ? w[word] >> 16 : w[word] & 0xFFFFu;
+            const UVec bottom = k % 2 ? w[2 + word] >> 16 : w[2 + word] & 0xFFFFu;
 #if JF_SIMD_LANES == 16
-          // Lanes 0-7 are the first group's rows, 8-15 the second's.
-          const UVec first = __builtin_shufflevector(top, bottom, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19,
-                                                     20, 21, 22, 23);
-          const UVec second = __builtin_shufflevector(top, bottom, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
-                                                      26, 27, 28, 29, 30, 31);
-          apply(c + odd, span, first >= threshold);
-          apply(c + odd, span + 16, second >= threshold);
+            // Lanes 0-7 are the first group's rows, 8-15 the second's.
+            const UVec first = __builtin_shufflevector(top, bottom, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19,
+                                                       20, 21, 22, 23);
+            const UVec second = __builtin_shufflevector(top, bottom, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
+                                                        26, 27, 28, 29, 30, 31);
+            apply(c, span, first >= threshold);
+            apply(c, span + 16, second >= threshold);
 #else
-          apply(c + odd, span + w0, top >= threshold);
-          apply(c + odd, span + 8 + w0, bottom >= threshold);
+            apply(c, span + w0, top >= threshold);
+            apply(c, span + 8 + w0, bottom >= threshold);
 #endif
+          }
         }
-      }
     }
   }
 }

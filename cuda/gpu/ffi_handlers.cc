@@ -97,24 +97,14 @@ ffi::Error set_block_lists(const ffi::AnyBuffer& kv_lists, const ffi::AnyBuffer&
 
 // The forward's scheduler workspace: int32, at least kFwdSchedulerElements elements (vmap
 // prepends its batch dims; the kernel uses the first). The launch zeroes what it uses.
-// Fused dropout runs on the Hopper kernels only (gpu/launch.h hopper_takes_dropout), in their
-// general instantiations without the ids' code (not beside segment ids or a block mask); other
-// calls are refused, naming why.
-ffi::Error check_dropout(const AttentionParams& params, bool backward, bool deterministic) {
+// Fused dropout runs in the kernels' dropout instantiations (gpu/dropout_fragments.h), which have
+// no ids' code: not beside segment ids or a block mask.
+ffi::Error check_dropout(const AttentionParams& params) {
   if (params.dropout_seeds == nullptr) return ffi::Error::Success();
   if (params.q_segment_ids != nullptr || params.kv_block_lists != nullptr)
     return invalid("dropout on the CUDA kernels: not beside segment ids or a block mask yet; use "
                    "implementation=\"blockwise\" for this call");
-  if (cuda::hopper_takes_dropout(params.shape, backward, deterministic)) return ffi::Error::Success();
-  const bool sm80_chosen = cuda::forward_family() == cuda::KernelFamily::kSm80 ||
-                          cuda::backward_family() == cuda::KernelFamily::kSm80;
-  std::string why = cuda::device_compute_major() != 9 ? "this GPU is not a Hopper (sm_90) one"
-                    : deterministic && backward      ? "deterministic=True's dQ kernel is an mma.sync one"
-                    : sm80_chosen                    ? "a JAX_FLASH_CUDA_* switch chose the mma.sync kernels"
-                                                     : "head dim " + std::to_string(params.shape.head_dim) +
-                                                           " runs the mma.sync kernels";
-  return invalid("dropout on the CUDA kernels runs on the Hopper wgmma kernels only (" + why +
-                 "); use implementation=\"blockwise\" for this call");
+  return ffi::Error::Success();
 }
 
 ffi::Error set_tile_counter(const ffi::AnyBuffer& scheduler, FwdParams& params) {
@@ -145,7 +135,7 @@ ffi::Error run_fwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   JF_RETURN_IF_ERROR(set_alibi_slopes(alibi_slopes, alibi, q, params));
   JF_RETURN_IF_ERROR(set_block_lists(kv_block_lists, kv_block_counts, nullptr, nullptr, block_sparse, q, params));
   JF_RETURN_IF_ERROR(set_dropout(dropout_seeds, dropout_rate, q, params));
-  JF_RETURN_IF_ERROR(check_dropout(params, false, false));
+  JF_RETURN_IF_ERROR(check_dropout(params));
   JF_RETURN_IF_ERROR(set_o_error(*o_error, *o, params));
   JF_RETURN_IF_ERROR(set_tile_counter(*scheduler, params));
   JF_RETURN_IF_ERROR(check_value_head_dim(params.shape));
@@ -176,7 +166,7 @@ ffi::Error run_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   JF_RETURN_IF_ERROR(set_block_lists(kv_block_lists, kv_block_counts, &q_block_visits, &q_block_visit_counts,
                                      block_sparse, q, params));
   JF_RETURN_IF_ERROR(set_dropout(dropout_seeds, dropout_rate, q, params));
-  JF_RETURN_IF_ERROR(check_dropout(params, true, deterministic));
+  JF_RETURN_IF_ERROR(check_dropout(params));
   JF_RETURN_IF_ERROR(
       expect_float32("dq_accum", *dq_accum, cuda::dq_accum_elements(params.shape, deterministic)));
   params.dq_accum = deterministic ? nullptr : dq_accum->typed_data<float>();

@@ -195,19 +195,6 @@ bool backward_takes_value_head_dim(const AttentionShape& shape, bool determinist
   return compiled_pair_in(kBackwardPairs, shape);
 }
 
-bool hopper_takes_dropout(const AttentionShape& shape, bool backward, bool deterministic) {
-  if (device_compute_major() != 9) return false;
-  bool hopper_kernel = false;  // the call's compiled head dim has the pass's Hopper kernel
-  dispatch_dtype_head_dim(Dtype::kBFloat16, shape.head_dim, [&](auto, auto head_dim) -> cudaError_t {
-    constexpr int kD = decltype(head_dim)::value;
-    hopper_kernel = backward ? TileShapes<kD>::kHasSm90Bwd : TileShapes<kD>::kHasSm90Fwd;
-    return cudaSuccess;
-  });
-  if (!hopper_kernel) return false;
-  if (!backward) return forward_family() != KernelFamily::kSm80;
-  return !deterministic && backward_family_of(shape.head_dim) != KernelFamily::kSm80;
-}
-
 cudaError_t launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
   if (p.shape.seq_q == 0 || p.shape.batch == 0) return cudaSuccess;
   if (p.shape.head_dim_v != p.shape.head_dim) {
@@ -263,8 +250,11 @@ cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
   const bool own_value_head_dim = p.shape.head_dim_v != p.shape.head_dim;
   if (own_value_head_dim && !backward_takes_value_head_dim(p.shape, p.deterministic)) return cudaErrorInvalidValue;
   const int compiled_value_head_dim = own_value_head_dim ? compiled_head_dim(p.shape.head_dim_v) : 0;
-  const KernelFamily family =
-      narrow_plain_call(p) && !own_value_head_dim ? KernelFamily::kSm80 : backward_family_of(p.shape.head_dim);
+  // Deterministic calls with dropout run the mma.sync main kernel beside the mma.sync dQ kernel
+  // (the Hopper kernel's deterministic instantiations have no dropout: compile time).
+  const KernelFamily family = (narrow_plain_call(p) && !own_value_head_dim) || (p.deterministic && p.dropout_seeds)
+                                  ? KernelFamily::kSm80
+                                  : backward_family_of(p.shape.head_dim);
   const bool skip_192 = pads_192_backward(family, p.deterministic);
   return dispatch_dtype_head_dim(p.dtype, p.shape.head_dim, [&](auto type, auto head_dim) -> cudaError_t {
     using T = typename decltype(type)::type;

@@ -95,13 +95,6 @@ bool forward_takes_value_head_dim(const AttentionShape& shape);
 // to H otherwise. False where Hv == H.
 bool backward_takes_value_head_dim(const AttentionShape& shape, bool deterministic);
 
-// Whether a call with fused dropout runs kernels that apply it: the Hopper (wgmma) kernels'
-// general instantiations (gpu/dropout_fragments.h), at head dims whose compiled head dim has a
-// Hopper kernel of the pass (gpu/tile_shapes.cuh: not 32's, the mma.sync family's), and for the
-// backward not deterministic (its dQ kernel is mma.sync). The mma.sync family has no dropout
-// yet: the handlers refuse such calls, and the Python side asks this (the module's
-// takes_dropout) to refuse them at trace time.
-bool hopper_takes_dropout(const AttentionShape& shape, bool backward, bool deterministic);
 
 // Forward: o and lse.
 cudaError_t launch_flash_fwd(const FwdParams& params, cudaStream_t stream);

@@ -67,14 +67,6 @@ NB_MODULE(_native_cuda, m) {
         },
         "Whether a backward of these head dims (H != Hv, padded to the kernels' multiple) runs a "
         "kernel of the pair, taking v and dO as they are (gpu/launch.h backward_takes_value_head_dim).");
-  m.def("takes_dropout",
-        [](int64_t head_dim, bool deterministic) {
-          jax_flash::AttentionShape shape{1, 1, 1, 1, 1, head_dim, head_dim};
-          return jax_flash::cuda::hopper_takes_dropout(shape, false, false) &&
-                 jax_flash::cuda::hopper_takes_dropout(shape, true, deterministic);
-        },
-        "Whether a differentiated call of this head dim (padded to the kernels' multiple) with fused "
-        "dropout runs kernels that apply it, forward and backward (gpu/launch.h hopper_takes_dropout).");
   m.def("device_sm_count", [] { return jax_flash::cuda::device_sm_count(); },
         "Streaming multiprocessors of the current CUDA device (asked once; 0 if CUDA cannot say).");
 }

@@ -24,9 +24,8 @@ namespace jax_flash::cuda {
 
 // Whether a call takes the general kernels (kGeneral: host side, where the launchers choose):
 // those instantiated with the score modifications here, the segment ids of gpu/segment_ids.cuh,
-// the block mask's walks of gpu/block_sparse.cuh and fused dropout (gpu/dropout_fragments.h;
-// the Hopper kernels only: gpu/launch.h hopper_takes_dropout); the plain calls' kernels hold
-// none of their code.
+// the block mask's walks of gpu/block_sparse.cuh and fused dropout (gpu/dropout_fragments.h, in
+// instantiations of its own); the plain calls' kernels hold none of their code.
 inline bool general_kernel(const AttentionParams& p) {
   return p.logits_soft_cap > 0.f || p.alibi_slopes != nullptr || p.q_segment_ids != nullptr ||
          p.kv_block_lists != nullptr || p.dropout_seeds != nullptr;

@@ -25,7 +25,9 @@ cudaError_t launch_bwd_main_sm80(const BwdParams& params, cudaStream_t stream) {
     return launch_with_smem(flash_bwd_kernel<SplitTraits, T, false>, grid, SplitTraits::kThreads,
                             SplitTraits::kSmemBytes, stream, p);
   }
-  auto kernel = general_kernel(p) ? flash_bwd_kernel<Traits, T, true> : flash_bwd_kernel<Traits, T, false>;
+  auto kernel = p.dropout_seeds != nullptr ? flash_bwd_kernel<Traits, T, true, true>
+                : general_kernel(p)        ? flash_bwd_kernel<Traits, T, true>
+                                           : flash_bwd_kernel<Traits, T, false>;
   return launch_with_smem(kernel, grid, Traits::kThreads, Traits::kSmemBytes, stream, p);
 }
 
@@ -41,8 +43,9 @@ cudaError_t launch_bwd_dq_sm80(const BwdParams& p, cudaStream_t stream) {
     return launch_with_smem(flash_bwd_dq_kernel<Traits, T, false, true>, query_block_grid<Traits>(p.shape),
                             Traits::kThreads, kSmemBytes, stream, narrow);
   }
-  auto kernel = general_kernel(p) ? flash_bwd_dq_kernel<Traits, T, true, kSplitDs>
-                                  : flash_bwd_dq_kernel<Traits, T, false, kSplitDs>;
+  auto kernel = p.dropout_seeds != nullptr ? flash_bwd_dq_kernel<Traits, T, true, kSplitDs, true>
+                : general_kernel(p)        ? flash_bwd_dq_kernel<Traits, T, true, kSplitDs>
+                                           : flash_bwd_dq_kernel<Traits, T, false, kSplitDs>;
   return launch_with_smem(kernel, query_block_grid<Traits>(p.shape), Traits::kThreads, kSmemBytes, stream, p);
 }
 

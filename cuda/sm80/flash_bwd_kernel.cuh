@@ -15,6 +15,7 @@
 #include "common/attention_params.h"
 #include "gpu/block_geometry.cuh"
 #include "gpu/dq_accum_layout.cuh"
+#include "gpu/dropout_fragments.h"
 #include "gpu/fragments.cuh"
 #include "gpu/mask.cuh"
 #include "gpu/ptx.cuh"
@@ -75,9 +76,13 @@ __device__ __forceinline__ void probabilities_and_ds(float (&s)[kMTiles][kNTiles
 // modified before its masks and dP takes the cap's chain rule; or segment ids
 // (gpu/segment_ids.cuh): the walk narrowed to the blocks whose ids can meet, the id mask where a
 // tile's rows and keys do not all share one id.
-template <typename Traits, typename T, bool kGeneral>
+// kDropout (general kernels; the launchers' choice for calls with dropout seeds, both kernels):
+// fused dropout (gpu/dropout_fragments.h): dP times Z = keep / (1 - rate) before the cap's chain
+// rule and dS = P (Z dP - delta), then P times Z for dV.
+template <typename Traits, typename T, bool kGeneral, bool kDropout = false>
 __global__ void __launch_bounds__(Traits::kThreads)
     flash_bwd_kernel(const __grid_constant__ BwdParams p) {
+  static_assert(!kDropout || kGeneral, "dropout: a general kernel");
   constexpr int kBM = Traits::kBlockM, kBN = Traits::kBlockN, kD = Traits::kHeadDim;
   constexpr int kThreads = Traits::kThreads, kDqChunk = Traits::kDqChunk;
   using QTile = typename Traits::QTile;
@@ -170,8 +175,21 @@ __global__ void __launch_bounds__(Traits::kThreads)
                     static_cast<SeenRows<Sdp::kMTiles>*>(nullptr));
     else if (m0 + kBM > q_len || n0 < last.begin || n0 + kBN > first.end)
       mask_scores(s, p.mask, m0 + sdp_m0, n0 + sdp_n0, q_len, kv_len, lane);
+    uint64_t keep[Sdp::kMTiles] = {};
+    if constexpr (kDropout) {
+      const DropoutStream stream = dropout_stream(p, b, h);
+#pragma unroll
+      for (int mt = 0; mt < Sdp::kMTiles; ++mt) {
+        keep[mt] = forward_keep_mask<Sdp::kNTiles>(stream, m0 + sdp_m0 + 16 * mt + lane / 4,
+                                                   n0 + sdp_n0 + 2 * (lane % 4));
+        apply_keep_mask(dp[mt], keep[mt], p.dropout_scale);
+      }
+    }
     if constexpr (kGeneral) ScoreMods(p, b, h).fold_chain_rule(dp, s, row_delta, m0 + sdp_m0, n0 + sdp_n0, lane);
     probabilities_and_ds(s, dp, lse2, row_delta, ds_scale, scale_log2);
+    if constexpr (kDropout)
+#pragma unroll
+      for (int mt = 0; mt < Sdp::kMTiles; ++mt) apply_keep_mask(s[mt], keep[mt], p.dropout_scale);
     store_accumulator<PTile>(s_p, s, sdp_m0, sdp_n0, lane);
     store_accumulator<PTile>(s_ds, dp, sdp_m0, sdp_n0, lane);
     if constexpr (Traits::kSplitDs) {
@@ -232,9 +250,10 @@ __global__ void __launch_bounds__(Traits::kThreads)
 }
 
 // kSplitDs: dS enters dQ as hi + lo, as the main kernel's (its Traits::kSplitDs) does.
-template <typename Traits, typename T, bool kGeneral, bool kSplitDs>
+template <typename Traits, typename T, bool kGeneral, bool kSplitDs, bool kDropout = false>
 __global__ void __launch_bounds__(Traits::kThreads)
     flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
+  static_assert(!kDropout || kGeneral, "dropout: a general kernel");
   constexpr int kBM = Traits::kBlockM, kBN = Traits::kBlockN, kD = Traits::kHeadDim;
   constexpr int kThreads = Traits::kThreads, kMT = Traits::kMTiles;
   using QTile = typename Traits::QTile;
@@ -260,6 +279,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
                       m0 + warp_m0, q_len, kv_len, lane);
   float dq[kMT][kD / 8][4] = {};
   const float scale_log2 = (kGeneral ? ScoreMods::softmax_scale(p) : p.scale) * kLog2e;
+  const DropoutStream drop_stream = kDropout ? dropout_stream(p, task.b, task.h) : DropoutStream();
 
   const int count = task.keys.count;
   if (count > 0) {
@@ -294,6 +314,12 @@ __global__ void __launch_bounds__(Traits::kThreads)
         ScoreMods(p, task.b, task.h).apply(s, m0 + warp_m0, n0, lane);
         mask_forward_block<kBN>(s, p, task.b, m0, m0 + blk.live_rows, blk.needs_mask(n0), m0 + warp_m0, n0, q_len,
                                 kv_len, lane, static_cast<SeenRows<kMT>*>(nullptr));
+        if constexpr (kDropout)  // Z dP, as the main kernel's
+#pragma unroll
+          for (int mt = 0; mt < kMT; ++mt)
+            apply_keep_mask(dp[mt],
+                            forward_keep_mask<kBN / 8>(drop_stream, m0 + warp_m0 + 16 * mt + lane / 4, n0 + 2 * (lane % 4)),
+                            p.dropout_scale);
         ScoreMods(p, task.b, task.h).fold_chain_rule(dp, s, row_delta, m0 + warp_m0, n0, lane);
       } else if (blk.needs_mask(n0)) {
         mask_scores(s, p.mask, m0 + warp_m0, n0, q_len, kv_len, lane);

@@ -9,7 +9,8 @@ namespace jax_flash::cuda {
 template <typename T, int kHeadDim>
 cudaError_t launch_fwd_sm80(const FwdParams& p, cudaStream_t stream) {
   using Traits = typename TileShapes<kHeadDim>::Sm80Fwd;
-  auto kernel = general_kernel(p)        ? flash_fwd_kernel<Traits, T, true>
+  auto kernel = p.dropout_seeds != nullptr ? flash_fwd_kernel<Traits, T, true, false, true>
+                : general_kernel(p)        ? flash_fwd_kernel<Traits, T, true>
                 : narrow_plain_call(p) ? flash_fwd_kernel<Traits, T, false, true>
                                        : flash_fwd_kernel<Traits, T, false>;
   return launch_with_smem(kernel, query_block_grid<Traits>(p.shape), Traits::kThreads, Traits::kSmemBytes, stream,

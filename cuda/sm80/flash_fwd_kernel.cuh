@@ -12,6 +12,7 @@
 
 #include "common/attention_params.h"
 #include "gpu/block_geometry.cuh"
+#include "gpu/dropout_fragments.h"
 #include "gpu/epilogue.cuh"
 #include "gpu/fragments.cuh"
 #include "gpu/mask.cuh"
@@ -28,9 +29,12 @@ namespace jax_flash::cuda {
 // tile's scores before its masks, or segment ids (gpu/segment_ids.cuh).
 // kSplitP: P enters P V as hi + lo (two products), so that O's weights are P to about float32
 // (the narrow calls': gpu/score_mods.cuh narrow_plain_call).
-template <typename Traits, typename T, bool kGeneral, bool kSplitP = false>
+// kDropout (general kernels; the launcher's choice for calls with dropout seeds): fused dropout
+// (gpu/dropout_fragments.h), an instantiation of its own so that the others keep their registers.
+template <typename Traits, typename T, bool kGeneral, bool kSplitP = false, bool kDropout = false>
 __global__ void __launch_bounds__(Traits::kThreads)
     flash_fwd_kernel(const __grid_constant__ FwdParams p) {
+  static_assert(!kDropout || (kGeneral && !kSplitP), "dropout: a general kernel of one P");
   constexpr int kBM = Traits::kBlockM, kBN = Traits::kBlockN, kD = Traits::kHeadDim;
   constexpr int kThreads = Traits::kThreads, kMT = Traits::kMTiles;
   using QTile = typename Traits::QTile;
@@ -57,6 +61,9 @@ __global__ void __launch_bounds__(Traits::kThreads)
   float o[kMT][kD / 8][4] = {};
   const float softmax_scale = kGeneral ? ScoreMods::softmax_scale(p) : p.scale;
   const float scale_log2 = softmax_scale * kLog2e;
+  // Dropout: each block's dropped probabilities are zeroed in P V's operand once the row sums
+  // have them, and O is scaled by 1 / (1 - rate).
+  const DropoutStream drop_stream = kDropout ? dropout_stream(p, task.b, task.h) : DropoutStream();
 
   const int count = task.keys.count;  // key blocks, visited last first
   if (count > 0) {
@@ -104,6 +111,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
       uint32_t pa[kBN / 16][kMT][4];
       accumulator_to_a<T>(pa, s);
       if (p.for_backward()) softmax.template add_rounded_sums<T>(pa);  // differentiated calls only
+      if constexpr (kDropout)
+        drop_forward_probabilities<kBN / 8>(pa, drop_stream, m0 + warp_m0 + lane / 4, n0 + 2 * (lane % 4));
       uint32_t pa_lo[kSplitP ? kBN / 16 : 1][kMT][4];
       if constexpr (kSplitP) {
         subtract_rounded<T>(s);
@@ -125,6 +134,14 @@ __global__ void __launch_bounds__(Traits::kThreads)
       if constexpr (kSplitP) warp_gemm_a_regs<KVTile, true>(o, pa_lo, s_v + stage * KVTile::kElements, 0, lane);
     }
   }
+
+  if constexpr (kDropout)
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int dt = 0; dt < kD / 8; ++dt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[mt][dt][e] *= p.dropout_scale;
 
   // Epilogue: normalise, write O (zeros for rows with nothing to attend) and the log-sum-exp.
   store_output<T>(p.o, p.o_float32, p.o_error, task.q_offset, task.q_stride, p.lse + task.stat_offset + m0, o, softmax,

@@ -461,13 +461,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           if (dropout) {
             keep = transposed_keep_mask<kSQ / 8>(dropout_stream(p, task.b, visit.h), n0 + warp_key0 + lane / 4,
                                                  m0_group + 2 * (lane % 4));
-            apply_keep_mask(dpt, keep, p.dropout_scale);
+            apply_keep_mask(dpt[0], keep, p.dropout_scale);
           }
         ScoreMods(p, task.b, visit.h).fold_chain_rule_transposed(dpt, st, delta, n0 + warp_key0, m0_group, lane);
         transposed_probabilities<kSQ>(st, lse2, scale_log2, lane);
       }
       transposed_score_gradients<kSQ>(dpt, st, delta, lane);
-      if (dropout) apply_keep_mask(st, keep, p.dropout_scale);
+      if (dropout) apply_keep_mask(st[0], keep, p.dropout_scale);
     }
     // (Not live: st and dpt are left unset and never read; the zero dS^T is stored from
     // constants. Zeroing them here cost 30 CS2R every visit, hoisted above the branch.)

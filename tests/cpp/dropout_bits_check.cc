@@ -1,6 +1,6 @@
-// Prints cuda/common/dropout_bits.h's word for every score element of a small grid, for
+// Prints cuda/common/dropout_bits.h's 16 bits for every score element of a small grid, for
 // tests/test_dropout_bits.py to compare with jax_flash/_dropout.py.
-//   usage: dropout_bits_check key0 key1 batch heads seq_q seq_k   (one word per line, row-major)
+//   usage: dropout_bits_check key0 key1 batch heads seq_q seq_k   (one value per line, row-major)
 #include <cstdio>
 #include <cstdlib>
 
@@ -16,7 +16,7 @@ int main(int argc, char** argv) {
       for (long r = 0; r < dims[2]; ++r)
         for (long c = 0; c < dims[3]; ++c) {
           const jax_flash::PhiloxWords words = jax_flash::philox4x32_10(jax_flash::dropout_counter(b, h, r, c), key0, key1);
-          std::printf("%u\n", words.w[jax_flash::dropout_word_index(r, c)]);
+          std::printf("%u\n", jax_flash::dropout_half(words.w[jax_flash::dropout_word_index(r, c)], c));
         }
   return 0;
 }

@@ -27,26 +27,30 @@ int main(int argc, char** argv) {
     collisions += cell != -1;
     cell = kept;
   };
-  for (int lane = 0; lane < 32; ++lane) {
-    if (forward) {
-      for (long row_base = 0; row_base < T; row_base += 16)
-        for (long tile = 0; tile < S / 8; ++tile) {
-          const long row0 = row_base + lane / 4, col0 = tile * 8 + 2 * (lane % 4);
-          const uint32_t bits = jax_flash::cuda::forward_keep_bits(stream, row0, col0);
-          for (int e = 0; e < 4; ++e) set(row0 + 8 * (e / 2), col0 + e % 2, (bits >> e) & 1);
-        }
-    } else {
-      for (long key_base = 0; key_base < S; key_base += 16)
-        for (long pair = 0; pair < T / 16; ++pair) {
-          const long key0 = key_base + lane / 4, query0 = pair * 16 + 2 * (lane % 4);
-          const uint32_t bits = jax_flash::cuda::transposed_keep_bits(stream, key0, query0);
-          for (int e = 0; e < 4; ++e) {
-            set(query0 + e % 2, key0 + 8 * (e / 2), (bits >> e) & 1);
-            set(query0 + e % 2 + 8, key0 + 8 * (e / 2), (bits >> (4 + e)) & 1);
-          }
-        }
+  using namespace jax_flash::cuda;
+  for (long row_base = 0; row_base < T; row_base += 16)  // forward: 16 query rows a warp tile
+    for (long pair = 0; forward && pair < S / 16; ++pair)
+      for (int lane = 0; lane < 32; ++lane) {
+        const long row0 = row_base + lane / 4, col0 = pair * 16 + 2 * (lane % 4);
+        const uint32_t bits = forward_keep_bits(stream, row0, col0);
+        for (int t = 0; t < 2; ++t)
+          for (int e = 0; e < 4; ++e) set(row0 + 8 * (e / 2), col0 + 8 * t + e % 2, (bits >> (4 * t + e)) & 1);
+      }
+  for (long key_base = 0; key_base < S; key_base += 16)  // transposed: 16 keys a warp tile
+    for (long pair = 0; !forward && pair < T / 16; ++pair) {
+      // Every lane's own call first, then each lane's decisions from its call and the halves
+      // lane ^ 4 sends it (the device's shuffle).
+      jax_flash::PhiloxWords own[32];
+      for (int lane = 0; lane < 32; ++lane)
+        own[lane] = transposed_pair_call(stream, key_base + lane / 4, pair * 16 + 2 * (lane % 4));
+      for (int lane = 0; lane < 32; ++lane) {
+        const long key0 = key_base + lane / 4, query0 = pair * 16 + 2 * (lane % 4);
+        const HalfWords other = halves_of_parity(own[lane ^ 4], static_cast<int>(key0 % 2));
+        const uint32_t bits = transposed_keep_bits(stream, own[lane], other, key0);
+        for (int t = 0; t < 2; ++t)
+          for (int e = 0; e < 4; ++e) set(query0 + 8 * t + e % 2, key0 + 8 * (e / 2), (bits >> (4 * t + e)) & 1);
+      }
     }
-  }
   for (long r = 0; r < T; ++r) {
     for (long c = 0; c < S; ++c) {
       if (keep[r * S + c] < 0) return 1;
