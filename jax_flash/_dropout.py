@@ -13,10 +13,10 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-# Fused dropout on the CUDA kernels (the Hopper kernels' general instantiations: cuda/gpu/
-# dropout_fragments.h; the mma.sync family and deterministic backwards refuse it) is
-# experimental until its GPU tests have run: off unless JAX_FLASH_CUDA_DROPOUT=on when jax_flash
-# is imported. Off, the "cuda" implementation takes no dropout_rate (jax_flash._dispatch says to
+# Fused dropout on the CUDA kernels (both families' dropout instantiations: cuda/gpu/
+# dropout_fragments.h) is experimental: tested on the H200, but 1.5x the plain fwd+bwd at head
+# dim 128 (cuda/PERF_NOTES.md v32), so off unless JAX_FLASH_CUDA_DROPOUT=on when jax_flash is
+# imported. Off, the "cuda" implementation takes no dropout_rate (jax_flash._dispatch says to
 # pass implementation="blockwise").
 CUDA_DROPOUT_VARIABLE = "JAX_FLASH_CUDA_DROPOUT"
 CUDA_DROPOUT_VALUES = ("off", "on")
