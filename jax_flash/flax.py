@@ -26,8 +26,8 @@ Flax is an optional dependency (``pip install -e ".[examples]"``); import this m
 What FlashAttention cannot honour raises at trace time, never silently: an attention ``mask`` or
 ``bias`` on the CUDA kernels (not yet; use ``is_causal`` and the sequence lengths, or
 ``implementation="blockwise"``, FlashAttention in XLA, which takes both; the "cpu" kernel takes
-them), dropout on the CUDA kernels (``implementation="blockwise"`` takes it; experimental on
-Hopper under ``JAX_FLASH_CUDA_DROPOUT=on``), sowing the
+them), dropout on the CUDA kernels (``implementation="blockwise"`` takes it; experimental
+under ``JAX_FLASH_CUDA_DROPOUT=on``), sowing the
 attention weights (``sow_weights=True`` / ``module=``), the stock modules' ``decode=True`` with
 this ``attention_fn`` on the CUDA kernels (the stock module passes the cache's valid prefix as a
 mask; the Flash modules pass it as a length), and AQT's replacement einsums or a replacement
