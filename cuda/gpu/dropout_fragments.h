@@ -37,9 +37,7 @@ struct DropoutStream {
 
   // The Philox call of the group holding score element (row, column).
   JF_HOST_DEVICE PhiloxWords group_words(int64_t row, int64_t column) const {
-    const PhiloxWords counter = {{static_cast<uint32_t>((column / 16) * 4 + (column % 8) / 2),
-                                  static_cast<uint32_t>((row / 16) * 8 + row % 8), head, batch}};
-    return philox4x32_10(counter, key0, key1);
+    return philox4x32_10(dropout_counter(batch, head, row, column), key0, key1);
   }
   JF_HOST_DEVICE bool keeps(uint32_t bits16) const { return bits16 >= threshold; }
 };

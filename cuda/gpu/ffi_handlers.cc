@@ -95,8 +95,6 @@ ffi::Error set_block_lists(const ffi::AnyBuffer& kv_lists, const ffi::AnyBuffer&
   return ffi::Error::Success();
 }
 
-// The forward's scheduler workspace: int32, at least kFwdSchedulerElements elements (vmap
-// prepends its batch dims; the kernel uses the first). The launch zeroes what it uses.
 // Fused dropout runs in the kernels' dropout instantiations (gpu/dropout_fragments.h), which have
 // no ids' code: not beside segment ids or a block mask.
 ffi::Error check_dropout(const AttentionParams& params) {
@@ -107,6 +105,8 @@ ffi::Error check_dropout(const AttentionParams& params) {
   return ffi::Error::Success();
 }
 
+// The forward's scheduler workspace: int32, at least kFwdSchedulerElements elements (vmap
+// prepends its batch dims; the kernel uses the first). The launch zeroes what it uses.
 ffi::Error set_tile_counter(const ffi::AnyBuffer& scheduler, FwdParams& params) {
   JF_RETURN_IF_ERROR(expect_dtype("scheduler", scheduler, ffi::DataType::S32));
   if (static_cast<int64_t>(scheduler.element_count()) < cuda::kFwdSchedulerElements)

@@ -95,7 +95,6 @@ bool forward_takes_value_head_dim(const AttentionShape& shape);
 // to H otherwise. False where Hv == H.
 bool backward_takes_value_head_dim(const AttentionShape& shape, bool deterministic);
 
-
 // Forward: o and lse.
 cudaError_t launch_flash_fwd(const FwdParams& params, cudaStream_t stream);
 // Backward: dq, dk, dv, using params.delta and params.dq_accum (dq_accum_elements) as workspaces
