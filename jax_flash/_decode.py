@@ -37,13 +37,12 @@ from __future__ import annotations
 import functools
 import math
 import os
-import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash import _registry
+from jax_flash import _registry, _switches
 
 # A chunk holds at least this many keys (4 key blocks): the combine's cost per chunk (one
 # row of partial output per query row) stays small beside the chunk's work.
@@ -52,22 +51,16 @@ MIN_CHUNK_KEYS = 256
 MAX_SPLITS = 64
 
 
-# How decode-shaped calls run on CUDA (see the module docstring): read once, at import.
+# How decode-shaped calls run on CUDA (see the module docstring): read once, at import; the first
+# mode is the default.
 CUDA_DECODE_VARIABLE = "JAX_FLASH_CUDA_DECODE"
 CUDA_DECODE_MODES = ("kernel", "tiled", "split")
-CUDA_DECODE_DEFAULT = "kernel"
 
 
 def _read_cuda_decode_mode(value: str | None) -> str:
   """The mode for a value of JAX_FLASH_CUDA_DECODE: unset or empty is the default; an unknown
   value warns (naming the values) and means the default."""
-  if not value:
-    return CUDA_DECODE_DEFAULT
-  if value not in CUDA_DECODE_MODES:
-    warnings.warn(f"{CUDA_DECODE_VARIABLE}={value!r} is not one of {CUDA_DECODE_MODES}; using "
-                  f"{CUDA_DECODE_DEFAULT!r}", stacklevel=2)
-    return CUDA_DECODE_DEFAULT
-  return value
+  return _switches.read_choice(CUDA_DECODE_VARIABLE, value, CUDA_DECODE_MODES)
 
 
 _CUDA_DECODE_MODE = _read_cuda_decode_mode(os.environ.get(CUDA_DECODE_VARIABLE))

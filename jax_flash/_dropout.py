@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
 
 import jax
 import jax.numpy as jnp
+
+from jax_flash import _switches
 
 # Fused dropout on the CUDA kernels (both families' dropout instantiations: cuda/gpu/
 # dropout_fragments.h) is experimental: tested on the H200, but 1.5x the plain fwd+bwd at head
@@ -25,13 +26,7 @@ CUDA_DROPOUT_VALUES = ("off", "on")
 def _read_cuda_dropout(value: str | None) -> bool:
   """Whether a value of JAX_FLASH_CUDA_DROPOUT turns the CUDA kernels' dropout on: unset or
   empty is "off"; an unknown value warns (naming the values) and means "off"."""
-  if not value:
-    return False
-  if value not in CUDA_DROPOUT_VALUES:
-    warnings.warn(f"{CUDA_DROPOUT_VARIABLE}={value!r} is not one of {CUDA_DROPOUT_VALUES}; using 'off'",
-                  stacklevel=2)
-    return False
-  return value == "on"
+  return _switches.read_choice(CUDA_DROPOUT_VARIABLE, value, CUDA_DROPOUT_VALUES) == "on"
 
 
 _CUDA_DROPOUT = _read_cuda_dropout(os.environ.get(CUDA_DROPOUT_VARIABLE))
