@@ -30,6 +30,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import subprocess
+import sys
 import types
 
 import jax
@@ -568,3 +571,18 @@ def simulate_cuda_host(monkeypatch) -> None:
                                             forward_takes_value_head_dim=lambda *args: False,
                                             backward_takes_value_head_dim=lambda *args: False))
   monkeypatch.setattr(_decode, "_cuda_sm_count", lambda: 132)
+
+
+def gpu_tests_in_a_process(test_file: str, selection: str, env: dict[str, str],
+                           expect_skips: bool = False) -> None:
+  """Runs the GPU tests of `test_file` matching `selection` (pytest -k) in a process with the
+  environment variables `env` added (jax_flash reads its switches once, at import), and asserts
+  that they passed, and unless `expect_skips`, that none was skipped."""
+  result = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-k",
+       selection, os.path.abspath(test_file)],
+      env=dict(os.environ, **env), capture_output=True, text=True, timeout=1200)
+  assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+  assert " passed" in result.stdout, result.stdout[-3000:]
+  if not expect_skips:
+    assert " skipped" not in result.stdout, result.stdout[-3000:]

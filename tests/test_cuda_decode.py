@@ -25,8 +25,9 @@ import numpy as np
 import pytest
 
 import jax_flash
-from attention_testing import (Case, assert_within_rule, check_against_references, random_array,
-                               reference_f32, reference_in_dtype, row_has_keys, run_jax_flash)
+from attention_testing import (Case, assert_within_rule, check_against_references,
+                               gpu_tests_in_a_process, random_array, reference_f32,
+                               reference_in_dtype, row_has_keys, run_jax_flash)
 from jax_flash import _decode, _ops, _paged
 from jax_flash._reference import EMPTY_ROW_LSE
 from test_paged import CASES as PAGED_CASES
@@ -164,14 +165,9 @@ def test_paged_cuda_refuses_float32():
 def test_under_the_tiled_override():
   """The tests whose path depends on the mode, in a process with JAX_FLASH_CUDA_DECODE=tiled:
   contiguous decode calls take the tiled forward, paged ones gather their pages for it."""
-  result = subprocess.run(
-      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-k",
-       "test_dot_product_attention_routes or test_paged_matches_the_reference or "
-       "test_reached_bad_entry or test_decode_step_equals", os.path.abspath(__file__)],
-      env=dict(os.environ, JAX_FLASH_CUDA_DECODE="tiled"), capture_output=True, text=True,
-      timeout=1200)
-  assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-  assert " passed" in result.stdout and " skipped" not in result.stdout, result.stdout[-3000:]
+  gpu_tests_in_a_process(__file__, "test_dot_product_attention_routes or "
+                         "test_paged_matches_the_reference or test_reached_bad_entry or "
+                         "test_decode_step_equals", dict(JAX_FLASH_CUDA_DECODE="tiled"))
 
 
 @pytest.mark.gpu
@@ -179,14 +175,9 @@ def test_under_the_tiled_override():
 def test_under_the_l2_hints(loads):
   """The kernel's contiguous and paged reference cases under each experimental L2 hint of its
   K/V copies (JAX_FLASH_CUDA_DECODE_LOADS, read once per process: a subprocess each)."""
-  result = subprocess.run(
-      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-k",
-       "test_contiguous_matches_the_reference or test_paged_matches_the_reference",
-       os.path.abspath(__file__)],
-      env=dict(os.environ, JAX_FLASH_CUDA_DECODE_LOADS=loads), capture_output=True, text=True,
-      timeout=1200)
-  assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-  assert " passed" in result.stdout, result.stdout[-3000:]
+  gpu_tests_in_a_process(__file__, "test_contiguous_matches_the_reference or "
+                         "test_paged_matches_the_reference", dict(JAX_FLASH_CUDA_DECODE_LOADS=loads),
+                         expect_skips=True)
 
 
 C = Case

@@ -19,9 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +27,8 @@ import pytest
 
 import jax_flash
 from jax_flash import _dispatch, _dropout, _ops
-from tests.attention_testing import (Case, F32, check_score_variant, ffi_calls, outputs_and_grads,
+from tests.attention_testing import (Case, F32, check_score_variant, ffi_calls,
+                                     gpu_tests_in_a_process, outputs_and_grads,
                                      packed_segment_ids, score_variant_references,
                                      simulate_cuda_host, visible_keys)
 
@@ -222,16 +220,11 @@ def test_cuda_kernels_under_the_switch(kernels):
   """The CUDA dropout tests above, in a process with JAX_FLASH_CUDA_DROPOUT=on: with the kernels
   each call runs (on Hopper the wgmma ones, at head dim 32 and deterministic the mma.sync ones),
   and with every call on the mma.sync kernels (JAX_FLASH_CUDA_FORWARD/BACKWARD=sm80)."""
-  env = dict(os.environ, JAX_FLASH_CUDA_DROPOUT="on")
+  env = dict(JAX_FLASH_CUDA_DROPOUT="on")
   if kernels == "sm80":
     env.update(JAX_FLASH_CUDA_FORWARD="sm80", JAX_FLASH_CUDA_BACKWARD="sm80")
-  result = subprocess.run(
-      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-k",
-       "test_cuda_against_reference or test_cuda_each_element or test_cuda_with_the_soft_cap",
-       os.path.abspath(__file__)],
-      env=env, capture_output=True, text=True, timeout=1200)
-  assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-  assert " passed" in result.stdout and " skipped" not in result.stdout, result.stdout[-3000:]
+  gpu_tests_in_a_process(__file__, "test_cuda_against_reference or test_cuda_each_element or "
+                         "test_cuda_with_the_soft_cap", env)
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
