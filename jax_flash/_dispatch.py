@@ -19,7 +19,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from jax_flash import _dropout, _registry
+from jax_flash import _dropout, _logit_arrays, _registry
 
 Implementation = Literal["cpu", "cuda", "xla", "blockwise"]
 IMPLEMENTATIONS = (None, "cpu", "cuda", "xla", "blockwise")
@@ -84,7 +84,11 @@ def capabilities(name: str) -> Capabilities:
     cuda = _registry.CUDA_KERNEL_CONSTANTS or {}  # empty where no CUDA kernels were built
     return Capabilities(
         name, kernel=True, dtypes=_HALF_DTYPES, max_head_dim=cuda.get("max_head_dim"),
-        head_dim_multiple=cuda.get("head_dim_multiple", 1), logit_arrays=False,
+        head_dim_multiple=cuda.get("head_dim_multiple", 1),
+        # bias/mask arrays: the Hopper kernels' kLogitArrays instantiations (cuda/gpu/
+        # logit_arrays.cuh), experimental: only under JAX_FLASH_CUDA_LOGIT_ARRAYS=on
+        # (jax_flash._logit_arrays); not beside some options (refused below)
+        logit_arrays=_logit_arrays.cuda_kernels_take_logit_arrays(),
         mask_forms=MASK_FORMS, deterministic_backward=True, ring=True,
         # jax_flash.paged_attention: the CUDA decode kernel over the pages, or the pages
         # gathered for the tiled forward (chunked prefill; jax_flash._decode.cuda_paged_route)
@@ -237,7 +241,9 @@ def select(implementation: str | None, call: Call, *,
                          if s is not None)
     raise NotImplementedError(
         f"{caller}: the {name!r} kernels ({picked}) take no bias or mask arrays; got {given}. "
-        f"They never build the (T, S) scores. {mask_advice or _KERNEL_MASK_ADVICE}")
+        f"They never build the (T, S) scores. {mask_advice or _KERNEL_MASK_ADVICE}"
+        + (f" (the CUDA kernels take them, experimentally, under "
+           f"{_logit_arrays.CUDA_LOGIT_ARRAYS_VARIABLE}=on)" if name == "cuda" else ""))
   if call.segment_ids is not None and not can.segment_ids:
     q_ids, kv_ids = call.segment_ids
     takers = _takers(lambda other: other.segment_ids)
@@ -271,6 +277,22 @@ def select(implementation: str | None, call: Call, *,
         f"{caller}: the 'cuda' kernels take dropout_rate={call.dropout_rate!r} but not with "
         f"segment ids or a block mask beside it; got query{call.query}; pass "
         "implementation='blockwise'")
+  if name == "cuda" and (call.bias is not None or call.mask is not None):
+    # What the CUDA kernels' bias and mask arrays (experimental) do not cover yet: the handlers
+    # refuse it too (cuda/gpu/ffi_handlers.cc check_logit_arrays), here it is said at trace time.
+    beside = [what for what, given in (
+        ("deterministic=True", call.deterministic),
+        (f"dropout_rate={call.dropout_rate!r}", call.dropout_rate is not None),
+        ("segment ids", call.segment_ids is not None),
+        (f"logits_soft_cap={call.logits_soft_cap!r} with a bias",
+         call.logits_soft_cap is not None and call.bias is not None)) if given]
+    if beside:
+      given = " and ".join(f"{n}{s}" for n, s in (("bias", call.bias), ("mask", call.mask))
+                           if s is not None)
+      raise NotImplementedError(
+          f"{caller}: the 'cuda' kernels take bias and mask arrays but not with "
+          f"{', '.join(beside)} beside them yet; got {given} with query{call.query}; pass "
+          "implementation='blockwise'")
   if call.value is not None and not can.value_head_dim:
     takers = _takers(lambda other: other.value_head_dim)
     raise NotImplementedError(

@@ -25,7 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash import _decode, _derivatives, _dispatch, _dropout, _registry, _rounding, _split_kv
+from jax_flash import (_decode, _derivatives, _dispatch, _dropout, _logit_arrays, _registry, _rounding,
+                       _split_kv)
+from jax_flash._block_sparse import BLOCK_MASK_BLOCK
 from jax_flash._reference import empty_lse
 
 # At most this many float32 dQ partials: the workspace stays a small multiple of dQ however many
@@ -207,14 +209,15 @@ BIAS_DTYPES = frozenset(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.fl
 
 
 def _logit_operands(config: KernelConfig, bias, mask) -> tuple[tuple, dict]:
-  """The bias and mask operands and attributes of a kernel call: the "cpu" passes always take
-  the bias (..., N|1, T|1, S|1) as it is (a float32 (0,) placeholder without) with the switch
-  `bias`, and the bool mask likewise (a bool (0,) placeholder) with `mask`; the "cuda" ones
-  take neither (jax_flash._dispatch refuses the arrays there)."""
-  if config.implementation != "cpu":
-    if bias is not None or mask is not None:
-      raise NotImplementedError(f"the {config.implementation!r} kernels take no bias or mask arrays")
-    return (), {}
+  """The bias and mask operands and attributes of a kernel call: both passes of both kernels
+  always take the bias (..., N|1, T|1, S|1) as it is (a float32 (0,) placeholder without) with
+  the switch `bias`, and the bool mask likewise (a bool (0,) placeholder) with `mask`. The
+  "cuda" kernels take the arrays only under JAX_FLASH_CUDA_LOGIT_ARRAYS=on (experimental:
+  jax_flash._logit_arrays; jax_flash._dispatch refuses them otherwise)."""
+  if (config.implementation == "cuda" and (bias is not None or mask is not None)
+      and not _logit_arrays.cuda_kernels_take_logit_arrays()):
+    raise NotImplementedError(f"the 'cuda' kernels take bias and mask arrays only under "
+                              f"{_logit_arrays.CUDA_LOGIT_ARRAYS_VARIABLE}=on (experimental)")
   operands = (jnp.zeros((0,), jnp.float32) if bias is None else bias,
               jnp.zeros((0,), jnp.bool_) if mask is None else mask)
   return operands, {"bias": bias is not None, "mask": mask is not None}
@@ -383,6 +386,9 @@ def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig, segm
                                                     bias.dtype == jnp.float32, splits, one_each)
       results += (jax.ShapeDtypeStruct(bias.shape, bias.dtype),
                   jax.ShapeDtypeStruct((partials,), jnp.float32))
+  else:  # dbias in float32 (the kernel's atomics add into it), cast below
+    dbias_shape = (0,) if bias is None or not dbias else bias.shape
+    results += (jax.ShapeDtypeStruct(dbias_shape, jnp.float32),)
   call = jax.ffi.ffi_call(_target(config, "bwd"), results, vmap_method="broadcast_all")
   ids, id_attributes = _segment_operands(config, segment_ids)
   alibi, alibi_attributes = _alibi_operands(config, alibi_slopes)
@@ -393,7 +399,11 @@ def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig, segm
                  **attributes, **id_attributes, **_soft_cap_attribute(config),
                  **alibi_attributes, **block_attributes, **drop_attributes, **logit_attributes)
   dq, dk, dv = outputs[:3]
-  return (dq, dk, dv) if bias is None or not dbias else (dq, dk, dv, outputs[5])
+  if bias is None or not dbias:
+    return dq, dk, dv
+  if config.implementation == "cuda":
+    return dq, dk, dv, outputs[4].astype(bias.dtype)
+  return dq, dk, dv, outputs[5]
 
 
 flash_bwd = _derivatives.first_order_only(_flash_bwd, nondiff_argnums=(8, 16))
@@ -521,6 +531,13 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
                         deterministic, context_parallel=context_parallel, kv_splits=splits,
                         logits_soft_cap=0.0 if logits_soft_cap is None else float(logits_soft_cap),
                         dropout_rate=0.0 if dropout_rate is None else float(dropout_rate))
+  if implementation == "cuda" and mask is not None and mask.shape[0] in (1, batch):
+    # The blocks the mask hides whole are skipped like a block mask's (the CUDA kernels' walk;
+    # the CPU kernel finds them itself, tile by tile).
+    blocks = (-(-seq_q // BLOCK_MASK_BLOCK[0]), -(-k.shape[1] // BLOCK_MASK_BLOCK[1]))
+    hidden = _logit_arrays.block_mask_of(mask, *BLOCK_MASK_BLOCK)
+    hidden = jnp.broadcast_to(hidden, (*hidden.shape[:-2], *blocks))
+    block_mask = hidden if block_mask is None else jnp.logical_and(block_mask, hidden)
   with _derivatives.explain_forward_mode(caller, implementation):
     extra = () if segment_ids is None else (tuple(segment_ids),)
     if sinks is not None or alibi_slopes is not None or block_mask is not None:
@@ -536,6 +553,8 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
     dropout = {} if dropout_rate is None else {"dropout_seeds": dropout_seeds}
     if bias is not None and bias.dtype not in BIAS_DTYPES:
       bias = bias.astype(jnp.float32)
+    if implementation == "cuda" and bias is not None:
+      bias = _logit_arrays.cuda_bias(bias, q.dtype)
     logits = {name: x for name, x in (("bias", bias), ("mask", mask)) if x is not None}
     out, lse = attention(q, k, v, q_lens, kv_lens, config, *extra, **dropout, **logits)
   return out[..., :head_dim_v], lse

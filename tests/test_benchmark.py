@@ -285,9 +285,41 @@ def test_cli_score_variant_columns(tmp_path, capsys):
   assert "logits_soft_cap=30, alibi_slopes" in table
   results = json.loads((tmp_path / "results.json").read_text())
   assert results["settings"]["variant"] == dict(logits_soft_cap=30.0, alibi=True, sinks=False,
-                                                dropout_rate=None)
+                                                dropout_rate=None, bias=False, mask=False)
   ran = {(m["peer"], m["pass"]) for m in results["measurements"] if m["status"] == "ok"}
   assert {("jax_flash", "fwd+bwd"), ("jax_flash+variant", "fwd+bwd")} <= ran
+
+
+def test_cli_bias_and_mask_variant(tmp_path, capsys):
+  """--bias --mask: jax_flash with the (1, N, T, S) bias and the (T, S) band mask beside XLA
+  through jax.nn with the same arrays (it takes both): their outputs agree, the table says what
+  the arrays are and results.json records them."""
+  import json
+
+  from jax_flash.benchmark.variants import Variant, band_mask, position_bias
+
+  assert benchmark.main([*TINY_CPU_RUN, "--bias", "--mask", "--skip", "torch",
+                         "--out", str(tmp_path)]) == 0
+  lines = table_lines(capsys)
+  header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+  fwd = dict(zip(header, (cell.strip() for cell in lines[2].strip("|").split("|"))))
+  assert fwd["xla+variant GFLOP/s"] != "unavailable" and fwd["jax_flash+variant GFLOP/s"] != "unavailable"
+  table = (tmp_path / "table.md").read_text()
+  assert "bias: a (1, N, T, S) array sin(0.01 (i + 2j) + h)" in table and "mask: a (T, S) band" in table
+  results = json.loads((tmp_path / "results.json").read_text())
+  assert results["settings"]["variant"]["bias"] and results["settings"]["variant"]["mask"]
+  # The arrays themselves, and the same attention from both peers.
+  q = jax.random.normal(jax.random.key(0), (1, 20, 2, 16))  # T <= S: every row keeps a key
+  k = jax.random.normal(jax.random.key(1), (1, 24, 2, 16))
+  bias = position_bias(q, k)
+  assert bias.shape == (1, 2, 20, 24) and float(bias[0, 1, 3, 5]) == pytest.approx(np.sin(0.13 + 1))
+  mask = np.asarray(band_mask(20, 24))
+  assert mask[10, 5] and mask[10, 16] and not mask[10, 4] and not mask[10, 17]
+  variant = Variant(bias=True, mask=True)
+  from jax_flash.benchmark import variants
+  flash = variants._flash_attention("cpu", False, variant)(q, k, k, is_causal=False)
+  xla = variants._jax_nn_attention("xla", variant)(q, k, k, is_causal=False)
+  np.testing.assert_allclose(np.asarray(flash), np.asarray(xla), atol=2e-5)
 
 
 def test_cli_refused_variant_is_unavailable(monkeypatch, capsys):

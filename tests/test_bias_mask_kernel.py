@@ -33,15 +33,15 @@ def _rank4(x):
   return None if x is None else x.reshape((1,) * (4 - x.ndim) + x.shape)
 
 
-def _inputs(seed, dtype, bias_shape, bias_dtype, mask_shape, t=T, s=S, heads=(N, K)):
+def _inputs(seed, dtype, bias_shape, bias_dtype, mask_shape, t=T, s=S, heads=(N, K), head_dim=H):
   """q, k, v, the cotangent g (values the dtype holds), a bias and a mask of those shapes (None
   for none). The mask keeps each row's key i (i < S) visible, so only lengths, windows and the
   rows a test empties on purpose leave a row without keys."""
   rng = np.random.default_rng(seed)
   n, kv = heads
-  q = random_array(rng, (B, t, n, H), dtype)
-  k = random_array(rng, (B, s, kv, H), dtype)
-  v = random_array(rng, (B, s, kv, H), dtype)
+  q = random_array(rng, (B, t, n, head_dim), dtype)
+  k = random_array(rng, (B, s, kv, head_dim), dtype)
+  v = random_array(rng, (B, s, kv, head_dim), dtype)
   g = random_array(rng, q.shape, dtype).astype(F32)
   bias = None if bias_shape is None else random_array(rng, bias_shape, bias_dtype)
   mask = None
@@ -99,16 +99,18 @@ def _flash(mask, options, implementation="cpu"):
 
 
 def _check(seed, dtype, bias_shape=None, bias_dtype=None, mask_shape=None, t=T, s=S,
-           heads=(N, K), **options):
-  """jax_flash "cpu" against jax.nn on float32 inputs, by the rule (jax.nn in the input dtype
-  gives the dtype's own error), on the rows with keys; exact zeros on the others."""
+           heads=(N, K), implementation="cpu", head_dim=H, **options):
+  """jax_flash (the "cpu" kernel, or `implementation`) against jax.nn on float32 inputs, by the
+  rule (jax.nn in the input dtype gives the dtype's own error), on the rows with keys; exact
+  zeros on the others."""
   bias_dtype = dtype if bias_dtype is None else bias_dtype
-  q, k, v, g, bias, mask = _inputs(seed, dtype, bias_shape, bias_dtype, mask_shape, t, s, heads)
+  q, k, v, g, bias, mask = _inputs(seed, dtype, bias_shape, bias_dtype, mask_shape, t, s, heads,
+                                   head_dim)
   live = _live_rows(q.shape, s, mask, options)  # (B, N, T)
   live_btn = np.swapaxes(live, 1, 2)[..., None]  # (B, T, N, 1), like out
   g_ref = jnp.where(live_btn, g, 0.0)  # jax.nn's empty rows (the mean of V) carry no gradient
 
-  got = _numpy(jax.jit(functools.partial(_vjp, _flash(mask, options)))(q, k, v, bias, g))
+  got = _numpy(jax.jit(functools.partial(_vjp, _flash(mask, options, implementation)))(q, k, v, bias, g))
   up = lambda x: None if x is None else x.astype(F32)
   reference = jax.jit(functools.partial(_vjp, _jax_nn(mask, options)))
   ref32 = _numpy(reference(up(q), up(k), up(v), up(bias), g_ref))
@@ -131,7 +133,7 @@ def _check(seed, dtype, bias_shape=None, bias_dtype=None, mask_shape=None, t=T, 
       continue
     assert_within_rule(name, x, r32, rd, magnitude=magnitude)
   if bias is not None:
-    dbias = jax.jit(jax.grad(lambda b: jnp.sum(_flash(mask, options)(q, k, v, b)
+    dbias = jax.jit(jax.grad(lambda b: jnp.sum(_flash(mask, options, implementation)(q, k, v, b)
                                                .astype(F32) * g)))(bias)
     assert dbias.dtype == bias.dtype and dbias.shape == bias.shape
 

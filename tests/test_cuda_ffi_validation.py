@@ -42,9 +42,14 @@ TB, SB = 1, 1  # mask blocks of 128 rows / keys: T = 5 and S = 7 make one each
 NO_DROPOUT = dict(dropout_seeds=((0,), "uint32"))
 
 
+# jax.nn's bias and mask arrays without them: placeholders (their switches off in attributes()).
+NO_ARRAYS = dict(bias=((0,), "float32"), mask=((0,), "bool"))
+
+
 def attributes(**overrides) -> dict:
   base = dict(scale=0.25, is_causal=False, window_left=np.int64(-1), window_right=np.int64(-1),
-              segment_ids=False, logits_soft_cap=0.0, alibi=False, block_sparse=False, dropout_rate=0.0)
+              segment_ids=False, logits_soft_cap=0.0, alibi=False, block_sparse=False, dropout_rate=0.0,
+              bias=False, mask=False)
   return {**base, **overrides}
 
 
@@ -54,7 +59,7 @@ def valid_fwd(dtype: str = "bfloat16", o_error: bool = False) -> Call:
   return Call("jax_flash_cuda_fwd",
               dict(q=(Q, dtype), k=(KV, dtype), v=(KV, dtype), q_lens=((B,), "int32"),
                    kv_lens=((B,), "int32"), **NO_IDS, alibi_slopes=((0,), "float32"), **NO_FWD_BLOCKS,
-                   **NO_DROPOUT),
+                   **NO_DROPOUT, **NO_ARRAYS),
               dict(o=(Q, dtype), lse=(ROWS, "float32"), o_error=(Q if o_error else (0,), "int8"),
                    scheduler=((_registry.CUDA_KERNEL_CONSTANTS["fwd_scheduler_elements"],), "int32")),
               attributes())
@@ -70,9 +75,10 @@ def valid_bwd(dtype: str = "bfloat16", deterministic: bool = False) -> Call:
               dict(q=(Q, dtype), k=(KV, dtype), v=(KV, dtype), lse=(ROWS, "float32"),
                    delta=(ROWS, "float32"), do=(Q, dtype), q_lens=((B,), "int32"),
                    kv_lens=((B,), "int32"), **NO_IDS, alibi_slopes=((0,), "float32"), **NO_BLOCKS,
-                   **NO_DROPOUT),
+                   **NO_DROPOUT, **NO_ARRAYS),
               dict(dq=(Q, dtype), dk=(KV, dtype), dv=(KV, dtype),
-                   dq_accum=((dq_accum_elements(deterministic),), "float32")),
+                   dq_accum=((dq_accum_elements(deterministic),), "float32"),
+                   dbias=((0,), "float32")),
               attributes(deterministic=deterministic))
 
 
@@ -136,6 +142,14 @@ ERRORS = [
      ("kv_block_counts(2, 4, 2) int32", "(N, Tb)")),
     ("block_lists_int16", lambda c: with_dtype(c, "int16", "kv_block_lists"),
      ("kv_block_lists(0,) int16", "int32")),
+    # jax.nn's arrays: the shared checks, and the CUDA kernels' own limits (head dim 16 runs the
+    # mma.sync kernels, which take none).
+    ("mask_off_not_empty", lambda c: with_shape(c, "mask", (B, 1, T, S)), ("mask=false takes an empty",)),
+    ("bias_keys", lambda c: with_attributes(with_shape(c, "bias", (1, N, T, S + 1)), bias=True),
+     ("bias(1, 4, 5, 8)", "S=7")),
+    ("mask_on_the_mma_sync_kernels",
+     lambda c: with_attributes(with_shape(c, "mask", (B, 1, T, S)), mask=True),
+     ("bias and mask arrays on the CUDA kernels: the Hopper kernels only", "head dim 16")),
 ]
 
 def with_block_lists(call: Call) -> Call:
@@ -165,6 +179,9 @@ FWD_ERRORS = [
 
 
 BWD_ERRORS = [
+    ("dbias_shape", lambda c: with_shape(with_attributes(with_shape(c, "bias", (1, N, T, S)), bias=True),
+                                         "dbias", (1, N, T, S + 1)),
+     ("dbias(1, 4, 5, 8) float32", "elements, expected 140")),
     ("dq_accum_short", lambda c: with_shape(c, "dq_accum", (dq_accum_elements(False) - 1,)),
      ("dq_accum(", "elements, expected")),
     ("dq_accum_bf16", lambda c: with_dtype(c, "bfloat16", "dq_accum"), ("dq_accum(", "bfloat16")),

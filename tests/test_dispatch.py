@@ -184,7 +184,8 @@ def test_cuda_workspace_size_comes_from_the_cuda_module(gpu_host, monkeypatch):
   """The CUDA backward's workspace is sized by _native_cuda.dq_accum_elements (a stand-in
   module here: no CUDA kernels are built on this machine) from the call's whole shape (the
   Hopper backward's head splits add dK's and dV's accumulators where the kv heads are few); its
-  results are dq, dk, dv and that workspace (delta is an operand, formed by XLA)."""
+  results are dq, dk, dv, that workspace (delta is an operand, formed by XLA) and dbias ((0,)
+  float32 without a bias)."""
   asked = []
 
   def dq_accum_elements(batch, seq_q, seq_k, heads_q, heads_k, head_dim, head_dim_v, deterministic):
@@ -201,7 +202,7 @@ def test_cuda_workspace_size_comes_from_the_cuda_module(gpu_host, monkeypatch):
     config = _ops.KernelConfig("cuda", 0.25, True, -1, -1, deterministic)
     shapes = ffi_result_shapes(
         lambda q, k: _ops.flash_bwd(q, k, k, q, lse, q, lens, lens, config), q, k)
-    assert shapes == [((2, 8, 4, 16), (2, 8, 2, 16), (2, 8, 2, 16), (12345,))]
+    assert shapes == [((2, 8, 4, 16), (2, 8, 2, 16), (2, 8, 2, 16), (12345,), (0,))]
   assert asked == [(2, 8, 8, 4, 2, 16, 16, False), (2, 8, 8, 4, 2, 16, 16, True)]
 
 

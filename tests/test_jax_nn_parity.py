@@ -10,8 +10,8 @@ twice jax.nn's own error in the input dtype, against jax.nn on float32 inputs).
 
 jax_flash's documented deviations (README, "Semantics that differ from jax.nn") are asserted as
 such: a row with no key gives 0 and an lse of -3.4028235e38 (jax.nn: the mean of the values), the
-lse is float32 (jax.nn: the input dtype); and the CUDA kernels take no bias or mask arrays yet
-(they raise), float64 is refused.
+lse is float32 (jax.nn: the input dtype); and the CUDA kernels take no bias or mask arrays by
+default (they raise; experimental under JAX_FLASH_CUDA_LOGIT_ARRAYS=on), float64 is refused.
 """
 
 from __future__ import annotations
@@ -176,7 +176,8 @@ def test_dot_product_attention_mask(implementation, mode):
                                            **options)
 
   if (bias is not None or mask is not None) and implementation == "cuda":
-    # Deviation: the CUDA kernels take no bias or mask arrays yet.
+    # Deviation: the CUDA kernels take no bias or mask arrays by default (experimental under
+    # JAX_FLASH_CUDA_LOGIT_ARRAYS=on: tests/test_cuda_logit_arrays.py).
     with pytest.raises(NotImplementedError, match="bias or mask arrays"):
       flash(q, k, v, bias, mask)
     return

@@ -183,8 +183,9 @@ def test_errors_name_the_shapes_of_unbatched_inputs(rng):
 
 @pytest.mark.parametrize("implementation", ["cuda", None])
 def test_bias_and_mask_need_cpu_or_an_xla_path_on_cuda(rng, monkeypatch, implementation):
-  """The CUDA kernels take no bias or mask arrays yet: asking for them there (or with None,
-  which picks them for bfloat16 on a GPU host) says what to use, never falls back silently.
+  """The CUDA kernels take no bias or mask arrays by default (experimental under
+  JAX_FLASH_CUDA_LOGIT_ARRAYS=on, unset here): asking for them there (or with None, which picks
+  them for bfloat16 on a GPU host) says what to use, never falls back silently.
   (The "cpu" kernel takes them: tests/test_bias_mask_kernel.py.)"""
   simulate_cuda_host(monkeypatch)
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")

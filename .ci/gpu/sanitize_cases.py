@@ -11,7 +11,10 @@ documents (ids sorted, documents of 1..40 tokens, so that they straddle every bl
 --block-sparse: with a random block mask (half the 128 x 128 blocks). Each runs the kernels' general (kGeneral)
 instantiations. --dropout: with fused dropout (rate 0.2; the kernels' dropout
 instantiations, experimental: the script sets JAX_FLASH_CUDA_DROPOUT=on; with deterministic=True
-and at head dims up to 32 the mma.sync kernels'). --cases runs
+and at head dims up to 32 the mma.sync kernels'). --logit-arrays: with a (1, N, T, S) bias (its
+gradient too) and a random (B, 1, T, S) mask (the Hopper kernels' kLogitArrays instantiations,
+experimental: the script sets JAX_FLASH_CUDA_LOGIT_ARRAYS=on; the cases those refuse,
+deterministic or head dims up to 32, are skipped). --cases runs
 only the listed CASES (by index), e.g. to give racecheck, which is slow, one case per process.
 """
 
@@ -22,6 +25,8 @@ import sys
 
 if "--dropout" in sys.argv[1:]:  # read when jax_flash is imported
   os.environ["JAX_FLASH_CUDA_DROPOUT"] = "on"
+if "--logit-arrays" in sys.argv[1:]:
+  os.environ["JAX_FLASH_CUDA_LOGIT_ARRAYS"] = "on"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -76,6 +81,7 @@ def main() -> None:
   segment_ids = "--segment-ids" in sys.argv[1:]
   block_sparse = "--block-sparse" in sys.argv[1:]
   dropout = "--dropout" in sys.argv[1:]
+  logit_arrays = "--logit-arrays" in sys.argv[1:]
   chosen = range(len(CASES))
   if "--cases" in sys.argv[1:]:
     chosen = [int(c) for c in sys.argv[sys.argv.index("--cases") + 1].split(",")]
@@ -109,14 +115,23 @@ def main() -> None:
     if lengths:
       kwargs["query_seq_lengths"] = jnp.array([max(1, t - 3)] * b, jnp.int32)
       kwargs["key_value_seq_lengths"] = jnp.array([max(1, s // 2)] * b, jnp.int32)
-    out, vjp = jax.vjp(lambda q, k, v: jax_flash.dot_product_attention(q, k, v, **kwargs), q, k, v)
+    bias = None
+    if logit_arrays:
+      if det or h <= 32 or score_mods or segment_ids or dropout:
+        print(f"case {i}: skipped (the CUDA kernels' bias and mask arrays refuse it)")
+        continue
+      bias = jax.random.normal(ks[3], (1, n, t, s), jnp.bfloat16)
+      kwargs["mask"] = jax.random.bernoulli(ks[0], 0.7, (b, 1, t, s))
+    args = (q, k, v) if bias is None else (q, k, v, bias)
+    out, vjp = jax.vjp(lambda *a: jax_flash.dot_product_attention(*a, **kwargs), *args)
     grads = vjp(d_o)
-    plain = jax_flash.dot_product_attention(q, k, v, **kwargs)
+    plain = jax_flash.dot_product_attention(*args, **kwargs)
     jax.block_until_ready((out, grads, plain))
     finite = all(bool(jnp.isfinite(x.astype(jnp.float32)).all()) for x in (out, plain, *grads))
     print(f"case {i}: B{b} T{t} S{s} N{n}/{kh} H{h} Hv{hv} causal={causal} window={window} "
           f"lengths={lengths} deterministic={det} score_mods={score_mods} "
-          f"segment_ids={segment_ids} block_sparse={block_sparse} dropout={dropout}: finite={finite}")
+          f"segment_ids={segment_ids} block_sparse={block_sparse} dropout={dropout} "
+          f"logit_arrays={logit_arrays}: finite={finite}")
 
 
 if __name__ == "__main__":

@@ -236,6 +236,13 @@ struct BwdParams : AttentionParams {
   bool dbias_direct = false;
 };
 
+// Whether a call has jax.nn's bias or mask array (the CPU kernel's, and the Hopper CUDA kernels'
+// kLogitArrays instantiations: experimental, passed by the Python side only under
+// JAX_FLASH_CUDA_LOGIT_ARRAYS=on).
+inline bool logit_arrays(const AttentionParams& p) {
+  return static_cast<bool>(p.bias) || static_cast<bool>(p.logit_mask);
+}
+
 // The largest head dim any kernel takes (the Python side reads it from the native module).
 inline constexpr int64_t kMaxHeadDim = 256;
 

@@ -536,4 +536,56 @@ inline xla::ffi::Error set_dropout(const xla::ffi::AnyBuffer& seeds, double rate
   return xla::ffi::Error::Success();
 }
 
+// jax.nn's bias or mask array (AttentionParams::bias, logit_mask; `is_mask` picks which): with
+// `on`, an operand of q's rank shaped (..., N|1, T|1, S|1), its leading dims (folded as q's)
+// a batch that divides q's; the bias float32, bfloat16 or float16, the mask bool; without, an
+// operand of no elements (the callers pass (0,) placeholders). Call after the attention inputs
+// are set (it reads params.shape). Both platforms' handlers take them (the CUDA ones: the Hopper
+// kernels' kLogitArrays instantiations, gpu/logit_arrays.cuh).
+inline xla::ffi::Error set_logit_array(const char* name, const xla::ffi::AnyBuffer& x, bool on, bool is_mask,
+                           const xla::ffi::AnyBuffer& q, const AttentionShape& sh, LogitArray& out) {
+  out = LogitArray{};
+  if (is_mask) {
+    JF_RETURN_IF_ERROR(expect_dtype(name, x, xla::ffi::DataType::PRED));
+  } else {
+    switch (x.element_type()) {
+      case xla::ffi::DataType::F32: out.dtype = Dtype::kFloat32; break;
+      case xla::ffi::DataType::BF16: out.dtype = Dtype::kBFloat16; break;
+      case xla::ffi::DataType::F16: out.dtype = Dtype::kFloat16; break;
+      default: return invalid(describe(name, x) + ": must be float32, bfloat16 or float16");
+    }
+  }
+  if (!on) {
+    if (x.element_count() != 0)
+      return invalid(std::string(name) + "=false takes an empty " + name + " operand; got " + describe(name, x));
+    return xla::ffi::Error::Success();
+  }
+  const auto d = x.dimensions();
+  const size_t r = d.size();
+  const int64_t batch = leading_product(d, 3);
+  const bool match = r == q.dimensions().size() && r >= 3 && (d[r - 3] == 1 || d[r - 3] == sh.heads_q) &&
+                     (d[r - 2] == 1 || d[r - 2] == sh.seq_q) && (d[r - 1] == 1 || d[r - 1] == sh.seq_k) &&
+                     batch >= 1 && sh.batch % batch == 0;
+  if (!match)
+    return invalid(describe(name, x) + ": must be (..., N|1, T|1, S|1) with q's rank and leading dims whose " +
+                   "product divides q's batch, for " + describe("q", q) + ", N=" + std::to_string(sh.heads_q) +
+                   " T=" + std::to_string(sh.seq_q) + " S=" + std::to_string(sh.seq_k) + " and batch " +
+                   std::to_string(sh.batch));
+  out.data = x.untyped_data();
+  out.batch_div = sh.batch / batch > 0 ? sh.batch / batch : 1;
+  out.col = d[r - 1] == 1 ? 0 : 1;
+  out.row = d[r - 2] == 1 ? 0 : d[r - 1];
+  out.head = d[r - 3] == 1 ? 0 : d[r - 2] * d[r - 1];
+  out.batch = d[r - 3] * d[r - 2] * d[r - 1];
+  out.elements = static_cast<int64_t>(x.element_count());
+  return xla::ffi::Error::Success();
+}
+
+// Both arrays.
+inline xla::ffi::Error set_logit_arrays(const xla::ffi::AnyBuffer& bias, bool has_bias, const xla::ffi::AnyBuffer& mask, bool has_mask,
+                            const xla::ffi::AnyBuffer& q, AttentionParams& params) {
+  JF_RETURN_IF_ERROR(set_logit_array("bias", bias, has_bias, false, q, params.shape, params.bias));
+  return set_logit_array("mask", mask, has_mask, true, q, params.shape, params.logit_mask);
+}
+
 }  // namespace jax_flash

@@ -105,6 +105,44 @@ ffi::Error check_dropout(const AttentionParams& params) {
   return ffi::Error::Success();
 }
 
+// jax.nn's bias and mask arrays (common/ffi_params.h set_logit_arrays) run in the Hopper kernels'
+// kLogitArrays instantiations (gpu/logit_arrays.cuh; experimental): not beside dropout, segment
+// ids (a mask array decides the rows' emptiness alone) or, with a bias, a soft cap (dS there
+// holds the cap's chain rule, which dbias must not); a bias of the inputs' dtype or float32.
+ffi::Error check_logit_arrays(const AttentionParams& params, bool backward, bool deterministic) {
+  if (!logit_arrays(params)) return ffi::Error::Success();
+  const char* instead = "; use implementation=\"blockwise\" for this call";
+  if (!cuda::hopper_takes_logit_arrays(params.shape, backward, deterministic))
+    return invalid(std::string("bias and mask arrays on the CUDA kernels: the Hopper kernels only (on an H100/H200, ") +
+                   "head dims above 32, no JAX_FLASH_CUDA_* override to the mma.sync family" +
+                   (backward ? ", not deterministic" : "") + "); head dim " + std::to_string(params.shape.head_dim) +
+                   " here" + instead);
+  if (params.dropout_seeds != nullptr || params.q_segment_ids != nullptr)
+    return invalid(std::string("bias and mask arrays on the CUDA kernels: not beside dropout or segment ids yet") +
+                   instead);
+  if (params.bias && params.logits_soft_cap > 0.f)
+    return invalid(std::string("a bias array on the CUDA kernels: not beside logits_soft_cap yet") + instead);
+  if (params.bias && params.bias.dtype != Dtype::kFloat32 && params.bias.dtype != params.dtype)
+    return invalid("a bias array on the CUDA kernels: float32 or the inputs' dtype (the Python side casts others)");
+  return ffi::Error::Success();
+}
+
+// The backward's dbias result: float32 in the bias's shape, which the launch zeroes and the
+// kernel's atomics sum into (the Python side casts it to the bias's dtype); a float32 (0,) with
+// no bias, or for a bias nothing differentiates.
+ffi::Error set_cuda_dbias(ffi::AnyBuffer& dbias, const ffi::AnyBuffer& bias, BwdParams& params) {
+  if (!params.bias || (dbias.dimensions().size() == 1 && dbias.element_count() == 0))
+    return expect_float32("dbias", dbias, 0);
+  JF_RETURN_IF_ERROR(expect_float32("dbias", dbias, static_cast<int64_t>(bias.element_count())));
+  if (dbias.dimensions().size() != bias.dimensions().size())
+    return invalid(describe("dbias", dbias) + ": must have the shape of " + describe("bias", bias));
+  for (size_t i = 0; i < bias.dimensions().size(); ++i)
+    if (dbias.dimensions()[i] != bias.dimensions()[i])
+      return invalid(describe("dbias", dbias) + ": must have the shape of " + describe("bias", bias));
+  params.dbias_accum = dbias.typed_data<float>();
+  return ffi::Error::Success();
+}
+
 // The forward's scheduler workspace: int32, at least kFwdSchedulerElements elements (vmap
 // prepends its batch dims; the kernel uses the first). The launch zeroes what it uses.
 ffi::Error set_tile_counter(const ffi::AnyBuffer& scheduler, FwdParams& params) {
@@ -123,7 +161,8 @@ ffi::Error run_fwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                    bool segment_ids, ffi::AnyBuffer q_segment_id_spans, ffi::AnyBuffer kv_segment_id_spans,
                    double logits_soft_cap, ffi::AnyBuffer alibi_slopes, bool alibi, ffi::AnyBuffer kv_block_lists,
                    ffi::AnyBuffer kv_block_counts, bool block_sparse, ffi::AnyBuffer dropout_seeds,
-                   double dropout_rate, ffi::Result<ffi::AnyBuffer> o_error, ffi::Result<ffi::AnyBuffer> scheduler) {
+                   double dropout_rate, ffi::AnyBuffer bias, bool has_bias, ffi::AnyBuffer mask, bool has_mask,
+                   ffi::Result<ffi::AnyBuffer> o_error, ffi::Result<ffi::AnyBuffer> scheduler) {
   FwdParams params;
   JF_RETURN_IF_ERROR(make_fwd_params(q, k, v, q_lens, kv_lens, *o, *lse, scale, is_causal,
                                      window_left, window_right, params, ValueHeadDim::kOwn));
@@ -136,6 +175,8 @@ ffi::Error run_fwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   JF_RETURN_IF_ERROR(set_block_lists(kv_block_lists, kv_block_counts, nullptr, nullptr, block_sparse, q, params));
   JF_RETURN_IF_ERROR(set_dropout(dropout_seeds, dropout_rate, q, params));
   JF_RETURN_IF_ERROR(check_dropout(params));
+  JF_RETURN_IF_ERROR(set_logit_arrays(bias, has_bias, mask, has_mask, q, params));
+  JF_RETURN_IF_ERROR(check_logit_arrays(params, false, false));
   JF_RETURN_IF_ERROR(set_o_error(*o_error, *o, params));
   JF_RETURN_IF_ERROR(set_tile_counter(*scheduler, params));
   JF_RETURN_IF_ERROR(check_value_head_dim(params.shape));
@@ -152,7 +193,8 @@ ffi::Error run_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                    bool segment_ids, ffi::AnyBuffer q_segment_id_spans, ffi::AnyBuffer kv_segment_id_spans,
                    double logits_soft_cap, ffi::AnyBuffer alibi_slopes, bool alibi, ffi::AnyBuffer kv_block_lists,
                    ffi::AnyBuffer kv_block_counts, ffi::AnyBuffer q_block_visits, ffi::AnyBuffer q_block_visit_counts,
-                   bool block_sparse, ffi::AnyBuffer dropout_seeds, double dropout_rate) {
+                   bool block_sparse, ffi::AnyBuffer dropout_seeds, double dropout_rate, ffi::AnyBuffer bias,
+                   bool has_bias, ffi::AnyBuffer mask, bool has_mask, ffi::Result<ffi::AnyBuffer> dbias) {
   BwdParams params;
   JF_RETURN_IF_ERROR(make_bwd_params_without_o(q, k, v, lse, d_o, q_lens, kv_lens, *dq, *dk, *dv, delta, scale,
                                                is_causal, window_left, window_right, params, ValueHeadDim::kOwn));
@@ -167,6 +209,9 @@ ffi::Error run_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                                      block_sparse, q, params));
   JF_RETURN_IF_ERROR(set_dropout(dropout_seeds, dropout_rate, q, params));
   JF_RETURN_IF_ERROR(check_dropout(params));
+  JF_RETURN_IF_ERROR(set_logit_arrays(bias, has_bias, mask, has_mask, q, params));
+  JF_RETURN_IF_ERROR(set_cuda_dbias(*dbias, bias, params));
+  JF_RETURN_IF_ERROR(check_logit_arrays(params, true, deterministic));
   JF_RETURN_IF_ERROR(
       expect_float32("dq_accum", *dq_accum, cuda::dq_accum_elements(params.shape, deterministic)));
   params.dq_accum = deterministic ? nullptr : dq_accum->typed_data<float>();
@@ -223,6 +268,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaFlashFwd, run_fwd,
                                   .Attr<bool>("block_sparse")
                                   .Arg<ffi::AnyBuffer>()   // dropout_seeds (..., N, 4) uint32, or (0,) without
                                   .Attr<double>("dropout_rate")
+                                  .Arg<ffi::AnyBuffer>()   // bias (..., N|1, T|1, S|1), or (0,) float32 without
+                                  .Attr<bool>("bias")
+                                  .Arg<ffi::AnyBuffer>()   // mask (..., N|1, T|1, S|1) bool, or (0,) without
+                                  .Attr<bool>("mask")
                                   .Ret<ffi::AnyBuffer>()   // o_error int8, o's shape (o 16-bit) or empty
                                   .Ret<ffi::AnyBuffer>(),  // scheduler workspace int32 (kFwdSchedulerElements)
                               {ffi::Traits::kCmdBufferCompatible});
@@ -233,7 +282,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaFlashBwd, run_bwd,
                                   .Arg<ffi::AnyBuffer>()  // q_block_visit_counts (..., K, Sb) int32, or (0,)
                                   .Attr<bool>("block_sparse")
                                   .Arg<ffi::AnyBuffer>()  // dropout_seeds (..., N, 4) uint32, or (0,) without
-                                  .Attr<double>("dropout_rate"),
+                                  .Attr<double>("dropout_rate")
+                                  .Arg<ffi::AnyBuffer>()  // bias (..., N|1, T|1, S|1), or (0,) float32 without
+                                  .Attr<bool>("bias")
+                                  .Arg<ffi::AnyBuffer>()  // mask (..., N|1, T|1, S|1) bool, or (0,) without
+                                  .Attr<bool>("mask")
+                                  .Ret<ffi::AnyBuffer>(),  // dbias float32, the bias's shape, or (0,)
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_flash

@@ -195,7 +195,21 @@ bool backward_takes_value_head_dim(const AttentionShape& shape, bool determinist
   return compiled_pair_in(kBackwardPairs, shape);
 }
 
+bool hopper_takes_logit_arrays(const AttentionShape& shape, bool backward, bool deterministic) {
+  if (device_compute_major() != 9) return false;
+  bool hopper_kernel = false;  // the call's compiled head dim has the pass's Hopper kernel
+  dispatch_dtype_head_dim(Dtype::kBFloat16, shape.head_dim, [&](auto, auto head_dim) -> cudaError_t {
+    constexpr int kD = decltype(head_dim)::value;
+    hopper_kernel = backward ? TileShapes<kD>::kHasSm90Bwd : TileShapes<kD>::kHasSm90Fwd;
+    return cudaSuccess;
+  });
+  if (!hopper_kernel) return false;
+  if (!backward) return forward_family() != KernelFamily::kSm80;
+  return !deterministic && backward_family_of(shape.head_dim) != KernelFamily::kSm80;
+}
+
 cudaError_t launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
+  if (logit_arrays(p) && !hopper_takes_logit_arrays(p.shape, false, false)) return cudaErrorInvalidValue;
   if (p.shape.seq_q == 0 || p.shape.batch == 0) return cudaSuccess;
   if (p.shape.head_dim_v != p.shape.head_dim) {
     // A value head dim of its own: the pair's kernel (the handler checked that it runs), narrow
@@ -244,6 +258,10 @@ bool sm90_dq_by_atomics(Sm90BwdVariant variant) {
 // dQ accumulator zeroed -> main (either family) -> convert dQ, or the deterministic dQ kernel
 // instead of the atomics and the convert. delta = rowsum(dO * O) comes formed (BwdParams::delta).
 cudaError_t launch_flash_bwd(const BwdParams& p, cudaStream_t stream) {
+  if (logit_arrays(p) && !hopper_takes_logit_arrays(p.shape, true, p.deterministic)) return cudaErrorInvalidValue;
+  // dbias (float32, the bias's shape) takes the kernel's atomics; zero where nothing runs.
+  if (p.dbias_accum)
+    if (cudaError_t e = cudaMemsetAsync(p.dbias_accum, 0, p.bias.elements * sizeof(float), stream)) return e;
   if (p.shape.batch == 0 || p.shape.seq_q == 0) return cudaSuccess;  // empty outputs
   // A value head dim of its own: the pair's kernel (the handler checked that it runs; narrow calls
   // included, whose hi + lo dS is the mma.sync kernels').

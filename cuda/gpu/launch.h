@@ -89,6 +89,12 @@ inline int64_t dq_accum_elements(const AttentionShape& shape, bool deterministic
 // then (the Python side pads v to H otherwise); false where Hv == H.
 bool forward_takes_value_head_dim(const AttentionShape& shape);
 
+// Whether the Hopper kernels run a pass of this shape, the ones with jax.nn's bias and mask arrays
+// (gpu/logit_arrays.cuh; experimental): on Hopper, the compiled head dim's Hopper kernel, a wgmma
+// family (not a JAX_FLASH_CUDA_* override to mma.sync), and for the backward not deterministic (its
+// dQ kernel is mma.sync). The handlers refuse the arrays elsewhere.
+bool hopper_takes_logit_arrays(const AttentionShape& shape, bool backward, bool deterministic);
+
 // Whether the backward of a call whose value head dim Hv differs from H runs a kernel of its own
 // for the pair (as forward_takes_value_head_dim, with the Hopper backward family at H's compiled
 // head dim, JF_SM90_BWD_VALUE_HEAD_DIMS, and not deterministic); the Python side pads v and dO

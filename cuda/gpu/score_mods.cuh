@@ -24,19 +24,22 @@ namespace jax_flash::cuda {
 
 // Whether a call takes the general kernels (kGeneral: host side, where the launchers choose):
 // those instantiated with the score modifications here, the segment ids of gpu/segment_ids.cuh,
-// the block mask's walks of gpu/block_sparse.cuh and fused dropout (gpu/dropout_fragments.h, in
-// instantiations of its own); the plain calls' kernels hold none of their code.
+// the block mask's walks of gpu/block_sparse.cuh, fused dropout (gpu/dropout_fragments.h) and
+// jax.nn's bias and mask arrays (gpu/logit_arrays.cuh), the last two in instantiations of their
+// own; the plain calls' kernels hold none of their code.
 inline bool general_kernel(const AttentionParams& p) {
   return p.logits_soft_cap > 0.f || p.alibi_slopes != nullptr || p.q_segment_ids != nullptr ||
-         p.kv_block_lists != nullptr || p.dropout_seeds != nullptr;
+         p.kv_block_lists != nullptr || p.dropout_seeds != nullptr || logit_arrays(p);
 }
 
 // Whether a general call needs the general kernels' ids and block-walk code (kIds): segment ids
 // or a block mask. Calls with only a soft cap or ALiBi slopes run general kernels without it
 // (the ids' code made the capped and ALiBi calls 5-7% slower at head dim 128 when it came,
 // session 15, cuda/PERF_NOTES.md v14).
+// Calls with jax.nn's bias or mask array (common/attention_params.h logit_arrays) run it too: the
+// Hopper kernels' kLogitArrays instantiations have it.
 inline bool general_ids(const AttentionParams& p) {
-  return p.q_segment_ids != nullptr || p.kv_block_lists != nullptr;
+  return p.q_segment_ids != nullptr || p.kv_block_lists != nullptr || logit_arrays(p);
 }
 
 // Plain calls that are narrow (common/mask.h narrow_shape) run the mma.sync kernels with P
@@ -50,7 +53,7 @@ inline bool narrow_plain_call(const AttentionParams& p) {
 // (gpu/segment_ids.cuh's tracks_seen_rows), and the plain Hopper kernels with the walk run it.
 inline bool plain_block_walk_suffices(const AttentionParams& p) {
   return p.kv_block_lists != nullptr && p.logits_soft_cap <= 0.f && p.alibi_slopes == nullptr &&
-         p.q_segment_ids == nullptr && p.dropout_seeds == nullptr && !p.mask.windowed();
+         p.q_segment_ids == nullptr && p.dropout_seeds == nullptr && !logit_arrays(p) && !p.mask.windowed();
 }
 
 // tanh by the hardware's approximation (one MUFU operation; relative error 2^-11, below the

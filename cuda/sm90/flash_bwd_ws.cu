@@ -51,6 +51,10 @@ cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
   // the handler refuses those).
   if (p.dropout_seeds != nullptr && !p.deterministic)
     kernel = flash_bwd_sm90_ws_kernel<Traits, T, false, true, false, false, true>;
+  // jax.nn's bias and mask arrays: a general kernel of its own, with the ids' code (not
+  // deterministic, not beside dropout: the handler refuses those).
+  if (logit_arrays(p) && !p.deterministic)
+    kernel = flash_bwd_sm90_ws_kernel<Traits, T, false, true, false, true, false, true>;
   if constexpr (kDeterministicKernels)
     if (p.deterministic)
       kernel = general_kernel(p) ? flash_bwd_sm90_ws_kernel<Traits, T, true, true>

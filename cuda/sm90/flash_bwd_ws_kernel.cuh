@@ -34,6 +34,7 @@
 #include "gpu/block_geometry.cuh"
 #include "gpu/dropout_fragments.h"
 #include "gpu/fragments.cuh"
+#include "gpu/logit_arrays.cuh"
 #include "gpu/mask.cuh"
 #include "gpu/ptx.cuh"
 #include "gpu/score_mods.cuh"
@@ -118,12 +119,17 @@ struct Sm90BwdWsSmem {
 // kDropout (non-deterministic general kernels without ids): fused dropout (gpu/dropout_fragments.h),
 // an instantiation of its own so that the other general kernels keep their registers (with it,
 // the capped kernels spilled up to 250 bytes).
+// kLogitArrays (non-deterministic general kernels with ids, without dropout): jax.nn's bias and
+// mask arrays (gpu/logit_arrays.cuh) on S^T, and dS^T added into the bias's float32 gradient;
+// an instantiation of its own, experimental.
 template <typename Traits, typename T, bool kDeterministic, bool kGeneral, bool kBlockWalk = false,
-          bool kIds = kGeneral, bool kDropout = false>
+          bool kIds = kGeneral, bool kDropout = false, bool kLogitArrays = false>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams params) {
   static_assert(!kDropout || (kGeneral && !kIds && !kDeterministic && !kBlockWalk),
                 "dropout: a non-deterministic general kernel without ids");
+  static_assert(!kLogitArrays || (kGeneral && kIds && !kDeterministic && !kBlockWalk && !kDropout),
+                "bias and mask arrays: a non-deterministic general kernel with ids, without dropout");
 #if JF_SM90A
   constexpr int kBM = Traits::kBlockM, kBN = Traits::kBlockN, kD = Traits::kHeadDim;
   constexpr int kStages = Traits::kStages;
@@ -448,6 +454,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         mask_transposed_with_ids(st, SegmentIds(p, task.b), p.mask, n0 + warp_key0, m0_group, q_len, kv_len, lane);
       else if (!group_blocks.whole(visit.mb))
         mask_transposed_scores(st, p.mask, n0 + warp_key0, m0_group, q_len, kv_len, lane);
+      if constexpr (kLogitArrays) apply_logit_arrays_transposed<T>(st, p, task.b, visit.h, n0 + warp_key0, m0_group, lane);
       if constexpr (!kGeneral) transposed_probabilities<kSQ>(st, lse2, scale_log2, lane);
       wgmma_wait<0>();
       fence_registers(dpt[0]);
@@ -468,6 +475,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
       transposed_score_gradients<kSQ>(dpt, st, delta, lane);
       if (dropout) apply_keep_mask(st[0], keep, p.dropout_scale);
+      // dbias = dS (the handler refuses a soft cap beside a bias: dS here holds the cap's factor)
+      if constexpr (kLogitArrays)
+        if (p.dbias_accum) add_dbias_transposed(dpt, p, task.b, visit.h, n0 + warp_key0, m0_group, lane);
     }
     // (Not live: st and dpt are left unset and never read; the zero dS^T is stored from
     // constants. Zeroing them here cost 30 CS2R every visit, hoisted above the branch.)

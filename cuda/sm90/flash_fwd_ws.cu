@@ -59,6 +59,9 @@ cudaError_t launch(const FwdParams& p, const Sm90FwdOptions& options, cudaStream
     // Fused dropout: a general kernel of its own (the handler refuses it beside ids or a block
     // mask; no tensor sums: P V's operand has the dropped probabilities, the sums every one).
     if (p.dropout_seeds != nullptr) kernel = flash_fwd_sm90_ws_kernel<Traits, T, true, false, false, false, false, true>;
+    // jax.nn's bias and mask arrays: a general kernel of its own, with the ids' code (the
+    // handler refuses them beside dropout).
+    if (logit_arrays(p)) kernel = flash_fwd_sm90_ws_kernel<Traits, T, true, false, false, true, false, false, true>;
   }
   // Plain calls with a 16-bit o store it by TMA from shared memory (not under sm90ws_directstore),
   // and so do those with a soft cap or ALiBi alone (not with dropout).

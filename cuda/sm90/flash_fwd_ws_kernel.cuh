@@ -25,6 +25,7 @@
 #include "gpu/dropout_fragments.h"
 #include "gpu/epilogue.cuh"
 #include "gpu/fragments.cuh"
+#include "gpu/logit_arrays.cuh"
 #include "gpu/mask.cuh"
 #include "gpu/score_mods.cuh"
 #include "gpu/segment_ids.cuh"
@@ -101,12 +102,17 @@ struct FwdWsBarriers {
 // kDropout (general kernels without ids, tensor sums or the TMA store): fused dropout
 // (gpu/dropout_fragments.h), an instantiation of its own so that the other general kernels keep
 // their registers.
+// kLogitArrays (general kernels with the ids' and block walk's code, without dropout, tensor sums
+// or the TMA store): jax.nn's bias and mask arrays (gpu/logit_arrays.cuh), likewise of its own;
+// experimental.
 template <typename Traits, typename T, bool kGeneral, bool kBlockWalk = false, bool kTensorSums = false,
-          bool kIds = kGeneral, bool kTmaStore = false, bool kDropout = false>
+          bool kIds = kGeneral, bool kTmaStore = false, bool kDropout = false, bool kLogitArrays = false>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdTmaParams params) {
   static_assert(!kDropout || (kGeneral && !kIds && !kTensorSums && !kTmaStore && !kBlockWalk),
                 "dropout: a general kernel without ids, tensor sums or the TMA store");
+  static_assert(!kLogitArrays || (kGeneral && kIds && !kDropout && !kTensorSums && !kTmaStore && !kBlockWalk),
+                "bias and mask arrays: a general kernel with ids, without dropout, tensor sums or the TMA store");
 #if JF_SM90A
   constexpr int kBM = Traits::kBlockM, kBN = Traits::kBlockN, kDv = Traits::kValueHeadDim;
   constexpr int kStages = Traits::kStages;
@@ -267,6 +273,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     float o[1][kDv / 8][4] = {};
     float row_sums[1][1][4] = {};  // kTensorSums: the 16-bit P's row sums (every column the row's)
     SeenRows<1> seen(!(kIds && tracks_seen_rows(p)) && untracked_seen_rows(count));  // rows that met a key
+    // With a mask array (kLogitArrays) the rows that met a key every mask lets through are
+    // noted apart (the range and id masks' own notes cannot tell which of their keys it hides).
+    const bool array_mask = kLogitArrays && p.logit_mask;
+    SeenRows<1> array_seen(false);
 
     // Fused dropout (kDropout; the handler refuses it beside segment ids or a block mask): the
     // tile's stream; each block's dropped probabilities are zeroed in P V's operand once the row
@@ -292,6 +302,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         } else if (blk.needs_mask(n0)) {
           mask_scores(s, p.mask, m0 + warp_m0, n0, task.q_len, task.kv_len, lane);
         }
+        if constexpr (kLogitArrays)
+          apply_logit_arrays<T>(s, p, task.b, task.h, m0 + warp_m0, n0, task.q_len, task.kv_len, lane, array_seen);
       };
       if constexpr (Traits::kPingPong)
         if (group == Traits::kConsumers - 1) named_barrier_arrive(1, kTurnThreads);  // warpgroup 0 goes first
@@ -367,6 +379,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
     }
 
+    if constexpr (kLogitArrays)
+      if (array_mask) seen = array_seen;
     const ValueRows values = value_rows<kOwnValueHeadDim>(p, task);
     if constexpr (kTmaStore) {
       // The warpgroup's rows of the O tile: once its last TMA store has read them, written by

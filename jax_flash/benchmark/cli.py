@@ -196,11 +196,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
       "with any of these, each case times jax_flash twice on the same inputs, plain and with "
       "the variant (all the options given together), and the table gives the variant's rate "
       "and its time over the plain one's ('variant/plain time'); every other peer runs with "
-      "the variant where it takes it (jax.nn's cudnn and xla take ALiBi only, as a (1, N, T, "
-      "S) bias array formed in the step), else its cells read 'unavailable' with the reason, "
-      "as does a case the jax_flash kernel refuses (on a GPU: dropout). The sinks and slopes "
-      "are constants (not "
-      "differentiated)")
+      "the variant where it takes it (jax.nn's cudnn and xla take ALiBi as a (1, N, T, S) bias "
+      "array formed in the step, and the bias and mask arrays), else its cells read "
+      "'unavailable' with the reason, as does a case the jax_flash kernel refuses (on a GPU: "
+      "dropout, and the arrays unless JAX_FLASH_CUDA_LOGIT_ARRAYS=on). The sinks, slopes and "
+      "bias are constants (not differentiated)")
   variant.add_argument("--logits-soft-cap", type=soft_cap, metavar="C",
                        help="logits_soft_cap=C (Gemma 2's tanh cap of the scores)")
   variant.add_argument("--alibi", action="store_true",
@@ -209,6 +209,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                        help=f"sinks: a random normal logit per head (seed {SINKS_SEED}, mean 0)")
   variant.add_argument("--dropout-rate", type=dropout_rate, metavar="R",
                        help=f"dropout_rate=R with a fixed dropout_key (seed {DROPOUT_SEED})")
+  variant.add_argument("--bias", action="store_true",
+                       help="bias: a (1, N, T, S) array of the query's dtype, sin(0.01 (i + 2j) "
+                            "+ h), formed in the step (not differentiated)")
+  variant.add_argument("--mask", action="store_true",
+                       help="mask: a (T, S) bool band, key j visible to row i when i - S/4 < j "
+                            "<= i + S/4, formed in the step")
   parser.add_argument("--preset", choices=("decode",),
                       help="decode: the decoding shapes of issue 15 (B64 T1 32/8 S8192, also "
                            "ragged: every other sequence at S/8; B16 T1 16/16 S16384, B32 T4 "
@@ -233,8 +239,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.error("--block-density does not apply to --preset")
   args.variant = variant_of(args)
   if args.variant is not None and (args.preset is not None or args.block_density is not None):
-    parser.error("the score variants (--logits-soft-cap, --alibi, --sinks, --dropout-rate) do "
-                 "not apply to --preset or --block-density")
+    parser.error("the score variants (--logits-soft-cap, --alibi, --sinks, --dropout-rate, "
+                 "--bias, --mask) do not apply to --preset or --block-density")
   if args.packed_documents is not None and (
       args.preset is not None or args.block_density is not None or args.variant is not None):
     parser.error("--packed-documents does not apply to --preset, --block-density or the score "
@@ -327,7 +333,7 @@ def kv_heads_caption(kv_heads: int) -> str:
 def variant_of(args: argparse.Namespace) -> Variant | None:
   """The score variant the arguments ask for, None without one."""
   variant = Variant(logits_soft_cap=args.logits_soft_cap, alibi=args.alibi, sinks=args.sinks,
-                    dropout_rate=args.dropout_rate)
+                    dropout_rate=args.dropout_rate, bias=args.bias, mask=args.mask)
   return variant if variant.features() else None
 
 

@@ -1,13 +1,19 @@
-"""Score variants (--logits-soft-cap, --alibi, --sinks, --dropout-rate): jax_flash timed with
-them beside the plain jax_flash kernel, on the same inputs in the same run, and every other peer
-timed with them where it takes them.
+"""Score variants (--logits-soft-cap, --alibi, --sinks, --dropout-rate, --bias, --mask): jax_flash
+timed with them beside the plain jax_flash kernel, on the same inputs in the same run, and every
+other peer timed with them where it takes them.
 
 A variant run's peers are the plain jax_flash (the baseline, named "jax_flash"), jax_flash with
 the variant ("jax_flash+variant") and each other peer with the variant ("cudnn+variant", ...).
 A peer that cannot take the variant is unavailable with the reason: for the whole run when it
-has no such option (jax.nn.dot_product_attention takes ALiBi only, as a bias array; Pallas' mha
-and PyTorch's flash kernel take none of them), per case when its kernel refuses the call at
-trace time (a NotImplementedError: the CUDA kernels refuse dropout).
+has no such option (jax.nn.dot_product_attention takes ALiBi only as a bias array, and bias and
+mask arrays; Pallas' mha and PyTorch's flash kernel take none of them), per case when its kernel
+refuses the call at trace time (a NotImplementedError: the CUDA kernels refuse dropout, and the
+bias and mask arrays unless JAX_FLASH_CUDA_LOGIT_ARRAYS=on).
+
+The bias and mask arrays are formed in the step from positions (no random draw, so no peer pays
+for one): bias[0, h, i, j] = sin(0.01 (i + 2 j) + h) in the query's dtype, (1, N, T, S); the mask
+a (T, S) band, key j visible to row i when i - S/4 < j <= i + S/4 (a quarter of the (T, S) blocks
+or so hidden whole at T = S).
 """
 
 from __future__ import annotations
@@ -42,12 +48,15 @@ class Variant:
   alibi: bool = False
   sinks: bool = False
   dropout_rate: float | None = None
+  bias: bool = False
+  mask: bool = False
 
   def features(self) -> tuple[str, ...]:
     """The jax_flash keywords the variant sets."""
     return tuple(name for name, on in (("logits_soft_cap", self.logits_soft_cap is not None),
                                        ("alibi_slopes", self.alibi), ("sinks", self.sinks),
-                                       ("dropout_rate", self.dropout_rate is not None)) if on)
+                                       ("dropout_rate", self.dropout_rate is not None),
+                                       ("bias", self.bias), ("mask", self.mask)) if on)
 
   def describe(self) -> str:
     """One line for the table's caption."""
@@ -60,7 +69,20 @@ class Variant:
       parts.append(f"sinks: a random normal logit per head (seed {SINKS_SEED}, mean 0)")
     if self.dropout_rate is not None:
       parts.append(f"dropout_rate={self.dropout_rate:g} (key seed {DROPOUT_SEED})")
+    if self.bias:
+      parts.append("bias: a (1, N, T, S) array sin(0.01 (i + 2j) + h), formed in the step")
+    if self.mask:
+      parts.append("mask: a (T, S) band |j - i| <= S/4 (j > i - S/4), formed in the step")
     return ", ".join(parts)
+
+  def arrays(self, query: jax.Array, key: jax.Array) -> dict[str, jax.Array]:
+    """The bias and mask arrays of the variant for these inputs (none where it has neither)."""
+    arrays = {}
+    if self.bias:
+      arrays["bias"] = position_bias(query, key)
+    if self.mask:
+      arrays["mask"] = band_mask(query.shape[1], key.shape[1])
+    return arrays
 
   def flash_options(self, heads: int) -> dict[str, object]:
     """jax_flash.dot_product_attention's keywords for `heads` query heads."""
@@ -96,6 +118,22 @@ def alibi_bias(query: jax.Array, key: jax.Array) -> jax.Array:
   return (slopes * distance)[None].astype(query.dtype)
 
 
+def position_bias(query: jax.Array, key: jax.Array) -> jax.Array:
+  """The --bias array: (1, N, T, S), sin(0.01 (i + 2 j) + h) in the query's dtype."""
+  heads, t, s = query.shape[2], query.shape[1], key.shape[1]
+  rows = jnp.arange(t, dtype=jnp.float32)[None, :, None]
+  keys = jnp.arange(s, dtype=jnp.float32)[None, None, :]
+  head = jnp.arange(heads, dtype=jnp.float32)[:, None, None]
+  return jnp.sin(0.01 * (rows + 2 * keys) + head)[None].astype(query.dtype)
+
+
+def band_mask(t: int, s: int) -> jax.Array:
+  """The --mask array: (T, S) bool, key j visible to row i when i - S/4 < j <= i + S/4."""
+  width = max(1, s // 4)
+  distance = jnp.arange(s)[None, :] - jnp.arange(t)[:, None]
+  return (distance > -width) & (distance <= width)
+
+
 def _join(features: tuple[str, ...]) -> str:
   return ", ".join(features)
 
@@ -105,15 +143,23 @@ def _flash_attention(kernel: str, deterministic: bool, variant: Variant) -> Atte
                 is_causal: bool) -> jax.Array:
     return jax_flash.dot_product_attention(query, key, value, is_causal=is_causal,
                                            implementation=kernel, deterministic=deterministic,
-                                           **variant.flash_options(query.shape[2]))
+                                           **variant.flash_options(query.shape[2]),
+                                           **variant.arrays(query, key))
   return attention
 
 
-def _jax_nn_attention(implementation: str) -> AttentionFn:
-  """jax.nn.dot_product_attention with ALiBi as a bias array (the only variant it takes)."""
+def _jax_nn_attention(implementation: str, variant: Variant) -> AttentionFn:
+  """jax.nn.dot_product_attention with ALiBi as a bias array, and the bias and mask arrays (the
+  variants it takes)."""
   def attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
                 is_causal: bool) -> jax.Array:
-    return jax.nn.dot_product_attention(query, key, value, bias=alibi_bias(query, key),
+    arrays = variant.arrays(query, key)
+    bias = arrays.get("bias")
+    if variant.alibi:
+      bias = alibi_bias(query, key) if bias is None else bias + alibi_bias(query, key)
+    mask = arrays.get("mask")
+    return jax.nn.dot_product_attention(query, key, value, bias=bias,
+                                        mask=None if mask is None else mask[None, None],
                                         is_causal=is_causal, implementation=implementation)
   return attention
 
@@ -129,8 +175,11 @@ def _tokamax_attention(variant: Variant) -> AttentionFn:
     options: dict[str, object] = {}
     if variant.logits_soft_cap is not None:
       options["logits_soft_cap"] = variant.logits_soft_cap
+    options.update(variant.arrays(query, key))
     if variant.alibi:
-      options["bias"] = alibi_bias(query, key)
+      options["bias"] = alibi_bias(query, key) + options.get("bias", 0)
+    if "mask" in options:
+      options["mask"] = options["mask"][None, None]
     lacking = [name for name in options if name not in parameters]
     if lacking:
       raise NotImplementedError(f"this tokamax's dot_product_attention takes no {_join(lacking)}")
@@ -146,10 +195,10 @@ def _variant_attention(name: str, kernel: str, deterministic: bool,
   if name == "jax_flash":
     return _flash_attention(kernel, deterministic, variant)
   if name in ("cudnn", "xla"):
-    lacking = tuple(f for f in features if f != "alibi_slopes")
+    lacking = tuple(f for f in features if f not in ("alibi_slopes", "bias", "mask"))
     if lacking:
       return f"jax.nn.dot_product_attention takes no {_join(lacking)}"
-    return _jax_nn_attention(name)
+    return _jax_nn_attention(name, variant)
   if name == "tokamax":
     lacking = tuple(f for f in features if f in ("sinks", "dropout_rate"))
     if lacking:
