@@ -27,7 +27,7 @@ import numpy as np
 
 from jax_flash import (_decode, _derivatives, _dispatch, _dropout, _logit_arrays, _registry, _rounding,
                        _split_kv)
-from jax_flash._block_sparse import BLOCK_MASK_BLOCK
+from jax_flash._block_sparse import BLOCK_MASK_BLOCK, block_mask_shape
 from jax_flash._reference import empty_lse
 
 # At most this many float32 dQ partials: the workspace stays a small multiple of dQ however many
@@ -534,9 +534,8 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
   if implementation == "cuda" and mask is not None and mask.shape[0] in (1, batch):
     # The blocks the mask hides whole are skipped like a block mask's (the CUDA kernels' walk;
     # the CPU kernel finds them itself, tile by tile).
-    blocks = (-(-seq_q // BLOCK_MASK_BLOCK[0]), -(-k.shape[1] // BLOCK_MASK_BLOCK[1]))
     hidden = _logit_arrays.block_mask_of(mask, *BLOCK_MASK_BLOCK)
-    hidden = jnp.broadcast_to(hidden, (*hidden.shape[:-2], *blocks))
+    hidden = jnp.broadcast_to(hidden, (*hidden.shape[:-2], *block_mask_shape(seq_q, k.shape[1])))
     block_mask = hidden if block_mask is None else jnp.logical_and(block_mask, hidden)
   with _derivatives.explain_forward_mode(caller, implementation):
     extra = () if segment_ids is None else (tuple(segment_ids),)

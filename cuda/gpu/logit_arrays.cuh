@@ -10,7 +10,7 @@
 //
 // Experimental (issue 16 item 3): a general kernel instantiation of its own (kLogitArrays), run
 // only where the Python side passes the arrays (JAX_FLASH_CUDA_LOGIT_ARRAYS=on). Element reads
-// are scalar loads through the read-only path; a TMA tile per stage is the next step
+// are scalar global loads in the consumers' path; a TMA tile per stage is the next step
 // (cuda/PERF_NOTES.md "Bias and mask arrays in the kernels").
 //
 // Fragment layouts as gpu/score_mods.cuh's: the forward's element (0, nt, e) is query row
@@ -105,7 +105,7 @@ __device__ __forceinline__ void apply_logit_arrays(float (&s)[1][kNTiles][4], co
   }
 }
 
-// f(ii, x, half) for each element x of a transposed tile st (keys from key0 in rows, queries from
+// f(ii, x) for each element x of a transposed tile st (keys from key0 in rows, queries from
 // query0 in columns) inside the call's seq_q x seq_k: ii its query less the thread's first,
 // query0 + 2 (lane % 4); half its key's, key0 + lane / 4 + 8 half. `line(half)` runs first for
 // each key row inside the call.
