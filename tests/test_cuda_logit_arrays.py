@@ -162,6 +162,28 @@ CUDA_BIAS_CASES = {
 }
 
 
+# Biases the Hopper kernels stage through shared memory (gpu/logit_arrays.cuh bias_stages: the
+# inputs' dtype, keys contiguous, every row on 16 bytes) and whose dbias takes 16-byte atomics
+# (dbias_quads): a key count that is a multiple of 8 but not of the key blocks (144), rows past
+# the last query tile (T = 70). The cases above (S = 150) read every element from global memory
+# and add dbias an element at a time; so do these under JAX_FLASH_CUDA_BIAS_LOADS=direct
+# (test_cuda_kernels_under_the_switch).
+S8 = 144
+CUDA_BIAS_CASES.update({f"staged-{name}": dict(case, s=case.get("s", S8)) for name, case in {
+    "1NTS-hd128-causal": dict(bias_shape=(1, N, T, S8), head_dim=128, is_causal=True),
+    "BNTS-hd64": dict(bias_shape=(B, N, T, S8), head_dim=64),
+    "B1TS-hd96-lengths": dict(bias_shape=(B, 1, T, S8), head_dim=96,
+                              query_seq_lengths=jnp.array([70, 33], jnp.int32),
+                              key_value_seq_lengths=jnp.array([144, 77], jnp.int32)),
+    "BN1S-hd192": dict(bias_shape=(B, N, 1, S8), head_dim=192, is_causal=True),
+    "11TS-mask-hd256": dict(bias_shape=(1, 1, T, S8), mask_shape=(T, S8), head_dim=256),
+    "f16-1NTS-window-hd64": dict(dtype=jnp.float16, bias_shape=(1, N, T, S8), head_dim=64,
+                                 local_window_size=(30, 10)),
+    "mqa-T-above-S-hd128": dict(bias_shape=(B, N, 152, 96), t=152, s=96, heads=(4, 1), head_dim=128,
+                                is_causal=True),
+}.items()})
+
+
 def _needs_the_cuda_switch():
   if not _logit_arrays.cuda_kernels_take_logit_arrays():
     pytest.skip("runs under JAX_FLASH_CUDA_LOGIT_ARRAYS=on (test_cuda_kernels_under_the_switch)")
@@ -216,6 +238,10 @@ def test_cuda_block_diagonal_mask_skips_blocks():
 
 @pytest.mark.gpu
 def test_cuda_kernels_under_the_switch():
-  """The GPU tests above in a process with JAX_FLASH_CUDA_LOGIT_ARRAYS=on."""
+  """The GPU tests above in a process with JAX_FLASH_CUDA_LOGIT_ARRAYS=on, and the staged biases'
+  cases again with every element read and added from global memory (JAX_FLASH_CUDA_BIAS_LOADS=
+  direct)."""
   gpu_tests_in_a_process(__file__, "test_cuda_against_jax_nn or test_cuda_row_the_mask or "
                          "test_cuda_block_diagonal", dict(JAX_FLASH_CUDA_LOGIT_ARRAYS="on"))
+  gpu_tests_in_a_process(__file__, "test_cuda_against_jax_nn and staged",
+                         dict(JAX_FLASH_CUDA_LOGIT_ARRAYS="on", JAX_FLASH_CUDA_BIAS_LOADS="direct"))

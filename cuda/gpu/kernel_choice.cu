@@ -18,6 +18,7 @@ constexpr const char* kHeadDim96Variable = "JAX_FLASH_CUDA_HD96";
 constexpr const char* kHeadDim192BackwardVariable = "JAX_FLASH_CUDA_HD192_BWD";
 constexpr const char* kValueHeadDimVariable = "JAX_FLASH_CUDA_VALUE_HEAD_DIM";
 constexpr const char* kDecodeLoadsVariable = "JAX_FLASH_CUDA_DECODE_LOADS";
+constexpr const char* kBiasLoadsVariable = "JAX_FLASH_CUDA_BIAS_LOADS";
 
 struct Overrides {
   std::optional<KernelFamily> forward;
@@ -28,6 +29,7 @@ struct Overrides {
   HeadDim192Backward head_dim_192_backward = HeadDim192Backward::kNative;
   bool own_value_head_dim = true;  // JAX_FLASH_CUDA_VALUE_HEAD_DIM=padded turns it off
   DecodeLoads decode_loads = DecodeLoads::kPlain;
+  bool staged_bias = true;  // JAX_FLASH_CUDA_BIAS_LOADS=direct turns it off
   std::string error;
 };
 
@@ -111,6 +113,7 @@ Overrides read_overrides() {
   o.head_dim_192_backward = read_head_dim_192_backward(o.error);
   o.own_value_head_dim = read_switch(kValueHeadDimVariable, "native", "padded", o.error);
   o.decode_loads = read_decode_loads(o.error);
+  o.staged_bias = read_switch(kBiasLoadsVariable, "staged", "direct", o.error);
   return o;
 }
 
@@ -156,5 +159,6 @@ bool native_head_dim_96_enabled() { return overrides().native_head_dim_96; }
 HeadDim192Backward head_dim_192_backward() { return overrides().head_dim_192_backward; }
 bool own_value_head_dim_enabled() { return overrides().own_value_head_dim; }
 DecodeLoads decode_loads() { return overrides().decode_loads; }
+bool staged_bias_enabled() { return overrides().staged_bias; }
 
 }  // namespace jax_flash::cuda

@@ -68,6 +68,15 @@
 //                                 session 31): the split-KV decode kernel's K/V copies as they
 //                                 are, or with an L2 hint: evict-first (K/V are read once), or a
 //                                 256-byte prefetch (gpu/ptx.cuh cp_async_16_hinted).
+//   JAX_FLASH_CUDA_BIAS_LOADS = staged | direct (default: staged; session 34, with jax.nn's bias
+//                               arrays in the Hopper kernels, experimental behind
+//                               JAX_FLASH_CUDA_LOGIT_ARRAYS=on): a 16-bit bias's tiles copied
+//                               into shared memory by the producer warp a stage ahead where
+//                               gpu/logit_arrays.cuh bias_stages allows and the kernel has room,
+//                               and dbias added by 16-byte atomics of four keys where its layout
+//                               allows (gpu/logit_arrays.cuh dbias_quads); or every element a
+//                               global load in the consumers' path and a float32 atomic
+//                               (session 33's first version).
 //   JAX_FLASH_CUDA_NARROW = split | off (default: split since session 19, whose differential run
 //                           of 2000 configurations gave 0 misses under it): narrow plain calls
 //                           (narrow_shape below) run the mma.sync kernels with P and dS as hi +
@@ -122,6 +131,9 @@ bool own_value_head_dim_enabled();
 // The L2 hint of the decode kernel's K/V copies (JAX_FLASH_CUDA_DECODE_LOADS).
 enum class DecodeLoads { kPlain, kEvictFirst, kPrefetch256 };
 DecodeLoads decode_loads();
+// Whether the Hopper kernels stage a 16-bit bias array's tiles through shared memory where they
+// can (unless JAX_FLASH_CUDA_BIAS_LOADS=direct).
+bool staged_bias_enabled();
 
 // Narrow calls (common/mask.h narrow_shape): by default (JAX_FLASH_CUDA_NARROW=split) plain ones
 // run the mma.sync kernels with P and dS as hi + lo (two 16-bit operands: about float32;

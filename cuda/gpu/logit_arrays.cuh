@@ -9,9 +9,14 @@
 // of the bias's shape (AttentionParams::dbias_accum) by atomics.
 //
 // Experimental (issue 16 item 3): a general kernel instantiation of its own (kLogitArrays), run
-// only where the Python side passes the arrays (JAX_FLASH_CUDA_LOGIT_ARRAYS=on). Element reads
-// are scalar global loads in the consumers' path; a TMA tile per stage is the next step
-// (cuda/PERF_NOTES.md "Bias and mask arrays in the kernels").
+// only where the Python side passes the arrays (JAX_FLASH_CUDA_LOGIT_ARRAYS=on). Where the bias
+// allows (bias_stages: the inputs' 16-bit type, keys contiguous, rows 16-byte aligned) and the
+// kernel's shared memory has room, the producer warp copies the bias tile of each key block
+// (forward) or visit (backward) into shared memory a stage ahead (stage_bias_tile) and the
+// consumers read it by ldmatrix (add_staged_bias, add_staged_bias_transposed); otherwise, and for
+// the mask, elements are scalar global loads in the consumers' path. dbias takes 16-byte atomics
+// of four keys where its layout allows (dbias_quads). JAX_FLASH_CUDA_BIAS_LOADS=direct turns both
+// off (cuda/PERF_NOTES.md "Bias and mask arrays in the kernels").
 //
 // Fragment layouts as gpu/score_mods.cuh's: the forward's element (0, nt, e) is query row
 // lane / 4 (+ 8 for e >= 2) and key 8 nt + 2 (lane % 4) + e % 2 of the warp's tile; the
@@ -26,8 +31,11 @@
 
 #include "common/attention_params.h"
 #include "common/mask.h"
+#include "gpu/mask.cuh"
 #include "gpu/score_mods.cuh"
 #include "gpu/segment_ids.cuh"
+#include "gpu/smem_tile.cuh"
+#include "gpu/tile_io.cuh"
 
 namespace jax_flash::cuda {
 
@@ -55,10 +63,11 @@ __device__ __forceinline__ float add_bias(float s, float bias, float factor) {
 // that meet a key the mask and the rows' key ranges let through (with a mask array only: the
 // caller starts it at none). Element (0, nt, 2 half + c) is row m0 + lane / 4 + 8 half and key
 // n0 + 2 (lane % 4) + 8 nt + c.
+// With `bias_staged` the bias is left to add_staged_bias.
 template <typename T, int kNTiles>
 __device__ __forceinline__ void apply_logit_arrays(float (&s)[1][kNTiles][4], const AttentionParams& p, int64_t b,
                                                    int64_t h, int64_t m0, int64_t n0, int64_t q_len, int64_t kv_len,
-                                                   int lane, SeenRows<1>& seen) {
+                                                   int lane, SeenRows<1>& seen, bool bias_staged) {
   const int keys_left = static_cast<int>(p.shape.seq_k - n0) - (lane % 4) * 2;  // this thread's keys in the call
   const int64_t j0 = n0 + (lane % 4) * 2;
 #pragma unroll
@@ -70,8 +79,7 @@ __device__ __forceinline__ void apply_logit_arrays(float (&s)[1][kNTiles][4], co
       const uint8_t* line = static_cast<const uint8_t*>(a.data) + a.offset(b, h) + i * a.row + j0 * a.col;
       const int step = static_cast<int>(a.col);
       const KeyRange r = key_range(p.mask, i, q_len, kv_len);
-      const int begin = static_cast<int>(max64(-1, min64(r.begin - j0, kNTiles * 8)));
-      const int end = static_cast<int>(max64(-1, min64(r.end - j0, kNTiles * 8)));
+      const auto [begin, end] = span_in_tile(r, j0, kNTiles * 8);
       bool any = false;
 #pragma unroll
       for (int nt = 0; nt < kNTiles; ++nt)
@@ -85,7 +93,7 @@ __device__ __forceinline__ void apply_logit_arrays(float (&s)[1][kNTiles][4], co
         }
       if (any) seen.seen[0][half] = true;
     }
-    if (p.bias) {
+    if (p.bias && !bias_staged) {
       const LogitArray& a = p.bias;
       const float factor = 1.f / ScoreMods::softmax_scale(p);
       const int64_t at = a.offset(b, h) + i * a.row + j0 * a.col;
@@ -102,6 +110,61 @@ __device__ __forceinline__ void apply_logit_arrays(float (&s)[1][kNTiles][4], co
           }
       });
     }
+  }
+}
+
+// Whether the forward may stage the bias's tiles (stage_bias_tile): the inputs' 16-bit type,
+// keys contiguous, and every row of every (b, h) slice starting on 16 bytes with whole 16-byte
+// chunks up to the call's last key (strides and seq_k multiples of 8 elements).
+JF_HOST_DEVICE inline bool bias_stages(const AttentionParams& p) {
+  const LogitArray& a = p.bias;
+  return a && p.dtype != Dtype::kFloat32 && a.dtype == p.dtype && a.col == 1 && a.row % 8 == 0 && a.head % 8 == 0 &&
+         a.batch % 8 == 0 && p.shape.seq_k % 8 == 0 && reinterpret_cast<uintptr_t>(a.data) % 16 == 0;
+}
+
+// The producer warp's copy of the bias tile of query rows m0.. and keys n0.. (a Tile, kRows x
+// kCols) of slice (b, h) into shared memory, zero past the call's rows and keys. The caller
+// makes the copies arrive on the tile's barrier.
+template <typename Tile, typename T>
+__device__ __forceinline__ void stage_bias_tile(T* tile, const AttentionParams& p, int64_t b, int64_t h, int64_t m0,
+                                                int64_t n0, int lane) {
+  const LogitArray& a = p.bias;
+  const T* first = static_cast<const T*>(a.data) + a.offset(b, h) + m0 * a.row + n0;
+  const int rows = static_cast<int>(min64(Tile::kRows, p.shape.seq_q - m0));
+  const int chunks = static_cast<int>(min64(Tile::kChunks, (p.shape.seq_k - n0) / 8));
+  warp_load_tile<Tile>(tile, first, a.row, rows, chunks, lane);
+}
+
+// add_bias of the four pairs of one ldmatrix x4 (matrix m: n-tile nt + m / 2, row half m % 2 of
+// a thread's fragment: the same places in the forward's tiles and the backward's transposed ones).
+template <typename T, int kNTiles>
+__device__ __forceinline__ void add_bias_pairs(float (&s)[1][kNTiles][4], int nt, const uint32_t (&pairs)[4],
+                                               float factor) {
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    const float2 bias = unpack_pair<T>(pairs[m]);
+    float* x = &s[0][nt + m / 2][2 * (m % 2)];
+    x[0] = add_bias(x[0], bias.x, factor);
+    x[1] = add_bias(x[1], bias.y, factor);
+  }
+}
+
+// add_bias of the staged tile's elements to a warp's 16 x (8 kNTiles) scores s (the tile's rows
+// row0.. and every key). One ldmatrix gives a thread its two rows' pairs of two n-tiles: lanes
+// 8 m .. 8 m + 7 address matrix m's rows (rows row0 + 8 (m % 2).., chunk nt + m / 2).
+template <typename Tile, typename T, int kNTiles>
+__device__ __forceinline__ void add_staged_bias(float (&s)[1][kNTiles][4], const T* tile, int row0, float factor,
+                                                int lane) {
+  static_assert(kNTiles == Tile::kChunks && kNTiles % 2 == 0, "a tile row of whole chunk pairs");
+  const int row = row0 + lane % 8 + (lane / 8 % 2) * 8;
+  // Chunk nt + c of the row (nt even, c < 2) is at physical chunk physical_chunk(row, c) ^ nt.
+  const uint32_t row_address = smem_address(tile + row * Tile::kCols);
+  const int chunk = Tile::physical_chunk(row, lane / 16);
+#pragma unroll
+  for (int nt = 0; nt < kNTiles; nt += 2) {
+    uint32_t pairs[4];
+    ldmatrix_x4(pairs, row_address + (chunk ^ nt) * 16);
+    add_bias_pairs<T>(s, nt, pairs, factor);
   }
 }
 
@@ -133,11 +196,32 @@ __device__ __forceinline__ int64_t transposed_line(const LogitArray& a, int64_t 
   return a.offset(b, h) + (query0 + (lane % 4) * 2) * a.row + (key0 + lane / 4 + half * 8) * a.col;
 }
 
-// The backward's transposed tile st, after its range masks.
+// add_bias of the staged tile's elements (a Tile of queries in rows, keys in columns: the same
+// copy as the forward's) to a backward warp's transposed scores st (keys key0 .. + 15 of the
+// tile's columns in rows, its queries query0 .. in columns). ldmatrix .trans hands each thread
+// its transposed pairs: lanes 8 m .. 8 m + 7 address matrix m's query rows (query0 + 8 (nt + m
+// / 2) .., key chunk key0 / 8 + m % 2).
+template <typename Tile, typename T, int kNTiles>
+__device__ __forceinline__ void add_staged_bias_transposed(float (&st)[1][kNTiles][4], const T* tile, int key0,
+                                                           int query0, float factor, int lane) {
+  static_assert(kNTiles % 2 == 0, "whole pairs of query n-tiles");
+  const int row = query0 + lane % 8 + (lane / 16) * 8;
+  // Rows 8 apart share the swizzle: one physical chunk for every n-tile pair.
+  const uint32_t address = smem_address(tile + row * Tile::kCols + Tile::physical_chunk(row, key0 / 8 + lane / 8 % 2) * 8);
+#pragma unroll
+  for (int nt = 0; nt < kNTiles; nt += 2) {
+    uint32_t pairs[4];
+    ldmatrix_x4_trans(pairs, address + nt * 8 * Tile::kCols * 2);
+    add_bias_pairs<T>(st, nt, pairs, factor);
+  }
+}
+
+// The backward's transposed tile st, after its range masks; with `bias_staged` the bias is left
+// to add_staged_bias_transposed.
 template <typename T, int kNTiles>
 __device__ __forceinline__ void apply_logit_arrays_transposed(float (&st)[1][kNTiles][4], const AttentionParams& p,
                                                               int64_t b, int64_t h, int64_t key0, int64_t query0,
-                                                              int lane) {
+                                                              int lane, bool bias_staged) {
   if (p.logit_mask) {
     const LogitArray& a = p.logit_mask;
     const uint8_t* line = nullptr;
@@ -149,7 +233,7 @@ __device__ __forceinline__ void apply_logit_arrays_transposed(float (&st)[1][kNT
           if (line[ii * step] == 0) x = -INFINITY;
         });
   }
-  if (p.bias) {
+  if (p.bias && !bias_staged) {
     const LogitArray& a = p.bias;
     const float factor = 1.f / ScoreMods::softmax_scale(p);
     const int step = static_cast<int>(a.row);
@@ -163,22 +247,74 @@ __device__ __forceinline__ void apply_logit_arrays_transposed(float (&st)[1][kNT
   }
 }
 
+// Whether dbias's float32 elements take the quads' 16-byte atomics (add_dbias_transposed): keys
+// contiguous, every row of every slice on 16 bytes.
+JF_HOST_DEVICE inline bool dbias_quads(const AttentionParams& p) {
+  const LogitArray& a = p.bias;
+  return a.col == 1 && a.row % 4 == 0 && a.head % 4 == 0 && a.batch % 4 == 0;
+}
+
 // dbias += dS^T (dst: P^T (dP^T - delta), the softmax scale left out as the kernels leave it: the
 // bias enters the scores after the scale) over the transposed tile, into the float32 copy of the
 // bias's shape. Along a broadcast dim several elements add into one (atomics: the order varies;
 // a bias without broadcast dims takes one add an element, exact).
+// With `quads` (dbias_quads) a 16-byte atomic adds four keys of one query: lanes r = lane / 4 % 4
+// of a quad column (one lane % 4) hold keys k0 + r of the same queries, which two exchanges
+// transpose so that lane r holds query r of each four (two n-tiles' two columns) at keys k0 ..
+// k0 + 3; a quarter of the atomics for four shuffles (dbias at a (1, N, T, S) bias is a float32
+// atomic a score and batch element otherwise).
 template <int kNTiles>
 __device__ __forceinline__ void add_dbias_transposed(const float (&dst)[1][kNTiles][4], const BwdParams& p, int64_t b,
-                                                     int64_t h, int64_t key0, int64_t query0, int lane) {
+                                                     int64_t h, int64_t key0, int64_t query0, int lane, bool quads) {
   const LogitArray& a = p.bias;
-  float* line = nullptr;
-  const int step = static_cast<int>(a.row);
-  for_each_transposed(
-      dst, p.shape, key0, query0, lane,
-      [&](int half) { line = p.dbias_accum + transposed_line(a, b, h, key0, query0, lane, half); },
-      [&](int ii, float ds) {
-        if (ds != 0.f) atomicAdd(line + ii * step, ds);
-      });
+  if (!quads) {
+    float* line = nullptr;
+    const int step = static_cast<int>(a.row);
+    for_each_transposed(
+        dst, p.shape, key0, query0, lane,
+        [&](int half) { line = p.dbias_accum + transposed_line(a, b, h, key0, query0, lane, half); },
+        [&](int ii, float ds) {
+          if (ds != 0.f) atomicAdd(line + ii * step, ds);
+        });
+    return;
+  }
+  static_assert(kNTiles % 2 == 0, "whole pairs of query n-tiles");
+  const bool odd = lane & 4, high = lane & 8;  // r's bits
+  float* const slice = p.dbias_accum + a.offset(b, h);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int64_t k0 = key0 + 8 * half + ((lane & 16) ? 4 : 0);
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; nt += 2) {
+      // x[j], j = 2 (n-tile - nt) + column: this lane's key k0 + r at the four queries.
+      const float x0 = dst[0][nt][2 * half], x1 = dst[0][nt][2 * half + 1];
+      const float x2 = dst[0][nt + 1][2 * half], x3 = dst[0][nt + 1][2 * half + 1];
+      // With lane r ^ 1: keep the queries j of r's parity, give the others; then each kept
+      // query holds keys (r & 2) + 0 and + 1 (lo, hi).
+      const float g0 = __shfl_xor_sync(0xffffffffu, odd ? x0 : x1, 4);
+      const float g1 = __shfl_xor_sync(0xffffffffu, odd ? x2 : x3, 4);
+      const float own0 = odd ? x1 : x0, own1 = odd ? x3 : x2;
+      const float u0_lo = odd ? g0 : own0, u0_hi = odd ? own0 : g0;  // query j = parity
+      const float u1_lo = odd ? g1 : own1, u1_hi = odd ? own1 : g1;  // query j = parity + 2
+      // With lane r ^ 2: keep query r (j = parity + 2 high), give the other, and take the
+      // partner's keys ((r & 2) ^ 2) + 0 and + 1 of query r.
+      const float t0 = __shfl_xor_sync(0xffffffffu, high ? u0_lo : u1_lo, 8);
+      const float t1 = __shfl_xor_sync(0xffffffffu, high ? u0_hi : u1_hi, 8);
+      const float keep_lo = high ? u1_lo : u0_lo, keep_hi = high ? u1_hi : u0_hi;
+      const float4 keys = high ? make_float4(t0, t1, keep_lo, keep_hi) : make_float4(keep_lo, keep_hi, t0, t1);
+      const int64_t q = query0 + 2 * (lane % 4) + 8 * (nt + (high ? 1 : 0)) + (odd ? 1 : 0);
+      if (q >= p.shape.seq_q || (keys.x == 0.f && keys.y == 0.f && keys.z == 0.f && keys.w == 0.f)) continue;
+      float* const at = slice + q * a.row + k0;
+      if (k0 + 3 < p.shape.seq_k) {
+        atomic_add_quad(at, keys.x, keys.y, keys.z, keys.w);
+      } else {  // the call's last keys
+        const float each[4] = {keys.x, keys.y, keys.z, keys.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          if (k0 + i < p.shape.seq_k && each[i] != 0.f) atomicAdd(at + i, each[i]);
+      }
+    }
+  }
 }
 
 }  // namespace jax_flash::cuda

@@ -10,6 +10,17 @@
 
 namespace jax_flash::cuda {
 
+// A row's key range (or a key's query range) as offsets from a thread's first column `first`,
+// clamped to [-1, width]: 32-bit bounds for the tile's compares.
+struct TileSpan {
+  int begin, end;
+};
+template <typename Range>
+__device__ __forceinline__ TileSpan span_in_tile(const Range& r, int64_t first, int width) {
+  return {static_cast<int>(max64(-1, min64(r.begin - first, width))),
+          static_cast<int>(max64(-1, min64(r.end - first, width)))};
+}
+
 // Sets to -inf the scores of keys outside each row's range, for the kMTiles 16-row tiles of a
 // warp whose first query row is m0 (key ranges computed here, on the few masked tiles, rather
 // than kept in registers across the loop). Fragment element (mt, nt, e) of a thread is row
@@ -23,10 +34,7 @@ __device__ __forceinline__ void mask_scores(float (&s)[kMTiles][kNTiles][4], con
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const KeyRange r = key_range(mask, m0 + mt * 16 + half * 8 + lane / 4, q_len, kv_len);
-      // Bounds relative to this thread's first column of the tile, in 32 bits.
-      const int64_t j0 = n0 + (lane % 4) * 2;
-      const int begin = static_cast<int>(max64(-1, min64(r.begin - j0, kNTiles * 8)));
-      const int end = static_cast<int>(max64(-1, min64(r.end - j0, kNTiles * 8)));
+      const auto [begin, end] = span_in_tile(r, n0 + (lane % 4) * 2, kNTiles * 8);
 #pragma unroll
       for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
@@ -48,9 +56,7 @@ __device__ __forceinline__ void mask_transposed_scores(float (&s)[1][kNTiles][4]
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const QueryRange r = query_range(mask, key0 + lane / 4 + half * 8, q_len, kv_len);
-    // Bounds relative to this thread's first column, in 32 bits.
-    const int begin = static_cast<int>(max64(-1, min64(r.begin - column0, kNTiles * 8)));
-    const int end = static_cast<int>(max64(-1, min64(r.end - column0, kNTiles * 8)));
+    const auto [begin, end] = span_in_tile(r, column0, kNTiles * 8);
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll

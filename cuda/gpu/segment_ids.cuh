@@ -210,8 +210,9 @@ __device__ __forceinline__ void mask_with_ids(float (&s)[kMTiles][kNTiles][4], c
     for (int half = 0; half < 2; ++half) {
       const int64_t i = m0 + mt * 16 + half * 8 + lane / 4;
       const KeyRange r = key_range(mask, i, q_len, kv_len);
-      begin[half] = static_cast<int>(max64(-1, min64(r.begin - j0, kNTiles * 8)));
-      end[half] = static_cast<int>(max64(-1, min64(r.end - j0, kNTiles * 8)));
+      const TileSpan span = span_in_tile(r, j0, kNTiles * 8);
+      begin[half] = span.begin;
+      end[half] = span.end;
       id[half] = ids.q_id(i);
     }
 #pragma unroll
@@ -247,8 +248,9 @@ __device__ __forceinline__ void mask_transposed_with_ids(float (&s)[1][kNTiles][
   for (int half = 0; half < 2; ++half) {
     const int64_t j = key0 + lane / 4 + half * 8;
     const QueryRange r = query_range(mask, j, q_len, kv_len);
-    begin[half] = static_cast<int>(max64(-1, min64(r.begin - i0, kNTiles * 8)));
-    end[half] = static_cast<int>(max64(-1, min64(r.end - i0, kNTiles * 8)));
+    const TileSpan span = span_in_tile(r, i0, kNTiles * 8);
+    begin[half] = span.begin;
+    end[half] = span.end;
     id[half] = ids.kv_id(j);
   }
 #pragma unroll

@@ -35,6 +35,11 @@ struct Mbarrier {
   __device__ __forceinline__ void arrive() const {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(address) : "memory");
   }
+  // Counts one arrival once every cp.async this thread has issued so far is complete (the
+  // barrier's count includes the arrival: .noinc).
+  __device__ __forceinline__ void arrive_after_copies() const {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(address) : "memory");
+  }
   // Waits until the phase of parity `phase` has completed (a fresh barrier is in phase 0, and
   // waiting on parity 1 returns at once: producers start there for their empty slots).
   __device__ __forceinline__ void wait(int phase) const {

@@ -1,7 +1,9 @@
 // Launcher of the warp-specialised wgmma main backward kernel (TMA descriptors made here, per
 // call), for the head dims of gpu/tile_shapes.cuh; its prepare and convert kernels are
 // gpu/launch.cu's.
+#include "gpu/kernel_choice.h"
 #include "gpu/kernel_launch.cuh"
+#include "gpu/logit_arrays.cuh"
 #include "gpu/launch.h"
 #include "gpu/tile_shapes.cuh"
 #include "sm90/flash_bwd_ws_kernel.cuh"
@@ -55,6 +57,10 @@ cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
   // deterministic, not beside dropout: the handler refuses those).
   if (logit_arrays(p) && !p.deterministic)
     kernel = flash_bwd_sm90_ws_kernel<Traits, T, false, true, false, true, false, true>;
+  // A 16-bit bias's tiles through shared memory.
+  if constexpr (Traits::kBiasStagesFit)
+    params.bias_staged = staged_bias_enabled() && logit_arrays(p) && !p.deterministic && bias_stages(p);
+  params.dbias_quads = staged_bias_enabled() && p.dbias_accum != nullptr && dbias_quads(p);
   if constexpr (kDeterministicKernels)
     if (p.deterministic)
       kernel = general_kernel(p) ? flash_bwd_sm90_ws_kernel<Traits, T, true, true>
@@ -66,7 +72,7 @@ cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
     if (!p.deterministic && plain_block_walk_suffices(p))
       kernel = flash_bwd_sm90_ws_kernel<Traits, T, false, false, true>;
   return launch_with_smem(kernel, key_block_grid<Traits>(p.shape, p.kv_head_splits), Traits::kThreads,
-                          Traits::kSmemBytes, stream, params);
+                          params.bias_staged ? Traits::kSmemBytesBiasStages : Traits::kSmemBytes, stream, params);
 }
 
 }  // namespace

@@ -54,6 +54,11 @@ namespace jax_flash::cuda {
 struct BwdTmaParams {
   BwdParams p;
   CUtensorMap q, k, v, d_o;
+  // kLogitArrays: the bias's tiles go through shared memory (gpu/logit_arrays.cuh bias_stages;
+  // the launch then allocates Traits::kSmemBytesBiasStages).
+  bool bias_staged = false;
+  // dbias by 16-byte atomics of four keys (gpu/logit_arrays.cuh dbias_quads).
+  bool dbias_quads = false;
 };
 
 template <int kStages>
@@ -61,6 +66,7 @@ struct BwdWsBarriers {
   uint64_t kv_full, full[kStages], empty[kStages];
   uint64_t dq_full[2], dq_empty[2];  // the dQ tile (Traits::kBulkDq; one pair a warpgroup with kTiledDq)
   uint32_t staged_dq_live[kStages][2];  // Traits::kStageDq: whether a stage holds warpgroup g's dQ
+  uint64_t bias_full[kStages];  // the stage's bias tile (BwdTmaParams::bias_staged): the producer's lanes' copies
 };
 
 // With Traits::kDeferDq: a warpgroup's dS^T of a visit in its buffer, one mbarrier a warpgroup and
@@ -84,6 +90,7 @@ struct Sm90BwdWsSmem {
   float* lse2;   // kStages x kBlockM
   float* delta;  // kStages x kBlockM
   float* dq;     // kBlockM x kDqRowStride (kBulkDq)
+  T* bias;       // kStages bias tiles (BwdTmaParams::bias_staged)
   using Barriers = std::conditional_t<Traits::kDeferDq, BwdWsDeferBarriers<Traits::kStages>, BwdWsBarriers<Traits::kStages>>;
   Barriers* bars;
   static_assert(sizeof(Barriers) <= Traits::kBarrierBytes, "the barriers' bytes");
@@ -98,7 +105,10 @@ struct Sm90BwdWsSmem {
     delta = lse2 + Traits::kStages * Traits::kBlockM;
     dq = delta + Traits::kStages * Traits::kBlockM;
     bars = reinterpret_cast<Barriers*>(dq + (Traits::kBulkDq ? Traits::kBlockM * Traits::kDqRowStride : 0));
+    const uintptr_t after_bars = reinterpret_cast<uintptr_t>(bars) + Traits::kBarrierBytes;
+    bias = reinterpret_cast<T*>((after_bars + 127) / 128 * 128);
   }
+  __device__ T* bias_stage(int stage) const { return bias + stage * Traits::BiasTile::kElements; }
   __device__ T* q_stage(int stage) const { return q + stage * Traits::QTile::kElements; }
   __device__ T* d_o_stage(int stage) const { return d_o + stage * Traits::DoTile::kElements; }
   __device__ T* ds_buffer(int i) const { return ds + i * Traits::DsTile::kElements; }
@@ -140,6 +150,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   using DoTile = typename Traits::DoTile;
   using DsTile = typename Traits::DsTile;
   const BwdParams& p = params.p;
+  const bool bias_staged = kLogitArrays && params.bias_staged;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const Sm90BwdWsSmem<Traits, T> smem(smem_raw);
   auto& bars = *smem.bars;
@@ -158,6 +169,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     for (int s = 0; s < kStages; ++s) {
       Mbarrier(&bars.full[s]).init(32);
       Mbarrier(&bars.empty[s]).init(kReleaseCount);
+      if (bias_staged) Mbarrier(&bars.bias_full[s]).init(32);
     }
 #pragma unroll
     for (int g = 0; g < 2; ++g) {
@@ -293,6 +305,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       Mbarrier(&bars.empty[stage]).wait(phase ^ 1);
       const int64_t m0 = static_cast<int64_t>(visit.mb) * kBM;
       const int rows = task.rows(visit);
+      // The visit's bias tile, by the warp's copies (each lane arrives once its own are in; the
+      // stage's empty barrier covers the tile: the consumers read it before they release).
+      if constexpr (kLogitArrays)
+        if (bias_staged) {
+          stage_bias_tile<typename Traits::BiasTile>(smem.bias_stage(stage), p, task.b, visit.h, m0, task.n0, lane);
+          Mbarrier(&bars.bias_full[stage]).arrive_after_copies();
+        }
       // Whole tiles by TMA: with Traits::kStatsUnderTma issued before the rows' lse and delta
       // load (lane 0 expects the bytes; the phase completes once every lane has arrived after its
       // stores, and the bytes are in), else after them (lane 0's arrival expecting the bytes).
@@ -454,7 +473,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         mask_transposed_with_ids(st, SegmentIds(p, task.b), p.mask, n0 + warp_key0, m0_group, q_len, kv_len, lane);
       else if (!group_blocks.whole(visit.mb))
         mask_transposed_scores(st, p.mask, n0 + warp_key0, m0_group, q_len, kv_len, lane);
-      if constexpr (kLogitArrays) apply_logit_arrays_transposed<T>(st, p, task.b, visit.h, n0 + warp_key0, m0_group, lane);
+      if constexpr (kLogitArrays) {
+        apply_logit_arrays_transposed<T>(st, p, task.b, visit.h, n0 + warp_key0, m0_group, lane, bias_staged);
+        if (bias_staged) {
+          Mbarrier(&bars.bias_full[stage]).wait((it / kStages) & 1);
+          add_staged_bias_transposed<typename Traits::BiasTile>(st, smem.bias_stage(stage), warp_key0, query0,
+                                                                1.f / ScoreMods::softmax_scale(p), lane);
+        }
+      }
       if constexpr (!kGeneral) transposed_probabilities<kSQ>(st, lse2, scale_log2, lane);
       wgmma_wait<0>();
       fence_registers(dpt[0]);
@@ -477,7 +503,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       if (dropout) apply_keep_mask(st[0], keep, p.dropout_scale);
       // dbias = dS (the handler refuses a soft cap beside a bias: dS here holds the cap's factor)
       if constexpr (kLogitArrays)
-        if (p.dbias_accum) add_dbias_transposed(dpt, p, task.b, visit.h, n0 + warp_key0, m0_group, lane);
+        if (p.dbias_accum) add_dbias_transposed(dpt, p, task.b, visit.h, n0 + warp_key0, m0_group, lane, params.dbias_quads);
     }
     // (Not live: st and dpt are left unset and never read; the zero dS^T is stored from
     // constants. Zeroing them here cost 30 CS2R every visit, hoisted above the branch.)

@@ -6,6 +6,7 @@
 
 #include "gpu/kernel_choice.h"
 #include "gpu/kernel_launch.cuh"
+#include "gpu/logit_arrays.cuh"
 #include "gpu/launch.h"
 #include "gpu/tile_shapes.cuh"
 #include "sm90/flash_fwd_ws_kernel.cuh"
@@ -63,9 +64,13 @@ cudaError_t launch(const FwdParams& p, const Sm90FwdOptions& options, cudaStream
     // handler refuses them beside dropout).
     if (logit_arrays(p)) kernel = flash_fwd_sm90_ws_kernel<Traits, T, true, false, false, true, false, false, true>;
   }
+  // A 16-bit bias's tiles through shared memory (the arrays' kernel is a general one: no TMA
+  // store below).
+  if constexpr (Traits::kBiasStagesFit)
+    params.bias_staged = options.bias_stages && logit_arrays(p) && bias_stages(p);
   // Plain calls with a 16-bit o store it by TMA from shared memory (not under sm90ws_directstore),
   // and so do those with a soft cap or ALiBi alone (not with dropout).
-  int smem_bytes = Traits::kSmemBytes;
+  int smem_bytes = params.bias_staged ? Traits::kSmemBytesBiasStages : Traits::kSmemBytes;
   if constexpr (Traits::kTmaStoreFits && Traits::kTileValueHeadDim <= 128)
     if (options.tma_store && !p.for_backward() && !general_ids(p) && p.dropout_seeds == nullptr) {
       if (cudaError_t e = make_head_tensor_map(&params.o, p.o, p.dtype, s.batch, s.seq_q, s.heads_q, s.head_dim_v, 64))

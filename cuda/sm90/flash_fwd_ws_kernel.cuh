@@ -46,11 +46,15 @@ struct FwdTmaParams {
   FwdParams p;
   CUtensorMap q, k, v, o;
   QueryTileGrid grid;  // how the grid's CTAs take tiles (sm90/tile_scheduler.cuh)
+  // kLogitArrays: the bias's tiles go through shared memory (gpu/logit_arrays.cuh bias_stages;
+  // the launch then allocates Traits::kSmemBytesBiasStages).
+  bool bias_staged = false;
 };
 
 // Shared memory of a warp-specialised forward CTA, from a 1 KiB boundary: Q, kStages stages of
 // K, kStages of V, the ones tile (kTensorSums), the O tile (kTmaStore: an OTile; the launch then
-// allocates Traits::kSmemBytesTmaStore).
+// allocates Traits::kSmemBytesTmaStore) or in its place kStages bias tiles and their full and
+// empty barriers (FwdTmaParams::bias_staged).
 template <typename Traits, typename T>
 struct Sm90FwdWsSmem {
   T* q;
@@ -58,15 +62,22 @@ struct Sm90FwdWsSmem {
   T* v;
   T* ones;
   T* o;
+  T* bias;
+  uint64_t* bias_full;
+  uint64_t* bias_empty;
   __device__ explicit Sm90FwdWsSmem(unsigned char* raw) {
     q = first_tile_boundary<T>(raw);
     k = q + Traits::QTile::kElements;
     v = k + Traits::kStages * Traits::KTile::kElements;
     ones = v + Traits::kStages * Traits::VTile::kElements;
     o = ones + Traits::kOnesElements;  // (1 KiB of ones: o stays on a 1 KiB boundary)
+    bias = o;
+    bias_full = reinterpret_cast<uint64_t*>(bias + Traits::kStages * Traits::BiasTile::kElements);
+    bias_empty = bias_full + Traits::kStages;
   }
   __device__ T* k_stage(int stage) const { return k + stage * Traits::KTile::kElements; }
   __device__ T* v_stage(int stage) const { return v + stage * Traits::VTile::kElements; }
+  __device__ T* bias_stage(int stage) const { return bias + stage * Traits::BiasTile::kElements; }
 };
 
 // The barriers: the tile slot's (the producer's hand-off of each next tile), Q's buffer's, then the
@@ -121,6 +132,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   using KTile = typename Traits::KTile;
   using VTile = typename Traits::VTile;
   const FwdParams& p = params.p;
+  const bool bias_staged = kLogitArrays && params.bias_staged;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   __shared__ FwdWsBarriers<kStages> bars;
   const Sm90FwdWsSmem<Traits, T> smem(smem_raw);
@@ -137,6 +149,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       Mbarrier(&bars.v_full[s]).init(1);
       Mbarrier(&bars.k_empty[s]).init(Traits::kConsumerWarps);
       Mbarrier(&bars.v_empty[s]).init(Traits::kConsumerWarps);
+      if (bias_staged) {
+        Mbarrier(&smem.bias_full[s]).init(32);  // the producer warp's lanes, once their copies are in
+        Mbarrier(&smem.bias_empty[s]).init(Traits::kConsumerWarps);
+      }
     }
     Mbarrier::fence_init();
   }
@@ -203,6 +219,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           k_full.arrive_expect_bytes(KTile::kElements * sizeof(T));
           tma_load_tile<KTile>(smem.k_stage(stage), params.k, task.hk, n0, task.b, k_full);
         }
+        // The block's bias tile, by the warp's copies (each lane arrives once its own are in).
+        if constexpr (kLogitArrays)
+          if (bias_staged) {
+            Mbarrier(&smem.bias_empty[stage]).wait(phase ^ 1);
+            stage_bias_tile<typename Traits::BiasTile>(smem.bias_stage(stage), p, task.b, task.h, blk.m0, n0, lane);
+            Mbarrier(&smem.bias_full[stage]).arrive_after_copies();
+          }
         // V rows in [kv_len, seq_k) hold the array's data past this batch element's length,
         // which the masks give probability 0 but which P V would still multiply (0 * NaN is
         // NaN): a block holding such rows is copied by the warp with zero fill instead of TMA.
@@ -302,8 +325,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         } else if (blk.needs_mask(n0)) {
           mask_scores(s, p.mask, m0 + warp_m0, n0, task.q_len, task.kv_len, lane);
         }
-        if constexpr (kLogitArrays)
-          apply_logit_arrays<T>(s, p, task.b, task.h, m0 + warp_m0, n0, task.q_len, task.kv_len, lane, array_seen);
+        if constexpr (kLogitArrays) {
+          apply_logit_arrays<T>(s, p, task.b, task.h, m0 + warp_m0, n0, task.q_len, task.kv_len, lane, array_seen,
+                                bias_staged);
+          if (bias_staged) {
+            const int stage = stage_of(i);
+            Mbarrier(&smem.bias_full[stage]).wait(phase_of(i));
+            add_staged_bias<typename Traits::BiasTile>(s, smem.bias_stage(stage), warp_m0,
+                                                       1.f / softmax_scale, lane);
+            release(&smem.bias_empty[stage]);
+          }
+        }
       };
       if constexpr (Traits::kPingPong)
         if (group == Traits::kConsumers - 1) named_barrier_arrive(1, kTurnThreads);  // warpgroup 0 goes first

@@ -4,6 +4,7 @@
 
 #include <type_traits>
 
+#include "gpu/smem_tile.cuh"
 #include "sm90/gmma_tile.cuh"
 
 namespace jax_flash::cuda {
@@ -58,6 +59,13 @@ struct Sm90FwdWsTraits {
   // where it fits.
   static constexpr int kSmemBytesTmaStore = kSmemBytes + 2 * OTile::kElements;
   static constexpr bool kTmaStoreFits = kSmemBytesTmaStore <= 227 * 1024;
+  // With kStages tiles of a 16-bit bias (a key block of each query row of the tile, swizzled:
+  // flash_fwd_ws_kernel.cuh FwdTmaParams::bias_staged) and their full and empty barriers in the
+  // O tile's place: key blocks of 64 or 128, where it fits (head dim 128: 226 of 227 KiB).
+  using BiasTile = SmemTile<kBlockM, (kBlockN == 64 || kBlockN == 128) ? kBlockN : 64>;
+  static constexpr int kSmemBytesBiasStages = kSmemBytes + kStages * (2 * BiasTile::kElements + 16);
+  static constexpr bool kBiasStagesFit =
+      (kBlockN == 64 || kBlockN == 128) && kSmemBytesBiasStages <= 227 * 1024;
   static_assert(kValueHeadDim % 64 == 0 || kValueHeadDim == 96, "P V is done in products of N = 128 and 64, or 96");
   static_assert(kBlockN == 64 || kBlockN == 80 || kBlockN == 112 || kBlockN == 128 || kBlockN == 176,
                 "wgmma shapes are instantiated for N = 64, 80, 112, 128, 176");
@@ -211,6 +219,12 @@ struct Sm90BwdWsTraits {
                                     2 * kStages * kBlockM * 4 + (kBulkDq ? kBlockM * kDqRowStride * 4 : 0) +
                                     kBarrierBytes + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
+  // With kStages tiles of a 16-bit bias (the visit's queries x the block's keys, swizzled, after
+  // the barriers on a 128-byte boundary: flash_bwd_ws_kernel.cuh BwdTmaParams::bias_staged),
+  // where they fit.
+  using BiasTile = SmemTile<kBlockM == 80 ? 64 : kBlockM, kBlockN>;
+  static constexpr int kSmemBytesBiasStages = kSmemBytes + 128 + kStages * 2 * BiasTile::kElements;
+  static constexpr bool kBiasStagesFit = kBlockM != 80 && kSmemBytesBiasStages <= 227 * 1024;
   static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128 || kSplitHeadDim,
                 "wgmma shapes are instantiated for N = 64, 96, 128");
 };
