@@ -53,8 +53,8 @@ struct FwdTmaParams {
 
 // Shared memory of a warp-specialised forward CTA, from a 1 KiB boundary: Q, kStages stages of
 // K, kStages of V, the ones tile (kTensorSums), the O tile (kTmaStore: an OTile; the launch then
-// allocates Traits::kSmemBytesTmaStore) or in its place kStages bias tiles and their full and
-// empty barriers (FwdTmaParams::bias_staged).
+// allocates Traits::kSmemBytesTmaStore) or in its place kStages bias tiles
+// (FwdTmaParams::bias_staged; their barriers are FwdWsBarriers').
 template <typename Traits, typename T>
 struct Sm90FwdWsSmem {
   T* q;
@@ -63,8 +63,6 @@ struct Sm90FwdWsSmem {
   T* ones;
   T* o;
   T* bias;
-  uint64_t* bias_full;
-  uint64_t* bias_empty;
   __device__ explicit Sm90FwdWsSmem(unsigned char* raw) {
     q = first_tile_boundary<T>(raw);
     k = q + Traits::QTile::kElements;
@@ -72,8 +70,6 @@ struct Sm90FwdWsSmem {
     ones = v + Traits::kStages * Traits::VTile::kElements;
     o = ones + Traits::kOnesElements;  // (1 KiB of ones: o stays on a 1 KiB boundary)
     bias = o;
-    bias_full = reinterpret_cast<uint64_t*>(bias + Traits::kStages * Traits::BiasTile::kElements);
-    bias_empty = bias_full + Traits::kStages;
   }
   __device__ T* k_stage(int stage) const { return k + stage * Traits::KTile::kElements; }
   __device__ T* v_stage(int stage) const { return v + stage * Traits::VTile::kElements; }
@@ -81,11 +77,13 @@ struct Sm90FwdWsSmem {
 };
 
 // The barriers: the tile slot's (the producer's hand-off of each next tile), Q's buffer's, then the
-// full and empty barriers of each K and V stage; and the slot itself.
+// full and empty barriers of each K and V stage and of each bias tile (FwdTmaParams::bias_staged);
+// and the slot itself. (Static shared memory: with the dynamic part's 1 KiB alignment it takes
+// 1 KiB whatever its size, Traits::kStaticSmemBytes.)
 template <int kStages>
 struct FwdWsBarriers {
   uint64_t tile_full, tile_empty, q_full, q_empty, k_full[kStages], k_empty[kStages], v_full[kStages],
-      v_empty[kStages];
+      v_empty[kStages], bias_full[kStages], bias_empty[kStages];
   int tile;  // the next tile, or scheduler.total and past for none
 };
 
@@ -150,8 +148,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       Mbarrier(&bars.k_empty[s]).init(Traits::kConsumerWarps);
       Mbarrier(&bars.v_empty[s]).init(Traits::kConsumerWarps);
       if (bias_staged) {
-        Mbarrier(&smem.bias_full[s]).init(32);  // the producer warp's lanes, once their copies are in
-        Mbarrier(&smem.bias_empty[s]).init(Traits::kConsumerWarps);
+        Mbarrier(&bars.bias_full[s]).init(32);  // the producer warp's lanes, once their copies are in
+        Mbarrier(&bars.bias_empty[s]).init(Traits::kConsumerWarps);
       }
     }
     Mbarrier::fence_init();
@@ -222,9 +220,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // The block's bias tile, by the warp's copies (each lane arrives once its own are in).
         if constexpr (kLogitArrays)
           if (bias_staged) {
-            Mbarrier(&smem.bias_empty[stage]).wait(phase ^ 1);
+            Mbarrier(&bars.bias_empty[stage]).wait(phase ^ 1);
             stage_bias_tile<typename Traits::BiasTile>(smem.bias_stage(stage), p, task.b, task.h, blk.m0, n0, lane);
-            Mbarrier(&smem.bias_full[stage]).arrive_after_copies();
+            Mbarrier(&bars.bias_full[stage]).arrive_after_copies();
           }
         // V rows in [kv_len, seq_k) hold the array's data past this batch element's length,
         // which the masks give probability 0 but which P V would still multiply (0 * NaN is
@@ -330,10 +328,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                                 bias_staged);
           if (bias_staged) {
             const int stage = stage_of(i);
-            Mbarrier(&smem.bias_full[stage]).wait(phase_of(i));
+            Mbarrier(&bars.bias_full[stage]).wait(phase_of(i));
             add_staged_bias<typename Traits::BiasTile>(s, smem.bias_stage(stage), warp_m0,
                                                        1.f / softmax_scale, lane);
-            release(&smem.bias_empty[stage]);
+            release(&bars.bias_empty[stage]);
           }
         }
       };

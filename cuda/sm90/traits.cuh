@@ -59,13 +59,17 @@ struct Sm90FwdWsTraits {
   // where it fits.
   static constexpr int kSmemBytesTmaStore = kSmemBytes + 2 * OTile::kElements;
   static constexpr bool kTmaStoreFits = kSmemBytesTmaStore <= 227 * 1024;
+  // The kernel's static shared memory (its barriers), padded to the dynamic part's 1 KiB
+  // alignment (ptxas: 1024 bytes smem); a CTA's static and dynamic parts share the 227 KiB.
+  static constexpr int kStaticSmemBytes = 1024;
   // With kStages tiles of a 16-bit bias (a key block of each query row of the tile, swizzled:
-  // flash_fwd_ws_kernel.cuh FwdTmaParams::bias_staged) and their full and empty barriers in the
-  // O tile's place: key blocks of 64 or 128, where it fits (head dim 128: 226 of 227 KiB).
+  // flash_fwd_ws_kernel.cuh FwdTmaParams::bias_staged) in the O tile's place: key blocks of 64 or
+  // 128, where it fits (head dim 128: all of the 227 KiB; session 34's first run on an H100 found
+  // 32 bytes too many when the tiles' barriers were dynamic: "invalid argument" at launch).
   using BiasTile = SmemTile<kBlockM, (kBlockN == 64 || kBlockN == 128) ? kBlockN : 64>;
-  static constexpr int kSmemBytesBiasStages = kSmemBytes + kStages * (2 * BiasTile::kElements + 16);
+  static constexpr int kSmemBytesBiasStages = kSmemBytes + kStages * 2 * BiasTile::kElements;
   static constexpr bool kBiasStagesFit =
-      (kBlockN == 64 || kBlockN == 128) && kSmemBytesBiasStages <= 227 * 1024;
+      (kBlockN == 64 || kBlockN == 128) && kSmemBytesBiasStages + kStaticSmemBytes <= 227 * 1024;
   static_assert(kValueHeadDim % 64 == 0 || kValueHeadDim == 96, "P V is done in products of N = 128 and 64, or 96");
   static_assert(kBlockN == 64 || kBlockN == 80 || kBlockN == 112 || kBlockN == 128 || kBlockN == 176,
                 "wgmma shapes are instantiated for N = 64, 80, 112, 128, 176");
