@@ -574,14 +574,15 @@ def simulate_cuda_host(monkeypatch) -> None:
 
 
 def gpu_tests_in_a_process(test_file: str, selection: str, env: dict[str, str],
-                           expect_skips: bool = False) -> None:
+                           expect_skips: bool = False, timeout_s: float = 1200) -> None:
   """Runs the GPU tests of `test_file` matching `selection` (pytest -k) in a process with the
   environment variables `env` added (jax_flash reads its switches once, at import), and asserts
-  that they passed, and unless `expect_skips`, that none was skipped."""
+  that they passed, and unless `expect_skips`, that none was skipped; a process past `timeout_s`
+  fails the test (subprocess.TimeoutExpired)."""
   result = subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-k",
        selection, os.path.abspath(test_file)],
-      env=dict(os.environ, **env), capture_output=True, text=True, timeout=1200)
+      env=dict(os.environ, **env), capture_output=True, text=True, timeout=timeout_s)
   assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
   assert " passed" in result.stdout, result.stdout[-3000:]
   if not expect_skips:

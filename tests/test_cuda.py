@@ -623,7 +623,8 @@ def test_split_kv_decoding_on_cuda():
                                              ("JAX_FLASH_CUDA_HD192_BWD", "pad"),
                                              ("JAX_FLASH_CUDA_VALUE_HEAD_DIM", "nativ"),
                                              ("JAX_FLASH_CUDA_DECODE_LOADS", "evict"),
-                                             ("JAX_FLASH_CUDA_BIAS_LOADS", "stage")])
+                                             ("JAX_FLASH_CUDA_BIAS_LOADS", "stage"),
+                                             ("JAX_FLASH_CUDA_CAUSAL_ARRAYS", "runs")])
 def test_unknown_kernel_choice_is_an_error(variable, value):
   """A misspelt override is reported by name, not ignored."""
   result = _run_in_subprocess({variable: value}, "-k", "test_cuda_is_default_on_gpu")

@@ -10,6 +10,8 @@ test_bias_mask_kernel.py checks against jax.nn by the FlashAttention rule, on th
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -165,7 +167,8 @@ CUDA_BIAS_CASES = {
 # Biases the Hopper kernels stage through shared memory (gpu/logit_arrays.cuh bias_stages: the
 # inputs' dtype, keys contiguous, every row on 16 bytes) and whose dbias takes 16-byte atomics
 # (dbias_quads): a key count that is a multiple of 8 but not of the key blocks (144), rows past
-# the last query tile (T = 70). The cases above (S = 150) read every element from global memory
+# the last query tile (T = 70). A bias alone runs in the kernels without the ids' code, one beside
+# a mask (the "-mask" cases) in those with it. The cases above (S = 150) read every element from global memory
 # and add dbias an element at a time; so do these under JAX_FLASH_CUDA_BIAS_LOADS=direct
 # (test_cuda_kernels_under_the_switch).
 S8 = 144
@@ -177,11 +180,28 @@ CUDA_BIAS_CASES.update({f"staged-{name}": dict(case, s=case.get("s", S8)) for na
                               key_value_seq_lengths=jnp.array([144, 77], jnp.int32)),
     "BN1S-hd192": dict(bias_shape=(B, N, 1, S8), head_dim=192, is_causal=True),
     "11TS-mask-hd256": dict(bias_shape=(1, 1, T, S8), mask_shape=(T, S8), head_dim=256),
+    "1NTS-mask-hd128": dict(bias_shape=(1, N, T, S8), mask_shape=(B, 1, T, S8), head_dim=128),
     "f16-1NTS-window-hd64": dict(dtype=jnp.float16, bias_shape=(1, N, T, S8), head_dim=64,
                                  local_window_size=(30, 10)),
     "mqa-T-above-S-hd128": dict(bias_shape=(B, N, 152, 96), t=152, s=96, heads=(4, 1), head_dim=128,
                                 is_causal=True),
 }.items()})
+
+
+def _refused_as_stalling(options, dtype) -> bool:
+  """Whether the CUDA forward refuses the case: a causal call with a mask array, or with a bias
+  the kernels do not stage (not of the inputs' dtype, keys broadcast, seq_k not a multiple of 8,
+  or JAX_FLASH_CUDA_BIAS_LOADS=direct); its forward stalls in the arrays' kernel with the ids'
+  code (cuda/PERF_NOTES.md v33, sm90/flash_fwd_ws.cu)."""
+  if not options.get("is_causal"):
+    return False
+  if options.get("mask_shape") is not None:
+    return True
+  shape = options["bias_shape"]
+  staged = (os.environ.get("JAX_FLASH_CUDA_BIAS_LOADS") != "direct"
+            and jnp.dtype(options.get("bias_dtype") or dtype) == jnp.dtype(dtype)
+            and options.get("s", S) % 8 == 0 and shape[-1] != 1)
+  return not staged
 
 
 def _needs_the_cuda_switch():
@@ -195,6 +215,10 @@ def test_cuda_against_jax_nn(case):
   _needs_the_cuda_switch()
   options = dict(CUDA_BIAS_CASES[case])
   dtype = jnp.dtype(options.pop("dtype", jnp.bfloat16))
+  if _refused_as_stalling(options, dtype):
+    with pytest.raises(Exception, match="stalls in the experimental arrays' kernel"):
+      _check(4, dtype, implementation="cuda", **options)
+    return
   _check(4, dtype, implementation="cuda", **options)
 
 
@@ -240,8 +264,12 @@ def test_cuda_block_diagonal_mask_skips_blocks():
 def test_cuda_kernels_under_the_switch():
   """The GPU tests above in a process with JAX_FLASH_CUDA_LOGIT_ARRAYS=on, and the staged biases'
   cases again with every element read and added from global memory (JAX_FLASH_CUDA_BIAS_LOADS=
-  direct)."""
+  direct). Each process has 300 s (one of a minute or two when they pass): session 35 found
+  causal forwards that never finish in the ids' kernel without a staged bias (cuda/PERF_NOTES.md
+  v33), which this test fails on, by the timeout, until they are fixed."""
   gpu_tests_in_a_process(__file__, "test_cuda_against_jax_nn or test_cuda_row_the_mask or "
-                         "test_cuda_block_diagonal", dict(JAX_FLASH_CUDA_LOGIT_ARRAYS="on"))
+                         "test_cuda_block_diagonal", dict(JAX_FLASH_CUDA_LOGIT_ARRAYS="on"),
+                         timeout_s=300)
   gpu_tests_in_a_process(__file__, "test_cuda_against_jax_nn and staged",
-                         dict(JAX_FLASH_CUDA_LOGIT_ARRAYS="on", JAX_FLASH_CUDA_BIAS_LOADS="direct"))
+                         dict(JAX_FLASH_CUDA_LOGIT_ARRAYS="on", JAX_FLASH_CUDA_BIAS_LOADS="direct"),
+                         timeout_s=300)

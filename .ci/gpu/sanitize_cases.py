@@ -14,7 +14,9 @@ instantiations, experimental: the script sets JAX_FLASH_CUDA_DROPOUT=on; with de
 and at head dims up to 32 the mma.sync kernels'). --logit-arrays: with a (1, N, T, S) bias (its
 gradient too) and a random (B, 1, T, S) mask (the Hopper kernels' kLogitArrays instantiations,
 experimental: the script sets JAX_FLASH_CUDA_LOGIT_ARRAYS=on; the cases those refuse,
-deterministic or head dims up to 32, are skipped). --cases runs
+deterministic or head dims up to 32, are skipped); with --bias-alone too, the bias without the
+mask (a 16-bit bias alone, staged: the kLogitArrays instantiations without the ids' code, where
+the key count is a multiple of 8). --cases runs
 only the listed CASES (by index), e.g. to give racecheck, which is slow, one case per process.
 """
 
@@ -121,7 +123,8 @@ def main() -> None:
         print(f"case {i}: skipped (the CUDA kernels' bias and mask arrays refuse it)")
         continue
       bias = jax.random.normal(ks[3], (1, n, t, s), jnp.bfloat16)
-      kwargs["mask"] = jax.random.bernoulli(ks[0], 0.7, (b, 1, t, s))
+      if "--bias-alone" not in sys.argv[1:]:
+        kwargs["mask"] = jax.random.bernoulli(ks[0], 0.7, (b, 1, t, s))
     args = (q, k, v) if bias is None else (q, k, v, bias)
     out, vjp = jax.vjp(lambda *a: jax_flash.dot_product_attention(*a, **kwargs), *args)
     grads = vjp(d_o)

@@ -19,6 +19,7 @@ constexpr const char* kHeadDim192BackwardVariable = "JAX_FLASH_CUDA_HD192_BWD";
 constexpr const char* kValueHeadDimVariable = "JAX_FLASH_CUDA_VALUE_HEAD_DIM";
 constexpr const char* kDecodeLoadsVariable = "JAX_FLASH_CUDA_DECODE_LOADS";
 constexpr const char* kBiasLoadsVariable = "JAX_FLASH_CUDA_BIAS_LOADS";
+constexpr const char* kCausalArraysVariable = "JAX_FLASH_CUDA_CAUSAL_ARRAYS";
 
 struct Overrides {
   std::optional<KernelFamily> forward;
@@ -30,6 +31,7 @@ struct Overrides {
   bool own_value_head_dim = true;  // JAX_FLASH_CUDA_VALUE_HEAD_DIM=padded turns it off
   DecodeLoads decode_loads = DecodeLoads::kPlain;
   bool staged_bias = true;  // JAX_FLASH_CUDA_BIAS_LOADS=direct turns it off
+  bool refuse_stalling_arrays = true;  // JAX_FLASH_CUDA_CAUSAL_ARRAYS=run turns it off
   std::string error;
 };
 
@@ -114,6 +116,7 @@ Overrides read_overrides() {
   o.own_value_head_dim = read_switch(kValueHeadDimVariable, "native", "padded", o.error);
   o.decode_loads = read_decode_loads(o.error);
   o.staged_bias = read_switch(kBiasLoadsVariable, "staged", "direct", o.error);
+  o.refuse_stalling_arrays = read_switch(kCausalArraysVariable, "refuse", "run", o.error);
   return o;
 }
 
@@ -160,5 +163,6 @@ HeadDim192Backward head_dim_192_backward() { return overrides().head_dim_192_bac
 bool own_value_head_dim_enabled() { return overrides().own_value_head_dim; }
 DecodeLoads decode_loads() { return overrides().decode_loads; }
 bool staged_bias_enabled() { return overrides().staged_bias; }
+bool refuse_stalling_arrays() { return overrides().refuse_stalling_arrays; }
 
 }  // namespace jax_flash::cuda

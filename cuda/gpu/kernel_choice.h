@@ -77,6 +77,11 @@
 //                               allows (gpu/logit_arrays.cuh dbias_quads); or every element a
 //                               global load in the consumers' path and a float32 atomic
 //                               (session 33's first version).
+//   JAX_FLASH_CUDA_CAUSAL_ARRAYS = refuse | run (default: refuse; session 35): a causal forward
+//                                  with jax.nn's arrays and no staged bias (a mask array, a bias
+//                                  the kernels do not stage) stalls in the arrays' kernel with
+//                                  the ids' code (cuda/PERF_NOTES.md v33), so the launcher refuses
+//                                  it; `run` launches it, to find the stall.
 //   JAX_FLASH_CUDA_NARROW = split | off (default: split since session 19, whose differential run
 //                           of 2000 configurations gave 0 misses under it): narrow plain calls
 //                           (narrow_shape below) run the mma.sync kernels with P and dS as hi +
@@ -134,6 +139,9 @@ DecodeLoads decode_loads();
 // Whether the Hopper kernels stage a 16-bit bias array's tiles through shared memory where they
 // can (unless JAX_FLASH_CUDA_BIAS_LOADS=direct).
 bool staged_bias_enabled();
+// Whether the Hopper forward refuses the causal array calls that stall (unless
+// JAX_FLASH_CUDA_CAUSAL_ARRAYS=run).
+bool refuse_stalling_arrays();
 
 // Narrow calls (common/mask.h narrow_shape): by default (JAX_FLASH_CUDA_NARROW=split) plain ones
 // run the mma.sync kernels with P and dS as hi + lo (two 16-bit operands: about float32;

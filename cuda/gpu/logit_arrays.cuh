@@ -16,7 +16,10 @@
 // consumers read it by ldmatrix (add_staged_bias, add_staged_bias_transposed); otherwise, and for
 // the mask, elements are scalar global loads in the consumers' path. dbias takes 16-byte atomics
 // of four keys where its layout allows (dbias_quads). JAX_FLASH_CUDA_BIAS_LOADS=direct turns both
-// off (cuda/PERF_NOTES.md "Bias and mask arrays in the kernels").
+// off (cuda/PERF_NOTES.md "Bias and mask arrays in the kernels"). A staged bias alone
+// (staged_bias_alone) runs in instantiations without the ids' code (kLogitArrays && !kIds).
+// Known bug (session 35, PERF_NOTES v33): with the ids' code and no staged bias, a causal
+// forward at head dims 64-128 never finishes.
 //
 // Fragment layouts as gpu/score_mods.cuh's: the forward's element (0, nt, e) is query row
 // lane / 4 (+ 8 for e >= 2) and key 8 nt + 2 (lane % 4) + e % 2 of the warp's tile; the
@@ -120,6 +123,12 @@ JF_HOST_DEVICE inline bool bias_stages(const AttentionParams& p) {
   const LogitArray& a = p.bias;
   return a && p.dtype != Dtype::kFloat32 && a.dtype == p.dtype && a.col == 1 && a.row % 8 == 0 && a.head % 8 == 0 &&
          a.batch % 8 == 0 && p.shape.seq_k % 8 == 0 && reinterpret_cast<uintptr_t>(a.data) % 16 == 0;
+}
+
+// Whether a call's arrays are a bias alone, with no mask array, segment ids or block mask: staged,
+// it runs in the Hopper kernels' kLogitArrays instantiations without the ids' code.
+inline bool staged_bias_alone(const AttentionParams& p) {
+  return p.bias && !p.logit_mask && p.q_segment_ids == nullptr && p.kv_block_lists == nullptr;
 }
 
 // The producer warp's copy of the bias tile of query rows m0.. and keys n0.. (a Tile, kRows x

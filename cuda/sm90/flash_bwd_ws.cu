@@ -57,9 +57,13 @@ cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
   // deterministic, not beside dropout: the handler refuses those).
   if (logit_arrays(p) && !p.deterministic)
     kernel = flash_bwd_sm90_ws_kernel<Traits, T, false, true, false, true, false, true>;
-  // A 16-bit bias's tiles through shared memory.
-  if constexpr (Traits::kBiasStagesFit)
+  // A 16-bit bias's tiles through shared memory; a staged bias alone in the general kernel
+  // without the ids' code.
+  if constexpr (Traits::kBiasStagesFit) {
     params.bias_staged = staged_bias_enabled() && logit_arrays(p) && !p.deterministic && bias_stages(p);
+    if (params.bias_staged && staged_bias_alone(p))
+      kernel = flash_bwd_sm90_ws_kernel<Traits, T, false, true, false, false, false, true>;
+  }
   params.dbias_quads = staged_bias_enabled() && p.dbias_accum != nullptr && dbias_quads(p);
   if constexpr (kDeterministicKernels)
     if (p.deterministic)

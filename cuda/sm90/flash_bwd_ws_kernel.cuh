@@ -129,17 +129,18 @@ struct Sm90BwdWsSmem {
 // kDropout (non-deterministic general kernels without ids): fused dropout (gpu/dropout_fragments.h),
 // an instantiation of its own so that the other general kernels keep their registers (with it,
 // the capped kernels spilled up to 250 bytes).
-// kLogitArrays (non-deterministic general kernels with ids, without dropout): jax.nn's bias and
-// mask arrays (gpu/logit_arrays.cuh) on S^T, and dS^T added into the bias's float32 gradient;
-// an instantiation of its own, experimental.
+// kLogitArrays (non-deterministic general kernels without dropout): jax.nn's bias and mask arrays
+// (gpu/logit_arrays.cuh) on S^T, and dS^T added into the bias's float32 gradient; an
+// instantiation of its own, experimental. With kIds every array path; without it a staged bias
+// alone (gpu/logit_arrays.cuh staged_bias_alone), as the forward's.
 template <typename Traits, typename T, bool kDeterministic, bool kGeneral, bool kBlockWalk = false,
           bool kIds = kGeneral, bool kDropout = false, bool kLogitArrays = false>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams params) {
   static_assert(!kDropout || (kGeneral && !kIds && !kDeterministic && !kBlockWalk),
                 "dropout: a non-deterministic general kernel without ids");
-  static_assert(!kLogitArrays || (kGeneral && kIds && !kDeterministic && !kBlockWalk && !kDropout),
-                "bias and mask arrays: a non-deterministic general kernel with ids, without dropout");
+  static_assert(!kLogitArrays || (kGeneral && !kDeterministic && !kBlockWalk && !kDropout),
+                "bias and mask arrays: a non-deterministic general kernel without dropout");
 #if JF_SM90A
   constexpr int kBM = Traits::kBlockM, kBN = Traits::kBlockN, kD = Traits::kHeadDim;
   constexpr int kStages = Traits::kStages;
@@ -150,7 +151,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   using DoTile = typename Traits::DoTile;
   using DsTile = typename Traits::DsTile;
   const BwdParams& p = params.p;
-  const bool bias_staged = kLogitArrays && params.bias_staged;
+  constexpr bool kStagedBiasAlone = kLogitArrays && !kIds;
+  const bool bias_staged = kStagedBiasAlone || (kLogitArrays && params.bias_staged);
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const Sm90BwdWsSmem<Traits, T> smem(smem_raw);
   auto& bars = *smem.bars;
@@ -389,6 +391,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   float dk[1][Traits::kDkTiles][4] = {};
   float dv[1][Traits::kDvTiles][4] = {};
   const float scale_log2 = (kGeneral ? ScoreMods::softmax_scale(p) : p.scale) * kLog2e;
+  const float bias_factor = kLogitArrays ? 1.f / ScoreMods::softmax_scale(p) : 0.f;  // the staged bias's, in the scores' units
   const uint32_t k_address = smem_address(smem.k), v_address = smem_address(smem.v);
   // The two consumer warpgroups meet on named barrier 1 (id 0 is __syncthreads').
   auto consumers_sync = [] { named_barrier_sync(1, kConsumerThreads); };
@@ -474,11 +477,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       else if (!group_blocks.whole(visit.mb))
         mask_transposed_scores(st, p.mask, n0 + warp_key0, m0_group, q_len, kv_len, lane);
       if constexpr (kLogitArrays) {
-        apply_logit_arrays_transposed<T>(st, p, task.b, visit.h, n0 + warp_key0, m0_group, lane, bias_staged);
+        if constexpr (kIds)
+          apply_logit_arrays_transposed<T>(st, p, task.b, visit.h, n0 + warp_key0, m0_group, lane, bias_staged);
         if (bias_staged) {
           Mbarrier(&bars.bias_full[stage]).wait((it / kStages) & 1);
           add_staged_bias_transposed<typename Traits::BiasTile>(st, smem.bias_stage(stage), warp_key0, query0,
-                                                                1.f / ScoreMods::softmax_scale(p), lane);
+                                                                bias_factor, lane);
         }
       }
       if constexpr (!kGeneral) transposed_probabilities<kSQ>(st, lse2, scale_log2, lane);
@@ -503,7 +507,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       if (dropout) apply_keep_mask(st[0], keep, p.dropout_scale);
       // dbias = dS (the handler refuses a soft cap beside a bias: dS here holds the cap's factor)
       if constexpr (kLogitArrays)
-        if (p.dbias_accum) add_dbias_transposed(dpt, p, task.b, visit.h, n0 + warp_key0, m0_group, lane, params.dbias_quads);
+        if (p.dbias_accum) add_dbias_transposed(dpt, p, task.b, visit.h, n0 + warp_key0, m0_group, lane,
+                             kStagedBiasAlone || params.dbias_quads);
     }
     // (Not live: st and dpt are left unset and never read; the zero dS^T is stored from
     // constants. Zeroing them here cost 30 CS2R every visit, hoisted above the branch.)

@@ -61,13 +61,20 @@ cudaError_t launch(const FwdParams& p, const Sm90FwdOptions& options, cudaStream
     // mask; no tensor sums: P V's operand has the dropped probabilities, the sums every one).
     if (p.dropout_seeds != nullptr) kernel = flash_fwd_sm90_ws_kernel<Traits, T, true, false, false, false, false, true>;
     // jax.nn's bias and mask arrays: a general kernel of its own, with the ids' code (the
-    // handler refuses them beside dropout).
+    // handler refuses them beside dropout); a 16-bit bias's tiles through shared memory (no TMA
+    // store below), and a staged bias alone in the general kernel without the ids' code.
     if (logit_arrays(p)) kernel = flash_fwd_sm90_ws_kernel<Traits, T, true, false, false, true, false, false, true>;
+    if constexpr (Traits::kBiasStagesFit) {
+      params.bias_staged = options.bias_stages && logit_arrays(p) && bias_stages(p);
+      if (params.bias_staged && staged_bias_alone(p))
+        kernel = flash_fwd_sm90_ws_kernel<Traits, T, true, false, false, false, false, false, true>;
+    }
   }
-  // A 16-bit bias's tiles through shared memory (the arrays' kernel is a general one: no TMA
-  // store below).
-  if constexpr (Traits::kBiasStagesFit)
-    params.bias_staged = options.bias_stages && logit_arrays(p) && bias_stages(p);
+  // Known bug (cuda/PERF_NOTES.md v33): the arrays' kernel with the ids' code never finishes a
+  // causal forward unless the bias is staged (seen at head dims 64-128): refused, not run, until
+  // found (the FFI handler's message names it; JAX_FLASH_CUDA_CAUSAL_ARRAYS=run launches it).
+  if (logit_arrays(p) && p.mask.causal && !params.bias_staged && refuse_stalling_arrays())
+    return cudaErrorNotSupported;
   // Plain calls with a 16-bit o store it by TMA from shared memory (not under sm90ws_directstore),
   // and so do those with a soft cap or ALiBi alone (not with dropout).
   int smem_bytes = params.bias_staged ? Traits::kSmemBytesBiasStages : Traits::kSmemBytes;
