@@ -30,7 +30,7 @@ struct Overrides {
   HeadDim192Backward head_dim_192_backward = HeadDim192Backward::kNative;
   bool own_value_head_dim = true;  // JAX_FLASH_CUDA_VALUE_HEAD_DIM=padded turns it off
   DecodeLoads decode_loads = DecodeLoads::kPlain;
-  bool staged_bias = true;  // JAX_FLASH_CUDA_BIAS_LOADS=direct turns it off
+  BiasLoads bias_loads = BiasLoads::kStaged;
   bool refuse_stalling_arrays = true;  // JAX_FLASH_CUDA_CAUSAL_ARRAYS=run turns it off
   std::string error;
 };
@@ -105,6 +105,13 @@ DecodeLoads read_decode_loads(std::string& error) {
   return kChoices[read_choice(kDecodeLoadsVariable, values, error)];
 }
 
+// JAX_FLASH_CUDA_BIAS_LOADS: staged where unset.
+BiasLoads read_bias_loads(std::string& error) {
+  const char* const values[] = {"staged", "direct", "tma"};
+  constexpr BiasLoads kChoices[] = {BiasLoads::kStaged, BiasLoads::kDirect, BiasLoads::kTma};
+  return kChoices[read_choice(kBiasLoadsVariable, values, error)];
+}
+
 Overrides read_overrides() {
   Overrides o;
   o.forward = read_override(kForwardVariable, true, o.error);
@@ -115,7 +122,7 @@ Overrides read_overrides() {
   o.head_dim_192_backward = read_head_dim_192_backward(o.error);
   o.own_value_head_dim = read_switch(kValueHeadDimVariable, "native", "padded", o.error);
   o.decode_loads = read_decode_loads(o.error);
-  o.staged_bias = read_switch(kBiasLoadsVariable, "staged", "direct", o.error);
+  o.bias_loads = read_bias_loads(o.error);
   o.refuse_stalling_arrays = read_switch(kCausalArraysVariable, "refuse", "run", o.error);
   return o;
 }
@@ -162,7 +169,8 @@ bool native_head_dim_96_enabled() { return overrides().native_head_dim_96; }
 HeadDim192Backward head_dim_192_backward() { return overrides().head_dim_192_backward; }
 bool own_value_head_dim_enabled() { return overrides().own_value_head_dim; }
 DecodeLoads decode_loads() { return overrides().decode_loads; }
-bool staged_bias_enabled() { return overrides().staged_bias; }
+bool staged_bias_enabled() { return overrides().bias_loads != BiasLoads::kDirect; }
+bool tma_bias_enabled() { return overrides().bias_loads == BiasLoads::kTma; }
 bool refuse_stalling_arrays() { return overrides().refuse_stalling_arrays; }
 
 }  // namespace jax_flash::cuda

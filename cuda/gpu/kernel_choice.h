@@ -68,15 +68,18 @@
 //                                 session 31): the split-KV decode kernel's K/V copies as they
 //                                 are, or with an L2 hint: evict-first (K/V are read once), or a
 //                                 256-byte prefetch (gpu/ptx.cuh cp_async_16_hinted).
-//   JAX_FLASH_CUDA_BIAS_LOADS = staged | direct (default: staged; session 34, with jax.nn's bias
-//                               arrays in the Hopper kernels, experimental behind
+//   JAX_FLASH_CUDA_BIAS_LOADS = staged | direct | tma (default: staged; session 34, with jax.nn's
+//                               bias arrays in the Hopper kernels, experimental behind
 //                               JAX_FLASH_CUDA_LOGIT_ARRAYS=on): a 16-bit bias's tiles copied
 //                               into shared memory by the producer warp a stage ahead where
 //                               gpu/logit_arrays.cuh bias_stages allows and the kernel has room,
 //                               and dbias added by 16-byte atomics of four keys where its layout
 //                               allows (gpu/logit_arrays.cuh dbias_quads); or every element a
 //                               global load in the consumers' path and a float32 atomic
-//                               (session 33's first version).
+//                               (session 33's first version); or staged, the forward's tiles by
+//                               TMA where the bias has a descriptor (sm90/tensor_map.h
+//                               make_bias_tensor_map: its rows not broadcast; session 35,
+//                               experimental: not yet run).
 //   JAX_FLASH_CUDA_CAUSAL_ARRAYS = refuse | run (default: refuse; session 35): a causal forward
 //                                  with jax.nn's arrays and no staged bias (a mask array, a bias
 //                                  the kernels do not stage) stalls in the arrays' kernel with
@@ -136,9 +139,13 @@ bool own_value_head_dim_enabled();
 // The L2 hint of the decode kernel's K/V copies (JAX_FLASH_CUDA_DECODE_LOADS).
 enum class DecodeLoads { kPlain, kEvictFirst, kPrefetch256 };
 DecodeLoads decode_loads();
+// How the Hopper kernels read a bias array (JAX_FLASH_CUDA_BIAS_LOADS).
+enum class BiasLoads { kStaged, kDirect, kTma };
 // Whether the Hopper kernels stage a 16-bit bias array's tiles through shared memory where they
-// can (unless JAX_FLASH_CUDA_BIAS_LOADS=direct).
+// can (unless JAX_FLASH_CUDA_BIAS_LOADS=direct), and whether the forward copies them by TMA
+// (JAX_FLASH_CUDA_BIAS_LOADS=tma).
 bool staged_bias_enabled();
+bool tma_bias_enabled();
 // Whether the Hopper forward refuses the causal array calls that stall (unless
 // JAX_FLASH_CUDA_CAUSAL_ARRAYS=run).
 bool refuse_stalling_arrays();

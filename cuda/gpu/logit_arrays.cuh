@@ -31,6 +31,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "common/attention_params.h"
 #include "common/mask.h"
@@ -131,6 +132,15 @@ inline bool staged_bias_alone(const AttentionParams& p) {
   return p.bias && !p.logit_mask && p.q_segment_ids == nullptr && p.kv_block_lists == nullptr;
 }
 
+// The coordinates of slice (b, h) in the bias's TMA descriptor (sm90/tensor_map.h
+// make_bias_tensor_map: a broadcast dim has extent 1).
+struct BiasSlice {
+  int head, batch;
+};
+JF_HOST_DEVICE inline BiasSlice bias_slice(const LogitArray& a, int64_t b, int64_t h) {
+  return {a.head ? static_cast<int>(h) : 0, a.batch ? static_cast<int>(b / a.batch_div) : 0};
+}
+
 // The producer warp's copy of the bias tile of query rows m0.. and keys n0.. (a Tile, kRows x
 // kCols) of slice (b, h) into shared memory, zero past the call's rows and keys. The caller
 // makes the copies arrive on the tile's barrier.
@@ -158,22 +168,39 @@ __device__ __forceinline__ void add_bias_pairs(float (&s)[1][kNTiles][4], int nt
   }
 }
 
+// Whether a tile's swizzle moves chunks by XOR within a row (SmemTile::physical_chunk).
+template <typename Tile, typename = void>
+inline constexpr bool kHasPhysicalChunk = false;
+template <typename Tile>
+inline constexpr bool kHasPhysicalChunk<Tile, std::void_t<decltype(Tile::physical_chunk(0, 0))>> = true;
+
 // add_bias of the staged tile's elements to a warp's 16 x (8 kNTiles) scores s (the tile's rows
 // row0.. and every key). One ldmatrix gives a thread its two rows' pairs of two n-tiles: lanes
-// 8 m .. 8 m + 7 address matrix m's rows (rows row0 + 8 (m % 2).., chunk nt + m / 2).
+// 8 m .. 8 m + 7 address matrix m's rows (rows row0 + 8 (m % 2).., chunk nt + m / 2). Tile: the
+// producer's copy's SmemTile, or the TMA's GmmaTile (its offset: the same chunk's place there).
 template <typename Tile, typename T, int kNTiles>
 __device__ __forceinline__ void add_staged_bias(float (&s)[1][kNTiles][4], const T* tile, int row0, float factor,
                                                 int lane) {
   static_assert(kNTiles == Tile::kChunks && kNTiles % 2 == 0, "a tile row of whole chunk pairs");
   const int row = row0 + lane % 8 + (lane / 8 % 2) * 8;
-  // Chunk nt + c of the row (nt even, c < 2) is at physical chunk physical_chunk(row, c) ^ nt.
-  const uint32_t row_address = smem_address(tile + row * Tile::kCols);
-  const int chunk = Tile::physical_chunk(row, lane / 16);
+  if constexpr (kHasPhysicalChunk<Tile>) {
+    // Chunk nt + c of the row (nt even, c < 2) is at physical chunk physical_chunk(row, c) ^ nt.
+    const uint32_t row_address = smem_address(tile + row * Tile::kCols);
+    const int chunk = Tile::physical_chunk(row, lane / 16);
 #pragma unroll
-  for (int nt = 0; nt < kNTiles; nt += 2) {
-    uint32_t pairs[4];
-    ldmatrix_x4(pairs, row_address + (chunk ^ nt) * 16);
-    add_bias_pairs<T>(s, nt, pairs, factor);
+    for (int nt = 0; nt < kNTiles; nt += 2) {
+      uint32_t pairs[4];
+      ldmatrix_x4(pairs, row_address + (chunk ^ nt) * 16);
+      add_bias_pairs<T>(s, nt, pairs, factor);
+    }
+  } else {
+    const uint32_t base = smem_address(tile);
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; nt += 2) {
+      uint32_t pairs[4];
+      ldmatrix_x4(pairs, base + Tile::offset(row, nt + lane / 16) * static_cast<int>(sizeof(T)));
+      add_bias_pairs<T>(s, nt, pairs, factor);
+    }
   }
 }
 

@@ -65,7 +65,9 @@ cudaError_t launch(const FwdParams& p, const Sm90FwdOptions& options, cudaStream
     // store below), and a staged bias alone in the general kernel without the ids' code.
     if (logit_arrays(p)) kernel = flash_fwd_sm90_ws_kernel<Traits, T, true, false, false, true, false, false, true>;
     if constexpr (Traits::kBiasStagesFit) {
-      params.bias_staged = options.bias_stages && logit_arrays(p) && bias_stages(p);
+      params.bias_staged = staged_bias_enabled() && logit_arrays(p) && bias_stages(p);
+      params.bias_tma = params.bias_staged && tma_bias_enabled() &&
+                        make_bias_tensor_map(&params.bias, p, Traits::kBlockM) == cudaSuccess;
       if (params.bias_staged && staged_bias_alone(p))
         kernel = flash_fwd_sm90_ws_kernel<Traits, T, true, false, false, false, false, false, true>;
     }

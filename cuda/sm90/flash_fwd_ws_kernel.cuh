@@ -47,8 +47,12 @@ struct FwdTmaParams {
   CUtensorMap q, k, v, o;
   QueryTileGrid grid;  // how the grid's CTAs take tiles (sm90/tile_scheduler.cuh)
   // kLogitArrays: the bias's tiles go through shared memory (gpu/logit_arrays.cuh bias_stages;
-  // the launch then allocates Traits::kSmemBytesBiasStages).
+  // the launch then allocates Traits::kSmemBytesBiasStages), by TMA with bias_tma (its
+  // descriptor `bias`, sm90/tensor_map.h make_bias_tensor_map; JAX_FLASH_CUDA_BIAS_LOADS=tma),
+  // else by the producer warp's copies.
   bool bias_staged = false;
+  bool bias_tma = false;
+  CUtensorMap bias;
 };
 
 // Shared memory of a warp-specialised forward CTA, from a 1 KiB boundary: Q, kStages stages of
@@ -152,7 +156,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       Mbarrier(&bars.k_empty[s]).init(Traits::kConsumerWarps);
       Mbarrier(&bars.v_empty[s]).init(Traits::kConsumerWarps);
       if (bias_staged) {
-        Mbarrier(&bars.bias_full[s]).init(32);  // the producer warp's lanes, once their copies are in
+        // The TMA's expected bytes (one arrival), or the producer warp's lanes once their copies are in.
+        Mbarrier(&bars.bias_full[s]).init(params.bias_tma ? 1 : 32);
         Mbarrier(&bars.bias_empty[s]).init(Traits::kConsumerWarps);
       }
     }
@@ -221,12 +226,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           k_full.arrive_expect_bytes(KTile::kElements * sizeof(T));
           tma_load_tile<KTile>(smem.k_stage(stage), params.k, task.hk, n0, task.b, k_full);
         }
-        // The block's bias tile, by the warp's copies (each lane arrives once its own are in).
+        // The block's bias tile, by TMA or by the warp's copies (each lane arrives once its own
+        // are in).
         if constexpr (kLogitArrays)
           if (bias_staged) {
+            const Mbarrier bias_full(&bars.bias_full[stage]);
             Mbarrier(&bars.bias_empty[stage]).wait(phase ^ 1);
-            stage_bias_tile<typename Traits::BiasTile>(smem.bias_stage(stage), p, task.b, task.h, blk.m0, n0, lane);
-            Mbarrier(&bars.bias_full[stage]).arrive_after_copies();
+            if (params.bias_tma) {
+              if (lane == 0) {
+                using Tile = typename Traits::BiasTmaTile;
+                const BiasSlice slice = bias_slice(p.bias, task.b, task.h);
+                bias_full.arrive_expect_bytes(Tile::kElements * sizeof(T));
+                tma_load_tile<Tile>(smem.bias_stage(stage), params.bias, slice.head, blk.m0, slice.batch, bias_full, n0);
+              }
+            } else {
+              stage_bias_tile<typename Traits::BiasTile>(smem.bias_stage(stage), p, task.b, task.h, blk.m0, n0, lane);
+              bias_full.arrive_after_copies();
+            }
           }
         // V rows in [kv_len, seq_k) hold the array's data past this batch element's length,
         // which the masks give probability 0 but which P V would still multiply (0 * NaN is
@@ -334,8 +350,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           if (bias_staged) {
             const int stage = stage_of(i);
             Mbarrier(&bars.bias_full[stage]).wait(phase_of(i));
-            add_staged_bias<typename Traits::BiasTile>(s, smem.bias_stage(stage), warp_m0,
-                                                       1.f / softmax_scale, lane);
+            if (params.bias_tma)
+              add_staged_bias<typename Traits::BiasTmaTile>(s, smem.bias_stage(stage), warp_m0, 1.f / softmax_scale, lane);
+            else
+              add_staged_bias<typename Traits::BiasTile>(s, smem.bias_stage(stage), warp_m0, 1.f / softmax_scale, lane);
             release(&bars.bias_empty[stage]);
           }
         }

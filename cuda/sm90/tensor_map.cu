@@ -4,6 +4,8 @@
 
 #include <cudaTypedefs.h>
 
+#include "gpu/logit_arrays.cuh"
+
 namespace jax_flash::cuda {
 namespace {
 
@@ -41,6 +43,27 @@ cudaError_t make_head_tensor_map(CUtensorMap* map, const void* base, Dtype dtype
                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+cudaError_t make_bias_tensor_map(CUtensorMap* map, const AttentionParams& p, int rows) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = encode_function();
+  const LogitArray& a = p.bias;
+  if (encode == nullptr || !bias_stages(p) || a.row == 0) return cudaErrorNotSupported;
+  constexpr int64_t kBytes = 2;
+  const AttentionShape& s = p.shape;
+  // A broadcast dim (stride 0) has extent 1; its stride is never used, but must be a legal one.
+  auto stride = [&](int64_t elements) { return static_cast<cuuint64_t>((elements ? elements : s.seq_k) * kBytes); };
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(s.seq_k), static_cast<cuuint64_t>(a.head ? s.heads_q : 1),
+                              static_cast<cuuint64_t>(s.seq_q),
+                              static_cast<cuuint64_t>(a.batch ? (s.batch + a.batch_div - 1) / a.batch_div : 1)};
+  const cuuint64_t strides[3] = {stride(a.head), stride(a.row), stride(a.batch)};
+  const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(rows), 1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  const CUresult r = encode(map, p.dtype == Dtype::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                            4, const_cast<void*>(a.data), dims, strides, box, element_strides,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorNotSupported;
 }
 
 cudaError_t make_qkv_tensor_maps(const AttentionParams& p, int q_rows, int kv_rows, CUtensorMap* q, CUtensorMap* k,

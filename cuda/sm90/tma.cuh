@@ -27,13 +27,15 @@ __device__ __forceinline__ void tma_load_box(void* smem_dst, const CUtensorMap& 
       : "memory");
 }
 
-// Rows [row, row + Tile::kRows) of one head of `map` into a GmmaTile (one box a 64-column block).
+// Rows [row, row + Tile::kRows) and columns [column0, column0 + Tile::kCols) of one head of `map`
+// into a GmmaTile (one box a 64-column block).
 template <typename Tile, typename T>
 __device__ __forceinline__ void tma_load_tile(T* tile, const CUtensorMap& map, int head, int64_t row, int batch,
-                                              const Mbarrier& bar) {
+                                              const Mbarrier& bar, int64_t column0 = 0) {
 #pragma unroll
   for (int block = 0; block < Tile::kCols / 64; ++block)
-    tma_load_box(tile + block * Tile::kRows * 64, map, block * 64, head, static_cast<int>(row), batch, bar);
+    tma_load_box(tile + block * Tile::kRows * 64, map, static_cast<int>(column0) + block * 64, head,
+                 static_cast<int>(row), batch, bar);
 }
 
 // The box at (column, head, row, batch) of `map` written from shared memory at smem_src,

@@ -67,6 +67,8 @@ struct Sm90FwdWsTraits {
   // 128, where it fits (head dim 128: all of the 227 KiB; session 34's first run on an H100 found
   // 32 bytes too many when the tiles' barriers were dynamic: "invalid argument" at launch).
   using BiasTile = SmemTile<kBlockM, (kBlockN == 64 || kBlockN == 128) ? kBlockN : 64>;
+  // The same tile in the TMA's swizzle (JAX_FLASH_CUDA_BIAS_LOADS=tma: FwdTmaParams::bias_tma).
+  using BiasTmaTile = GmmaTile<kBlockM, BiasTile::kCols>;
   static constexpr int kSmemBytesBiasStages = kSmemBytes + kStages * 2 * BiasTile::kElements;
   static constexpr bool kBiasStagesFit =
       (kBlockN == 64 || kBlockN == 128) && kSmemBytesBiasStages + kStaticSmemBytes <= 227 * 1024;
