@@ -168,10 +168,10 @@ CUDA_BIAS_CASES = {
 # inputs' dtype, keys contiguous, every row on 16 bytes) and whose dbias takes 16-byte atomics
 # (dbias_quads): a key count that is a multiple of 8 but not of the key blocks (144), rows past
 # the last query tile (T = 70). A bias alone runs in the kernels without the ids' code, one beside
-# a mask (the "-mask" cases) in those with it. The cases above (S = 150) read every element from global memory
-# and add dbias an element at a time; so do these under JAX_FLASH_CUDA_BIAS_LOADS=direct, and
-# under =tma their forward copies the tiles by TMA, but for the row-broadcast BN1S
-# (test_cuda_kernels_under_the_switch).
+# a mask (the "-mask" cases) in those with it. The cases above (S = 150) read every element from
+# global memory and add dbias an element at a time; so do these under
+# JAX_FLASH_CUDA_BIAS_LOADS=direct, and under =tma their forward copies the tiles by TMA, but for
+# the row-broadcast BN1S (test_cuda_kernels_under_the_switch).
 S8 = 144
 CUDA_BIAS_CASES.update({f"staged-{name}": dict(case, s=case.get("s", S8)) for name, case in {
     "1NTS-hd128-causal": dict(bias_shape=(1, N, T, S8), head_dim=128, is_causal=True),
@@ -265,9 +265,10 @@ def test_cuda_block_diagonal_mask_skips_blocks():
 def test_cuda_kernels_under_the_switch():
   """The GPU tests above in a process with JAX_FLASH_CUDA_LOGIT_ARRAYS=on, and the staged biases'
   cases again with every element read and added from global memory (JAX_FLASH_CUDA_BIAS_LOADS=
-  direct) and with the forward's tiles copied by TMA (=tma). Each process has 300 s (one of a minute or two when they pass): session 35 found
-  causal forwards that never finish in the ids' kernel without a staged bias (cuda/PERF_NOTES.md
-  v33), which this test fails on, by the timeout, until they are fixed."""
+  direct) and with the forward's tiles copied by TMA (=tma). Each process has 300 s (a minute or
+  two when they pass): session 35 found causal forwards that never finish in the ids' kernel
+  without a staged bias (cuda/PERF_NOTES.md v33), refused since (_refused_as_stalling), and a
+  stall the refusal misses fails this test by the timeout instead of holding the suite."""
   gpu_tests_in_a_process(__file__, "test_cuda_against_jax_nn or test_cuda_row_the_mask or "
                          "test_cuda_block_diagonal", dict(JAX_FLASH_CUDA_LOGIT_ARRAYS="on"),
                          timeout_s=300)

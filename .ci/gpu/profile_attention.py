@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_flash
+from jax_flash.benchmark.variants import position_bias
 
 
 def main() -> None:
@@ -37,9 +38,7 @@ def main() -> None:
   q, k, v, d_out = (jax.random.normal(key, shape, jnp.bfloat16)
                     for key in jax.random.split(jax.random.key(0), 4))
 
-  rows, cols = jnp.arange(args.seq)[:, None], jnp.arange(args.seq)[None, :]
-  bias = (jnp.sin(0.01 * (rows + 2 * cols)[None, None] + jnp.arange(heads)[None, :, None, None])
-          .astype(jnp.bfloat16) if args.bias else None)
+  bias = position_bias(q, k) if args.bias else None
 
   def attention(q, k, v, bias):
     if args.peer == "cudnn":

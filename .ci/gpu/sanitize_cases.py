@@ -84,6 +84,7 @@ def main() -> None:
   block_sparse = "--block-sparse" in sys.argv[1:]
   dropout = "--dropout" in sys.argv[1:]
   logit_arrays = "--logit-arrays" in sys.argv[1:]
+  bias_alone = "--bias-alone" in sys.argv[1:]
   chosen = range(len(CASES))
   if "--cases" in sys.argv[1:]:
     chosen = [int(c) for c in sys.argv[sys.argv.index("--cases") + 1].split(",")]
@@ -123,7 +124,7 @@ def main() -> None:
         print(f"case {i}: skipped (the CUDA kernels' bias and mask arrays refuse it)")
         continue
       bias = jax.random.normal(ks[3], (1, n, t, s), jnp.bfloat16)
-      if "--bias-alone" not in sys.argv[1:]:
+      if not bias_alone:
         kwargs["mask"] = jax.random.bernoulli(ks[0], 0.7, (b, 1, t, s))
     args = (q, k, v) if bias is None else (q, k, v, bias)
     out, vjp = jax.vjp(lambda *a: jax_flash.dot_product_attention(*a, **kwargs), *args)

@@ -184,10 +184,10 @@ ffi::Error run_fwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
     if (e == cudaErrorNotSupported && logit_arrays(params) && params.mask.causal)  // sm90/flash_fwd_ws.cu
       return ffi::Error(ffi::ErrorCode::kUnimplemented,
                         "jax_flash: a causal call with a mask array, or with a bias the CUDA kernels do not stage "
-                        "(they stage one of the inputs' 16-bit dtype with contiguous keys and seq_k a multiple of 8, unless "
-                        "JAX_FLASH_CUDA_BIAS_LOADS=direct), is refused "
-                        "under JAX_FLASH_CUDA_LOGIT_ARRAYS=on: its forward stalls in the experimental arrays' "
-                        "kernel (cuda/PERF_NOTES.md v33); pass implementation='blockwise' or 'xla' for such calls");
+                        "(they stage one of the inputs' 16-bit dtype with contiguous keys and seq_k a multiple "
+                        "of 8, unless JAX_FLASH_CUDA_BIAS_LOADS=direct), is refused under "
+                        "JAX_FLASH_CUDA_LOGIT_ARRAYS=on: its forward stalls in the experimental arrays' kernel "
+                        "(cuda/PERF_NOTES.md v33); pass implementation='blockwise' or 'xla' for such calls");
     return cuda_error("forward launch", e);
   }
   return ffi::Error::Success();

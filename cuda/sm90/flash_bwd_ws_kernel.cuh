@@ -391,7 +391,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   float dk[1][Traits::kDkTiles][4] = {};
   float dv[1][Traits::kDvTiles][4] = {};
   const float scale_log2 = (kGeneral ? ScoreMods::softmax_scale(p) : p.scale) * kLog2e;
-  const float bias_factor = kLogitArrays ? 1.f / ScoreMods::softmax_scale(p) : 0.f;  // the staged bias's, in the scores' units
+  // (kLogitArrays) the staged bias's factor, in the scores' units
+  const float bias_factor = kLogitArrays ? 1.f / ScoreMods::softmax_scale(p) : 0.f;
   const uint32_t k_address = smem_address(smem.k), v_address = smem_address(smem.v);
   // The two consumer warpgroups meet on named barrier 1 (id 0 is __syncthreads').
   auto consumers_sync = [] { named_barrier_sync(1, kConsumerThreads); };

@@ -237,7 +237,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                 using Tile = typename Traits::BiasTmaTile;
                 const BiasSlice slice = bias_slice(p.bias, task.b, task.h);
                 bias_full.arrive_expect_bytes(Tile::kElements * sizeof(T));
-                tma_load_tile<Tile>(smem.bias_stage(stage), params.bias, slice.head, blk.m0, slice.batch, bias_full, n0);
+                tma_load_tile<Tile>(smem.bias_stage(stage), params.bias, slice.head, blk.m0, slice.batch, bias_full,
+                                    n0);
               }
             } else {
               stage_bias_tile<typename Traits::BiasTile>(smem.bias_stage(stage), p, task.b, task.h, blk.m0, n0, lane);
@@ -282,6 +283,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int warp_m0 = group * 64 + warp % 4 * 16;  // this warp's first row in the block
   const float softmax_scale = kGeneral ? ScoreMods::softmax_scale(p) : p.scale;
   const float scale_log2 = softmax_scale * kLog2e;
+  const float bias_factor = 1.f / softmax_scale;  // (kLogitArrays) the staged bias's, in the scores' units
   const uint32_t q_address = smem_address(smem.q);
   const uint64_t ones_desc = ones_descriptor(smem_address(smem.ones));  // (kTensorSums)
   // One warpgroup syncs on a turn barrier and the one before it in the ring arrives.
@@ -351,9 +353,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             const int stage = stage_of(i);
             Mbarrier(&bars.bias_full[stage]).wait(phase_of(i));
             if (params.bias_tma)
-              add_staged_bias<typename Traits::BiasTmaTile>(s, smem.bias_stage(stage), warp_m0, 1.f / softmax_scale, lane);
+              add_staged_bias<typename Traits::BiasTmaTile>(s, smem.bias_stage(stage), warp_m0, bias_factor, lane);
             else
-              add_staged_bias<typename Traits::BiasTile>(s, smem.bias_stage(stage), warp_m0, 1.f / softmax_scale, lane);
+              add_staged_bias<typename Traits::BiasTile>(s, smem.bias_stage(stage), warp_m0, bias_factor, lane);
             release(&bars.bias_empty[stage]);
           }
         }

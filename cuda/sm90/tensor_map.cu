@@ -22,6 +22,18 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_function() {
   return encode;
 }
 
+// A 4-dim descriptor of 16-bit `dtype` read in boxes of 64 innermost elements x 1 x `rows` x 1
+// into shared memory with the 128-byte swizzle (a GmmaTile's 64-column block), zeros past the
+// bounds.
+CUresult encode_boxes(CUtensorMap* map, PFN_cuTensorMapEncodeTiled_v12000 encode, Dtype dtype, const void* base,
+                      const cuuint64_t (&dims)[4], const cuuint64_t (&strides)[3], int rows) {
+  const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(rows), 1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  return encode(map, dtype == Dtype::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+                const_cast<void*>(base), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+}
+
 }  // namespace
 
 cudaError_t make_head_tensor_map(CUtensorMap* map, const void* base, Dtype dtype, int64_t batch, int64_t seq,
@@ -36,13 +48,8 @@ cudaError_t make_head_tensor_map(CUtensorMap* map, const void* base, Dtype dtype
   const cuuint64_t strides[3] = {static_cast<cuuint64_t>(head_dim * kBytes),
                                  static_cast<cuuint64_t>(heads * head_dim * kBytes),
                                  static_cast<cuuint64_t>(seq * heads * head_dim * kBytes)};
-  const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(rows), 1};
-  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
-  const CUresult r = encode(map, dtype == Dtype::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                            4, const_cast<void*>(base), dims, strides, box, element_strides,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+  return encode_boxes(map, encode, dtype, base, dims, strides, rows) == CUDA_SUCCESS ? cudaSuccess
+                                                                                    : cudaErrorInvalidValue;
 }
 
 cudaError_t make_bias_tensor_map(CUtensorMap* map, const AttentionParams& p, int rows) {
@@ -57,13 +64,8 @@ cudaError_t make_bias_tensor_map(CUtensorMap* map, const AttentionParams& p, int
                               static_cast<cuuint64_t>(s.seq_q),
                               static_cast<cuuint64_t>(a.batch ? (s.batch + a.batch_div - 1) / a.batch_div : 1)};
   const cuuint64_t strides[3] = {stride(a.head), stride(a.row), stride(a.batch)};
-  const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(rows), 1};
-  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
-  const CUresult r = encode(map, p.dtype == Dtype::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                            4, const_cast<void*>(a.data), dims, strides, box, element_strides,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorNotSupported;
+  return encode_boxes(map, encode, p.dtype, a.data, dims, strides, rows) == CUDA_SUCCESS ? cudaSuccess
+                                                                                        : cudaErrorNotSupported;
 }
 
 cudaError_t make_qkv_tensor_maps(const AttentionParams& p, int q_rows, int kv_rows, CUtensorMap* q, CUtensorMap* k,
