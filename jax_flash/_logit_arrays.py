@@ -53,3 +53,34 @@ def block_mask_of(mask: jax.Array, rows: int, keys: int) -> jax.Array:
   padded = jnp.pad(mask, pad)
   shape = (*lead, tb, rows if t > 1 else 1, sb, keys if s > 1 else 1)
   return jnp.any(padded.reshape(shape), axis=(-3, -1))
+
+
+# The CUDA kernels read a mask as bits in the order their score fragments hold them
+# (cuda/gpu/logit_arrays.cuh mask_bits_word): a row's keys in groups of 128, each group four
+# uint32 words, word q holding bit 2 nt + c for key 128 g + 8 nt + 2 q + c (nt < 16, c < 2): a
+# thread with quad lane q reads its two rows' bits of a 128-key block as two words.
+MASK_BITS_GROUP = 128
+MASK_BITS_WORDS = 4
+
+
+def cuda_mask_bits(mask: jax.Array, seq_q: int, seq_k: int, transposed: bool = False) -> jax.Array:
+  """A bool mask (..., N|1, T|1, S|1) packed as the CUDA kernels read it: uint32 (..., N|1,
+  R|1, ceil(C / 128) * 4) with rows R and columns C the queries T = seq_q and keys S = seq_k
+  (the forward's order), or with `transposed` the keys and queries (the backward's: its tiles
+  hold keys in rows); bit 2 nt + c of word 4 g + q is column 128 g + 8 nt + 2 q + c, columns
+  past C false. A column dim of size 1 is broadcast to C first (T S / 8 bytes at most); a row
+  dim of 1 stays 1. Formed by XLA beside each pass's call: 1/8 of the bool mask's bytes."""
+  rows, columns = (seq_k, seq_q) if transposed else (seq_q, seq_k)
+  if transposed:
+    mask = jnp.swapaxes(mask, -1, -2)
+  *lead, r, c = mask.shape
+  assert r in (1, rows) and c in (1, columns), (mask.shape, rows, columns)
+  groups = -(-columns // MASK_BITS_GROUP)
+  mask = jnp.broadcast_to(mask, (*lead, r, columns))
+  mask = jnp.pad(mask, [(0, 0)] * (len(lead) + 1) + [(0, groups * MASK_BITS_GROUP - columns)])
+  # (.., g, nt, q, c) -> (.., g, q, nt, c): each word's 32 bits in order.
+  bits = mask.reshape(*lead, r, groups, 16, MASK_BITS_WORDS, 2)
+  bits = jnp.swapaxes(bits, -3, -2).reshape(*lead, r, groups * MASK_BITS_WORDS, 32)
+  weights = jnp.left_shift(jnp.uint32(1), jnp.arange(32, dtype=jnp.uint32))
+  return jnp.sum(jnp.where(bits, weights, jnp.uint32(0)), axis=-1, dtype=jnp.uint32)
+

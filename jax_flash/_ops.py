@@ -208,18 +208,26 @@ def _dropout_operands(config: KernelConfig, dropout_seeds) -> tuple[tuple, dict]
 BIAS_DTYPES = frozenset(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 
 
-def _logit_operands(config: KernelConfig, bias, mask) -> tuple[tuple, dict]:
+def _logit_operands(config: KernelConfig, bias, mask, seq_q: int, seq_k: int,
+                    backward: bool = False) -> tuple[tuple, dict]:
   """The bias and mask operands and attributes of a kernel call: both passes of both kernels
   always take the bias (..., N|1, T|1, S|1) as it is (a float32 (0,) placeholder without) with
-  the switch `bias`, and the bool mask likewise (a bool (0,) placeholder) with `mask`. The
-  "cuda" kernels take the arrays only under JAX_FLASH_CUDA_LOGIT_ARRAYS=on (experimental:
+  the switch `bias`, and the mask with `mask`: the "cpu" kernel's as the bool array it is, the
+  "cuda" kernels' as bits in their fragments' order (jax_flash._logit_arrays.cuda_mask_bits,
+  keys in rows for the `backward`'s), placeholders (0,) of those dtypes without. The "cuda"
+  kernels take the arrays only under JAX_FLASH_CUDA_LOGIT_ARRAYS=on (experimental:
   jax_flash._logit_arrays; jax_flash._dispatch refuses them otherwise)."""
-  if (config.implementation == "cuda" and (bias is not None or mask is not None)
-      and not _logit_arrays.cuda_kernels_take_logit_arrays()):
+  cuda = config.implementation == "cuda"
+  if cuda and (bias is not None or mask is not None) and not _logit_arrays.cuda_kernels_take_logit_arrays():
     raise NotImplementedError(f"the 'cuda' kernels take bias and mask arrays only under "
                               f"{_logit_arrays.CUDA_LOGIT_ARRAYS_VARIABLE}=on (experimental)")
-  operands = (jnp.zeros((0,), jnp.float32) if bias is None else bias,
-              jnp.zeros((0,), jnp.bool_) if mask is None else mask)
+  if mask is None:
+    mask_operand = jnp.zeros((0,), jnp.uint32 if cuda else jnp.bool_)
+  elif cuda:
+    mask_operand = _logit_arrays.cuda_mask_bits(mask, seq_q, seq_k, transposed=backward)
+  else:
+    mask_operand = mask
+  operands = (jnp.zeros((0,), jnp.float32) if bias is None else bias, mask_operand)
   return operands, {"bias": bias is not None, "mask": mask is not None}
 
 
@@ -265,7 +273,7 @@ def _flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig, segment_ids=None,
   alibi, alibi_attributes = _alibi_operands(config, alibi_slopes)
   blocks, block_attributes = _block_mask_operands(config, block_mask, k.shape[-2])
   drop, drop_attributes = _dropout_operands(config, dropout_seeds)
-  logits, logit_attributes = _logit_operands(config, bias, mask)
+  logits, logit_attributes = _logit_operands(config, bias, mask, q.shape[-3], k.shape[-3])
   outputs = call(q, k, v, q_lens, kv_lens, *ids, *alibi, *blocks, *drop, *logits,
                  **config.attributes(), **id_attributes, **_soft_cap_attribute(config),
                  **alibi_attributes, **block_attributes, **drop_attributes, **logit_attributes)
@@ -394,7 +402,8 @@ def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig, segm
   alibi, alibi_attributes = _alibi_operands(config, alibi_slopes)
   blocks, block_attributes = _block_mask_operands(config, block_mask, heads_k, backward=True)
   drop, drop_attributes = _dropout_operands(config, dropout_seeds)
-  logits, logit_attributes = _logit_operands(config, bias, mask)
+  logits, logit_attributes = _logit_operands(config, bias, mask, q.shape[-3], k.shape[-3],
+                                             backward=True)
   outputs = call(q, k, v, *rows, d_o, q_lens, kv_lens, *ids, *alibi, *blocks, *drop, *logits,
                  **attributes, **id_attributes, **_soft_cap_attribute(config),
                  **alibi_attributes, **block_attributes, **drop_attributes, **logit_attributes)

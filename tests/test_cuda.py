@@ -609,6 +609,36 @@ def test_narrow_calls_unsplit_on_cuda():
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
+def test_forward_turns_across_tiles_on_cuda():
+  """With JAX_FLASH_CUDA_FWD_TURNS=across_tiles every Hopper forward's consumer warpgroups run
+  their turns on across a CTA's tiles (session 36: restarted at each tile they can hang, which
+  the bias and mask arrays' kernels did; cuda/PERF_NOTES.md v34): the reference cases pass, and
+  a call of more tiles than SMs under each persistent grid (two tiles a CTA or more)."""
+  selection = "test_cuda_matches_reference or test_forward_of_more_tiles_than_sms_here"
+  _run_cuda_tests_on_hopper_with({"JAX_FLASH_CUDA_FWD_TURNS": "across_tiles"}, selection)
+
+
+@pytest.mark.parametrize("grid", ["sm90ws_static", "sm90ws_dynamic"])
+def test_forward_of_more_tiles_than_sms(grid):
+  """A forward of 640 query tiles (more than an H100's or H200's SMs: the persistent CTAs take
+  several each) under each persistent grid, causal and not, against the reference; the tile
+  rows past T = 70 leave the second consumer warpgroup little to do, as where session 35's
+  arrays' kernel hung."""
+  _run_cuda_tests_on_hopper_with({"JAX_FLASH_CUDA_FORWARD": grid}, "test_forward_of_more_tiles_than_sms_here")
+
+
+def test_forward_of_more_tiles_than_sms_here():
+  """(Run by test_forward_of_more_tiles_than_sms under each grid.)"""
+  keys = jax.random.split(jax.random.key(7), 3)
+  q = jax.random.normal(keys[0], (4, 70, 160, 64), jnp.bfloat16)
+  k, v = (jax.random.normal(key, (4, 150, 32, 64), jnp.bfloat16) for key in keys[1:])
+  for causal in (False, True):
+    got = jax_flash.dot_product_attention(q, k, v, is_causal=causal, implementation="cuda")
+    want = jax_flash.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)), is_causal=causal,
+                                           implementation="xla")
+    assert np.abs(np.asarray(got, np.float32) - np.asarray(want)).max() < 2e-2, causal
+
+
 def test_split_kv_decoding_on_cuda():
   """The experimental split-KV program around the CUDA forward (JAX_FLASH_CUDA_DECODE=split:
   pack-GQA and key chunks for calls without causal mask or window) passes the reference cases,
@@ -624,7 +654,7 @@ def test_split_kv_decoding_on_cuda():
                                              ("JAX_FLASH_CUDA_VALUE_HEAD_DIM", "nativ"),
                                              ("JAX_FLASH_CUDA_DECODE_LOADS", "evict"),
                                              ("JAX_FLASH_CUDA_BIAS_LOADS", "stage"),
-                                             ("JAX_FLASH_CUDA_CAUSAL_ARRAYS", "runs")])
+                                             ("JAX_FLASH_CUDA_FWD_TURNS", "across")])
 def test_unknown_kernel_choice_is_an_error(variable, value):
   """A misspelt override is reported by name, not ignored."""
   result = _run_in_subprocess({variable: value}, "-k", "test_cuda_is_default_on_gpu")

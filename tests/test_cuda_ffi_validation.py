@@ -42,8 +42,9 @@ TB, SB = 1, 1  # mask blocks of 128 rows / keys: T = 5 and S = 7 make one each
 NO_DROPOUT = dict(dropout_seeds=((0,), "uint32"))
 
 
-# jax.nn's bias and mask arrays without them: placeholders (their switches off in attributes()).
-NO_ARRAYS = dict(bias=((0,), "float32"), mask=((0,), "bool"))
+# jax.nn's bias and mask arrays without them: placeholders (their switches off in attributes());
+# the CUDA handlers take the mask as its bits (jax_flash._logit_arrays.cuda_mask_bits).
+NO_ARRAYS = dict(bias=((0,), "float32"), mask=((0,), "uint32"))
 
 
 def attributes(**overrides) -> dict:
@@ -147,8 +148,10 @@ ERRORS = [
     ("mask_off_not_empty", lambda c: with_shape(c, "mask", (B, 1, T, S)), ("mask=false takes an empty",)),
     ("bias_keys", lambda c: with_attributes(with_shape(c, "bias", (1, N, T, S + 1)), bias=True),
      ("bias(1, 4, 5, 8)", "S=7")),
+    ("mask_bits_words", lambda c: with_attributes(with_shape(c, "mask", (B, 1, 1, 8)), mask=True),
+     ("mask(2, 1, 1, 8) uint32", "the mask's bits must be", ", 4) with q's rank")),
     ("mask_on_the_mma_sync_kernels",
-     lambda c: with_attributes(with_shape(c, "mask", (B, 1, T, S)), mask=True),
+     lambda c: with_attributes(with_shape(c, "mask", (B, 1, 1, 4)), mask=True),
      ("bias and mask arrays on the CUDA kernels: the Hopper kernels only", "head dim 16")),
 ]
 

@@ -10,7 +10,6 @@ test_bias_mask_kernel.py checks against jax.nn by the FlashAttention rule, on th
 
 from __future__ import annotations
 
-import os
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +58,30 @@ def test_block_mask_of_a_mask(shape, rows, keys):
   np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("shape, seq_q, seq_k", [
+    ((2, 3, 70, 150), 70, 150),   # partial 128-key groups
+    ((1, 1, 1, 300), 9, 300),     # rows broadcast: stay one row
+    ((2, 1, 40, 1), 40, 77),      # keys broadcast: spread over the 77 columns
+])
+@pytest.mark.parametrize("transposed", [False, True], ids=["forward", "backward"])
+def test_cuda_mask_bits_order(shape, seq_q, seq_k, transposed):
+  """Bit 2 nt + c of word 4 g + q of row r is column 128 g + 8 nt + 2 q + c of that row (keys
+  of a query row; with `transposed`, queries of a key row), as the CUDA kernels' fragments read
+  it; the columns past the last are 0."""
+  rng = np.random.default_rng(sum(shape))
+  mask = rng.random(shape) < 0.5
+  words = np.asarray(_logit_arrays.cuda_mask_bits(jnp.asarray(mask), seq_q, seq_k, transposed))
+  rows_first = np.swapaxes(mask, -1, -2) if transposed else mask
+  columns = seq_q if transposed else seq_k
+  want = np.zeros((*rows_first.shape[:-1], -(-columns // 128) * 128), bool)
+  want[..., :columns] = np.broadcast_to(rows_first, (*rows_first.shape[:-1], columns))
+  assert words.dtype == np.uint32 and words.shape == (*want.shape[:-1], want.shape[-1] // 32)
+  column = np.arange(want.shape[-1])
+  group, nt, quad, c = column // 128, column % 128 // 8, column % 8 // 2, column % 2
+  got = (words[..., 4 * group + quad] >> (2 * nt + c).astype(np.uint32)) & 1
+  np.testing.assert_array_equal(got.astype(bool), want)
+
+
 def test_cuda_refuses_the_arrays_without_the_switch(monkeypatch):
   """By default (the switch unset, as here) the CUDA kernels take no arrays: the dispatch raises
   at trace time naming them, their shapes and the switch; the op layer never builds such a call."""
@@ -72,22 +95,25 @@ def test_cuda_refuses_the_arrays_without_the_switch(monkeypatch):
     jax_flash.dot_product_attention(q, q, q, bias)
   config = _ops.KernelConfig("cuda", 1.0, False, -1, -1)
   with pytest.raises(NotImplementedError, match="JAX_FLASH_CUDA_LOGIT_ARRAYS=on"):
-    _ops._logit_operands(config, bias, None)
+    _ops._logit_operands(config, bias, None, 8, 8)
 
 
 def test_cuda_calls_carry_the_arrays_under_the_switch(monkeypatch):
   """With the switch on (simulated: its value patched, this machine a CUDA host), a
   differentiated CUDA call traces to the forward and backward custom calls with the bias and the
-  mask as operands (attributes bias=mask=True), the backward returning dbias in float32 and the
-  bias's shape (cast to its dtype after the call), and the block mask the mask array implies
-  (block_sparse); a float16 bias beside bfloat16 inputs goes as float32; without arrays the
-  operands are (0,) placeholders."""
+  mask as operands (attributes bias=mask=True; the mask as its bits, cuda_mask_bits: T = 200
+  query rows of ceil(300 / 128) x 4 words in the forward, S = 300 key rows of ceil(200 / 128)
+  x 4 in the backward), the backward returning dbias in float32 and the bias's shape (cast to
+  its dtype after the call), and the block mask the mask array implies (block_sparse); a
+  float16 bias beside bfloat16 inputs goes as float32; without arrays the operands are (0,)
+  placeholders."""
   simulate_cuda_host(monkeypatch)
   monkeypatch.setattr(_logit_arrays, "_CUDA_LOGIT_ARRAYS", True)
   assert _dispatch.capabilities("cuda").logit_arrays
-  q, k, v = (jnp.ones((2, 300, 4, 64), jnp.bfloat16) for _ in range(3))
-  bias = jnp.zeros((1, 4, 300, 300), jnp.float16)
-  mask = jnp.tril(jnp.ones((300, 300), bool))
+  q = jnp.ones((2, 200, 4, 64), jnp.bfloat16)
+  k = v = jnp.ones((2, 300, 4, 64), jnp.bfloat16)
+  bias = jnp.zeros((1, 4, 200, 300), jnp.float16)
+  mask = jnp.tril(jnp.ones((200, 300), bool))
 
   def loss(q, k, v, bias, mask):
     out = jax_flash.dot_product_attention(q, k, v, bias, mask, implementation="cuda")
@@ -95,14 +121,14 @@ def test_cuda_calls_carry_the_arrays_under_the_switch(monkeypatch):
 
   calls = ffi_calls(jax.grad(loss, argnums=(0, 1, 2, 3)), q, k, v, bias, mask)
   assert [name for name, *_ in calls] == ["jax_flash_cuda_fwd", "jax_flash_cuda_bwd"]
-  for name, attributes, operands, results in calls:
+  for (name, attributes, operands, results), mask_bits in zip(calls, [(1, 1, 200, 12), (1, 1, 300, 8)]):
     assert bool(attributes["bias"]) and bool(attributes["mask"]), name
     assert bool(attributes["block_sparse"]), name  # the causal mask's upper blocks are skipped
     shapes = {(tuple(x.shape), jnp.dtype(x.dtype)) for x in operands}
-    assert ((1, 4, 300, 300), jnp.dtype(F32)) in shapes, name  # the float16 bias, as float32
-    assert ((1, 1, 300, 300), jnp.dtype(bool)) in shapes, name
+    assert ((1, 4, 200, 300), jnp.dtype(F32)) in shapes, name  # the float16 bias, as float32
+    assert (mask_bits, jnp.dtype(jnp.uint32)) in shapes, name
   _, _, _, bwd_results = calls[1]
-  assert (tuple(bwd_results[-1].shape), jnp.dtype(bwd_results[-1].dtype)) == ((1, 4, 300, 300), F32)
+  assert (tuple(bwd_results[-1].shape), jnp.dtype(bwd_results[-1].dtype)) == ((1, 4, 200, 300), F32)
   dbias = jax.eval_shape(jax.grad(loss, argnums=3), q, k, v, bias, mask)
   assert dbias.shape == bias.shape and dbias.dtype == bias.dtype
   for name, attributes, operands, _ in ffi_calls(jax.grad(lambda q: loss(q, k, v, None, None)), q):
@@ -170,8 +196,9 @@ CUDA_BIAS_CASES = {
 # the last query tile (T = 70). A bias alone runs in the kernels without the ids' code, one beside
 # a mask (the "-mask" cases) in those with it. The cases above (S = 150) read every element from
 # global memory and add dbias an element at a time; so do these under
-# JAX_FLASH_CUDA_BIAS_LOADS=direct, and under =tma their forward copies the tiles by TMA, but for
-# the row-broadcast BN1S (test_cuda_kernels_under_the_switch).
+# JAX_FLASH_CUDA_BIAS_LOADS=direct. By default their forward copies the tiles by TMA (but for the
+# row-broadcast BN1S, which has no descriptor), under =staged by the producer warp's copies
+# (test_cuda_kernels_under_the_switch).
 S8 = 144
 CUDA_BIAS_CASES.update({f"staged-{name}": dict(case, s=case.get("s", S8)) for name, case in {
     "1NTS-hd128-causal": dict(bias_shape=(1, N, T, S8), head_dim=128, is_causal=True),
@@ -188,21 +215,17 @@ CUDA_BIAS_CASES.update({f"staged-{name}": dict(case, s=case.get("s", S8)) for na
                                 is_causal=True),
 }.items()})
 
-
-def _refused_as_stalling(options, dtype) -> bool:
-  """Whether the CUDA forward refuses the case: a causal call with a mask array, or with a bias
-  the kernels do not stage (not of the inputs' dtype, keys broadcast, seq_k not a multiple of 8,
-  or JAX_FLASH_CUDA_BIAS_LOADS=direct); its forward stalls in the arrays' kernel with the ids'
-  code (cuda/PERF_NOTES.md v33, sm90/flash_fwd_ws.cu)."""
-  if not options.get("is_causal"):
-    return False
-  if options.get("mask_shape") is not None:
-    return True
-  shape = options["bias_shape"]
-  staged = (os.environ.get("JAX_FLASH_CUDA_BIAS_LOADS") != "direct"
-            and jnp.dtype(options.get("bias_dtype") or dtype) == jnp.dtype(dtype)
-            and options.get("s", S) % 8 == 0 and shape[-1] != 1)
-  return not staged
+# More query tiles than an H100 or H200 has SMs (B x heads = 320 at T = 70), so that the forward's
+# persistent CTAs take several each: session 35's forward hung there once the two consumer
+# warpgroups' paces differed (the direct loads, which rows past T skip) and one arrived for the
+# next tile on a turn barrier the other had not yet taken (cuda/PERF_NOTES.md v34).
+CUDA_BIAS_CASES.update({
+    "many-tiles-f32-causal-hd128": dict(bias_shape=(1, 160, T, S), bias_dtype=F32, heads=(160, 8),
+                                        head_dim=128, is_causal=True),
+    "many-tiles-mask-hd64": dict(mask_shape=(B, 1, T, S), heads=(160, 160), head_dim=64),
+    "many-tiles-staged-mask-causal-hd96": dict(bias_shape=(1, 160, T, S8), mask_shape=(T, S8), s=S8,
+                                               heads=(160, 32), head_dim=96, is_causal=True),
+})
 
 
 def _needs_the_cuda_switch():
@@ -216,10 +239,6 @@ def test_cuda_against_jax_nn(case):
   _needs_the_cuda_switch()
   options = dict(CUDA_BIAS_CASES[case])
   dtype = jnp.dtype(options.pop("dtype", jnp.bfloat16))
-  if _refused_as_stalling(options, dtype):
-    with pytest.raises(Exception, match="stalls in the experimental arrays' kernel"):
-      _check(4, dtype, implementation="cuda", **options)
-    return
   _check(4, dtype, implementation="cuda", **options)
 
 
@@ -264,15 +283,14 @@ def test_cuda_block_diagonal_mask_skips_blocks():
 @pytest.mark.gpu
 def test_cuda_kernels_under_the_switch():
   """The GPU tests above in a process with JAX_FLASH_CUDA_LOGIT_ARRAYS=on, and the staged biases'
-  cases again with every element read and added from global memory (JAX_FLASH_CUDA_BIAS_LOADS=
-  direct) and with the forward's tiles copied by TMA (=tma). Each process has 300 s (a minute or
-  two when they pass): session 35 found causal forwards that never finish in the ids' kernel
-  without a staged bias (cuda/PERF_NOTES.md v33), refused since (_refused_as_stalling), and a
-  stall the refusal misses fails this test by the timeout instead of holding the suite."""
+  cases again with the forward's tiles copied by the producer warp (JAX_FLASH_CUDA_BIAS_LOADS=
+  staged) and with every element read and added from global memory (=direct). Each process has
+  300 s (a minute or two when they pass): a kernel that never finishes fails this test by the
+  timeout instead of holding the suite (session 35's hang, cuda/PERF_NOTES.md v34)."""
   gpu_tests_in_a_process(__file__, "test_cuda_against_jax_nn or test_cuda_row_the_mask or "
                          "test_cuda_block_diagonal", dict(JAX_FLASH_CUDA_LOGIT_ARRAYS="on"),
                          timeout_s=300)
-  for loads in ("direct", "tma"):
-    gpu_tests_in_a_process(__file__, "test_cuda_against_jax_nn and staged",
+  for loads in ("staged", "direct"):
+    gpu_tests_in_a_process(__file__, "test_cuda_against_jax_nn and (staged or many-tiles)",
                            dict(JAX_FLASH_CUDA_LOGIT_ARRAYS="on", JAX_FLASH_CUDA_BIAS_LOADS=loads),
                            timeout_s=300)

@@ -56,7 +56,7 @@ struct MaskParams {
 // its axis in front of both, which keeps that form).
 struct LogitArray {
   const void* data = nullptr;
-  Dtype dtype = Dtype::kFloat32;  // a bias's; a mask is bool
+  Dtype dtype = Dtype::kFloat32;  // a bias's; a mask is bool (the CUDA kernels': uint32 bits)
   int64_t batch_div = 1;
   int64_t batch = 0, head = 0, row = 0, col = 0;  // strides
   int64_t elements = 0;                           // its own size
@@ -145,8 +145,8 @@ struct AttentionParams {
   // jax.nn's bias and mask arrays (LogitArray), or empty for none: the bias (times log2(e) in
   // the kernels' base-2 scores) is added after the soft cap and ALiBi, before the masks; a false
   // mask element hides its key from its row on top of every other mask (a row left no key is
-  // empty: output 0). Only the CPU kernel reads them (the CUDA handlers take no such operands,
-  // and the Python side refuses them there).
+  // empty: output 0). The CPU kernel reads the mask's bools, the Hopper kernels (experimental)
+  // its bits, in word strides (common/ffi_params.h set_mask_bits).
   LogitArray bias;
   LogitArray logit_mask;
 

@@ -536,12 +536,40 @@ inline xla::ffi::Error set_dropout(const xla::ffi::AnyBuffer& seeds, double rate
   return xla::ffi::Error::Success();
 }
 
+// Where an operand of q's rank shaped (..., N|1, R|1, C) lies (LogitArray's strides, in
+// elements): its leading dims (folded as q's) a batch that divides q's; C the `columns`, or 1
+// where `broadcast_columns`. Whether it has that shape.
+inline bool set_array_layout(const xla::ffi::AnyBuffer& x, const xla::ffi::AnyBuffer& q, const AttentionShape& sh,
+                             int64_t rows, int64_t columns, bool broadcast_columns, LogitArray& out) {
+  const auto d = x.dimensions();
+  const size_t r = d.size();
+  const int64_t batch = leading_product(d, 3);
+  if (!(r == q.dimensions().size() && r >= 3 && (d[r - 3] == 1 || d[r - 3] == sh.heads_q) &&
+        (d[r - 2] == 1 || d[r - 2] == rows) && (d[r - 1] == columns || (broadcast_columns && d[r - 1] == 1)) &&
+        batch >= 1 && sh.batch % batch == 0))
+    return false;
+  out.data = x.untyped_data();
+  out.batch_div = sh.batch / batch > 0 ? sh.batch / batch : 1;
+  out.col = d[r - 1] == 1 ? 0 : 1;
+  out.row = d[r - 2] == 1 ? 0 : d[r - 1];
+  out.head = d[r - 3] == 1 ? 0 : d[r - 2] * d[r - 1];
+  out.batch = d[r - 3] * d[r - 2] * d[r - 1];
+  out.elements = static_cast<int64_t>(x.element_count());
+  return true;
+}
+
+// "N=.. T=.. S=.. and batch .." of a call, for the arrays' messages.
+inline std::string call_dims(const AttentionShape& sh) {
+  return "N=" + std::to_string(sh.heads_q) + " T=" + std::to_string(sh.seq_q) + " S=" + std::to_string(sh.seq_k) +
+         " and batch " + std::to_string(sh.batch);
+}
+
 // jax.nn's bias or mask array (AttentionParams::bias, logit_mask; `is_mask` picks which): with
 // `on`, an operand of q's rank shaped (..., N|1, T|1, S|1), its leading dims (folded as q's)
 // a batch that divides q's; the bias float32, bfloat16 or float16, the mask bool; without, an
 // operand of no elements (the callers pass (0,) placeholders). Call after the attention inputs
-// are set (it reads params.shape). Both platforms' handlers take them (the CUDA ones: the Hopper
-// kernels' kLogitArrays instantiations, gpu/logit_arrays.cuh).
+// are set (it reads params.shape). The CPU handlers take both so; the CUDA ones the bias so
+// and the mask as its bits (set_mask_bits).
 inline xla::ffi::Error set_logit_array(const char* name, const xla::ffi::AnyBuffer& x, bool on, bool is_mask,
                            const xla::ffi::AnyBuffer& q, const AttentionShape& sh, LogitArray& out) {
   out = LogitArray{};
@@ -560,31 +588,40 @@ inline xla::ffi::Error set_logit_array(const char* name, const xla::ffi::AnyBuff
       return invalid(std::string(name) + "=false takes an empty " + name + " operand; got " + describe(name, x));
     return xla::ffi::Error::Success();
   }
-  const auto d = x.dimensions();
-  const size_t r = d.size();
-  const int64_t batch = leading_product(d, 3);
-  const bool match = r == q.dimensions().size() && r >= 3 && (d[r - 3] == 1 || d[r - 3] == sh.heads_q) &&
-                     (d[r - 2] == 1 || d[r - 2] == sh.seq_q) && (d[r - 1] == 1 || d[r - 1] == sh.seq_k) &&
-                     batch >= 1 && sh.batch % batch == 0;
-  if (!match)
+  if (!set_array_layout(x, q, sh, sh.seq_q, sh.seq_k, true, out))
     return invalid(describe(name, x) + ": must be (..., N|1, T|1, S|1) with q's rank and leading dims whose " +
-                   "product divides q's batch, for " + describe("q", q) + ", N=" + std::to_string(sh.heads_q) +
-                   " T=" + std::to_string(sh.seq_q) + " S=" + std::to_string(sh.seq_k) + " and batch " +
-                   std::to_string(sh.batch));
-  out.data = x.untyped_data();
-  out.batch_div = sh.batch / batch > 0 ? sh.batch / batch : 1;
-  out.col = d[r - 1] == 1 ? 0 : 1;
-  out.row = d[r - 2] == 1 ? 0 : d[r - 1];
-  out.head = d[r - 3] == 1 ? 0 : d[r - 2] * d[r - 1];
-  out.batch = d[r - 3] * d[r - 2] * d[r - 1];
-  out.elements = static_cast<int64_t>(x.element_count());
+                   "product divides q's batch, for " + describe("q", q) + ", " + call_dims(sh));
   return xla::ffi::Error::Success();
 }
 
-// Both arrays.
+// The CUDA handlers' mask: its bits (jax_flash._logit_arrays.cuda_mask_bits), uint32 words
+// (..., N|1, R|1, ceil(C / 128) * 4) with rows R and columns C the queries and keys, or with
+// `transposed` (the backward's) the keys and queries; leading dims as set_logit_array's. `out`
+// then holds word strides (gpu/logit_arrays.cuh mask_bits_word).
+inline xla::ffi::Error set_mask_bits(const xla::ffi::AnyBuffer& x, bool on, bool transposed,
+                                     const xla::ffi::AnyBuffer& q, const AttentionShape& sh, LogitArray& out) {
+  out = LogitArray{};
+  JF_RETURN_IF_ERROR(expect_dtype("mask", x, xla::ffi::DataType::U32));
+  if (!on) {
+    if (x.element_count() != 0) return invalid("mask=false takes an empty mask operand; got " + describe("mask", x));
+    return xla::ffi::Error::Success();
+  }
+  const int64_t rows = transposed ? sh.seq_k : sh.seq_q, columns = transposed ? sh.seq_q : sh.seq_k;
+  const int64_t words = (columns + 127) / 128 * 4;
+  if (!set_array_layout(x, q, sh, rows, words, false, out))
+    return invalid(describe("mask", x) + ": the mask's bits must be (..., N|1, " + (transposed ? "S" : "T") + "|1, " +
+                   std::to_string(words) + ") with q's rank and leading dims whose product divides q's batch, for " +
+                   describe("q", q) + ", " + call_dims(sh) + " (jax_flash._logit_arrays.cuda_mask_bits forms them)");
+  return xla::ffi::Error::Success();
+}
+
+// Both arrays: the bias, and the mask as bools (the CPU handlers) or as its bits (`mask_bits`,
+// the CUDA ones; `transposed` for the backward's).
 inline xla::ffi::Error set_logit_arrays(const xla::ffi::AnyBuffer& bias, bool has_bias, const xla::ffi::AnyBuffer& mask, bool has_mask,
-                            const xla::ffi::AnyBuffer& q, AttentionParams& params) {
+                            const xla::ffi::AnyBuffer& q, AttentionParams& params, bool mask_bits = false,
+                            bool transposed = false) {
   JF_RETURN_IF_ERROR(set_logit_array("bias", bias, has_bias, false, q, params.shape, params.bias));
+  if (mask_bits) return set_mask_bits(mask, has_mask, transposed, q, params.shape, params.logit_mask);
   return set_logit_array("mask", mask, has_mask, true, q, params.shape, params.logit_mask);
 }
 

@@ -175,21 +175,12 @@ ffi::Error run_fwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   JF_RETURN_IF_ERROR(set_block_lists(kv_block_lists, kv_block_counts, nullptr, nullptr, block_sparse, q, params));
   JF_RETURN_IF_ERROR(set_dropout(dropout_seeds, dropout_rate, q, params));
   JF_RETURN_IF_ERROR(check_dropout(params));
-  JF_RETURN_IF_ERROR(set_logit_arrays(bias, has_bias, mask, has_mask, q, params));
+  JF_RETURN_IF_ERROR(set_logit_arrays(bias, has_bias, mask, has_mask, q, params, true));
   JF_RETURN_IF_ERROR(check_logit_arrays(params, false, false));
   JF_RETURN_IF_ERROR(set_o_error(*o_error, *o, params));
   JF_RETURN_IF_ERROR(set_tile_counter(*scheduler, params));
   JF_RETURN_IF_ERROR(check_value_head_dim(params.shape));
-  if (cudaError_t e = cuda::launch_flash_fwd(params, stream)) {
-    if (e == cudaErrorNotSupported && logit_arrays(params) && params.mask.causal)  // sm90/flash_fwd_ws.cu
-      return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                        "jax_flash: a causal call with a mask array, or with a bias the CUDA kernels do not stage "
-                        "(they stage one of the inputs' 16-bit dtype with contiguous keys and seq_k a multiple "
-                        "of 8, unless JAX_FLASH_CUDA_BIAS_LOADS=direct), is refused under "
-                        "JAX_FLASH_CUDA_LOGIT_ARRAYS=on: its forward stalls in the experimental arrays' kernel "
-                        "(cuda/PERF_NOTES.md v33); pass implementation='blockwise' or 'xla' for such calls");
-    return cuda_error("forward launch", e);
-  }
+  if (cudaError_t e = cuda::launch_flash_fwd(params, stream)) return cuda_error("forward launch", e);
   return ffi::Error::Success();
 }
 
@@ -218,7 +209,7 @@ ffi::Error run_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                                      block_sparse, q, params));
   JF_RETURN_IF_ERROR(set_dropout(dropout_seeds, dropout_rate, q, params));
   JF_RETURN_IF_ERROR(check_dropout(params));
-  JF_RETURN_IF_ERROR(set_logit_arrays(bias, has_bias, mask, has_mask, q, params));
+  JF_RETURN_IF_ERROR(set_logit_arrays(bias, has_bias, mask, has_mask, q, params, true, true));
   JF_RETURN_IF_ERROR(set_cuda_dbias(*dbias, bias, params));
   JF_RETURN_IF_ERROR(check_logit_arrays(params, true, deterministic));
   JF_RETURN_IF_ERROR(

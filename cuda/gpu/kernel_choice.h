@@ -68,23 +68,28 @@
 //                                 session 31): the split-KV decode kernel's K/V copies as they
 //                                 are, or with an L2 hint: evict-first (K/V are read once), or a
 //                                 256-byte prefetch (gpu/ptx.cuh cp_async_16_hinted).
-//   JAX_FLASH_CUDA_BIAS_LOADS = staged | direct | tma (default: staged; session 34, with jax.nn's
-//                               bias arrays in the Hopper kernels, experimental behind
-//                               JAX_FLASH_CUDA_LOGIT_ARRAYS=on): a 16-bit bias's tiles copied
-//                               into shared memory by the producer warp a stage ahead where
-//                               gpu/logit_arrays.cuh bias_stages allows and the kernel has room,
-//                               and dbias added by 16-byte atomics of four keys where its layout
-//                               allows (gpu/logit_arrays.cuh dbias_quads); or every element a
-//                               global load in the consumers' path and a float32 atomic
-//                               (session 33's first version); or staged, the forward's tiles by
-//                               TMA where the bias has a descriptor (sm90/tensor_map.h
-//                               make_bias_tensor_map: its rows not broadcast; session 35,
-//                               experimental: not yet run).
-//   JAX_FLASH_CUDA_CAUSAL_ARRAYS = refuse | run (default: refuse; session 35): a causal forward
-//                                  with jax.nn's arrays and no staged bias (a mask array, a bias
-//                                  the kernels do not stage) stalls in the arrays' kernel with
-//                                  the ids' code (cuda/PERF_NOTES.md v33), so the launcher refuses
-//                                  it; `run` launches it, to find the stall.
+//   JAX_FLASH_CUDA_BIAS_LOADS = tma | staged | direct (default: tma since session 36: the forward
+//                               with a (1, N, T, S) bias 2.0-2.4x faster than by the warp's
+//                               copies on the H100; experimental behind
+//                               JAX_FLASH_CUDA_LOGIT_ARRAYS=on): a 16-bit bias's tiles go
+//                               through shared memory a stage ahead where gpu/logit_arrays.cuh
+//                               bias_stages allows and the kernel has room, by TMA where the
+//                               bias has a descriptor (sm90/tensor_map.h make_bias_tensor_map:
+//                               rows not broadcast), else by the producer warp's copies; dbias
+//                               takes 16-byte atomics of four keys where its layout allows
+//                               (gpu/logit_arrays.cuh dbias_quads). `staged`: the warp's copies
+//                               always (session 34). `direct`: every element a global load in
+//                               the consumers' path and dbias a float32 atomic (session 33's
+//                               first version).
+//   JAX_FLASH_CUDA_FWD_TURNS = per_tile | across_tiles (default: per_tile; session 36, not yet run
+//                              on a GPU): the Hopper forward's consumer warpgroups restart their
+//                              turns (ping-pong) at each of a CTA's tiles, or run them on across
+//                              tiles as FlashAttention-3 does. Restarted, a warpgroup well ahead
+//                              of the other can complete a turn barrier alone and hang the CTA
+//                              (sm90/flash_fwd_ws_kernel.cuh): the bias and mask arrays'
+//                              kernels hung so (cuda/PERF_NOTES.md v34) and run on across tiles
+//                              whatever this says; the others, whose warpgroups keep pace, go
+//                              over once measured.
 //   JAX_FLASH_CUDA_NARROW = split | off (default: split since session 19, whose differential run
 //                           of 2000 configurations gave 0 misses under it): narrow plain calls
 //                           (narrow_shape below) run the mma.sync kernels with P and dS as hi +
@@ -140,15 +145,15 @@ bool own_value_head_dim_enabled();
 enum class DecodeLoads { kPlain, kEvictFirst, kPrefetch256 };
 DecodeLoads decode_loads();
 // How the Hopper kernels read a bias array (JAX_FLASH_CUDA_BIAS_LOADS).
-enum class BiasLoads { kStaged, kDirect, kTma };
+enum class BiasLoads { kTma, kStaged, kDirect };
 // Whether the Hopper kernels stage a 16-bit bias array's tiles through shared memory where they
-// can (unless JAX_FLASH_CUDA_BIAS_LOADS=direct), and whether the forward copies them by TMA
-// (JAX_FLASH_CUDA_BIAS_LOADS=tma).
+// can (unless JAX_FLASH_CUDA_BIAS_LOADS=direct), and whether they copy them by TMA where it can
+// (unless JAX_FLASH_CUDA_BIAS_LOADS=staged or direct).
 bool staged_bias_enabled();
 bool tma_bias_enabled();
-// Whether the Hopper forward refuses the causal array calls that stall (unless
-// JAX_FLASH_CUDA_CAUSAL_ARRAYS=run).
-bool refuse_stalling_arrays();
+// Whether every Hopper forward's consumers run their turns on across tiles
+// (JAX_FLASH_CUDA_FWD_TURNS=across_tiles; the arrays' kernels always do).
+bool fwd_turns_across_tiles();
 
 // Narrow calls (common/mask.h narrow_shape): by default (JAX_FLASH_CUDA_NARROW=split) plain ones
 // run the mma.sync kernels with P and dS as hi + lo (two 16-bit operands: about float32;

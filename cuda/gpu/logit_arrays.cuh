@@ -1,6 +1,7 @@
 // jax.nn's bias and mask arrays (AttentionParams::bias, logit_mask) in the Hopper kernels' score
 // tiles, read where they lie through their strides (common/attention_params.h LogitArray: 0
-// along a broadcast dim), never broadcast to (B, N, T, S): the same semantics as the CPU kernel's
+// along a broadcast dim), never broadcast to (B, N, T, S) (the mask's bits along the keys only,
+// T S / 8 bytes at most): the same semantics as the CPU kernel's
 // cpu/logit_arrays.h. A false mask element makes its score -inf; the bias is added to the scores
 // the masks left (a masked score stays -inf, whatever the bias holds), after the soft cap and
 // ALiBi, in the tiles' units (the cap's with one: the bias over the cap). The forward tracks
@@ -11,15 +12,18 @@
 // Experimental (issue 16 item 3): a general kernel instantiation of its own (kLogitArrays), run
 // only where the Python side passes the arrays (JAX_FLASH_CUDA_LOGIT_ARRAYS=on). Where the bias
 // allows (bias_stages: the inputs' 16-bit type, keys contiguous, rows 16-byte aligned) and the
-// kernel's shared memory has room, the producer warp copies the bias tile of each key block
-// (forward) or visit (backward) into shared memory a stage ahead (stage_bias_tile) and the
-// consumers read it by ldmatrix (add_staged_bias, add_staged_bias_transposed); otherwise, and for
-// the mask, elements are scalar global loads in the consumers' path. dbias takes 16-byte atomics
-// of four keys where its layout allows (dbias_quads). JAX_FLASH_CUDA_BIAS_LOADS=direct turns both
-// off (cuda/PERF_NOTES.md "Bias and mask arrays in the kernels"). A staged bias alone
-// (staged_bias_alone) runs in instantiations without the ids' code (kLogitArrays && !kIds).
-// Known bug (session 35, PERF_NOTES v33): with the ids' code and no staged bias, a causal
-// forward at head dims 64-128 never finishes.
+// kernel's shared memory has room, the bias tile of each key block (forward) or visit (backward)
+// goes into shared memory a stage ahead: by TMA where it has a descriptor (sm90/tensor_map.h
+// make_bias_tensor_map: rows not broadcast), else by the producer warp's copies
+// (stage_bias_tile); the consumers read it by ldmatrix (add_staged_bias,
+// add_staged_bias_transposed); otherwise its elements are scalar global loads in the consumers'
+// path. The mask comes as bits in the fragments' order, a word a thread, row and 128 keys
+// (jax_flash._logit_arrays.cuda_mask_bits; keys in rows for the backward), two loads a thread
+// and 128-key block in the forward (64 byte loads before, session 36). dbias takes 16-byte atomics of four keys where its layout allows
+// (dbias_quads). JAX_FLASH_CUDA_BIAS_LOADS=staged keeps the warp's copies, =direct the scalar
+// loads and float32 atomics (cuda/PERF_NOTES.md "Bias and mask arrays in the kernels"). A staged
+// bias alone (staged_bias_alone) runs in instantiations without the ids' code (kLogitArrays &&
+// !kIds).
 //
 // Fragment layouts as gpu/score_mods.cuh's: the forward's element (0, nt, e) is query row
 // lane / 4 (+ 8 for e >= 2) and key 8 nt + 2 (lane % 4) + e % 2 of the warp's tile; the
@@ -62,6 +66,17 @@ __device__ __forceinline__ float add_bias(float s, float bias, float factor) {
   return s == -INFINITY ? s : fmaf(bias, factor, s);
 }
 
+// The word of mask bits (jax_flash._logit_arrays.cuda_mask_bits: the CUDA handlers' mask,
+// common/ffi_params.h set_mask_bits) that a thread of quad lane lane % 4 reads for line `line`
+// of slice (b, h) (a query row of the forward's tiles, a key row of the backward's transposed
+// ones) from column column0 (a multiple of 8) on: bit 2 nt + c of the result is column
+// column0 + 8 nt + 2 (lane % 4) + c, for the columns up to the end of column0's group of 128.
+__device__ __forceinline__ uint32_t mask_bits_word(const LogitArray& a, int64_t b, int64_t h, int64_t line,
+                                                   int64_t column0, int lane) {
+  const uint32_t* words = static_cast<const uint32_t*>(a.data) + a.offset(b, h) + line * a.row;
+  return words[column0 / 128 * 4 + lane % 4] >> (column0 % 128 / 8 * 2);
+}
+
 // The forward: a warp's 16 x (8 kNTiles) tile s, its first row query m0 and first key n0, of
 // batch element b and query head h, after the range masks and the ids'; `seen` gains the rows
 // that meet a key the mask and the rows' key ranges let through (with a mask array only: the
@@ -79,9 +94,8 @@ __device__ __forceinline__ void apply_logit_arrays(float (&s)[1][kNTiles][4], co
     const int64_t i = m0 + half * 8 + lane / 4;
     if (i >= p.shape.seq_q) continue;
     if (p.logit_mask) {
-      const LogitArray& a = p.logit_mask;
-      const uint8_t* line = static_cast<const uint8_t*>(a.data) + a.offset(b, h) + i * a.row + j0 * a.col;
-      const int step = static_cast<int>(a.col);
+      static_assert(kNTiles <= 16, "a tile's keys in one group of 128 (mask_bits_word)");
+      const uint32_t bits = mask_bits_word(p.logit_mask, b, h, i, n0, lane);
       const KeyRange r = key_range(p.mask, i, q_len, kv_len);
       const auto [begin, end] = span_in_tile(r, j0, kNTiles * 8);
       bool any = false;
@@ -91,7 +105,7 @@ __device__ __forceinline__ void apply_logit_arrays(float (&s)[1][kNTiles][4], co
         for (int c = 0; c < 2; ++c) {
           const int jj = nt * 8 + c;  // the key, less j0
           if (jj >= keys_left) continue;
-          const bool keep = line[jj * step] != 0;
+          const bool keep = (bits >> (2 * nt + c)) & 1u;
           any |= keep && jj >= begin && jj < end;
           if (!keep) s[0][nt][2 * half + c] = -INFINITY;
         }
@@ -232,22 +246,24 @@ __device__ __forceinline__ int64_t transposed_line(const LogitArray& a, int64_t 
   return a.offset(b, h) + (query0 + (lane % 4) * 2) * a.row + (key0 + lane / 4 + half * 8) * a.col;
 }
 
-// add_bias of the staged tile's elements (a Tile of queries in rows, keys in columns: the same
-// copy as the forward's) to a backward warp's transposed scores st (keys key0 .. + 15 of the
-// tile's columns in rows, its queries query0 .. in columns). ldmatrix .trans hands each thread
-// its transposed pairs: lanes 8 m .. 8 m + 7 address matrix m's query rows (query0 + 8 (nt + m
-// / 2) .., key chunk key0 / 8 + m % 2).
+// add_bias of the staged tile's elements (a Tile of queries in rows, keys in columns: the
+// producer's copy's SmemTile or the TMA's GmmaTile, as in the forward) to a backward warp's
+// transposed scores st (keys key0 .. + 15 of the tile's columns in rows, its queries query0 ..
+// in columns). ldmatrix .trans hands each thread its transposed pairs: lanes 8 m .. 8 m + 7
+// address matrix m's query rows (query0 + 8 (nt + m / 2) .., key chunk key0 / 8 + m % 2).
 template <typename Tile, typename T, int kNTiles>
 __device__ __forceinline__ void add_staged_bias_transposed(float (&st)[1][kNTiles][4], const T* tile, int key0,
                                                            int query0, float factor, int lane) {
   static_assert(kNTiles % 2 == 0, "whole pairs of query n-tiles");
   const int row = query0 + lane % 8 + (lane / 16) * 8;
-  // Rows 8 apart share the swizzle: one physical chunk for every n-tile pair.
-  const uint32_t address = smem_address(tile + row * Tile::kCols + Tile::physical_chunk(row, key0 / 8 + lane / 8 % 2) * 8);
+  // Rows 8 apart share the swizzle in both tiles: one chunk place for every n-tile pair, rows a
+  // whole row (SmemTile) or a row of the chunk's 64-column block (GmmaTile) apart.
+  constexpr int kRowElements = kHasPhysicalChunk<Tile> ? Tile::kCols : 64;
+  const uint32_t address = smem_address(tile + Tile::offset(row, key0 / 8 + lane / 8 % 2));
 #pragma unroll
   for (int nt = 0; nt < kNTiles; nt += 2) {
     uint32_t pairs[4];
-    ldmatrix_x4_trans(pairs, address + nt * 8 * Tile::kCols * 2);
+    ldmatrix_x4_trans(pairs, address + nt * 8 * kRowElements * 2);
     add_bias_pairs<T>(st, nt, pairs, factor);
   }
 }
@@ -259,14 +275,14 @@ __device__ __forceinline__ void apply_logit_arrays_transposed(float (&st)[1][kNT
                                                               int64_t b, int64_t h, int64_t key0, int64_t query0,
                                                               int lane, bool bias_staged) {
   if (p.logit_mask) {
-    const LogitArray& a = p.logit_mask;
-    const uint8_t* line = nullptr;
-    const int step = static_cast<int>(a.row);
+    // Its bits with keys in rows (the backward's, set_mask_bits): a word a key row.
+    static_assert(kNTiles <= 16, "a tile's queries in one group of 128 (mask_bits_word)");
+    uint32_t bits = 0;
     for_each_transposed(
         st, p.shape, key0, query0, lane,
-        [&](int half) { line = static_cast<const uint8_t*>(a.data) + transposed_line(a, b, h, key0, query0, lane, half); },
+        [&](int half) { bits = mask_bits_word(p.logit_mask, b, h, key0 + lane / 4 + half * 8, query0, lane); },
         [&](int ii, float& x) {
-          if (line[ii * step] == 0) x = -INFINITY;
+          if (!((bits >> (ii / 8 * 2 + ii % 2)) & 1u)) x = -INFINITY;
         });
   }
   if (p.bias && !bias_staged) {

@@ -61,6 +61,8 @@ cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
   // without the ids' code.
   if constexpr (Traits::kBiasStagesFit) {
     params.bias_staged = staged_bias_enabled() && logit_arrays(p) && !p.deterministic && bias_stages(p);
+    params.bias_tma = params.bias_staged && tma_bias_enabled() &&
+                      make_bias_tensor_map(&params.bias, p, Traits::BiasTile::kRows) == cudaSuccess;
     if (params.bias_staged && staged_bias_alone(p))
       kernel = flash_bwd_sm90_ws_kernel<Traits, T, false, true, false, false, false, true>;
   }

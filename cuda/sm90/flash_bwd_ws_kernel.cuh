@@ -55,8 +55,12 @@ struct BwdTmaParams {
   BwdParams p;
   CUtensorMap q, k, v, d_o;
   // kLogitArrays: the bias's tiles go through shared memory (gpu/logit_arrays.cuh bias_stages;
-  // the launch then allocates Traits::kSmemBytesBiasStages).
+  // the launch then allocates Traits::kSmemBytesBiasStages), by TMA with bias_tma (its
+  // descriptor `bias`, sm90/tensor_map.h make_bias_tensor_map), else by the producer warp's
+  // copies.
   bool bias_staged = false;
+  bool bias_tma = false;
+  CUtensorMap bias;
   // dbias by 16-byte atomics of four keys (gpu/logit_arrays.cuh dbias_quads).
   bool dbias_quads = false;
 };
@@ -66,7 +70,7 @@ struct BwdWsBarriers {
   uint64_t kv_full, full[kStages], empty[kStages];
   uint64_t dq_full[2], dq_empty[2];  // the dQ tile (Traits::kBulkDq; one pair a warpgroup with kTiledDq)
   uint32_t staged_dq_live[kStages][2];  // Traits::kStageDq: whether a stage holds warpgroup g's dQ
-  uint64_t bias_full[kStages];  // the stage's bias tile (BwdTmaParams::bias_staged): the producer's lanes' copies
+  uint64_t bias_full[kStages];  // the stage's bias tile (BwdTmaParams::bias_staged): its TMA, or the producer's lanes' copies
 };
 
 // With Traits::kDeferDq: a warpgroup's dS^T of a visit in its buffer, one mbarrier a warpgroup and
@@ -78,7 +82,8 @@ struct BwdWsDeferBarriers : BwdWsBarriers<kStages> {
 
 // Shared memory of a warp-specialised backward CTA, from a 1 KiB boundary. The barriers are in
 // it too, last: a static __shared__ beside the 1 KiB-aligned dynamic part took 1 KiB, which the
-// 80-row visits' 226.3 KiB do not leave (227 KiB in all).
+// 80-row visits' 226.3 KiB do not leave (227 KiB in all). With a staged bias its tiles come
+// before them (on the 1 KiB boundary there, which TMA's swizzle needs; Traits::kBiasStagesFit).
 template <typename Traits, typename T>
 struct Sm90BwdWsSmem {
   T* k;
@@ -90,11 +95,11 @@ struct Sm90BwdWsSmem {
   float* lse2;   // kStages x kBlockM
   float* delta;  // kStages x kBlockM
   float* dq;     // kBlockM x kDqRowStride (kBulkDq)
-  T* bias;       // kStages bias tiles (BwdTmaParams::bias_staged)
+  T* bias;       // kStages bias tiles (bias_staged)
   using Barriers = std::conditional_t<Traits::kDeferDq, BwdWsDeferBarriers<Traits::kStages>, BwdWsBarriers<Traits::kStages>>;
   Barriers* bars;
   static_assert(sizeof(Barriers) <= Traits::kBarrierBytes, "the barriers' bytes");
-  __device__ explicit Sm90BwdWsSmem(unsigned char* raw) {
+  __device__ Sm90BwdWsSmem(unsigned char* raw, bool bias_staged) {
     k = first_tile_boundary<T>(raw);
     v = k + Traits::KTile::kElements;
     q = v + Traits::VTile::kElements;
@@ -104,9 +109,8 @@ struct Sm90BwdWsSmem {
     lse2 = reinterpret_cast<float*>(ds + Traits::kScoreTiles * Traits::DsTile::kElements);
     delta = lse2 + Traits::kStages * Traits::kBlockM;
     dq = delta + Traits::kStages * Traits::kBlockM;
-    bars = reinterpret_cast<Barriers*>(dq + (Traits::kBulkDq ? Traits::kBlockM * Traits::kDqRowStride : 0));
-    const uintptr_t after_bars = reinterpret_cast<uintptr_t>(bars) + Traits::kBarrierBytes;
-    bias = reinterpret_cast<T*>((after_bars + 127) / 128 * 128);
+    bias = reinterpret_cast<T*>(dq + (Traits::kBulkDq ? Traits::kBlockM * Traits::kDqRowStride : 0));
+    bars = reinterpret_cast<Barriers*>(bias + (bias_staged ? Traits::kStages * Traits::BiasTile::kElements : 0));
   }
   __device__ T* bias_stage(int stage) const { return bias + stage * Traits::BiasTile::kElements; }
   __device__ T* q_stage(int stage) const { return q + stage * Traits::QTile::kElements; }
@@ -154,7 +158,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr bool kStagedBiasAlone = kLogitArrays && !kIds;
   const bool bias_staged = kStagedBiasAlone || (kLogitArrays && params.bias_staged);
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  const Sm90BwdWsSmem<Traits, T> smem(smem_raw);
+  const Sm90BwdWsSmem<Traits, T> smem(smem_raw, bias_staged);
   auto& bars = *smem.bars;
 
   // A stage is released by every consumer thread, each for its own reads of the rows' lse and
@@ -171,7 +175,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     for (int s = 0; s < kStages; ++s) {
       Mbarrier(&bars.full[s]).init(32);
       Mbarrier(&bars.empty[s]).init(kReleaseCount);
-      if (bias_staged) Mbarrier(&bars.bias_full[s]).init(32);
+      if (bias_staged) Mbarrier(&bars.bias_full[s]).init(params.bias_tma ? 1 : 32);  // the TMA's bytes, or each lane
     }
 #pragma unroll
     for (int g = 0; g < 2; ++g) {
@@ -307,12 +311,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       Mbarrier(&bars.empty[stage]).wait(phase ^ 1);
       const int64_t m0 = static_cast<int64_t>(visit.mb) * kBM;
       const int rows = task.rows(visit);
-      // The visit's bias tile, by the warp's copies (each lane arrives once its own are in; the
-      // stage's empty barrier covers the tile: the consumers read it before they release).
+      // The visit's bias tile, by TMA or by the warp's copies (each lane arrives once its own are
+      // in); the stage's empty barrier covers the tile: the consumers read it before they release.
       if constexpr (kLogitArrays)
         if (bias_staged) {
-          stage_bias_tile<typename Traits::BiasTile>(smem.bias_stage(stage), p, task.b, visit.h, m0, task.n0, lane);
-          Mbarrier(&bars.bias_full[stage]).arrive_after_copies();
+          const Mbarrier bias_full(&bars.bias_full[stage]);
+          if (params.bias_tma) {
+            if (lane == 0) {
+              using Tile = typename Traits::BiasTmaTile;
+              const BiasSlice slice = bias_slice(p.bias, task.b, visit.h);
+              bias_full.arrive_expect_bytes(Tile::kElements * sizeof(T));
+              tma_load_tile<Tile>(smem.bias_stage(stage), params.bias, slice.head, m0, slice.batch, bias_full,
+                                  task.n0);
+            }
+          } else {
+            stage_bias_tile<typename Traits::BiasTile>(smem.bias_stage(stage), p, task.b, visit.h, m0, task.n0, lane);
+            bias_full.arrive_after_copies();
+          }
         }
       // Whole tiles by TMA: with Traits::kStatsUnderTma issued before the rows' lse and delta
       // load (lane 0 expects the bytes; the phase completes once every lane has arrived after its
@@ -482,8 +497,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           apply_logit_arrays_transposed<T>(st, p, task.b, visit.h, n0 + warp_key0, m0_group, lane, bias_staged);
         if (bias_staged) {
           Mbarrier(&bars.bias_full[stage]).wait((it / kStages) & 1);
-          add_staged_bias_transposed<typename Traits::BiasTile>(st, smem.bias_stage(stage), warp_key0, query0,
-                                                                bias_factor, lane);
+          if (params.bias_tma)
+            add_staged_bias_transposed<typename Traits::BiasTmaTile>(st, smem.bias_stage(stage), warp_key0, query0,
+                                                                     bias_factor, lane);
+          else
+            add_staged_bias_transposed<typename Traits::BiasTile>(st, smem.bias_stage(stage), warp_key0, query0,
+                                                                  bias_factor, lane);
         }
       }
       if constexpr (!kGeneral) transposed_probabilities<kSQ>(st, lse2, scale_log2, lane);

@@ -26,6 +26,7 @@ cudaError_t launch(const FwdParams& p, const Sm90FwdOptions& options, cudaStream
   FwdTmaParams params;
   params.p = p;
   params.grid = options.grid;
+  params.turns_across_tiles = options.turns_across_tiles;
   if (cudaError_t e = make_qkv_tensor_maps(p, Traits::kBlockM, Traits::kBlockN, &params.q, &params.k, &params.v))
     return e;
   const int64_t ctas = QueryTileScheduler<Traits::kBlockM>::ctas(tiles, device_sm_count(), options.grid);
@@ -72,11 +73,6 @@ cudaError_t launch(const FwdParams& p, const Sm90FwdOptions& options, cudaStream
         kernel = flash_fwd_sm90_ws_kernel<Traits, T, true, false, false, false, false, false, true>;
     }
   }
-  // Known bug (cuda/PERF_NOTES.md v33): the arrays' kernel with the ids' code never finishes a
-  // causal forward unless the bias is staged (seen at head dims 64-128): refused, not run, until
-  // found (the FFI handler's message names it; JAX_FLASH_CUDA_CAUSAL_ARRAYS=run launches it).
-  if (logit_arrays(p) && p.mask.causal && !params.bias_staged && refuse_stalling_arrays())
-    return cudaErrorNotSupported;
   // Plain calls with a 16-bit o store it by TMA from shared memory (not under sm90ws_directstore),
   // and so do those with a soft cap or ALiBi alone (not with dropout).
   int smem_bytes = params.bias_staged ? Traits::kSmemBytesBiasStages : Traits::kSmemBytes;

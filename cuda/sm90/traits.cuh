@@ -220,17 +220,22 @@ struct Sm90BwdWsTraits {
   // block's lse (log2 units) and delta; the dQ tile (kBulkDq); the barriers; 1 KiB to align the base.
   static constexpr int kBarrierBytes = kDeferDq ? 256 : 128;  // (with ds_full: 200 bytes)
   static constexpr int kScoreTiles = kSplitHeadDim ? 4 : kDsBuffers;
-  static constexpr int kSmemBytes = 2 * (KTile::kElements + VTile::kElements +
-                                         kStages * (QTile::kElements + DoTile::kElements) + kScoreTiles * DsTile::kElements) +
-                                    2 * kStages * kBlockM * 4 + (kBulkDq ? kBlockM * kDqRowStride * 4 : 0) +
-                                    kBarrierBytes + 1024;
+  // Where the barriers start (or, with a staged bias, its tiles), from the 1 KiB-aligned base.
+  static constexpr int kBarrierOffsetBytes =
+      2 * (KTile::kElements + VTile::kElements + kStages * (QTile::kElements + DoTile::kElements) +
+           kScoreTiles * DsTile::kElements) +
+      2 * kStages * kBlockM * 4 + (kBulkDq ? kBlockM * kDqRowStride * 4 : 0);
+  static constexpr int kSmemBytes = kBarrierOffsetBytes + kBarrierBytes + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
-  // With kStages tiles of a 16-bit bias (the visit's queries x the block's keys, swizzled, after
-  // the barriers on a 128-byte boundary: flash_bwd_ws_kernel.cuh BwdTmaParams::bias_staged),
-  // where they fit.
+  // With kStages tiles of a 16-bit bias (the visit's queries x the block's keys: BiasTile as the
+  // producer warp copies it, swizzled; BiasTmaTile as TMA writes it), in the barriers' place on a
+  // 1 KiB boundary (the TMA swizzle's), the barriers after them (flash_bwd_ws_kernel.cuh
+  // Sm90BwdWsSmem, BwdTmaParams::bias_staged), where they fit.
   using BiasTile = SmemTile<kBlockM == 80 ? 64 : kBlockM, kBlockN>;
-  static constexpr int kSmemBytesBiasStages = kSmemBytes + 128 + kStages * 2 * BiasTile::kElements;
-  static constexpr bool kBiasStagesFit = kBlockM != 80 && kSmemBytesBiasStages <= 227 * 1024;
+  using BiasTmaTile = GmmaTile<BiasTile::kRows, kBlockN>;
+  static constexpr int kSmemBytesBiasStages = kSmemBytes + kStages * 2 * BiasTile::kElements;
+  static constexpr bool kBiasStagesFit =
+      kBlockM != 80 && kBarrierOffsetBytes % 1024 == 0 && kSmemBytesBiasStages <= 227 * 1024;
   static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128 || kSplitHeadDim,
                 "wgmma shapes are instantiated for N = 64, 96, 128");
 };
