@@ -8,15 +8,7 @@
 # CUDA suite's main files; every forward with its turns across tiles (JAX_FLASH_CUDA_FWD_TURNS).
 #   run from the repository root on the GPU machine: bash examples/results/h200/session36/call1/call.sh
 set -uo pipefail
-out=${OUT:-gpu_out}; mkdir -p "$out"; runs=gpu_runs; mkdir -p "$runs"
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-start=$(date +%s); elapsed() { echo "[$(( $(date +%s) - start )) s]"; }
-left() { echo $(( ${BUDGET_S:-570} - $(date +%s) + start )); }
-: >"$out/build.log"
-source .ci/gpu/prebuilt.sh use-or-build "$out/build.log" || { tail -30 "$out/build.log"; exit 1; }
-head -1 "$out/build.log"; echo "build $(elapsed)"; nvidia-smi --query-gpu=name --format=csv,noheader
-source .ci/gpu/tokamax_peer.sh
-PT=(python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rs)
+source .ci/gpu/call_preamble.sh
 probe=examples/results/h200/session35/call3/probe_forward.py
 run_probe() {  # $1: JAX_FLASH_CUDA_FORWARD value or "default", $2: configuration
   local env=(JAX_FLASH_CUDA_LOGIT_ARRAYS=on); [[ $1 != default ]] && env+=(JAX_FLASH_CUDA_FORWARD=$1)

@@ -5,15 +5,7 @@
 # 64 and 128, causal and not) with its turns per tile and across tiles (JAX_FLASH_CUDA_FWD_TURNS).
 #   run from the repository root on the GPU machine: bash examples/results/h200/session36/call2/call.sh
 set -uo pipefail
-out=${OUT:-gpu_out}; mkdir -p "$out"; runs=gpu_runs; mkdir -p "$runs"
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-start=$(date +%s); elapsed() { echo "[$(( $(date +%s) - start )) s]"; }
-left() { echo $(( ${BUDGET_S:-570} - $(date +%s) + start )); }
-: >"$out/build.log"
-source .ci/gpu/prebuilt.sh use-or-build "$out/build.log" || { tail -30 "$out/build.log"; exit 1; }
-head -1 "$out/build.log"; echo "build $(elapsed)"; nvidia-smi --query-gpu=name --format=csv,noheader
-source .ci/gpu/tokamax_peer.sh
-PT=(python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rs)
+source .ci/gpu/call_preamble.sh
 XLA_FLAGS=--xla_gpu_autotune_level=0 timeout -s KILL 240 "${PT[@]}" -n 14 tests/test_alibi.py tests/test_softcap.py \
   tests/test_segment_ids.py tests/test_cuda_block_sparse.py tests/test_sinks.py tests/test_value_head_dim.py \
   tests/test_dropout.py -k "not differential and not on_hopper and not on_cuda" >"$out/suite_others.log" 2>&1
