@@ -462,13 +462,14 @@ def test_cuda_calls_carry_the_seeds_and_rate_under_the_switch(monkeypatch):
 
   calls = ffi_calls(jax.grad(functools.partial(loss, rate=0.2), argnums=(0, 1, 2)), q, k, v)
   assert [name for name, *_ in calls] == ["jax_flash_cuda_fwd", "jax_flash_cuda_bwd"]
+  # The uint32 operands: the seeds, then the mask's bits (an empty placeholder: no mask here).
   for name, attributes, operands, _ in calls:
     assert float(attributes["dropout_rate"]) == pytest.approx(0.2), name
-    assert [tuple(x.shape) for x in operands if x.dtype == jnp.uint32] == [(2, 4, 4)], name
+    assert [tuple(x.shape) for x in operands if x.dtype == jnp.uint32] == [(2, 4, 4), (0,)], name
   for name, attributes, operands, _ in ffi_calls(
       jax.grad(functools.partial(loss, rate=None), argnums=(0, 1, 2)), q, k, v):
     assert float(attributes["dropout_rate"]) == 0.0, name
-    assert [tuple(x.shape) for x in operands if x.dtype == jnp.uint32] == [(0,)], name
+    assert [tuple(x.shape) for x in operands if x.dtype == jnp.uint32] == [(0,), (0,)], name
   small = jnp.ones((2, 40, 4, 32), jnp.bfloat16)
   for args, deterministic in (((q, k, v), True), ((small, small, small), False)):
     calls = ffi_calls(jax.grad(functools.partial(loss, rate=0.2, deterministic=deterministic),
