@@ -239,7 +239,8 @@ def _flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig, segment_ids=None,
   kv_ids (..., S)) int32; `alibi_slopes`: None or (..., N) float32 (one slope per batch element
   and query head); `dropout_seeds`: None or (..., N, 4) uint32, exactly when
   config.dropout_rate > 0; `bias` and `mask`: None or (..., N|1, T|1, S|1), float and bool
-  ("cpu" only)."""
+  (the "cuda" kernels' only under JAX_FLASH_CUDA_LOGIT_ARRAYS=on, the mask as its bits:
+  _logit_operands)."""
   if config.kv_splits:
     for name, given in (("bias or mask", bias is not None or mask is not None),
                         ("segment ids", segment_ids is not None),
@@ -329,8 +330,9 @@ def _flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: KernelConfig, segm
                o_error=None, alibi_slopes=None, block_mask=None, dropout_seeds=None, bias=None,
                mask=None, dbias=True, delta=None):
   """Returns (dq, dk, dv), and with a `bias` and `dbias` (dq, dk, dv, dbias), dbias in the
-  bias's shape and dtype (dS summed over its broadcast dims; "cpu" only; without `dbias` the
-  kernel neither forms nor returns it: a bias nothing differentiates); the kernel's workspaces come back as extra outputs and are dropped:
+  bias's shape and dtype (dS summed over its broadcast dims; without `dbias` the kernel
+  neither forms nor returns it: a bias nothing differentiates); the kernel's workspaces come
+  back as extra outputs and are dropped:
   on the CPU delta (..., N, T) float32, and the float32 dQ accumulator, flat, of the size the
   native module gives (on the CPU one partial per dQ split; on CUDA one like q, none in
   deterministic mode). `o_error`: None, or the int8 rounding error of a 16-bit o
