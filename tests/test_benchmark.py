@@ -8,6 +8,7 @@ import sys
 import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -285,7 +286,8 @@ def test_cli_score_variant_columns(tmp_path, capsys):
   assert "logits_soft_cap=30, alibi_slopes" in table
   results = json.loads((tmp_path / "results.json").read_text())
   assert results["settings"]["variant"] == dict(logits_soft_cap=30.0, alibi=True, sinks=False,
-                                                dropout_rate=None, bias=False, mask=False)
+                                                dropout_rate=None, bias=False, mask=False,
+                                                bias_grad=False)
   ran = {(m["peer"], m["pass"]) for m in results["measurements"] if m["status"] == "ok"}
   assert {("jax_flash", "fwd+bwd"), ("jax_flash+variant", "fwd+bwd")} <= ran
 
@@ -320,6 +322,141 @@ def test_cli_bias_and_mask_variant(tmp_path, capsys):
   flash = variants._flash_attention("cpu", False, variant)(q, k, k, is_causal=False)
   xla = variants._jax_nn_attention("xla", variant)(q, k, k, is_causal=False)
   np.testing.assert_allclose(np.asarray(flash), np.asarray(xla), atol=2e-5)
+
+
+# --bias-grad: the same position bias, differentiated (the fwd+bwd pass returns dbias).
+BIAS_GRAD_CASE = benchmark.Case(batch=2, seq=16, heads=2, head_dim=8, dtype="float32",
+                                causal=False)
+
+
+def test_bias_grad_option_parses():
+  """--bias-grad implies --bias and differentiates it; --bias alone does not; Variant refuses
+  bias_grad without bias."""
+  from jax_flash.benchmark.variants import Variant
+
+  args = benchmark.parse_args(["--platform", "cpu", "--bias-grad"])
+  assert args.variant == Variant(bias=True, bias_grad=True)
+  assert args.variant.features() == ("bias",) and args.variant.differentiated() is not None
+  plain = benchmark.parse_args(["--platform", "cpu", "--bias"]).variant
+  assert plain == Variant(bias=True) and not plain.bias_grad and plain.differentiated() is None
+  assert benchmark.parse_args(["--platform", "cpu", "--bias", "--bias-grad"]).variant.bias_grad
+  with pytest.raises(SystemExit):
+    benchmark.parse_args(["--platform", "cpu", "--bias-grad", "--block-density", "0.5"])
+  with pytest.raises(ValueError, match="needs bias"):
+    Variant(bias_grad=True)
+  assert "differentiated" in Variant(bias=True, bias_grad=True).describe()
+  assert "differentiated" not in Variant(bias=True).describe()
+
+
+def _built_passes(monkeypatch, peer, case):
+  """The (function, arguments) of each pass `peer` builds for `case`, instead of compiling
+  them: {pass: (fn, args)}."""
+  from jax_flash.benchmark import peers
+
+  monkeypatch.setattr(peers, "compile_step", lambda fn, args, calls: (fn, tuple(args)))
+  prepares = peer.build(case, benchmark.make_inputs(case))
+  return {name: prepare() for name, prepare in prepares.items()}
+
+
+def _variant_peers(variant):
+  """The CPU platform's peers with `variant`, by name."""
+  from jax_flash.benchmark.variants import with_variant
+
+  return {p.name: p for p in with_variant(benchmark.CPU, variant).peers}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_bias_grad_pass_returns_dbias_of_jax_nn(monkeypatch, causal):
+  """With --bias-grad, the fwd+bwd pass of jax_flash+variant (and of xla+variant) returns
+  dbias in the bias's (1, N, T, S) shape, summed over the batch of 2: that of jax.grad of
+  jax.nn.dot_product_attention (implementation="xla") with the same bias, and the same dq, dk,
+  dv; the forward pass is --bias's."""
+  from jax_flash.benchmark.variants import Variant, position_bias
+
+  case = dataclasses.replace(BIAS_GRAD_CASE, causal=causal)
+  q, k, v, d_out = (jnp.asarray(x) for x in benchmark.make_inputs(case).arrays())
+  bias = position_bias(q, k)
+  assert bias.shape == (1, case.heads, case.seq, case.seq)
+
+  def loss(q, k, v, bias):
+    out = jax.nn.dot_product_attention(q, k, v, bias=bias, is_causal=causal,
+                                       implementation="xla")
+    return jnp.sum(out * d_out)
+
+  expected = jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, bias)
+  peers = _variant_peers(Variant(bias=True, bias_grad=True))
+  for name in ("jax_flash+variant", "xla+variant"):
+    passes = _built_passes(monkeypatch, peers[name], case)
+    fn, args = passes["fwd+bwd"]
+    out, grads = jax.jit(fn)(*args)
+    assert len(grads) == 4 and set(grads[3]) == {"bias"}
+    dbias = grads[3]["bias"]
+    assert dbias.shape == bias.shape and dbias.dtype == bias.dtype
+    np.testing.assert_allclose(np.asarray(dbias), np.asarray(expected[3]), rtol=1e-4, atol=1e-5)
+    for got, want in zip(grads[:3], expected[:3]):
+      np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+    # The forward pass takes q, k, v as the --bias one does, and gives the same output.
+    forward, forward_args = passes["fwd"]
+    assert len(forward_args) == 3
+    np.testing.assert_allclose(np.asarray(jax.jit(forward)(*forward_args)), np.asarray(out),
+                               rtol=1e-5, atol=1e-6)
+  assert np.abs(np.asarray(expected[3])).max() > 1e-3  # a dbias that is not zero to match
+
+
+def test_bias_without_grad_pass_is_unchanged(monkeypatch):
+  """Without --bias-grad the fwd+bwd pass returns dq, dk and dv only (no dbias), as before."""
+  from jax_flash.benchmark.variants import Variant
+
+  for name, peer in _variant_peers(Variant(bias=True)).items():
+    if name in ("jax_flash", "jax_flash+variant", "xla+variant"):
+      fn, args = _built_passes(monkeypatch, peer, BIAS_GRAD_CASE)["fwd+bwd"]
+      _, grads = jax.jit(fn)(*args)
+      assert len(grads) == 3 and [g.shape for g in grads] == [a.shape for a in args[:3]]
+
+
+def test_bias_grad_refusal_makes_the_peer_unavailable():
+  """A kernel whose backward refuses the bias's gradient (NotImplementedError at trace time)
+  is refused for --bias-grad only: with the bias constant its backward runs."""
+  from jax_flash.benchmark.peers import trace_refusal
+  from jax_flash.benchmark.variants import Variant
+
+  @jax.custom_vjp
+  def no_dbias(bias):
+    return bias
+
+  def refuse(residuals, g):
+    raise NotImplementedError("no dbias (test)")
+
+  no_dbias.defvjp(lambda bias: (bias, None), refuse)
+
+  def attention(q, k, v, *, is_causal, bias=None):
+    bias = Variant(bias=True).arrays(q, k)["bias"] if bias is None else no_dbias(bias)
+    return jax.nn.dot_product_attention(q, k, v, bias=bias, is_causal=is_causal)
+
+  differentiated = Variant(bias=True, bias_grad=True).differentiated()
+  assert trace_refusal(attention, BIAS_GRAD_CASE) is None
+  assert (trace_refusal(attention, BIAS_GRAD_CASE, differentiated=differentiated)
+          == "NotImplementedError: no dbias (test)")
+
+
+def test_cli_bias_grad(tmp_path, capsys):
+  """--bias-grad on the CPU, tiny: jax_flash and XLA run the variant forward and backward, the
+  caption says the bias is differentiated and results.json records it."""
+  import json
+
+  assert benchmark.main([*TINY_CPU_RUN, "--bias-grad", "--skip", "torch",
+                         "--out", str(tmp_path)]) == 0
+  lines = table_lines(capsys)
+  header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+  rows = [dict(zip(header, (c.strip() for c in line.strip("|").split("|"))))
+          for line in lines[2:] if line.startswith("| 64 |")]
+  assert [row["pass"] for row in rows] == ["fwd", "bwd", "fwd+bwd"]
+  for row in rows:
+    assert "unavailable" not in (row["jax_flash+variant GFLOP/s"], row["xla+variant GFLOP/s"])
+  table = (tmp_path / "table.md").read_text()
+  assert "formed in the step and differentiated (fwd+bwd returns dbias" in table
+  variant = json.loads((tmp_path / "results.json").read_text())["settings"]["variant"]
+  assert variant["bias"] and variant["bias_grad"]
 
 
 def test_cli_refused_variant_is_unavailable(monkeypatch, capsys):

@@ -200,7 +200,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
       "array formed in the step, and the bias and mask arrays), else its cells read "
       "'unavailable' with the reason, as does a case the jax_flash kernel refuses (on a GPU: "
       "dropout, and the arrays unless JAX_FLASH_CUDA_LOGIT_ARRAYS=on). The sinks, slopes and "
-      "bias are constants (not differentiated)")
+      "bias are constants (not differentiated), but the bias with --bias-grad")
   variant.add_argument("--logits-soft-cap", type=soft_cap, metavar="C",
                        help="logits_soft_cap=C (Gemma 2's tanh cap of the scores)")
   variant.add_argument("--alibi", action="store_true",
@@ -211,7 +211,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                        help=f"dropout_rate=R with a fixed dropout_key (seed {DROPOUT_SEED})")
   variant.add_argument("--bias", action="store_true",
                        help="bias: a (1, N, T, S) array of the query's dtype, sin(0.01 (i + 2j) "
-                            "+ h), formed in the step (not differentiated)")
+                            "+ h), formed in the step (not differentiated: no figure includes "
+                            "dbias; --bias-grad differentiates it)")
+  variant.add_argument("--bias-grad", action="store_true",
+                       help="--bias with the bias differentiated: the fwd+bwd pass of every peer "
+                            "that takes the bias returns dbias (1, N, T, S), summed over the "
+                            "batch, beside dq, dk and dv (the bias formed in the step as with "
+                            "--bias and given to jax.vjp as an input); a peer whose kernel "
+                            "refuses the bias's gradient reads 'unavailable' with the reason; "
+                            "the forward pass is --bias's")
   variant.add_argument("--mask", action="store_true",
                        help="mask: a (T, S) bool band, key j visible to row i when i - S/4 < j "
                             "<= i + S/4, formed in the step")
@@ -240,7 +248,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   args.variant = variant_of(args)
   if args.variant is not None and (args.preset is not None or args.block_density is not None):
     parser.error("the score variants (--logits-soft-cap, --alibi, --sinks, --dropout-rate, "
-                 "--bias, --mask) do not apply to --preset or --block-density")
+                 "--bias, --bias-grad, --mask) do not apply to --preset or --block-density")
   if args.packed_documents is not None and (
       args.preset is not None or args.block_density is not None or args.variant is not None):
     parser.error("--packed-documents does not apply to --preset, --block-density or the score "
@@ -332,8 +340,10 @@ def kv_heads_caption(kv_heads: int) -> str:
 
 def variant_of(args: argparse.Namespace) -> Variant | None:
   """The score variant the arguments ask for, None without one."""
+  # --bias-grad implies --bias: the same bias, differentiated.
   variant = Variant(logits_soft_cap=args.logits_soft_cap, alibi=args.alibi, sinks=args.sinks,
-                    dropout_rate=args.dropout_rate, bias=args.bias, mask=args.mask)
+                    dropout_rate=args.dropout_rate, bias=args.bias or args.bias_grad,
+                    mask=args.mask, bias_grad=args.bias_grad)
   return variant if variant.features() else None
 
 

@@ -36,6 +36,11 @@ from jax_flash.benchmark.measure import (ACCELERATOR_CALLS_PER_STEP, Compiled, P
 # (K = N but in grouped-query cases): (query, key, value, is_causal) -> output; for a
 # block-sparse case also block_mask=(Tb, Sb) bool, for a packed case documents=D (an int).
 AttentionFn = Callable[..., jax.Array]
+# Arrays an attention function also takes as keywords that the forward+backward pass
+# differentiates (the bias of --bias-grad): (query, key) -> {keyword: array}, formed in the step
+# from the shapes of query and key, outside the differentiated function, and given to jax.vjp
+# as primals beside q, k and v (their gradients returned after dq, dk, dv).
+Differentiated = Callable[[jax.Array, jax.Array], dict[str, jax.Array]]
 
 NO_BLOCK_MASK = "takes no block mask (block-sparse cases run jax_flash's 'cpu' kernel and XLA)"
 NO_DOCUMENTS = "takes no segment ids or mask (packed documents)"
@@ -74,23 +79,57 @@ def _any_case(case: Case) -> str | None:
 
 
 def _case_call(attention: AttentionFn, case: Case) -> Callable[..., jax.Array]:
-  """attention as the case calls it: (q, k, v, *blocks) -> output, its block mask (if any) the
-  last argument, its documents (if packed) a constant."""
+  """attention as the case calls it: (q, k, v, *blocks, **arrays) -> output, its block mask (if
+  any) the last positional argument, its documents (if packed) a constant, any differentiated
+  arrays (Differentiated) passed on as keywords."""
 
-  def forward(q: jax.Array, k: jax.Array, v: jax.Array, *blocks: jax.Array) -> jax.Array:
+  def forward(q: jax.Array, k: jax.Array, v: jax.Array, *blocks: jax.Array,
+              **arrays: jax.Array) -> jax.Array:
     options: dict[str, object] = dict(block_mask=blocks[0]) if blocks else {}
     if case.documents is not None:
       options["documents"] = case.documents
-    return attention(q, k, v, is_causal=case.causal, **options)
+    return attention(q, k, v, is_causal=case.causal, **options, **arrays)
 
   return forward
 
 
+def _passes(forward: Callable[..., jax.Array], differentiated: Differentiated | None
+            ) -> tuple[Callable[..., jax.Array], Callable[..., tuple[jax.Array, tuple]]]:
+  """The forward pass (q, k, v, *blocks) -> output and the forward+backward pass (q, k, v,
+  d_out, *blocks) -> (output, gradients) of `forward` (_case_call's): the gradients of q, k and
+  v for the cotangent d_out, and with `differentiated` also those of its arrays (a dict, the
+  fourth gradient), which both passes form in the step and pass to `forward`."""
+  if differentiated is None:
+
+    def forward_backward(q: jax.Array, k: jax.Array, v: jax.Array, d_out: jax.Array,
+                         *blocks: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+      out, vjp = jax.vjp(lambda q, k, v: forward(q, k, v, *blocks), q, k, v)
+      return out, vjp(d_out)
+
+    return forward, forward_backward
+
+  def forward_only(q: jax.Array, k: jax.Array, v: jax.Array, *blocks: jax.Array) -> jax.Array:
+    return forward(q, k, v, *blocks, **differentiated(q, k))
+
+  def forward_backward_arrays(q: jax.Array, k: jax.Array, v: jax.Array, d_out: jax.Array,
+                              *blocks: jax.Array) -> tuple[jax.Array, tuple]:
+    # Formed outside the differentiated function (from shapes only), then differentiated as
+    # primals: the same arrays as the forward pass's, and no gradient flows into q or k.
+    arrays = differentiated(q, k)
+    out, vjp = jax.vjp(lambda q, k, v, arrays: forward(q, k, v, *blocks, **arrays),
+                       q, k, v, arrays)
+    return out, vjp(d_out)
+
+  return forward_only, forward_backward_arrays
+
+
 def trace_refusal(attention: AttentionFn, case: Case,
-                  refused: tuple[type[Exception], ...] = (NotImplementedError,)) -> str | None:
+                  refused: tuple[type[Exception], ...] = (NotImplementedError,),
+                  differentiated: Differentiated | None = None) -> str | None:
   """Why `attention` refuses the case at trace time (one of the `refused` errors, by default a
-  NotImplementedError, in its forward or backward), or None; other errors are left to the run,
-  which records them as failures. Not cached: each probe traces the call afresh."""
+  NotImplementedError, in its forward or backward, the latter with the gradients of the
+  `differentiated` arrays where given, as _build_jax's pass), or None; other errors are left to
+  the run, which records them as failures. Not cached: each probe traces the call afresh."""
   dtype = jnp.dtype(case.dtype)
   rows, kv_rows = (case.batch, case.seq, case.heads), (case.batch, case.seq, case.num_kv_heads)
   query = jax.ShapeDtypeStruct((*rows, case.head_dim), dtype)
@@ -99,11 +138,7 @@ def trace_refusal(attention: AttentionFn, case: Case,
   d_out = jax.ShapeDtypeStruct((*rows, case.hv), dtype)
   mask = case.block_mask()
   blocks = () if mask is None else (jax.ShapeDtypeStruct(mask.shape, mask.dtype),)
-  forward = _case_call(attention, case)
-
-  def forward_backward(q, k, v, d_out, *blocks):
-    _, vjp = jax.vjp(lambda q, k, v: forward(q, k, v, *blocks), q, k, v)
-    return vjp(d_out)
+  _, forward_backward = _passes(_case_call(attention, case), differentiated)
 
   try:
     jax.eval_shape(forward_backward, query, key, value, d_out, *blocks)
@@ -197,27 +232,22 @@ class Peer:
 # JAX peers
 
 
-def _build_jax(attention: AttentionFn, device_kind: str, case: Case,
-               inputs: Inputs) -> dict[str, Prepare]:
+def _build_jax(attention: AttentionFn, device_kind: str, case: Case, inputs: Inputs, *,
+               differentiated: Differentiated | None = None) -> dict[str, Prepare]:
   """Passes of a JAX attention function on the first `device_kind` device.
 
   The forward+backward pass returns the output with the gradients of query, key and value for a
   random output cotangent (those of sum(output · cotangent)): given only the gradients, XLA
   would drop the product P·V of its forward pass (and report less temp memory), while PyTorch
-  and jax_flash compute it.
+  and jax_flash compute it. With `differentiated` (the bias of --bias-grad), both passes form
+  its arrays in the step and the forward+backward pass returns their gradients too (_passes).
   A block-sparse case's block mask is one more argument of both (attention's block_mask); a
   packed case's documents are a constant (attention's documents).
   """
   device = jax.devices(device_kind)[0]
   q, k, v, d_out = (jax.device_put(x, device) for x in inputs.arrays())
   blocks = () if inputs.block_mask is None else (jax.device_put(inputs.block_mask, device),)
-  forward = _case_call(attention, case)
-
-  def forward_backward(q: jax.Array, k: jax.Array, v: jax.Array, d_out: jax.Array,
-                       *blocks: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    out, vjp = jax.vjp(lambda q, k, v: forward(q, k, v, *blocks), q, k, v)
-    return out, vjp(d_out)
-
+  forward, forward_backward = _passes(_case_call(attention, case), differentiated)
   calls = 1 if device_kind == "cpu" else ACCELERATOR_CALLS_PER_STEP
   return {"fwd": functools.partial(compile_step, forward, (q, k, v, *blocks), calls),
           "fwd+bwd": functools.partial(compile_step, forward_backward, (q, k, v, d_out, *blocks),
@@ -226,11 +256,14 @@ def _build_jax(attention: AttentionFn, device_kind: str, case: Case,
 
 def jax_peer(name: str, label: str, device_kind: str, attention: AttentionFn,
              unavailable: Callable[[], str | None] = lambda: None,
-             case_unavailable: CaseKinds = case_kinds()) -> Peer:
+             case_unavailable: CaseKinds = case_kinds(),
+             differentiated: Differentiated | None = None) -> Peer:
   """A peer that runs `attention` under jax.jit on the platform's JAX device (by default
-  neither block-sparse nor packed cases: `attention` takes no block_mask or documents)."""
+  neither block-sparse nor packed cases: `attention` takes no block_mask or documents); with
+  `differentiated`, arrays it takes as keywords that its forward+backward pass differentiates."""
   return Peer(name=name, label=label, unavailable=unavailable,
-              build=functools.partial(_build_jax, attention, device_kind),
+              build=functools.partial(_build_jax, attention, device_kind,
+                                      differentiated=differentiated),
               case_unavailable=case_unavailable)
 
 

@@ -1,6 +1,6 @@
-"""Score variants (--logits-soft-cap, --alibi, --sinks, --dropout-rate, --bias, --mask): jax_flash
-timed with them beside the plain jax_flash kernel, on the same inputs in the same run, and every
-other peer timed with them where it takes them.
+"""Score variants (--logits-soft-cap, --alibi, --sinks, --dropout-rate, --bias, --bias-grad,
+--mask): jax_flash timed with them beside the plain jax_flash kernel, on the same inputs in the
+same run, and every other peer timed with them where it takes them.
 
 A variant run's peers are the plain jax_flash (the baseline, named "jax_flash"), jax_flash with
 the variant ("jax_flash+variant") and each other peer with the variant ("cudnn+variant", ...).
@@ -13,7 +13,14 @@ bias and mask arrays unless JAX_FLASH_CUDA_LOGIT_ARRAYS=on).
 The bias and mask arrays are formed in the step from positions (no random draw, so no peer pays
 for one): bias[0, h, i, j] = sin(0.01 (i + 2 j) + h) in the query's dtype, (1, N, T, S); the mask
 a (T, S) band, key j visible to row i when i - S/4 < j <= i + S/4 (a quarter of the (T, S) blocks
-or so hidden whole at T = S).
+or so hidden whole at T = S). With --bias the bias is a constant of the call (no gradient
+formed); with --bias-grad (which implies --bias) the same bias is differentiated: each pass forms
+it in the step, outside the differentiated function, and the fwd+bwd pass gives it to jax.vjp as
+a primal beside q, k and v (peers.Differentiated), so that it returns dbias, (1, N, T, S), summed
+over the batch the bias broadcasts along (as jax.nn's gradient is), after dq, dk and dv; the
+forward pass is the --bias one. Every peer that takes the bias runs it so (jax_flash, jax.nn's
+cudnn and xla, tokamax where its signature has a bias); one whose kernel refuses the bias's
+gradient at trace time (a NotImplementedError in the backward) reads unavailable with the reason.
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_flash
-from jax_flash.benchmark.peers import AttentionFn, Peer, jax_peer, trace_refusal
+from jax_flash.benchmark.peers import (AttentionFn, Differentiated, Peer, jax_peer,
+                                       trace_refusal)
 from jax_flash.benchmark.platforms import FLASH_KERNELS, Platform, beside_baseline
 
 # Appended to a peer's name (results, rate columns) and label (ratio, memory columns) when it
@@ -42,7 +50,8 @@ DROPOUT_SEED = 0
 @dataclasses.dataclass(frozen=True)
 class Variant:
   """What the variant adds to each call: a logit soft cap, ALiBi slopes (geometric, one per
-  head), sink logits (one per head), dropout at a rate (a fixed key)."""
+  head), sink logits (one per head), dropout at a rate (a fixed key), the position bias
+  (differentiated with bias_grad, which needs bias) and the band mask."""
 
   logits_soft_cap: float | None = None
   alibi: bool = False
@@ -50,6 +59,11 @@ class Variant:
   dropout_rate: float | None = None
   bias: bool = False
   mask: bool = False
+  bias_grad: bool = False
+
+  def __post_init__(self) -> None:
+    if self.bias_grad and not self.bias:
+      raise ValueError("bias_grad differentiates the bias: it needs bias=True")
 
   def features(self) -> tuple[str, ...]:
     """The jax_flash keywords the variant sets."""
@@ -69,20 +83,34 @@ class Variant:
       parts.append(f"sinks: a random normal logit per head (seed {SINKS_SEED}, mean 0)")
     if self.dropout_rate is not None:
       parts.append(f"dropout_rate={self.dropout_rate:g} (key seed {DROPOUT_SEED})")
-    if self.bias:
+    if self.bias_grad:
+      parts.append("bias: a (1, N, T, S) array sin(0.01 (i + 2j) + h), formed in the step and "
+                   "differentiated (fwd+bwd returns dbias, summed over the batch)")
+    elif self.bias:
       parts.append("bias: a (1, N, T, S) array sin(0.01 (i + 2j) + h), formed in the step")
     if self.mask:
       parts.append("mask: a (T, S) band |j - i| <= S/4 (j > i - S/4), formed in the step")
     return ", ".join(parts)
 
   def arrays(self, query: jax.Array, key: jax.Array) -> dict[str, jax.Array]:
-    """The bias and mask arrays of the variant for these inputs (none where it has neither)."""
+    """The constant bias and mask arrays of the variant for these inputs (none where it has
+    neither; not the bias with bias_grad: that one comes from differentiated_arrays)."""
     arrays = {}
-    if self.bias:
+    if self.bias and not self.bias_grad:
       arrays["bias"] = position_bias(query, key)
     if self.mask:
       arrays["mask"] = band_mask(query.shape[1], key.shape[1])
     return arrays
+
+  def differentiated_arrays(self, query: jax.Array, key: jax.Array) -> dict[str, jax.Array]:
+    """The arrays the fwd+bwd pass differentiates (peers.Differentiated): with bias_grad the
+    position bias, the same values as arrays' constant one."""
+    return {"bias": position_bias(query, key)} if self.bias_grad else {}
+
+  def differentiated(self) -> Differentiated | None:
+    """What the peers' passes form and differentiate (None: nothing, the passes as without a
+    variant)."""
+    return self.differentiated_arrays if self.bias_grad else None
 
   def flash_options(self, heads: int) -> dict[str, object]:
     """jax_flash.dot_product_attention's keywords for `heads` query heads."""
@@ -139,21 +167,23 @@ def _join(features: tuple[str, ...]) -> str:
 
 
 def _flash_attention(kernel: str, deterministic: bool, variant: Variant) -> AttentionFn:
-  def attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
-                is_causal: bool) -> jax.Array:
+  """jax_flash's `kernel` with the variant; the differentiated bias (bias_grad) as a keyword."""
+  def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, is_causal: bool,
+                **differentiated: jax.Array) -> jax.Array:
     return jax_flash.dot_product_attention(query, key, value, is_causal=is_causal,
                                            implementation=kernel, deterministic=deterministic,
                                            **variant.flash_options(query.shape[2]),
-                                           **variant.arrays(query, key))
+                                           **variant.arrays(query, key), **differentiated)
   return attention
 
 
 def _jax_nn_attention(implementation: str, variant: Variant) -> AttentionFn:
   """jax.nn.dot_product_attention with ALiBi as a bias array, and the bias and mask arrays (the
-  variants it takes)."""
-  def attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
-                is_causal: bool) -> jax.Array:
-    arrays = variant.arrays(query, key)
+  variants it takes; the differentiated bias, bias_grad, as a keyword: its gradient flows
+  through the sum with ALiBi's)."""
+  def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, is_causal: bool,
+                **differentiated: jax.Array) -> jax.Array:
+    arrays = {**variant.arrays(query, key), **differentiated}
     bias = arrays.get("bias")
     if variant.alibi:
       bias = alibi_bias(query, key) if bias is None else bias + alibi_bias(query, key)
@@ -165,17 +195,19 @@ def _jax_nn_attention(implementation: str, variant: Variant) -> AttentionFn:
 
 
 def _tokamax_attention(variant: Variant) -> AttentionFn:
-  """tokamax's Mosaic attention with the soft cap and ALiBi (as a bias array) where its
-  dot_product_attention has such parameters, else a NotImplementedError naming them."""
-  def attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
-                is_causal: bool) -> jax.Array:
+  """tokamax's Mosaic attention with the soft cap and ALiBi (as a bias array), and the bias and
+  mask arrays, where its dot_product_attention has such parameters, else a NotImplementedError
+  naming them; the differentiated bias (bias_grad) as a keyword (a tokamax whose backward
+  refuses its gradient at trace time reads unavailable: variant_peer's probe)."""
+  def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, is_causal: bool,
+                **differentiated: jax.Array) -> jax.Array:
     import tokamax
 
     parameters = inspect.signature(tokamax.dot_product_attention).parameters
     options: dict[str, object] = {}
     if variant.logits_soft_cap is not None:
       options["logits_soft_cap"] = variant.logits_soft_cap
-    options.update(variant.arrays(query, key))
+    options.update(variant.arrays(query, key), **differentiated)
     if variant.alibi:
       options["bias"] = alibi_bias(query, key) + options.get("bias", 0)
     if "mask" in options:
@@ -211,15 +243,18 @@ def _variant_attention(name: str, kernel: str, deterministic: bool,
 def variant_peer(peer: Peer, device_kind: str, kernel: str, deterministic: bool,
                  variant: Variant) -> Peer:
   """`peer` running the variant: unavailable, with the reason, where it takes none of it or
-  its kernel refuses a case."""
+  its kernel refuses a case (at trace time, the bias's gradient too with bias_grad)."""
   name, label = peer.name + VARIANT_SUFFIX, peer.label + VARIANT_LABEL_SUFFIX
   attention = _variant_attention(peer.name, kernel, deterministic, variant)
   if isinstance(attention, str):
     reason = attention
     return Peer(name=name, label=label, unavailable=lambda: peer.unavailable() or reason,
                 build=peer.build)
+  differentiated = variant.differentiated()
   return jax_peer(name, label, device_kind, attention, peer.unavailable,
-                  lambda case: peer.case_unavailable(case) or trace_refusal(attention, case))
+                  lambda case: peer.case_unavailable(case) or trace_refusal(
+                      attention, case, differentiated=differentiated),
+                  differentiated=differentiated)
 
 
 def with_variant(platform: Platform, variant: Variant, deterministic: bool = False) -> Platform:
