@@ -241,6 +241,35 @@ def test_interleaved_rounds_let_the_cpu_settle_before_each_run(monkeypatch, inte
     assert pauses == []
 
 
+def test_interleaved_runs_repeat_short_steps_for_min_run_s(monkeypatch):
+  """Under --interleave a timed run repeats a step shorter than Platform.min_run_s back to back
+  (ceil(min_run_s / its warm-up time) times) and records the time a call; a step longer than
+  min_run_s runs once a timed run."""
+  from jax_flash.benchmark import runner
+  from jax_flash.benchmark.measure import Compiled
+  from jax_flash.benchmark.peers import Peer
+
+  monkeypatch.setattr(runner.time, "sleep", lambda s: None)
+  clock = [0.0]
+  monkeypatch.setattr(runner.time, "perf_counter", lambda: clock[0])  # the one time module
+  calls = {"fwd": 0, "fwd+bwd": 0}
+  lasting = {"fwd": 0.01, "fwd+bwd": 0.3}  # seconds a call of each pass takes
+
+  def prepare(pass_name):
+    def step():
+      calls[pass_name] += 1
+      clock[0] += lasting[pass_name]
+    return lambda: Compiled(step, None)
+
+  peer = Peer(name="fake", label="fake", unavailable=lambda: None,
+              build=lambda case, inputs: {p: prepare(p) for p in lasting})
+  platform = dataclasses.replace(benchmark.CPU, min_run_s=0.1, warm_up_runs=1)
+  case = benchmark.CPU.make_cases((64,), (32,), (True,))[0]
+  fwd, both = runner.measure_interleaved(platform, [(peer, None, case, None)], reps=3)
+  assert calls == {"fwd": 1 + 3 * 10, "fwd+bwd": 1 + 3}  # a warm-up, then 3 rounds
+  assert fwd.times_s == pytest.approx((0.01,) * 3) and both.times_s == pytest.approx((0.3,) * 3)
+
+
 # Score variants (--logits-soft-cap, --alibi, --sinks, --dropout-rate): jax_flash plain and with
 # the variant in the same run.
 TINY_CPU_RUN = ["--platform", "cpu", "--seqs", "64", "--causal", "yes", "--reps", "1"]

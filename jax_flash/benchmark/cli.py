@@ -166,7 +166,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                            "of each per round) instead of one after another: on a machine "
                            "shared with other work, load then falls on every peer alike "
                            f"(on the CPU each timed run waits {PLATFORMS['cpu'].settle_s * 1e3:g} "
-                           "ms first, so that the last run's threads have left the cores)")
+                           "ms first, so that the last run's threads have left the cores, "
+                           "and repeats its step back to back for about "
+                           f"{PLATFORMS['cpu'].min_run_s * 1e3:g} ms, so that the cores' "
+                           "wake-up after the pause is not a short call's time)")
   parser.add_argument("--deterministic", action="store_true",
                       help="time jax_flash's deterministic backward (deterministic=True)")
   parser.add_argument("--skip", nargs="+", default=[], metavar="PEER",

@@ -29,6 +29,10 @@ class Platform:
   `settle_s`: the pause before each timed run of the alternating rounds (--interleave), so
   that the run before it has left the cores: PyTorch's OpenMP workers spin for a while after
   its call, which read the next peer's run 10-25% slow at seq 2048 on a 2-core CPU.
+  `min_run_s`: each timed run of the alternating rounds repeats its step back to back until it
+  lasts about this long (the time a call, the total over the repeats): after the pause the
+  first call pays the cores' wake-up (a 3 ms forward read 4.75 ms alone, session 37), which a
+  training loop's back-to-back calls never see.
   """
 
   name: str
@@ -44,6 +48,7 @@ class Platform:
   columns: tuple[Column, ...]
   progress: Literal["case", "pass"]
   settle_s: float = 0.0
+  min_run_s: float = 0.0
 
 
 CPU = Platform(
@@ -64,6 +69,7 @@ CPU = Platform(
              temp_column(FLASH_CPU), temp_column(XLA_CPU)),
     progress="case",
     settle_s=0.02,
+    min_run_s=0.1,
 )
 
 # tokamax sits beside cuDNN: the two fastest JAX attentions on Hopper, read side by side.

@@ -6,6 +6,7 @@ run goes on.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -126,14 +127,19 @@ def measure_interleaved(platform: Platform, entries: Sequence[Entry],
         ready.append((i, peer, case, p, compiled, warm_s))
       except Exception as e:  # as above
         results[(i, p)] = Measurement(peer.name, case, p, "fails", failure_reason(e))
-  round_s = sum(entry[5] for entry in ready)
+  # Each timed run repeats its step back to back for about Platform.min_run_s.
+  repeats = {(i, p): max(1, math.ceil(platform.min_run_s / max(warm_s, 1e-9)))
+             for i, _, _, p, _, warm_s in ready}
+  round_s = sum(entry[5] * repeats[(entry[0], entry[3])] for entry in ready)
   rounds = max(min(reps, 3), min(reps, int(TIME_BUDGET_S * len(ready) / max(round_s, 1e-9))))
   times: dict[tuple[int, str], list[float]] = {(i, p): [] for i, _, _, p, _, _ in ready}
   for _ in range(rounds):
     for i, _, _, p, compiled, _ in ready:
       if platform.settle_s > 0:
         time.sleep(platform.settle_s)  # the last run's threads off the cores (Platform.settle_s)
-      times[(i, p)].append(run_timed(compiled.step) / compiled.calls_per_step)
+      n = repeats[(i, p)]
+      times[(i, p)].append(run_timed(lambda: [compiled.step() for _ in range(n)])
+                           / (n * compiled.calls_per_step))
   for i, peer, case, p, compiled, _ in ready:
     results[(i, p)] = Measurement(peer.name, case, p, "ok", times_s=tuple(times[(i, p)]),
                                   temp_bytes=compiled.temp_bytes,
