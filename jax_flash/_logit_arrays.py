@@ -13,7 +13,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from jax_flash import _switches
+from jax_flash import _registry, _switches
 
 CUDA_LOGIT_ARRAYS_VARIABLE = "JAX_FLASH_CUDA_LOGIT_ARRAYS"
 CUDA_LOGIT_ARRAYS_VALUES = ("off", "on")
@@ -56,11 +56,12 @@ def block_mask_of(mask: jax.Array, rows: int, keys: int) -> jax.Array:
 
 
 # The CUDA kernels read a mask as bits in the order their score fragments hold them
-# (cuda/gpu/logit_arrays.cuh mask_bits_word): a row's keys in groups of 128, each group four
-# uint32 words, word q holding bit 2 nt + c for key 128 g + 8 nt + 2 q + c (nt < 16, c < 2): a
-# thread with quad lane q reads its two rows' bits of a 128-key block as two words.
-MASK_BITS_GROUP = 128
-MASK_BITS_WORDS = 4
+# (cuda/gpu/logit_arrays.cuh mask_bits_word): a row's keys in groups of MASK_BITS_GROUP (128),
+# each group MASK_BITS_WORDS (4) uint32 words, word q holding bit 2 nt + c for key
+# 128 g + 8 nt + 2 q + c (nt < 16, c < 2): a thread with quad lane q reads its two rows' bits of
+# a 128-key block as two words. Both sizes are the native module's (common/attention_params.h).
+MASK_BITS_GROUP = int(_registry.KERNEL_CONSTANTS["mask_bits_group"])
+MASK_BITS_WORDS = int(_registry.KERNEL_CONSTANTS["mask_bits_words"])
 
 
 def cuda_mask_bits(mask: jax.Array, seq_q: int, seq_k: int, transposed: bool = False) -> jax.Array:
@@ -79,7 +80,7 @@ def cuda_mask_bits(mask: jax.Array, seq_q: int, seq_k: int, transposed: bool = F
   mask = jnp.broadcast_to(mask, (*lead, r, columns))
   mask = jnp.pad(mask, [(0, 0)] * (len(lead) + 1) + [(0, groups * MASK_BITS_GROUP - columns)])
   # (.., g, nt, q, c) -> (.., g, q, nt, c): each word's 32 bits in order.
-  bits = mask.reshape(*lead, r, groups, 16, MASK_BITS_WORDS, 2)
+  bits = mask.reshape(*lead, r, groups, MASK_BITS_GROUP // (2 * MASK_BITS_WORDS), MASK_BITS_WORDS, 2)
   bits = jnp.swapaxes(bits, -3, -2).reshape(*lead, r, groups * MASK_BITS_WORDS, 32)
   weights = jnp.left_shift(jnp.uint32(1), jnp.arange(32, dtype=jnp.uint32))
   return jnp.sum(jnp.where(bits, weights, jnp.uint32(0)), axis=-1, dtype=jnp.uint32)

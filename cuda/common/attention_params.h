@@ -38,6 +38,14 @@ enum class Dtype : int { kFloat32, kBFloat16, kFloat16 };
 inline constexpr int64_t kBlockMaskRows = 128;
 inline constexpr int64_t kBlockMaskKeys = 128;
 
+// The CUDA kernels' mask array as bits (common/ffi_params.h set_mask_bits, gpu/logit_arrays.cuh
+// mask_bits_word): a row's keys in groups of kMaskBitsGroup, each group kMaskBitsWords uint32
+// words, one per quad lane of the mma fragments (a 128-key block's 16 n-tiles x 2 columns of a
+// lane). The Python side packs them so (jax_flash._logit_arrays.cuda_mask_bits reads these).
+inline constexpr int64_t kMaskBitsGroup = 128;
+inline constexpr int64_t kMaskBitsWords = 4;
+static_assert(kMaskBitsGroup == kMaskBitsWords * 32, "a group's words hold its keys' bits");
+
 // The masks jax.nn.dot_product_attention supports are all "key ranges per query row":
 // query row i of batch b attends keys j in [key_begin(i), key_end(i)).
 struct MaskParams {

@@ -595,7 +595,7 @@ inline xla::ffi::Error set_logit_array(const char* name, const xla::ffi::AnyBuff
 }
 
 // The CUDA handlers' mask: its bits (jax_flash._logit_arrays.cuda_mask_bits), uint32 words
-// (..., N|1, R|1, ceil(C / 128) * 4) with rows R and columns C the queries and keys, or with
+// (..., N|1, R|1, ceil(C / kMaskBitsGroup) * kMaskBitsWords) with rows R and columns C the queries and keys, or with
 // `transposed` (the backward's) the keys and queries; leading dims as set_logit_array's. `out`
 // then holds word strides (gpu/logit_arrays.cuh mask_bits_word).
 inline xla::ffi::Error set_mask_bits(const xla::ffi::AnyBuffer& x, bool on, bool transposed,
@@ -607,7 +607,7 @@ inline xla::ffi::Error set_mask_bits(const xla::ffi::AnyBuffer& x, bool on, bool
     return xla::ffi::Error::Success();
   }
   const int64_t rows = transposed ? sh.seq_k : sh.seq_q, columns = transposed ? sh.seq_q : sh.seq_k;
-  const int64_t words = (columns + 127) / 128 * 4;
+  const int64_t words = (columns + kMaskBitsGroup - 1) / kMaskBitsGroup * kMaskBitsWords;
   if (!set_array_layout(x, q, sh, rows, words, false, out))
     return invalid(describe("mask", x) + ": the mask's bits must be (..., N|1, " + (transposed ? "S" : "T") + "|1, " +
                    std::to_string(words) + ") with q's rank and leading dims whose product divides q's batch, for " +
@@ -615,14 +615,18 @@ inline xla::ffi::Error set_mask_bits(const xla::ffi::AnyBuffer& x, bool on, bool
   return xla::ffi::Error::Success();
 }
 
-// Both arrays: the bias, and the mask as bools (the CPU handlers) or as its bits (`mask_bits`,
-// the CUDA ones; `transposed` for the backward's).
-inline xla::ffi::Error set_logit_arrays(const xla::ffi::AnyBuffer& bias, bool has_bias, const xla::ffi::AnyBuffer& mask, bool has_mask,
-                            const xla::ffi::AnyBuffer& q, AttentionParams& params, bool mask_bits = false,
-                            bool transposed = false) {
+// How a handler takes the mask array: as bools (the CPU kernel's), or as the CUDA kernels' bits
+// with queries in rows (the forward's) or keys in rows (the backward's).
+enum class MaskOperand { kBools, kBitsQueryRows, kBitsKeyRows };
+
+// Both arrays: the bias, and the mask as `mask_operand` says.
+inline xla::ffi::Error set_logit_arrays(const xla::ffi::AnyBuffer& bias, bool has_bias, const xla::ffi::AnyBuffer& mask,
+                                        bool has_mask, const xla::ffi::AnyBuffer& q, AttentionParams& params,
+                                        MaskOperand mask_operand) {
   JF_RETURN_IF_ERROR(set_logit_array("bias", bias, has_bias, false, q, params.shape, params.bias));
-  if (mask_bits) return set_mask_bits(mask, has_mask, transposed, q, params.shape, params.logit_mask);
-  return set_logit_array("mask", mask, has_mask, true, q, params.shape, params.logit_mask);
+  if (mask_operand == MaskOperand::kBools)
+    return set_logit_array("mask", mask, has_mask, true, q, params.shape, params.logit_mask);
+  return set_mask_bits(mask, has_mask, mask_operand == MaskOperand::kBitsKeyRows, q, params.shape, params.logit_mask);
 }
 
 }  // namespace jax_flash

@@ -141,7 +141,7 @@ ffi::Error run_fwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   JF_RETURN_IF_ERROR(set_alibi_slopes(alibi_slopes, alibi, q, params));
   JF_RETURN_IF_ERROR(set_block_mask(block_mask, block_sparse, q, params));
   JF_RETURN_IF_ERROR(set_dropout(dropout_seeds, dropout_rate, q, params));
-  JF_RETURN_IF_ERROR(set_logit_arrays(bias, has_bias, mask, has_mask, q, params));
+  JF_RETURN_IF_ERROR(set_logit_arrays(bias, has_bias, mask, has_mask, q, params, MaskOperand::kBools));
   PoolRunner runner{&pool};
   cpu::flash_fwd(params, {&PoolRunner::run, &runner});
   return ffi::Error::Success();
@@ -175,7 +175,7 @@ ffi::Error run_bwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   JF_RETURN_IF_ERROR(expect_float32("dq_accum", *dq_accum, cpu::dq_accum_elements(params.shape, dq_splits)));
   params.dq_accum = dq_accum->typed_data<float>();
   params.dq_splits = dq_splits;
-  JF_RETURN_IF_ERROR(set_logit_arrays(bias, has_bias, mask, has_mask, q, params));
+  JF_RETURN_IF_ERROR(set_logit_arrays(bias, has_bias, mask, has_mask, q, params, MaskOperand::kBools));
   JF_RETURN_IF_ERROR(set_dbias(*dbias, *dbias_accum, bias, params));
   PoolRunner runner{&pool};
   cpu::flash_bwd(params, {&PoolRunner::run, &runner});

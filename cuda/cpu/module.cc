@@ -45,6 +45,10 @@ NB_MODULE(_native, m) {
     c["block_mask_block_k"] = jax_flash::kBlockMaskKeys;
     c["cpu_head_dim_align"] = jax_flash::cpu::kHeadDimAlign;
     c["max_decode_splits"] = jax_flash::kMaxDecodeSplits;
+    // The CUDA kernels' mask bits (jax_flash._logit_arrays.cuda_mask_bits): common/ to both
+    // builds, here so that the packing is tested where no CUDA module was built.
+    c["mask_bits_group"] = jax_flash::kMaskBitsGroup;
+    c["mask_bits_words"] = jax_flash::kMaskBitsWords;
     return c;
   });
   m.def("cpu_dq_accum_elements",

@@ -175,7 +175,7 @@ ffi::Error run_fwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   JF_RETURN_IF_ERROR(set_block_lists(kv_block_lists, kv_block_counts, nullptr, nullptr, block_sparse, q, params));
   JF_RETURN_IF_ERROR(set_dropout(dropout_seeds, dropout_rate, q, params));
   JF_RETURN_IF_ERROR(check_dropout(params));
-  JF_RETURN_IF_ERROR(set_logit_arrays(bias, has_bias, mask, has_mask, q, params, true));
+  JF_RETURN_IF_ERROR(set_logit_arrays(bias, has_bias, mask, has_mask, q, params, MaskOperand::kBitsQueryRows));
   JF_RETURN_IF_ERROR(check_logit_arrays(params, false, false));
   JF_RETURN_IF_ERROR(set_o_error(*o_error, *o, params));
   JF_RETURN_IF_ERROR(set_tile_counter(*scheduler, params));
@@ -209,7 +209,7 @@ ffi::Error run_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                                      block_sparse, q, params));
   JF_RETURN_IF_ERROR(set_dropout(dropout_seeds, dropout_rate, q, params));
   JF_RETURN_IF_ERROR(check_dropout(params));
-  JF_RETURN_IF_ERROR(set_logit_arrays(bias, has_bias, mask, has_mask, q, params, true, true));
+  JF_RETURN_IF_ERROR(set_logit_arrays(bias, has_bias, mask, has_mask, q, params, MaskOperand::kBitsKeyRows));
   JF_RETURN_IF_ERROR(set_cuda_dbias(*dbias, bias, params));
   JF_RETURN_IF_ERROR(check_logit_arrays(params, true, deterministic));
   JF_RETURN_IF_ERROR(

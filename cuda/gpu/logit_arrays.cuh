@@ -74,7 +74,7 @@ __device__ __forceinline__ float add_bias(float s, float bias, float factor) {
 __device__ __forceinline__ uint32_t mask_bits_word(const LogitArray& a, int64_t b, int64_t h, int64_t line,
                                                    int64_t column0, int lane) {
   const uint32_t* words = static_cast<const uint32_t*>(a.data) + a.offset(b, h) + line * a.row;
-  return words[column0 / 128 * 4 + lane % 4] >> (column0 % 128 / 8 * 2);
+  return words[column0 / kMaskBitsGroup * kMaskBitsWords + lane % kMaskBitsWords] >> (column0 % kMaskBitsGroup / 8 * 2);
 }
 
 // The forward: a warp's 16 x (8 kNTiles) tile s, its first row query m0 and first key n0, of
@@ -94,7 +94,7 @@ __device__ __forceinline__ void apply_logit_arrays(float (&s)[1][kNTiles][4], co
     const int64_t i = m0 + half * 8 + lane / 4;
     if (i >= p.shape.seq_q) continue;
     if (p.logit_mask) {
-      static_assert(kNTiles <= 16, "a tile's keys in one group of 128 (mask_bits_word)");
+      static_assert(kNTiles * 8 <= kMaskBitsGroup, "a tile's keys in one group (mask_bits_word)");
       const uint32_t bits = mask_bits_word(p.logit_mask, b, h, i, n0, lane);
       const KeyRange r = key_range(p.mask, i, q_len, kv_len);
       const auto [begin, end] = span_in_tile(r, j0, kNTiles * 8);
@@ -276,7 +276,7 @@ __device__ __forceinline__ void apply_logit_arrays_transposed(float (&st)[1][kNT
                                                               int lane, bool bias_staged) {
   if (p.logit_mask) {
     // Its bits with keys in rows (the backward's, set_mask_bits): a word a key row.
-    static_assert(kNTiles <= 16, "a tile's queries in one group of 128 (mask_bits_word)");
+    static_assert(kNTiles * 8 <= kMaskBitsGroup, "a tile's queries in one group (mask_bits_word)");
     uint32_t bits = 0;
     for_each_transposed(
         st, p.shape, key0, query0, lane,
