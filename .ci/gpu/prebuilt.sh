@@ -16,11 +16,14 @@
 # (.ci/gpu/native_stamp.py) hashes every source the build reads and the Python and jaxlib
 # versions, so modules from another tree or interpreter are never used. PY312 names the
 # development machine's Python 3.12 with jax/jaxlib of the GPU machine's version and nanobind
-# (default /tmp/venv312/bin/python).
+# (default /tmp/venv312/bin/python; pyenv's 3.12 is not on PATH there: `PYENV_VERSION=3.12.1
+# python3.12 -m venv /tmp/venv312 && /tmp/venv312/bin/pip install jax==0.11.2 jaxlib==0.11.2
+# nanobind`).
 prebuilt_dir=build/prebuilt
 
 prebuilt_build() {
   local py=${PY312:-/tmp/venv312/bin/python} build_dir=build/dev312
+  mkdir -p build  # a fresh clone has none; the configure log goes beside the build folder
   if [[ ! -f $build_dir/build.ninja ]]; then
     cmake -S . -B "$build_dir" -G Ninja -DJAX_FLASH_CUDA=ON -DPython_EXECUTABLE="$py" \
       -DCMAKE_BUILD_TYPE=Release >"$build_dir.configure.log" 2>&1 || { tail -20 "$build_dir.configure.log"; return 1; }
