@@ -83,11 +83,11 @@ class Variant:
       parts.append(f"sinks: a random normal logit per head (seed {SINKS_SEED}, mean 0)")
     if self.dropout_rate is not None:
       parts.append(f"dropout_rate={self.dropout_rate:g} (key seed {DROPOUT_SEED})")
-    if self.bias_grad:
-      parts.append("bias: a (1, N, T, S) array sin(0.01 (i + 2j) + h), formed in the step and "
-                   "differentiated (fwd+bwd returns dbias, summed over the batch)")
-    elif self.bias:
-      parts.append("bias: a (1, N, T, S) array sin(0.01 (i + 2j) + h), formed in the step")
+    if self.bias:
+      bias = "bias: a (1, N, T, S) array sin(0.01 (i + 2j) + h), formed in the step"
+      if self.bias_grad:
+        bias += " and differentiated (fwd+bwd returns dbias, summed over the batch)"
+      parts.append(bias)
     if self.mask:
       parts.append("mask: a (T, S) band |j - i| <= S/4 (j > i - S/4), formed in the step")
     return ", ".join(parts)
