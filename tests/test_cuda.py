@@ -609,21 +609,13 @@ def test_narrow_calls_unsplit_on_cuda():
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
-def test_forward_turns_across_tiles_on_cuda():
-  """With JAX_FLASH_CUDA_FWD_TURNS=across_tiles every Hopper forward's consumer warpgroups run
-  their turns on across a CTA's tiles (session 36: restarted at each tile they can hang, which
-  the bias and mask arrays' kernels did; cuda/PERF_NOTES.md v34): the reference cases pass, and
-  a call of more tiles than SMs under each persistent grid (two tiles a CTA or more)."""
-  selection = "test_cuda_matches_reference or test_forward_of_more_tiles_than_sms_here"
-  _run_cuda_tests_on_hopper_with({"JAX_FLASH_CUDA_FWD_TURNS": "across_tiles"}, selection)
-
-
 @pytest.mark.parametrize("grid", ["sm90ws_static", "sm90ws_dynamic"])
 def test_forward_of_more_tiles_than_sms(grid):
   """A forward of 640 query tiles (more than an H100's or H200's SMs: the persistent CTAs take
   several each) under each persistent grid, causal and not, against the reference; the tile
   rows past T = 70 leave the second consumer warpgroup little to do, as where session 35's
-  arrays' kernel hung."""
+  arrays' kernel hung, and every forward under each grid did while the consumers' turns
+  restarted at each tile (session 38; sm90/flash_fwd_ws_kernel.cuh)."""
   _run_cuda_tests_on_hopper_with({"JAX_FLASH_CUDA_FORWARD": grid}, "test_forward_of_more_tiles_than_sms_here")
 
 
@@ -653,8 +645,7 @@ def test_split_kv_decoding_on_cuda():
                                              ("JAX_FLASH_CUDA_HD192_BWD", "pad"),
                                              ("JAX_FLASH_CUDA_VALUE_HEAD_DIM", "nativ"),
                                              ("JAX_FLASH_CUDA_DECODE_LOADS", "evict"),
-                                             ("JAX_FLASH_CUDA_BIAS_LOADS", "stage"),
-                                             ("JAX_FLASH_CUDA_FWD_TURNS", "across")])
+                                             ("JAX_FLASH_CUDA_BIAS_LOADS", "stage")])
 def test_unknown_kernel_choice_is_an_error(variable, value):
   """A misspelt override is reported by name, not ignored."""
   result = _run_in_subprocess({variable: value}, "-k", "test_cuda_is_default_on_gpu")

@@ -19,7 +19,6 @@ constexpr const char* kHeadDim192BackwardVariable = "JAX_FLASH_CUDA_HD192_BWD";
 constexpr const char* kValueHeadDimVariable = "JAX_FLASH_CUDA_VALUE_HEAD_DIM";
 constexpr const char* kDecodeLoadsVariable = "JAX_FLASH_CUDA_DECODE_LOADS";
 constexpr const char* kBiasLoadsVariable = "JAX_FLASH_CUDA_BIAS_LOADS";
-constexpr const char* kFwdTurnsVariable = "JAX_FLASH_CUDA_FWD_TURNS";
 
 struct Overrides {
   std::optional<KernelFamily> forward;
@@ -31,7 +30,6 @@ struct Overrides {
   bool own_value_head_dim = true;  // JAX_FLASH_CUDA_VALUE_HEAD_DIM=padded turns it off
   DecodeLoads decode_loads = DecodeLoads::kPlain;
   BiasLoads bias_loads = BiasLoads::kTma;
-  bool fwd_turns_across_tiles = false;  // JAX_FLASH_CUDA_FWD_TURNS=across_tiles turns it on
   std::string error;
 };
 
@@ -123,7 +121,6 @@ Overrides read_overrides() {
   o.own_value_head_dim = read_switch(kValueHeadDimVariable, "native", "padded", o.error);
   o.decode_loads = read_decode_loads(o.error);
   o.bias_loads = read_bias_loads(o.error);
-  o.fwd_turns_across_tiles = !read_switch(kFwdTurnsVariable, "per_tile", "across_tiles", o.error);
   return o;
 }
 
@@ -171,6 +168,5 @@ bool own_value_head_dim_enabled() { return overrides().own_value_head_dim; }
 DecodeLoads decode_loads() { return overrides().decode_loads; }
 bool staged_bias_enabled() { return overrides().bias_loads != BiasLoads::kDirect; }
 bool tma_bias_enabled() { return overrides().bias_loads == BiasLoads::kTma; }
-bool fwd_turns_across_tiles() { return overrides().fwd_turns_across_tiles; }
 
 }  // namespace jax_flash::cuda

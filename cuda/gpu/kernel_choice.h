@@ -81,15 +81,6 @@
 //                               always (session 34). `direct`: every element a global load in
 //                               the consumers' path and dbias a float32 atomic (session 33's
 //                               first version).
-//   JAX_FLASH_CUDA_FWD_TURNS = per_tile | across_tiles (default: per_tile; session 36, not yet run
-//                              on a GPU): the Hopper forward's consumer warpgroups restart their
-//                              turns (ping-pong) at each of a CTA's tiles, or run them on across
-//                              tiles as FlashAttention-3 does. Restarted, a warpgroup well ahead
-//                              of the other can complete a turn barrier alone and hang the CTA
-//                              (sm90/flash_fwd_ws_kernel.cuh): the bias and mask arrays'
-//                              kernels hung so (cuda/PERF_NOTES.md v34) and run on across tiles
-//                              whatever this says; the others, whose warpgroups keep pace, go
-//                              over once measured.
 //   JAX_FLASH_CUDA_NARROW = split | off (default: split since session 19, whose differential run
 //                           of 2000 configurations gave 0 misses under it): narrow plain calls
 //                           (narrow_shape below) run the mma.sync kernels with P and dS as hi +
@@ -151,9 +142,6 @@ enum class BiasLoads { kTma, kStaged, kDirect };
 // (unless JAX_FLASH_CUDA_BIAS_LOADS=staged or direct).
 bool staged_bias_enabled();
 bool tma_bias_enabled();
-// Whether every Hopper forward's consumers run their turns on across tiles
-// (JAX_FLASH_CUDA_FWD_TURNS=across_tiles; the arrays' kernels always do).
-bool fwd_turns_across_tiles();
 
 // Narrow calls (common/mask.h narrow_shape): by default (JAX_FLASH_CUDA_NARROW=split) plain ones
 // run the mma.sync kernels with P and dS as hi + lo (two 16-bit operands: about float32;

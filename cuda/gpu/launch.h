@@ -131,9 +131,6 @@ struct Sm90FwdOptions {
   // Plain calls with a 16-bit o store it by TMA (flash_fwd_ws_kernel.cuh kTmaStore; off under
   // JAX_FLASH_CUDA_FORWARD=sm90ws_directstore).
   bool tma_store = false;
-  // The consumers' turns run on across a CTA's tiles (flash_fwd_ws_kernel.cuh
-  // FwdTmaParams::turns_across_tiles; JAX_FLASH_CUDA_FWD_TURNS=across_tiles).
-  bool turns_across_tiles = false;
 };
 // kValueHeadDim: V's and O's head dim where a pair of gpu/tile_shapes.cuh JF_SM90_FWD_VALUE_HEAD_DIMS
 // runs (forward_takes_value_head_dim).

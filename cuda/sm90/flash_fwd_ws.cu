@@ -26,7 +26,6 @@ cudaError_t launch(const FwdParams& p, const Sm90FwdOptions& options, cudaStream
   FwdTmaParams params;
   params.p = p;
   params.grid = options.grid;
-  params.turns_across_tiles = options.turns_across_tiles;
   if (cudaError_t e = make_qkv_tensor_maps(p, Traits::kBlockM, Traits::kBlockN, &params.q, &params.k, &params.v))
     return e;
   const int64_t ctas = QueryTileScheduler<Traits::kBlockM>::ctas(tiles, device_sm_count(), options.grid);

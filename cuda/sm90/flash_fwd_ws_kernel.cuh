@@ -53,9 +53,6 @@ struct FwdTmaParams {
   bool bias_staged = false;
   bool bias_tma = false;
   CUtensorMap bias;
-  // The consumers' turns (kPingPong) run on across the CTA's tiles instead of restarting at each
-  // (the kernel below; kLogitArrays kernels always).
-  bool turns_across_tiles = false;
 };
 
 // Shared memory of a warp-specialised forward CTA, from a 1 KiB boundary: Q, kStages stages of
@@ -305,18 +302,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (lane == 0) Mbarrier(bar).arrive();
   };
 
-  // With params.turns_across_tiles the turns run on across tiles (every warpgroup takes count - 1
-  // of a tile's): the last warpgroup's last pass_turn of a tile is warpgroup 0's first turn of the
-  // next, as FlashAttention-3's. Restarted at each tile (the last warpgroup's first arrival at a
-  // tile's start, warpgroup 0 taking its last pass at the end), a warpgroup done early can arrive
-  // for the next tile while its last arrival of this tile is still pending on the same barrier,
-  // which then completes on one warpgroup's two arrivals: the other's wait hangs (session 36: the
-  // arrays' direct loads, which rows past the call skip, made the paces differ that much, and
-  // every kLogitArrays kernel runs on across tiles since; the others do under
-  // JAX_FLASH_CUDA_FWD_TURNS=across_tiles until it is measured on a GPU).
-  const bool turns_across_tiles = kLogitArrays || params.turns_across_tiles;
+  // The turns run on across the CTA's tiles (every warpgroup takes count - 1 of a tile's): the
+  // last warpgroup's last pass_turn of a tile is warpgroup 0's first turn of the next, as
+  // FlashAttention-3's. Restarted at each tile (the last warpgroup's first arrival at a tile's
+  // start, warpgroup 0 taking its last pass at the end), a warpgroup done early could arrive for
+  // the next tile while its last arrival of this tile was still pending on the same barrier,
+  // which then completed on one warpgroup's two arrivals and the other's wait hung: the arrays'
+  // kernels in session 35, every forward of more tiles than SMs at T = 70 in session 38
+  // (tests/test_cuda.py test_forward_of_more_tiles_than_sms).
   if constexpr (Traits::kPingPong)
-    if (turns_across_tiles && group == Traits::kConsumers - 1) named_barrier_arrive(1, kTurnThreads);
+    if (group == Traits::kConsumers - 1) named_barrier_arrive(1, kTurnThreads);
   int ring = 0, q_round = 0;
   for (int round = 0;; ++round) {
     Mbarrier(&bars.tile_full).wait(round & 1);
@@ -375,8 +370,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           }
         }
       };
-      if constexpr (Traits::kPingPong)  // (restarted at each tile) warpgroup 0 goes first
-        if (!turns_across_tiles && group == Traits::kConsumers - 1) named_barrier_arrive(1, kTurnThreads);
       Mbarrier(&bars.q_full).wait(q_round & 1);
       Mbarrier(&bars.k_full[stage_of(0)]).wait(phase_of(0));
       float s[1][kBN / 8][4];
@@ -422,9 +415,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (!kTensorSums && p.for_backward()) softmax.template add_rounded_sums<T>(pa);  // differentiated calls only
         drop_block(pa, i + 1);
       }
-      // (Restarted at each tile) the last warpgroup's last pass_turn, or its first arrival.
-      if constexpr (Traits::kPingPong)
-        if (!turns_across_tiles && group == 0) named_barrier_sync(1, kTurnThreads);
       const int last = stage_of(count - 1);
       Mbarrier(&bars.v_full[last]).wait(phase_of(count - 1));
       issue_output<Traits, T, kTensorSums>(o, pa, smem_address(smem.v_stage(last)), &row_sums[0], ones_desc);
