@@ -28,6 +28,9 @@ from jax.sharding import PartitionSpec as P
 
 import jax_flash
 from jax_flash import _decode, _dispatch, _ops, _registry
+from test_cuda_ffi_validation import valid_bwd as cuda_valid_bwd
+from test_cuda_ffi_validation import valid_fwd as cuda_valid_fwd
+from test_ffi_validation import with_shape, with_shapes
 from tests.attention_testing import (F32, Case, assert_within_rule, check_score_variant,
                                      check_score_variant_output, ffi_calls, outputs_and_grads,
                                      packed_segment_ids, random_array, score_variant_attention,
@@ -679,43 +682,25 @@ def test_ffi_paged_checks_the_value_pages(rng):
 @pytest.mark.gpu
 def test_cuda_handler_refuses_it(rng):
   """The CUDA forward handler takes Hv != H only where a kernel of the pair runs it (never for
-  16 / 8), whoever calls it."""
-  operands = dict(q=((B, T, N, 16), "bfloat16"), k=((B, S, K, 16), "bfloat16"),
-                  v=((B, S, K, 8), "bfloat16"), q_lens=((B,), "int32"), kv_lens=((B,), "int32"),
-                  q_segment_ids=((0,), "int32"), kv_segment_ids=((0,), "int32"),
-                  q_segment_id_spans=((0,), "int32"), kv_segment_id_spans=((0,), "int32"),
-                  alibi_slopes=((0,), "float32"), kv_block_lists=((0,), "int32"),
-                  kv_block_counts=((0,), "int32"))
-  outputs = dict(o=((B, T, N, 8), "bfloat16"), lse=((B, N, T), "float32"),
-                 o_error=((0,), "int8"),
-                 scheduler=((_registry.CUDA_KERNEL_CONSTANTS["fwd_scheduler_elements"],), "int32"))
-  attributes = dict(scale=0.5, is_causal=False, window_left=np.int64(-1),
-                    window_right=np.int64(-1), segment_ids=False, logits_soft_cap=0.0,
-                    alibi=False, block_sparse=False)
+  16 / 8), whoever calls it. The call is the CUDA validation suite's valid one (every operand
+  the handler takes), reshaped."""
+  call = with_shapes(cuda_valid_fwd(), (B, T, N, 16), (B, S, K, 16))
+  for name, shape in (("v", (B, S, K, 8)), ("o", (B, T, N, 8))):
+    with_shape(call, name, shape)
   with pytest.raises(FFI_ERROR, match=_pattern("Hv=8 differs", "H=16",
                                                "JF_SM90_FWD_VALUE_HEAD_DIMS", "pad v to H")):
-    _call("jax_flash_cuda_fwd", rng, operands, outputs, attributes)
+    call.run(rng)
 
 
 @pytest.mark.gpu
 def test_cuda_backward_handler_refuses_deterministic_pairs(rng):
   """The CUDA backward handler takes Hv != H only where a backward kernel of the pair runs it:
   never deterministic (the deterministic dQ kernel has one head dim), whoever calls it."""
-  operands = dict(q=((B, T, N, 192), "bfloat16"), k=((B, S, K, 192), "bfloat16"),
-                  v=((B, S, K, 128), "bfloat16"), lse=((B, N, T), "float32"),
-                  delta=((B, N, T), "float32"), do=((B, T, N, 128), "bfloat16"),
-                  q_lens=((B,), "int32"), kv_lens=((B,), "int32"),
-                  q_segment_ids=((0,), "int32"), kv_segment_ids=((0,), "int32"),
-                  q_segment_id_spans=((0,), "int32"), kv_segment_id_spans=((0,), "int32"),
-                  alibi_slopes=((0,), "float32"), kv_block_lists=((0,), "int32"),
-                  kv_block_counts=((0,), "int32"), q_block_visits=((0,), "int32"),
-                  q_block_visit_counts=((0,), "int32"))
-  outputs = dict(dq=((B, T, N, 192), "bfloat16"), dk=((B, S, K, 192), "bfloat16"),
-                 dv=((B, S, K, 128), "bfloat16"), dq_accum=((0,), "float32"))
-  attributes = dict(scale=0.5, is_causal=False, window_left=np.int64(-1),
-                    window_right=np.int64(-1), deterministic=True, segment_ids=False,
-                    logits_soft_cap=0.0, alibi=False, block_sparse=False)
+  call = with_shapes(cuda_valid_bwd(deterministic=True), (B, T, N, 192), (B, S, K, 192))
+  for name, shape in (("v", (B, S, K, 128)), ("dv", (B, S, K, 128)), ("do", (B, T, N, 128)),
+                      ("dq_accum", (0,))):
+    with_shape(call, name, shape)
   with pytest.raises(FFI_ERROR, match=_pattern("Hv=128 differs", "H=192", "no CUDA backward",
                                                "JF_SM90_BWD_VALUE_HEAD_DIMS", "not deterministic",
                                                "pad v and do to H")):
-    _call("jax_flash_cuda_bwd", rng, operands, outputs, attributes)
+    call.run(rng)
