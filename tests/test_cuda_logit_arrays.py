@@ -225,6 +225,11 @@ CUDA_BIAS_CASES.update({
     "many-tiles-mask-hd64": dict(mask_shape=(B, 1, T, S), heads=(160, 160), head_dim=64),
     "many-tiles-staged-mask-causal-hd96": dict(bias_shape=(1, 160, T, S8), mask_shape=(T, S8), s=S8,
                                                heads=(160, 32), head_dim=96, is_causal=True),
+    # A bias the batch shares: the backward runs the batch's CTAs of a key block side by side
+    # (gpu/block_geometry.cuh key_block_of_cta, batch_innermost); 80 kv heads make two causal
+    # chunks of (kv head) groups, the last of fewer.
+    "batch-shared-bias-chunks-causal-hd64": dict(bias_shape=(1, 160, T, S8), s=S8, heads=(160, 80),
+                                                 head_dim=64, is_causal=True),
 })
 
 

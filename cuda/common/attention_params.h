@@ -226,6 +226,9 @@ struct BwdParams : AttentionParams {
   // key block major in chunks of this many (kv-head slot, batch) groups, longest causal key
   // blocks first; 0: the grid's own order. Set by the launchers (gpu/launch.h key_major_groups).
   int key_major_groups = 0;
+  // CUDA (the Hopper backward, where a dbias is shared by the batch: gpu/logit_arrays.cuh
+  // dbias_shared_by_batch): the batch's CTAs of a key block run side by side (key_block_of_cta).
+  bool batch_innermost = false;
   // CUDA (the mma.sync backward, narrow calls: gpu/score_mods.cuh narrow_plain_call): dS = 0
   // exactly on rows whose masks leave one key, where P = 1.
   bool zero_single_key_ds = false;

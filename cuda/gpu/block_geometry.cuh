@@ -142,19 +142,26 @@ __device__ __forceinline__ ValueRows value_rows(const AttentionParams& p, const 
 // instead of a last group's long blocks starting behind the others' short ones (MQA's two waves
 // of CTAs: ~1.6x the least time the work allows, by a list-scheduling model). A chunk holds about
 // two waves of CTAs on a few heads, whose Q and dO they share in L2.
+// With batch_innermost (BwdParams::batch_innermost: a dbias the batch shares) the batch's CTAs
+// of each (key block, slot) come next to each other and the order above runs over the slots
+// alone: their dbias atomics then meet on the same tiles in L2 rather than in DRAM waves apart.
 struct KeyBlockCoords {
   int kb, slot, b;
 };
-__device__ __forceinline__ KeyBlockCoords key_block_of_cta(int64_t cta, int key_major_groups) {
-  const int64_t blocks = gridDim.x, slots = gridDim.y;
-  if (key_major_groups <= 0)
-    return {static_cast<int>(cta % blocks), static_cast<int>(cta / blocks % slots), static_cast<int>(cta / blocks / slots)};
+__device__ __forceinline__ KeyBlockCoords key_block_of_cta(int64_t cta, int key_major_groups, bool batch_innermost) {
+  const int64_t blocks = gridDim.x, slots = gridDim.y, inner = batch_innermost ? gridDim.z : 1;
+  const int64_t b_inner = cta % inner;
+  cta /= inner;
+  auto coords = [&](int64_t kb, int64_t group) {
+    return KeyBlockCoords{static_cast<int>(kb), static_cast<int>(group % slots),
+                          static_cast<int>(group / slots * inner + b_inner)};
+  };
+  if (key_major_groups <= 0) return coords(cta % blocks, cta / blocks);
   const int64_t chunk_ctas = key_major_groups * blocks;
   const int64_t first_group = cta / chunk_ctas * key_major_groups;
-  const int64_t groups = min64(key_major_groups, slots * gridDim.z - first_group);  // (the last chunk's fewer)
+  const int64_t groups = min64(key_major_groups, slots * (gridDim.z / inner) - first_group);  // (the last chunk's fewer)
   const int64_t r = cta - first_group * blocks;
-  const int64_t group = first_group + r % groups;
-  return {static_cast<int>(r / groups), static_cast<int>(group % slots), static_cast<int>(group / slots)};
+  return coords(r / groups, first_group + r % groups);
 }
 // This CTA's launch position.
 __device__ __forceinline__ int64_t cta_launch_position() {
@@ -195,7 +202,7 @@ struct KeyBlockTask {
   static constexpr bool kTilesInMaskBlocks = kBlockMaskRows % kBlockM == 0 && kBlockMaskKeys % kBlockN == 0;
 
   __device__ explicit KeyBlockTask(const BwdParams& p)
-      : KeyBlockTask(p, key_block_of_cta(cta_launch_position(), p.key_major_groups)) {}
+      : KeyBlockTask(p, key_block_of_cta(cta_launch_position(), p.key_major_groups, p.batch_innermost)) {}
   __device__ KeyBlockTask(const BwdParams& p, const KeyBlockCoords& at)
       : b(at.b),
         hk(kSplitsHeads ? at.slot / p.kv_head_splits : at.slot),
@@ -291,7 +298,8 @@ struct KeyBlockTask {
 template <int kBlockN, int kHeadDim, int kThreads, typename T, int kValueHeadDim = kHeadDim>
 __device__ __forceinline__ void prefetch_next_wave_keys(const BwdParams& p, int tid) {
   const AttentionShape& sh = p.shape;
-  const KeyBlockCoords later = key_block_of_cta(cta_launch_position() + sm_id_bound(), p.key_major_groups);
+  const KeyBlockCoords later =
+      key_block_of_cta(cta_launch_position() + sm_id_bound(), p.key_major_groups, p.batch_innermost);
   const int64_t later_n0 = static_cast<int64_t>(later.kb) * kBlockN;
   const int64_t later_hk = later.slot / p.kv_head_splits, later_b = later.b;
   constexpr int kLinesPerRow = (kHeadDim + 63) / 64;  // a row is kHeadDim 16-bit elements

@@ -47,7 +47,9 @@
 //                          the main backward's CTAs (both families) start on a causal call:
 //                          longest key blocks first, in chunks of about two waves
 //                          (gpu/block_geometry.cuh key_block_of_cta), or the grid's own order
-//                          (each head's key blocks one after another), as before.
+//                          (each head's key blocks one after another), as before. Under
+//                          `longest` the Hopper backward also runs the batch's CTAs of a key
+//                          block side by side where the batch shares a dbias (session 38).
 //   JAX_FLASH_CUDA_HD96 = native | padded (default: native since session 23): head dims 65..96
 //                         run the kernels compiled for head dim 96 (the wgmma ones: 128-column
 //                         tiles whose products stop at 96, sm90/traits.cuh tile_head_dim; the
@@ -118,8 +120,9 @@ KernelFamily forward_family();
 KernelFamily backward_family();
 // Whether narrow calls run the split (unless JAX_FLASH_CUDA_NARROW=off).
 bool narrow_split_enabled();
-// Whether causal backward calls start their longest key blocks first (unless
-// JAX_FLASH_CUDA_ORDER=grid; gpu/launch.h key_major_groups).
+// Whether causal backward calls start their longest key blocks first, and the Hopper backward
+// runs a batch-shared dbias's CTAs side by side (unless JAX_FLASH_CUDA_ORDER=grid; gpu/launch.h
+// key_major_groups, BwdParams::batch_innermost).
 bool longest_first_enabled();
 // Whether head dims 65..96 run the kernels of head dim 96 (unless JAX_FLASH_CUDA_HD96=padded:
 // those of 128).

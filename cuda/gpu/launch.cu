@@ -115,7 +115,8 @@ int key_major_groups(const BwdParams& p, dim3 grid) {
   const int64_t key_blocks = grid.x;
   if (!p.mask.causal || key_blocks <= 1 || !longest_first_enabled()) return 0;
   const int64_t two_waves = 2 * std::max(1, device_sm_count());
-  return static_cast<int>(std::max<int64_t>(1, (two_waves + key_blocks - 1) / key_blocks));
+  const int64_t group_ctas = key_blocks * (p.batch_innermost ? grid.z : 1);  // a group's CTAs
+  return static_cast<int>(std::max<int64_t>(1, (two_waves + group_ctas - 1) / group_ctas));
 }
 
 bool transposed_dq_accum(const AttentionShape& shape) {

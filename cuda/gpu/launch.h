@@ -56,8 +56,10 @@ inline int64_t staged_dq_columns(const AttentionShape& shape) { return (shape.he
 int kv_head_splits(const AttentionShape& shape, bool deterministic);
 
 // BwdParams::key_major_groups for a main backward grid (gpu/kernel_launch.cuh key_block_grid): on
-// a causal call, chunks of about two waves of CTAs (at least one group), longest key blocks first
-// (gpu/block_geometry.cuh key_block_of_cta); 0 (the grid's order) otherwise, where the key
+// a causal call, chunks of about two waves of CTAs (at least one group: a (slot, batch) pair's key
+// blocks, or a slot's of every batch element under BwdParams::batch_innermost, which the caller
+// sets first), longest key blocks first (gpu/block_geometry.cuh key_block_of_cta); 0 (the grid's
+// order) otherwise, where the key
 // blocks' work is equal, or under JAX_FLASH_CUDA_ORDER=grid.
 int key_major_groups(const BwdParams& p, dim3 grid);
 

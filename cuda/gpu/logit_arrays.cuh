@@ -306,6 +306,12 @@ JF_HOST_DEVICE inline bool dbias_quads(const AttentionParams& p) {
   return a.col == 1 && a.row % 4 == 0 && a.head % 4 == 0 && a.batch % 4 == 0;
 }
 
+// Whether several batch elements add into each slice of dbias (a bias broadcast over the batch):
+// the Hopper backward then runs their CTAs side by side (BwdParams::batch_innermost).
+JF_HOST_DEVICE inline bool dbias_shared_by_batch(const BwdParams& p) {
+  return p.dbias_accum != nullptr && p.shape.batch > 1 && (p.bias.batch == 0 || p.bias.batch_div > 1);
+}
+
 // dbias += dS^T (dst: P^T (dP^T - delta), the softmax scale left out as the kernels leave it: the
 // bias enters the scores after the scale) over the transposed tile, into the float32 copy of the
 // bias's shape. Along a broadcast dim several elements add into one (atomics: the order varies;

@@ -18,7 +18,8 @@ template <typename Traits>
 cudaError_t tma_params(const BwdParams& p, BwdTmaParams* params) {
   const AttentionShape& s = p.shape;
   params->p = p;
-  params->p.key_major_groups = key_major_groups(p, key_block_grid<Traits>(s, p.kv_head_splits));
+  params->p.batch_innermost = longest_first_enabled() && dbias_shared_by_batch(p);
+  params->p.key_major_groups = key_major_groups(params->p, key_block_grid<Traits>(s, p.kv_head_splits));
   if (cudaError_t e = make_qkv_tensor_maps(p, Traits::kBlockM, Traits::kBlockN, &params->q, &params->k, &params->v))
     return e;
   return make_head_tensor_map(&params->d_o, p.d_o, p.dtype, s.batch, s.seq_q, s.heads_q, s.head_dim_v, Traits::kBlockM);
