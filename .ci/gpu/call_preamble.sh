@@ -2,8 +2,8 @@
 # `set -uo pipefail`): the folders that come back (`out`: $OUT, at most 8 files; `runs`: logs to
 # tar into it), `elapsed` and `left` (seconds of the call's budget left, BUDGET_S or 570), the
 # native modules (build/prebuilt when its stamp matches, else built here: .ci/gpu/prebuilt.sh),
-# the GPU's name, tokamax as a peer where its wheels came (.ci/gpu/tokamax_peer.sh), and PT, the
-# pytest command of the GPU tests.
+# the GPU's name, tokamax as a peer where its wheels came (.ci/gpu/tokamax_peer.sh), PT, the
+# pytest command of the GPU tests, and the helpers `step` and `bench` (below).
 out=${OUT:-gpu_out}; mkdir -p "$out"; runs=gpu_runs; mkdir -p "$runs"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 start=$(date +%s)
@@ -14,3 +14,27 @@ source .ci/gpu/prebuilt.sh use-or-build "$out/build.log" || { tail -30 "$out/bui
 head -1 "$out/build.log"; echo "build $(elapsed)"; nvidia-smi --query-gpu=name --format=csv,noheader
 source .ci/gpu/tokamax_peer.sh
 PT=(python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rs)
+
+# A step of a call: `step LOG SECONDS COMMAND...` runs the command with its output in $out/LOG.log,
+# at most SECONDS and never past the budget (skipped under 40 s left), then prints its exit code,
+# last line and failures.
+step() {
+  local name=$1 limit=$2; shift 2
+  (( $(left) > 40 )) || { echo "== $name: skipped (time)"; return; }
+  (( limit > $(left) - 15 )) && limit=$(( $(left) - 15 ))
+  timeout -s KILL "$limit" "$@" >"$out/$name.log" 2>&1
+  echo "== $name: rc=$? $(tail -1 "$out/$name.log" | cut -c1-200) $(elapsed)"
+  grep -E "^FAILED|^ERROR|^E  " "$out/$name.log" | head -12
+}
+
+# A benchmark of a call: `bench LABEL SECONDS ARGS...` runs python -m jax_flash.benchmark on the GPU
+# at seq 4096, causal and not, with cuDNN and tokamax (xla and pallas skipped) and ARGS, its table
+# in $out/LABEL.md and its --out folder in $runs/LABEL (skipped under 60 s left).
+bench() {
+  local label=$1 limit=$2; shift 2
+  (( $(left) > 60 )) || { echo "== $label: skipped (time)"; return; }
+  (( limit > $(left) - 20 )) && limit=$(( $(left) - 20 ))
+  timeout -s KILL "$limit" python3 -m jax_flash.benchmark --platform gpu --reps 5 --seqs 4096 --causal both \
+    --skip xla pallas --out "$runs/$label" "$@" 2>"$runs/${label}_progress.log" >"$out/$label.md"
+  echo "== $label $(elapsed)"; grep -E "^\| [0-9]" "$out/$label.md" | cut -c1-200
+}

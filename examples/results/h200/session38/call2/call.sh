@@ -7,27 +7,11 @@
 # test under each grid among them), then the plain forward's rows and one memcheck as time allows.
 #   run from the repository root on the GPU machine: bash examples/results/h200/session38/call2/call.sh
 set -uo pipefail
-source .ci/gpu/call_preamble.sh
-step() {  # $1 log name, $2 seconds at most, rest: command
-  local name=$1 limit=$2; shift 2
-  (( $(left) > 40 )) || { echo "== $name: skipped (time)"; return; }
-  (( limit > $(left) - 15 )) && limit=$(( $(left) - 15 ))
-  timeout -s KILL "$limit" "$@" >"$out/$name.log" 2>&1
-  echo "== $name: rc=$? $(tail -1 "$out/$name.log" | cut -c1-200) $(elapsed)"
-  grep -E "^FAILED|^ERROR|^E  " "$out/$name.log" | head -12
-}
-bench() {  # $1 label, $2 seconds at most, rest: benchmark arguments
-  local label=$1 limit=$2; shift 2
-  (( $(left) > 60 )) || { echo "== $label: skipped (time)"; return; }
-  (( limit > $(left) - 20 )) && limit=$(( $(left) - 20 ))
-  timeout -s KILL "$limit" python3 -m jax_flash.benchmark --platform gpu --reps 5 --seqs 4096 --causal both \
-    --skip xla pallas --out "$runs/$label" "$@" 2>"$runs/${label}_progress.log" >"$out/$label.md"
-  echo "== $label $(elapsed)"; grep -E "^\| [0-9]" "$out/$label.md" | cut -c1-200
-}
-XLA_FLAGS=--xla_gpu_autotune_level=0 JAX_FLASH_CUDA_LOGIT_ARRAYS=on step array_tests 70 "${PT[@]}" -n 8 \
+source .ci/gpu/call_preamble.sh  # (step, bench)
+XLA_FLAGS=--xla_gpu_autotune_level=0 JAX_FLASH_CUDA_LOGIT_ARRAYS=on step array_tests 60 "${PT[@]}" -n 8 \
   tests/test_cuda_logit_arrays.py -k "against_jax_nn or row_the_mask or block_diagonal"
-JAX_FLASH_CUDA_LOGIT_ARRAYS=on bench bias_grad 60 --head-dims 128 --bias-grad
-JAX_FLASH_CUDA_LOGIT_ARRAYS=on JAX_FLASH_CUDA_ORDER=grid bench bias_grad_grid_order 60 --head-dims 128 --bias-grad
+JAX_FLASH_CUDA_LOGIT_ARRAYS=on bench bias_grad 55 --head-dims 128 --bias-grad
+JAX_FLASH_CUDA_LOGIT_ARRAYS=on JAX_FLASH_CUDA_ORDER=grid bench bias_grad_grid_order 55 --head-dims 128 --bias-grad
 XLA_FLAGS=--xla_gpu_autotune_level=0 step cuda_suite 210 "${PT[@]}" -n 14 tests/test_cuda.py \
   tests/test_cuda_ffi_validation.py tests/test_value_head_dim.py -k "not differential and not on_hopper and not on_cuda"
 (( $(left) > 120 )) && bench plain 90 --head-dims 64 128
