@@ -7,15 +7,7 @@
 # tokamax, one memcheck.
 #   run from the repository root on the GPU machine: bash examples/results/h200/session37/call1/call.sh
 set -uo pipefail
-source .ci/gpu/call_preamble.sh
-step() {  # $1 log name, $2 seconds at most, rest: command
-  local name=$1 limit=$2; shift 2
-  (( $(left) > 40 )) || { echo "== $name: skipped (time)"; return; }
-  (( limit > $(left) - 15 )) && limit=$(( $(left) - 15 ))
-  timeout -s KILL "$limit" "$@" >"$out/$name.log" 2>&1
-  echo "== $name: rc=$? $(tail -1 "$out/$name.log" | cut -c1-200) $(elapsed)"
-  grep -E "^FAILED|^ERROR|^E  " "$out/$name.log" | head -12
-}
+source .ci/gpu/call_preamble.sh  # (step: as this script had it)
 export XLA_FLAGS=--xla_gpu_autotune_level=0
 step cuda_suite 150 "${PT[@]}" -n 14 tests/test_cuda.py tests/test_cuda_ffi_validation.py \
   -k "not differential and not on_hopper and not on_cuda"

@@ -6,15 +6,7 @@
 # then the GPU suite's other files as time allows.
 #   run from the repository root on the GPU machine: bash examples/results/h200/session37/call2/call.sh
 set -uo pipefail
-source .ci/gpu/call_preamble.sh
-bench() {  # $1 label, $2 seconds at most, rest: benchmark arguments
-  local label=$1 limit=$2; shift 2
-  (( $(left) > 60 )) || { echo "== $label: skipped (time)"; return; }
-  (( limit > $(left) - 20 )) && limit=$(( $(left) - 20 ))
-  timeout -s KILL "$limit" python3 -m jax_flash.benchmark --platform gpu --reps 5 --seqs 4096 --causal both \
-    --skip xla pallas --out "$runs/$label" "$@" 2>"$runs/${label}_progress.log" >"$out/$label.md"
-  echo "== $label $(elapsed)"; grep -E "^\| [0-9]" "$out/$label.md" | cut -c1-220
-}
+source .ci/gpu/call_preamble.sh  # (bench: as this script had it)
 for turns in per_tile across_tiles; do
   JAX_FLASH_CUDA_FWD_TURNS=$turns bench "plain_$turns" 150 --head-dims 64 128
 done
