@@ -298,8 +298,10 @@ struct KeyBlockTask {
 template <int kBlockN, int kHeadDim, int kThreads, typename T, int kValueHeadDim = kHeadDim>
 __device__ __forceinline__ void prefetch_next_wave_keys(const BwdParams& p, int tid) {
   const AttentionShape& sh = p.shape;
-  const KeyBlockCoords later =
-      key_block_of_cta(cta_launch_position() + sm_id_bound(), p.key_major_groups, p.batch_innermost);
+  // (Past the grid's last CTA there is none; key_block_of_cta's chunks would divide by zero there.)
+  const int64_t later_cta = cta_launch_position() + sm_id_bound();
+  if (later_cta >= static_cast<int64_t>(gridDim.x) * gridDim.y * gridDim.z) return;
+  const KeyBlockCoords later = key_block_of_cta(later_cta, p.key_major_groups, p.batch_innermost);
   const int64_t later_n0 = static_cast<int64_t>(later.kb) * kBlockN;
   const int64_t later_hk = later.slot / p.kv_head_splits, later_b = later.b;
   constexpr int kLinesPerRow = (kHeadDim + 63) / 64;  // a row is kHeadDim 16-bit elements

@@ -59,8 +59,7 @@ int kv_head_splits(const AttentionShape& shape, bool deterministic);
 // a causal call, chunks of about two waves of CTAs (at least one group: a (slot, batch) pair's key
 // blocks, or a slot's of every batch element under BwdParams::batch_innermost, which the caller
 // sets first), longest key blocks first (gpu/block_geometry.cuh key_block_of_cta); 0 (the grid's
-// order) otherwise, where the key
-// blocks' work is equal, or under JAX_FLASH_CUDA_ORDER=grid.
+// order) otherwise, where the key blocks' work is equal, or under JAX_FLASH_CUDA_ORDER=grid.
 int key_major_groups(const BwdParams& p, dim3 grid);
 
 // Elements of the dQ part of the backward's float32 workspace: one per element of dQ (or a whole
