@@ -19,7 +19,8 @@ import pytest
 
 import jax_flash
 
-from attention_testing import Case, check_against_references, check_output_against_references, run_jax_flash
+from attention_testing import (Case, check_against_references, check_output_against_references,
+                               gpu_tests_in_a_process, run_jax_flash)
 from test_forward_backward import GRID
 
 pytestmark = pytest.mark.gpu
@@ -609,18 +610,29 @@ def test_narrow_calls_unsplit_on_cuda():
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
-@pytest.mark.parametrize("grid", ["sm90ws_static", "sm90ws_dynamic"])
+# Set in the processes test_forward_of_more_tiles_than_sms starts for its own case.
+MANY_TILES_PROCESS = "JAX_FLASH_TESTS_MANY_TILES_PROCESS"
+
+
+@pytest.mark.parametrize("grid", [None, "sm90ws_static", "sm90ws_dynamic"], ids=["default", "static", "dynamic"])
 def test_forward_of_more_tiles_than_sms(grid):
   """A forward of 640 query tiles (more than an H100's or H200's SMs: the persistent CTAs take
-  several each) under each persistent grid, causal and not, against the reference; the tile
-  rows past T = 70 leave the second consumer warpgroup little to do, as where session 35's
-  arrays' kernel hung, and every forward under each grid did while the consumers' turns
-  restarted at each tile (session 38; sm90/flash_fwd_ws_kernel.cuh)."""
-  _run_cuda_tests_on_hopper_with({"JAX_FLASH_CUDA_FORWARD": grid}, "test_forward_of_more_tiles_than_sms_here")
+  several each) with the default kernels and under each persistent grid, causal and not, against
+  the reference; the tile rows past T = 70 leave the second consumer warpgroup little to do, as
+  where session 35's arrays' kernel hung, and every forward under each grid did while the
+  consumers' turns restarted at each tile (session 38; sm90/flash_fwd_ws_kernel.cuh). Each in a
+  process with a timeout, so that a hang fails this test instead of holding the suite."""
+  major = int(jax.devices("gpu")[0].compute_capability.split(".")[0])
+  if grid is not None and major != 9:
+    pytest.skip("the tile grids are Hopper's")
+  env = {MANY_TILES_PROCESS: "1", **({"JAX_FLASH_CUDA_FORWARD": grid} if grid else {})}
+  gpu_tests_in_a_process(__file__, "test_forward_of_more_tiles_than_sms_here", env, timeout_s=240)
 
 
 def test_forward_of_more_tiles_than_sms_here():
-  """(Run by test_forward_of_more_tiles_than_sms under each grid.)"""
+  """(Run by test_forward_of_more_tiles_than_sms, in a process of its own.)"""
+  if os.environ.get(MANY_TILES_PROCESS) != "1":
+    pytest.skip("runs in test_forward_of_more_tiles_than_sms's processes")
   keys = jax.random.split(jax.random.key(7), 3)
   q = jax.random.normal(keys[0], (4, 70, 160, 64), jnp.bfloat16)
   k, v = (jax.random.normal(key, (4, 150, 32, 64), jnp.bfloat16) for key in keys[1:])
