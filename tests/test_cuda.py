@@ -366,11 +366,15 @@ def _run_in_subprocess(env_overrides: dict, *pytest_args: str,
       env=dict(os.environ, **env_overrides), capture_output=True, text=True, timeout=900)
 
 
+def _on_hopper() -> bool:
+  """Whether the first GPU is a Hopper (compute capability 9.x)."""
+  return int(jax.devices("gpu")[0].compute_capability.split(".")[0]) == 9
+
+
 def _run_cuda_tests_on_hopper_with(env_overrides: dict, selection: str,
                                    files: tuple[str, ...] = ("test_cuda.py",)) -> None:
   """Runs the CUDA tests of `files` matching `selection` under the overrides, on Hopper."""
-  major = int(jax.devices("gpu")[0].compute_capability.split(".")[0])
-  if major != 9:
+  if not _on_hopper():
     pytest.skip("the kernel choice only differs on compute capability 9.x")
   result = _run_in_subprocess(env_overrides, "-k", selection, files=files)
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -381,8 +385,7 @@ def test_backward_workspace_holds_dk_dv_where_heads_split():
   the Hopper backward splits each group's query heads over CTAs and adds dK and dV into float32
   accumulators placed after dQ's in its workspace; with a kv head per query head, or
   deterministic, it does not."""
-  major = int(jax.devices("gpu")[0].compute_capability.split(".")[0])
-  if major != 9:
+  if not _on_hopper():
     pytest.skip("the head splits are the Hopper backward's")
   from jax_flash import _registry
   b, t, s, h = 1, 1024, 1024, 128
@@ -622,8 +625,7 @@ def test_forward_of_more_tiles_than_sms(grid):
   where session 35's arrays' kernel hung, and every forward under each grid did while the
   consumers' turns restarted at each tile (session 38; sm90/flash_fwd_ws_kernel.cuh). Each in a
   process with a timeout, so that a hang fails this test instead of holding the suite."""
-  major = int(jax.devices("gpu")[0].compute_capability.split(".")[0])
-  if grid is not None and major != 9:
+  if grid is not None and not _on_hopper():
     pytest.skip("the tile grids are Hopper's")
   env = {MANY_TILES_PROCESS: "1", **({"JAX_FLASH_CUDA_FORWARD": grid} if grid else {})}
   gpu_tests_in_a_process(__file__, "test_forward_of_more_tiles_than_sms_here", env, timeout_s=240)
