@@ -459,21 +459,6 @@ def test_forward_direct_store_on_hopper():
       "test_command_buffer_capture or test_cuda_is_default_on_gpu")
 
 
-@pytest.mark.parametrize("share", ["fma8", "fma4"])
-def test_forward_exp2_on_the_fma_pipe_on_hopper(share):
-  """With JAX_FLASH_CUDA_EXP2=fma8 / fma4 the plain forwards on the 128 x 128 tiles (head dims 64
-  and 128; differentiated, inference and TMA-store kernels) take every 8th / 4th column tile's
-  exponentials from a polynomial on the FMA pipe (gpu/exp2_fma.cuh): the reference cases,
-  deterministic ones, the forward-only cases, NaN and inf inputs, the forward's own split of o
-  and the training step pass."""
-  _run_cuda_tests_on_hopper_with(
-      {"JAX_FLASH_CUDA_EXP2": share},
-      "((test_cuda_matches_reference or test_deterministic_matches_reference) and (h40 or h64 or h128)) or "
-      "test_forward_only_matches_reference or test_forward_splits_o_as_xla_would or "
-      "test_jit_training_step_reduces_loss or test_poisoned_inputs_on_cuda",
-      files=("test_cuda.py", "test_nan_propagation.py"))
-
-
 # By default the plain calls' forward takes FlashAttention-3's wide tiles where they measured
 # faster (head dims 192 and 256, 64 without a causal mask; gpu/tile_shapes.cuh); each override
 # runs the tiles the default does not use somewhere.
@@ -674,8 +659,7 @@ def test_split_kv_decoding_on_cuda():
                                              ("JAX_FLASH_CUDA_HD192_BWD", "pad"),
                                              ("JAX_FLASH_CUDA_VALUE_HEAD_DIM", "nativ"),
                                              ("JAX_FLASH_CUDA_DECODE_LOADS", "evict"),
-                                             ("JAX_FLASH_CUDA_BIAS_LOADS", "stage"),
-                                             ("JAX_FLASH_CUDA_EXP2", "fma")])
+                                             ("JAX_FLASH_CUDA_BIAS_LOADS", "stage")])
 def test_unknown_kernel_choice_is_an_error(variable, value):
   """A misspelt override is reported by name, not ignored."""
   result = _run_in_subprocess({variable: value}, "-k", "test_cuda_is_default_on_gpu")

@@ -19,7 +19,6 @@ constexpr const char* kHeadDim192BackwardVariable = "JAX_FLASH_CUDA_HD192_BWD";
 constexpr const char* kValueHeadDimVariable = "JAX_FLASH_CUDA_VALUE_HEAD_DIM";
 constexpr const char* kDecodeLoadsVariable = "JAX_FLASH_CUDA_DECODE_LOADS";
 constexpr const char* kBiasLoadsVariable = "JAX_FLASH_CUDA_BIAS_LOADS";
-constexpr const char* kExp2Variable = "JAX_FLASH_CUDA_EXP2";
 
 struct Overrides {
   std::optional<KernelFamily> forward;
@@ -31,7 +30,6 @@ struct Overrides {
   bool own_value_head_dim = true;  // JAX_FLASH_CUDA_VALUE_HEAD_DIM=padded turns it off
   DecodeLoads decode_loads = DecodeLoads::kPlain;
   BiasLoads bias_loads = BiasLoads::kTma;
-  int fma_exp2_every = 0;  // JAX_FLASH_CUDA_EXP2=fma8 | fma4: 8 | 4
   std::string error;
 };
 
@@ -112,13 +110,6 @@ BiasLoads read_bias_loads(std::string& error) {
   return kChoices[read_choice(kBiasLoadsVariable, values, error)];
 }
 
-// JAX_FLASH_CUDA_EXP2: mufu (0) where unset.
-int read_fma_exp2_every(std::string& error) {
-  const char* const values[] = {"mufu", "fma8", "fma4"};
-  constexpr int kChoices[] = {0, 8, 4};
-  return kChoices[read_choice(kExp2Variable, values, error)];
-}
-
 Overrides read_overrides() {
   Overrides o;
   o.forward = read_override(kForwardVariable, true, o.error);
@@ -130,7 +121,6 @@ Overrides read_overrides() {
   o.own_value_head_dim = read_switch(kValueHeadDimVariable, "native", "padded", o.error);
   o.decode_loads = read_decode_loads(o.error);
   o.bias_loads = read_bias_loads(o.error);
-  o.fma_exp2_every = read_fma_exp2_every(o.error);
   return o;
 }
 
@@ -178,6 +168,5 @@ bool own_value_head_dim_enabled() { return overrides().own_value_head_dim; }
 DecodeLoads decode_loads() { return overrides().decode_loads; }
 bool staged_bias_enabled() { return overrides().bias_loads != BiasLoads::kDirect; }
 bool tma_bias_enabled() { return overrides().bias_loads == BiasLoads::kTma; }
-int fma_exp2_every() { return overrides().fma_exp2_every; }
 
 }  // namespace jax_flash::cuda

@@ -83,11 +83,6 @@
 //                               always (session 34). `direct`: every element a global load in
 //                               the consumers' path and dbias a float32 atomic (session 33's
 //                               first version).
-//   JAX_FLASH_CUDA_EXP2 = mufu | fma8 | fma4 (default: mufu; experimental, session 39): the Hopper
-//                         forward's exponentials all on the multi-function unit, or those of every
-//                         8th / 4th 8-key column tile on the FMA pipe (gpu/exp2_fma.cuh), in the
-//                         plain kernels (tensor sums and TMA store included) on the 128 x 128
-//                         tiles of head dims 64 and 128, 16-bit types alike.
 //   JAX_FLASH_CUDA_NARROW = split | off (default: split since session 19, whose differential run
 //                           of 2000 configurations gave 0 misses under it): narrow plain calls
 //                           (narrow_shape below) run the mma.sync kernels with P and dS as hi +
@@ -150,9 +145,6 @@ enum class BiasLoads { kTma, kStaged, kDirect };
 // (unless JAX_FLASH_CUDA_BIAS_LOADS=staged or direct).
 bool staged_bias_enabled();
 bool tma_bias_enabled();
-// How many of the Hopper forward's 8-key column tiles apart take their exponentials on the FMA
-// pipe (JAX_FLASH_CUDA_EXP2: 0 for none, 8 or 4).
-int fma_exp2_every();
 
 // Narrow calls (common/mask.h narrow_shape): by default (JAX_FLASH_CUDA_NARROW=split) plain ones
 // run the mma.sync kernels with P and dS as hi + lo (two 16-bit operands: about float32;

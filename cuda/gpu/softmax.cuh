@@ -5,7 +5,6 @@
 
 #include <cmath>
 
-#include "gpu/exp2_fma.cuh"
 #include "gpu/ptx.cuh"
 
 namespace jax_flash::cuda {
@@ -32,13 +31,6 @@ __device__ __forceinline__ float quad_max(float x) {
 __device__ __forceinline__ float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffffu, x, 1);
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
-
-// Whether column tile nt's exponentials go to the FMA pipe (OnlineSoftmax::exponentiate).
-template <int kFmaEvery>
-__device__ __forceinline__ constexpr bool on_fma_pipe(int nt) {
-  if constexpr (kFmaEvery > 0) return nt % kFmaEvery == kFmaEvery - 1;
-  return false;
 }
 
 // The online softmax of a warp's kMTiles 16-row tiles (this thread: rows lane/4 and lane/4 + 8
@@ -137,9 +129,7 @@ struct OnlineSoftmax {
 
   // s <- P = exp2(S scale log2e - reference), added to the sums. A warp with some row past
   // kFusedExponentLimit takes the rounded-product form (one vote a block, a uniform branch).
-  // kFmaEvery > 0: every kFmaEvery-th n-tile's exponentials of the fused form on the FMA pipe
-  // (gpu/exp2_fma.cuh), the rest on the MUFU.
-  template <int kFmaEvery = 0, int kNTiles>
+  template <int kNTiles>
   __device__ __forceinline__ void exponentiate(float (&s)[kMTiles][kNTiles][4], float scale_log2) {
     bool huge = false;
 #pragma unroll
@@ -150,11 +140,11 @@ struct OnlineSoftmax {
     if (__any_sync(0xffffffffu, huge))
       exponentiate_as<false>(s, scale_log2);
     else
-      exponentiate_as<true, kFmaEvery>(s, scale_log2);
+      exponentiate_as<true>(s, scale_log2);
   }
 
   // exponentiate with the argument formed by one FFMA (kFused) or from the rounded product.
-  template <bool kFused, int kFmaEvery = 0, int kNTiles>
+  template <bool kFused, int kNTiles>
   __device__ __forceinline__ void exponentiate_as(float (&s)[kMTiles][kNTiles][4], float scale_log2) {
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
@@ -171,8 +161,8 @@ struct OnlineSoftmax {
 #pragma unroll
           for (int e = 2 * half; e < 2 * half + 2; ++e) {
             const float x = s[mt][nt][e];
-            const float argument = kFused ? x * scale_log2 - base : (__fmul_rn(x, scale_log2) - base) - headroom;
-            s[mt][nt][e] = on_fma_pipe<kFmaEvery>(nt) ? exp2_on_fma_pipe(argument) : fast_exp2(argument);
+            s[mt][nt][e] = fast_exp2(kFused ? x * scale_log2 - base
+                                            : (__fmul_rn(x, scale_log2) - base) - headroom);
             block_sum += s[mt][nt][e];
           }
         sum[mt][half] += block_sum;

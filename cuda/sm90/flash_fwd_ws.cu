@@ -3,7 +3,6 @@
 // dealt them statically) or a CTA per tile (sm90/tile_scheduler.cuh).
 #include <algorithm>
 #include <cstdint>
-#include <type_traits>
 
 #include "gpu/kernel_choice.h"
 #include "gpu/kernel_launch.cuh"
@@ -84,22 +83,6 @@ cudaError_t launch(const FwdParams& p, const Sm90FwdOptions& options, cudaStream
                                  : flash_fwd_sm90_ws_kernel<Traits, T, false, false, false, false, true>;
       smem_bytes = Traits::kSmemBytesTmaStore;
     }
-  // JAX_FLASH_CUDA_EXP2 (experimental): the plain kernels chosen above, with every 8th or 4th
-  // column tile's exponentials on the FMA pipe (head dims 64 and 128 only: compile time).
-  if constexpr (kSumTiles && Traits::kHeadDim == Traits::kValueHeadDim &&
-                (Traits::kHeadDim == 64 || Traits::kHeadDim == 128)) {
-    auto on_fma_pipe = [&](auto every) {
-      constexpr int k = decltype(every)::value;
-      if (kernel == flash_fwd_sm90_ws_kernel<Traits, T, false>)
-        kernel = flash_fwd_sm90_ws_kernel<Traits, T, false, false, false, false, false, false, false, k>;
-      else if (kernel == flash_fwd_sm90_ws_kernel<Traits, T, false, false, true>)
-        kernel = flash_fwd_sm90_ws_kernel<Traits, T, false, false, true, false, false, false, false, k>;
-      else if (kernel == flash_fwd_sm90_ws_kernel<Traits, T, false, false, false, false, true>)
-        kernel = flash_fwd_sm90_ws_kernel<Traits, T, false, false, false, false, true, false, false, k>;
-    };
-    if (fma_exp2_every() == 8) on_fma_pipe(std::integral_constant<int, 8>());
-    if (fma_exp2_every() == 4) on_fma_pipe(std::integral_constant<int, 4>());
-  }
   return launch_with_smem(kernel, dim3(static_cast<unsigned>(ctas)), Traits::kThreads, smem_bytes, stream, params);
 }
 

@@ -121,12 +121,8 @@ struct FwdWsBarriers {
 // (gpu/logit_arrays.cuh staged_bias_alone: the launch stages it and passes no mask array, ids or
 // block mask), the general kernel's registers without the ids' code and the direct loads (ptxas
 // at head dim 128: no spill, where the whole one spills 568 B; 5% faster, session 35).
-// kFmaExp2Every > 0 (experimental, JAX_FLASH_CUDA_EXP2=fma8 | fma4; plain kernels on the 128 x 128
-// tiles): every kFmaExp2Every-th n-tile's exponentials on the FMA pipe (gpu/exp2_fma.cuh), so that
-// the MUFU is no longer as busy as the tensor cores at head dim 64.
 template <typename Traits, typename T, bool kGeneral, bool kBlockWalk = false, bool kTensorSums = false,
-          bool kIds = kGeneral, bool kTmaStore = false, bool kDropout = false, bool kLogitArrays = false,
-          int kFmaExp2Every = 0>
+          bool kIds = kGeneral, bool kTmaStore = false, bool kDropout = false, bool kLogitArrays = false>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdTmaParams params) {
   static_assert(!kDropout || (kGeneral && !kIds && !kTensorSums && !kTmaStore && !kBlockWalk),
@@ -384,7 +380,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       if (count == 1) release(&bars.q_empty);
       mask_block(s, 0);
       if (softmax.must_rescale(s, scale_log2)) softmax.rescale(o, scale_log2);  // (row_sums are 0)
-      softmax.template exponentiate<kFmaExp2Every>(s, scale_log2);
+      softmax.exponentiate(s, scale_log2);
       uint32_t pa[kBN / 16][1][4];
       accumulator_to_a<T>(pa, s);
       if (!kTensorSums && p.for_backward()) softmax.template add_rounded_sums<T>(pa);  // differentiated calls only
@@ -407,7 +403,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         mask_block(s, i + 1);
         const bool moved = softmax.must_rescale(s, scale_log2);
         if (moved) softmax.move_reference(scale_log2);
-        softmax.template exponentiate<kFmaExp2Every>(s, scale_log2);
+        softmax.exponentiate(s, scale_log2);
         wgmma_wait<0>();  // P(i) V(i) is in: O and P(i)'s registers and V stage are free
         fence_registers(o[0]);
         release(&bars.v_empty[stage]);
