@@ -3,6 +3,8 @@
 #include <nanobind/nanobind.h>
 
 #include <cstdint>
+#include <stdexcept>
+#include <vector>
 
 #include "common/attention_params.h"
 #include "gpu/decode_ffi_handlers.h"
@@ -10,6 +12,7 @@
 #include "gpu/flash_decode.h"
 #include "gpu/kernel_choice.h"
 #include "gpu/launch.h"
+#include "sm90/fwd_timeline.h"
 
 namespace nb = nanobind;
 
@@ -67,6 +70,25 @@ NB_MODULE(_native_cuda, m) {
         },
         "Whether a backward of these head dims (H != Hv, padded to the kernels' multiple) runs a "
         "kernel of the pair, taking v and dO as they are (gpu/launch.h backward_takes_value_head_dim).");
+#ifdef JF_FWD_TIMELINE
+  // The debug build's forward timeline (sm90/fwd_timeline.h): zero it before the launch to
+  // record, read it after (bytes of kFwdTimelineWords uint64 words, [cta][warpgroup][entry]).
+  m.def("fwd_timeline_reset", [] {
+    if (cudaError_t e = jax_flash::cuda::reset_fwd_timeline()) throw std::runtime_error(cudaGetErrorString(e));
+  });
+  m.def("fwd_timeline", [] {
+    using namespace jax_flash::cuda;
+    std::vector<uint64_t> words(kFwdTimelineWords);
+    if (cudaError_t e = read_fwd_timeline(words.data())) throw std::runtime_error(cudaGetErrorString(e));
+    nb::dict out;
+    out["words"] = nb::bytes(reinterpret_cast<const char*>(words.data()), words.size() * sizeof(uint64_t));
+    out["shape"] = nb::make_tuple(kFwdTimelineCtas, kFwdTimelineGroups, kFwdTimelineEntries);
+    nb::list events;
+    for (const char* name : kFwdEventNames) events.append(name);
+    out["events"] = events;
+    return out;
+  });
+#endif
   m.def("device_sm_count", [] { return jax_flash::cuda::device_sm_count(); },
         "Streaming multiprocessors of the current CUDA device (asked once; 0 if CUDA cannot say).");
 }

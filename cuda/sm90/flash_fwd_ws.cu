@@ -118,4 +118,15 @@ JF_SM90_FWD_HEAD_DIMS(JF_INSTANTIATE)
 JF_SM90_FWD_VALUE_HEAD_DIMS(JF_INSTANTIATE_PAIR)
 #undef JF_INSTANTIATE_PAIR
 
+#ifdef JF_FWD_TIMELINE
+cudaError_t reset_fwd_timeline() {
+  void* words = nullptr;
+  if (cudaError_t e = cudaGetSymbolAddress(&words, g_fwd_timeline)) return e;
+  return cudaMemset(words, 0, sizeof(g_fwd_timeline));
+}
+cudaError_t read_fwd_timeline(uint64_t* words) {
+  return cudaMemcpyFromSymbol(words, g_fwd_timeline, sizeof(g_fwd_timeline));
+}
+#endif
+
 }  // namespace jax_flash::cuda

@@ -33,6 +33,7 @@
 #include "gpu/tile_io.cuh"
 #include "sm90/barrier.cuh"
 #include "sm90/fwd_gemms.cuh"
+#include "sm90/fwd_timeline.cuh"
 #include "sm90/tile_scheduler.cuh"
 #include "sm90/tma.cuh"
 #include "sm90/traits.cuh"
@@ -312,16 +313,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // (tests/test_cuda.py test_forward_of_more_tiles_than_sms).
   if constexpr (Traits::kPingPong)
     if (group == Traits::kConsumers - 1) named_barrier_arrive(1, kTurnThreads);
+  FwdTimeline stamp(group);  // (a debug build's record of the phases: sm90/fwd_timeline.h)
   int ring = 0, q_round = 0;
   for (int round = 0;; ++round) {
     Mbarrier(&bars.tile_full).wait(round & 1);
     const int t = bars.tile;
     Mbarrier(&bars.tile_empty).arrive();
+    stamp(kFwdEventTileReady);
     if (t >= scheduler.total) break;
     const QueryBlockTask<kBM, kBN> task = task_of(t);
     const QueryBlock<kBM, kBN>& blk = task.blk;
     const int count = task.keys.count;
     const int64_t m0 = blk.m0;
+    stamp(kFwdEventTile, count);
     OnlineSoftmax<1> softmax(p.pv_headroom_log2);
     float o[1][kDv / 8][4] = {};
     float row_sums[1][1][4] = {};  // kTensorSums: the 16-bit P's row sums (every column the row's)
@@ -376,6 +380,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       issue_scores<Traits, T>(s, q_address, group * 64, smem_address(smem.k_stage(stage_of(0))));
       wgmma_wait<0>();
       fence_registers(s[0]);
+      stamp(kFwdEventFirstS);
       release(&bars.k_empty[stage_of(0)]);
       if (count == 1) release(&bars.q_empty);
       mask_block(s, 0);
@@ -385,27 +390,36 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       accumulator_to_a<T>(pa, s);
       if (!kTensorSums && p.for_backward()) softmax.template add_rounded_sums<T>(pa);  // differentiated calls only
       drop_block(pa, 0);
+      stamp(kFwdEventConverted, 0);
 
       for (int i = 0; i + 1 < count; ++i) {
         const int stage = stage_of(i), next = stage_of(i + 1);
         Mbarrier(&bars.k_full[next]).wait(phase_of(i + 1));
+        stamp(kFwdEventKeyFull, i + 1);
         wait_turn();
+        stamp(kFwdEventTurn, i + 1);
         // S(i + 1) and then P(i) V(i); waiting for all but the newest group waits for S(i + 1)
         // only, so the softmax of block i + 1 runs while P(i) V(i) is on the tensor cores.
         issue_scores<Traits, T>(s, q_address, group * 64, smem_address(smem.k_stage(next)));
         Mbarrier(&bars.v_full[stage]).wait(phase_of(i));
         issue_output<Traits, T, kTensorSums>(o, pa, smem_address(smem.v_stage(stage)), &row_sums[0], ones_desc);
         pass_turn();
+        stamp(kFwdEventIssued, i + 1);
         wgmma_wait<1>();
         fence_registers(s[0]);
+        stamp(kFwdEventScores, i + 1);
         release(&bars.k_empty[next]);
         if (i + 2 == count) release(&bars.q_empty);  // the tile's last S is in
         mask_block(s, i + 1);
+        stamp(kFwdEventMasked, i + 1);
         const bool moved = softmax.must_rescale(s, scale_log2);
         if (moved) softmax.move_reference(scale_log2);
+        stamp(kFwdEventMaxed, i + 1);
         softmax.exponentiate(s, scale_log2);
+        stamp(kFwdEventSoftmax, i + 1);
         wgmma_wait<0>();  // P(i) V(i) is in: O and P(i)'s registers and V stage are free
         fence_registers(o[0]);
+        stamp(kFwdEventOutput, i + 1);
         release(&bars.v_empty[stage]);
         if (moved) {
           softmax.rescale_output(o);
@@ -414,6 +428,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         accumulator_to_a<T>(pa, s);
         if (!kTensorSums && p.for_backward()) softmax.template add_rounded_sums<T>(pa);  // differentiated calls only
         drop_block(pa, i + 1);
+        stamp(kFwdEventConverted, i + 1);
       }
       const int last = stage_of(count - 1);
       Mbarrier(&bars.v_full[last]).wait(phase_of(count - 1));
@@ -438,6 +453,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
     }
 
+    stamp(kFwdEventStoreStart);
     if constexpr (kLogitArrays)
       if (array_mask) seen = array_seen;
     const ValueRows values = value_rows<kOwnValueHeadDim>(p, task);
@@ -448,10 +464,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const int o_tile_barrier = 1 + Traits::kConsumers + group;  // (1 .. kConsumers: the turns)
       if (issuer) bulk_wait_read();
       named_barrier_sync(o_tile_barrier, 128);
+      stamp(kFwdEventStoreSynced);
       store_output<T, 1, kDv / 8, typename Traits::OTile>(p.o, false, nullptr, values.row_offset, values.row_stride,
                                                           p.lse + task.stat_offset + m0, o, softmax, softmax_scale,
                                                           warp_m0, blk.rows, values.head_dim, p.mask, m0, task.q_len,
                                                           task.kv_len, lane, nullptr, smem.o);
+      stamp(kFwdEventStoreWritten);
       fence_proxy_async();  // the TMA store reads the tile through the async proxy
       named_barrier_sync(o_tile_barrier, 128);
       if (issuer) {
@@ -462,7 +480,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       store_output<T>(p.o, p.o_float32, p.o_error, values.row_offset, values.row_stride, p.lse + task.stat_offset + m0, o,
                       softmax, softmax_scale, warp_m0, blk.rows, values.head_dim, p.mask, m0, task.q_len,
                       task.kv_len, lane, kIds || kBlockWalk ? &seen : nullptr);
+      stamp(kFwdEventStoreWritten);
     }
+    stamp(kFwdEventStoreEnd);
   }
   if constexpr (kTmaStore)
     if (warp % 4 == 0 && lane == 0) bulk_wait_all();  // the last stores complete before the CTA exits
