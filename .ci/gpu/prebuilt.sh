@@ -11,6 +11,10 @@
 #                                      # this tree and interpreter; else return 1 (then build)
 #   source .ci/gpu/prebuilt.sh use-or-build LOG   # the GPU scripts' build step: `use`, else
 #                                      # pip install -e . with the CUDA kernels (output to LOG)
+#   bash .ci/gpu/prebuilt.sh pack      # development machine: build/prebuilt xz-compressed into
+#                                      # build/prebuilt_xz (~8 MB instead of ~36), which `use`
+#                                      # unpacks where build/prebuilt was not carried: a call
+#                                      # then has room for a baseline and tokamax's wheels
 #
 # The device call names build/prebuilt in `carry` beside .whl. The stamp
 # (.ci/gpu/native_stamp.py) hashes every source the build reads and the Python and jaxlib
@@ -35,7 +39,23 @@ prebuilt_build() {
   ls -la "$prebuilt_dir"
 }
 
+prebuilt_pack() {
+  [[ -f $prebuilt_dir/STAMP ]] || { echo "prebuilt: nothing built to pack"; return 1; }
+  rm -rf "$prebuilt_dir"_xz && mkdir -p "$prebuilt_dir"_xz
+  cp "$prebuilt_dir"/STAMP "$prebuilt_dir"_xz/ || return 1
+  for module in "$prebuilt_dir"/_native*.so; do
+    xz -T0 -c "$module" >"$prebuilt_dir"_xz/"$(basename "$module")".xz || return 1
+  done
+  ls -la "$prebuilt_dir"_xz
+}
+
 prebuilt_use() {
+  if [[ ! -f $prebuilt_dir/STAMP && -f ${prebuilt_dir}_xz/STAMP ]]; then
+    mkdir -p "$prebuilt_dir" && cp "${prebuilt_dir}_xz/STAMP" "$prebuilt_dir"/ || return 1
+    for packed in "${prebuilt_dir}"_xz/_native*.so.xz; do
+      xz -dc "$packed" >"$prebuilt_dir/$(basename "$packed" .xz)" || return 1
+    done
+  fi
   [[ -f $prebuilt_dir/STAMP ]] || { echo "prebuilt: none carried"; return 1; }
   local here
   here=$(python3 .ci/gpu/native_stamp.py) || return 1
@@ -63,7 +83,8 @@ prebuilt_use_or_build() {
 
 case "${1:-}" in
   build) prebuilt_build ;;
+  pack) prebuilt_pack ;;
   use) prebuilt_use ;;
   use-or-build) prebuilt_use_or_build "${2:-/dev/null}" ;;
-  *) echo "usage: bash .ci/gpu/prebuilt.sh build | source .ci/gpu/prebuilt.sh use | use-or-build LOG" >&2; false ;;
+  *) echo "usage: bash .ci/gpu/prebuilt.sh build | pack | source .ci/gpu/prebuilt.sh use | use-or-build LOG" >&2; false ;;
 esac
