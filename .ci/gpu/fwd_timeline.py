@@ -133,6 +133,8 @@ def main() -> None:
     step = jax.jit(lambda q, k, v: jax.vjp(attention, q, k, v)[0])
   else:
     step = jax.jit(attention)
+  reps = 20
+
   def seconds_a_call(fn) -> float:
     for _ in range(3):
       jax.block_until_ready(fn(q, k, v))
@@ -142,10 +144,9 @@ def main() -> None:
     jax.block_until_ready(out)
     return (time.perf_counter() - t0) / reps
 
-  reps = 20
   seconds = seconds_a_call(step)
-  # cuDNN's forward of the same call in the same process, for scale (the instrumented kernel's
-  # stamps cost it a little).
+  # cuDNN's forward of the same call in the same process, for scale (the stamps cost our kernel
+  # nothing measurable at head dim 64 with TILES, far more at 128: cuda/PERF_NOTES.md v38).
   cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=args.causal, implementation="cudnn"))
   cudnn_seconds = seconds_a_call(cudnn)
   error = float(jnp.max(jnp.abs(step(q, k, v).astype(jnp.float32) - cudnn(q, k, v).astype(jnp.float32))))
@@ -188,15 +189,17 @@ def main() -> None:
       beside = f"; its softmaxes run beside another warpgroup's {shared / busy:.0%} of their time" if busy else ""
       print(f"{key}: {len(s['blocks_per_tile'])} tiles, {blocks} blocks, {s['total']} cycles "
             f"({s['total'] / max(blocks, 1):.0f} a block); median period {np.median(s['periods']):.0f}{beside}")
+  def row(name: str, st: dict, share: str) -> str:
+    return f"| {name} | {st['n']} | {st['median']:.0f} | {st['mean']:.0f} | {st['p10']:.0f} | {st['p90']:.0f} | {share} |"
+
   print("\n| from -> to (cycles, all recorders) | n | median | mean | p10 | p90 | share of the time |")
   print("|---|---|---|---|---|---|---|")
   for pair, vals in sorted(merged.items(), key=lambda kv: -sum(kv[1])):
     st = stats(vals)
-    print(f"| {pair} | {st['n']} | {st['median']:.0f} | {st['mean']:.0f} | {st['p10']:.0f} | {st['p90']:.0f} | "
-          f"{st['sum'] / max(totals, 1):.1%} |")
+    print(row(pair, st, f"{st['sum'] / max(totals, 1):.1%}"))
   st = stats(merged_periods)
   if st["n"]:
-    print(f"| loop period | {st['n']} | {st['median']:.0f} | {st['mean']:.0f} | {st['p10']:.0f} | {st['p90']:.0f} | |")
+    print(row("loop period", st, ""))
   if args.out:
     args.out.mkdir(parents=True, exist_ok=True)
     stem = label.replace(" ", "_")

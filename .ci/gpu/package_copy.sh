@@ -2,16 +2,18 @@
 # A copy of this tree's Python package with other native modules, to time or trace them beside
 # this tree's in one device call (the committed kernels as a baseline, a debug build's
 # timeline): DIR/jax_flash gets jax_flash/ and the modules of MODULES, a folder holding
-# _native_cuda (as `_native_cuda.so.xz` or the .so itself) and optionally `_native`'s .so
-# (else this tree's, which must be there: .ci/gpu/prebuilt.sh use). Run the copy with
+# _native_cuda (xz-compressed, `_native_cuda*.so.xz` as prebuilt.sh pack names it too, or the
+# .so itself) and optionally `_native`'s .so (else this tree's, which must be there:
+# .ci/gpu/prebuilt.sh use). Run the copy with
 # `cd DIR && PYTHONPATH=DIR:$PYTHONPATH python3 ...` (so `import jax_flash` finds it first).
 #   bash .ci/gpu/package_copy.sh DIR MODULES
 set -euo pipefail
 dir=$1 modules=$2
 suffix=$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
 rm -rf "$dir" && mkdir -p "$dir" && cp -r jax_flash "$dir"/
-if [[ -f $modules/_native_cuda.so.xz ]]; then
-  xz -dc "$modules/_native_cuda.so.xz" >"$dir/jax_flash/_native_cuda$suffix"
+packed=$(ls "$modules"/_native_cuda*.so.xz 2>/dev/null | head -1)
+if [[ -n $packed ]]; then
+  xz -dc "$packed" >"$dir/jax_flash/_native_cuda$suffix"
 else
   cp "$modules/_native_cuda$suffix" "$dir/jax_flash/"
 fi

@@ -11,12 +11,19 @@ file(GLOB JF_CUDA_SOURCES CONFIGURE_DEPENDS
   "${CMAKE_CURRENT_SOURCE_DIR}/cuda/sm90/*.cu")
 add_library(jax_flash_cuda_kernels STATIC ${JF_CUDA_SOURCES})
 set_target_properties(jax_flash_cuda_kernels PROPERTIES CUDA_ARCHITECTURES OFF)
-# A debug build recording the Hopper forward's phases (sm90/fwd_timeline.h; sm_90a only); never
-# released.
+# A debug build recording the Hopper forward's phases (sm90/fwd_timeline.h: JF_FWD_TIMELINE is
+# its level; sm_90a only); never released.
 set(JAX_FLASH_CUDA_TIMELINE "OFF" CACHE STRING
   "Record the Hopper forward's timeline: OFF, TILES (the tiles' phases) or BLOCKS (every block's too)")
 set(JF_CUDA_GENCODE -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90a,code=sm_90a)
-if(NOT JAX_FLASH_CUDA_TIMELINE STREQUAL "OFF")
+if(JAX_FLASH_CUDA_TIMELINE STREQUAL "TILES")
+  set(JF_TIMELINE_LEVEL 1)
+elseif(JAX_FLASH_CUDA_TIMELINE STREQUAL "BLOCKS")
+  set(JF_TIMELINE_LEVEL 2)
+elseif(NOT JAX_FLASH_CUDA_TIMELINE STREQUAL "OFF")
+  message(FATAL_ERROR "JAX_FLASH_CUDA_TIMELINE=${JAX_FLASH_CUDA_TIMELINE}: OFF, TILES or BLOCKS")
+endif()
+if(JF_TIMELINE_LEVEL)
   set(JF_CUDA_GENCODE -gencode=arch=compute_90a,code=sm_90a)
 endif()
 target_compile_options(jax_flash_cuda_kernels PRIVATE
@@ -31,13 +38,6 @@ target_compile_options(_native_cuda PRIVATE ${JF_CPU_WARNINGS})
 target_link_libraries(_native_cuda PRIVATE jax_flash_cuda_kernels CUDA::cudart_static)
 install(TARGETS _native_cuda LIBRARY DESTINATION jax_flash)
 
-if(JAX_FLASH_CUDA_TIMELINE STREQUAL "TILES")
-  set(JF_TIMELINE_LEVEL 1)
-elseif(JAX_FLASH_CUDA_TIMELINE STREQUAL "BLOCKS")
-  set(JF_TIMELINE_LEVEL 2)
-elseif(NOT JAX_FLASH_CUDA_TIMELINE STREQUAL "OFF")
-  message(FATAL_ERROR "JAX_FLASH_CUDA_TIMELINE=${JAX_FLASH_CUDA_TIMELINE}: OFF, TILES or BLOCKS")
-endif()
 if(JF_TIMELINE_LEVEL)
   target_compile_definitions(jax_flash_cuda_kernels PRIVATE JF_FWD_TIMELINE=${JF_TIMELINE_LEVEL})
   target_compile_definitions(_native_cuda PRIVATE JF_FWD_TIMELINE=${JF_TIMELINE_LEVEL})

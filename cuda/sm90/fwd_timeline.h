@@ -1,6 +1,6 @@
 // The Hopper forward's timeline, a debug instrument (CMake option JAX_FLASH_CUDA_TIMELINE=TILES or
-// BLOCKS, OFF in every released build; it defines JF_FWD_TIMELINE as 1 or 2, fwd_event_level): the first thread of each consumer warpgroup
-// of the grid's first kFwdTimelineCtas CTAs records the SM's clock at each phase of its key blocks
+// BLOCKS, OFF in every released build; it defines JF_FWD_TIMELINE as 1 or 2, fwd_event_level):
+// the first thread of each consumer warpgroup of the grid's first kFwdTimelineCtas CTAs records the SM's clock at each phase of its key blocks
 // (FwdEvent) into a device buffer that _native_cuda.fwd_timeline() returns, so that a block's time
 // can be split into waiting for its turn, for S, for P V, and the softmax's own work
 // (.ci/gpu/fwd_timeline.py reads it). Host-side declarations; the recorder is sm90/fwd_timeline.cuh.
@@ -16,7 +16,6 @@ namespace jax_flash::cuda {
 // (cycles since it) << 32 | arg << 8 | event, and a zero entry ends the record.
 enum FwdEvent : uint32_t {
   kFwdEventNone = 0,     // past the last entry
-  kFwdEventStart,        // (not recorded: entry 0 holds the start clock)
   kFwdEventTileReady,    // the producer's hand-over of the next tile (or the end) is read
   kFwdEventTile,         // the tile's task is formed (arg: its key blocks)
   kFwdEventFirstS,       // the tile's first S is in registers
@@ -37,9 +36,9 @@ enum FwdEvent : uint32_t {
 
 // The events' names, in FwdEvent's order (what _native_cuda.fwd_timeline() reports them as).
 inline constexpr const char* kFwdEventNames[] = {
-    "none",    "start",  "tile_ready", "tile",        "first_s",      "key_full",      "turn",
-    "issued",  "scores", "masked",     "maxed",       "softmax",      "output",        "converted",
-    "store_start", "store_synced", "store_written", "store_end"};
+    "none",   "tile_ready", "tile",    "first_s",     "key_full",     "turn",          "issued",
+    "scores", "masked",     "maxed",   "softmax",     "output",       "converted",     "store_start",
+    "store_synced", "store_written", "store_end"};
 static_assert(sizeof(kFwdEventNames) / sizeof(kFwdEventNames[0]) == kFwdEventStoreEnd + 1, "a name an event");
 
 // 1: the tiles' phases and each block's end (kFwdEventConverted); 2: every phase of every block.
