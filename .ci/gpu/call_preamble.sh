@@ -3,7 +3,7 @@
 # tar into it), `elapsed` and `left` (seconds of the call's budget left, BUDGET_S or 570), the
 # native modules (build/prebuilt when its stamp matches, else built here: .ci/gpu/prebuilt.sh),
 # the GPU's name, tokamax as a peer where its wheels came (.ci/gpu/tokamax_peer.sh), PT, the
-# pytest command of the GPU tests, and the helpers `step` and `bench` (below).
+# pytest command of the GPU tests (XLA's autotuning off), and the helpers `step` and `bench` (below).
 out=${OUT:-gpu_out}; mkdir -p "$out"; runs=gpu_runs; mkdir -p "$runs"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 start=$(date +%s)
@@ -13,7 +13,9 @@ left() { echo $(( ${BUDGET_S:-570} - $(date +%s) + start )); }
 source .ci/gpu/prebuilt.sh use-or-build "$out/build.log" || { tail -30 "$out/build.log"; exit 1; }
 head -1 "$out/build.log"; echo "build $(elapsed)"; nvidia-smi --query-gpu=name --format=csv,noheader
 source .ci/gpu/tokamax_peer.sh
-PT=(python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rs)
+# (XLA's autotuning off in the tests: with it each reference case took 70-80 s instead of 3-4 s at
+# -n 8, session 41 call 2; the benchmarks keep it.)
+PT=(env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rs)
 
 # A step of a call: `step LOG SECONDS COMMAND...` runs the command with its output in $out/LOG.log,
 # at most SECONDS and never past the budget (skipped under 40 s left), then prints its exit code,
