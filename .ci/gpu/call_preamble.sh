@@ -40,3 +40,37 @@ bench() {
     --skip xla pallas --out "$runs/$label" "$@" 2>"$runs/${label}_progress.log" >"$out/$label.md"
   echo "== $label $(elapsed)"; grep -E "^\| [0-9]" "$out/$label.md" | cut -c1-200
 }
+
+# The same benchmark for kernel variants side by side, each in its own process:
+# `bench_variants SECONDS LABEL=SPEC ... -- ARGS...` runs python -m jax_flash.benchmark --platform
+# gpu --reps 5 --skip xla pallas ARGS once per LABEL=SPEC, where SPEC is `base` (the committed
+# modules carried in build/baseline, through a package copy made once), `tree` (this tree's) or
+# VAR=VALUE (this tree's under that environment variable, e.g. a kernel-choice switch); tables in
+# $out/bench_LABEL.md, --out folders in $runs/LABEL; then the forward and fwd+bwd rows of each.
+bench_variants() {
+  local limit=$1; shift
+  local specs=()
+  while (( $# )) && [[ $1 != -- ]]; do specs+=("$1"); shift; done
+  shift
+  local spec label setting
+  for spec in "${specs[@]}"; do
+    label=${spec%%=*} setting=${spec#*=}
+    (( $(left) > 60 )) || { echo "== $label: skipped (time)"; continue; }
+    local command=(timeout -s KILL "$limit" python3 -m jax_flash.benchmark --platform gpu --reps 5 --skip xla pallas "$@")
+    if [[ $setting == base ]]; then
+      [[ -d /tmp/base/jax_flash ]] || bash .ci/gpu/package_copy.sh /tmp/base build/baseline
+      local runs_dir; runs_dir=$(cd "$runs" && pwd)
+      (cd /tmp/base && PYTHONPATH=/tmp/base:${PYTHONPATH:-} "${command[@]}" --out "$runs_dir/$label" \
+        2>"$runs_dir/${label}_progress.log") >"$out/bench_$label.md"
+    elif [[ $setting == tree ]]; then
+      "${command[@]}" --out "$runs/$label" 2>"$runs/${label}_progress.log" >"$out/bench_$label.md"
+    else
+      env "$setting" "${command[@]}" --out "$runs/$label" 2>"$runs/${label}_progress.log" >"$out/bench_$label.md"
+    fi
+    echo "== $label ($setting) $(elapsed)"
+  done
+  for spec in "${specs[@]}"; do
+    label=${spec%%=*}
+    echo "-- $label"; grep -E "^\| [0-9]+ \| [0-9]+ \| [NY] \| (fwd|fwd\+bwd) " "$out/bench_$label.md" | cut -c1-110
+  done
+}

@@ -7,18 +7,9 @@
 # end-to-end training comparison of issue 14 in what time is left.
 #   run from the repository root on the GPU machine: bash examples/results/h200/session41/call3/call.sh
 set -uo pipefail
-BUDGET_S=560 source .ci/gpu/call_preamble.sh  # (step, bench)
-base=/tmp/base; bash .ci/gpu/package_copy.sh $base build/baseline
-B=(python3 -m jax_flash.benchmark --platform gpu --reps 5 --seqs 1024 4096 --head-dims 64 128 --causal both --skip xla pallas)
-(cd $base && PYTHONPATH=$base:${PYTHONPATH:-} timeout -s KILL 100 "${B[@]}" --out "$OLDPWD/$runs/base" \
-  2>"$OLDPWD/$runs/base_progress.log") >"$out/bench_base.md"
-echo "== base $(elapsed)"
-timeout -s KILL 100 "${B[@]}" --out "$runs/default" 2>"$runs/default_progress.log" >"$out/bench_default.md"
-echo "== default $(elapsed)"
-JAX_FLASH_CUDA_FORWARD=sm90ws_tmasums timeout -s KILL 100 "${B[@]}" --out "$runs/tmasums" \
-  2>"$runs/tmasums_progress.log" >"$out/bench_tmasums.md"
-echo "== tmasums $(elapsed)"
-for f in base default tmasums; do echo "-- $f"; grep -E "^\| [0-9]+ \| [0-9]+ \| [NY] \| fwd " "$out/bench_$f.md" | cut -c1-110; done
+BUDGET_S=500 source .ci/gpu/call_preamble.sh  # (step, bench)
+bench_variants 100 base=base default=tree tmasums=JAX_FLASH_CUDA_FORWARD=sm90ws_tmasums -- \
+  --seqs 1024 4096 --head-dims 64 128 --causal both
 step suite 190 "${PT[@]}" -n 14 tests/test_cuda.py tests/test_cuda_ffi_validation.py tests/test_value_head_dim.py \
   -k "(not differential and not on_hopper and not on_cuda) or tensor_sums_when_stored_by_tma"
 step e2e1024 70 python3 examples/train_lm.py --preset gpt2-small --compare jax_flash,cudnn --steps 200 \
