@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # Session 41, call 3: the inference forward with the softmax's row sums from the tensor cores
 # alone (JAX_FLASH_CUDA_FORWARD=sm90ws_tmasums: no float additions of P in the softmax; O and lse
-# from the sums of the 16-bit P) against this tree's default (whose kernels are the committed
-# ones: call 1 timed them beside build/baseline), each in its own process beside cuDNN and
-# tokamax; then the CUDA suite's main
-# files with the switch's own cases (XLA's autotuning off: call_preamble's PT), then the
+# from the sums of the 16-bit P) against this tree's default (a353a46's kernels, call 1's
+# `base`), each in its own process beside cuDNN and tokamax; then the CUDA suite's main files
+# with the switch's own cases (XLA's autotuning off: call_preamble's PT), then the
 # end-to-end training comparison of issue 14 in what time is left.
 #   run from the repository root on the GPU machine: bash examples/results/h200/session41/call3/call.sh
 set -uo pipefail
