@@ -6,7 +6,7 @@
 # the CUDA suite's main files in what time is left (XLA's autotuning off: call_preamble's PT).
 #   run from the repository root on the GPU machine: bash examples/results/h200/session41/call3/call.sh
 set -uo pipefail
-BUDGET_S=340 source .ci/gpu/call_preamble.sh  # (step, bench)
+BUDGET_S=280 source .ci/gpu/call_preamble.sh  # (step, bench)
 bench_variants 90 default=tree tmasums=JAX_FLASH_CUDA_FORWARD=sm90ws_tmasums -- \
   --seqs 1024 4096 --head-dims 64 128 --causal both
 step switch 120 "${PT[@]}" tests/test_cuda.py -k "tensor_sums_when_stored_by_tma"
