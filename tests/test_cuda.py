@@ -459,17 +459,6 @@ def test_forward_direct_store_on_hopper():
       "test_command_buffer_capture or test_cuda_is_default_on_gpu")
 
 
-def test_forward_tensor_sums_when_stored_by_tma_on_hopper():
-  """Experimental: with JAX_FLASH_CUDA_FORWARD=sm90ws_tmasums the inference forward stored by TMA
-  on the 128 x 128 tiles (head dim 64 causal, 128) keeps no float sums in its softmax and
-  normalises O and takes lse from the tensor cores' sums of the 16-bit P; the forward-only
-  cases, the reference cases of those head dims and the CUDA-graph capture pass."""
-  _run_cuda_tests_on_hopper_with(
-      {"JAX_FLASH_CUDA_FORWARD": "sm90ws_tmasums"},
-      "test_forward_only_matches_reference or (test_cuda_matches_reference and (h64 or h128)) or "
-      "test_command_buffer_capture")
-
-
 # By default the plain calls' forward takes FlashAttention-3's wide tiles where they measured
 # faster (head dims 192 and 256, 64 without a causal mask; gpu/tile_shapes.cuh); each override
 # runs the tiles the default does not use somewhere.

@@ -54,7 +54,6 @@ std::optional<KernelFamily> read_override(const char* variable, bool forward, st
   if (forward && v == "sm90ws_wide") return KernelFamily::kSm90WsWide;
   if (forward && v == "sm90ws_alusums") return KernelFamily::kSm90WsAluSums;
   if (forward && v == "sm90ws_directstore") return KernelFamily::kSm90WsDirectStore;
-  if (forward && v == "sm90ws_tmasums") return KernelFamily::kSm90WsTmaSums;
   if (!forward && v == "sm90ws_atomicdq") return KernelFamily::kSm90WsAtomicDq;
   if (!forward && v == "sm90ws_bulkdq") return KernelFamily::kSm90WsBulkDq;
   if (!forward && v == "sm90ws_tileddq") return KernelFamily::kSm90WsTiledDq;
@@ -62,7 +61,7 @@ std::optional<KernelFamily> read_override(const char* variable, bool forward, st
   if (!forward && v == "sm90ws_deferdq") return KernelFamily::kSm90WsDeferDq;
   if (!forward && v == "sm90ws_stagedq") return KernelFamily::kSm90WsStageDq;
   append_unknown_value(error, variable, v,
-                       forward ? "sm80, sm90ws, sm90ws_grid, sm90ws_static, sm90ws_dynamic, sm90ws_narrow, sm90ws_wide, sm90ws_alusums, sm90ws_directstore, sm90ws_tmasums"
+                       forward ? "sm80, sm90ws, sm90ws_grid, sm90ws_static, sm90ws_dynamic, sm90ws_narrow, sm90ws_wide, sm90ws_alusums, sm90ws_directstore"
                                : "sm80, sm90ws, sm90ws_atomicdq, sm90ws_bulkdq, sm90ws_tileddq, sm90ws_m80, sm90ws_deferdq, sm90ws_stagedq");
   return std::nullopt;
 }

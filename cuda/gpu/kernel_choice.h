@@ -4,7 +4,7 @@
 // choice for experiments and comparisons:
 //   JAX_FLASH_CUDA_FORWARD  = sm80 | sm90ws | sm90ws_grid | sm90ws_static | sm90ws_dynamic |
 //                             sm90ws_narrow | sm90ws_wide |
-//                             sm90ws_alusums | sm90ws_directstore | sm90ws_tmasums
+//                             sm90ws_alusums | sm90ws_directstore
 //                             (default on Hopper: sm90ws)
 //   JAX_FLASH_CUDA_BACKWARD = sm80 | sm90ws | sm90ws_atomicdq | sm90ws_bulkdq | sm90ws_tileddq |
 //                             sm90ws_m80 | sm90ws_deferdq | sm90ws_stagedq
@@ -22,10 +22,7 @@
 // session 18), sm90ws_alusums from the softmax's own unpacking and adding, as before;
 // sm90ws stores a plain call's 16-bit O by TMA from shared memory at head dims 64 and 128
 // (FlashAttention-3's epilogue; +1-7% on the inference forward, session 21),
-// sm90ws_directstore by every thread's 4-byte stores, as before; sm90ws_tmasums (experimental,
-// session 41) runs those stored by TMA on the 128 x 128 tiles (head dim 64 causal, 128) with the
-// softmax's sums from the tensor cores alone, as the differentiated forward's (O and lse from
-// the sums of the 16-bit P; flash_fwd_ws_kernel.cuh). The
+// sm90ws_directstore by every thread's 4-byte stores, as before. The
 // backward's sm90ws runs the variant measured fastest for the head dim (TileShapes:
 // 128-row query blocks with dK from registers at head dim 64, dQ added as FlashAttention-3 does at
 // 128: one bulk reduction a warpgroup a visit into an accumulator in the fragments' order,
@@ -109,7 +106,7 @@ namespace jax_flash::cuda {
 // consumer warpgroups; head dims 192 and 256: key blocks of 112 and 80).
 enum class KernelFamily {
   kSm80, kSm90Ws, kSm90WsGrid, kSm90WsStatic, kSm90WsDynamic, kSm90WsNarrow, kSm90WsWide, kSm90WsAluSums,
-  kSm90WsDirectStore, kSm90WsTmaSums,
+  kSm90WsDirectStore,
   kSm90WsAtomicDq, kSm90WsBulkDq, kSm90WsTiledDq, kSm90WsM80, kSm90WsDeferDq, kSm90WsStageDq
 };
 

@@ -157,7 +157,6 @@ Sm90FwdOptions sm90_fwd_options(KernelFamily family, const FwdParams& p) {
                                                           : QueryTileGrid::kDynamic;
   options.tensor_sums = family != KernelFamily::kSm90WsAluSums;
   options.tma_store = family != KernelFamily::kSm90WsDirectStore;
-  options.tma_sums = family == KernelFamily::kSm90WsTmaSums;
   options.tiles = family == KernelFamily::kSm90WsNarrow ? Sm90FwdTiles::kNarrow
                   : family == KernelFamily::kSm90WsWide ? Sm90FwdTiles::kWide
                                                         : Sm90FwdTiles::kMeasured;

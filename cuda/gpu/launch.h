@@ -132,9 +132,6 @@ struct Sm90FwdOptions {
   // Plain calls with a 16-bit o store it by TMA (flash_fwd_ws_kernel.cuh kTmaStore; off under
   // JAX_FLASH_CUDA_FORWARD=sm90ws_directstore).
   bool tma_store = false;
-  // Plain inference calls stored by TMA on the 128 x 128 tiles take the softmax's sums from the
-  // tensor cores alone (flash_fwd_ws_kernel.cuh; JAX_FLASH_CUDA_FORWARD=sm90ws_tmasums).
-  bool tma_sums = false;
 };
 // kValueHeadDim: V's and O's head dim where a pair of gpu/tile_shapes.cuh JF_SM90_FWD_VALUE_HEAD_DIMS
 // runs (forward_takes_value_head_dim).

@@ -127,11 +127,9 @@ struct OnlineSoftmax {
     rescale_output(o);
   }
 
-  // s <- P = exp2(S scale log2e - reference), added to the sums (kSums; without, the caller
-  // sums P elsewhere: the tensor cores' sums of the 16-bit P, sm90/fwd_gemms.cuh issue_output).
-  // A warp with some row past kFusedExponentLimit takes the rounded-product form (one vote a
-  // block, a uniform branch).
-  template <bool kSums = true, int kNTiles>
+  // s <- P = exp2(S scale log2e - reference), added to the sums. A warp with some row past
+  // kFusedExponentLimit takes the rounded-product form (one vote a block, a uniform branch).
+  template <int kNTiles>
   __device__ __forceinline__ void exponentiate(float (&s)[kMTiles][kNTiles][4], float scale_log2) {
     bool huge = false;
 #pragma unroll
@@ -140,13 +138,13 @@ struct OnlineSoftmax {
       for (int half = 0; half < 2; ++half)
         huge |= max[mt][half] != -INFINITY && fabsf(max[mt][half] * scale_log2) >= kFusedExponentLimit;
     if (__any_sync(0xffffffffu, huge))
-      exponentiate_as<false, kSums>(s, scale_log2);
+      exponentiate_as<false>(s, scale_log2);
     else
-      exponentiate_as<true, kSums>(s, scale_log2);
+      exponentiate_as<true>(s, scale_log2);
   }
 
   // exponentiate with the argument formed by one FFMA (kFused) or from the rounded product.
-  template <bool kFused, bool kSums, int kNTiles>
+  template <bool kFused, int kNTiles>
   __device__ __forceinline__ void exponentiate_as(float (&s)[kMTiles][kNTiles][4], float scale_log2) {
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
@@ -165,9 +163,9 @@ struct OnlineSoftmax {
             const float x = s[mt][nt][e];
             s[mt][nt][e] = fast_exp2(kFused ? x * scale_log2 - base
                                             : (__fmul_rn(x, scale_log2) - base) - headroom);
-            if constexpr (kSums) block_sum += s[mt][nt][e];
+            block_sum += s[mt][nt][e];
           }
-        if constexpr (kSums) sum[mt][half] += block_sum;
+        sum[mt][half] += block_sum;
       }
   }
 

@@ -81,10 +81,6 @@ cudaError_t launch(const FwdParams& p, const Sm90FwdOptions& options, cudaStream
         return e;
       kernel = general_kernel(p) ? flash_fwd_sm90_ws_kernel<Traits, T, true, false, false, false, true>
                                  : flash_fwd_sm90_ws_kernel<Traits, T, false, false, false, false, true>;
-      // Experimental (sm90ws_tmasums): the plain ones on the 128 x 128 tiles with the softmax's
-      // sums from the tensor cores alone (flash_fwd_ws_kernel.cuh kTensorSums with kTmaStore).
-      if constexpr (kSumTiles)
-        if (options.tma_sums && !general_kernel(p)) kernel = flash_fwd_sm90_ws_kernel<Traits, T, false, false, true, false, true>;
       smem_bytes = Traits::kSmemBytesTmaStore;
     }
   return launch_with_smem(kernel, dim3(static_cast<unsigned>(ctas)), Traits::kThreads, smem_bytes, stream, params);

@@ -108,10 +108,6 @@ struct FwdWsBarriers {
 // unpacking and adding of every P (OnlineSoftmax::add_rounded_sums: about a quarter of the
 // consumers' instructions a block). The same float32 sums of the same 16-bit values, in another
 // order.
-// kTensorSums with kTmaStore (experimental, inference calls on the 128 x 128 tiles at head dims
-// 64 and 128: JAX_FLASH_CUDA_FORWARD=sm90ws_tmasums): the softmax keeps no float sums at all (64
-// additions a thread a block fewer); O is normalised by the tensor cores' sums of the 16-bit P,
-// as a differentiated call's, and lse is taken from them too.
 // kTmaStore (inference calls at head dims 64, 96 and 128, plain or with a soft cap or ALiBi alone,
 // unless JAX_FLASH_CUDA_FORWARD=sm90ws_directstore; +1-7% on the plain forward, session 21):
 // each consumer warpgroup writes its normalised O rows to the O tile in shared memory and one of
@@ -142,7 +138,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   using KTile = typename Traits::KTile;
   using VTile = typename Traits::VTile;
   const FwdParams& p = params.p;
-  constexpr bool kSumsOnTensorCores = kTensorSums && kTmaStore;  // (the softmax's float sums dropped)
   constexpr bool kStagedBiasAlone = kLogitArrays && !kIds;
   const bool bias_staged = kStagedBiasAlone || (kLogitArrays && params.bias_staged);
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -390,7 +385,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       if (count == 1) release(&bars.q_empty);
       mask_block(s, 0);
       if (softmax.must_rescale(s, scale_log2)) softmax.rescale(o, scale_log2);  // (row_sums are 0)
-      softmax.template exponentiate<!kSumsOnTensorCores>(s, scale_log2);
+      softmax.exponentiate(s, scale_log2);
       uint32_t pa[kBN / 16][1][4];
       accumulator_to_a<T>(pa, s);
       if (!kTensorSums && p.for_backward()) softmax.template add_rounded_sums<T>(pa);  // differentiated calls only
@@ -420,7 +415,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         const bool moved = softmax.must_rescale(s, scale_log2);
         if (moved) softmax.move_reference(scale_log2);
         stamp(kFwdEventMaxed, i + 1);
-        softmax.template exponentiate<!kSumsOnTensorCores>(s, scale_log2);
+        softmax.exponentiate(s, scale_log2);
         stamp(kFwdEventSoftmax, i + 1);
         wgmma_wait<0>();  // P(i) V(i) is in: O and P(i)'s registers and V stage are free
         fence_registers(o[0]);
@@ -444,10 +439,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         fence_registers(row_sums[0]);
         // The row's whole sum in one lane of its quad (the epilogue sums the quad's parts).
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
+        for (int half = 0; half < 2; ++half)
           softmax.sum_rounded[0][half] = lane % 4 == 0 ? row_sums[0][0][2 * half] : 0.f;
-          if constexpr (kSumsOnTensorCores) softmax.sum[0][half] = softmax.sum_rounded[0][half];
-        }
       }
       release(&bars.v_empty[last]);
       ring += count;
