@@ -72,6 +72,20 @@ def test_phases_of_a_tile(timeline):
   assert summary["total"] == 300 + 2 * 815 + 400 - 10  # from the tile to its store's end
 
 
+def test_a_chain_record(timeline):
+  """A CHAIN build's record (cuda/sm90/fwd_timeline.h fwd_event_recorded level 3: of each block
+  only S in, the exponentials done and the conversion): the pairs are the warpgroup's own chain."""
+  kept = {"scores", "softmax", "converted"}
+  entries = [e for e in tile_of_two_blocks(0) if e[2] == 0 or e[1] in kept]
+  start, decoded = timeline.decode(record(1000, entries), event_names())
+  summary = timeline.summarise(decoded)
+  pairs = summary["pairs"]
+  assert pairs["loop converted->scores"] == [255, 255]  # the next turn, the products' issue, S's wait
+  assert pairs["loop scores->softmax"] == [410, 410]
+  assert pairs["loop softmax->converted"] == [150, 150]
+  assert summary["periods"] == [815, 815]
+
+
 def test_softmaxes_beside_each_other(timeline):
   names = event_names()
   start_a, a = timeline.decode(record(1000, tile_of_two_blocks(0)), names)

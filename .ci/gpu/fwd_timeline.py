@@ -1,6 +1,6 @@
 """Records and summarises the Hopper forward's per-block timeline (a debug build's instrument).
 
-    cmake -S . -B build/tl -G Ninja -DJAX_FLASH_CUDA=ON -DJAX_FLASH_CUDA_TIMELINE=TILES ...  # or BLOCKS
+    cmake -S . -B build/tl -G Ninja -DJAX_FLASH_CUDA=ON -DJAX_FLASH_CUDA_TIMELINE=TILES ...  # or BLOCKS, CHAIN
     python3 .ci/gpu/fwd_timeline.py [--seq 4096] [--head-dim 64] [--causal] [--for-backward]
                                     [--out DIR]
 
@@ -120,7 +120,7 @@ def main() -> None:
   from jax_flash import _native_cuda
 
   if not hasattr(_native_cuda, "fwd_timeline"):
-    raise SystemExit("this jax_flash._native_cuda was built without JAX_FLASH_CUDA_TIMELINE=TILES or BLOCKS")
+    raise SystemExit("this jax_flash._native_cuda was built without JAX_FLASH_CUDA_TIMELINE=TILES, BLOCKS or CHAIN")
   batch, heads = max(1, 16384 // args.seq), max(1, 2048 // args.head_dim)
   shape = (batch, args.seq, heads, args.head_dim)
   q, k, v = (jax.random.normal(key, shape, jnp.bfloat16) for key in jax.random.split(jax.random.key(0), 3))

@@ -14,14 +14,16 @@ set_target_properties(jax_flash_cuda_kernels PROPERTIES CUDA_ARCHITECTURES OFF)
 # A debug build recording the Hopper forward's phases (sm90/fwd_timeline.h: JF_FWD_TIMELINE is
 # its level; sm_90a only); never released.
 set(JAX_FLASH_CUDA_TIMELINE "OFF" CACHE STRING
-  "Record the Hopper forward's timeline: OFF, TILES (the tiles' phases) or BLOCKS (every block's too)")
+  "Record the Hopper forward's timeline: OFF, TILES (the tiles' phases), BLOCKS (every block's too) or CHAIN (the tiles' and each block's S in and softmax done)")
 set(JF_CUDA_GENCODE -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90a,code=sm_90a)
 if(JAX_FLASH_CUDA_TIMELINE STREQUAL "TILES")
   set(JF_TIMELINE_LEVEL 1)
 elseif(JAX_FLASH_CUDA_TIMELINE STREQUAL "BLOCKS")
   set(JF_TIMELINE_LEVEL 2)
+elseif(JAX_FLASH_CUDA_TIMELINE STREQUAL "CHAIN")
+  set(JF_TIMELINE_LEVEL 3)
 elseif(NOT JAX_FLASH_CUDA_TIMELINE STREQUAL "OFF")
-  message(FATAL_ERROR "JAX_FLASH_CUDA_TIMELINE=${JAX_FLASH_CUDA_TIMELINE}: OFF, TILES or BLOCKS")
+  message(FATAL_ERROR "JAX_FLASH_CUDA_TIMELINE=${JAX_FLASH_CUDA_TIMELINE}: OFF, TILES, BLOCKS or CHAIN")
 endif()
 if(JF_TIMELINE_LEVEL)
   set(JF_CUDA_GENCODE -gencode=arch=compute_90a,code=sm_90a)

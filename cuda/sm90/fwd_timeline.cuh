@@ -31,9 +31,10 @@ struct FwdTimeline {
     }
   }
   // (Each stamp orders the instructions around it, so the record of every phase, JF_FWD_TIMELINE
-  // 2, slows the loop; 1 stamps the tiles' phases and each block's end only.)
+  // 2, slows the loop; 1 stamps the tiles' phases and each block's end only, 3 those and two
+  // points of each block: fwd_event_recorded.)
   __device__ __forceinline__ void operator()(FwdEvent event, int arg = 0) {
-    if (fwd_event_level(event) > JF_FWD_TIMELINE) return;
+    if (!fwd_event_recorded(event, JF_FWD_TIMELINE)) return;
     if (slot != nullptr && n < kFwdTimelineEntries)
       slot[n++] = (sm_clock() - start) << 32 | static_cast<uint64_t>(arg & 0xffffff) << 8 | event;
   }

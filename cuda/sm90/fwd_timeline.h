@@ -1,5 +1,6 @@
-// The Hopper forward's timeline, a debug instrument (CMake option JAX_FLASH_CUDA_TIMELINE=TILES or
-// BLOCKS, OFF in every released build; it defines JF_FWD_TIMELINE as 1 or 2, fwd_event_level):
+// The Hopper forward's timeline, a debug instrument (CMake option JAX_FLASH_CUDA_TIMELINE=TILES,
+// BLOCKS or CHAIN, OFF in every released build; it defines JF_FWD_TIMELINE as 1, 2 or 3,
+// fwd_event_recorded):
 // the first thread of each consumer warpgroup of the grid's first kFwdTimelineCtas CTAs records the SM's clock at each phase of its key blocks
 // (FwdEvent) into a device buffer that _native_cuda.fwd_timeline() returns, so that a block's time
 // can be split into waiting for its turn, for S, for P V, and the softmax's own work
@@ -41,9 +42,15 @@ inline constexpr const char* kFwdEventNames[] = {
     "store_synced", "store_written", "store_end"};
 static_assert(sizeof(kFwdEventNames) / sizeof(kFwdEventNames[0]) == kFwdEventStoreEnd + 1, "a name an event");
 
-// 1: the tiles' phases and each block's end (kFwdEventConverted); 2: every phase of every block.
-constexpr int fwd_event_level(FwdEvent event) {
-  return event >= kFwdEventKeyFull && event <= kFwdEventOutput ? 2 : 1;
+// Whether a build of timeline level `level` records `event`. 1 (TILES): the tiles' phases and each
+// block's end (kFwdEventConverted); 2 (BLOCKS): every phase of every block; 3 (CHAIN): level 1's
+// and, of each block, only S in and the exponentials done, so that a warpgroup's own chain (S's
+// wait, the softmax, the conversion) shows with two stamps a block instead of BLOCKS's nine,
+// each of which orders the code around it.
+constexpr bool fwd_event_recorded(FwdEvent event, int level) {
+  const bool block_phase = event >= kFwdEventKeyFull && event <= kFwdEventOutput;
+  if (level == 3) return !block_phase || event == kFwdEventScores || event == kFwdEventSoftmax;
+  return !block_phase || level >= 2;
 }
 
 constexpr int kFwdTimelineCtas = 2;
