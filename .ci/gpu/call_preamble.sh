@@ -3,7 +3,8 @@
 # tar into it), `elapsed` and `left` (seconds of the call's budget left, BUDGET_S or 570), the
 # native modules (build/prebuilt when its stamp matches, else built here: .ci/gpu/prebuilt.sh),
 # the GPU's name, tokamax as a peer where its wheels came (.ci/gpu/tokamax_peer.sh), PT, the
-# pytest command of the GPU tests (XLA's autotuning off), and the helpers `step` and `bench` (below).
+# pytest command of the GPU tests (XLA's autotuning off), and the helpers `step`, `bench` and
+# `bench_variants` (below).
 out=${OUT:-gpu_out}; mkdir -p "$out"; runs=gpu_runs; mkdir -p "$runs"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 start=$(date +%s)
@@ -29,43 +30,50 @@ step() {
   grep -E "^FAILED|^ERROR|^E  " "$out/$name.log" | head -12
 }
 
-# A benchmark of a call: `bench LABEL SECONDS ARGS...` runs python -m jax_flash.benchmark on the GPU
-# at seq 4096, causal and not, with cuDNN and tokamax (xla and pallas skipped) and ARGS, its table
-# in $out/LABEL.md and its --out folder in $runs/LABEL (skipped under 60 s left).
+# One benchmark process: `benchmark_to LABEL TABLE SECONDS ARGS...` runs python -m
+# jax_flash.benchmark on the GPU with cuDNN and tokamax (xla and pallas skipped) and ARGS, at most
+# SECONDS, its table in TABLE and its --out folder in $runs/LABEL.
+benchmark_to() {
+  local label=$1 table=$2 limit=$3; shift 3
+  local runs_dir; runs_dir=$(cd "$runs" && pwd)
+  timeout -s KILL "$limit" python3 -m jax_flash.benchmark --platform gpu --reps 5 --skip xla pallas \
+    --out "$runs_dir/$label" "$@" 2>"$runs_dir/${label}_progress.log" >"$table"
+}
+
+# A benchmark of a call: `bench LABEL SECONDS ARGS...` runs benchmark_to at seq 4096, causal and
+# not, and ARGS, its table in $out/LABEL.md (skipped under 60 s left).
 bench() {
   local label=$1 limit=$2; shift 2
   (( $(left) > 60 )) || { echo "== $label: skipped (time)"; return; }
   (( limit > $(left) - 20 )) && limit=$(( $(left) - 20 ))
-  timeout -s KILL "$limit" python3 -m jax_flash.benchmark --platform gpu --reps 5 --seqs 4096 --causal both \
-    --skip xla pallas --out "$runs/$label" "$@" 2>"$runs/${label}_progress.log" >"$out/$label.md"
+  benchmark_to "$label" "$out/$label.md" "$limit" --seqs 4096 --causal both "$@"
   echo "== $label $(elapsed)"; grep -E "^\| [0-9]" "$out/$label.md" | cut -c1-200
 }
 
 # The same benchmark for kernel variants side by side, each in its own process:
-# `bench_variants SECONDS LABEL=SPEC ... -- ARGS...` runs python -m jax_flash.benchmark --platform
-# gpu --reps 5 --skip xla pallas ARGS once per LABEL=SPEC, where SPEC is `base` (the committed
-# modules carried in build/baseline, through a package copy made once), `tree` (this tree's) or
-# VAR=VALUE (this tree's under that environment variable, e.g. a kernel-choice switch); tables in
-# $out/bench_LABEL.md, --out folders in $runs/LABEL; then the forward and fwd+bwd rows of each.
+# `bench_variants SECONDS LABEL=SPEC ... -- ARGS...` runs benchmark_to with ARGS once per
+# LABEL=SPEC, where SPEC is `base` (the committed modules carried in build/baseline, through a
+# package copy made once), `tree` (this tree's) or VAR=VALUE (this tree's under that environment
+# variable, e.g. a kernel-choice switch); tables in $out/bench_LABEL.md, --out folders in
+# $runs/LABEL; then the forward and fwd+bwd rows of each.
 bench_variants() {
   local limit=$1; shift
   local specs=()
   while (( $# )) && [[ $1 != -- ]]; do specs+=("$1"); shift; done
   shift
-  local spec label setting
+  local out_dir spec label setting
+  out_dir=$(cd "$out" && pwd)
   for spec in "${specs[@]}"; do
     label=${spec%%=*} setting=${spec#*=}
     (( $(left) > 60 )) || { echo "== $label: skipped (time)"; continue; }
-    local command=(timeout -s KILL "$limit" python3 -m jax_flash.benchmark --platform gpu --reps 5 --skip xla pallas "$@")
     if [[ $setting == base ]]; then
       [[ -d /tmp/base/jax_flash ]] || bash .ci/gpu/package_copy.sh /tmp/base build/baseline
-      local runs_dir; runs_dir=$(cd "$runs" && pwd)
-      (cd /tmp/base && PYTHONPATH=/tmp/base:${PYTHONPATH:-} "${command[@]}" --out "$runs_dir/$label" \
-        2>"$runs_dir/${label}_progress.log") >"$out/bench_$label.md"
+      (runs=$(cd "$runs" && pwd) && cd /tmp/base &&
+        PYTHONPATH=/tmp/base:${PYTHONPATH:-} benchmark_to "$label" "$out_dir/bench_$label.md" "$limit" "$@")
     elif [[ $setting == tree ]]; then
-      "${command[@]}" --out "$runs/$label" 2>"$runs/${label}_progress.log" >"$out/bench_$label.md"
+      benchmark_to "$label" "$out_dir/bench_$label.md" "$limit" "$@"
     else
-      env "$setting" "${command[@]}" --out "$runs/$label" 2>"$runs/${label}_progress.log" >"$out/bench_$label.md"
+      (export "$setting"; benchmark_to "$label" "$out_dir/bench_$label.md" "$limit" "$@")
     fi
     echo "== $label ($setting) $(elapsed)"
   done
