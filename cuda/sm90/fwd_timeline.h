@@ -1,10 +1,10 @@
 // The Hopper forward's timeline, a debug instrument (CMake option JAX_FLASH_CUDA_TIMELINE=TILES,
 // BLOCKS or CHAIN, OFF in every released build; it defines JF_FWD_TIMELINE as 1, 2 or 3,
-// fwd_event_recorded):
-// the first thread of each consumer warpgroup of the grid's first kFwdTimelineCtas CTAs records the SM's clock at each phase of its key blocks
-// (FwdEvent) into a device buffer that _native_cuda.fwd_timeline() returns, so that a block's time
-// can be split into waiting for its turn, for S, for P V, and the softmax's own work
-// (.ci/gpu/fwd_timeline.py reads it). Host-side declarations; the recorder is sm90/fwd_timeline.cuh.
+// fwd_event_recorded): the first thread of each consumer warpgroup of the grid's first
+// kFwdTimelineCtas CTAs records the SM's clock at each phase of its key blocks (FwdEvent) into a
+// device buffer that _native_cuda.fwd_timeline() returns, so that a block's time can be split
+// into waiting for its turn, for S, for P V, and the softmax's own work (.ci/gpu/fwd_timeline.py
+// reads it). Host-side declarations; the recorder is sm90/fwd_timeline.cuh.
 #pragma once
 
 #include <cstdint>
