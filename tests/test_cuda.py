@@ -477,6 +477,31 @@ def test_forward_tile_choices_on_hopper(tiles):
       "test_jit_training_step_reduces_loss")
 
 
+@pytest.mark.parametrize("grid", ["per_tile", "static", "dynamic"])
+def test_forward_grid_override_on_hopper(grid):
+  """JAX_FLASH_CUDA_FWD_GRID deals the forward's tiles one way whatever the mask (a CTA per tile,
+  static pairs or the counter) on the 128-row and the 192-row tiles of head dim 64: the reference
+  cases of 64, the forward of more tiles than SMs and the CUDA-graph capture pass."""
+  for tiles in ("sm90ws_narrow", "sm90ws_wide"):
+    _run_cuda_tests_on_hopper_with(
+        {"JAX_FLASH_CUDA_FWD_GRID": grid, "JAX_FLASH_CUDA_FORWARD": tiles},
+        "(test_cuda_matches_reference and h64) or test_forward_of_more_tiles_than_sms_here or "
+        "test_command_buffer_capture")
+
+
+@pytest.mark.parametrize("tiles", ["sm90ws_deepring", "sm90ws_longkeys", "sm90ws_scoresahead"])
+def test_head_dim_64_experimental_forward_tiles_on_hopper(tiles):
+  """Experimental: head dim 64's forward with a third K/V stage (sm90ws_deepring), on 128 x 192
+  tiles (sm90ws_longkeys: key blocks of 192, causal calls among them) or with each S issued two
+  blocks ahead of its softmax (sm90ws_scoresahead: a stand-in product at a tile's end) passes the reference cases
+  of the head dims that run its kernels (40 and 64: partial blocks, lengths, GQA, T != S), the
+  forward's own split of o and the CUDA-graph capture."""
+  _run_cuda_tests_on_hopper_with(
+      {"JAX_FLASH_CUDA_FORWARD": tiles},
+      "(test_cuda_matches_reference and (h40 or h64)) or test_forward_splits_o_as_xla_would or "
+      "test_command_buffer_capture")
+
+
 # The default backward visits 128-row query blocks at head dims 33..64, adds dQ by bulk row
 # reductions at 65..127 and by one bulk reduction a warpgroup into a dQ accumulator in the
 # fragments' order at 128 (gpu/tile_shapes.cuh); each override runs 64-row blocks a way the
@@ -659,7 +684,8 @@ def test_split_kv_decoding_on_cuda():
                                              ("JAX_FLASH_CUDA_HD192_BWD", "pad"),
                                              ("JAX_FLASH_CUDA_VALUE_HEAD_DIM", "nativ"),
                                              ("JAX_FLASH_CUDA_DECODE_LOADS", "evict"),
-                                             ("JAX_FLASH_CUDA_BIAS_LOADS", "stage")])
+                                             ("JAX_FLASH_CUDA_BIAS_LOADS", "stage"),
+                                             ("JAX_FLASH_CUDA_FWD_GRID", "pertile")])
 def test_unknown_kernel_choice_is_an_error(variable, value):
   """A misspelt override is reported by name, not ignored."""
   result = _run_in_subprocess({variable: value}, "-k", "test_cuda_is_default_on_gpu")

@@ -53,9 +53,9 @@ bench() {
 # The same benchmark for kernel variants side by side, each in its own process:
 # `bench_variants SECONDS LABEL=SPEC ... -- ARGS...` runs benchmark_to with ARGS once per
 # LABEL=SPEC, where SPEC is `base` (the committed modules carried in build/baseline, through a
-# package copy made once), `tree` (this tree's) or VAR=VALUE (this tree's under that environment
-# variable, e.g. a kernel-choice switch); tables in $out/bench_LABEL.md, --out folders in
-# $runs/LABEL; then the forward and fwd+bwd rows of each.
+# package copy made once), `tree` (this tree's) or VAR=VALUE[,VAR=VALUE...] (this tree's under
+# those environment variables, e.g. kernel-choice switches); tables in $out/bench_LABEL.md,
+# --out folders in $runs/LABEL; then the forward and fwd+bwd rows of each.
 bench_variants() {
   local limit=$1; shift
   local specs=()
@@ -73,7 +73,8 @@ bench_variants() {
     elif [[ $setting == tree ]]; then
       benchmark_to "$label" "$out_dir/bench_$label.md" "$limit" "$@"
     else
-      (export "$setting"; benchmark_to "$label" "$out_dir/bench_$label.md" "$limit" "$@")
+      (IFS=, && for assignment in $setting; do export "$assignment"; done &&
+        benchmark_to "$label" "$out_dir/bench_$label.md" "$limit" "$@")
     fi
     echo "== $label ($setting) $(elapsed)"
   done

@@ -19,6 +19,7 @@ constexpr const char* kHeadDim192BackwardVariable = "JAX_FLASH_CUDA_HD192_BWD";
 constexpr const char* kValueHeadDimVariable = "JAX_FLASH_CUDA_VALUE_HEAD_DIM";
 constexpr const char* kDecodeLoadsVariable = "JAX_FLASH_CUDA_DECODE_LOADS";
 constexpr const char* kBiasLoadsVariable = "JAX_FLASH_CUDA_BIAS_LOADS";
+constexpr const char* kForwardGridVariable = "JAX_FLASH_CUDA_FWD_GRID";
 
 struct Overrides {
   std::optional<KernelFamily> forward;
@@ -30,6 +31,7 @@ struct Overrides {
   bool own_value_head_dim = true;  // JAX_FLASH_CUDA_VALUE_HEAD_DIM=padded turns it off
   DecodeLoads decode_loads = DecodeLoads::kPlain;
   BiasLoads bias_loads = BiasLoads::kTma;
+  ForwardGrid forward_grid = ForwardGrid::kMeasured;
   std::string error;
 };
 
@@ -52,6 +54,9 @@ std::optional<KernelFamily> read_override(const char* variable, bool forward, st
   if (forward && v == "sm90ws_dynamic") return KernelFamily::kSm90WsDynamic;
   if (forward && v == "sm90ws_narrow") return KernelFamily::kSm90WsNarrow;
   if (forward && v == "sm90ws_wide") return KernelFamily::kSm90WsWide;
+  if (forward && v == "sm90ws_deepring") return KernelFamily::kSm90WsDeepRing;
+  if (forward && v == "sm90ws_longkeys") return KernelFamily::kSm90WsLongKeys;
+  if (forward && v == "sm90ws_scoresahead") return KernelFamily::kSm90WsScoresAhead;
   if (forward && v == "sm90ws_alusums") return KernelFamily::kSm90WsAluSums;
   if (forward && v == "sm90ws_directstore") return KernelFamily::kSm90WsDirectStore;
   if (!forward && v == "sm90ws_atomicdq") return KernelFamily::kSm90WsAtomicDq;
@@ -61,7 +66,7 @@ std::optional<KernelFamily> read_override(const char* variable, bool forward, st
   if (!forward && v == "sm90ws_deferdq") return KernelFamily::kSm90WsDeferDq;
   if (!forward && v == "sm90ws_stagedq") return KernelFamily::kSm90WsStageDq;
   append_unknown_value(error, variable, v,
-                       forward ? "sm80, sm90ws, sm90ws_grid, sm90ws_static, sm90ws_dynamic, sm90ws_narrow, sm90ws_wide, sm90ws_alusums, sm90ws_directstore"
+                       forward ? "sm80, sm90ws, sm90ws_grid, sm90ws_static, sm90ws_dynamic, sm90ws_narrow, sm90ws_wide, sm90ws_deepring, sm90ws_longkeys, sm90ws_scoresahead, sm90ws_alusums, sm90ws_directstore"
                                : "sm80, sm90ws, sm90ws_atomicdq, sm90ws_bulkdq, sm90ws_tileddq, sm90ws_m80, sm90ws_deferdq, sm90ws_stagedq");
   return std::nullopt;
 }
@@ -110,6 +115,14 @@ BiasLoads read_bias_loads(std::string& error) {
   return kChoices[read_choice(kBiasLoadsVariable, values, error)];
 }
 
+// JAX_FLASH_CUDA_FWD_GRID: measured where unset.
+ForwardGrid read_forward_grid(std::string& error) {
+  const char* const values[] = {"measured", "per_tile", "static", "dynamic"};
+  constexpr ForwardGrid kChoices[] = {ForwardGrid::kMeasured, ForwardGrid::kPerTile, ForwardGrid::kStaticPairs,
+                                      ForwardGrid::kDynamic};
+  return kChoices[read_choice(kForwardGridVariable, values, error)];
+}
+
 Overrides read_overrides() {
   Overrides o;
   o.forward = read_override(kForwardVariable, true, o.error);
@@ -121,6 +134,7 @@ Overrides read_overrides() {
   o.own_value_head_dim = read_switch(kValueHeadDimVariable, "native", "padded", o.error);
   o.decode_loads = read_decode_loads(o.error);
   o.bias_loads = read_bias_loads(o.error);
+  o.forward_grid = read_forward_grid(o.error);
   return o;
 }
 
@@ -166,6 +180,7 @@ bool native_head_dim_96_enabled() { return overrides().native_head_dim_96; }
 HeadDim192Backward head_dim_192_backward() { return overrides().head_dim_192_backward; }
 bool own_value_head_dim_enabled() { return overrides().own_value_head_dim; }
 DecodeLoads decode_loads() { return overrides().decode_loads; }
+ForwardGrid forward_grid() { return overrides().forward_grid; }
 bool staged_bias_enabled() { return overrides().bias_loads != BiasLoads::kDirect; }
 bool tma_bias_enabled() { return overrides().bias_loads == BiasLoads::kTma; }
 

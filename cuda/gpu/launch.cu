@@ -155,10 +155,19 @@ Sm90FwdOptions sm90_fwd_options(KernelFamily family, const FwdParams& p) {
                  : family == KernelFamily::kSm90WsDynamic ? QueryTileGrid::kDynamic
                  : p.mask.causal                          ? QueryTileGrid::kStaticPairs
                                                           : QueryTileGrid::kDynamic;
+  switch (forward_grid()) {
+    case ForwardGrid::kPerTile: options.grid = QueryTileGrid::kPerTile; break;
+    case ForwardGrid::kStaticPairs: options.grid = QueryTileGrid::kStaticPairs; break;
+    case ForwardGrid::kDynamic: options.grid = QueryTileGrid::kDynamic; break;
+    case ForwardGrid::kMeasured: break;
+  }
   options.tensor_sums = family != KernelFamily::kSm90WsAluSums;
   options.tma_store = family != KernelFamily::kSm90WsDirectStore;
   options.tiles = family == KernelFamily::kSm90WsNarrow ? Sm90FwdTiles::kNarrow
                   : family == KernelFamily::kSm90WsWide ? Sm90FwdTiles::kWide
+                  : family == KernelFamily::kSm90WsDeepRing ? Sm90FwdTiles::kDeepRing
+                  : family == KernelFamily::kSm90WsLongKeys ? Sm90FwdTiles::kLongKeys
+                  : family == KernelFamily::kSm90WsScoresAhead ? Sm90FwdTiles::kScoresAhead
                                                         : Sm90FwdTiles::kMeasured;
   return options;
 }

@@ -21,8 +21,13 @@ constexpr int tile_head_dim(int head_dim) { return (head_dim + 63) / 64 * 64; }
 // query rows each, kStages stages of K and of V. kValueHeadDim: V's and O's head dim Hv where it
 // differs from Q's and K's (MLA's 192 / 128: P V then makes Hv columns, not H of which H - Hv are
 // zeros; gpu/tile_shapes.cuh ValueHeadDimShapes).
-template <int kHeadDim_, int kBlockN_, int kStages_, int kConsumers_ = 2, int kValueHeadDim_ = kHeadDim_>
+// kScoresAhead (experimental, plain calls): each consumer warpgroup keeps two S buffers and issues
+// block i + 2's S with block i's P V, so that S is in before its softmax needs it (the loop's
+// chain then holds no wait for S); 64 more registers a thread.
+template <int kHeadDim_, int kBlockN_, int kStages_, int kConsumers_ = 2, int kValueHeadDim_ = kHeadDim_,
+          bool kScoresAhead_ = false>
 struct Sm90FwdWsTraits {
+  static constexpr bool kScoresAhead = kScoresAhead_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kTileHeadDim = tile_head_dim(kHeadDim);
   static constexpr int kValueHeadDim = kValueHeadDim_;
@@ -73,8 +78,8 @@ struct Sm90FwdWsTraits {
   static constexpr bool kBiasStagesFit =
       (kBlockN == 64 || kBlockN == 128) && kSmemBytesBiasStages + kStaticSmemBytes <= 227 * 1024;
   static_assert(kValueHeadDim % 64 == 0 || kValueHeadDim == 96, "P V is done in products of N = 128 and 64, or 96");
-  static_assert(kBlockN == 64 || kBlockN == 80 || kBlockN == 112 || kBlockN == 128 || kBlockN == 176,
-                "wgmma shapes are instantiated for N = 64, 80, 112, 128, 176");
+  static_assert(kBlockN == 64 || kBlockN == 80 || kBlockN == 112 || kBlockN == 128 || kBlockN == 176 || kBlockN == 192,
+                "wgmma shapes are instantiated for N = 64, 80, 112, 128, 176, 192");
 };
 
 // The warp-specialised backward (sm90/flash_bwd_ws_kernel.cuh): a producer warpgroup (TMA) and
