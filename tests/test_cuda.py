@@ -489,11 +489,10 @@ def test_forward_grid_override_on_hopper(grid):
         "test_command_buffer_capture")
 
 
-@pytest.mark.parametrize("tiles", ["sm90ws_deepring", "sm90ws_longkeys", "sm90ws_scoresahead"])
+@pytest.mark.parametrize("tiles", ["sm90ws_deepring", "sm90ws_longkeys"])
 def test_head_dim_64_experimental_forward_tiles_on_hopper(tiles):
-  """Experimental: head dim 64's forward with a third K/V stage (sm90ws_deepring), on 128 x 192
-  tiles (sm90ws_longkeys: key blocks of 192, causal calls among them) or with each S issued two
-  blocks ahead of its softmax (sm90ws_scoresahead: a stand-in product at a tile's end) passes the reference cases
+  """Experimental: head dim 64's forward with a third K/V stage (sm90ws_deepring) or on 128 x 192
+  tiles (sm90ws_longkeys: key blocks of 192, causal calls among them) passes the reference cases
   of the head dims that run its kernels (40 and 64: partial blocks, lengths, GQA, T != S), the
   forward's own split of o and the CUDA-graph capture."""
   _run_cuda_tests_on_hopper_with(

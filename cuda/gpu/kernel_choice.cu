@@ -56,7 +56,6 @@ std::optional<KernelFamily> read_override(const char* variable, bool forward, st
   if (forward && v == "sm90ws_wide") return KernelFamily::kSm90WsWide;
   if (forward && v == "sm90ws_deepring") return KernelFamily::kSm90WsDeepRing;
   if (forward && v == "sm90ws_longkeys") return KernelFamily::kSm90WsLongKeys;
-  if (forward && v == "sm90ws_scoresahead") return KernelFamily::kSm90WsScoresAhead;
   if (forward && v == "sm90ws_alusums") return KernelFamily::kSm90WsAluSums;
   if (forward && v == "sm90ws_directstore") return KernelFamily::kSm90WsDirectStore;
   if (!forward && v == "sm90ws_atomicdq") return KernelFamily::kSm90WsAtomicDq;
@@ -66,7 +65,7 @@ std::optional<KernelFamily> read_override(const char* variable, bool forward, st
   if (!forward && v == "sm90ws_deferdq") return KernelFamily::kSm90WsDeferDq;
   if (!forward && v == "sm90ws_stagedq") return KernelFamily::kSm90WsStageDq;
   append_unknown_value(error, variable, v,
-                       forward ? "sm80, sm90ws, sm90ws_grid, sm90ws_static, sm90ws_dynamic, sm90ws_narrow, sm90ws_wide, sm90ws_deepring, sm90ws_longkeys, sm90ws_scoresahead, sm90ws_alusums, sm90ws_directstore"
+                       forward ? "sm80, sm90ws, sm90ws_grid, sm90ws_static, sm90ws_dynamic, sm90ws_narrow, sm90ws_wide, sm90ws_deepring, sm90ws_longkeys, sm90ws_alusums, sm90ws_directstore"
                                : "sm80, sm90ws, sm90ws_atomicdq, sm90ws_bulkdq, sm90ws_tileddq, sm90ws_m80, sm90ws_deferdq, sm90ws_stagedq");
   return std::nullopt;
 }

@@ -4,7 +4,6 @@
 // choice for experiments and comparisons:
 //   JAX_FLASH_CUDA_FORWARD  = sm80 | sm90ws | sm90ws_grid | sm90ws_static | sm90ws_dynamic |
 //                             sm90ws_narrow | sm90ws_wide | sm90ws_deepring | sm90ws_longkeys |
-//                             sm90ws_scoresahead |
 //                             sm90ws_alusums | sm90ws_directstore
 //                             (default on Hopper: sm90ws)
 //   JAX_FLASH_CUDA_BACKWARD = sm80 | sm90ws | sm90ws_atomicdq | sm90ws_bulkdq | sm90ws_tileddq |
@@ -17,9 +16,8 @@
 // wide_tiles_by_default); sm90ws_grid is the same kernels on a CTA per tile, sm90ws_static and
 // sm90ws_dynamic on the persistent grid dealt tiles statically (the default before session 25)
 // or from the counter whatever the mask, sm90ws_narrow never takes the wide tiles, sm90ws_wide
-// wherever they exist; sm90ws_deepring, sm90ws_longkeys and sm90ws_scoresahead (experimental,
-// session 42) run head dim 64's plain calls with a third K/V stage, on 128 x 192 tiles, or on the
-// 128 x 128 tiles with each S issued two blocks ahead of its softmax (gpu/tile_shapes.cuh);
+// wherever they exist; sm90ws_deepring and sm90ws_longkeys (experimental, session 42) run head
+// dim 64's plain calls with a third K/V stage or on 128 x 192 tiles (gpu/tile_shapes.cuh);
 // sm90ws takes a plain differentiated call's sums of the 16-bit P from the tensor cores (P times
 // a column of ones) on the 128 x 128 tiles at head dims 64 and 128 (+0.9-2.4% fwd+bwd at hd128,
 // session 18), sm90ws_alusums from the softmax's own unpacking and adding, as before;
@@ -115,7 +113,7 @@ namespace jax_flash::cuda {
 // consumer warpgroups; head dims 192 and 256: key blocks of 112 and 80).
 enum class KernelFamily {
   kSm80, kSm90Ws, kSm90WsGrid, kSm90WsStatic, kSm90WsDynamic, kSm90WsNarrow, kSm90WsWide, kSm90WsDeepRing,
-  kSm90WsLongKeys, kSm90WsScoresAhead, kSm90WsAluSums, kSm90WsDirectStore,
+  kSm90WsLongKeys, kSm90WsAluSums, kSm90WsDirectStore,
   kSm90WsAtomicDq, kSm90WsBulkDq, kSm90WsTiledDq, kSm90WsM80, kSm90WsDeferDq, kSm90WsStageDq
 };
 

@@ -167,7 +167,6 @@ Sm90FwdOptions sm90_fwd_options(KernelFamily family, const FwdParams& p) {
                   : family == KernelFamily::kSm90WsWide ? Sm90FwdTiles::kWide
                   : family == KernelFamily::kSm90WsDeepRing ? Sm90FwdTiles::kDeepRing
                   : family == KernelFamily::kSm90WsLongKeys ? Sm90FwdTiles::kLongKeys
-                  : family == KernelFamily::kSm90WsScoresAhead ? Sm90FwdTiles::kScoresAhead
                                                         : Sm90FwdTiles::kMeasured;
   return options;
 }

@@ -102,8 +102,6 @@ cudaError_t launch_fwd_sm90_ws(const FwdParams& p, const Sm90FwdOptions& options
   } else {
     using Shapes = TileShapes<kHeadDim>;
     if constexpr (Shapes::kHasSm90FwdExperiments) {
-      if (options.tiles == Sm90FwdTiles::kScoresAhead && !general_kernel(p))
-        return launch<typename Shapes::Sm90FwdWsScoresAhead, T, true>(p, options, stream);
       if (options.tiles == Sm90FwdTiles::kLongKeys && !general_kernel(p))
         return launch<typename Shapes::Sm90FwdWsLongKeys, T, true>(p, options, stream);
       if (options.tiles == Sm90FwdTiles::kDeepRing && !general_kernel(p))

@@ -126,8 +126,6 @@ template <typename Traits, typename T, bool kGeneral, bool kBlockWalk = false, b
           bool kIds = kGeneral, bool kTmaStore = false, bool kDropout = false, bool kLogitArrays = false>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdTmaParams params) {
-  static_assert(!Traits::kScoresAhead || (!kGeneral && !kBlockWalk && Traits::kStages >= 3),
-                "S ahead: the plain kernels, with a third stage (K two blocks ahead of its use)");
   static_assert(!kDropout || (kGeneral && !kIds && !kTensorSums && !kTmaStore && !kBlockWalk),
                 "dropout: a general kernel without ids, tensor sums or the TMA store");
   static_assert(!kLogitArrays || (kGeneral && !kDropout && !kTensorSums && !kTmaStore && !kBlockWalk),
@@ -166,7 +164,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
     Mbarrier::fence_init();
   }
-  if constexpr (kTensorSums || Traits::kScoresAhead) {
+  if constexpr (kTensorSums) {
     for (int i = threadIdx.x; i < Traits::kOnesElements / 2; i += Traits::kThreads)
       reinterpret_cast<uint32_t*>(smem.ones)[i] = MmaOp<T>::pack(1.f, 1.f);
     fence_proxy_async();  // wgmma reads the tile through the async proxy
@@ -377,148 +375,60 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
       };
       Mbarrier(&bars.q_full).wait(q_round & 1);
+      Mbarrier(&bars.k_full[stage_of(0)]).wait(phase_of(0));
+      float s[1][kBN / 8][4];
+      issue_scores<Traits, T>(s, q_address, group * 64, smem_address(smem.k_stage(stage_of(0))));
+      wgmma_wait<0>();
+      fence_registers(s[0]);
+      stamp(kFwdEventFirstS);
+      release(&bars.k_empty[stage_of(0)]);
+      if (count == 1) release(&bars.q_empty);
+      mask_block(s, 0);
+      if (softmax.must_rescale(s, scale_log2)) softmax.rescale(o, scale_log2);  // (row_sums are 0)
+      softmax.exponentiate(s, scale_log2);
       uint32_t pa[kBN / 16][1][4];
-      if constexpr (Traits::kScoresAhead) {
-        // Two blocks a pass, S two blocks ahead of its softmax: block j's S in s0 (j even) or s1,
-        // issued with P(j - 2) V(j - 2). ptxas keeps the products asynchronous only where each
-        // group is waited in the pass that issued it (nothing pending at the back edge) and the
-        // count of groups pending at each wait is the same on every path: where there is no S to
-        // issue, a stand-in product takes its place.
-        float s0[1][kBN / 8][4], s1[1][kBN / 8][4];
-        auto issue_ahead = [&](float (&s)[1][kBN / 8][4], int j) {
-          if (j < count)
-            issue_scores<Traits, T>(s, q_address, group * 64, smem_address(smem.k_stage(stage_of(j))));
-          else
-            issue_placeholder<Traits, T>(s, ones_desc);
-        };
-        auto softmax_block = [&](float (&s)[1][kBN / 8][4], int j) {
-          mask_block(s, j);
-          const bool moved = softmax.must_rescale(s, scale_log2);
-          if (moved) softmax.move_reference(scale_log2);
-          softmax.exponentiate(s, scale_log2);
-          return moved;
-        };
-        // P(j) from s once P(j - 1) V(j - 1) is in (O rescaled first if the reference moved).
-        auto convert = [&](float (&s)[1][kBN / 8][4], bool moved) {
-          if (moved) {
-            softmax.rescale_output(o);
-            if constexpr (kTensorSums) softmax.rescale_output(row_sums);
-          }
-          accumulator_to_a<T>(pa, s);
-          if (!kTensorSums && p.for_backward()) softmax.template add_rounded_sums<T>(pa);
-        };
-        auto issue_block = [&](int i, float (&ahead)[1][kBN / 8][4]) {  // P(i) V(i) and S(i + 2)
-          if (i + 2 < count) Mbarrier(&bars.k_full[stage_of(i + 2)]).wait(phase_of(i + 2));
-          wait_turn();
-          Mbarrier(&bars.v_full[stage_of(i)]).wait(phase_of(i));
-          issue_output<Traits, T, kTensorSums>(o, pa, smem_address(smem.v_stage(stage_of(i))), &row_sums[0], ones_desc);
-          issue_ahead(ahead, i + 2);
-          pass_turn();
-          stamp(kFwdEventIssued, i + 1);
-        };
-        Mbarrier(&bars.k_full[stage_of(0)]).wait(phase_of(0));
-        issue_scores<Traits, T>(s0, q_address, group * 64, smem_address(smem.k_stage(stage_of(0))));
-        if (count > 1) Mbarrier(&bars.k_full[stage_of(1)]).wait(phase_of(1));
-        issue_ahead(s1, 1);
+      accumulator_to_a<T>(pa, s);
+      if (!kTensorSums && p.for_backward()) softmax.template add_rounded_sums<T>(pa);  // differentiated calls only
+      drop_block(pa, 0);
+      stamp(kFwdEventConverted, 0);
+
+      for (int i = 0; i + 1 < count; ++i) {
+        const int stage = stage_of(i), next = stage_of(i + 1);
+        Mbarrier(&bars.k_full[next]).wait(phase_of(i + 1));
+        stamp(kFwdEventKeyFull, i + 1);
+        wait_turn();
+        stamp(kFwdEventTurn, i + 1);
+        // S(i + 1) and then P(i) V(i); waiting for all but the newest group waits for S(i + 1)
+        // only, so the softmax of block i + 1 runs while P(i) V(i) is on the tensor cores.
+        issue_scores<Traits, T>(s, q_address, group * 64, smem_address(smem.k_stage(next)));
+        Mbarrier(&bars.v_full[stage]).wait(phase_of(i));
+        issue_output<Traits, T, kTensorSums>(o, pa, smem_address(smem.v_stage(stage)), &row_sums[0], ones_desc);
+        pass_turn();
+        stamp(kFwdEventIssued, i + 1);
         wgmma_wait<1>();
-        fence_registers(s0[0]);
-        stamp(kFwdEventFirstS);
-        release(&bars.k_empty[stage_of(0)]);
-        if (count == 1) release(&bars.q_empty);
-        softmax_block(s0, 0);  // (O and the row sums are 0: nothing to rescale)
-        wgmma_wait<0>();
-        fence_registers(s1[0]);
-        if (count > 1) release(&bars.k_empty[stage_of(1)]);
-        if (count == 2) release(&bars.q_empty);
-        convert(s0, false);
-        stamp(kFwdEventConverted, 0);
-        for (int i = 0; i + 1 < count; i += 2) {
-          // S(i + 1) is in s1.
-          issue_block(i, s0);
-          stamp(kFwdEventScores, i + 1);
-          bool moved = softmax_block(s1, i + 1);
-          stamp(kFwdEventSoftmax, i + 1);
-          wgmma_wait<1>();  // P(i) V(i) is in
-          fence_registers(o[0]);
-          release(&bars.v_empty[stage_of(i)]);
-          convert(s1, moved);
-          stamp(kFwdEventConverted, i + 1);
-          if (i + 2 >= count) {
-            wgmma_wait<0>();  // (the stand-in)
-            break;
-          }
-          issue_block(i + 1, s1);
-          wgmma_wait<2>();  // S(i + 2) is in
-          fence_registers(s0[0]);
-          stamp(kFwdEventScores, i + 2);
-          release(&bars.k_empty[stage_of(i + 2)]);
-          if (i + 3 == count) release(&bars.q_empty);  // the tile's last S is in
-          moved = softmax_block(s0, i + 2);
-          stamp(kFwdEventSoftmax, i + 2);
-          wgmma_wait<0>();  // P(i + 1) V(i + 1) and S(i + 3) are in
-          fence_registers(o[0]);
-          fence_registers(s1[0]);
-          release(&bars.v_empty[stage_of(i + 1)]);
-          if (i + 3 < count) release(&bars.k_empty[stage_of(i + 3)]);
-          if (i + 4 == count) release(&bars.q_empty);
-          convert(s0, moved);
-          stamp(kFwdEventConverted, i + 2);
-        }
-      } else {
-        Mbarrier(&bars.k_full[stage_of(0)]).wait(phase_of(0));
-        float s[1][kBN / 8][4];
-        issue_scores<Traits, T>(s, q_address, group * 64, smem_address(smem.k_stage(stage_of(0))));
-        wgmma_wait<0>();
         fence_registers(s[0]);
-        stamp(kFwdEventFirstS);
-        release(&bars.k_empty[stage_of(0)]);
-        if (count == 1) release(&bars.q_empty);
-        mask_block(s, 0);
-        if (softmax.must_rescale(s, scale_log2)) softmax.rescale(o, scale_log2);  // (row_sums are 0)
+        stamp(kFwdEventScores, i + 1);
+        release(&bars.k_empty[next]);
+        if (i + 2 == count) release(&bars.q_empty);  // the tile's last S is in
+        mask_block(s, i + 1);
+        stamp(kFwdEventMasked, i + 1);
+        const bool moved = softmax.must_rescale(s, scale_log2);
+        if (moved) softmax.move_reference(scale_log2);
+        stamp(kFwdEventMaxed, i + 1);
         softmax.exponentiate(s, scale_log2);
+        stamp(kFwdEventSoftmax, i + 1);
+        wgmma_wait<0>();  // P(i) V(i) is in: O and P(i)'s registers and V stage are free
+        fence_registers(o[0]);
+        stamp(kFwdEventOutput, i + 1);
+        release(&bars.v_empty[stage]);
+        if (moved) {
+          softmax.rescale_output(o);
+          if constexpr (kTensorSums) softmax.rescale_output(row_sums);
+        }
         accumulator_to_a<T>(pa, s);
         if (!kTensorSums && p.for_backward()) softmax.template add_rounded_sums<T>(pa);  // differentiated calls only
-        drop_block(pa, 0);
-        stamp(kFwdEventConverted, 0);
-
-        for (int i = 0; i + 1 < count; ++i) {
-          const int stage = stage_of(i), next = stage_of(i + 1);
-          Mbarrier(&bars.k_full[next]).wait(phase_of(i + 1));
-          stamp(kFwdEventKeyFull, i + 1);
-          wait_turn();
-          stamp(kFwdEventTurn, i + 1);
-          // S(i + 1) and then P(i) V(i); waiting for all but the newest group waits for S(i + 1)
-          // only, so the softmax of block i + 1 runs while P(i) V(i) is on the tensor cores.
-          issue_scores<Traits, T>(s, q_address, group * 64, smem_address(smem.k_stage(next)));
-          Mbarrier(&bars.v_full[stage]).wait(phase_of(i));
-          issue_output<Traits, T, kTensorSums>(o, pa, smem_address(smem.v_stage(stage)), &row_sums[0], ones_desc);
-          pass_turn();
-          stamp(kFwdEventIssued, i + 1);
-          wgmma_wait<1>();
-          fence_registers(s[0]);
-          stamp(kFwdEventScores, i + 1);
-          release(&bars.k_empty[next]);
-          if (i + 2 == count) release(&bars.q_empty);  // the tile's last S is in
-          mask_block(s, i + 1);
-          stamp(kFwdEventMasked, i + 1);
-          const bool moved = softmax.must_rescale(s, scale_log2);
-          if (moved) softmax.move_reference(scale_log2);
-          stamp(kFwdEventMaxed, i + 1);
-          softmax.exponentiate(s, scale_log2);
-          stamp(kFwdEventSoftmax, i + 1);
-          wgmma_wait<0>();  // P(i) V(i) is in: O and P(i)'s registers and V stage are free
-          fence_registers(o[0]);
-          stamp(kFwdEventOutput, i + 1);
-          release(&bars.v_empty[stage]);
-          if (moved) {
-            softmax.rescale_output(o);
-            if constexpr (kTensorSums) softmax.rescale_output(row_sums);
-          }
-          accumulator_to_a<T>(pa, s);
-          if (!kTensorSums && p.for_backward()) softmax.template add_rounded_sums<T>(pa);  // differentiated calls only
-          drop_block(pa, i + 1);
-          stamp(kFwdEventConverted, i + 1);
-        }
+        drop_block(pa, i + 1);
+        stamp(kFwdEventConverted, i + 1);
       }
       const int last = stage_of(count - 1);
       Mbarrier(&bars.v_full[last]).wait(phase_of(count - 1));

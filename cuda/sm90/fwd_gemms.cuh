@@ -26,17 +26,6 @@ __device__ __forceinline__ void issue_scores(float (&s)[1][Traits::kBlockN / 8][
   wgmma_commit();
 }
 
-// A stand-in group where a loop keeps a fixed number of products pending and has no S to issue
-// (Traits::kScoresAhead's last block): one k-step of the ones tile times itself into s, whose
-// result nobody reads; both descriptors' zero strides keep every read inside the 1 KiB tile.
-template <typename Traits, typename T>
-__device__ __forceinline__ void issue_placeholder(float (&s)[1][Traits::kBlockN / 8][4], uint64_t ones_desc) {
-  fence_registers(s[0]);
-  wgmma_fence();
-  Wgmma<T, Traits::kBlockN>::ss(s[0], ones_desc, ones_desc, false);
-  wgmma_commit();
-}
-
 // A descriptor of the ones tile (1 KiB of 16-bit ones, 1 KiB aligned) as the B operand of an
 // N = 8 product, N-major: every k row reads the same 128-byte swizzle atom rows, all ones.
 __device__ __forceinline__ uint64_t ones_descriptor(uint32_t ones_address) {

@@ -21,13 +21,8 @@ constexpr int tile_head_dim(int head_dim) { return (head_dim + 63) / 64 * 64; }
 // query rows each, kStages stages of K and of V. kValueHeadDim: V's and O's head dim Hv where it
 // differs from Q's and K's (MLA's 192 / 128: P V then makes Hv columns, not H of which H - Hv are
 // zeros; gpu/tile_shapes.cuh ValueHeadDimShapes).
-// kScoresAhead (experimental, plain calls): each consumer warpgroup keeps two S buffers and issues
-// block i + 2's S with block i's P V, so that S is in before its softmax needs it (the loop's
-// chain then holds no wait for S); 64 more registers a thread.
-template <int kHeadDim_, int kBlockN_, int kStages_, int kConsumers_ = 2, int kValueHeadDim_ = kHeadDim_,
-          bool kScoresAhead_ = false>
+template <int kHeadDim_, int kBlockN_, int kStages_, int kConsumers_ = 2, int kValueHeadDim_ = kHeadDim_>
 struct Sm90FwdWsTraits {
-  static constexpr bool kScoresAhead = kScoresAhead_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kTileHeadDim = tile_head_dim(kHeadDim);
   static constexpr int kValueHeadDim = kValueHeadDim_;

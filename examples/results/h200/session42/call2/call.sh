@@ -8,9 +8,9 @@
 # choices' reference cases.
 #   run from the repository root on the GPU machine: bash examples/results/h200/session42/call2/call.sh
 set -uo pipefail
-BUDGET_S=${BUDGET_S:-560} source .ci/gpu/call_preamble.sh  # (step, bench_variants)
+BUDGET_S=${BUDGET_S:-330} source .ci/gpu/call_preamble.sh  # (step, bench_variants)
 f=JAX_FLASH_CUDA_FORWARD g=JAX_FLASH_CUDA_FWD_GRID
-bench_variants 60 default=tree dynamic=$g=dynamic pertile=$g=per_tile wide_dynamic=$f=sm90ws_wide,$g=dynamic \
+bench_variants 60 default=tree dynamic=$g=dynamic wide_dynamic=$f=sm90ws_wide,$g=dynamic \
   wide_pertile=$f=sm90ws_wide,$g=per_tile longkeys_dynamic=$f=sm90ws_longkeys,$g=dynamic default2=tree -- \
   --seqs 2048 8192 --head-dims 64 --causal yes
 step switches 170 "${PT[@]}" tests/test_cuda.py -k "experimental_forward_tiles and not scoresahead"
