@@ -6,6 +6,7 @@
 # tiles of the non-causal calls (sm90ws_wide), with call 1's 128 x 192 tiles (sm90ws_longkeys) and
 # the default again, each in its own process beside cuDNN and tokamax; then the experimental tile
 # choices' reference cases.
+# Not run in session 42: the pool refused six starts.
 #   run from the repository root on the GPU machine: bash examples/results/h200/session42/call2/call.sh
 set -uo pipefail
 BUDGET_S=${BUDGET_S:-330} source .ci/gpu/call_preamble.sh  # (step, bench_variants)
