@@ -48,9 +48,13 @@ struct QueryBlock {
   }
 
   // Whether some row sees only part of key block n0 (or is padding): then masks apply.
-  __device__ bool needs_mask(int64_t n0) const {
-    return has_padding_rows || n0 < last.begin || n0 + kBlockN > first.end;
-  }
+  __device__ bool needs_mask(int64_t n0) const { return has_padding_rows || live_rows_need_mask(n0); }
+  // Whether some live row sees only part of key block n0: the plain forwards' masks apply only
+  // there. A row past q_len needs none in a forward (its softmax is its own and the epilogue
+  // writes it empty, from the mask alone), and masking every block of a tile that holds such rows
+  // cost its loop half again (the 192-row tiles' last at seq 8192, session 43); a backward still
+  // masks them (needs_mask), since their P would reach dK and dV.
+  __device__ bool live_rows_need_mask(int64_t n0) const { return n0 < last.begin || n0 + kBlockN > first.end; }
 };
 
 // A query-block CTA's problem (the forward kernels and the deterministic dQ kernel): batch b, query

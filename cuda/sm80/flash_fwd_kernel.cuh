@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
         ScoreMods(p, task.b, task.h).apply(s, m0 + warp_m0, n0, lane);
         mask_forward_block<kBN>(s, p, task.b, m0, m0 + blk.live_rows, blk.needs_mask(n0), m0 + warp_m0, n0,
                                 task.q_len, task.kv_len, lane, &seen);
-      } else if (blk.needs_mask(n0)) {
+      } else if (blk.live_rows_need_mask(n0)) {
         mask_scores(s, p.mask, m0 + warp_m0, n0, task.q_len, task.kv_len, lane);
       }
 
