@@ -405,36 +405,23 @@ def test_mma_sync_kernels_on_hopper():
       "or test_forward_splits_o_as_xla_would")
 
 
-def test_forward_on_a_cta_per_tile_on_hopper():
-  """The default forward's kernel on a CTA per tile instead of its persistent grid
-  (JAX_FLASH_CUDA_FORWARD=sm90ws_grid) passes the reference cases of head dims 33..128, the
-  CUDA-graph capture and the training step."""
+# JAX_FLASH_CUDA_FWD_GRID forces one deal of the forward's tiles (sm90/tile_scheduler.cuh) where
+# the default deals causal calls' in static pairs and the others' from the counter: each runs
+# the deal the default does not use somewhere.
+@pytest.mark.parametrize("grid", ["per_tile", "static", "dynamic"])
+def test_forward_grid_override_on_hopper(grid):
+  """The default forward's kernels on a CTA per tile, or on their persistent grid dealt tiles in
+  static pairs or from the counter whatever the mask (JAX_FLASH_CUDA_FWD_GRID), pass the
+  reference cases of head dims 33..128 (causal ones among them), the CUDA-graph capture and the
+  training step; and so do head dim 64's three-warpgroup tiles (sm90ws_wide), which the default
+  runs only without a causal mask."""
   _run_cuda_tests_on_hopper_with(
-      {"JAX_FLASH_CUDA_FORWARD": "sm90ws_grid"},
+      {"JAX_FLASH_CUDA_FWD_GRID": grid},
       "(test_cuda_matches_reference and (h40 or h64 or h80 or h96 or h111 or h128)) "
       "or test_command_buffer_capture or test_jit_training_step_reduces_loss")
-
-
-def test_forward_on_a_static_persistent_grid_on_hopper():
-  """The default forward's kernel on its persistent grid dealt tiles statically in pairs whatever
-  the mask (JAX_FLASH_CUDA_FORWARD=sm90ws_static; the default deals them so with a causal mask
-  only) passes the reference cases of head dims 33..128, the CUDA-graph capture and the training
-  step."""
   _run_cuda_tests_on_hopper_with(
-      {"JAX_FLASH_CUDA_FORWARD": "sm90ws_static"},
-      "(test_cuda_matches_reference and (h40 or h64 or h80 or h96 or h111 or h128)) "
-      "or test_command_buffer_capture or test_jit_training_step_reduces_loss")
-
-
-def test_forward_on_a_dynamic_persistent_grid_on_hopper():
-  """The default forward's kernel on its persistent grid taking tiles from the counter whatever
-  the mask (JAX_FLASH_CUDA_FORWARD=sm90ws_dynamic; the default takes it without a causal mask
-  only) passes the reference cases of head dims 33..128 (causal ones among them) and the
-  CUDA-graph capture."""
-  _run_cuda_tests_on_hopper_with(
-      {"JAX_FLASH_CUDA_FORWARD": "sm90ws_dynamic"},
-      "(test_cuda_matches_reference and (h40 or h64 or h80 or h96 or h111 or h128)) "
-      "or test_forward_only_matches_reference or test_command_buffer_capture")
+      {"JAX_FLASH_CUDA_FWD_GRID": grid, "JAX_FLASH_CUDA_FORWARD": "sm90ws_wide"},
+      "(test_cuda_matches_reference and h64) or test_command_buffer_capture")
 
 
 def test_forward_alu_sums_on_hopper():
@@ -475,30 +462,6 @@ def test_forward_tile_choices_on_hopper(tiles):
       "(test_cuda_matches_reference and (h40 or h64 or h80 or h96 or h111 or h128 or h192 or h256)) or "
       "test_forward_splits_o_as_xla_would or test_command_buffer_capture or "
       "test_jit_training_step_reduces_loss")
-
-
-@pytest.mark.parametrize("grid", ["per_tile", "static", "dynamic"])
-def test_forward_grid_override_on_hopper(grid):
-  """JAX_FLASH_CUDA_FWD_GRID deals the forward's tiles one way whatever the mask (a CTA per tile,
-  static pairs or the counter) on the 128-row and the 192-row tiles of head dim 64: the reference
-  cases of 64, the forward of more tiles than SMs and the CUDA-graph capture pass."""
-  for tiles in ("sm90ws_narrow", "sm90ws_wide"):
-    _run_cuda_tests_on_hopper_with(
-        {"JAX_FLASH_CUDA_FWD_GRID": grid, "JAX_FLASH_CUDA_FORWARD": tiles},
-        "(test_cuda_matches_reference and h64) or test_forward_of_more_tiles_than_sms_here or "
-        "test_command_buffer_capture")
-
-
-@pytest.mark.parametrize("tiles", ["sm90ws_deepring", "sm90ws_longkeys"])
-def test_head_dim_64_experimental_forward_tiles_on_hopper(tiles):
-  """Experimental: head dim 64's forward with a third K/V stage (sm90ws_deepring) or on 128 x 192
-  tiles (sm90ws_longkeys: key blocks of 192, causal calls among them) passes the reference cases
-  of the head dims that run its kernels (40 and 64: partial blocks, lengths, GQA, T != S), the
-  forward's own split of o and the CUDA-graph capture."""
-  _run_cuda_tests_on_hopper_with(
-      {"JAX_FLASH_CUDA_FORWARD": tiles},
-      "(test_cuda_matches_reference and (h40 or h64)) or test_forward_splits_o_as_xla_would or "
-      "test_command_buffer_capture")
 
 
 # The default backward visits 128-row query blocks at head dims 33..64, adds dQ by bulk row
@@ -641,7 +604,7 @@ def test_narrow_calls_unsplit_on_cuda():
 MANY_TILES_PROCESS = "JAX_FLASH_TESTS_MANY_TILES_PROCESS"
 
 
-@pytest.mark.parametrize("grid", [None, "sm90ws_static", "sm90ws_dynamic"], ids=["default", "static", "dynamic"])
+@pytest.mark.parametrize("grid", [None, "static", "dynamic"], ids=["default", "static", "dynamic"])
 def test_forward_of_more_tiles_than_sms(grid):
   """A forward of 640 query tiles (more than an H100's or H200's SMs: the persistent CTAs take
   several each) with the default kernels and under each persistent grid, causal and not, against
@@ -651,7 +614,7 @@ def test_forward_of_more_tiles_than_sms(grid):
   process with a timeout, so that a hang fails this test instead of holding the suite."""
   if grid is not None and not _on_hopper():
     pytest.skip("the tile grids are Hopper's")
-  env = {MANY_TILES_PROCESS: "1", **({"JAX_FLASH_CUDA_FORWARD": grid} if grid else {})}
+  env = {MANY_TILES_PROCESS: "1", **({"JAX_FLASH_CUDA_FWD_GRID": grid} if grid else {})}
   gpu_tests_in_a_process(__file__, "test_forward_of_more_tiles_than_sms_here", env, timeout_s=240)
 
 
@@ -684,9 +647,11 @@ def test_split_kv_decoding_on_cuda():
                                              ("JAX_FLASH_CUDA_VALUE_HEAD_DIM", "nativ"),
                                              ("JAX_FLASH_CUDA_DECODE_LOADS", "evict"),
                                              ("JAX_FLASH_CUDA_BIAS_LOADS", "stage"),
-                                             ("JAX_FLASH_CUDA_FWD_GRID", "pertile")])
+                                             ("JAX_FLASH_CUDA_FWD_GRID", "pertile"),
+                                             ("JAX_FLASH_CUDA_FORWARD", "sm90ws_static")])
 def test_unknown_kernel_choice_is_an_error(variable, value):
-  """A misspelt override is reported by name, not ignored."""
+  """A misspelt override (or a removed one: sm90ws_static is JAX_FLASH_CUDA_FWD_GRID=static since
+  session 43) is reported by name, not ignored."""
   result = _run_in_subprocess({variable: value}, "-k", "test_cuda_is_default_on_gpu")
   assert result.returncode != 0
   assert f"{variable}={value} is not one of" in result.stdout + result.stderr

@@ -31,7 +31,7 @@ struct Overrides {
   bool own_value_head_dim = true;  // JAX_FLASH_CUDA_VALUE_HEAD_DIM=padded turns it off
   DecodeLoads decode_loads = DecodeLoads::kPlain;
   BiasLoads bias_loads = BiasLoads::kTma;
-  ForwardGrid forward_grid = ForwardGrid::kMeasured;
+  std::optional<QueryTileGrid> forward_grid;  // JAX_FLASH_CUDA_FWD_GRID=measured (or unset): none
   std::string error;
 };
 
@@ -49,13 +49,8 @@ std::optional<KernelFamily> read_override(const char* variable, bool forward, st
   const std::string v = value;
   if (v == "sm80") return KernelFamily::kSm80;
   if (v == "sm90ws") return KernelFamily::kSm90Ws;
-  if (forward && v == "sm90ws_grid") return KernelFamily::kSm90WsGrid;
-  if (forward && v == "sm90ws_static") return KernelFamily::kSm90WsStatic;
-  if (forward && v == "sm90ws_dynamic") return KernelFamily::kSm90WsDynamic;
   if (forward && v == "sm90ws_narrow") return KernelFamily::kSm90WsNarrow;
   if (forward && v == "sm90ws_wide") return KernelFamily::kSm90WsWide;
-  if (forward && v == "sm90ws_deepring") return KernelFamily::kSm90WsDeepRing;
-  if (forward && v == "sm90ws_longkeys") return KernelFamily::kSm90WsLongKeys;
   if (forward && v == "sm90ws_alusums") return KernelFamily::kSm90WsAluSums;
   if (forward && v == "sm90ws_directstore") return KernelFamily::kSm90WsDirectStore;
   if (!forward && v == "sm90ws_atomicdq") return KernelFamily::kSm90WsAtomicDq;
@@ -65,7 +60,7 @@ std::optional<KernelFamily> read_override(const char* variable, bool forward, st
   if (!forward && v == "sm90ws_deferdq") return KernelFamily::kSm90WsDeferDq;
   if (!forward && v == "sm90ws_stagedq") return KernelFamily::kSm90WsStageDq;
   append_unknown_value(error, variable, v,
-                       forward ? "sm80, sm90ws, sm90ws_grid, sm90ws_static, sm90ws_dynamic, sm90ws_narrow, sm90ws_wide, sm90ws_deepring, sm90ws_longkeys, sm90ws_alusums, sm90ws_directstore"
+                       forward ? "sm80, sm90ws, sm90ws_narrow, sm90ws_wide, sm90ws_alusums, sm90ws_directstore"
                                : "sm80, sm90ws, sm90ws_atomicdq, sm90ws_bulkdq, sm90ws_tileddq, sm90ws_m80, sm90ws_deferdq, sm90ws_stagedq");
   return std::nullopt;
 }
@@ -114,11 +109,11 @@ BiasLoads read_bias_loads(std::string& error) {
   return kChoices[read_choice(kBiasLoadsVariable, values, error)];
 }
 
-// JAX_FLASH_CUDA_FWD_GRID: measured where unset.
-ForwardGrid read_forward_grid(std::string& error) {
+// JAX_FLASH_CUDA_FWD_GRID: none (measured) where unset.
+std::optional<QueryTileGrid> read_forward_grid(std::string& error) {
   const char* const values[] = {"measured", "per_tile", "static", "dynamic"};
-  constexpr ForwardGrid kChoices[] = {ForwardGrid::kMeasured, ForwardGrid::kPerTile, ForwardGrid::kStaticPairs,
-                                      ForwardGrid::kDynamic};
+  constexpr std::optional<QueryTileGrid> kChoices[] = {std::nullopt, QueryTileGrid::kPerTile,
+                                                       QueryTileGrid::kStaticPairs, QueryTileGrid::kDynamic};
   return kChoices[read_choice(kForwardGridVariable, values, error)];
 }
 
@@ -179,7 +174,7 @@ bool native_head_dim_96_enabled() { return overrides().native_head_dim_96; }
 HeadDim192Backward head_dim_192_backward() { return overrides().head_dim_192_backward; }
 bool own_value_head_dim_enabled() { return overrides().own_value_head_dim; }
 DecodeLoads decode_loads() { return overrides().decode_loads; }
-ForwardGrid forward_grid() { return overrides().forward_grid; }
+std::optional<QueryTileGrid> forward_grid_override() { return overrides().forward_grid; }
 bool staged_bias_enabled() { return overrides().bias_loads != BiasLoads::kDirect; }
 bool tma_bias_enabled() { return overrides().bias_loads == BiasLoads::kTma; }
 

@@ -2,9 +2,8 @@
 // wgmma (sm90ws) kernels, wherever gpu/tile_shapes.cuh has one for the head dim; the mma.sync
 // (sm80) family everywhere else. These environment variables, read once per process, override the
 // choice for experiments and comparisons:
-//   JAX_FLASH_CUDA_FORWARD  = sm80 | sm90ws | sm90ws_grid | sm90ws_static | sm90ws_dynamic |
-//                             sm90ws_narrow | sm90ws_wide | sm90ws_deepring | sm90ws_longkeys |
-//                             sm90ws_alusums | sm90ws_directstore
+//   JAX_FLASH_CUDA_FORWARD  = sm80 | sm90ws | sm90ws_narrow | sm90ws_wide | sm90ws_alusums |
+//                             sm90ws_directstore
 //                             (default on Hopper: sm90ws)
 //   JAX_FLASH_CUDA_BACKWARD = sm80 | sm90ws | sm90ws_atomicdq | sm90ws_bulkdq | sm90ws_tileddq |
 //                             sm90ws_m80 | sm90ws_deferdq | sm90ws_stagedq
@@ -13,14 +12,11 @@
 // (sm90/tile_scheduler.cuh kDynamic, session 25) where there is no causal mask, and are dealt
 // them statically in pairs of a long and a short causal block where there is (kStaticPairs), with
 // FlashAttention-3's wider tiles where they measured faster (gpu/tile_shapes.cuh
-// wide_tiles_by_default); sm90ws_grid is the same kernels on a CTA per tile, sm90ws_static and
-// sm90ws_dynamic on the persistent grid dealt tiles statically (the default before session 25)
-// or from the counter whatever the mask, sm90ws_narrow never takes the wide tiles, sm90ws_wide
-// wherever they exist; sm90ws_deepring and sm90ws_longkeys (experimental, session 42) run head
-// dim 64's plain calls with a third K/V stage or on 128 x 192 tiles (gpu/tile_shapes.cuh);
-// sm90ws takes a plain differentiated call's sums of the 16-bit P from the tensor cores (P times
-// a column of ones) on the 128 x 128 tiles at head dims 64 and 128 (+0.9-2.4% fwd+bwd at hd128,
-// session 18), sm90ws_alusums from the softmax's own unpacking and adding, as before;
+// wide_tiles_by_default; JAX_FLASH_CUDA_FWD_GRID below deals the tiles otherwise); sm90ws_narrow
+// never takes the wide tiles, sm90ws_wide wherever they exist; sm90ws takes a plain
+// differentiated call's sums of the 16-bit P from the tensor cores (P times a column of ones) on
+// the 128 x 128 tiles at head dims 64 and 128 (+0.9-2.4% fwd+bwd at hd128, session 18),
+// sm90ws_alusums from the softmax's own unpacking and adding, as before;
 // sm90ws stores a plain call's 16-bit O by TMA from shared memory at head dims 64 and 128
 // (FlashAttention-3's epilogue; +1-7% on the inference forward, session 21),
 // sm90ws_directstore by every thread's 4-byte stores, as before. The
@@ -84,12 +80,14 @@
 //                               always (session 34). `direct`: every element a global load in
 //                               the consumers' path and dbias a float32 atomic (session 33's
 //                               first version).
-//   JAX_FLASH_CUDA_FWD_GRID = measured | per_tile | static | dynamic (default: measured;
-//                             experimental, session 42): how the Hopper forward's CTAs take their
-//                             query tiles (sm90/tile_scheduler.cuh), whatever the mask and family:
-//                             measured is the family's own deal (static pairs with a causal mask,
+//   JAX_FLASH_CUDA_FWD_GRID = measured | per_tile | static | dynamic (default: measured): how the
+//                             Hopper forward's CTAs take their query tiles
+//                             (sm90/tile_scheduler.cuh QueryTileGrid), whatever the mask and tiles:
+//                             measured is gpu/launch.cu's choice (static pairs with a causal mask,
 //                             the counter without), the others force a CTA per tile, static pairs
-//                             or the counter.
+//                             (everywhere the default before session 25) or the counter. (Until
+//                             session 43 also JAX_FLASH_CUDA_FORWARD=sm90ws_grid, sm90ws_static and
+//                             sm90ws_dynamic.)
 //   JAX_FLASH_CUDA_NARROW = split | off (default: split since session 19, whose differential run
 //                           of 2000 configurations gave 0 misses under it): narrow plain calls
 //                           (narrow_shape below) run the mma.sync kernels with P and dS as hi +
@@ -98,22 +96,20 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "common/mask.h"
 
 namespace jax_flash::cuda {
 
-// The kernel family of a pass: mma.sync (sm80) or warp-specialised wgmma (sm90ws); for the forward
-// also sm90ws on a CTA per tile (sm90ws_grid) or on its persistent grid with the tiles dealt
-// statically / from the counter whatever the mask (sm90ws_static / sm90ws_dynamic), for the
-// backward sm90ws with 64-row query blocks and dQ forced to atomics or to bulk reductions.
+// The kernel family of a pass: mma.sync (sm80) or warp-specialised wgmma (sm90ws); for the
+// backward also sm90ws with 64-row query blocks and dQ forced to atomics or to bulk reductions.
 // sm90ws_narrow / sm90ws_wide (forward): sm90ws with the plain calls' wide tiles never / wherever
 // they exist (head dim 128 non-causal: key blocks of 176; head dim 64: 192 query rows, three
 // consumer warpgroups; head dims 192 and 256: key blocks of 112 and 80).
 enum class KernelFamily {
-  kSm80, kSm90Ws, kSm90WsGrid, kSm90WsStatic, kSm90WsDynamic, kSm90WsNarrow, kSm90WsWide, kSm90WsDeepRing,
-  kSm90WsLongKeys, kSm90WsAluSums, kSm90WsDirectStore,
+  kSm80, kSm90Ws, kSm90WsNarrow, kSm90WsWide, kSm90WsAluSums, kSm90WsDirectStore,
   kSm90WsAtomicDq, kSm90WsBulkDq, kSm90WsTiledDq, kSm90WsM80, kSm90WsDeferDq, kSm90WsStageDq
 };
 
@@ -147,9 +143,11 @@ enum class DecodeLoads { kPlain, kEvictFirst, kPrefetch256 };
 DecodeLoads decode_loads();
 // How the Hopper kernels read a bias array (JAX_FLASH_CUDA_BIAS_LOADS).
 enum class BiasLoads { kTma, kStaged, kDirect };
-// JAX_FLASH_CUDA_FWD_GRID's deal of the Hopper forward's tiles (gpu/launch.cu sm90_fwd_options).
-enum class ForwardGrid { kMeasured, kPerTile, kStaticPairs, kDynamic };
-ForwardGrid forward_grid();
+// How the Hopper forward's CTAs take their query tiles (sm90/tile_scheduler.cuh): a CTA per tile, or
+// a persistent grid dealt them statically in pairs or taking them from a counter.
+enum class QueryTileGrid : int { kPerTile, kStaticPairs, kDynamic };
+// JAX_FLASH_CUDA_FWD_GRID's deal, where it forces one (gpu/launch.cu sm90_fwd_options).
+std::optional<QueryTileGrid> forward_grid_override();
 // Whether the Hopper kernels stage a 16-bit bias array's tiles through shared memory where they
 // can (unless JAX_FLASH_CUDA_BIAS_LOADS=direct), and whether they copy them by TMA where it can
 // (unless JAX_FLASH_CUDA_BIAS_LOADS=staged or direct).

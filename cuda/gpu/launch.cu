@@ -150,23 +150,12 @@ Sm90FwdOptions sm90_fwd_options(KernelFamily family, const FwdParams& p) {
   Sm90FwdOptions options;
   // Measured (H200, session 25): the tile counter +4-17% at head dim 64 without a causal
   // mask (even at 128, 256); the static pairs 5-12% faster on causal calls at 128, 256.
-  options.grid = family == KernelFamily::kSm90WsGrid      ? QueryTileGrid::kPerTile
-                 : family == KernelFamily::kSm90WsStatic  ? QueryTileGrid::kStaticPairs
-                 : family == KernelFamily::kSm90WsDynamic ? QueryTileGrid::kDynamic
-                 : p.mask.causal                          ? QueryTileGrid::kStaticPairs
-                                                          : QueryTileGrid::kDynamic;
-  switch (forward_grid()) {
-    case ForwardGrid::kPerTile: options.grid = QueryTileGrid::kPerTile; break;
-    case ForwardGrid::kStaticPairs: options.grid = QueryTileGrid::kStaticPairs; break;
-    case ForwardGrid::kDynamic: options.grid = QueryTileGrid::kDynamic; break;
-    case ForwardGrid::kMeasured: break;
-  }
+  options.grid =
+      forward_grid_override().value_or(p.mask.causal ? QueryTileGrid::kStaticPairs : QueryTileGrid::kDynamic);
   options.tensor_sums = family != KernelFamily::kSm90WsAluSums;
   options.tma_store = family != KernelFamily::kSm90WsDirectStore;
   options.tiles = family == KernelFamily::kSm90WsNarrow ? Sm90FwdTiles::kNarrow
                   : family == KernelFamily::kSm90WsWide ? Sm90FwdTiles::kWide
-                  : family == KernelFamily::kSm90WsDeepRing ? Sm90FwdTiles::kDeepRing
-                  : family == KernelFamily::kSm90WsLongKeys ? Sm90FwdTiles::kLongKeys
                                                         : Sm90FwdTiles::kMeasured;
   return options;
 }

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "common/attention_params.h"
+#include "gpu/kernel_choice.h"  // (QueryTileGrid)
 
 namespace jax_flash::cuda {
 
@@ -115,9 +116,7 @@ cudaError_t launch_fwd_sm80(const FwdParams& params, cudaStream_t stream);
 // per tile; block-sparse calls that need nothing else of the general kernels run the plain one
 // walking the block mask. Plain calls take FlashAttention-3's wider tiles (gpu/tile_shapes.cuh)
 // where they measured faster (kMeasured), never (kNarrow), or wherever they exist (kWide).
-enum class Sm90FwdTiles { kMeasured, kNarrow, kWide, kDeepRing, kLongKeys };
-// How the Hopper forward's CTAs take their query tiles (sm90/tile_scheduler.cuh).
-enum class QueryTileGrid : int { kPerTile, kStaticPairs, kDynamic };
+enum class Sm90FwdTiles { kMeasured, kNarrow, kWide };
 // int32 elements of the CUDA forward's scheduler workspace (FwdParams::tile_counter), an output
 // of its custom call.
 inline constexpr int64_t kFwdSchedulerElements = 1;

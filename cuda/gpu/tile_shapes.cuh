@@ -76,15 +76,6 @@ struct TileShapes {
   static constexpr bool wide_tiles_by_default(bool causal) {
     return kHeadDim == 192 || kHeadDim == 256 || (kHeadDim == 64 && !causal);
   }
-  // Experimental at head dim 64 (plain calls only; JAX_FLASH_CUDA_FORWARD=sm90ws_deepring /
-  // sm90ws_longkeys, session 42): the measured choice's tiles with a third K and V stage (v38's
-  // timeline: ~150 cycles a block waiting for the next K with two), and 128 query rows x 192 keys
-  // on two consumer warpgroups (FlashAttention-3's non-causal key block at 64: a block's fixed
-  // costs over 1.5x the keys; S, P and O take 176 of the consumers' 224 registers).
-  static constexpr bool kHasSm90FwdExperiments = kHeadDim == 64;
-  using Sm90FwdWsDeep = Sm90FwdWsTraits<kHeadDim, 128, 3, 2>;
-  using Sm90FwdWsWideDeep = Sm90FwdWsTraits<kHeadDim, 128, 3, 3>;
-  using Sm90FwdWsLongKeys = Sm90FwdWsTraits<kHeadDim, 192, 3, 2>;
   // Warp-specialised wgmma backward: a TMA producer warpgroup and 2 consumer warpgroups x 64 keys,
   // query blocks of 64; dQ added by atomics, or by bulk reductions from a shared tile. At head dims
   // 192 and 256 the warpgroups share key blocks of 64 and split the head dim's products

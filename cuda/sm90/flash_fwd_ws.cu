@@ -17,8 +17,7 @@ namespace jax_flash::cuda {
 
 namespace {
 
-// kPlainOnly: the plain calls' kernels alone (the experimental tiles': compile time).
-template <typename Traits, typename T, bool kPlainOnly = false>
+template <typename Traits, typename T>
 cudaError_t launch(const FwdParams& p, const Sm90FwdOptions& options, cudaStream_t stream) {
   const AttentionShape& s = p.shape;
   const int64_t tiles = (s.seq_q + Traits::kBlockM - 1) / Traits::kBlockM * s.heads_q * s.batch;
@@ -44,7 +43,7 @@ cudaError_t launch(const FwdParams& p, const Sm90FwdOptions& options, cudaStream
   if constexpr (kSumTiles)
     if (tensor_sums) kernel = flash_fwd_sm90_ws_kernel<Traits, T, false, false, true>;
   // Tiles that straddle the block mask's blocks (sm90ws_wide's): the plain calls only.
-  if constexpr (!kPlainOnly && kBlockMaskKeys % Traits::kBlockN == 0 && kBlockMaskRows % Traits::kBlockM == 0) {
+  if constexpr (kBlockMaskKeys % Traits::kBlockN == 0 && kBlockMaskRows % Traits::kBlockM == 0) {
     if (general_kernel(p)) {
       kernel = general_ids(p) ? flash_fwd_sm90_ws_kernel<Traits, T, true>
                               : flash_fwd_sm90_ws_kernel<Traits, T, true, false, false, false>;
@@ -80,11 +79,8 @@ cudaError_t launch(const FwdParams& p, const Sm90FwdOptions& options, cudaStream
     if (options.tma_store && !p.for_backward() && !general_ids(p) && p.dropout_seeds == nullptr) {
       if (cudaError_t e = make_head_tensor_map(&params.o, p.o, p.dtype, s.batch, s.seq_q, s.heads_q, s.head_dim_v, 64))
         return e;
-      if constexpr (kPlainOnly)
-        kernel = flash_fwd_sm90_ws_kernel<Traits, T, false, false, false, false, true>;
-      else
-        kernel = general_kernel(p) ? flash_fwd_sm90_ws_kernel<Traits, T, true, false, false, false, true>
-                                   : flash_fwd_sm90_ws_kernel<Traits, T, false, false, false, false, true>;
+      kernel = general_kernel(p) ? flash_fwd_sm90_ws_kernel<Traits, T, true, false, false, false, true>
+                                 : flash_fwd_sm90_ws_kernel<Traits, T, false, false, false, false, true>;
       smem_bytes = Traits::kSmemBytesTmaStore;
     }
   return launch_with_smem(kernel, dim3(static_cast<unsigned>(ctas)), Traits::kThreads, smem_bytes, stream, params);
@@ -101,14 +97,6 @@ cudaError_t launch_fwd_sm90_ws(const FwdParams& p, const Sm90FwdOptions& options
     return launch<typename Shapes::Sm90FwdWs, T>(p, options, stream);
   } else {
     using Shapes = TileShapes<kHeadDim>;
-    if constexpr (Shapes::kHasSm90FwdExperiments) {
-      if (options.tiles == Sm90FwdTiles::kLongKeys && !general_kernel(p))
-        return launch<typename Shapes::Sm90FwdWsLongKeys, T, true>(p, options, stream);
-      if (options.tiles == Sm90FwdTiles::kDeepRing && !general_kernel(p))
-        return Shapes::wide_tiles_by_default(p.mask.causal)
-                   ? launch<typename Shapes::Sm90FwdWsWideDeep, T, true>(p, options, stream)
-                   : launch<typename Shapes::Sm90FwdWsDeep, T, true>(p, options, stream);
-    }
     if constexpr (Shapes::kHasSm90FwdWide) {
       const bool wide = options.tiles == Sm90FwdTiles::kWide ||
                         (options.tiles == Sm90FwdTiles::kMeasured && Shapes::wide_tiles_by_default(p.mask.causal));

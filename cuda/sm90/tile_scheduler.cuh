@@ -16,7 +16,7 @@
 // max 2.52M under the static deal; cuda/PERF_NOTES.md v25).
 //
 // kStaticPairs (the default with a causal mask: 5-12% faster there than kDynamic at head dims 128
-// and 256, session 25; everywhere under JAX_FLASH_CUDA_FORWARD=sm90ws_static, as before session
+// and 256, session 25; everywhere under JAX_FLASH_CUDA_FWD_GRID=static, as before session
 // 25), a persistent grid dealing tiles two at a time: pairs 2u and 2u + 1 for u = blockIdx.x,
 // blockIdx.x + gridDim.x, ..., and within a (head, batch) pair the positions alternate the
 // longest and the shortest causal blocks left (last block, first, second last, second, ...), so

@@ -73,8 +73,8 @@ struct Sm90FwdWsTraits {
   static constexpr bool kBiasStagesFit =
       (kBlockN == 64 || kBlockN == 128) && kSmemBytesBiasStages + kStaticSmemBytes <= 227 * 1024;
   static_assert(kValueHeadDim % 64 == 0 || kValueHeadDim == 96, "P V is done in products of N = 128 and 64, or 96");
-  static_assert(kBlockN == 64 || kBlockN == 80 || kBlockN == 112 || kBlockN == 128 || kBlockN == 176 || kBlockN == 192,
-                "wgmma shapes are instantiated for N = 64, 80, 112, 128, 176, 192");
+  static_assert(kBlockN == 64 || kBlockN == 80 || kBlockN == 112 || kBlockN == 128 || kBlockN == 176,
+                "wgmma shapes are instantiated for N = 64, 80, 112, 128, 176");
 };
 
 // The warp-specialised backward (sm90/flash_bwd_ws_kernel.cuh): a producer warpgroup (TMA) and

@@ -150,18 +150,6 @@ struct Wgmma;
   "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
   "%80, %81, %82, %83, %84, %85, %86, %87}"
 
-// N = 192: head dim 64's experimental key blocks of 192 (sm90ws_longkeys: FlashAttention-3's
-// non-causal key block there).
-#define JF_WGMMA_ACC_N192 \
-  JF_WGMMA_ACC_N176, JF_WGMMA_ACC(22), JF_WGMMA_ACC(23)
-#define JF_WGMMA_REGS_N192 \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
-  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
-  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
-  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}"
-
 // N = 96: head dim 96's products over the head dim (O += P V; dV, dK), whose operand tiles are
 // 128 columns wide (sm90/traits.cuh kTileHeadDim) and read 1.5 column blocks.
 #define JF_WGMMA_ACC_N96 \
@@ -246,9 +234,6 @@ struct Wgmma;
 #define JF_DEFINE_WGMMA_N176(T, PTX)                                                                \
   JF_DEFINE_WGMMA(T, PTX, 176, JF_WGMMA_ACC_N176, JF_WGMMA_REGS_N176, "%88, %89", "%90", "%91, %92", \
                   "{%88, %89, %90, %91}, %92", "%93")
-#define JF_DEFINE_WGMMA_N192(T, PTX)                                                                \
-  JF_DEFINE_WGMMA(T, PTX, 192, JF_WGMMA_ACC_N192, JF_WGMMA_REGS_N192, "%96, %97", "%98", "%99, %100", \
-                  "{%96, %97, %98, %99}, %100", "%101")
 #define JF_DEFINE_WGMMA_N96(T, PTX)                                                                 \
   JF_DEFINE_WGMMA(T, PTX, 96, JF_WGMMA_ACC_N96, JF_WGMMA_REGS_N96, "%48, %49", "%50", "%51, %52",  \
                   "{%48, %49, %50, %51}, %52", "%53")
@@ -267,8 +252,6 @@ JF_DEFINE_WGMMA_N112(__nv_bfloat16, "bf16")
 JF_DEFINE_WGMMA_N112(__half, "f16")
 JF_DEFINE_WGMMA_N176(__nv_bfloat16, "bf16")
 JF_DEFINE_WGMMA_N176(__half, "f16")
-JF_DEFINE_WGMMA_N192(__nv_bfloat16, "bf16")
-JF_DEFINE_WGMMA_N192(__half, "f16")
 JF_DEFINE_WGMMA_N96(__nv_bfloat16, "bf16")
 JF_DEFINE_WGMMA_N96(__half, "f16")
 JF_DEFINE_WGMMA_N32(__nv_bfloat16, "bf16")
@@ -279,7 +262,6 @@ JF_DEFINE_WGMMA_N32(__half, "f16")
 #undef JF_DEFINE_WGMMA_N80
 #undef JF_DEFINE_WGMMA_N112
 #undef JF_DEFINE_WGMMA_N176
-#undef JF_DEFINE_WGMMA_N192
 #undef JF_DEFINE_WGMMA_N32
 #undef JF_DEFINE_WGMMA_N96
 #undef JF_DEFINE_WGMMA
@@ -289,7 +271,6 @@ JF_DEFINE_WGMMA_N32(__half, "f16")
 #undef JF_WGMMA_REGS_N80
 #undef JF_WGMMA_REGS_N112
 #undef JF_WGMMA_REGS_N176
-#undef JF_WGMMA_REGS_N192
 #undef JF_WGMMA_REGS_N32
 #undef JF_WGMMA_REGS_N96
 #undef JF_WGMMA_ACC_N8
@@ -298,7 +279,6 @@ JF_DEFINE_WGMMA_N32(__half, "f16")
 #undef JF_WGMMA_ACC_N80
 #undef JF_WGMMA_ACC_N112
 #undef JF_WGMMA_ACC_N176
-#undef JF_WGMMA_ACC_N192
 #undef JF_WGMMA_ACC_N32
 #undef JF_WGMMA_ACC_N96
 #undef JF_WGMMA_ACC
