@@ -412,13 +412,14 @@ def test_mma_sync_kernels_on_hopper():
 def test_forward_grid_override_on_hopper(grid):
   """The default forward's kernels on a CTA per tile, or on their persistent grid dealt tiles in
   static pairs or from the counter whatever the mask (JAX_FLASH_CUDA_FWD_GRID), pass the
-  reference cases of head dims 33..128 (causal ones among them), the CUDA-graph capture and the
-  training step; and so do head dim 64's three-warpgroup tiles (sm90ws_wide), which the default
-  runs only without a causal mask."""
+  reference cases of head dims 33..128 (causal ones among them), the forward-only cases, the
+  CUDA-graph capture and the training step; and so do head dim 64's three-warpgroup tiles
+  (sm90ws_wide), which the default runs only without a causal mask."""
   _run_cuda_tests_on_hopper_with(
       {"JAX_FLASH_CUDA_FWD_GRID": grid},
       "(test_cuda_matches_reference and (h40 or h64 or h80 or h96 or h111 or h128)) "
-      "or test_command_buffer_capture or test_jit_training_step_reduces_loss")
+      "or test_forward_only_matches_reference or test_command_buffer_capture or "
+      "test_jit_training_step_reduces_loss")
   _run_cuda_tests_on_hopper_with(
       {"JAX_FLASH_CUDA_FWD_GRID": grid, "JAX_FLASH_CUDA_FORWARD": "sm90ws_wide"},
       "(test_cuda_matches_reference and h64) or test_command_buffer_capture")
