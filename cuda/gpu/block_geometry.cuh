@@ -21,24 +21,26 @@ __device__ __forceinline__ int64_t clamp_len(const int32_t* lens, int64_t b, int
   return n < 0 ? 0 : (n > full ? full : n);
 }
 
-// The query rows [m0, m0 + rows) of a CTA (live: before q_len) and the key blocks [n_first,
-// n_last] that any of them sees.
+// The query rows [m0, m0 + rows) of a CTA (live: from 0 and before q_len) and the key blocks
+// [n_first, n_last] that any of them sees. Block m_block starts at row m_block * kBlockM -
+// row_shift: with a shift (the plain Hopper forward's tiles that end at the sequence's end,
+// sm90/flash_fwd_ws.cu query_row_shift) the first block's rows before 0 are padding.
 template <int kBlockM, int kBlockN>
 struct QueryBlock {
   int64_t m0;
-  int rows, live_rows;
+  int rows, live_rows;  // rows [0, live_rows) lie before q_len; those before row -m0 are padding too
   KeyRange first{0, 0}, last{0, 0};  // key ranges of the first and last live rows
   int n_first = 0, n_last = -1;
   bool has_padding_rows;
 
   __device__ QueryBlock(const MaskParams& mask, int m_block, int64_t seq_q, int64_t q_len,
-                        int64_t kv_len)
-      : m0(static_cast<int64_t>(m_block) * kBlockM),
+                        int64_t kv_len, int row_shift = 0)
+      : m0(static_cast<int64_t>(m_block) * kBlockM - row_shift),
         rows(static_cast<int>(min64(kBlockM, seq_q - m0))),
-        live_rows(static_cast<int>(max64(0, min64(rows, q_len - m0)))),
-        has_padding_rows(m0 + kBlockM > q_len) {
+        live_rows(q_len > max64(m0, 0) ? static_cast<int>(min64(rows, q_len - m0)) : 0),
+        has_padding_rows(m0 < 0 || m0 + kBlockM > q_len) {
     if (live_rows > 0) {
-      first = key_range(mask, m0, q_len, kv_len);
+      first = key_range(mask, max64(m0, 0), q_len, kv_len);
       last = key_range(mask, m0 + live_rows - 1, q_len, kv_len);
       if (last.end > first.begin) {
         n_first = static_cast<int>(first.begin / kBlockN);
@@ -79,9 +81,9 @@ struct QueryBlockTask {
       : QueryBlockTask(p, static_cast<int>(gridDim.x - 1 - blockIdx.x), static_cast<int>(blockIdx.y),
                        static_cast<int>(blockIdx.z)) {}
 
-  // Query block m_block of head h of batch element b.
+  // Query block m_block of head h of batch element b (row_shift: QueryBlock's).
   template <typename Params>
-  __device__ QueryBlockTask(const Params& p, int m_block, int head, int batch)
+  __device__ QueryBlockTask(const Params& p, int m_block, int head, int batch, int row_shift = 0)
       : b(batch),
         h(head),
         hk(static_cast<int>(head / (p.shape.heads_q / p.shape.heads_k))),
@@ -90,7 +92,7 @@ struct QueryBlockTask {
         q_stride(p.shape.heads_q * p.shape.head_dim),
         kv_stride(p.shape.heads_k * p.shape.head_dim),
         chunks(static_cast<int>(p.shape.head_dim / 8)),
-        blk(p.mask, m_block, p.shape.seq_q, q_len, kv_len),
+        blk(p.mask, m_block, p.shape.seq_q, q_len, kv_len, row_shift),
         q_offset((b * p.shape.seq_q + blk.m0) * q_stride + h * p.shape.head_dim),
         kv_offset(b * p.shape.seq_k * kv_stride + hk * p.shape.head_dim),
         stat_offset((static_cast<int64_t>(b) * p.shape.heads_q + h) * p.shape.seq_q),

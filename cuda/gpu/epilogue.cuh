@@ -34,8 +34,8 @@ __device__ __forceinline__ void store_split_pair(T* hi, int8_t* error, float x, 
 // OnlineSoftmax) at element `offset` of o (16-bit T, or float32 when o_float32: the output kept
 // for the backward, AttentionParams::o_float32; with o_error, non-null, each element's int8
 // rounding error at the same offset there: FwdParams::o_error), rows
-// from row0 of the block, whose first row is query m0 (rows past `rows` and columns past
-// head_dim skipped). A row is empty, and gets 0 and kEmptyRowLse, when the masks leave it no key;
+// from row0 of the block, whose first row is query m0 (rows past `rows` or before query 0 and
+// columns past head_dim skipped). A row is empty, and gets 0 and kEmptyRowLse, when the masks leave it no key;
 // never because of its values: a NaN sum (a NaN or inf in the inputs) gives a NaN row and lse,
 // as jax.nn does. The general kernels pass `seen` (gpu/segment_ids.cuh: with segment ids, which
 // rows the masks left some key; all of them without); the rows it lacks are empty too.
@@ -61,7 +61,7 @@ __device__ __forceinline__ void store_output(void* o_base, bool o_float32, int8_
       const float sum_rounded = quad_sum(softmax.sum_rounded[mt][half]);
       bool unseen = false;
       if (seen) unseen = !seen->any(mt, half);
-      if (row >= rows) continue;
+      if (row >= rows || m0 + row < 0) continue;  // (rows before 0: an end-aligned tile's padding)
       const bool empty = unseen || key_range(mask, m0 + row, q_len, kv_len).empty();
       const float inv = empty ? 0.f : 1.f / (o_float32 || o_error ? sum_rounded : sum);
 #pragma unroll

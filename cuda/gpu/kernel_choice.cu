@@ -20,6 +20,7 @@ constexpr const char* kValueHeadDimVariable = "JAX_FLASH_CUDA_VALUE_HEAD_DIM";
 constexpr const char* kDecodeLoadsVariable = "JAX_FLASH_CUDA_DECODE_LOADS";
 constexpr const char* kBiasLoadsVariable = "JAX_FLASH_CUDA_BIAS_LOADS";
 constexpr const char* kForwardGridVariable = "JAX_FLASH_CUDA_FWD_GRID";
+constexpr const char* kForwardRowsVariable = "JAX_FLASH_CUDA_FWD_ROWS";
 
 struct Overrides {
   std::optional<KernelFamily> forward;
@@ -32,6 +33,7 @@ struct Overrides {
   DecodeLoads decode_loads = DecodeLoads::kPlain;
   BiasLoads bias_loads = BiasLoads::kTma;
   std::optional<QueryTileGrid> forward_grid;  // JAX_FLASH_CUDA_FWD_GRID=measured (or unset): none
+  bool end_aligned_rows = false;  // JAX_FLASH_CUDA_FWD_ROWS=end turns it on
   std::string error;
 };
 
@@ -129,6 +131,7 @@ Overrides read_overrides() {
   o.decode_loads = read_decode_loads(o.error);
   o.bias_loads = read_bias_loads(o.error);
   o.forward_grid = read_forward_grid(o.error);
+  o.end_aligned_rows = !read_switch(kForwardRowsVariable, "start", "end", o.error);
   return o;
 }
 
@@ -175,6 +178,7 @@ HeadDim192Backward head_dim_192_backward() { return overrides().head_dim_192_bac
 bool own_value_head_dim_enabled() { return overrides().own_value_head_dim; }
 DecodeLoads decode_loads() { return overrides().decode_loads; }
 std::optional<QueryTileGrid> forward_grid_override() { return overrides().forward_grid; }
+bool end_aligned_rows_enabled() { return overrides().end_aligned_rows; }
 bool staged_bias_enabled() { return overrides().bias_loads != BiasLoads::kDirect; }
 bool tma_bias_enabled() { return overrides().bias_loads == BiasLoads::kTma; }
 

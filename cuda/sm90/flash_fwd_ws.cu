@@ -26,6 +26,10 @@ cudaError_t launch(const FwdParams& p, const Sm90FwdOptions& options, cudaStream
   FwdTmaParams params;
   params.p = p;
   params.grid = options.grid;
+  // Tiles that end at the sequence's end (JAX_FLASH_CUDA_FWD_ROWS=end; the plain kernels only):
+  // under a causal mask the padding rows then lie in the first tile, which sees the fewest keys.
+  if (end_aligned_rows_enabled())
+    params.query_row_shift = static_cast<int>((Traits::kBlockM - s.seq_q % Traits::kBlockM) % Traits::kBlockM);
   if (cudaError_t e = make_qkv_tensor_maps(p, Traits::kBlockM, Traits::kBlockN, &params.q, &params.k, &params.v))
     return e;
   const int64_t ctas = QueryTileScheduler<Traits::kBlockM>::ctas(tiles, device_sm_count(), options.grid);

@@ -54,6 +54,9 @@ struct FwdTmaParams {
   bool bias_staged = false;
   bool bias_tma = false;
   CUtensorMap bias;
+  // The plain kernels' tiles start this many rows before row 0, so that the last ends at the
+  // sequence's end and the first holds the padding (QueryBlock's row_shift; 0: from row 0).
+  int query_row_shift = 0;
 };
 
 // Shared memory of a warp-specialised forward CTA, from a 1 KiB boundary: Q, kStages stages of
@@ -172,12 +175,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   __syncthreads();
 
   const QueryTileScheduler<kBM> scheduler(p.shape, params.grid, p.tile_counter);
+  const int row_shift = kGeneral || kBlockWalk ? 0 : params.query_row_shift;
   // Both roles walk the tiles the producer hands over; key blocks run through the stage ring in one
   // sequence over all of them (block `ring` of the sequence uses stage ring % kStages, in its
   // (ring / kStages)-th round), and Q's buffer is filled once per tile with keys.
   auto task_of = [&](int t) {
     const auto tile = scheduler.tile(t);
-    QueryBlockTask<kBM, kBN> task(p, tile.m_block, tile.head, tile.batch);
+    QueryBlockTask<kBM, kBN> task(p, tile.m_block, tile.head, tile.batch, row_shift);
     if constexpr (kIds) narrow_query_block(task.blk, SegmentIds(p, task.b), lane);  // warp-collective
     if constexpr (kIds || kBlockWalk) task.walk_keys(p);  // a block mask's live key blocks only
     return task;
@@ -473,7 +477,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       fence_proxy_async();  // the TMA store reads the tile through the async proxy
       named_barrier_sync(o_tile_barrier, 128);
       if (issuer) {
-        tma_store_rows<typename Traits::OTile, 64>(params.o, smem.o, group * 64, task.h, m0 + group * 64, task.b);
+        if (m0 + group * 64 + 64 > 0)  // (an end-aligned first tile's warpgroups of padding rows store none)
+          tma_store_rows<typename Traits::OTile, 64>(params.o, smem.o, group * 64, task.h, m0 + group * 64, task.b);
         bulk_commit();
       }
     } else {
