@@ -414,7 +414,7 @@ def test_forward_grid_override_on_hopper(grid):
   static pairs or from the counter whatever the mask (JAX_FLASH_CUDA_FWD_GRID), pass the
   reference cases of head dims 33..128 (causal ones among them), the forward-only cases, the
   CUDA-graph capture and the training step; and so do head dim 64's three-warpgroup tiles
-  (sm90ws_wide), which the default runs only without a causal mask."""
+  (sm90ws_wide), which the default deals from the counter with or without a causal mask."""
   _run_cuda_tests_on_hopper_with(
       {"JAX_FLASH_CUDA_FWD_GRID": grid},
       "(test_cuda_matches_reference and (h40 or h64 or h80 or h96 or h111 or h128)) "
@@ -464,8 +464,8 @@ def test_forward_direct_store_on_hopper():
 
 
 # By default the plain calls' forward takes FlashAttention-3's wide tiles where they measured
-# faster (head dims 192 and 256, 64 without a causal mask; gpu/tile_shapes.cuh); each override
-# runs the tiles the default does not use somewhere.
+# faster (head dims 64, 192 and 256; gpu/tile_shapes.cuh); each override runs the tiles the
+# default does not use somewhere.
 @pytest.mark.parametrize("tiles", ["sm90ws_narrow", "sm90ws_wide"])
 def test_forward_tile_choices_on_hopper(tiles):
   """The forward with the wide tiles never (sm90ws_narrow: 128 x 128, or 128 x 64 past head dim

@@ -9,8 +9,9 @@
 //                             sm90ws_m80 | sm90ws_deferdq | sm90ws_stagedq
 //                             (default on Hopper: sm90ws)
 // The forward's sm90ws runs on a persistent grid whose CTAs take tiles from a counter as they free
-// (sm90/tile_scheduler.cuh kDynamic, session 25) where there is no causal mask, and are dealt
-// them statically in pairs of a long and a short causal block where there is (kStaticPairs), with
+// (sm90/tile_scheduler.cuh kDynamic, session 25) where there is no causal mask or the tiles are
+// 192 rows high (head dim 64), and are dealt them statically in pairs of a long and a short causal
+// block on 128-row tiles under a causal mask (kStaticPairs; sm90/flash_fwd_ws.cu measured_grid), with
 // FlashAttention-3's wider tiles where they measured faster (gpu/tile_shapes.cuh
 // wide_tiles_by_default; JAX_FLASH_CUDA_FWD_GRID below deals the tiles otherwise); sm90ws_narrow
 // never takes the wide tiles, sm90ws_wide wherever they exist; sm90ws takes a plain

@@ -148,10 +148,7 @@ int compiled_head_dim(int64_t head_dim) {
 // The options of a warp-specialised forward `family` (any wgmma forward family) for call `p`.
 Sm90FwdOptions sm90_fwd_options(KernelFamily family, const FwdParams& p) {
   Sm90FwdOptions options;
-  // Measured (H200, session 25): the tile counter +4-17% at head dim 64 without a causal
-  // mask (even at 128, 256); the static pairs 5-12% faster on causal calls at 128, 256.
-  options.grid =
-      forward_grid_override().value_or(p.mask.causal ? QueryTileGrid::kStaticPairs : QueryTileGrid::kDynamic);
+  options.grid = forward_grid_override();  // (unset: the launch's measured deal)
   options.tensor_sums = family != KernelFamily::kSm90WsAluSums;
   options.tma_store = family != KernelFamily::kSm90WsDirectStore;
   options.tiles = family == KernelFamily::kSm90WsNarrow ? Sm90FwdTiles::kNarrow

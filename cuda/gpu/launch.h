@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 
 #include "common/attention_params.h"
 #include "gpu/kernel_choice.h"  // (QueryTileGrid)
@@ -122,8 +123,9 @@ enum class Sm90FwdTiles { kMeasured, kNarrow, kWide };
 inline constexpr int64_t kFwdSchedulerElements = 1;
 struct Sm90FwdOptions {
   // How the grid's CTAs take tiles (sm90/tile_scheduler.cuh): from a counter, dealt statically in
-  // pairs or a CTA each (gpu/launch.cu chooses by the mask and the kernel choice).
-  QueryTileGrid grid = QueryTileGrid::kDynamic;
+  // pairs or a CTA each where JAX_FLASH_CUDA_FWD_GRID forces one; unset, the launch measured
+  // best for the mask and the tiles it runs (sm90/flash_fwd_ws.cu measured_grid).
+  std::optional<QueryTileGrid> grid;
   Sm90FwdTiles tiles = Sm90FwdTiles::kMeasured;
   // Plain differentiated calls on the 128 x 128 tiles at head dims 64 and 128 take the 16-bit P's
   // row sums from the tensor cores (flash_fwd_ws_kernel.cuh kTensorSums; off: sm90ws_alusums).

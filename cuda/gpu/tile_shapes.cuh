@@ -72,9 +72,11 @@ struct TileShapes {
   using Sm90FwdWsWide = Sm90FwdWsTraits<kHeadDim, kWideKeys, 2, (kHeadDim == 64 ? 3 : 2)>;
   // Where the wide tiles run by default: where they measured faster (H200, seq 8192, session 17,
   // cuda/PERF_NOTES.md v17: head dim 192 +15% / +7% non-causal / causal, 256 +6% / even, 64
-  // non-causal +7%; 64 causal -2% and 128 non-causal even keep the 128 x 128 tiles).
+  // non-causal +7%; 128 non-causal even keeps the 128 x 128 tiles; 64 causal since session 44,
+  // v42: once a tile's rows past the sequence stopped masking its every block, on the tile counter
+  // +2% / +1% / +13% at seq 2048 / 4096 / 8192 on an H100).
   static constexpr bool wide_tiles_by_default(bool causal) {
-    return kHeadDim == 192 || kHeadDim == 256 || (kHeadDim == 64 && !causal);
+    return kHeadDim == 192 || kHeadDim == 256 || kHeadDim == 64;
   }
   // Warp-specialised wgmma backward: a TMA producer warpgroup and 2 consumer warpgroups x 64 keys,
   // query blocks of 64; dQ added by atomics, or by bulk reductions from a shared tile. At head dims
