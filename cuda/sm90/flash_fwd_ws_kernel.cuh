@@ -54,8 +54,9 @@ struct FwdTmaParams {
   bool bias_staged = false;
   bool bias_tma = false;
   CUtensorMap bias;
-  // The plain kernels' tiles start this many rows before row 0, so that the last ends at the
-  // sequence's end and the first holds the padding (QueryBlock's row_shift; 0: from row 0).
+  // The plain kernels' tiles start this many rows before row 0 (a multiple of 64: flash_fwd_ws.cu),
+  // so that the last ends at the sequence's end and the first holds the padding (QueryBlock's
+  // row_shift; 0: from row 0).
   int query_row_shift = 0;
 };
 
@@ -477,7 +478,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       fence_proxy_async();  // the TMA store reads the tile through the async proxy
       named_barrier_sync(o_tile_barrier, 128);
       if (issuer) {
-        if (m0 + group * 64 + 64 > 0)  // (an end-aligned first tile's warpgroups of padding rows store none)
+        if (m0 + group * 64 >= 0)  // (an end-aligned first tile's warpgroups of padding rows store none)
           tma_store_rows<typename Traits::OTile, 64>(params.o, smem.o, group * 64, task.h, m0 + group * 64, task.b);
         bulk_commit();
       }
