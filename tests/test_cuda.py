@@ -425,15 +425,16 @@ def test_forward_grid_override_on_hopper(grid):
       "(test_cuda_matches_reference and h64) or test_command_buffer_capture")
 
 
-# By default the plain forward's query tiles end at the sequence's end wherever their height does
-# not divide it (to within 64 rows): the first tile's rows before row 0 are its padding, loaded as
-# zeros by TMA and never stored. JAX_FLASH_CUDA_FWD_ROWS=start lays them from row 0 as before.
-@pytest.mark.parametrize("forward", [None, "sm90ws_wide"])
-def test_forward_start_aligned_rows_on_hopper(forward):
-  """With the tiles from row 0, the default kernels and head dim 64's 192-row tiles on every mask
-  (sm90ws_wide) pass the reference cases (partial blocks, lengths, GQA, T != S, causal), the
-  forward-only cases and the CUDA-graph capture."""
-  env = {"JAX_FLASH_CUDA_FWD_ROWS": "start", **({"JAX_FLASH_CUDA_FORWARD": forward} if forward else {})}
+# JAX_FLASH_CUDA_FWD_ROWS=end (experimental) lays the plain forward's query tiles against the
+# sequence's end wherever their height does not divide it (to within 64 rows): the first tile's
+# rows before row 0 are its padding, loaded as zeros by TMA and never stored.
+@pytest.mark.parametrize("forward", [None, "sm90ws_wide", "sm90ws_directstore"])
+def test_forward_end_aligned_rows_on_hopper(forward):
+  """With the tiles against the sequence's end, the default kernels (odd lengths), head dim 64's
+  192-row tiles on every mask (sm90ws_wide) and the direct stores of O pass the reference cases
+  (partial blocks, lengths, GQA, T != S, causal), the forward-only cases and the CUDA-graph
+  capture."""
+  env = {"JAX_FLASH_CUDA_FWD_ROWS": "end", **({"JAX_FLASH_CUDA_FORWARD": forward} if forward else {})}
   heads = "h40 or h64" if forward == "sm90ws_wide" else "h40 or h64 or h80 or h96 or h111 or h128 or h256"
   _run_cuda_tests_on_hopper_with(
       env, f"(test_cuda_matches_reference and ({heads})) or test_forward_only_matches_reference or "

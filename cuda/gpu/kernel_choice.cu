@@ -33,7 +33,7 @@ struct Overrides {
   DecodeLoads decode_loads = DecodeLoads::kPlain;
   BiasLoads bias_loads = BiasLoads::kTma;
   std::optional<QueryTileGrid> forward_grid;  // JAX_FLASH_CUDA_FWD_GRID=measured (or unset): none
-  bool end_aligned_rows = true;  // JAX_FLASH_CUDA_FWD_ROWS=start turns it off
+  bool end_aligned_rows = false;  // JAX_FLASH_CUDA_FWD_ROWS=end turns it on
   std::string error;
 };
 
@@ -131,7 +131,7 @@ Overrides read_overrides() {
   o.decode_loads = read_decode_loads(o.error);
   o.bias_loads = read_bias_loads(o.error);
   o.forward_grid = read_forward_grid(o.error);
-  o.end_aligned_rows = read_switch(kForwardRowsVariable, "end", "start", o.error);
+  o.end_aligned_rows = !read_switch(kForwardRowsVariable, "start", "end", o.error);
   return o;
 }
 

@@ -89,13 +89,14 @@
 //                             (everywhere the default before session 25) or the counter. (Until
 //                             session 43 also JAX_FLASH_CUDA_FORWARD=sm90ws_grid, sm90ws_static and
 //                             sm90ws_dynamic.)
-//   JAX_FLASH_CUDA_FWD_ROWS = end | start (default: end, since session 44): where the Hopper
+//   JAX_FLASH_CUDA_FWD_ROWS = start | end (default: start; end experimental, session 44: measured
+//                             faster, its final form not yet run on a GPU): where the Hopper
 //                             plain forward's query tiles lie when the tile height does not divide
 //                             the sequence (the 192-row tiles of head dim 64 at every length that
 //                             is a multiple of 128): from the sequence's end (to within 64 rows),
 //                             the first tile's rows before row 0 its padding, which under a
 //                             causal mask sees the fewest key blocks; or from row 0, the last
-//                             tile's rows past the sequence its padding, as before session 44.
+//                             tile's rows past the sequence its padding.
 //   JAX_FLASH_CUDA_NARROW = split | off (default: split since session 19, whose differential run
 //                           of 2000 configurations gave 0 misses under it): narrow plain calls
 //                           (narrow_shape below) run the mma.sync kernels with P and dS as hi +
@@ -156,8 +157,8 @@ enum class BiasLoads { kTma, kStaged, kDirect };
 enum class QueryTileGrid : int { kPerTile, kStaticPairs, kDynamic };
 // JAX_FLASH_CUDA_FWD_GRID's deal, where it forces one (gpu/launch.cu sm90_fwd_options).
 std::optional<QueryTileGrid> forward_grid_override();
-// Whether the plain Hopper forward's tiles end at the sequence's end (unless
-// JAX_FLASH_CUDA_FWD_ROWS=start; sm90/flash_fwd_ws.cu query_row_shift).
+// Whether the plain Hopper forward's tiles end at the sequence's end (JAX_FLASH_CUDA_FWD_ROWS=end;
+// sm90/flash_fwd_ws.cu query_row_shift).
 bool end_aligned_rows_enabled();
 // Whether the Hopper kernels stage a 16-bit bias array's tiles through shared memory where they
 // can (unless JAX_FLASH_CUDA_BIAS_LOADS=direct), and whether they copy them by TMA where it can
