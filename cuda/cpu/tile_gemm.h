@@ -110,10 +110,16 @@ inline void gemm_strided(int64_t M, int64_t N, int64_t K, float alpha, const flo
   const int64_t n_vecs = N / kLanes;
   for (int64_t v0 = 0; v0 < n_vecs; v0 += kVecs) {
     const int nv = static_cast<int>(n_vecs - v0 < kVecs ? n_vecs - v0 : kVecs);
-    for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-      const int mr = static_cast<int>(M - m0 < kRows ? M - m0 : kRows);
+    for (int64_t m0 = 0; m0 < M;) {
+      const int64_t left = M - m0;
+      int64_t mr = left < kRows ? left : kRows;
+      // A remainder under half a block (128 = 21 x 6 + 2) would run on too few accumulators to
+      // cover the FMA latency (2 x 2 on AVX2: 4 chains for 2 pipes x 4 cycles): it joins the
+      // last whole block and the two split evenly (20 x 6 + 4 + 4).
+      if (left > kRows && left < kRows + kRows / 2) mr = (left + 1) / 2;
       table.fn[mr - 1][nv - 1](K, alpha, a + m0 * a_row, a_row, a_col, b + v0 * kLanes, ldb,
                                c + m0 * ldc + v0 * kLanes, ldc, accumulate);
+      m0 += mr;
     }
   }
 }
