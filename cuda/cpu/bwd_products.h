@@ -62,6 +62,11 @@ struct FloatBwdProducts {
   const Shared& shared;
   int64_t b;
   int64_t heads_q, seq_q;
+  // The tiles' rows are kTilePad floats longer than their width: rows 256 or 512 bytes apart
+  // put a product's panel of 16 columns into a quarter or an eighth of the L1 sets.
+  static constexpr int64_t kTilePad = 16;
+  static constexpr int64_t kLd = kBlockK + kTilePad;  // K^T's, V^T's, dK^T's and dV^T's rows
+  int64_t k_ld;    // K's rows: dp + kTilePad
   float* k_tile;   // K, kBlockK x dp
   float* kt_tile;  // K^T, dp x kBlockK
   float* vt_tile;  // V^T, hvp x kBlockK
@@ -72,7 +77,7 @@ struct FloatBwdProducts {
 
   static int64_t scratch_floats(const AttentionShape& sh) {
     const int64_t dp = padded_head_dim(sh.head_dim), hvp = padded_head_dim(sh.head_dim_v);
-    return 3 * kBlockK * dp + 2 * kBlockK * hvp;
+    return kBlockK * (dp + kTilePad) + 2 * dp * kLd + 2 * hvp * kLd;
   }
 
   FloatBwdProducts(const BwdParams& p, const Shared& shared_state, int64_t batch, int64_t /*hk*/,
@@ -85,22 +90,23 @@ struct FloatBwdProducts {
         b(batch),
         heads_q(p.shape.heads_q),
         seq_q(p.shape.seq_q),
+        k_ld(dp + kTilePad),
         k_tile(scratch),
-        kt_tile(k_tile + kBlockK * dp),
-        vt_tile(kt_tile + dp * kBlockK),
-        dkt_acc(vt_tile + hvp * kBlockK),
-        dvt_acc(dkt_acc + dp * kBlockK) {}
+        kt_tile(k_tile + kBlockK * k_ld),
+        vt_tile(kt_tile + dp * kLd),
+        dkt_acc(vt_tile + hvp * kLd),
+        dvt_acc(dkt_acc + dp * kLd) {}
 
   void finish() {}
 
   // Takes the key block's live keys (k row c at k[c * k_stride], v likewise) and clears the
   // block's dK and dV.
   void load_keys(const T* k, int64_t k_stride, const T* v, int64_t v_stride, int64_t live_cols) {
-    load_rows(k, k_stride, live_cols, d, k_tile, dp);
-    load_rows_transposed(k, k_stride, live_cols, d, kt_tile, kBlockK, dp);
-    load_rows_transposed(v, v_stride, live_cols, hv, vt_tile, kBlockK, hvp);
-    for (int64_t x = 0; x < dp * kBlockK; ++x) dkt_acc[x] = 0.f;
-    for (int64_t x = 0; x < hvp * kBlockK; ++x) dvt_acc[x] = 0.f;
+    load_rows(k, k_stride, live_cols, d, k_tile, k_ld);
+    load_rows_transposed(k, k_stride, live_cols, d, kt_tile, kLd, dp);
+    load_rows_transposed(v, v_stride, live_cols, hv, vt_tile, kLd, hvp);
+    for (int64_t x = 0; x < dp * kLd; ++x) dkt_acc[x] = 0.f;
+    for (int64_t x = 0; x < hvp * kLd; ++x) dvt_acc[x] = 0.f;
   }
 
   // Takes the query block's rows i0.. of query head h (from Shared's packed rows).
@@ -113,32 +119,32 @@ struct FloatBwdProducts {
 
   // probs[r * kBlockK + c] = scale * q_r . k_c for rows r < rows and every column of the block.
   void scores(int64_t rows, float scale, float* probs) {
-    gemm(rows, kBlockK, dp, scale, qs, dp, kt_tile, kBlockK, probs, kBlockK, false);
+    gemm(rows, kBlockK, dp, scale, qs, dp, kt_tile, kLd, probs, kBlockK, false);
   }
 
   // dV^T += dO^T P (P rows x kBlockK, row-major: B as it lies; dO^T read from dO's rows).
   void accumulate_dv(const float* probs, int64_t rows, int64_t live_cols) {
     gemm_strided(hvp, round_up(live_cols, kLanes), rows, 1.f, dos, 1, hvp, probs, kBlockK, dvt_acc,
-                 kBlockK, true);
+                 kLd, true);
   }
 
   // dscores = dP = dO V^T.
   void score_grads(int64_t rows, float* dscores) {
-    gemm(rows, kBlockK, hvp, 1.f, dos, hvp, vt_tile, kBlockK, dscores, kBlockK, false);
+    gemm(rows, kBlockK, hvp, 1.f, dos, hvp, vt_tile, kLd, dscores, kBlockK, false);
   }
 
   // dQ += scale dS K into the float32 accumulator rows dq[r * dq_stride]; dK^T += scale Q^T dS.
   void accumulate_dq_dk(const float* dscores, int64_t rows, int64_t live_cols, float scale, float* dq,
                         int64_t dq_stride) {
-    gemm(rows, dp, live_cols, scale, dscores, kBlockK, k_tile, dp, dq, dq_stride, true);
+    gemm(rows, dp, live_cols, scale, dscores, kBlockK, k_tile, k_ld, dq, dq_stride, true);
     gemm_strided(dp, round_up(live_cols, kLanes), rows, scale, qs, 1, dp, dscores, kBlockK, dkt_acc,
-                 kBlockK, true);
+                 kLd, true);
   }
 
   // Key r's gradients.
   void store_key_row(int64_t r, T* dk, T* dv) const {
-    for (int64_t c = 0; c < d; ++c) dk[c] = from_float<T>(dkt_acc[c * kBlockK + r]);
-    for (int64_t c = 0; c < hv; ++c) dv[c] = from_float<T>(dvt_acc[c * kBlockK + r]);
+    for (int64_t c = 0; c < d; ++c) dk[c] = from_float<T>(dkt_acc[c * kLd + r]);
+    for (int64_t c = 0; c < hv; ++c) dv[c] = from_float<T>(dvt_acc[c * kLd + r]);
   }
 };
 
