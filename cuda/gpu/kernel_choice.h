@@ -13,7 +13,7 @@
 // 192 rows high (head dim 64), and are dealt them statically in pairs of a long and a short causal
 // block on 128-row tiles under a causal mask (kStaticPairs; sm90/flash_fwd_ws.cu measured_grid), with
 // FlashAttention-3's wider tiles where they measured faster (gpu/tile_shapes.cuh
-// wide_tiles_by_default; JAX_FLASH_CUDA_FWD_GRID below deals the tiles otherwise); sm90ws_narrow
+// kWideTilesByDefault; JAX_FLASH_CUDA_FWD_GRID below deals the tiles otherwise); sm90ws_narrow
 // never takes the wide tiles, sm90ws_wide wherever they exist; sm90ws takes a plain
 // differentiated call's sums of the 16-bit P from the tensor cores (P times a column of ones) on
 // the 128 x 128 tiles at head dims 64 and 128 (+0.9-2.4% fwd+bwd at hd128, session 18),

@@ -75,9 +75,7 @@ struct TileShapes {
   // non-causal +7%; 128 non-causal even keeps the 128 x 128 tiles; 64 causal since session 44,
   // v42: once a tile's rows past the sequence stopped masking its every block, on the tile counter
   // +2% / +1% / +13% at seq 2048 / 4096 / 8192 on an H100).
-  static constexpr bool wide_tiles_by_default(bool causal) {
-    return kHeadDim == 192 || kHeadDim == 256 || kHeadDim == 64;
-  }
+  static constexpr bool kWideTilesByDefault = kHeadDim == 192 || kHeadDim == 256 || kHeadDim == 64;
   // Warp-specialised wgmma backward: a TMA producer warpgroup and 2 consumer warpgroups x 64 keys,
   // query blocks of 64; dQ added by atomics, or by bulk reductions from a shared tile. At head dims
   // 192 and 256 the warpgroups share key blocks of 64 and split the head dim's products

@@ -117,7 +117,7 @@ cudaError_t launch_fwd_sm90_ws(const FwdParams& p, const Sm90FwdOptions& options
     using Shapes = TileShapes<kHeadDim>;
     if constexpr (Shapes::kHasSm90FwdWide) {
       const bool wide = options.tiles == Sm90FwdTiles::kWide ||
-                        (options.tiles == Sm90FwdTiles::kMeasured && Shapes::wide_tiles_by_default(p.mask.causal));
+                        (options.tiles == Sm90FwdTiles::kMeasured && Shapes::kWideTilesByDefault);
       if (wide && !general_kernel(p) && (kHeadDim != 128 || !p.mask.causal))
         return launch<typename Shapes::Sm90FwdWsWide, T>(p, options, stream);
     }
