@@ -441,6 +441,21 @@ def test_forward_end_aligned_rows_on_hopper(forward):
       "test_command_buffer_capture")
 
 
+# JAX_FLASH_CUDA_FWD_UNSEEN=skip (experimental): each consumer warpgroup of the plain forward skips
+# the products and softmax of the key blocks none of its own rows sees, still taking its turns
+# and releasing the blocks' buffers (sm90/flash_fwd_ws_kernel.cuh mine, mine_end).
+@pytest.mark.parametrize("rows", ["start", "end"])
+def test_forward_skips_unseen_blocks_on_hopper(rows):
+  """With the unseen blocks skipped, the tiles laid from row 0 or against the sequence's end (whose
+  first tile's padding warpgroups see no block) pass the reference cases of head dims 40-128
+  (causal, windows, lengths, T != S), the forward-only cases, the CUDA-graph capture and the
+  forwards of more tiles than SMs."""
+  _run_cuda_tests_on_hopper_with(
+      {"JAX_FLASH_CUDA_FWD_UNSEEN": "skip", "JAX_FLASH_CUDA_FWD_ROWS": rows},
+      "(test_cuda_matches_reference and (h40 or h64 or h96 or h128)) or test_forward_only_matches_reference or "
+      "test_command_buffer_capture or test_forward_of_more_tiles_than_sms")
+
+
 def test_forward_alu_sums_on_hopper():
   """With JAX_FLASH_CUDA_FORWARD=sm90ws_alusums the differentiated forward on the 128 x 128 tiles
   (head dims 64 and 128) sums its 16-bit P in the softmax (unpacking and adding each) instead of
@@ -666,6 +681,7 @@ def test_split_kv_decoding_on_cuda():
                                              ("JAX_FLASH_CUDA_BIAS_LOADS", "stage"),
                                              ("JAX_FLASH_CUDA_FWD_GRID", "pertile"),
                                              ("JAX_FLASH_CUDA_FWD_ROWS", "ends"),
+                                             ("JAX_FLASH_CUDA_FWD_UNSEEN", "skipped"),
                                              ("JAX_FLASH_CUDA_FORWARD", "sm90ws_static")])
 def test_unknown_kernel_choice_is_an_error(variable, value):
   """A misspelt override (or a removed one: sm90ws_static is JAX_FLASH_CUDA_FWD_GRID=static since

@@ -59,6 +59,23 @@ struct QueryBlock {
   __device__ bool live_rows_need_mask(int64_t n0) const { return n0 < last.begin || n0 + kBlockN > first.end; }
 };
 
+// The key blocks [first, last] that the rows [r0, r0 + rows) before q_len see (none: last <
+// first): those of one warpgroup's rows of a taller tile (the Hopper forward's unseen blocks,
+// sm90/flash_fwd_ws_kernel.cuh). Each row's keys are one range whose ends grow with the row.
+struct KeyBlockSpan {
+  int first = 0, last = -1;
+  __device__ bool holds(int n_block) const { return n_block >= first && n_block <= last; }
+};
+template <int kBlockN>
+__device__ __forceinline__ KeyBlockSpan key_blocks_seen(const MaskParams& mask, int64_t r0, int rows, int64_t q_len,
+                                                        int64_t kv_len) {
+  const int64_t begin = max64(r0, 0), end = min64(r0 + rows, q_len);
+  if (end <= begin) return {};
+  const KeyRange first = key_range(mask, begin, q_len, kv_len), last = key_range(mask, end - 1, q_len, kv_len);
+  if (last.end <= first.begin) return {};
+  return {static_cast<int>(first.begin / kBlockN), static_cast<int>((last.end - 1) / kBlockN)};
+}
+
 // A query-block CTA's problem (the forward kernels and the deterministic dQ kernel): batch b, query
 // head h and its kv head hk, valid lengths, row strides, its query rows with the key blocks they
 // see (longest causal blocks first: block gridDim.x - 1 - blockIdx.x), and element offsets of its

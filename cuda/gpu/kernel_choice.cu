@@ -21,6 +21,7 @@ constexpr const char* kDecodeLoadsVariable = "JAX_FLASH_CUDA_DECODE_LOADS";
 constexpr const char* kBiasLoadsVariable = "JAX_FLASH_CUDA_BIAS_LOADS";
 constexpr const char* kForwardGridVariable = "JAX_FLASH_CUDA_FWD_GRID";
 constexpr const char* kForwardRowsVariable = "JAX_FLASH_CUDA_FWD_ROWS";
+constexpr const char* kUnseenBlocksVariable = "JAX_FLASH_CUDA_FWD_UNSEEN";
 
 struct Overrides {
   std::optional<KernelFamily> forward;
@@ -34,6 +35,7 @@ struct Overrides {
   BiasLoads bias_loads = BiasLoads::kTma;
   std::optional<QueryTileGrid> forward_grid;  // JAX_FLASH_CUDA_FWD_GRID=measured (or unset): none
   bool end_aligned_rows = false;  // JAX_FLASH_CUDA_FWD_ROWS=end turns it on
+  bool skip_unseen_blocks = false;  // JAX_FLASH_CUDA_FWD_UNSEEN=skip turns it on
   std::string error;
 };
 
@@ -132,6 +134,7 @@ Overrides read_overrides() {
   o.bias_loads = read_bias_loads(o.error);
   o.forward_grid = read_forward_grid(o.error);
   o.end_aligned_rows = !read_switch(kForwardRowsVariable, "start", "end", o.error);
+  o.skip_unseen_blocks = !read_switch(kUnseenBlocksVariable, "compute", "skip", o.error);
   return o;
 }
 
@@ -179,6 +182,7 @@ bool own_value_head_dim_enabled() { return overrides().own_value_head_dim; }
 DecodeLoads decode_loads() { return overrides().decode_loads; }
 std::optional<QueryTileGrid> forward_grid_override() { return overrides().forward_grid; }
 bool end_aligned_rows_enabled() { return overrides().end_aligned_rows; }
+bool skip_unseen_blocks_enabled() { return overrides().skip_unseen_blocks; }
 bool staged_bias_enabled() { return overrides().bias_loads != BiasLoads::kDirect; }
 bool tma_bias_enabled() { return overrides().bias_loads == BiasLoads::kTma; }
 

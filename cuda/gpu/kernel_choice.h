@@ -97,6 +97,14 @@
 //                             the first tile's rows before row 0 its padding, which under a
 //                             causal mask sees the fewest key blocks; or from row 0, the last
 //                             tile's rows past the sequence its padding.
+//   JAX_FLASH_CUDA_FWD_UNSEEN = compute | skip (default: compute; skip experimental, session 45):
+//                             whether each consumer warpgroup of the Hopper plain forward skips
+//                             the products and softmax of a key block that none of its own 64
+//                             rows sees (it still waits its turn and releases the buffers). Such
+//                             blocks are those the tile's other rows see: under a causal mask the
+//                             192-row tiles' last one or two blocks for their upper warpgroups
+//                             (about 11% of head dim 64's work at seq 1024, 6% at 2048), and
+//                             an end-aligned first tile's padding warpgroups.
 //   JAX_FLASH_CUDA_NARROW = split | off (default: split since session 19, whose differential run
 //                           of 2000 configurations gave 0 misses under it): narrow plain calls
 //                           (narrow_shape below) run the mma.sync kernels with P and dS as hi +
@@ -160,6 +168,9 @@ std::optional<QueryTileGrid> forward_grid_override();
 // Whether the plain Hopper forward's tiles end at the sequence's end (JAX_FLASH_CUDA_FWD_ROWS=end;
 // sm90/flash_fwd_ws.cu query_row_shift).
 bool end_aligned_rows_enabled();
+// Whether the plain Hopper forward's consumer warpgroups skip the key blocks none of their own
+// rows sees (JAX_FLASH_CUDA_FWD_UNSEEN=skip; FwdTmaParams::skip_unseen_blocks).
+bool skip_unseen_blocks_enabled();
 // Whether the Hopper kernels stage a 16-bit bias array's tiles through shared memory where they
 // can (unless JAX_FLASH_CUDA_BIAS_LOADS=direct), and whether they copy them by TMA where it can
 // (unless JAX_FLASH_CUDA_BIAS_LOADS=staged or direct).

@@ -58,6 +58,9 @@ struct FwdTmaParams {
   // so that the last ends at the sequence's end and the first holds the padding (QueryBlock's
   // row_shift; 0: from row 0).
   int query_row_shift = 0;
+  // The plain kernels' consumer warpgroups skip the key blocks none of their own rows sees
+  // (JAX_FLASH_CUDA_FWD_UNSEEN=skip).
+  bool skip_unseen_blocks = false;
 };
 
 // Shared memory of a warp-specialised forward CTA, from a 1 KiB boundary: Q, kStages stages of
@@ -177,6 +180,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   const QueryTileScheduler<kBM> scheduler(p.shape, params.grid, p.tile_counter);
   const int row_shift = kGeneral || kBlockWalk ? 0 : params.query_row_shift;
+  const bool skip_unseen = !kGeneral && !kBlockWalk && params.skip_unseen_blocks;
   // Both roles walk the tiles the producer hands over; key blocks run through the stage ring in one
   // sequence over all of them (block `ring` of the sequence uses stage ring % kStages, in its
   // (ring / kStages)-th round), and Q's buffer is filled once per tile with keys.
@@ -379,75 +383,113 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           }
         }
       };
-      Mbarrier(&bars.q_full).wait(q_round & 1);
-      Mbarrier(&bars.k_full[stage_of(0)]).wait(phase_of(0));
-      float s[1][kBN / 8][4];
-      issue_scores<Traits, T>(s, q_address, group * 64, smem_address(smem.k_stage(stage_of(0))));
-      wgmma_wait<0>();
-      fence_registers(s[0]);
-      stamp(kFwdEventFirstS);
-      release(&bars.k_empty[stage_of(0)]);
-      if (count == 1) release(&bars.q_empty);
-      mask_block(s, 0);
-      if (softmax.must_rescale(s, scale_log2)) softmax.rescale(o, scale_log2);  // (row_sums are 0)
-      softmax.exponentiate(s, scale_log2);
-      uint32_t pa[kBN / 16][1][4];
-      accumulator_to_a<T>(pa, s);
-      if (!kTensorSums && p.for_backward()) softmax.template add_rounded_sums<T>(pa);  // differentiated calls only
-      drop_block(pa, 0);
-      stamp(kFwdEventConverted, 0);
-
-      for (int i = 0; i + 1 < count; ++i) {
-        const int stage = stage_of(i), next = stage_of(i + 1);
-        Mbarrier(&bars.k_full[next]).wait(phase_of(i + 1));
-        stamp(kFwdEventKeyFull, i + 1);
+      // This warpgroup's key blocks, [mine, mine_end) of the walk: all of them, or with
+      // skip_unseen those its own rows see (the plain walk runs n_last down to n_first). Under
+      // a causal mask the upper warpgroups of a 192-row tile see none of its last block or two,
+      // and an end-aligned first tile's padding warpgroups none at all. Its turns and its
+      // releases of every block's buffers (once full: an early arrival would count towards the
+      // stage's previous round) stay as they are; the products and softmax of the others go.
+      int mine = 0, mine_end = count;
+      if (skip_unseen) {
+        const KeyBlockSpan own = key_blocks_seen<kBN>(p.mask, m0 + group * 64, 64, task.q_len, task.kv_len);
+        mine = max(0, blk.n_last - own.last);
+        mine_end = own.last < own.first ? mine : min(count, blk.n_last - own.first + 1);
+      }
+      auto pass_over = [&](int i) {
+        Mbarrier(&bars.k_full[stage_of(i)]).wait(phase_of(i));
+        release(&bars.k_empty[stage_of(i)]);
+        Mbarrier(&bars.v_full[stage_of(i)]).wait(phase_of(i));
+        release(&bars.v_empty[stage_of(i)]);
+      };
+      auto idle_turn = [&] {
         wait_turn();
-        stamp(kFwdEventTurn, i + 1);
-        // S(i + 1) and then P(i) V(i); waiting for all but the newest group waits for S(i + 1)
-        // only, so the softmax of block i + 1 runs while P(i) V(i) is on the tensor cores.
-        issue_scores<Traits, T>(s, q_address, group * 64, smem_address(smem.k_stage(next)));
-        Mbarrier(&bars.v_full[stage]).wait(phase_of(i));
-        issue_output<Traits, T, kTensorSums>(o, pa, smem_address(smem.v_stage(stage)), &row_sums[0], ones_desc);
         pass_turn();
-        stamp(kFwdEventIssued, i + 1);
-        wgmma_wait<1>();
-        fence_registers(s[0]);
-        stamp(kFwdEventScores, i + 1);
-        release(&bars.k_empty[next]);
-        if (i + 2 == count) release(&bars.q_empty);  // the tile's last S is in
-        mask_block(s, i + 1);
-        stamp(kFwdEventMasked, i + 1);
-        const bool moved = softmax.must_rescale(s, scale_log2);
-        if (moved) softmax.move_reference(scale_log2);
-        stamp(kFwdEventMaxed, i + 1);
-        softmax.exponentiate(s, scale_log2);
-        stamp(kFwdEventSoftmax, i + 1);
-        wgmma_wait<0>();  // P(i) V(i) is in: O and P(i)'s registers and V stage are free
-        fence_registers(o[0]);
-        stamp(kFwdEventOutput, i + 1);
-        release(&bars.v_empty[stage]);
-        if (moved) {
-          softmax.rescale_output(o);
-          if constexpr (kTensorSums) softmax.rescale_output(row_sums);
+      };
+      Mbarrier(&bars.q_full).wait(q_round & 1);
+      if (mine >= mine_end) {
+        release(&bars.q_empty);
+        for (int i = 0; i < count; ++i) {
+          pass_over(i);
+          if (i + 1 < count) idle_turn();
         }
+      } else {
+        for (int i = 0; i < mine; ++i) {
+          pass_over(i);
+          idle_turn();
+        }
+        Mbarrier(&bars.k_full[stage_of(mine)]).wait(phase_of(mine));
+        float s[1][kBN / 8][4];
+        issue_scores<Traits, T>(s, q_address, group * 64, smem_address(smem.k_stage(stage_of(mine))));
+        wgmma_wait<0>();
+        fence_registers(s[0]);
+        stamp(kFwdEventFirstS);
+        release(&bars.k_empty[stage_of(mine)]);
+        if (mine + 1 == mine_end) release(&bars.q_empty);
+        mask_block(s, mine);
+        if (softmax.must_rescale(s, scale_log2)) softmax.rescale(o, scale_log2);  // (row_sums are 0)
+        softmax.exponentiate(s, scale_log2);
+        uint32_t pa[kBN / 16][1][4];
         accumulator_to_a<T>(pa, s);
         if (!kTensorSums && p.for_backward()) softmax.template add_rounded_sums<T>(pa);  // differentiated calls only
-        drop_block(pa, i + 1);
-        stamp(kFwdEventConverted, i + 1);
-      }
-      const int last = stage_of(count - 1);
-      Mbarrier(&bars.v_full[last]).wait(phase_of(count - 1));
-      issue_output<Traits, T, kTensorSums>(o, pa, smem_address(smem.v_stage(last)), &row_sums[0], ones_desc);
-      wgmma_wait<0>();
-      fence_registers(o[0]);
-      if constexpr (kTensorSums) {
-        fence_registers(row_sums[0]);
-        // The row's whole sum in one lane of its quad (the epilogue sums the quad's parts).
+        drop_block(pa, mine);
+        stamp(kFwdEventConverted, 0);
+
+        for (int i = mine; i + 1 < mine_end; ++i) {
+          const int stage = stage_of(i), next = stage_of(i + 1);
+          Mbarrier(&bars.k_full[next]).wait(phase_of(i + 1));
+          stamp(kFwdEventKeyFull, i + 1);
+          wait_turn();
+          stamp(kFwdEventTurn, i + 1);
+          // S(i + 1) and then P(i) V(i); waiting for all but the newest group waits for S(i + 1)
+          // only, so the softmax of block i + 1 runs while P(i) V(i) is on the tensor cores.
+          issue_scores<Traits, T>(s, q_address, group * 64, smem_address(smem.k_stage(next)));
+          Mbarrier(&bars.v_full[stage]).wait(phase_of(i));
+          issue_output<Traits, T, kTensorSums>(o, pa, smem_address(smem.v_stage(stage)), &row_sums[0], ones_desc);
+          pass_turn();
+          stamp(kFwdEventIssued, i + 1);
+          wgmma_wait<1>();
+          fence_registers(s[0]);
+          stamp(kFwdEventScores, i + 1);
+          release(&bars.k_empty[next]);
+          if (i + 2 == mine_end) release(&bars.q_empty);  // this warpgroup's last S is in
+          mask_block(s, i + 1);
+          stamp(kFwdEventMasked, i + 1);
+          const bool moved = softmax.must_rescale(s, scale_log2);
+          if (moved) softmax.move_reference(scale_log2);
+          stamp(kFwdEventMaxed, i + 1);
+          softmax.exponentiate(s, scale_log2);
+          stamp(kFwdEventSoftmax, i + 1);
+          wgmma_wait<0>();  // P(i) V(i) is in: O and P(i)'s registers and V stage are free
+          fence_registers(o[0]);
+          stamp(kFwdEventOutput, i + 1);
+          release(&bars.v_empty[stage]);
+          if (moved) {
+            softmax.rescale_output(o);
+            if constexpr (kTensorSums) softmax.rescale_output(row_sums);
+          }
+          accumulator_to_a<T>(pa, s);
+          if (!kTensorSums && p.for_backward()) softmax.template add_rounded_sums<T>(pa);  // differentiated calls only
+          drop_block(pa, i + 1);
+          stamp(kFwdEventConverted, i + 1);
+        }
+        const int last = stage_of(mine_end - 1);
+        Mbarrier(&bars.v_full[last]).wait(phase_of(mine_end - 1));
+        issue_output<Traits, T, kTensorSums>(o, pa, smem_address(smem.v_stage(last)), &row_sums[0], ones_desc);
+        wgmma_wait<0>();
+        fence_registers(o[0]);
+        if constexpr (kTensorSums) {
+          fence_registers(row_sums[0]);
+          // The row's whole sum in one lane of its quad (the epilogue sums the quad's parts).
 #pragma unroll
-        for (int half = 0; half < 2; ++half)
-          softmax.sum_rounded[0][half] = lane % 4 == 0 ? row_sums[0][0][2 * half] : 0.f;
+          for (int half = 0; half < 2; ++half)
+            softmax.sum_rounded[0][half] = lane % 4 == 0 ? row_sums[0][0][2 * half] : 0.f;
+        }
+        release(&bars.v_empty[last]);
+        for (int i = mine_end; i < count; ++i) {
+          idle_turn();
+          pass_over(i);
+        }
       }
-      release(&bars.v_empty[last]);
       ring += count;
       ++q_round;
       if (dropout) {
