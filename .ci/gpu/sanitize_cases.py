@@ -75,6 +75,11 @@ CASES = [
     # lengths, partial blocks; then H 160 and Hv 120 on them (zero-filled columns), a window.
     (2, 133, 150, 4, 2, 192, True, None, True, False, 128),
     (1, 100, 90, 2, 1, 160, False, (40, 5), False, False, 120),
+    # Head dim 64's causal forward on 192-row tiles (three consumer warpgroups): with
+    # JAX_FLASH_CUDA_FWD_ROWS=end its first tile's padding warpgroups, with
+    # JAX_FLASH_CUDA_FWD_UNSEEN=skip the warpgroups that see none of a tile's last blocks pass
+    # over their blocks (lengths, GQA, 300 = 192 + 108 rows).
+    (2, 300, 300, 4, 2, 64, True, None, True, False),
 ]
 
 
