@@ -17,7 +17,7 @@ step skip_end 100 "${PT[@]}" tests/test_cuda.py -k "test_forward_skips_unseen_bl
 step poison_skip_end 40 env JAX_FLASH_CUDA_FWD_UNSEEN=skip JAX_FLASH_CUDA_FWD_ROWS=end "${PT[@]}" -n 8 \
   tests/test_nan_propagation.py -k cuda
 seqs=${SEQS:-1024 2048 4096 8192}
-bench_variants 75 default=tree end_skip=JAX_FLASH_CUDA_FWD_ROWS=end,JAX_FLASH_CUDA_FWD_UNSEEN=skip -- \
+bench_variants 110 default=tree end_skip=JAX_FLASH_CUDA_FWD_ROWS=end,JAX_FLASH_CUDA_FWD_UNSEEN=skip -- \
   --seqs $seqs --head-dims 64 --causal both
 mv "$out"/*.log "$runs"/  # (at most 8 files come back: the tables, and the logs in the tar)
 tar czf "$out/gpu_runs.tgz" "$runs"
