@@ -32,6 +32,9 @@ struct Bf16FwdProducts {
   // were once per 64: about as many tile loads and stores as products at head dim 128).
   static constexpr int64_t kKeyBlock = 128;
   static_assert(kKeyBlock % 32 == 0, "whole 2 x 2 blocks of tiles");
+  // One query block a task: pairs (fwd_products.h) were measured on float32 tiles only (an AVX2
+  // Zen 3, session 45), and no machine here runs AMX or vdpbf16ps to measure them on.
+  static constexpr bool kPairsQueryBlocks = false;
 
   // V^T of every (batch, kv head): vt[((b * heads_k + hk) * dims + c) * ld + j] for dims
   // c < dims (hv padded to 32; zero past hv) and keys j < ld (past seq_k by a tile's depth, so

@@ -429,169 +429,265 @@ inline bool range_meets(KeyRange keys, int64_t j0, int64_t cols) {
   return max64(keys.begin, j0) < min64(keys.end, j0 + cols);
 }
 
+// Calls with at least this many tasks of two query blocks take them two a task (FlashFwd):
+// fewer would leave cores idle where the blocks' lengths differ (a causal mask's).
+inline constexpr int64_t kMinPairedTasks = 16;
+
 // The forward of one call: T the inputs' dtype, Products the two tile products and the layout of
 // the query tile and output accumulator they own (fwd_products.h: float32 tiles;
 // bf16_fwd_products.h: bfloat16 on AMX or vdpbf16ps tiles).
+//
+// A task is one query block of kBlockQ rows, or two neighbouring ones where Products allows it
+// (kPairsQueryBlocks) and the call has tasks enough: the two then walk their key blocks in step,
+// so that each K and V^T block, brought from L3 for the first, serves the second from L2. At
+// seq 8192 a head's K and V^T are 8 MiB (hd 128), streamed from L3 once per 64 rows otherwise.
 template <typename T, typename Products = FloatFwdProducts<T>>
 struct FlashFwd {
   const FwdParams& p;
   const typename Products::Shared& shared;
-  int64_t q_blocks;  // per (batch, head)
+  int64_t q_blocks;         // per (batch, head)
+  int64_t blocks_per_task;  // 1 or 2
+  int64_t tasks_per_head;
+  int64_t block_floats;     // one query block's scratch, a whole number of cache lines
+
+  // Key tile rows: Products::kKeyBlock (128 for both products classes), with the headroom
+  // that block size needs.
+  static constexpr int64_t kp = Products::kKeyBlock;
+  static_assert(kp <= kWideKeyBlock && kp % kLanes == 0, "the headroom covers the block");
+  static constexpr float kHeadroom = sum_headroom(kp), kSlack = raise_slack(kp);
+  static constexpr int64_t qp = kBlockQ;  // query columns of S^T, a multiple of kLanes
 
   FlashFwd(const FwdParams& params, const typename Products::Shared& shared_state)
-      : p(params), shared(shared_state), q_blocks(ceil_div(params.shape.seq_q, kBlockQ)) {}
-
-  int64_t num_tasks() const { return p.shape.batch * p.shape.heads_q * q_blocks; }
-
-  void operator()(int64_t task) const {
+      : p(params), shared(shared_state), q_blocks(ceil_div(params.shape.seq_q, kBlockQ)) {
     const AttentionShape& sh = p.shape;
-    // Last query blocks first: under a causal mask they are the longest tasks.
-    const int64_t qb = q_blocks - 1 - task % q_blocks;
-    const int64_t h = (task / q_blocks) % sh.heads_q;
-    const int64_t b = task / (q_blocks * sh.heads_q);
-    const int64_t hk = h / sh.group();
-    const int64_t d = sh.head_dim, hv = sh.head_dim_v;
-    const int64_t q_stride = sh.heads_q * d, k_stride = sh.heads_k * d;
-    const int64_t o_stride = sh.heads_q * hv, v_stride = sh.heads_k * hv;
-    const int64_t q_len = clamp_len(p.q_lens, b, sh.seq_q);
-    const int64_t kv_len = clamp_len(p.kv_lens, b, sh.seq_k);
+    const bool pair = Products::kPairsQueryBlocks && q_blocks > 1 &&
+                      sh.batch * sh.heads_q * ceil_div(q_blocks, 2) >= kMinPairedTasks;
+    blocks_per_task = pair ? 2 : 1;
+    tasks_per_head = ceil_div(q_blocks, blocks_per_task);
+    block_floats = round_up(kp * qp + 4 * qp + Products::scratch_floats(sh), 16);
+  }
 
-    const int64_t i0 = qb * kBlockQ;
-    const int64_t rows = min64(kBlockQ, sh.seq_q - i0);
-    const int64_t live_rows = max64(0, min64(rows, q_len - i0));
-    const int64_t out_offset = (b * sh.seq_q + i0) * o_stride + h * hv;
-    float* lse = p.lse + (b * sh.heads_q + h) * sh.seq_q + i0;
+  int64_t num_tasks() const { return p.shape.batch * p.shape.heads_q * tasks_per_head; }
 
-    // Scratch: transposed scores, row statistics, then the products' own tiles (the query tile,
-    // the output accumulator, K and V tiles). Scores are formed transposed, S^T = K Q^T (keys x
-    // query rows): K is then read row by row as it lies (no transposed copy of every K tile) and
-    // the softmax's reductions over keys run down columns, kLanes query rows a vector.
-    // Key tile rows: Products::kKeyBlock (128 for both products classes), with the headroom
-    // that block size needs.
-    constexpr int64_t kp = Products::kKeyBlock;
-    static_assert(kp <= kWideKeyBlock && kp % kLanes == 0, "the headroom covers the block");
-    constexpr float headroom = sum_headroom(kp), slack = raise_slack(kp);
-    const int64_t qp = kBlockQ;           // query columns of S^T, a multiple of kLanes
-    float* scores_t = thread_scratch(kp * qp + 4 * qp + Products::scratch_floats(sh));
-    float* row_ref = scores_t + kp * qp;
-    float* row_sum = row_ref + qp;
-    float* correction = row_sum + qp;
+  // What a task's query blocks share: their (batch, query head), lengths, K and V, and the
+  // score policies.
+  struct Head {
+    int64_t b, h, hk;
+    int64_t q_len, kv_len;
+    int64_t q_stride, o_stride;
+    const T* k;
+    const T* v;
+    int64_t k_stride, v_stride;
+    const int32_t* kv_ids;  // the batch element's key segment ids (null without)
+    float score_scale;      // scores in base 2: exp2 instead of exp
+    SoftCap cap;
+    Alibi alibi;
+    Dropout dropout;
+    int64_t bias_base, mask_base;
+    // With segment ids, a block mask or a mask array, `seen` decides empty rows (a row whose
+    // keys the masks all hide); without, key_range alone does.
+    bool track_seen;
+
+    Head(const FwdParams& p, int64_t b_, int64_t h_)
+        : b(b_),
+          h(h_),
+          hk(h_ / p.shape.group()),
+          q_len(clamp_len(p.q_lens, b_, p.shape.seq_q)),
+          kv_len(clamp_len(p.kv_lens, b_, p.shape.seq_k)),
+          q_stride(p.shape.heads_q * p.shape.head_dim),
+          o_stride(p.shape.heads_q * p.shape.head_dim_v),
+          k(static_cast<const T*>(p.k) + b_ * p.shape.seq_k * p.shape.heads_k * p.shape.head_dim +
+            hk * p.shape.head_dim),
+          v(static_cast<const T*>(p.v) + b_ * p.shape.seq_k * p.shape.heads_k * p.shape.head_dim_v +
+            hk * p.shape.head_dim_v),
+          k_stride(p.shape.heads_k * p.shape.head_dim),
+          v_stride(p.shape.heads_k * p.shape.head_dim_v),
+          kv_ids(p.kv_segment_ids ? p.kv_segment_ids + b_ * p.shape.seq_k : nullptr),
+          score_scale(p.scale * kLog2e),
+          cap(p.logits_soft_cap),
+          alibi(p.alibi_slopes, b_ * p.shape.heads_q + h_),
+          dropout(p, b_, h_),
+          bias_base(p.bias ? p.bias.offset(b_, h_) : 0),
+          mask_base(p.logit_mask ? p.logit_mask.offset(b_, h_) : 0),
+          track_seen(kv_ids || p.block_mask != nullptr || p.logit_mask) {}
+  };
+
+  // One query block of kBlockQ rows from i0: its scratch (transposed scores, row statistics,
+  // then the products' own tiles: the query tile, the output accumulator, K and V tiles), and
+  // the key blocks it visits, [j_begin, j_end) in steps of kp. Scores are formed transposed,
+  // S^T = K Q^T (keys x query rows): K is then read row by row as it lies (no transposed copy
+  // of every K tile) and the softmax's reductions over keys run down columns, kLanes query rows
+  // a vector.
+  struct QueryBlock {
+    int64_t i0, rows, live_rows;
+    int64_t nq;  // query columns computed
+    float* scores_t;
+    float* row_ref;
+    float* row_sum;
+    float* correction;
     // With segment ids, 1 where a row has met a key the masks let through: a row whose document
     // has no visible key is empty. (Without them key_range decides that alone.)
-    float* seen = correction + qp;
-    Products products(p, shared, b, hk, seen + qp);
-    // Segment ids of this block's rows and of the batch element's keys (null without).
-    const int32_t* q_ids = p.q_segment_ids ? p.q_segment_ids + b * sh.seq_q + i0 : nullptr;
-    const int32_t* kv_ids = p.kv_segment_ids ? p.kv_segment_ids + b * sh.seq_k : nullptr;
-    // A block mask: key tiles on the tile grid (aligned at key 0, kp keys, so each inside
-    // one kBlockMaskKeys mask block), those whose block it hides from this tile's rows (inside
-    // mask block row i0 / kBlockMaskRows) never visited; `seen` decides empty rows as with
-    // segment ids.
-    const bool blocks = p.block_mask != nullptr;
-    // A mask array (logit_mask) decides empty rows with `seen` too.
-    const LogitArray& bias = p.bias;
-    const LogitArray& logit_mask = p.logit_mask;
-    const bool track_seen = kv_ids || blocks || logit_mask;
+    float* seen;
+    Products products;
+    const int32_t* q_ids;  // the block's rows' segment ids (null without)
+    IdSpan q_span;
+    KeyRange first, last;  // the key ranges of the block's first and last live rows
+    int64_t mask_block_row;  // the block's row of mask blocks
+    int64_t j_begin, j_end;
 
-    if (live_rows > 0) {
-      const T* q = static_cast<const T*>(p.q) + (b * sh.seq_q + i0) * q_stride + h * d;
-      const int64_t nq = round_up(live_rows, Products::kRowAlign);  // query columns computed
-      products.load_queries(q, q_stride, live_rows);
+    QueryBlock(const FwdParams& p, const typename Products::Shared& shared, const Head& head,
+               int64_t qb, float* scratch)
+        : i0(qb * kBlockQ),
+          rows(min64(kBlockQ, p.shape.seq_q - i0)),
+          live_rows(max64(0, min64(rows, head.q_len - i0))),
+          nq(round_up(live_rows, Products::kRowAlign)),
+          scores_t(scratch),
+          row_ref(scores_t + kp * qp),
+          row_sum(row_ref + qp),
+          correction(row_sum + qp),
+          seen(correction + qp),
+          products(p, shared, head.b, head.hk, seen + qp),
+          q_ids(p.q_segment_ids ? p.q_segment_ids + head.b * p.shape.seq_q + i0 : nullptr),
+          q_span(q_ids && live_rows > 0 ? id_span(q_ids, live_rows) : IdSpan{0, 0}),
+          first{0, 0},
+          last{0, 0},
+          mask_block_row(i0 / kBlockMaskRows),
+          j_begin(0),
+          j_end(0) {
+      if (live_rows == 0) return;  // no key block to visit
+      const T* q = static_cast<const T*>(p.q) + (head.b * p.shape.seq_q + i0) * head.q_stride +
+                   head.h * p.shape.head_dim;
+      products.load_queries(q, head.q_stride, live_rows);
       for (int64_t r = 0; r < qp; ++r) {
         row_ref[r] = -INFINITY;
         row_sum[r] = 0.f;
         seen[r] = 0.f;
       }
-      const IdSpan q_span = q_ids ? id_span(q_ids, live_rows) : IdSpan{0, 0};
-
-      const KeyRange first = key_range(p.mask, i0, q_len, kv_len);
-      const KeyRange last = key_range(p.mask, i0 + live_rows - 1, q_len, kv_len);
-      const T* k = static_cast<const T*>(p.k) + b * sh.seq_k * k_stride + hk * d;
-      const T* v = static_cast<const T*>(p.v) + b * sh.seq_k * v_stride + hk * hv;
-      const float score_scale = p.scale * kLog2e;  // scores in base 2: exp2 instead of exp
-      const SoftCap cap(p.logits_soft_cap);
-      const Alibi alibi(p.alibi_slopes, b * sh.heads_q + h);
-      const Dropout dropout(p, b, h);
-      const int64_t mask_block_row = i0 / kBlockMaskRows;  // this tile's row of mask blocks
-      const int64_t bias_base = bias ? bias.offset(b, h) : 0;
-      const int64_t mask_base = logit_mask ? logit_mask.offset(b, h) : 0;
-      for (int64_t j0 = blocks ? first.begin / kp * kp : first.begin; j0 < last.end; j0 += kp) {
-        const int64_t cols = min64(kp, last.end - j0);
-        // Block-sparse: a tile of a hidden mask block is skipped.
-        if (blocks && !p.block_visible(b, h, mask_block_row, j0 / kBlockMaskKeys)) continue;
-        // Segment ids: a tile whose keys' ids cannot meet the rows' is skipped whole; one where
-        // rows and keys share a single id needs no element mask.
-        bool split_ids = false;
-        if (kv_ids) {
-          const IdSpan k_span = id_span(kv_ids + j0, cols);
-          if (!q_span.meets(k_span)) continue;
-          split_ids = !q_span.same_single_id(k_span);
-        }
-        // A tile the mask array hides from every row is skipped.
-        if (logit_mask && !mask_tile_any(logit_mask, mask_base, i0, live_rows, j0, cols)) continue;
-        products.scores(k + j0 * k_stride, k_stride, j0, cols, nq, score_scale, scores_t);
-        if (cap)
-          for (int64_t c = 0; c < cols; ++c) soft_cap(scores_t + c * qp, nq, cap, nullptr);
-        if (alibi) alibi_columns(scores_t, qp, cols, nq, j0 - i0, alibi);
-        if (bias) bias_columns(scores_t, qp, bias, bias_base, i0, live_rows, j0, cols, kLog2e);
-        // Masks apply only on tiles some row sees partly (the diagonal, window edges), and
-        // wherever a mask array is given.
-        const bool whole = j0 >= last.begin && j0 + cols <= first.end;
-        if (logit_mask) {
-          for (int64_t r = 0; r < live_rows; ++r) {
-            const KeyRange keys = key_range(p.mask, i0 + r, q_len, kv_len);
-            mask_column(scores_t + r, qp, j0, cols, keys);
-            if (mask_keys(scores_t + r, qp, j0, cols, keys, mask_row_at(logit_mask, mask_base, i0 + r, j0),
-                          logit_mask.col, split_ids ? kv_ids + j0 : nullptr, split_ids ? q_ids[r] : 0))
-              seen[r] = 1.f;
-          }
-        } else if (split_ids) {
-          for (int64_t r = 0; r < live_rows; ++r)
-            if (mask_column_segment(scores_t + r, qp, j0, cols, key_range(p.mask, i0 + r, q_len, kv_len),
-                                    kv_ids + j0, q_ids[r]))
-              seen[r] = 1.f;
-        } else if (!whole) {
-          for (int64_t r = 0; r < live_rows; ++r) {
-            const KeyRange keys = key_range(p.mask, i0 + r, q_len, kv_len);
-            mask_column(scores_t + r, qp, j0, cols, keys);
-            if (track_seen && range_meets(keys, j0, cols)) seen[r] = 1.f;
-          }
-        } else if (track_seen) {
-          for (int64_t r = 0; r < live_rows; ++r) seen[r] = 1.f;
-        }
-        for (int64_t r = 0; r < nq; r += kLanes)
-          store(correction + r,
-                softmax_columns_update(scores_t + r, qp, cols, row_ref + r, row_sum + r, headroom,
-                                       slack));
-        products.rescale(correction, live_rows, nq);
-        // Dropout: the dropped probabilities of the rows' P (S^T, key c at scores_t[c * qp])
-        // become 0; the row sums above keep them, and 1 / (1 - rate) joins 1 / row sum below.
-        if (dropout)
-          dropout_columns(dropout, i0, live_rows, j0, cols, [&](int64_t c, int64_t r, IVec keep) {
-            float* p = scores_t + c * qp + r;
-            store(p, keep ? load(p) : Vec{});
-          });
-        // O += P V, P read from S^T.
-        products.accumulate(scores_t, v + j0 * v_stride, v_stride, j0, cols, live_rows, nq);
-      }
+      first = key_range(p.mask, i0, head.q_len, head.kv_len);
+      last = key_range(p.mask, i0 + live_rows - 1, head.q_len, head.kv_len);
+      // A block mask: key tiles on the tile grid (aligned at key 0, kp keys, so each inside
+      // one kBlockMaskKeys mask block), those whose block it hides from this tile's rows never
+      // visited; `seen` decides empty rows as with segment ids.
+      j_begin = p.block_mask ? first.begin / kp * kp : first.begin;
+      j_end = max64(j_begin, last.end);
     }
+  };
 
-    // A row is empty when the masks leave it no key, never because of its values: a NaN sum (a
-    // NaN or inf in the inputs) gives a NaN output and lse, as jax.nn's does.
-    for (int64_t r = 0; r < rows; ++r) {
-      const bool empty = r >= live_rows || key_range(p.mask, i0 + r, q_len, kv_len).empty() ||
-                         (track_seen && seen[r] == 0.f);
-      const float inv = empty ? 0.f : p.dropout_scale / row_sum[r];  // dropout_scale 1: none
-      const int64_t out_row = out_offset + r * o_stride;
+  void operator()(int64_t task) const {
+    const AttentionShape& sh = p.shape;
+    // Last query blocks first: under a causal mask they are the longest tasks.
+    const int64_t qb = (tasks_per_head - 1 - task % tasks_per_head) * blocks_per_task;
+    const Head head(p, task / (tasks_per_head * sh.heads_q), (task / tasks_per_head) % sh.heads_q);
+    float* scratch = thread_scratch(blocks_per_task * block_floats);
+    QueryBlock a(p, shared, head, qb, scratch);
+    if (qb + 1 >= q_blocks || blocks_per_task == 1) {
+      for (int64_t j0 = a.j_begin; j0 < a.j_end; j0 += kp) key_block(head, a, j0);
+      write_output(head, a);
+      return;
+    }
+    // Two blocks in step: the n-th key block of each (the same block where both start at the
+    // same key, as without a window or with a causal mask alone).
+    QueryBlock b(p, shared, head, qb + 1, scratch + block_floats);
+    for (int64_t ja = a.j_begin, jb = b.j_begin; ja < a.j_end || jb < b.j_end; ja += kp, jb += kp) {
+      if (ja < a.j_end) key_block(head, a, ja);
+      if (jb < b.j_end) key_block(head, b, jb);
+    }
+    write_output(head, a);
+    write_output(head, b);
+  }
+
+  // One online-softmax step of a query block over the keys [j0, j0 + kp) (fewer at the end):
+  // the scores, the score policies and masks, the softmax, O^T += V^T P^T.
+  void key_block(const Head& head, QueryBlock& blk, int64_t j0) const {
+    const int64_t i0 = blk.i0, live_rows = blk.live_rows, nq = blk.nq;
+    const KeyRange first = blk.first, last = blk.last;
+    float* scores_t = blk.scores_t;
+    const int32_t* q_ids = blk.q_ids;
+    const int32_t* kv_ids = head.kv_ids;
+    const LogitArray& bias = p.bias;
+    const LogitArray& logit_mask = p.logit_mask;
+    const int64_t q_len = head.q_len, kv_len = head.kv_len;
+    const int64_t cols = min64(kp, last.end - j0);
+    // Block-sparse: a tile of a hidden mask block is skipped.
+    if (p.block_mask && !p.block_visible(head.b, head.h, blk.mask_block_row, j0 / kBlockMaskKeys)) return;
+    // Segment ids: a tile whose keys' ids cannot meet the rows' is skipped whole; one where
+    // rows and keys share a single id needs no element mask.
+    bool split_ids = false;
+    if (kv_ids) {
+      const IdSpan k_span = id_span(kv_ids + j0, cols);
+      if (!blk.q_span.meets(k_span)) return;
+      split_ids = !blk.q_span.same_single_id(k_span);
+    }
+    // A tile the mask array hides from every row is skipped.
+    if (logit_mask && !mask_tile_any(logit_mask, head.mask_base, i0, live_rows, j0, cols)) return;
+    blk.products.scores(head.k + j0 * head.k_stride, head.k_stride, j0, cols, nq, head.score_scale, scores_t);
+    if (head.cap)
+      for (int64_t c = 0; c < cols; ++c) soft_cap(scores_t + c * qp, nq, head.cap, nullptr);
+    if (head.alibi) alibi_columns(scores_t, qp, cols, nq, j0 - i0, head.alibi);
+    if (bias) bias_columns(scores_t, qp, bias, head.bias_base, i0, live_rows, j0, cols, kLog2e);
+    // Masks apply only on tiles some row sees partly (the diagonal, window edges), and
+    // wherever a mask array is given.
+    const bool whole = j0 >= last.begin && j0 + cols <= first.end;
+    float* seen = blk.seen;
+    if (logit_mask) {
+      for (int64_t r = 0; r < live_rows; ++r) {
+        const KeyRange keys = key_range(p.mask, i0 + r, q_len, kv_len);
+        mask_column(scores_t + r, qp, j0, cols, keys);
+        if (mask_keys(scores_t + r, qp, j0, cols, keys, mask_row_at(logit_mask, head.mask_base, i0 + r, j0),
+                      logit_mask.col, split_ids ? kv_ids + j0 : nullptr, split_ids ? q_ids[r] : 0))
+          seen[r] = 1.f;
+      }
+    } else if (split_ids) {
+      for (int64_t r = 0; r < live_rows; ++r)
+        if (mask_column_segment(scores_t + r, qp, j0, cols, key_range(p.mask, i0 + r, q_len, kv_len),
+                                kv_ids + j0, q_ids[r]))
+          seen[r] = 1.f;
+    } else if (!whole) {
+      for (int64_t r = 0; r < live_rows; ++r) {
+        const KeyRange keys = key_range(p.mask, i0 + r, q_len, kv_len);
+        mask_column(scores_t + r, qp, j0, cols, keys);
+        if (head.track_seen && range_meets(keys, j0, cols)) seen[r] = 1.f;
+      }
+    } else if (head.track_seen) {
+      for (int64_t r = 0; r < live_rows; ++r) seen[r] = 1.f;
+    }
+    for (int64_t r = 0; r < nq; r += kLanes)
+      store(blk.correction + r, softmax_columns_update(scores_t + r, qp, cols, blk.row_ref + r,
+                                                       blk.row_sum + r, kHeadroom, kSlack));
+    blk.products.rescale(blk.correction, live_rows, nq);
+    // Dropout: the dropped probabilities of the rows' P (S^T, key c at scores_t[c * qp])
+    // become 0; the row sums above keep them, and 1 / (1 - rate) joins 1 / row sum below.
+    if (head.dropout)
+      dropout_columns(head.dropout, i0, live_rows, j0, cols, [&](int64_t c, int64_t r, IVec keep) {
+        float* s = scores_t + c * qp + r;
+        store(s, keep ? load(s) : Vec{});
+      });
+    // O += P V, P read from S^T.
+    blk.products.accumulate(scores_t, head.v + j0 * head.v_stride, head.v_stride, j0, cols, live_rows, nq);
+  }
+
+  // The block's output rows and lse. A row is empty when the masks leave it no key, never
+  // because of its values: a NaN sum (a NaN or inf in the inputs) gives a NaN output and lse,
+  // as jax.nn's does.
+  void write_output(const Head& head, QueryBlock& blk) const {
+    const AttentionShape& sh = p.shape;
+    const int64_t hv = sh.head_dim_v;
+    const int64_t out_offset = (head.b * sh.seq_q + blk.i0) * head.o_stride + head.h * hv;
+    float* lse = p.lse + (head.b * sh.heads_q + head.h) * sh.seq_q + blk.i0;
+    for (int64_t r = 0; r < blk.rows; ++r) {
+      const bool empty = r >= blk.live_rows || key_range(p.mask, blk.i0 + r, head.q_len, head.kv_len).empty() ||
+                         (head.track_seen && blk.seen[r] == 0.f);
+      const float inv = empty ? 0.f : p.dropout_scale / blk.row_sum[r];  // dropout_scale 1: none
+      const int64_t out_row = out_offset + r * head.o_stride;
       if (p.o_float32)
         empty ? store_zeros(hv, static_cast<float*>(p.o) + out_row)
-              : products.store_output_row(r, inv, static_cast<float*>(p.o) + out_row);
+              : blk.products.store_output_row(r, inv, static_cast<float*>(p.o) + out_row);
       else
         empty ? store_zeros(hv, static_cast<T*>(p.o) + out_row)
-              : products.store_output_row(r, inv, static_cast<T*>(p.o) + out_row);
-      lse[r] = empty ? kEmptyRowLse : natural_lse(row_ref[r], row_sum[r]);
+              : blk.products.store_output_row(r, inv, static_cast<T*>(p.o) + out_row);
+      lse[r] = empty ? kEmptyRowLse : natural_lse(blk.row_ref[r], blk.row_sum[r]);
     }
-    products.finish();
+    blk.products.finish();
   }
 };
 

@@ -32,6 +32,9 @@ struct FloatFwdProducts {
   // (fewer calls and row-statistics passes, rarer rescales); the O^T product still sums its keys
   // in panels of kKPanel.
   static constexpr int64_t kKeyBlock = 128;
+  // Two query blocks a task where the call has tasks enough (FlashFwd): each K and V^T block
+  // then serves 128 rows from cache, not 64.
+  static constexpr bool kPairsQueryBlocks = true;
 
   // K and V^T of every (batch, kv head) in float32, for every task of the call:
   //   k[head * k_head + j * dp + c]  = K[j][c]   (zero for c in [d, dp));
