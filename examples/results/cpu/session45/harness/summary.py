@@ -4,10 +4,10 @@ sys.argv = ['x']
 exec(open('/tmp/s45/compare.py').read().split('tags = sys.argv')[0])
 import os
 QUIET = os.environ.get('QUIET')
-groups = {'base b4585c8': ['f32_base_r1', 'f32_base_r2', 'f32_base_r3', 'f32_base_r4', 'f32_base_r5'],
-          'pairs': ['f32_pair_r1', 'f32_pair_r2', 'f32_pair_r3', 'f32_pair_r4', 'f32_pair_r5']}
+groups = {'base b4585c8': ['f32_base_r1', 'f32_base_r2', 'f32_base_r3', 'f32_base_r4', 'f32_base_r5', 'f32_base_r6'],
+          'pairs': ['f32_pair_r1', 'f32_pair_r2', 'f32_pair_r3', 'f32_pair_r4', 'f32_pair_r5', 'f32_pair_r6']}
 if QUIET:
-    groups = {g: [t for t in ts if t[-1] in '45'] for g, ts in groups.items()}
+    groups = {g: [t for t in ts if t[-1] in '456'] for g, ts in groups.items()}
 data = {t: rows(t) for g in groups.values() for t in g}
 keys = list(data[groups['base b4585c8'][0]].keys())
 def stat(xs):
