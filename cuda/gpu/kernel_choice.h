@@ -90,7 +90,8 @@
 //                             session 43 also JAX_FLASH_CUDA_FORWARD=sm90ws_grid, sm90ws_static and
 //                             sm90ws_dynamic.)
 //   JAX_FLASH_CUDA_FWD_ROWS = start | end (default: start; end experimental, session 44: measured
-//                             faster, its final form not yet run on a GPU): where the Hopper
+//                             faster; its final form's NaN cases passed with FWD_UNSEEN=skip in
+//                             session 45, its reference cases not yet run): where the Hopper
 //                             plain forward's query tiles lie when the tile height does not divide
 //                             the sequence (the 192-row tiles of head dim 64 at every length that
 //                             is a multiple of 128): from the sequence's end (to within 64 rows),
@@ -104,7 +105,9 @@
 //                             blocks are those the tile's other rows see: under a causal mask the
 //                             192-row tiles' last one or two blocks for their upper warpgroups
 //                             (about 11% of head dim 64's work at seq 1024, 6% at 2048), and
-//                             an end-aligned first tile's padding warpgroups.
+//                             an end-aligned first tile's padding warpgroups. With
+//                             FWD_ROWS=end: head dim 64's causal forward +5-16% at seq 1024-8192
+//                             (session 45); its reference cases not yet run.
 //   JAX_FLASH_CUDA_NARROW = split | off (default: split since session 19, whose differential run
 //                           of 2000 configurations gave 0 misses under it): narrow plain calls
 //                           (narrow_shape below) run the mma.sync kernels with P and dS as hi +
