@@ -21,6 +21,19 @@ __device__ __forceinline__ int64_t clamp_len(const int32_t* lens, int64_t b, int
   return n < 0 ? 0 : (n > full ? full : n);
 }
 
+// Key blocks [first, last] (none: last < first).
+struct KeyBlockSpan {
+  int first = 0, last = -1;
+  __device__ bool holds(int n_block) const { return n_block >= first && n_block <= last; }
+};
+// The key blocks that a run of rows sees, from the key ranges of its first and last rows (each
+// row's keys are one range whose ends grow with the row).
+template <int kBlockN>
+__device__ __forceinline__ KeyBlockSpan key_block_span(KeyRange first, KeyRange last) {
+  if (last.end <= first.begin) return {};
+  return {static_cast<int>(first.begin / kBlockN), static_cast<int>((last.end - 1) / kBlockN)};
+}
+
 // The query rows [m0, m0 + rows) of a CTA (live: from 0 and before q_len) and the key blocks
 // [n_first, n_last] that any of them sees. Block m_block starts at row m_block * kBlockM -
 // row_shift: with a shift (the plain Hopper forward's tiles that end at the sequence's end,
@@ -42,10 +55,9 @@ struct QueryBlock {
     if (live_rows > 0) {
       first = key_range(mask, max64(m0, 0), q_len, kv_len);
       last = key_range(mask, m0 + live_rows - 1, q_len, kv_len);
-      if (last.end > first.begin) {
-        n_first = static_cast<int>(first.begin / kBlockN);
-        n_last = static_cast<int>((last.end - 1) / kBlockN);
-      }
+      const KeyBlockSpan keys = key_block_span<kBlockN>(first, last);
+      n_first = keys.first;
+      n_last = keys.last;
     }
   }
 
@@ -61,19 +73,13 @@ struct QueryBlock {
 
 // The key blocks [first, last] that the rows [r0, r0 + rows) before q_len see (none: last <
 // first): those of one warpgroup's rows of a taller tile (the Hopper forward's unseen blocks,
-// sm90/flash_fwd_ws_kernel.cuh). Each row's keys are one range whose ends grow with the row.
-struct KeyBlockSpan {
-  int first = 0, last = -1;
-  __device__ bool holds(int n_block) const { return n_block >= first && n_block <= last; }
-};
+// sm90/flash_fwd_ws_kernel.cuh).
 template <int kBlockN>
 __device__ __forceinline__ KeyBlockSpan key_blocks_seen(const MaskParams& mask, int64_t r0, int rows, int64_t q_len,
                                                         int64_t kv_len) {
   const int64_t begin = max64(r0, 0), end = min64(r0 + rows, q_len);
   if (end <= begin) return {};
-  const KeyRange first = key_range(mask, begin, q_len, kv_len), last = key_range(mask, end - 1, q_len, kv_len);
-  if (last.end <= first.begin) return {};
-  return {static_cast<int>(first.begin / kBlockN), static_cast<int>((last.end - 1) / kBlockN)};
+  return key_block_span<kBlockN>(key_range(mask, begin, q_len, kv_len), key_range(mask, end - 1, q_len, kv_len));
 }
 
 // A query-block CTA's problem (the forward kernels and the deterministic dQ kernel): batch b, query
