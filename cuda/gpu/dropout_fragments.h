@@ -98,7 +98,43 @@ JF_HOST_DEVICE inline uint32_t transposed_keep_bits(const DropoutStream& d, cons
   return bits;
 }
 
+// One m-tile's decisions for a row of kNTiles n-tiles (a thread's share of a forward block),
+// computed before they are used: the Hopper forward makes the next block's while the tensor
+// cores run this block's products (JAX_FLASH_CUDA_DROPOUT_BITS=early), so that the Philox
+// calls fill the consumers' wait instead of lengthening the softmax's chain. Pair p's
+// forward_keep_bits sit at bits 8 (p % 4) of word p / 4.
+template <int kNTiles>
+struct ForwardKeepBits {
+  static constexpr int kPairs = kNTiles / 2;
+  static constexpr int kWords = (kPairs + 3) / 4;
+  uint32_t word[kWords];
+  JF_HOST_DEVICE uint32_t pair(int p) const { return (word[p / 4] >> (8 * (p % 4))) & 0xFFu; }
+};
+
+// row0 and col0 as forward_keep_bits' for the row's first pair of n-tiles.
+template <int kNTiles>
+JF_HOST_DEVICE inline ForwardKeepBits<kNTiles> forward_row_keep_bits(const DropoutStream& d, int64_t row0,
+                                                                    int64_t col0) {
+  static_assert(kNTiles % 2 == 0, "pairs of n-tiles");
+  ForwardKeepBits<kNTiles> bits{};
+#pragma unroll
+  for (int pair = 0; pair < kNTiles / 2; ++pair)
+    bits.word[pair / 4] |= forward_keep_bits(d, row0, col0 + 16 * pair) << (8 * (pair % 4));
+  return bits;
+}
+
 #ifdef __CUDACC__
+// Zeroes the dropped elements of a pair of n-tiles' 16-bit A fragment registers (as
+// accumulator_to_a packs them: n-tile 2 pair + i / 2's elements 2 (i % 2) and 2 (i % 2) + 1 in
+// the low and high halves of a[i]) by the pair's forward_keep_bits.
+__device__ __forceinline__ void drop_pair(uint32_t (&a)[4], uint32_t bits) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t two = bits >> (2 * i);
+    a[i] &= (two & 1u ? 0x0000FFFFu : 0u) | (two & 2u ? 0xFFFF0000u : 0u);
+  }
+}
+
 // Zeroes the dropped probabilities of a forward block's 16-bit A fragments, as accumulator_to_a
 // packs them (m-tile mt's n-tile nt's elements 2 half and 2 half + 1 in the low and high halves
 // of a[nt / 2][mt][2 (nt % 2) + half]); row0 and col0 as forward_keep_bits' for m-tile 0's first
@@ -109,14 +145,24 @@ __device__ __forceinline__ void drop_forward_probabilities(uint32_t (&a)[kNTiles
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-    for (int pair = 0; pair < kNTiles / 2; ++pair) {
-      const uint32_t bits = forward_keep_bits(d, row0 + 16 * mt, col0 + 16 * pair);
+    for (int pair = 0; pair < kNTiles / 2; ++pair)
+      drop_pair(a[pair][mt], forward_keep_bits(d, row0 + 16 * mt, col0 + 16 * pair));
+}
+
+// The same for one m-tile from decisions made earlier (forward_row_keep_bits).
+template <int kNTiles>
+__device__ __forceinline__ void drop_forward_probabilities(uint32_t (&a)[kNTiles / 2][1][4],
+                                                           const ForwardKeepBits<kNTiles>& bits) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {  // n-tile 2 pair + i / 2, elements 2 (i % 2) and 2 (i % 2) + 1
-        const uint32_t two = bits >> (2 * i);
-        a[pair][mt][i] &= (two & 1u ? 0x0000FFFFu : 0u) | (two & 2u ? 0xFFFF0000u : 0u);
-      }
-    }
+  for (int pair = 0; pair < kNTiles / 2; ++pair) drop_pair(a[pair][0], bits.pair(pair));
+}
+
+// Keeps the compiler from moving the decisions' computation past this point (the wait for the
+// tensor cores' products that follows it in the Hopper forward).
+template <int kNTiles>
+__device__ __forceinline__ void fence_keep_bits(ForwardKeepBits<kNTiles>& bits) {
+#pragma unroll
+  for (int w = 0; w < ForwardKeepBits<kNTiles>::kWords; ++w) asm volatile("" : "+r"(bits.word[w])::"memory");
 }
 
 // The forward layout's decisions as a multiplier mask (bit 4 nt + e keeps element e of m-tile
