@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 47, call A cut to what ~260 s of device time holds (the pool had refused every
-# starts by then): with flip_defaults.diff applied, compute-sanitizer memcheck on the odd
+# start by then): with flip_defaults.diff applied, compute-sanitizer memcheck on the odd
 # head-dim-64 case 18 (the 192-row tiles the new default changes), the GPU suite's main file
 # (its subprocess tests aside), then the NaN cases.
 #   run from the repository root on the GPU machine: bash examples/results/h200/session47/callA_short/call.sh
