@@ -98,29 +98,20 @@ JF_HOST_DEVICE inline uint32_t transposed_keep_bits(const DropoutStream& d, cons
   return bits;
 }
 
-// One m-tile's decisions for a row of kNTiles n-tiles (a thread's share of a forward block),
-// computed before they are used: the Hopper forward makes the next block's while the tensor
-// cores run this block's products (JAX_FLASH_CUDA_DROPOUT_BITS=early), so that the Philox
-// calls fill the consumers' wait instead of lengthening the softmax's chain. Pair p's
-// forward_keep_bits sit at bits 8 (p % 4) of word p / 4.
+// The forward layout's decisions as a multiplier mask (bit 4 nt + e keeps element e of m-tile
+// mt's n-tile nt, 16 n-tiles at most an m-tile; pair p's forward_keep_bits at bit 8 p): the
+// mma.sync backward's S and dP tiles, and the Hopper forward's decisions made ahead of their use
+// (JAX_FLASH_CUDA_DROPOUT_BITS=early: the next block's while the tensor cores run this block's
+// products, so that the Philox calls fill the consumers' wait instead of lengthening the
+// softmax's chain).
 template <int kNTiles>
-struct ForwardKeepBits {
-  static constexpr int kPairs = kNTiles / 2;
-  static constexpr int kWords = (kPairs + 3) / 4;
-  uint32_t word[kWords];
-  JF_HOST_DEVICE uint32_t pair(int p) const { return (word[p / 4] >> (8 * (p % 4))) & 0xFFu; }
-};
-
-// row0 and col0 as forward_keep_bits' for the row's first pair of n-tiles.
-template <int kNTiles>
-JF_HOST_DEVICE inline ForwardKeepBits<kNTiles> forward_row_keep_bits(const DropoutStream& d, int64_t row0,
-                                                                    int64_t col0) {
-  static_assert(kNTiles % 2 == 0, "pairs of n-tiles");
-  ForwardKeepBits<kNTiles> bits{};
+JF_HOST_DEVICE inline uint64_t forward_keep_mask(const DropoutStream& d, int64_t row0, int64_t col0) {
+  static_assert(kNTiles % 2 == 0 && kNTiles <= 16, "pairs of n-tiles, 64 decisions at most");
+  uint64_t keep = 0;
 #pragma unroll
   for (int pair = 0; pair < kNTiles / 2; ++pair)
-    bits.word[pair / 4] |= forward_keep_bits(d, row0, col0 + 16 * pair) << (8 * (pair % 4));
-  return bits;
+    keep |= static_cast<uint64_t>(forward_keep_bits(d, row0, col0 + 16 * pair)) << (8 * pair);
+  return keep;
 }
 
 #ifdef __CUDACC__
@@ -149,32 +140,12 @@ __device__ __forceinline__ void drop_forward_probabilities(uint32_t (&a)[kNTiles
       drop_pair(a[pair][mt], forward_keep_bits(d, row0 + 16 * mt, col0 + 16 * pair));
 }
 
-// The same for one m-tile from decisions made earlier (forward_row_keep_bits).
+// The same for one m-tile from decisions made earlier (forward_keep_mask).
 template <int kNTiles>
-__device__ __forceinline__ void drop_forward_probabilities(uint32_t (&a)[kNTiles / 2][1][4],
-                                                           const ForwardKeepBits<kNTiles>& bits) {
-#pragma unroll
-  for (int pair = 0; pair < kNTiles / 2; ++pair) drop_pair(a[pair][0], bits.pair(pair));
-}
-
-// Keeps the compiler from moving the decisions' computation past this point (the wait for the
-// tensor cores' products that follows it in the Hopper forward).
-template <int kNTiles>
-__device__ __forceinline__ void fence_keep_bits(ForwardKeepBits<kNTiles>& bits) {
-#pragma unroll
-  for (int w = 0; w < ForwardKeepBits<kNTiles>::kWords; ++w) asm volatile("" : "+r"(bits.word[w])::"memory");
-}
-
-// The forward layout's decisions as a multiplier mask (bit 4 nt + e keeps element e of m-tile
-// mt's n-tile nt, 16 n-tiles at most an m-tile): the mma.sync backward's S and dP tiles.
-template <int kNTiles>
-__device__ __forceinline__ uint64_t forward_keep_mask(const DropoutStream& d, int64_t row0, int64_t col0) {
-  static_assert(kNTiles % 2 == 0 && kNTiles <= 16, "pairs of n-tiles, 64 decisions at most");
-  uint64_t keep = 0;
+__device__ __forceinline__ void drop_forward_probabilities(uint32_t (&a)[kNTiles / 2][1][4], uint64_t keep) {
 #pragma unroll
   for (int pair = 0; pair < kNTiles / 2; ++pair)
-    keep |= static_cast<uint64_t>(forward_keep_bits(d, row0, col0 + 16 * pair)) << (8 * pair);
-  return keep;
+    drop_pair(a[pair][0], static_cast<uint32_t>(keep >> (8 * pair)) & 0xFFu);
 }
 
 // The keep decisions of a transposed fragment of kNTiles n-tiles (query rows from query0, query0

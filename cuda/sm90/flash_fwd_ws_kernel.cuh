@@ -359,19 +359,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // (JAX_FLASH_CUDA_DROPOUT_BITS=early) the decisions of the block whose S is on the tensor
       // cores, made before the wait for it.
       const bool early_bits = dropout && params.dropout_bits_early;
-      ForwardKeepBits<kBN / 8> next_bits{};
+      uint64_t next_keep = 0;
       auto keep_col0 = [&](int i) { return static_cast<int64_t>(task.keys.descending(i)) * kBN + 2 * (lane % 4); };
       auto make_bits = [&](int i) {
         if constexpr (kDropout)
           if (early_bits) {
-            next_bits = forward_row_keep_bits<kBN / 8>(drop_stream, m0 + warp_m0 + lane / 4, keep_col0(i));
-            fence_keep_bits(next_bits);
+            next_keep = forward_keep_mask<kBN / 8>(drop_stream, m0 + warp_m0 + lane / 4, keep_col0(i));
+            asm volatile("" : "+l"(next_keep)::"memory");  // (made before the wait that follows)
           }
       };
       auto drop_block = [&](uint32_t (&pa)[kBN / 16][1][4], int i) {
         if constexpr (kDropout) {
           if (early_bits)
-            drop_forward_probabilities<kBN / 8>(pa, next_bits);
+            drop_forward_probabilities<kBN / 8>(pa, next_keep);
           else if (dropout)
             drop_forward_probabilities<kBN / 8>(pa, drop_stream, m0 + warp_m0 + lane / 4, keep_col0(i));
         }

@@ -2,9 +2,8 @@
 // scores, in the forward's layout (rows = query rows) or the backward's transposed one (rows =
 // keys), and prints the keep decisions as T lines of S characters ('1' kept, '0' dropped) in
 // (query row, key) order, for tests/test_dropout_bits.py to compare with jax_flash/_dropout.py.
-// forward_rows: the forward's layout made a row of n-tiles at a time (forward_row_keep_bits, as
-// the Hopper forward's early decisions), 10 n-tiles a call: five pairs, a partly filled second
-// word.
+// forward_rows: the forward's layout made a row of n-tiles at a time (forward_keep_mask, as the
+// Hopper forward's early decisions and the mma.sync backward), 10 n-tiles a call: five pairs.
 //   usage: dropout_fragments_check forward|forward_rows|transposed key0 key1 head batch threshold T S
 // T and S multiples of 16 (forward_rows: S a multiple of 80). Exits 1 if some element is given no
 // decision or two.
@@ -47,11 +46,9 @@ int main(int argc, char** argv) {
     for (long block = 0; forward_rows && block < S / (8 * kRowNTiles); ++block)
       for (int lane = 0; lane < 32; ++lane) {
         const long row0 = row_base + lane / 4, col0 = block * 8 * kRowNTiles + 2 * (lane % 4);
-        const ForwardKeepBits<kRowNTiles> bits = forward_row_keep_bits<kRowNTiles>(stream, row0, col0);
-        for (int pair = 0; pair < kRowNTiles / 2; ++pair)
-          for (int t = 0; t < 2; ++t)
-            for (int e = 0; e < 4; ++e)
-              set(row0 + 8 * (e / 2), col0 + 16 * pair + 8 * t + e % 2, (bits.pair(pair) >> (4 * t + e)) & 1);
+        const uint64_t keep = forward_keep_mask<kRowNTiles>(stream, row0, col0);
+        for (int nt = 0; nt < kRowNTiles; ++nt)
+          for (int e = 0; e < 4; ++e) set(row0 + 8 * (e / 2), col0 + 8 * nt + e % 2, (keep >> (4 * nt + e)) & 1);
       }
   for (long key_base = 0; key_base < S; key_base += 16)  // transposed: 16 keys a warp tile
     for (long pair = 0; transposed && pair < T / 16; ++pair) {
