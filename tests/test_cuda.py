@@ -425,33 +425,36 @@ def test_forward_grid_override_on_hopper(grid):
       "(test_cuda_matches_reference and h64) or test_command_buffer_capture")
 
 
-# JAX_FLASH_CUDA_FWD_ROWS=end (experimental) lays the plain forward's query tiles against the
-# sequence's end wherever their height does not divide it (to within 64 rows): the first tile's
-# rows before row 0 are its padding, loaded as zeros by TMA and never stored.
-@pytest.mark.parametrize("forward", [None, "sm90ws_wide", "sm90ws_directstore"])
-def test_forward_end_aligned_rows_on_hopper(forward):
-  """With the tiles against the sequence's end, the default kernels (odd lengths), head dim 64's
-  192-row tiles on every mask (sm90ws_wide) and the direct stores of O pass the reference cases
-  (partial blocks, lengths, GQA, T != S, causal), the forward-only cases and the CUDA-graph
-  capture."""
-  env = {"JAX_FLASH_CUDA_FWD_ROWS": "end", **({"JAX_FLASH_CUDA_FORWARD": forward} if forward else {})}
+# The plain forward's query tiles lie against the sequence's end wherever their height does not
+# divide it (to within 64 rows; the default since session 48): the first tile's rows before row 0
+# are its padding, loaded as zeros by TMA and never stored. JAX_FLASH_CUDA_FWD_ROWS=start lays them
+# from row 0 as before.
+@pytest.mark.parametrize("forward, rows", [(None, "start"), ("sm90ws_wide", "end"), ("sm90ws_directstore", "end"),
+                                           ("sm90ws_wide", "start")])
+def test_forward_query_tile_rows_on_hopper(forward, rows):
+  """With the tiles from row 0 (the default kernels, odd lengths) or against the sequence's end
+  (head dim 64's 192-row tiles on every mask, sm90ws_wide, and the direct stores of O), the
+  forward passes the reference cases (partial blocks, lengths, GQA, T != S, causal), the
+  forward-only cases and the CUDA-graph capture."""
+  env = {"JAX_FLASH_CUDA_FWD_ROWS": rows, **({"JAX_FLASH_CUDA_FORWARD": forward} if forward else {})}
   heads = "h40 or h64" if forward == "sm90ws_wide" else "h40 or h64 or h80 or h96 or h111 or h128 or h256"
   _run_cuda_tests_on_hopper_with(
       env, f"(test_cuda_matches_reference and ({heads})) or test_forward_only_matches_reference or "
       "test_command_buffer_capture")
 
 
-# JAX_FLASH_CUDA_FWD_UNSEEN=skip (experimental): each consumer warpgroup of the plain forward skips
-# the products and softmax of the key blocks none of its own rows sees, still taking its turns
-# and releasing the blocks' buffers (sm90/flash_fwd_ws_kernel.cuh mine, mine_end).
+# Each consumer warpgroup of the plain forward skips the products and softmax of the key blocks
+# none of its own rows sees, still taking its turns and releasing the blocks' buffers (the default
+# since session 48; sm90/flash_fwd_ws_kernel.cuh mine, mine_end). JAX_FLASH_CUDA_FWD_UNSEEN=compute
+# computes them as before.
 @pytest.mark.parametrize("rows", ["start", "end"])
-def test_forward_skips_unseen_blocks_on_hopper(rows):
-  """With the unseen blocks skipped, the tiles laid from row 0 or against the sequence's end (whose
-  first tile's padding warpgroups see no block) pass the reference cases of head dims 40-128
-  (causal, windows, lengths, T != S), the forward-only cases, the CUDA-graph capture and the
-  forwards of more tiles than SMs."""
+def test_forward_computes_unseen_blocks_on_hopper(rows):
+  """With every warpgroup computing every block of its tile, the tiles laid from row 0 or against
+  the sequence's end pass the reference cases of head dims 40-128 (causal, windows, lengths,
+  T != S), the forward-only cases, the CUDA-graph capture and the forwards of more tiles than
+  SMs."""
   _run_cuda_tests_on_hopper_with(
-      {"JAX_FLASH_CUDA_FWD_UNSEEN": "skip", "JAX_FLASH_CUDA_FWD_ROWS": rows},
+      {"JAX_FLASH_CUDA_FWD_UNSEEN": "compute", "JAX_FLASH_CUDA_FWD_ROWS": rows},
       "(test_cuda_matches_reference and (h40 or h64 or h96 or h128)) or test_forward_only_matches_reference or "
       "test_command_buffer_capture or test_forward_of_more_tiles_than_sms")
 

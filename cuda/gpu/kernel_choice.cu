@@ -35,8 +35,8 @@ struct Overrides {
   DecodeLoads decode_loads = DecodeLoads::kPlain;
   BiasLoads bias_loads = BiasLoads::kTma;
   std::optional<QueryTileGrid> forward_grid;  // JAX_FLASH_CUDA_FWD_GRID=measured (or unset): none
-  bool end_aligned_rows = false;  // JAX_FLASH_CUDA_FWD_ROWS=end turns it on
-  bool skip_unseen_blocks = false;  // JAX_FLASH_CUDA_FWD_UNSEEN=skip turns it on
+  bool end_aligned_rows = true;  // JAX_FLASH_CUDA_FWD_ROWS=start turns it off
+  bool skip_unseen_blocks = true;  // JAX_FLASH_CUDA_FWD_UNSEEN=compute turns it off
   bool dropout_bits_early = false;  // JAX_FLASH_CUDA_DROPOUT_BITS=early turns it on
   std::string error;
 };
@@ -135,8 +135,8 @@ Overrides read_overrides() {
   o.decode_loads = read_decode_loads(o.error);
   o.bias_loads = read_bias_loads(o.error);
   o.forward_grid = read_forward_grid(o.error);
-  o.end_aligned_rows = !read_switch(kForwardRowsVariable, "start", "end", o.error);
-  o.skip_unseen_blocks = !read_switch(kUnseenBlocksVariable, "compute", "skip", o.error);
+  o.end_aligned_rows = read_switch(kForwardRowsVariable, "end", "start", o.error);
+  o.skip_unseen_blocks = read_switch(kUnseenBlocksVariable, "skip", "compute", o.error);
   o.dropout_bits_early = !read_switch(kDropoutBitsVariable, "inline", "early", o.error);
   return o;
 }

@@ -89,25 +89,24 @@
 //                             (everywhere the default before session 25) or the counter. (Until
 //                             session 43 also JAX_FLASH_CUDA_FORWARD=sm90ws_grid, sm90ws_static and
 //                             sm90ws_dynamic.)
-//   JAX_FLASH_CUDA_FWD_ROWS = start | end (default: start; end experimental, session 44: measured
-//                             faster; its final form's NaN cases passed with FWD_UNSEEN=skip in
-//                             session 45, its reference cases not yet run): where the Hopper
-//                             plain forward's query tiles lie when the tile height does not divide
-//                             the sequence (the 192-row tiles of head dim 64 at every length that
-//                             is a multiple of 128): from the sequence's end (to within 64 rows),
-//                             the first tile's rows before row 0 its padding, which under a
-//                             causal mask sees the fewest key blocks; or from row 0, the last
-//                             tile's rows past the sequence its padding.
-//   JAX_FLASH_CUDA_FWD_UNSEEN = compute | skip (default: compute; skip experimental, session 45):
-//                             whether each consumer warpgroup of the Hopper plain forward skips
-//                             the products and softmax of a key block that none of its own 64
-//                             rows sees (it still waits its turn and releases the buffers). Such
-//                             blocks are those the tile's other rows see: under a causal mask the
-//                             192-row tiles' last one or two blocks for their upper warpgroups
-//                             (about 11% of head dim 64's work at seq 1024, 6% at 2048), and
-//                             an end-aligned first tile's padding warpgroups. With
-//                             FWD_ROWS=end: head dim 64's causal forward +5-16% at seq 1024-8192
-//                             (session 45); its reference cases not yet run.
+//   JAX_FLASH_CUDA_FWD_ROWS = end | start (default: end since session 48, whose reference,
+//                             sanitizer and NaN cases passed under it; measured faster in
+//                             sessions 44, 45 and 48): where the Hopper plain forward's query tiles lie
+//                             when the tile height does not divide the sequence (the 192-row
+//                             tiles of head dim 64 at every length that is a multiple of 128):
+//                             from the sequence's end (to within 64 rows), the first tile's rows
+//                             before row 0 its padding, which under a causal mask sees the fewest
+//                             key blocks; or from row 0, the last tile's rows past the sequence
+//                             its padding.
+//   JAX_FLASH_CUDA_FWD_UNSEEN = skip | compute (default: skip since session 48): whether each
+//                             consumer warpgroup of the Hopper plain forward skips the products
+//                             and softmax of a key block that none of its own 64 rows sees (it
+//                             still waits its turn and releases the buffers). Such blocks are
+//                             those the tile's other rows see: under a causal mask the 192-row
+//                             tiles' last one or two blocks for their upper warpgroups (about
+//                             11% of head dim 64's work at seq 1024, 6% at 2048), and an
+//                             end-aligned first tile's padding warpgroups. With FWD_ROWS=end:
+//                             head dim 64's causal forward +5-16% at seq 1024-8192 (session 45).
 //   JAX_FLASH_CUDA_DROPOUT_BITS = inline | early (default: inline; early experimental, session
 //                             47, not yet run on a GPU): where the Hopper dropout kernels make a
 //                             block's keep decisions: the forward after the block's exponentials
@@ -176,11 +175,12 @@ enum class BiasLoads { kTma, kStaged, kDirect };
 enum class QueryTileGrid : int { kPerTile, kStaticPairs, kDynamic };
 // JAX_FLASH_CUDA_FWD_GRID's deal, where it forces one (gpu/launch.cu sm90_fwd_options).
 std::optional<QueryTileGrid> forward_grid_override();
-// Whether the plain Hopper forward's tiles end at the sequence's end (JAX_FLASH_CUDA_FWD_ROWS=end;
-// sm90/flash_fwd_ws.cu query_row_shift).
+// Whether the plain Hopper forward's tiles end at the sequence's end (the default;
+// JAX_FLASH_CUDA_FWD_ROWS=start lays them from row 0; sm90/flash_fwd_ws.cu query_row_shift).
 bool end_aligned_rows_enabled();
 // Whether the plain Hopper forward's consumer warpgroups skip the key blocks none of their own
-// rows sees (JAX_FLASH_CUDA_FWD_UNSEEN=skip; FwdTmaParams::skip_unseen_blocks).
+// rows sees (the default; JAX_FLASH_CUDA_FWD_UNSEEN=compute computes them;
+// FwdTmaParams::skip_unseen_blocks).
 bool skip_unseen_blocks_enabled();
 // Whether the Hopper dropout kernels make each block's keep decisions before the wait for its
 // products (JAX_FLASH_CUDA_DROPOUT_BITS=early; Fwd/BwdTmaParams::dropout_bits_early).

@@ -36,7 +36,7 @@ cudaError_t launch(const FwdParams& p, const Sm90FwdOptions& options, cudaStream
   params.p = p;
   const QueryTileGrid grid = options.grid.value_or(measured_grid<Traits>(p));
   params.grid = grid;
-  // Tiles that end at the sequence's end (the plain kernels; JAX_FLASH_CUDA_FWD_ROWS=end):
+  // Tiles that end at the sequence's end (the plain kernels; unless JAX_FLASH_CUDA_FWD_ROWS=start):
   // under a causal mask the padding rows then lie in the first tile, which sees the fewest keys
   // (head dim 64's causal forward +2-6% at seq 2048-8192 on an H100, session 44). The shift is
   // whole warpgroups' rows (64), so that no O box is stored from a row before 0: TMA loads boxes

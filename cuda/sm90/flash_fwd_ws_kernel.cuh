@@ -59,7 +59,7 @@ struct FwdTmaParams {
   // row_shift; 0: from row 0).
   int query_row_shift = 0;
   // The plain kernels' consumer warpgroups skip the key blocks none of their own rows sees
-  // (JAX_FLASH_CUDA_FWD_UNSEEN=skip).
+  // (unless JAX_FLASH_CUDA_FWD_UNSEEN=compute).
   bool skip_unseen_blocks = false;
   // kDropout: each block's keep decisions made while the tensor cores run the products before
   // its softmax (JAX_FLASH_CUDA_DROPOUT_BITS=early), not after its exponentials.
