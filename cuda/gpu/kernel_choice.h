@@ -107,14 +107,6 @@
 //                             11% of head dim 64's work at seq 1024, 6% at 2048), and an
 //                             end-aligned first tile's padding warpgroups. With FWD_ROWS=end:
 //                             head dim 64's causal forward +5-16% at seq 1024-8192 (session 45).
-//   JAX_FLASH_CUDA_DROPOUT_BITS = inline | early (default: inline; early experimental, session
-//                             47, not yet run on a GPU): where the Hopper dropout kernels make a
-//                             block's keep decisions: the forward after the block's exponentials
-//                             and the backward once dP^T is in (inline), or both while the
-//                             tensor cores run the products they wait for next (early: the
-//                             Philox calls, 8 a thread a 128-key block in the forward, then fill
-//                             that wait instead of lengthening the softmax's chain;
-//                             FwdTmaParams / BwdTmaParams::dropout_bits_early).
 //   JAX_FLASH_CUDA_NARROW = split | off (default: split since session 19, whose differential run
 //                           of 2000 configurations gave 0 misses under it): narrow plain calls
 //                           (narrow_shape below) run the mma.sync kernels with P and dS as hi +
@@ -182,9 +174,6 @@ bool end_aligned_rows_enabled();
 // rows sees (the default; JAX_FLASH_CUDA_FWD_UNSEEN=compute computes them;
 // FwdTmaParams::skip_unseen_blocks).
 bool skip_unseen_blocks_enabled();
-// Whether the Hopper dropout kernels make each block's keep decisions before the wait for its
-// products (JAX_FLASH_CUDA_DROPOUT_BITS=early; Fwd/BwdTmaParams::dropout_bits_early).
-bool dropout_bits_early_enabled();
 // Whether the Hopper kernels stage a 16-bit bias array's tiles through shared memory where they
 // can (unless JAX_FLASH_CUDA_BIAS_LOADS=direct), and whether they copy them by TMA where it can
 // (unless JAX_FLASH_CUDA_BIAS_LOADS=staged or direct).

@@ -68,7 +68,6 @@ cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
       kernel = flash_bwd_sm90_ws_kernel<Traits, T, false, true, false, false, false, true>;
   }
   params.dbias_quads = staged_bias_enabled() && p.dbias_accum != nullptr && dbias_quads(p);
-  params.dropout_bits_early = dropout_bits_early_enabled();
   if constexpr (kDeterministicKernels)
     if (p.deterministic)
       kernel = general_kernel(p) ? flash_bwd_sm90_ws_kernel<Traits, T, true, true>

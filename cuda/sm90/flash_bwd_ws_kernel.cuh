@@ -63,9 +63,6 @@ struct BwdTmaParams {
   CUtensorMap bias;
   // dbias by 16-byte atomics of four keys (gpu/logit_arrays.cuh dbias_quads).
   bool dbias_quads = false;
-  // kDropout: each visit's keep decisions made while the tensor cores run its S^T and dP^T
-  // (JAX_FLASH_CUDA_DROPOUT_BITS=early), not once dP^T is in.
-  bool dropout_bits_early = false;
 };
 
 template <int kStages>
@@ -482,26 +479,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
     if (group_live) {
       issue_transposed_scores<Traits, T>(st, dpt, k_address, v_address, q_address, do_address, group_keys, query0);
-      const int64_t m0_group = m0 + query0;  // the warpgroup's first query
-      // Fused dropout (kDropout): the keep decisions of this warpgroup's elements, made here
-      // under the products with JAX_FLASH_CUDA_DROPOUT_BITS=early, else once dP^T is in.
-      uint64_t keep = 0;
-      const bool dropout = kDropout && p.dropout_seeds != nullptr;
-      auto make_keep = [&] {
-        keep = transposed_keep_mask<kSQ / 8>(dropout_stream(p, task.b, visit.h), n0 + warp_key0 + lane / 4,
-                                             m0_group + 2 * (lane % 4));
-      };
-      if constexpr (kDropout)
-        if (dropout && params.dropout_bits_early) {
-          make_keep();
-          asm volatile("" : "+l"(keep)::"memory");  // (made before the wait below)
-        }
       // S^T is in once all but the newest group (dP^T) are: its masks and, in plain calls, P^T
       // run while dP^T is on the tensor cores.
       wgmma_wait<1>();
       fence_registers(st[0]);
       const float* lse2 = smem.lse2 + stage * kBM + query0;
       const float* delta = smem.delta + stage * kBM + query0;
+      const int64_t m0_group = m0 + query0;  // the warpgroup's first query
       if constexpr (kGeneral)
         ScoreMods(p, task.b, visit.h).apply_transposed<!kIds>(st, n0 + warp_key0, m0_group, lane);
       if (id_mask)
@@ -524,13 +508,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       if constexpr (!kGeneral) transposed_probabilities<kSQ>(st, lse2, scale_log2, lane);
       wgmma_wait<0>();
       fence_registers(dpt[0]);
-      // Dropout: Z = keep / (1 - rate). dS^T = P^T (Z dP^T - delta) wants dP^T times Z first
-      // (the cap's chain rule then folds into Z dP^T), and dV the dropped P^T, formed once dS^T
-      // has read P^T.
+      // Fused dropout (kDropout): Z = keep / (1 - rate) of this warpgroup's elements. dS^T =
+      // P^T (Z dP^T - delta) wants dP^T times Z first (the cap's chain rule then folds into
+      // Z dP^T), and dV the dropped P^T, formed once dS^T has read P^T.
+      uint64_t keep = 0;
+      const bool dropout = kDropout && p.dropout_seeds != nullptr;
       if constexpr (kGeneral) {  // the cap's chain rule reads the capped scores, before P^T
         if constexpr (kDropout)
           if (dropout) {
-            if (!params.dropout_bits_early) make_keep();
+            keep = transposed_keep_mask<kSQ / 8>(dropout_stream(p, task.b, visit.h), n0 + warp_key0 + lane / 4,
+                                                 m0_group + 2 * (lane % 4));
             apply_keep_mask(dpt[0], keep, p.dropout_scale);
           }
         ScoreMods(p, task.b, visit.h).fold_chain_rule_transposed(dpt, st, delta, n0 + warp_key0, m0_group, lane);

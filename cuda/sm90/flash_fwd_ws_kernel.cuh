@@ -61,9 +61,6 @@ struct FwdTmaParams {
   // The plain kernels' consumer warpgroups skip the key blocks none of their own rows sees
   // (unless JAX_FLASH_CUDA_FWD_UNSEEN=compute).
   bool skip_unseen_blocks = false;
-  // kDropout: each block's keep decisions made while the tensor cores run the products before
-  // its softmax (JAX_FLASH_CUDA_DROPOUT_BITS=early), not after its exponentials.
-  bool dropout_bits_early = false;
 };
 
 // Shared memory of a warp-specialised forward CTA, from a 1 KiB boundary: Q, kStages stages of
@@ -356,25 +353,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       auto phase_of = [&](int i) { return ((ring + i) / kStages) & 1; };
       const ScoreMods mods(p, task.b, task.h);  // unused (and not read) without kGeneral
       const DropoutStream drop_stream = dropout ? dropout_stream(p, task.b, task.h) : DropoutStream();
-      // (JAX_FLASH_CUDA_DROPOUT_BITS=early) the decisions of the block whose S is on the tensor
-      // cores, made before the wait for it.
-      const bool early_bits = dropout && params.dropout_bits_early;
-      uint64_t next_keep = 0;
-      auto keep_col0 = [&](int i) { return static_cast<int64_t>(task.keys.descending(i)) * kBN + 2 * (lane % 4); };
-      auto make_bits = [&](int i) {
-        if constexpr (kDropout)
-          if (early_bits) {
-            next_keep = forward_keep_mask<kBN / 8>(drop_stream, m0 + warp_m0 + lane / 4, keep_col0(i));
-            asm volatile("" : "+l"(next_keep)::"memory");  // (made before the wait that follows)
-          }
-      };
       auto drop_block = [&](uint32_t (&pa)[kBN / 16][1][4], int i) {
-        if constexpr (kDropout) {
-          if (early_bits)
-            drop_forward_probabilities<kBN / 8>(pa, next_keep);
-          else if (dropout)
-            drop_forward_probabilities<kBN / 8>(pa, drop_stream, m0 + warp_m0 + lane / 4, keep_col0(i));
-        }
+        if constexpr (kDropout)
+          if (dropout)
+            drop_forward_probabilities<kBN / 8>(pa, drop_stream, m0 + warp_m0 + lane / 4,
+                                                static_cast<int64_t>(task.keys.descending(i)) * kBN + 2 * (lane % 4));
       };
       auto mask_block = [&](float (&s)[1][kBN / 8][4], int i) {
         const int64_t n0 = static_cast<int64_t>(task.keys.descending(i)) * kBN;
@@ -437,7 +420,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         Mbarrier(&bars.k_full[stage_of(mine)]).wait(phase_of(mine));
         float s[1][kBN / 8][4];
         issue_scores<Traits, T>(s, q_address, group * 64, smem_address(smem.k_stage(stage_of(mine))));
-        make_bits(mine);
         wgmma_wait<0>();
         fence_registers(s[0]);
         stamp(kFwdEventFirstS);
@@ -465,7 +447,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           issue_output<Traits, T, kTensorSums>(o, pa, smem_address(smem.v_stage(stage)), &row_sums[0], ones_desc);
           pass_turn();
           stamp(kFwdEventIssued, i + 1);
-          make_bits(i + 1);  // (block i's were used before P(i) V(i) was issued)
           wgmma_wait<1>();
           fence_registers(s[0]);
           stamp(kFwdEventScores, i + 1);

@@ -2,11 +2,8 @@
 // scores, in the forward's layout (rows = query rows) or the backward's transposed one (rows =
 // keys), and prints the keep decisions as T lines of S characters ('1' kept, '0' dropped) in
 // (query row, key) order, for tests/test_dropout_bits.py to compare with jax_flash/_dropout.py.
-// forward_rows: the forward's layout made a row of n-tiles at a time (forward_keep_mask, as the
-// Hopper forward's early decisions and the mma.sync backward), 10 n-tiles a call: five pairs.
-//   usage: dropout_fragments_check forward|forward_rows|transposed key0 key1 head batch threshold T S
-// T and S multiples of 16 (forward_rows: S a multiple of 80). Exits 1 if some element is given no
-// decision or two.
+//   usage: dropout_fragments_check forward|transposed key0 key1 head batch threshold T S
+// T and S multiples of 16. Exits 1 if some element is given no decision or two.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -17,14 +14,11 @@
 int main(int argc, char** argv) {
   if (argc != 9) return 2;
   const bool forward = std::strcmp(argv[1], "forward") == 0;
-  const bool forward_rows = std::strcmp(argv[1], "forward_rows") == 0;
-  const bool transposed = std::strcmp(argv[1], "transposed") == 0;
-  constexpr int kRowNTiles = 10;
   uint32_t seed[4];
   for (int i = 0; i < 4; ++i) seed[i] = static_cast<uint32_t>(std::strtoul(argv[2 + i], nullptr, 10));
   const auto threshold = static_cast<uint32_t>(std::strtoul(argv[6], nullptr, 10));
   const long T = std::atol(argv[7]), S = std::atol(argv[8]);
-  if (T % 16 || S % 16 || (forward_rows && S % (8 * kRowNTiles))) return 2;
+  if (T % 16 || S % 16) return 2;
   const jax_flash::cuda::DropoutStream stream(seed, threshold);
   std::vector<int> keep(T * S, -1);
   int collisions = 0;
@@ -42,16 +36,8 @@ int main(int argc, char** argv) {
         for (int t = 0; t < 2; ++t)
           for (int e = 0; e < 4; ++e) set(row0 + 8 * (e / 2), col0 + 8 * t + e % 2, (bits >> (4 * t + e)) & 1);
       }
-  for (long row_base = 0; row_base < T; row_base += 16)  // forward_rows: 16 query rows a warp tile
-    for (long block = 0; forward_rows && block < S / (8 * kRowNTiles); ++block)
-      for (int lane = 0; lane < 32; ++lane) {
-        const long row0 = row_base + lane / 4, col0 = block * 8 * kRowNTiles + 2 * (lane % 4);
-        const uint64_t keep = forward_keep_mask<kRowNTiles>(stream, row0, col0);
-        for (int nt = 0; nt < kRowNTiles; ++nt)
-          for (int e = 0; e < 4; ++e) set(row0 + 8 * (e / 2), col0 + 8 * nt + e % 2, (keep >> (4 * nt + e)) & 1);
-      }
   for (long key_base = 0; key_base < S; key_base += 16)  // transposed: 16 keys a warp tile
-    for (long pair = 0; transposed && pair < T / 16; ++pair) {
+    for (long pair = 0; !forward && pair < T / 16; ++pair) {
       // Every lane's own call first, then each lane's decisions from its call and the halves
       // lane ^ 4 sends it (the device's shuffle).
       jax_flash::PhiloxWords own[32];
