@@ -685,7 +685,6 @@ def test_split_kv_decoding_on_cuda():
                                              ("JAX_FLASH_CUDA_FWD_GRID", "pertile"),
                                              ("JAX_FLASH_CUDA_FWD_ROWS", "ends"),
                                              ("JAX_FLASH_CUDA_FWD_UNSEEN", "skipped"),
-                                             ("JAX_FLASH_CUDA_DROPOUT_BITS", "producers"),
                                              ("JAX_FLASH_CUDA_FORWARD", "sm90ws_static")])
 def test_unknown_kernel_choice_is_an_error(variable, value):
   """A misspelt override (or a removed one: sm90ws_static is JAX_FLASH_CUDA_FWD_GRID=static since

@@ -215,18 +215,14 @@ def test_cuda_with_the_soft_cap_matches_xla():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernels", ["chosen", "sm80", "producer_bits"])
+@pytest.mark.parametrize("kernels", ["chosen", "sm80"])
 def test_cuda_kernels_under_the_switch(kernels):
   """The CUDA dropout tests above, in a process with JAX_FLASH_CUDA_DROPOUT=on: with the kernels
   each call runs (on Hopper the wgmma ones, at head dim 32 and deterministic the mma.sync ones),
-  with every call on the mma.sync kernels (JAX_FLASH_CUDA_FORWARD/BACKWARD=sm80), and with the
-  Hopper kernels' keep decisions made by their producer warpgroups
-  (JAX_FLASH_CUDA_DROPOUT_BITS=producer, experimental)."""
+  and with every call on the mma.sync kernels (JAX_FLASH_CUDA_FORWARD/BACKWARD=sm80)."""
   env = dict(JAX_FLASH_CUDA_DROPOUT="on")
   if kernels == "sm80":
     env.update(JAX_FLASH_CUDA_FORWARD="sm80", JAX_FLASH_CUDA_BACKWARD="sm80")
-  if kernels == "producer_bits":
-    env.update(JAX_FLASH_CUDA_DROPOUT_BITS="producer")
   gpu_tests_in_a_process(__file__, "test_cuda_against_reference or test_cuda_each_element or "
                          "test_cuda_with_the_soft_cap", env)
 

@@ -98,41 +98,7 @@ JF_HOST_DEVICE inline uint32_t transposed_keep_bits(const DropoutStream& d, cons
   return bits;
 }
 
-// The forward layout's decisions as a multiplier mask (bit 4 nt + e keeps element e of m-tile
-// mt's n-tile nt, 16 n-tiles at most an m-tile): the mma.sync backward's S and dP tiles.
-template <int kNTiles>
-JF_HOST_DEVICE inline uint64_t forward_keep_mask(const DropoutStream& d, int64_t row0, int64_t col0) {
-  static_assert(kNTiles % 2 == 0 && kNTiles <= 16, "pairs of n-tiles, 64 decisions at most");
-  uint64_t keep = 0;
-#pragma unroll
-  for (int pair = 0; pair < kNTiles / 2; ++pair)
-    keep |= static_cast<uint64_t>(forward_keep_bits(d, row0, col0 + 16 * pair)) << (8 * pair);
-  return keep;
-}
-
-// The Hopper forward's keep decisions of one key block (from column n0) of a query tile (from row
-// m0), made by `threads` other threads (thread `thread` of them) for the tile's kConsumerThreads
-// consumer threads: word c of `stage` is consumer thread c's forward_keep_mask (its warp's 16
-// rows from 16 (c / 32), its fragment's origin as every wgmma accumulator's).
-template <int kNTiles, int kConsumerThreads>
-JF_HOST_DEVICE inline void fill_forward_keep_stage(uint64_t* stage, const DropoutStream& d, int64_t m0, int64_t n0,
-                                                   int thread, int threads) {
-  for (int c = thread; c < kConsumerThreads; c += threads) {
-    const int lane = c % 32;
-    stage[c] = forward_keep_mask<kNTiles>(d, m0 + c / 32 * 16 + lane / 4, n0 + 2 * (lane % 4));
-  }
-}
-
 #ifdef __CUDACC__
-// One pair of n-tiles' A registers under its eight decisions (forward_keep_bits' order).
-__device__ __forceinline__ void drop_forward_pair(uint32_t (&a)[4], uint32_t bits) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {  // n-tile 2 pair + i / 2, elements 2 (i % 2) and 2 (i % 2) + 1
-    const uint32_t two = bits >> (2 * i);
-    a[i] &= (two & 1u ? 0x0000FFFFu : 0u) | (two & 2u ? 0xFFFF0000u : 0u);
-  }
-}
-
 // Zeroes the dropped probabilities of a forward block's 16-bit A fragments, as accumulator_to_a
 // packs them (m-tile mt's n-tile nt's elements 2 half and 2 half + 1 in the low and high halves
 // of a[nt / 2][mt][2 (nt % 2) + half]); row0 and col0 as forward_keep_bits' for m-tile 0's first
@@ -143,16 +109,26 @@ __device__ __forceinline__ void drop_forward_probabilities(uint32_t (&a)[kNTiles
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-    for (int pair = 0; pair < kNTiles / 2; ++pair)
-      drop_forward_pair(a[pair][mt], forward_keep_bits(d, row0 + 16 * mt, col0 + 16 * pair));
+    for (int pair = 0; pair < kNTiles / 2; ++pair) {
+      const uint32_t bits = forward_keep_bits(d, row0 + 16 * mt, col0 + 16 * pair);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {  // n-tile 2 pair + i / 2, elements 2 (i % 2) and 2 (i % 2) + 1
+        const uint32_t two = bits >> (2 * i);
+        a[pair][mt][i] &= (two & 1u ? 0x0000FFFFu : 0u) | (two & 2u ? 0xFFFF0000u : 0u);
+      }
+    }
 }
 
-// The same for one m-tile from decisions made elsewhere (forward_keep_mask's word).
+// The forward layout's decisions as a multiplier mask (bit 4 nt + e keeps element e of m-tile
+// mt's n-tile nt, 16 n-tiles at most an m-tile): the mma.sync backward's S and dP tiles.
 template <int kNTiles>
-__device__ __forceinline__ void drop_forward_probabilities(uint32_t (&a)[kNTiles / 2][1][4], uint64_t keep) {
+__device__ __forceinline__ uint64_t forward_keep_mask(const DropoutStream& d, int64_t row0, int64_t col0) {
+  static_assert(kNTiles % 2 == 0 && kNTiles <= 16, "pairs of n-tiles, 64 decisions at most");
+  uint64_t keep = 0;
 #pragma unroll
   for (int pair = 0; pair < kNTiles / 2; ++pair)
-    drop_forward_pair(a[pair][0], static_cast<uint32_t>(keep >> (8 * pair)));
+    keep |= static_cast<uint64_t>(forward_keep_bits(d, row0, col0 + 16 * pair)) << (8 * pair);
+  return keep;
 }
 
 // The keep decisions of a transposed fragment of kNTiles n-tiles (query rows from query0, query0

@@ -107,15 +107,6 @@
 //                             11% of head dim 64's work at seq 1024, 6% at 2048), and an
 //                             end-aligned first tile's padding warpgroups. With FWD_ROWS=end:
 //                             head dim 64's causal forward +5-16% at seq 1024-8192 (session 45).
-//   JAX_FLASH_CUDA_DROPOUT_BITS = inline | producer (default: inline; producer experimental,
-//                             session 48): who makes the Hopper dropout forward's keep decisions:
-//                             each consumer thread, for its own fragment, between a block's
-//                             exponentials and P V (inline), or the producer warpgroup's three
-//                             idle warps, a stage ahead, into a ring of shared-memory stages
-//                             that each consumer thread reads one 64-bit word of a block
-//                             (FwdTmaParams::producer_keep_bits). Session 48 measured the
-//                             consumers bound by their own chain, not by issue, with dropout
-//                             (cuda/PERF_NOTES.md v45).
 //   JAX_FLASH_CUDA_NARROW = split | off (default: split since session 19, whose differential run
 //                           of 2000 configurations gave 0 misses under it): narrow plain calls
 //                           (narrow_shape below) run the mma.sync kernels with P and dS as hi +
@@ -183,9 +174,6 @@ bool end_aligned_rows_enabled();
 // rows sees (the default; JAX_FLASH_CUDA_FWD_UNSEEN=compute computes them;
 // FwdTmaParams::skip_unseen_blocks).
 bool skip_unseen_blocks_enabled();
-// Whether the producer warpgroup's idle warps make the Hopper dropout forward's keep decisions
-// (JAX_FLASH_CUDA_DROPOUT_BITS=producer; FwdTmaParams::producer_keep_bits).
-bool producer_keep_bits_enabled();
 // Whether the Hopper kernels stage a 16-bit bias array's tiles through shared memory where they
 // can (unless JAX_FLASH_CUDA_BIAS_LOADS=direct), and whether they copy them by TMA where it can
 // (unless JAX_FLASH_CUDA_BIAS_LOADS=staged or direct).

@@ -78,10 +78,7 @@ cudaError_t launch(const FwdParams& p, const Sm90FwdOptions& options, cudaStream
       if (plain_block_walk_suffices(p)) kernel = flash_fwd_sm90_ws_kernel<Traits, T, false, true>;
     // Fused dropout: a general kernel of its own (the handler refuses it beside ids or a block
     // mask; no tensor sums: P V's operand has the dropped probabilities, the sums every one).
-    if (p.dropout_seeds != nullptr) {
-      kernel = flash_fwd_sm90_ws_kernel<Traits, T, true, false, false, false, false, true>;
-      if constexpr (Traits::kKeepStagesFit) params.producer_keep_bits = producer_keep_bits_enabled();
-    }
+    if (p.dropout_seeds != nullptr) kernel = flash_fwd_sm90_ws_kernel<Traits, T, true, false, false, false, false, true>;
     // jax.nn's bias and mask arrays: a general kernel of its own, with the ids' code (the
     // handler refuses them beside dropout); a 16-bit bias's tiles through shared memory (no TMA
     // store below), and a staged bias alone in the general kernel without the ids' code.
@@ -96,9 +93,7 @@ cudaError_t launch(const FwdParams& p, const Sm90FwdOptions& options, cudaStream
   }
   // Plain calls with a 16-bit o store it by TMA from shared memory (not under sm90ws_directstore),
   // and so do those with a soft cap or ALiBi alone (not with dropout).
-  int smem_bytes = params.bias_staged          ? Traits::kSmemBytesBiasStages
-                   : params.producer_keep_bits ? Traits::kSmemBytesKeepStages
-                                               : Traits::kSmemBytes;
+  int smem_bytes = params.bias_staged ? Traits::kSmemBytesBiasStages : Traits::kSmemBytes;
   if constexpr (Traits::kTmaStoreFits && Traits::kTileValueHeadDim <= 128)
     if (options.tma_store && !p.for_backward() && !general_ids(p) && p.dropout_seeds == nullptr) {
       if (cudaError_t e = make_head_tensor_map(&params.o, p.o, p.dtype, s.batch, s.seq_q, s.heads_q, s.head_dim_v, 64))

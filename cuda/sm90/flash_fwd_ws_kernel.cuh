@@ -61,19 +61,12 @@ struct FwdTmaParams {
   // The plain kernels' consumer warpgroups skip the key blocks none of their own rows sees
   // (unless JAX_FLASH_CUDA_FWD_UNSEEN=compute).
   bool skip_unseen_blocks = false;
-  // kDropout: the producer warpgroup's warps 1-3 make each key block's keep decisions a stage
-  // ahead, one 64-bit word a consumer thread in a ring of kStages shared-memory stages
-  // (Traits::kSmemBytesKeepStages, with their own full/empty barriers), instead of every consumer
-  // thread making its own between the block's exponentials and P V, on its warpgroup's chain
-  // (JAX_FLASH_CUDA_DROPOUT_BITS=producer, experimental).
-  bool producer_keep_bits = false;
 };
 
 // Shared memory of a warp-specialised forward CTA, from a 1 KiB boundary: Q, kStages stages of
 // K, kStages of V, the ones tile (kTensorSums), the O tile (kTmaStore: an OTile; the launch then
 // allocates Traits::kSmemBytesTmaStore) or in its place kStages bias tiles
-// (FwdTmaParams::bias_staged; their barriers are FwdWsBarriers') or kStages stages of keep
-// decisions (FwdTmaParams::producer_keep_bits: Traits::kKeepWords a stage).
+// (FwdTmaParams::bias_staged; their barriers are FwdWsBarriers').
 template <typename Traits, typename T>
 struct Sm90FwdWsSmem {
   T* q;
@@ -82,7 +75,6 @@ struct Sm90FwdWsSmem {
   T* ones;
   T* o;
   T* bias;
-  uint64_t* keep;
   __device__ explicit Sm90FwdWsSmem(unsigned char* raw) {
     q = first_tile_boundary<T>(raw);
     k = q + Traits::QTile::kElements;
@@ -90,23 +82,20 @@ struct Sm90FwdWsSmem {
     ones = v + Traits::kStages * Traits::VTile::kElements;
     o = ones + Traits::kOnesElements;  // (1 KiB of ones: o stays on a 1 KiB boundary)
     bias = o;
-    keep = reinterpret_cast<uint64_t*>(o);
   }
   __device__ T* k_stage(int stage) const { return k + stage * Traits::KTile::kElements; }
   __device__ T* v_stage(int stage) const { return v + stage * Traits::VTile::kElements; }
   __device__ T* bias_stage(int stage) const { return bias + stage * Traits::BiasTile::kElements; }
-  __device__ uint64_t* keep_stage(int stage) const { return keep + stage * Traits::kKeepWords; }
 };
 
 // The barriers: the tile slot's (the producer's hand-off of each next tile), Q's buffer's, then the
-// full and empty barriers of each K and V stage, of each bias tile (FwdTmaParams::bias_staged)
-// and of each stage of keep decisions (FwdTmaParams::producer_keep_bits); and the slot itself.
-// (Static shared memory: with the dynamic part's 1 KiB alignment it takes 1 KiB whatever its
-// size, Traits::kStaticSmemBytes.)
+// full and empty barriers of each K and V stage and of each bias tile (FwdTmaParams::bias_staged);
+// and the slot itself. (Static shared memory: with the dynamic part's 1 KiB alignment it takes
+// 1 KiB whatever its size, Traits::kStaticSmemBytes.)
 template <int kStages>
 struct FwdWsBarriers {
   uint64_t tile_full, tile_empty, q_full, q_empty, k_full[kStages], k_empty[kStages], v_full[kStages],
-      v_empty[kStages], bias_full[kStages], bias_empty[kStages], keep_full[kStages], keep_empty[kStages];
+      v_empty[kStages], bias_full[kStages], bias_empty[kStages];
   int tile;  // the next tile, or scheduler.total and past for none
 };
 
@@ -163,14 +152,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const Sm90FwdWsSmem<Traits, T> smem(smem_raw);
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  // kDropout with FwdTmaParams::producer_keep_bits: the producer warpgroup's warps 1-3 (the keep
-  // warps) make the keep decisions; they read the tile slot as the consumers do.
-  constexpr int kKeepThreads = 96;
-  const bool keep_bits = kDropout && params.producer_keep_bits && p.dropout_seeds != nullptr;
   if (threadIdx.x == 0) {
     Mbarrier(&bars.tile_full).init(1);
-    // Every consumer thread (and keep thread) reads the slot.
-    Mbarrier(&bars.tile_empty).init(128 * Traits::kConsumers + (keep_bits ? kKeepThreads : 0));
+    Mbarrier(&bars.tile_empty).init(128 * Traits::kConsumers);  // every consumer thread reads the slot
     Mbarrier(&bars.q_full).init(1);
     Mbarrier(&bars.q_empty).init(Traits::kConsumerWarps);
 #pragma unroll
@@ -183,11 +167,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // The TMA's expected bytes (one arrival), or the producer warp's lanes once their copies are in.
         Mbarrier(&bars.bias_full[s]).init(params.bias_tma ? 1 : 32);
         Mbarrier(&bars.bias_empty[s]).init(Traits::kConsumerWarps);
-      }
-      if (keep_bits) {
-        // Each thread arrives once its own words are written, or read.
-        Mbarrier(&bars.keep_full[s]).init(kKeepThreads);
-        Mbarrier(&bars.keep_empty[s]).init(128 * Traits::kConsumers);
       }
     }
     Mbarrier::fence_init();
@@ -214,34 +193,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   };
 
   if (warp < 4) {
-    // ---- Producer warpgroup: warp 0 loads; the others make the keep decisions (keep_bits) or
-    // leave.
+    // ---- Producer warpgroup: warp 0 loads, the others leave.
     release_registers<Traits::kProducerRegisters>();
-    if (warp != 0) {
-      if constexpr (kDropout)
-        if (keep_bits) {
-          // Each key block of each tile, in the consumers' order, into stage ring % kStages:
-          // consumer thread c's decisions (gpu/dropout_fragments.h fill_forward_keep_stage).
-          int ring = 0;
-          for (int round = 0;; ++round) {
-            Mbarrier(&bars.tile_full).wait(round & 1);
-            const int t = bars.tile;
-            Mbarrier(&bars.tile_empty).arrive();
-            if (t >= scheduler.total) break;
-            const QueryBlockTask<kBM, kBN> task = task_of(t);
-            const DropoutStream drop_stream = dropout_stream(p, task.b, task.h);
-            for (int i = 0; i < task.keys.count; ++i, ++ring) {
-              const int stage = ring % kStages, phase = (ring / kStages) & 1;
-              Mbarrier(&bars.keep_empty[stage]).wait(phase ^ 1);
-              fill_forward_keep_stage<kBN / 8, Traits::kKeepWords>(
-                  smem.keep_stage(stage), drop_stream, task.blk.m0,
-                  static_cast<int64_t>(task.keys.descending(i)) * kBN, threadIdx.x - 32, kKeepThreads);
-              Mbarrier(&bars.keep_full[stage]).arrive();
-            }
-          }
-        }
-      return;
-    }
+    if (warp != 0) return;
     if (lane == 0) {
       prefetch_tensor_map(params.q);
       prefetch_tensor_map(params.k);
@@ -400,19 +354,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const ScoreMods mods(p, task.b, task.h);  // unused (and not read) without kGeneral
       const DropoutStream drop_stream = dropout ? dropout_stream(p, task.b, task.h) : DropoutStream();
       auto drop_block = [&](uint32_t (&pa)[kBN / 16][1][4], int i) {
-        if constexpr (kDropout) {
-          if (keep_bits) {
-            // This thread's word of the block's stage (the read done before the arrival releases it).
-            const int stage = stage_of(i);
-            Mbarrier(&bars.keep_full[stage]).wait(phase_of(i));
-            const uint64_t keep = smem.keep_stage(stage)[threadIdx.x - 128];
-            Mbarrier(&bars.keep_empty[stage]).arrive();
-            drop_forward_probabilities<kBN / 8>(pa, keep);
-          } else if (dropout) {
+        if constexpr (kDropout)
+          if (dropout)
             drop_forward_probabilities<kBN / 8>(pa, drop_stream, m0 + warp_m0 + lane / 4,
                                                 static_cast<int64_t>(task.keys.descending(i)) * kBN + 2 * (lane % 4));
-          }
-        }
       };
       auto mask_block = [&](float (&s)[1][kBN / 8][4], int i) {
         const int64_t n0 = static_cast<int64_t>(task.keys.descending(i)) * kBN;

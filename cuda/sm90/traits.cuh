@@ -72,12 +72,6 @@ struct Sm90FwdWsTraits {
   static constexpr int kSmemBytesBiasStages = kSmemBytes + kStages * 2 * BiasTile::kElements;
   static constexpr bool kBiasStagesFit =
       (kBlockN == 64 || kBlockN == 128) && kSmemBytesBiasStages + kStaticSmemBytes <= 227 * 1024;
-  // With kStages stages of the dropout forward's keep decisions (one 64-bit word a consumer thread
-  // a key block: flash_fwd_ws_kernel.cuh FwdTmaParams::producer_keep_bits) in the O tile's place,
-  // where they fit (key blocks of 128 at most: 64 decisions a thread).
-  static constexpr int kKeepWords = 128 * kConsumers;
-  static constexpr int kSmemBytesKeepStages = kSmemBytes + kStages * kKeepWords * 8;
-  static constexpr bool kKeepStagesFit = kBlockN <= 128 && kSmemBytesKeepStages + kStaticSmemBytes <= 227 * 1024;
   static_assert(kValueHeadDim % 64 == 0 || kValueHeadDim == 96, "P V is done in products of N = 128 and 64, or 96");
   static_assert(kBlockN == 64 || kBlockN == 80 || kBlockN == 112 || kBlockN == 128 || kBlockN == 176,
                 "wgmma shapes are instantiated for N = 64, 80, 112, 128, 176");

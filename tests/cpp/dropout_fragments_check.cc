@@ -1,11 +1,8 @@
 // Runs cuda/gpu/dropout_fragments.h for every lane of every 16-row warp tile over a T x S grid of
 // scores, in the forward's layout (rows = query rows) or the backward's transposed one (rows =
 // keys), and prints the keep decisions as T lines of S characters ('1' kept, '0' dropped) in
-// (query row, key) order, for tests/test_dropout_bits.py to compare with jax_flash/_dropout.py;
-// or (forward_stage) as the Hopper forward's producer warps leave them in a stage for the
-// consumer threads of each 128-row query tile and 128-key block (fill_forward_keep_stage), read
-// back as a consumer thread's word is (bit 4 nt + e: n-tile nt's element e).
-//   usage: dropout_fragments_check forward|transposed|forward_stage key0 key1 head batch threshold T S
+// (query row, key) order, for tests/test_dropout_bits.py to compare with jax_flash/_dropout.py.
+//   usage: dropout_fragments_check forward|transposed key0 key1 head batch threshold T S
 // T and S multiples of 16. Exits 1 if some element is given no decision or two.
 #include <cstdio>
 #include <cstdlib>
@@ -17,7 +14,6 @@
 int main(int argc, char** argv) {
   if (argc != 9) return 2;
   const bool forward = std::strcmp(argv[1], "forward") == 0;
-  const bool stage_layout = std::strcmp(argv[1], "forward_stage") == 0;
   uint32_t seed[4];
   for (int i = 0; i < 4; ++i) seed[i] = static_cast<uint32_t>(std::strtoul(argv[2 + i], nullptr, 10));
   const auto threshold = static_cast<uint32_t>(std::strtoul(argv[6], nullptr, 10));
@@ -40,25 +36,8 @@ int main(int argc, char** argv) {
         for (int t = 0; t < 2; ++t)
           for (int e = 0; e < 4; ++e) set(row0 + 8 * (e / 2), col0 + 8 * t + e % 2, (bits >> (4 * t + e)) & 1);
       }
-  // forward_stage: two consumer warpgroups' 256 threads, one 64-bit word each a 128-key block;
-  // rows and keys past T and S (the tiles' padding) are left out.
-  constexpr int kConsumerThreads = 256;
-  for (long m0 = 0; stage_layout && m0 < T; m0 += 128)
-    for (long n0 = 0; n0 < S; n0 += 128) {
-      uint64_t stage[kConsumerThreads];
-      fill_forward_keep_stage<16, kConsumerThreads>(stage, stream, m0, n0, 0, 1);
-      for (int c = 0; c < kConsumerThreads; ++c) {
-        const int lane = c % 32;
-        const long row0 = m0 + c / 32 * 16 + lane / 4, col0 = n0 + 2 * (lane % 4);
-        for (int nt = 0; nt < 16; ++nt)
-          for (int e = 0; e < 4; ++e) {
-            const long row = row0 + 8 * (e / 2), col = col0 + 8 * nt + e % 2;
-            if (row < T && col < S) set(row, col, (stage[c] >> (4 * nt + e)) & 1);
-          }
-      }
-    }
   for (long key_base = 0; key_base < S; key_base += 16)  // transposed: 16 keys a warp tile
-    for (long pair = 0; !forward && !stage_layout && pair < T / 16; ++pair) {
+    for (long pair = 0; !forward && pair < T / 16; ++pair) {
       // Every lane's own call first, then each lane's decisions from its call and the halves
       // lane ^ 4 sends it (the device's shuffle).
       jax_flash::PhiloxWords own[32];
