@@ -308,7 +308,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // the barriers 1 .. kConsumers and kConsumers + 1 .. 2 kConsumers in turn (turn_set); the
   // plain kernels only (in the general ones the set's registers cost spills).
   const bool per_tile_turns = !kGeneral && !kBlockWalk && params.per_tile_turns;
-  int turn_set = 0, turn_tiles = 0;
+  int turn_set = 0;  // (which set the first tile takes does not matter, only that they alternate)
   auto turn_barrier = [&](int g) { return 1 + g + turn_set * Traits::kConsumers; };
   auto wait_turn = [&] {
     if constexpr (Traits::kPingPong) named_barrier_sync(turn_barrier(group), kTurnThreads);
@@ -426,7 +426,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         wait_turn();
         pass_turn();
       };
-      if (per_tile_turns) turn_set = turn_tiles++ & 1;
+      if (per_tile_turns) turn_set ^= 1;
       first_turn_to_warpgroup_0();
       Mbarrier(&bars.q_full).wait(q_round & 1);
       if (mine >= mine_end) {
