@@ -459,19 +459,6 @@ def test_forward_computes_unseen_blocks_on_hopper(rows):
       "test_command_buffer_capture or test_forward_of_more_tiles_than_sms")
 
 
-# The consumers' turns restarted at each tile on two sets of turn barriers the tiles take in turn
-# (JAX_FLASH_CUDA_FWD_TURNS=per_tile, experimental; sm90/flash_fwd_ws_kernel.cuh turn_set): on one
-# set that order hung every forward of more tiles than SMs (session 38).
-def test_forward_per_tile_turns_on_hopper():
-  """With the turns restarted at each tile, the forward passes the reference cases of head dims
-  40-256 (causal, windows, lengths, T != S, GQA), the forward-only cases, the CUDA-graph capture,
-  and the forwards of more tiles than SMs under every grid (each with a timeout: a hang fails)."""
-  _run_cuda_tests_on_hopper_with(
-      {"JAX_FLASH_CUDA_FWD_TURNS": "per_tile"},
-      "(test_cuda_matches_reference and (h40 or h64 or h96 or h128 or h256)) or "
-      "test_forward_only_matches_reference or test_command_buffer_capture or test_forward_of_more_tiles_than_sms")
-
-
 def test_forward_alu_sums_on_hopper():
   """With JAX_FLASH_CUDA_FORWARD=sm90ws_alusums the differentiated forward on the 128 x 128 tiles
   (head dims 64 and 128) sums its 16-bit P in the softmax (unpacking and adding each) instead of
@@ -698,7 +685,6 @@ def test_split_kv_decoding_on_cuda():
                                              ("JAX_FLASH_CUDA_FWD_GRID", "pertile"),
                                              ("JAX_FLASH_CUDA_FWD_ROWS", "ends"),
                                              ("JAX_FLASH_CUDA_FWD_UNSEEN", "skipped"),
-                                             ("JAX_FLASH_CUDA_FWD_TURNS", "pertile"),
                                              ("JAX_FLASH_CUDA_FORWARD", "sm90ws_static")])
 def test_unknown_kernel_choice_is_an_error(variable, value):
   """A misspelt override (or a removed one: sm90ws_static is JAX_FLASH_CUDA_FWD_GRID=static since

@@ -22,7 +22,6 @@ constexpr const char* kBiasLoadsVariable = "JAX_FLASH_CUDA_BIAS_LOADS";
 constexpr const char* kForwardGridVariable = "JAX_FLASH_CUDA_FWD_GRID";
 constexpr const char* kForwardRowsVariable = "JAX_FLASH_CUDA_FWD_ROWS";
 constexpr const char* kUnseenBlocksVariable = "JAX_FLASH_CUDA_FWD_UNSEEN";
-constexpr const char* kTurnsVariable = "JAX_FLASH_CUDA_FWD_TURNS";
 
 struct Overrides {
   std::optional<KernelFamily> forward;
@@ -37,7 +36,6 @@ struct Overrides {
   std::optional<QueryTileGrid> forward_grid;  // JAX_FLASH_CUDA_FWD_GRID=measured (or unset): none
   bool end_aligned_rows = true;  // JAX_FLASH_CUDA_FWD_ROWS=start turns it off
   bool skip_unseen_blocks = true;  // JAX_FLASH_CUDA_FWD_UNSEEN=compute turns it off
-  bool per_tile_turns = false;  // JAX_FLASH_CUDA_FWD_TURNS=per_tile turns it on
   std::string error;
 };
 
@@ -137,7 +135,6 @@ Overrides read_overrides() {
   o.forward_grid = read_forward_grid(o.error);
   o.end_aligned_rows = read_switch(kForwardRowsVariable, "end", "start", o.error);
   o.skip_unseen_blocks = read_switch(kUnseenBlocksVariable, "skip", "compute", o.error);
-  o.per_tile_turns = !read_switch(kTurnsVariable, "across_tiles", "per_tile", o.error);
   return o;
 }
 
@@ -186,7 +183,6 @@ DecodeLoads decode_loads() { return overrides().decode_loads; }
 std::optional<QueryTileGrid> forward_grid_override() { return overrides().forward_grid; }
 bool end_aligned_rows_enabled() { return overrides().end_aligned_rows; }
 bool skip_unseen_blocks_enabled() { return overrides().skip_unseen_blocks; }
-bool per_tile_turns_enabled() { return overrides().per_tile_turns; }
 bool staged_bias_enabled() { return overrides().bias_loads != BiasLoads::kDirect; }
 bool tma_bias_enabled() { return overrides().bias_loads == BiasLoads::kTma; }
 

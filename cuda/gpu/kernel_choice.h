@@ -107,14 +107,6 @@
 //                             11% of head dim 64's work at seq 1024, 6% at 2048), and an
 //                             end-aligned first tile's padding warpgroups. With FWD_ROWS=end:
 //                             head dim 64's causal forward +5-16% at seq 1024-8192 (session 45).
-//   JAX_FLASH_CUDA_FWD_TURNS = across_tiles | per_tile (default: across_tiles since session 38;
-//                             per_tile experimental, session 48, not yet run on a GPU): whether
-//                             the Hopper forward's ping-pong turns run on across a CTA's tiles or
-//                             restart at each, on two sets of turn barriers the tiles take in
-//                             turn (the restart on one set hung, session 38). Session 48 found
-//                             head dim 256's short forward 12-22% slower than at a076682, which
-//                             restarted them; whether the order is the cause is being measured
-//                             (cuda/PERF_NOTES.md v47).
 //   JAX_FLASH_CUDA_NARROW = split | off (default: split since session 19, whose differential run
 //                           of 2000 configurations gave 0 misses under it): narrow plain calls
 //                           (narrow_shape below) run the mma.sync kernels with P and dS as hi +
@@ -182,9 +174,6 @@ bool end_aligned_rows_enabled();
 // rows sees (the default; JAX_FLASH_CUDA_FWD_UNSEEN=compute computes them;
 // FwdTmaParams::skip_unseen_blocks).
 bool skip_unseen_blocks_enabled();
-// Whether the Hopper forward's turns restart at each tile (JAX_FLASH_CUDA_FWD_TURNS=per_tile;
-// FwdTmaParams::per_tile_turns).
-bool per_tile_turns_enabled();
 // Whether the Hopper kernels stage a 16-bit bias array's tiles through shared memory where they
 // can (unless JAX_FLASH_CUDA_BIAS_LOADS=direct), and whether they copy them by TMA where it can
 // (unless JAX_FLASH_CUDA_BIAS_LOADS=staged or direct).

@@ -45,7 +45,6 @@ cudaError_t launch(const FwdParams& p, const Sm90FwdOptions& options, cudaStream
   if (end_aligned_rows_enabled())
     params.query_row_shift = static_cast<int>((Traits::kBlockM - s.seq_q % Traits::kBlockM) % Traits::kBlockM / 64 * 64);
   params.skip_unseen_blocks = skip_unseen_blocks_enabled();
-  params.per_tile_turns = per_tile_turns_enabled();
   if (cudaError_t e = make_qkv_tensor_maps(p, Traits::kBlockM, Traits::kBlockN, &params.q, &params.k, &params.v))
     return e;
   const int64_t ctas = QueryTileScheduler<Traits::kBlockM>::ctas(tiles, device_sm_count(), grid);

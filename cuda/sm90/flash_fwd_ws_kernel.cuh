@@ -61,10 +61,6 @@ struct FwdTmaParams {
   // The plain kernels' consumer warpgroups skip the key blocks none of their own rows sees
   // (unless JAX_FLASH_CUDA_FWD_UNSEEN=compute).
   bool skip_unseen_blocks = false;
-  // The plain kernels' consumer turns restart at each tile, on two sets of turn barriers that the
-  // tiles take in turn (JAX_FLASH_CUDA_FWD_TURNS=per_tile, experimental), instead of running on
-  // across them.
-  bool per_tile_turns = false;
 };
 
 // Shared memory of a warp-specialised forward CTA, from a 1 KiB boundary: Q, kStages stages of
@@ -304,27 +300,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kTurnThreads = 256;
   // Ping-pong (a ring of turns with three warpgroups): warpgroup g issues its products after
   // barrier 1 + g completes and then lets the next go (barrier 1 + (g + 1) % kConsumers, its
-  // threads and the next one's counting on each barrier). With per-tile turns the tiles take
-  // the barriers 1 .. kConsumers and kConsumers + 1 .. 2 kConsumers in turn (turn_set); the
-  // plain kernels only (in the general ones the set's registers cost spills).
-  const bool per_tile_turns = !kGeneral && !kBlockWalk && params.per_tile_turns;
-  int turn_set = 0;  // (which set the first tile takes does not matter, only that they alternate)
-  auto turn_barrier = [&](int g) { return 1 + g + turn_set * Traits::kConsumers; };
+  // threads and the next one's counting on each barrier).
   auto wait_turn = [&] {
-    if constexpr (Traits::kPingPong) named_barrier_sync(turn_barrier(group), kTurnThreads);
+    if constexpr (Traits::kPingPong) named_barrier_sync(1 + group, kTurnThreads);
   };
   auto pass_turn = [&] {
-    if constexpr (Traits::kPingPong) named_barrier_arrive(turn_barrier((group + 1) % Traits::kConsumers), kTurnThreads);
-  };
-  // Per-tile turns: warpgroup 0 takes the tile's first turn (the last warpgroup's arrival at the
-  // tile's start) and the last warpgroup's last pass (before its last P V).
-  auto first_turn_to_warpgroup_0 = [&] {
-    if constexpr (Traits::kPingPong)
-      if (per_tile_turns && group == Traits::kConsumers - 1) named_barrier_arrive(turn_barrier(0), kTurnThreads);
-  };
-  auto take_last_pass = [&] {
-    if constexpr (Traits::kPingPong)
-      if (per_tile_turns && group == 0) named_barrier_sync(turn_barrier(0), kTurnThreads);
+    if constexpr (Traits::kPingPong) named_barrier_arrive(1 + (group + 1) % Traits::kConsumers, kTurnThreads);
   };
   // A consumer warp is done with a buffer: one arrival a warp.
   auto release = [&](uint64_t* bar) {
@@ -338,11 +319,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // the next tile while its last arrival of this tile was still pending on the same barrier,
   // which then completed on one warpgroup's two arrivals and the other's wait hung: the arrays'
   // kernels in session 35, every forward of more tiles than SMs at T = 70 in session 38
-  // (tests/test_cuda.py test_forward_of_more_tiles_than_sms). Per-tile turns (experimental) keep
-  // that from happening with two sets of barriers, the tiles taking them in turn: a warpgroup
-  // cannot be two tiles ahead (each next tile waits for every consumer to have read the last).
+  // (tests/test_cuda.py test_forward_of_more_tiles_than_sms). Restarted on two sets of barriers
+  // that the tiles take in turn they do not hang, but measured no faster (session 49, 91fc4cb;
+  // cuda/PERF_NOTES.md v48).
   if constexpr (Traits::kPingPong)
-    if (!per_tile_turns && group == Traits::kConsumers - 1) named_barrier_arrive(1, kTurnThreads);
+    if (group == Traits::kConsumers - 1) named_barrier_arrive(1, kTurnThreads);
   FwdTimeline stamp(group);  // (a debug build's record of the phases: sm90/fwd_timeline.h)
   int ring = 0, q_round = 0;
   for (int round = 0;; ++round) {
@@ -426,8 +407,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         wait_turn();
         pass_turn();
       };
-      if (per_tile_turns) turn_set ^= 1;
-      first_turn_to_warpgroup_0();
       Mbarrier(&bars.q_full).wait(q_round & 1);
       if (mine >= mine_end) {
         release(&bars.q_empty);
@@ -435,7 +414,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           pass_over(i);
           if (i + 1 < count) idle_turn();
         }
-        take_last_pass();
       } else {
         for (int i = 0; i < mine; ++i) {
           pass_over(i);
@@ -497,7 +475,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           stamp(kFwdEventConverted, i + 1);
         }
         const int last = stage_of(mine_end - 1);
-        take_last_pass();
         Mbarrier(&bars.v_full[last]).wait(phase_of(mine_end - 1));
         issue_output<Traits, T, kTensorSums>(o, pa, smem_address(smem.v_stage(last)), &row_sums[0], ones_desc);
         wgmma_wait<0>();
@@ -533,7 +510,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // The warpgroup's rows of the O tile: once its last TMA store has read them, written by
       // every thread, then stored by the warpgroup's first thread.
       const bool issuer = warp % 4 == 0 && lane == 0;
-      const int o_tile_barrier = 1 + 2 * Traits::kConsumers + group;  // (1 .. 2 kConsumers: the turns)
+      const int o_tile_barrier = 1 + Traits::kConsumers + group;  // (1 .. kConsumers: the turns)
       if (issuer) bulk_wait_read();
       named_barrier_sync(o_tile_barrier, 128);
       stamp(kFwdEventStoreSynced);
