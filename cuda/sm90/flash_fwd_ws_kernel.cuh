@@ -319,9 +319,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // the next tile while its last arrival of this tile was still pending on the same barrier,
   // which then completed on one warpgroup's two arrivals and the other's wait hung: the arrays'
   // kernels in session 35, every forward of more tiles than SMs at T = 70 in session 38
-  // (tests/test_cuda.py test_forward_of_more_tiles_than_sms). Restarted on two sets of barriers
-  // that the tiles take in turn they do not hang, but measured no faster (session 49, 91fc4cb;
-  // cuda/PERF_NOTES.md v48).
+  // (tests/test_cuda.py test_forward_of_more_tiles_than_sms). Restarted at each tile on two sets
+  // of barriers that the tiles take in turn, they do not hang but ran no faster (session 49,
+  // 91fc4cb; cuda/PERF_NOTES.md v48).
   if constexpr (Traits::kPingPong)
     if (group == Traits::kConsumers - 1) named_barrier_arrive(1, kTurnThreads);
   FwdTimeline stamp(group);  // (a debug build's record of the phases: sm90/fwd_timeline.h)

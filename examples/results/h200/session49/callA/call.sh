@@ -7,6 +7,7 @@
 #   2. Nine earlier trees, each from its own package in its own process, cuDNN in each, at head
 #      dim 256, seq 1024-2048: a076682 (fast), b813c9b, 8ce4092, 2b6413c, fec265d, 5502214 (under
 #      both turn orders; its default is per_tile), 296c855, dcb12f4, b74ec67.
+#   (As run, only .trees/a076682 and .trees/5502214 were carried: the loop takes the trees present.)
 #   here: bash .ci/gpu/prebuilt.sh build && bash .ci/gpu/prebuilt.sh pack;
 #         bash .ci/gpu/tree_at.sh C .trees/C for each tree; carry build/prebuilt_xz and .trees.
 #   run from the repository root on the GPU machine: bash examples/results/h200/session49/callA/call.sh
