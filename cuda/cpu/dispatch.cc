@@ -178,6 +178,14 @@ float* thread_scratch(int64_t count) {
 }
 
 void flash_fwd(const FwdParams& params, const TaskRunner& runner) { variant_for(params).fwd(params, runner); }
+int bwd_key_blocks_in_step() {
+  if (const char* wanted = std::getenv("JAX_FLASH_CPU_BWD_KEY_BLOCKS")) {
+    const int n = std::atoi(wanted);
+    if (n >= 1 && n <= kMaxBwdKeyBlocksInStep) return n;
+  }
+  return kBwdKeyBlocksInStep;
+}
+
 void flash_bwd(const BwdParams& params, const TaskRunner& runner) { variant_for(params).bwd(params, runner); }
 const char* kernel_isa() { return variant().name; }
 

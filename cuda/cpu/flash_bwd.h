@@ -3,7 +3,8 @@
 //   2. one task per (batch, key/value head, dQ split): for each key block it owns (blocks are
 //      dealt round-robin to the splits) it recomputes P from Q, K and lse for every query block
 //      and query head of the group that sees it, accumulates dK and dV for the block in local
-//      tiles, and adds its share of dQ into the float32 accumulator of its split;
+//      tiles, and adds its share of dQ into the float32 accumulator of its split (its key blocks
+//      walk the query blocks kBwdKeyBlocksInStep at a time, sharing each block's rows from L2);
 //   3. dQ = sum of the split accumulators, in the input dtype.
 // With dS = P * (dP - delta): dV = P^T dO, dK = scale dS^T Q, dQ = scale dS K. With logit
 // soft-capping dS is first multiplied by the cap's derivative 1 - tanh^2(scale q.k / c), recomputed
@@ -24,6 +25,8 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
+#include <optional>
 
 #include "cpu/bwd_products.h"
 #include "cpu/flash_fwd.h"
@@ -93,6 +96,7 @@ template <typename T, typename Products = FloatBwdProducts<T>>
 struct FlashBwdMain {
   const BwdParams& p;
   const typename Products::Shared& shared;
+  const int in_step;  // key blocks walking the query blocks together (run)
 
   // Tasks: (batch elements, kv heads, dQ split), one batch element and one kv head each but
   // where dbias is formed, and every dbias element must have one owner among the tasks that run
@@ -111,6 +115,16 @@ struct FlashBwdMain {
     for (int64_t b = b0; b < b0 + per_batch; ++b)
       for (int64_t hk = hk0; hk < hk0 + per_kv; ++hk) run(b, hk, split);
   }
+
+  // A key block of a task's walk: its keys [j0, j0 + cols) (live_cols of them before the
+  // sequence's length), the query rows [first_row, end_row) that see them, their segment ids and
+  // span, and the products holding its K/V tiles and dK/dV accumulators.
+  struct KeyBlock {
+    int64_t j0 = 0, cols = 0, live_cols = 0, first_row = 0, end_row = 0;
+    const int32_t* kv_ids = nullptr;
+    IdSpan k_span{0, 0};
+    Products* products = nullptr;
+  };
 
   // Key blocks split, split + dq_splits, ... of batch element b and kv head hk.
   void run(int64_t b, int64_t hk, int64_t split) const {
@@ -135,14 +149,17 @@ struct FlashBwdMain {
     // multiple of kDropoutRows); then the products' own (the K/V tiles and dK/dV accumulators of
     // the key block, the Q/dO tiles of the query block).
     constexpr int64_t ldz = bq + kDropoutRows;
-    float* probs = thread_scratch(4 * bq * bk + 2 * bq + bk * ldz + Products::scratch_floats(sh));
+    float* probs =
+        thread_scratch(4 * bq * bk + 2 * bq + bk * ldz + in_step * Products::scratch_floats(sh));
     float* dscores = probs + bq * bk;
     float* lse2 = dscores + bq * bk;
     float* delta = lse2 + bq;
     float* cap_grad = delta + bq;  // (bq, bk): 1 - tanh^2 of each raw score, with soft-capping
     float* dropped = cap_grad + bq * bk;  // (bq, bk): with dropout Z, then P * Z
     float* dropped_t = dropped + bq * bk;  // (bk, ldz): Z^T, rows from i0 rounded down
-    Products products(p, shared, b, hk, dropped_t + bk * ldz);
+    std::optional<Products> products[kMaxBwdKeyBlocksInStep];
+    for (int n = 0; n < in_step; ++n)
+      products[n].emplace(p, shared, b, hk, dropped_t + bk * ldz + n * Products::scratch_floats(sh));
 
     const T* k = static_cast<const T*>(p.k) + b * sh.seq_k * k_stride + hk * d;
     const T* v = static_cast<const T*>(p.v) + b * sh.seq_k * v_stride + hk * hv;
@@ -150,25 +167,40 @@ struct FlashBwdMain {
     T* dv = static_cast<T*>(p.dv) + b * sh.seq_k * v_stride + hk * hv;
     const int64_t key_blocks = ceil_div(sh.seq_k, bk);
 
-    for (int64_t kb = split; kb < key_blocks; kb += p.dq_splits) {
-      const int64_t j0 = kb * bk;
-      const int64_t cols = min64(bk, sh.seq_k - j0);
-      const int64_t live_cols = max64(0, min64(cols, kv_len - j0));
-      const QueryRange rows = queries_seeing_keys(p.mask, j0, j0 + live_cols, q_len, kv_len);
-      const int64_t first_row = rows.begin, end_row = rows.end;
-      if (end_row <= first_row) {  // no query sees these keys: zero gradients
-        for (int64_t r = 0; r < cols; ++r) {
-          store_zeros(d, dk + (j0 + r) * k_stride);
-          store_zeros(hv, dv + (j0 + r) * v_stride);
+    // Key blocks kb0, kb0 + dq_splits, ... (in_step of them) walk each query head's blocks
+    // together (KeyBlock; the order below), so a query block's Q, dO and dQ rows, brought from L3
+    // for the first key block, serve the others from L2: from seq 4096 a head's query side
+    // outgrows L2, and a 64-key block per pass over it read the backward's bfloat16 products
+    // 23% slower at seq 8192 than at 2048 (PERF_NOTES CPU v3.11).
+    for (int64_t kb0 = split; kb0 < key_blocks; kb0 += in_step * p.dq_splits) {
+      KeyBlock walking[kMaxBwdKeyBlocksInStep];
+      int count = 0;
+      for (int n = 0; n < in_step; ++n) {
+        const int64_t kb = kb0 + n * p.dq_splits;
+        if (kb >= key_blocks) break;
+        KeyBlock& key = walking[count];
+        key.j0 = kb * bk;
+        key.cols = min64(bk, sh.seq_k - key.j0);
+        key.live_cols = max64(0, min64(key.cols, kv_len - key.j0));
+        const QueryRange rows = queries_seeing_keys(p.mask, key.j0, key.j0 + key.live_cols, q_len, kv_len);
+        key.first_row = rows.begin;
+        key.end_row = rows.end;
+        if (key.end_row <= key.first_row) {  // no query sees these keys: zero gradients
+          for (int64_t r = 0; r < key.cols; ++r) {
+            store_zeros(d, dk + (key.j0 + r) * k_stride);
+            store_zeros(hv, dv + (key.j0 + r) * v_stride);
+          }
+          continue;
         }
-        continue;
+        // Segment ids of these keys (null without), and their span: a query block whose ids
+        // cannot meet it is skipped.
+        key.kv_ids = p.kv_segment_ids ? p.kv_segment_ids + b * sh.seq_k + key.j0 : nullptr;
+        key.k_span = key.kv_ids ? id_span(key.kv_ids, key.live_cols) : IdSpan{0, 0};
+        key.products = &*products[count];
+        key.products->load_keys(k + key.j0 * k_stride, k_stride, v + key.j0 * v_stride, v_stride, key.live_cols);
+        ++count;
       }
-      // Segment ids of these keys and of the batch element's query rows (null without), and the
-      // keys' span: a query block whose ids cannot meet it is skipped.
-      const int32_t* kv_ids = p.kv_segment_ids ? p.kv_segment_ids + b * sh.seq_k + j0 : nullptr;
       const int32_t* q_ids = p.q_segment_ids ? p.q_segment_ids + b * sh.seq_q : nullptr;
-      const IdSpan k_span = kv_ids ? id_span(kv_ids, live_cols) : IdSpan{0, 0};
-      products.load_keys(k + j0 * k_stride, k_stride, v + j0 * v_stride, v_stride, live_cols);
 
       for (int64_t h = hk * sh.group(); h < (hk + 1) * sh.group(); ++h) {
         const T* q = static_cast<const T*>(p.q) + b * sh.seq_q * q_stride + h * d;
@@ -182,20 +214,22 @@ struct FlashBwdMain {
         const int64_t bias_base = bias ? bias.offset(b, h) : 0;
         const int64_t mask_base = logit_mask ? logit_mask.offset(b, h) : 0;
 
-        // A block mask: query tiles on the tile grid (aligned at row 0, each inside one mask
-        // block), those whose mask block (i0 / kBlockMaskRows, j0 / kBlockMaskKeys) it hides
-        // never visited.
-        for (int64_t i0 = blocks ? first_row / bq * bq : first_row; i0 < end_row; i0 += bq) {
+        // One key block's visit of the query block at row i0.
+        auto visit = [&](const KeyBlock& key, int64_t i0) {
+          Products& products = *key.products;
+          const int64_t j0 = key.j0, live_cols = key.live_cols, end_row = key.end_row;
+          const int32_t* kv_ids = key.kv_ids;
+          const IdSpan& k_span = key.k_span;
           const int64_t rows = min64(bq, end_row - i0);
-          if (blocks && !p.block_visible(b, h, i0 / kBlockMaskRows, j0 / kBlockMaskKeys)) continue;
+          if (blocks && !p.block_visible(b, h, i0 / kBlockMaskRows, j0 / kBlockMaskKeys)) return;
           bool split_ids = false;
           if (q_ids) {
             const IdSpan q_span = id_span(q_ids + i0, rows);
-            if (!q_span.meets(k_span)) continue;
+            if (!q_span.meets(k_span)) return;
             split_ids = !q_span.same_single_id(k_span);
           }
           // A tile the mask array hides from every row is skipped: its P and dS are 0.
-          if (logit_mask && !mask_tile_any(logit_mask, mask_base, i0, rows, j0, live_cols)) continue;
+          if (logit_mask && !mask_tile_any(logit_mask, mask_base, i0, rows, j0, live_cols)) return;
           products.load_queries(q + i0 * q_stride, q_stride, d_o + i0 * o_stride, o_stride, h, i0, rows);
           for (int64_t r = 0; r < rows; ++r) {
             // A row with no visible key (the forward wrote kEmptyRowLse; inside a visited block
@@ -267,18 +301,43 @@ struct FlashBwdMain {
             for (int64_t x = 0; x < rows * bk; x += kLanes) store(dscores + x, load(dscores + x) * load(cap_grad + x));
           // dQ += scale dS K (into this split's float32 accumulator), dK += scale dS^T Q
           products.accumulate_dq_dk(dscores, rows, live_cols, p.scale, dq + i0 * dq_stride, dq_stride);
+        };
+
+        // A block mask: query tiles on the tile grid (aligned at row 0, each inside one mask
+        // block), those whose mask block (i0 / kBlockMaskRows, j0 / kBlockMaskKeys) it hides
+        // never visited. Each key block's next query block is next[n]; a dQ row takes its key
+        // blocks' terms in their order, as when they walk one at a time (the same sums, bit for
+        // bit): key block n visits rows [i, i + bq) only once every earlier one has passed them.
+        // Of the visits allowed, the lowest row goes first, so the walks stay within a block.
+        int64_t next[kMaxBwdKeyBlocksInStep];
+        for (int n = 0; n < count; ++n)
+          next[n] = blocks ? walking[n].first_row / bq * bq : walking[n].first_row;
+        for (;;) {
+          int chosen = -1;
+          int64_t earliest_unvisited = INT64_MAX;  // the lowest row an earlier walk has yet to visit
+          for (int n = 0; n < count; ++n) {
+            const bool done = next[n] >= walking[n].end_row;
+            if (!done && next[n] + bq <= earliest_unvisited && (chosen < 0 || next[n] < next[chosen])) chosen = n;
+            if (!done) earliest_unvisited = min64(earliest_unvisited, next[n]);
+          }
+          if (chosen < 0) break;
+          visit(walking[chosen], next[chosen]);
+          next[chosen] += bq;
         }
       }
-      for (int64_t r = 0; r < cols; ++r) {
-        if (r < live_cols) {
-          products.store_key_row(r, dk + (j0 + r) * k_stride, dv + (j0 + r) * v_stride);
-        } else {
-          store_zeros(d, dk + (j0 + r) * k_stride);
-          store_zeros(hv, dv + (j0 + r) * v_stride);
+      for (int n = 0; n < count; ++n) {
+        const KeyBlock& key = walking[n];
+        for (int64_t r = 0; r < key.cols; ++r) {
+          if (r < key.live_cols) {
+            key.products->store_key_row(r, dk + (key.j0 + r) * k_stride, dv + (key.j0 + r) * v_stride);
+          } else {
+            store_zeros(d, dk + (key.j0 + r) * k_stride);
+            store_zeros(hv, dv + (key.j0 + r) * v_stride);
+          }
         }
       }
     }
-    products.finish();
+    for (int n = 0; n < in_step; ++n) products[n]->finish();
   }
 };
 
@@ -311,7 +370,7 @@ void flash_bwd_typed(const BwdParams& params, const TaskRunner& runner) {
   parallel_for(runner, delta.num_tasks(), delta);
   if (params.dbias) zero_dbias(params, runner);
   typename Products::Shared shared(params, runner);
-  FlashBwdMain<T, Products> main{params, shared};
+  FlashBwdMain<T, Products> main{params, shared, bwd_key_blocks_in_step()};
   parallel_for(runner, main.num_tasks(), main);
   shared.release();
   FlashBwdDq<T> dq{params, dp};

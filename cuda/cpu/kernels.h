@@ -17,6 +17,10 @@ namespace jax_flash::cpu {
 // the tiles; the dQ accumulator workspace is padded to it.
 inline constexpr int64_t kBlockQ = 64;
 inline constexpr int64_t kBlockK = 64;
+// The backward's key blocks that walk a head's query blocks together (FlashBwdMain::run): each
+// query block's Q, dO and dQ rows, fetched from L3 for the first, serve the others from L2.
+inline constexpr int kBwdKeyBlocksInStep = 4;
+inline constexpr int kMaxBwdKeyBlocksInStep = 8;
 inline constexpr int64_t kHeadDimAlign = 16;
 
 static inline int64_t padded_head_dim(int64_t head_dim) {
@@ -63,6 +67,10 @@ float* thread_scratch(int64_t count);
 
 void flash_fwd(const FwdParams& params, const TaskRunner& runner);
 void flash_bwd(const BwdParams& params, const TaskRunner& runner);
+// The backward's key blocks in step: kBwdKeyBlocksInStep, or as many as the environment variable
+// JAX_FLASH_CPU_BWD_KEY_BLOCKS names (1 to kMaxBwdKeyBlocksInStep), read at each call for tests
+// and measurements (1: one key block at a time; the results are the same bit for bit).
+int bwd_key_blocks_in_step();
 
 // "avx512_amx", "avx512_bf16", "avx512", "avx2" or "baseline": the kernel variant this CPU runs.
 const char* kernel_isa();
