@@ -93,6 +93,12 @@ struct Bf16BwdProducts {
            dims * kBlockK + kBlockQ * depth / 2 + kBlockQ * dims / 2 + kBlockQ * kBlockK +
            kBlockQ * kBlockK + kBlockQ * depth + (depth > dims ? depth : dims) * kTileDepth / 2;
   }
+  // What a key block's tiles take: K and V in pairs of dims, K in pairs of keys, dK^T and dV^T.
+  static int64_t key_tile_bytes(const AttentionShape& sh) {
+    const int64_t depth = round_up(sh.head_dim, kTileDepth), dims = round_up(sh.head_dim_v, kTileDepth);
+    return (depth / 2 * kBlockK + dims / 2 * kBlockK + kBlockK * depth + depth * kBlockK + dims * kBlockK) *
+           static_cast<int64_t>(sizeof(float));
+  }
 
   Bf16BwdProducts(const BwdParams& p, const Shared& shared_state, int64_t b, int64_t /*hk*/,
                   float* scratch)

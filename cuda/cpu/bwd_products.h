@@ -79,6 +79,8 @@ struct FloatBwdProducts {
     const int64_t dp = padded_head_dim(sh.head_dim), hvp = padded_head_dim(sh.head_dim_v);
     return kBlockK * (dp + kTilePad) + 2 * dp * kLd + 2 * hvp * kLd;
   }
+  // What a key block's tiles take (all of scratch_floats: K, K^T, V^T, dK^T, dV^T).
+  static int64_t key_tile_bytes(const AttentionShape& sh) { return scratch_floats(sh) * sizeof(float); }
 
   FloatBwdProducts(const BwdParams& p, const Shared& shared_state, int64_t batch, int64_t /*hk*/,
                    float* scratch)

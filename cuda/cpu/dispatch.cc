@@ -1,5 +1,6 @@
 // Picks the CPU kernel variant for the running processor, and provides the per-thread scratch
 // memory the kernels use (kept here, out of the per-ISA files; see kernels.h).
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -14,7 +15,9 @@
 #endif
 #if JF_HAVE_BF16_VARIANTS && defined(__linux__)
 #include <sys/syscall.h>
-#include <unistd.h>
+#endif
+#if defined(__unix__)
+#include <unistd.h>  // sysconf
 #endif
 
 // The per-ISA entry points (kernels_isa.cc), declared by the variants CMake built.
@@ -159,6 +162,16 @@ const Variant& variant_for(const AttentionParams& p) {
   return narrow_shape(p.mask, p.shape.seq_q, p.shape.seq_k) ? narrow : variant();
 }
 
+// One core's L2 in bytes, 0 where the C library cannot tell.
+int64_t l2_bytes() {
+#ifdef _SC_LEVEL2_CACHE_SIZE
+  const long bytes = sysconf(_SC_LEVEL2_CACHE_SIZE);
+  return bytes > 0 ? bytes : 0;
+#else
+  return 0;
+#endif
+}
+
 }  // namespace
 
 float* thread_scratch(int64_t count) {
@@ -178,12 +191,17 @@ float* thread_scratch(int64_t count) {
 }
 
 void flash_fwd(const FwdParams& params, const TaskRunner& runner) { variant_for(params).fwd(params, runner); }
-int bwd_key_blocks_in_step() {
+
+int bwd_key_blocks_in_step(int64_t key_tile_bytes) {
   if (const char* wanted = std::getenv("JAX_FLASH_CPU_BWD_KEY_BLOCKS")) {
     const int n = std::atoi(wanted);
     if (n >= 1 && n <= kMaxBwdKeyBlocksInStep) return n;
   }
-  return kBwdKeyBlocksInStep;
+  // Key blocks whose tiles outgrow L2 would each be read from L3 at every visit, as the query side
+  // was before they walked together: a 512 KiB L2 (Zen 3) holds two float32 ones at head dim 128.
+  static const int64_t l2 = l2_bytes();
+  if (l2 <= 0 || key_tile_bytes <= 0) return kBwdKeyBlocksInStep;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kBwdKeyBlocksInStep, l2 / key_tile_bytes)));
 }
 
 void flash_bwd(const BwdParams& params, const TaskRunner& runner) { variant_for(params).bwd(params, runner); }

@@ -370,7 +370,7 @@ void flash_bwd_typed(const BwdParams& params, const TaskRunner& runner) {
   parallel_for(runner, delta.num_tasks(), delta);
   if (params.dbias) zero_dbias(params, runner);
   typename Products::Shared shared(params, runner);
-  FlashBwdMain<T, Products> main{params, shared, bwd_key_blocks_in_step()};
+  FlashBwdMain<T, Products> main{params, shared, bwd_key_blocks_in_step(Products::key_tile_bytes(params.shape))};
   parallel_for(runner, main.num_tasks(), main);
   shared.release();
   FlashBwdDq<T> dq{params, dp};
