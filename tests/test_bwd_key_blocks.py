@@ -3,7 +3,8 @@ blocks walk each query head's blocks several at a time, so that a query block's 
 rows serve them all from L2. A dQ row still takes its key blocks' terms in their order, and each
 (key block, query block) visit's arithmetic is unchanged, so every gradient must be bit for bit
 what the walk of one key block at a time gives (JAX_FLASH_CPU_BWD_KEY_BLOCKS=1, read at each
-call), under every mask and score policy, and with dbias."""
+call; by default as many as one core's L2 holds, at most four), under every mask and score
+policy, and with dbias."""
 
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def test_key_blocks_in_step_match_one_at_a_time(kind, dtype, monkeypatch):
   monkeypatch.setenv("JAX_FLASH_CPU_BWD_KEY_BLOCKS", "1")
   alone = _gradients(q, k, v, d_o, bias, options)
   assert any(np.any(g != 0) for g in alone)
-  for in_step in ("3", ""):  # a short last round, then the default
+  for in_step in ("3", "", "9"):  # a short last round, the default, a count past the most (ignored)
     monkeypatch.setenv("JAX_FLASH_CPU_BWD_KEY_BLOCKS", in_step)
     together = _gradients(q, k, v, d_o, bias, options)
     for name, a, b in zip(("dq", "dk", "dv", "dbias"), alone, together):
