@@ -443,10 +443,11 @@ def test_forward_query_tile_rows_on_hopper(forward, rows):
       "test_command_buffer_capture")
 
 
-# Each consumer warpgroup of the plain forward skips the products and softmax of the key blocks
-# none of its own rows sees, still taking its turns and releasing the blocks' buffers (the default
-# since session 48; sm90/flash_fwd_ws_kernel.cuh mine, mine_end). JAX_FLASH_CUDA_FWD_UNSEEN=compute
-# computes them as before.
+# Each consumer warpgroup of the plain forward on the 192-row tiles (head dims up to 64) skips the
+# products and softmax of the key blocks none of its own rows sees, still taking its turns and
+# releasing the blocks' buffers (the default since session 48; sm90/flash_fwd_ws_kernel.cuh mine,
+# mine_end; Sm90FwdWsTraits::kSkipsUnseenBlocks). JAX_FLASH_CUDA_FWD_UNSEEN=compute computes them
+# as before.
 @pytest.mark.parametrize("rows", ["start", "end"])
 def test_forward_computes_unseen_blocks_on_hopper(rows):
   """With every warpgroup computing every block of its tile, the tiles laid from row 0 or against

@@ -180,7 +180,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   const QueryTileScheduler<kBM> scheduler(p.shape, params.grid, p.tile_counter);
   const int row_shift = kGeneral || kBlockWalk ? 0 : params.query_row_shift;
-  const bool skip_unseen = !kGeneral && !kBlockWalk && params.skip_unseen_blocks;
+  const bool skip_unseen = Traits::kSkipsUnseenBlocks && !kGeneral && !kBlockWalk && params.skip_unseen_blocks;
   // Both roles walk the tiles the producer hands over; key blocks run through the stage ring in one
   // sequence over all of them (block `ring` of the sequence uses stage ring % kStages, in its
   // (ring / kStages)-th round), and Q's buffer is filled once per tile with keys.

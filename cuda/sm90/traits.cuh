@@ -34,6 +34,13 @@ struct Sm90FwdWsTraits {
   static constexpr int kStages = kStages_;
   // The consumer warpgroups take turns at their products (one's softmax under another's GEMMs).
   static constexpr bool kPingPong = true;
+  // Whether a consumer warpgroup may skip the key blocks none of its rows sees (the plain kernels,
+  // unless JAX_FLASH_CUDA_FWD_UNSEEN=compute): on the 192-row tiles only, whose upper warpgroups
+  // miss a causal tile's last block or two. On 128-row tiles it could skip only an end-aligned
+  // first tile's padding warpgroup, and its code (idle turns and pass-overs around the block loop,
+  // +1000 SASS instructions) cost head dim 256's forward 7-20% at seq 1024-2048 (b74ec67 against
+  // a076682 on an H100; without it the kernel is back at a076682's ratio to cuDNN: PERF_NOTES v49).
+  static constexpr bool kSkipsUnseenBlocks = kConsumers == 3;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kConsumerWarps = 4 * kConsumers;
   // setmaxnreg split of the 64K registers (multiples of 8): the producer needs few. Three
