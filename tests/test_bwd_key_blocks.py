@@ -3,7 +3,7 @@ blocks walk each query head's blocks several at a time, so that a query block's 
 rows serve them all from L2. A dQ row still takes its key blocks' terms in their order, and each
 (key block, query block) visit's arithmetic is unchanged, so every gradient must be bit for bit
 what the walk of one key block at a time gives (JAX_FLASH_CPU_BWD_KEY_BLOCKS=1, read at each
-call; by default as many as one core's L2 holds, at most four), under every mask and score
+call; by default as many as one core's L2 holds, at most eight), under every mask and score
 policy, and with dbias."""
 
 from __future__ import annotations

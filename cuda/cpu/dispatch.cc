@@ -198,7 +198,8 @@ int bwd_key_blocks_in_step(int64_t key_tile_bytes) {
     if (n >= 1 && n <= kMaxBwdKeyBlocksInStep) return n;
   }
   // Key blocks whose tiles outgrow L2 would each be read from L3 at every visit, as the query side
-  // was before they walked together: a 512 KiB L2 (Zen 3) holds two float32 ones at head dim 128.
+  // was before they walked together: a 1 MiB L2 (Zen 4) holds eight bfloat16 ones at head dim
+  // 128 and five float32 ones, a 512 KiB L2 (Zen 3) two float32 ones.
   static const int64_t l2 = l2_bytes();
   if (l2 <= 0 || key_tile_bytes <= 0) return kBwdKeyBlocksInStep;
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kBwdKeyBlocksInStep, l2 / key_tile_bytes)));

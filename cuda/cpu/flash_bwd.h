@@ -4,7 +4,7 @@
 //      dealt round-robin to the splits) it recomputes P from Q, K and lse for every query block
 //      and query head of the group that sees it, accumulates dK and dV for the block in local
 //      tiles, and adds its share of dQ into the float32 accumulator of its split (its key blocks
-//      walk the query blocks kBwdKeyBlocksInStep at a time, sharing each block's rows from L2);
+//      walk the query blocks up to kBwdKeyBlocksInStep at a time, sharing each block's rows from L2);
 //   3. dQ = sum of the split accumulators, in the input dtype.
 // With dS = P * (dP - delta): dV = P^T dO, dK = scale dS^T Q, dQ = scale dS K. With logit
 // soft-capping dS is first multiplied by the cap's derivative 1 - tanh^2(scale q.k / c), recomputed
@@ -170,8 +170,8 @@ struct FlashBwdMain {
     // Key blocks kb0, kb0 + dq_splits, ... (in_step of them) walk each query head's blocks
     // together (KeyBlock; the order below), so a query block's Q, dO and dQ rows, brought from L3
     // for the first key block, serve the others from L2: from seq 4096 a head's query side
-    // outgrows L2, and a 64-key block per pass over it read the backward's bfloat16 products
-    // 23% slower at seq 8192 than at 2048 (PERF_NOTES CPU v3.11).
+    // outgrows L2, and with a 64-key block per pass over it the bfloat16 backward ran 23% slower
+    // at seq 8192 than at 2048 (PERF_NOTES CPU v3.11).
     for (int64_t kb0 = split; kb0 < key_blocks; kb0 += in_step * p.dq_splits) {
       KeyBlock walking[kMaxBwdKeyBlocksInStep];
       int count = 0;

@@ -20,7 +20,7 @@ inline constexpr int64_t kBlockK = 64;
 // The backward's key blocks that walk a head's query blocks together (FlashBwdMain::run): each
 // query block's Q, dO and dQ rows, fetched from L3 for the first, serve the others from L2
 // (at most this many: bwd_key_blocks_in_step).
-inline constexpr int kBwdKeyBlocksInStep = 4;
+inline constexpr int kBwdKeyBlocksInStep = 8;
 inline constexpr int kMaxBwdKeyBlocksInStep = 8;
 inline constexpr int64_t kHeadDimAlign = 16;
 
