@@ -87,18 +87,18 @@ struct Bf16BwdProducts {
   const BFloat16* dot = nullptr;  // and dO^T
   int64_t rows = 0, padded_rows = 0;
 
+  // The key block's tiles (K and V in pairs of dims, K in pairs of keys, dK^T and dV^T);
+  // scratch_floats adds the query block's.
+  static int64_t key_tile_floats(const AttentionShape& sh) {
+    const int64_t depth = round_up(sh.head_dim, kTileDepth), dims = round_up(sh.head_dim_v, kTileDepth);
+    return depth / 2 * kBlockK + dims / 2 * kBlockK + kBlockK * depth + depth * kBlockK + dims * kBlockK;
+  }
   static int64_t scratch_floats(const AttentionShape& sh) {
     const int64_t depth = round_up(sh.head_dim, kTileDepth), dims = round_up(sh.head_dim_v, kTileDepth);
-    return depth / 2 * kBlockK + dims / 2 * kBlockK + kBlockK * depth + depth * kBlockK +
-           dims * kBlockK + kBlockQ * depth / 2 + kBlockQ * dims / 2 + kBlockQ * kBlockK +
+    return key_tile_floats(sh) + kBlockQ * depth / 2 + kBlockQ * dims / 2 + kBlockQ * kBlockK +
            kBlockQ * kBlockK + kBlockQ * depth + (depth > dims ? depth : dims) * kTileDepth / 2;
   }
-  // What a key block's tiles take: K and V in pairs of dims, K in pairs of keys, dK^T and dV^T.
-  static int64_t key_tile_bytes(const AttentionShape& sh) {
-    const int64_t depth = round_up(sh.head_dim, kTileDepth), dims = round_up(sh.head_dim_v, kTileDepth);
-    return (depth / 2 * kBlockK + dims / 2 * kBlockK + kBlockK * depth + depth * kBlockK + dims * kBlockK) *
-           static_cast<int64_t>(sizeof(float));
-  }
+  static int64_t key_tile_bytes(const AttentionShape& sh) { return key_tile_floats(sh) * sizeof(float); }
 
   Bf16BwdProducts(const BwdParams& p, const Shared& shared_state, int64_t b, int64_t /*hk*/,
                   float* scratch)

@@ -370,7 +370,11 @@ void flash_bwd_typed(const BwdParams& params, const TaskRunner& runner) {
   parallel_for(runner, delta.num_tasks(), delta);
   if (params.dbias) zero_dbias(params, runner);
   typename Products::Shared shared(params, runner);
-  FlashBwdMain<T, Products> main{params, shared, bwd_key_blocks_in_step(Products::key_tile_bytes(params.shape))};
+  // (Never more products than a split has key blocks to hold.)
+  const int64_t split_key_blocks = ceil_div(ceil_div(params.shape.seq_k, kBlockK), params.dq_splits);
+  const int in_step = static_cast<int>(
+      min64(bwd_key_blocks_in_step(Products::key_tile_bytes(params.shape)), max64(1, split_key_blocks)));
+  FlashBwdMain<T, Products> main{params, shared, in_step};
   parallel_for(runner, main.num_tasks(), main);
   shared.release();
   FlashBwdDq<T> dq{params, dp};

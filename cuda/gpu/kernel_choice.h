@@ -107,6 +107,9 @@
 //                             11% of head dim 64's work at seq 1024, 6% at 2048), and an
 //                             end-aligned first tile's padding warpgroups. With FWD_ROWS=end:
 //                             head dim 64's causal forward +5-16% at seq 1024-8192 (session 45).
+//                             Only the 192-row tiles' kernels (head dims up to 64) have the skip
+//                             since session 50 (Sm90FwdWsTraits::kSkipsUnseenBlocks): its code
+//                             cost the others 7-20% even when off.
 //   JAX_FLASH_CUDA_NARROW = split | off (default: split since session 19, whose differential run
 //                           of 2000 configurations gave 0 misses under it): narrow plain calls
 //                           (narrow_shape below) run the mma.sync kernels with P and dS as hi +
