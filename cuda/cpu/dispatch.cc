@@ -201,8 +201,8 @@ int bwd_key_blocks_in_step(int64_t key_tile_bytes) {
   // was before they walked together: a 1 MiB L2 (Zen 4) holds eight bfloat16 ones at head dim
   // 128 and five float32 ones, a 512 KiB L2 (Zen 3) two float32 ones.
   static const int64_t l2 = l2_bytes();
-  if (l2 <= 0 || key_tile_bytes <= 0) return kBwdKeyBlocksInStep;
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kBwdKeyBlocksInStep, l2 / key_tile_bytes)));
+  if (l2 <= 0 || key_tile_bytes <= 0) return kMaxBwdKeyBlocksInStep;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kMaxBwdKeyBlocksInStep, l2 / key_tile_bytes)));
 }
 
 void flash_bwd(const BwdParams& params, const TaskRunner& runner) { variant_for(params).bwd(params, runner); }

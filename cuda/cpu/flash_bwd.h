@@ -4,7 +4,7 @@
 //      dealt round-robin to the splits) it recomputes P from Q, K and lse for every query block
 //      and query head of the group that sees it, accumulates dK and dV for the block in local
 //      tiles, and adds its share of dQ into the float32 accumulator of its split (its key blocks
-//      walk the query blocks up to kBwdKeyBlocksInStep at a time, sharing each block's rows from L2);
+//      walk the query blocks up to kMaxBwdKeyBlocksInStep at a time, sharing each block's rows from L2);
 //   3. dQ = sum of the split accumulators, in the input dtype.
 // With dS = P * (dP - delta): dV = P^T dO, dK = scale dS^T Q, dQ = scale dS K. With logit
 // soft-capping dS is first multiplied by the cap's derivative 1 - tanh^2(scale q.k / c), recomputed

@@ -17,10 +17,9 @@ namespace jax_flash::cpu {
 // the tiles; the dQ accumulator workspace is padded to it.
 inline constexpr int64_t kBlockQ = 64;
 inline constexpr int64_t kBlockK = 64;
-// The backward's key blocks that walk a head's query blocks together (FlashBwdMain::run): each
-// query block's Q, dO and dQ rows, fetched from L3 for the first, serve the others from L2
-// (at most this many: bwd_key_blocks_in_step).
-inline constexpr int kBwdKeyBlocksInStep = 8;
+// The most key blocks that walk a head's query blocks together (FlashBwdMain::run): each query
+// block's Q, dO and dQ rows, fetched from L3 for the first, serve the others from L2
+// (bwd_key_blocks_in_step says how many).
 inline constexpr int kMaxBwdKeyBlocksInStep = 8;
 inline constexpr int64_t kHeadDimAlign = 16;
 
@@ -69,10 +68,9 @@ float* thread_scratch(int64_t count);
 void flash_fwd(const FwdParams& params, const TaskRunner& runner);
 void flash_bwd(const BwdParams& params, const TaskRunner& runner);
 // The backward's key blocks in step, each holding `key_tile_bytes` of tiles: as many as fill one
-// core's L2 (the query side they share fits beside them), at most kBwdKeyBlocksInStep, at least
-// one; or as many as the environment variable JAX_FLASH_CPU_BWD_KEY_BLOCKS names (1 to
-// kMaxBwdKeyBlocksInStep), read at each call for tests and measurements (the results are the
-// same bit for bit whatever the count).
+// core's L2 (the query side they share fits beside them), 1 to kMaxBwdKeyBlocksInStep; or as
+// many as the environment variable JAX_FLASH_CPU_BWD_KEY_BLOCKS names (the same range), read at
+// each call for tests and measurements (the results are the same bit for bit whatever the count).
 int bwd_key_blocks_in_step(int64_t key_tile_bytes);
 
 // "avx512_amx", "avx512_bf16", "avx512", "avx2" or "baseline": the kernel variant this CPU runs.
