@@ -35,9 +35,12 @@ JF_HOST_DEVICE inline float rounding_step(float hi, bool float16) {
 // k of o = hi + k step(hi): o's rounding error o - hi (exact in float32) in steps of hi, rounded
 // to nearest even and clamped to int8, 0 where hi or the error is not finite; hi is o rounded to
 // the 16-bit dtype, given in float32. As jax_flash._rounding.split_rounding forms it.
+// Branch-free (the forward's epilogue forms it for every element): k is formed whatever hi and
+// the error are (a non-finite one gives a step like any other, fmin/fmax keep NaN out of the
+// cast) and discarded at the end where they are not finite.
 JF_HOST_DEVICE inline int8_t rounding_error(float o, float hi, bool float16) {
   const float error = o - hi;
-  if (!(std::isfinite(hi) && std::isfinite(error))) return 0;
+  const bool finite = std::isfinite(hi) && std::isfinite(error);
   // error / step as error times 1 / step, exact: both powers of two, normal (the step's exponent
   // field is 1..240, its reciprocal's 254 minus that), so no division in the forward's epilogue.
   const float step = rounding_step(hi, float16);
@@ -46,8 +49,8 @@ JF_HOST_DEVICE inline int8_t rounding_error(float o, float hi, bool float16) {
   inverse_bits = (254u - (step_bits >> 23)) << 23;
   float inverse;
   std::memcpy(&inverse, &inverse_bits, sizeof inverse);
-  const float k = std::rint(error * inverse);
-  return static_cast<int8_t>(k < -128.f ? -128.f : (k > 127.f ? 127.f : k));
+  const float k = std::fmin(std::fmax(std::rint(error * inverse), -128.f), 127.f);
+  return finite ? static_cast<int8_t>(k) : int8_t{0};
 }
 
 // o in float32 from hi and k.
