@@ -482,6 +482,27 @@ def test_forward_direct_store_on_hopper():
       "test_command_buffer_capture or test_cuda_is_default_on_gpu")
 
 
+@pytest.mark.parametrize("forward", ["sm90ws", "sm80"])
+def test_forward_vector_stores_on_cuda(forward):
+  """With JAX_FLASH_CUDA_FWD_STORES=vectors (experimental, session 52) the forwards store 16-bit O
+  rows from registers, and a differentiated call's rounding errors, 8 columns a lane at once
+  after a quad's shuffles, where the rows allow (gpu/epilogue.cuh store_output_vectors; head
+  dims that are not a multiple of 8, 111 among the cases, keep the pair stores): the reference
+  cases, the deterministic and forward-only ones, the forward's own split of o bit for bit
+  against the float32 o it writes by pairs, the NaN rules and unwritten elements, the CUDA-graph
+  capture and the training step pass, on the Hopper kernels and on the mma.sync ones."""
+  if forward == "sm90ws" and not _on_hopper():
+    pytest.skip("the Hopper kernels run on compute capability 9.x only")
+  env = {"JAX_FLASH_CUDA_FWD_STORES": "vectors", "JAX_FLASH_CUDA_FORWARD": forward}
+  result = _run_in_subprocess(
+      env, "-k",
+      "test_cuda_matches_reference or test_deterministic_matches_reference or test_forward_only_matches_reference "
+      "or test_forward_splits_o_as_xla_would or test_command_buffer_capture or test_jit_training_step_reduces_loss "
+      "or test_poisoned_inputs_on_cuda or test_cuda_kernels_write_every_output_element",
+      files=("test_cuda.py", "test_nan_propagation.py"))
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
 # By default the plain calls' forward takes FlashAttention-3's wide tiles where they measured
 # faster (head dims 64, 192 and 256; gpu/tile_shapes.cuh); each override runs the tiles the
 # default does not use somewhere.
@@ -686,6 +707,7 @@ def test_split_kv_decoding_on_cuda():
                                              ("JAX_FLASH_CUDA_FWD_GRID", "pertile"),
                                              ("JAX_FLASH_CUDA_FWD_ROWS", "ends"),
                                              ("JAX_FLASH_CUDA_FWD_UNSEEN", "skipped"),
+                                             ("JAX_FLASH_CUDA_FWD_STORES", "vector"),
                                              ("JAX_FLASH_CUDA_FORWARD", "sm90ws_static")])
 def test_unknown_kernel_choice_is_an_error(variable, value):
   """A misspelt override (or a removed one: sm90ws_static is JAX_FLASH_CUDA_FWD_GRID=static since

@@ -15,18 +15,122 @@
 
 namespace jax_flash::cuda {
 
-// Two adjacent elements of a differentiated call's o: rounded to T at `hi`, their rounding
-// errors as int8 at `error` (common/rounding_residual.h).
+// A quad's 4 x 4 block of packed pairs turned over: v[j] comes in as this lane's pair of
+// columns of 8-column tile j (columns 2 (lane % 4), +1 of it) and leaves as lane j's pair of
+// tile lane % 4, so that v[0..3] hold tile lane % 4's eight columns in order. Two butterfly
+// steps of two shuffles each; every lane of the warp takes part.
+__device__ __forceinline__ void quad_transpose(uint32_t (&v)[4], int lane) {
+#pragma unroll
+  for (int m = 1; m <= 2; m *= 2) {
+    const bool upper = lane & m;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (j & m) continue;
+      // Of positions j and j + m a lane keeps the one whose bit m is its own and swaps the other.
+      const uint32_t got = __shfl_xor_sync(0xffffffffu, upper ? v[j] : v[j + m], m);
+      v[j] = upper ? got : v[j];
+      v[j + m] = upper ? v[j + m] : got;
+    }
+  }
+}
+
+// Two adjacent elements of a differentiated call's o: rounded to T (`hi`, packed) and their
+// rounding errors as int8 (`errors`, x's in the low byte: common/rounding_residual.h).
 template <typename T>
-__device__ __forceinline__ void store_split_pair(T* hi, int8_t* error, float x, float y) {
-  const uint32_t packed = MmaOp<T>::pack(x, y);
-  *reinterpret_cast<uint32_t*>(hi) = packed;
-  const T* rounded = reinterpret_cast<const T*>(&packed);
+__device__ __forceinline__ void split_pair(float x, float y, uint32_t& hi, uint16_t& errors) {
+  hi = MmaOp<T>::pack(x, y);
+  const T* rounded = reinterpret_cast<const T*>(&hi);
   constexpr bool kFloat16 = std::is_same_v<T, __half>;
   const int8_t ex = rounding_error(x, static_cast<float>(rounded[0]), kFloat16);
   const int8_t ey = rounding_error(y, static_cast<float>(rounded[1]), kFloat16);
-  *reinterpret_cast<uint16_t*>(error) = static_cast<uint16_t>(static_cast<uint8_t>(ex) |
-                                                              static_cast<uint16_t>(static_cast<uint8_t>(ey)) << 8);
+  errors = static_cast<uint16_t>(static_cast<uint8_t>(ex) | static_cast<uint16_t>(static_cast<uint8_t>(ey)) << 8);
+}
+
+// The same pair stored: the rounded values at `hi`, their rounding errors at `error`.
+template <typename T>
+__device__ __forceinline__ void store_split_pair(T* hi, int8_t* error, float x, float y) {
+  uint32_t packed;
+  uint16_t errors;
+  split_pair<T>(x, y, packed, errors);
+  *reinterpret_cast<uint32_t*>(hi) = packed;
+  *reinterpret_cast<uint16_t*>(error) = errors;
+}
+
+// Whether store_output may take store_output_vectors for a call: 16-bit o (and o_error) whose
+// rows start at 16-byte (8-byte) boundaries, and head_dim a multiple of 8 so that a lane's 8
+// columns lie wholly inside or outside it.
+__device__ __forceinline__ bool vector_stores_fit(const void* o_base, const int8_t* o_error, int64_t offset,
+                                                  int64_t row_stride, int64_t head_dim) {
+  return head_dim % 8 == 0 && row_stride % 8 == 0 && offset % 8 == 0 &&
+         reinterpret_cast<uintptr_t>(o_base) % 16 == 0 && reinterpret_cast<uintptr_t>(o_error) % 8 == 0;
+}
+
+// store_output's 16-bit rows (kErrors: with their rounding errors at o_error) with each lane
+// storing 8 adjacent columns at once (quad_transpose): a quarter of the store instructions, each
+// a row's whole 32-byte sectors, and no branch per element (JAX_FLASH_CUDA_FWD_STORES=vectors,
+// experimental: head dim 256's per-pair stores took ~14,000 cycles a tile on an H200, PERF_NOTES
+// v50). Only where vector_stores_fit; the same values, rows and lse as store_output.
+template <bool kErrors, typename T, int kMTiles, int kDTiles>
+__device__ __forceinline__ void store_output_vectors(void* o_base, int8_t* o_error, int64_t offset,
+                                                     int64_t row_stride, float* lse,
+                                                     const float (&o)[kMTiles][kDTiles][4],
+                                                     const OnlineSoftmax<kMTiles>& softmax, float scale, int row0,
+                                                     int rows, int64_t head_dim, const MaskParams& mask, int64_t m0,
+                                                     int64_t q_len, int64_t kv_len, int lane,
+                                                     const SeenRows<kMTiles>* seen) {
+  static_assert(kDTiles % 4 == 0, "a quad turns over four 8-column tiles at a time");
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) {
+    // This thread's rows lane / 4 (half 0) and + 8 (half 1) of the 16-row tile.
+    bool stored[2], empty[2];
+    float inv[2];
+    int64_t at[2];  // element of o (and o_error) of the row's column 0
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = row0 + mt * 16 + half * 8 + lane / 4;
+      const float sum = quad_sum(softmax.sum[mt][half]);
+      const float sum_rounded = quad_sum(softmax.sum_rounded[mt][half]);
+      const bool unseen = seen != nullptr && !seen->any(mt, half);
+      stored[half] = row < rows && m0 + row >= 0;  // (rows before 0: an end-aligned tile's padding)
+      empty[half] = unseen || key_range(mask, m0 + row, q_len, kv_len).empty();
+      inv[half] = empty[half] ? 0.f : 1.f / (kErrors ? sum_rounded : sum);
+      at[half] = offset + row * row_stride;
+      if (lane % 4 == 0 && stored[half]) lse[row] = empty[half] ? kEmptyRowLse : softmax.lse_of(mt, half, sum, scale);
+    }
+#pragma unroll
+    for (int g = 0; g < kDTiles / 4; ++g) {
+      const int col = (4 * g + lane % 4) * 8;  // this lane's 8 columns after the turn: tile 4 g + lane % 4
+      const bool in_width = col < head_dim;
+      uint32_t errors[4];  // (kErrors) tile 4 g + j's int8 pairs: row lane / 4 low, + 8 high
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        uint32_t hi[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float* pair = &o[mt][4 * g + j][2 * half];
+          const float x = empty[half] ? 0.f : pair[0] * inv[half], y = empty[half] ? 0.f : pair[1] * inv[half];
+          if constexpr (kErrors) {
+            uint16_t pair_errors;
+            split_pair<T>(x, y, hi[j], pair_errors);
+            errors[j] = half == 0 ? pair_errors : errors[j] | static_cast<uint32_t>(pair_errors) << 16;
+          } else {
+            hi[j] = MmaOp<T>::pack(x, y);
+          }
+        }
+        quad_transpose(hi, lane);
+        if (stored[half] && in_width)
+          *reinterpret_cast<uint4*>(static_cast<T*>(o_base) + at[half] + col) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+      }
+      if constexpr (kErrors) {
+        quad_transpose(errors, lane);  // errors[i]: columns 2 i, +1 of this lane's 8
+        const uint2 upper_row = make_uint2((errors[0] & 0xFFFFu) | errors[1] << 16, (errors[2] & 0xFFFFu) | errors[3] << 16);
+        const uint2 lower_row = make_uint2(errors[0] >> 16 | (errors[1] & 0xFFFF0000u),
+                                           errors[2] >> 16 | (errors[3] & 0xFFFF0000u));
+        if (stored[0] && in_width) *reinterpret_cast<uint2*>(o_error + at[0] + col) = upper_row;
+        if (stored[1] && in_width) *reinterpret_cast<uint2*>(o_error + at[1] + col) = lower_row;
+      }
+    }
+  }
 }
 
 // Writes a warp's normalised O rows and their log-sum-exp: O (for the backward, o_float32 or
@@ -39,12 +143,13 @@ __device__ __forceinline__ void store_split_pair(T* hi, int8_t* error, float x, 
 // never because of its values: a NaN sum (a NaN or inf in the inputs) gives a NaN row and lse,
 // as jax.nn does. The general kernels pass `seen` (gpu/segment_ids.cuh: with segment ids, which
 // rows the masks left some key; all of them without); the rows it lacks are empty too.
+// vector_stores (FwdParams::o_vector_stores): 16-bit rows by store_output_vectors where they fit.
 // OTile (not void): the 16-bit O rows go to the block's GmmaTile at o_tile (its row r the
 // block's row r) for a TMA store (sm90/tma.cuh tma_store_rows) instead of to o; plain calls only
 // (neither o_float32 nor o_error).
 template <typename T, int kMTiles, int kDTiles, typename OTile = void>
-__device__ __forceinline__ void store_output(void* o_base, bool o_float32, int8_t* o_error, int64_t offset,
-                                             int64_t row_stride,
+__device__ __forceinline__ void store_output(void* o_base, bool o_float32, int8_t* o_error, bool vector_stores,
+                                             int64_t offset, int64_t row_stride,
                                              float* lse, const float (&o)[kMTiles][kDTiles][4],
                                              const OnlineSoftmax<kMTiles>& softmax, float scale, int row0,
                                              int rows, int64_t head_dim, const MaskParams& mask, int64_t m0,
@@ -52,6 +157,17 @@ __device__ __forceinline__ void store_output(void* o_base, bool o_float32, int8_
                                              const SeenRows<kMTiles>* seen = nullptr, T* o_tile = nullptr) {
   // (`seen` is a pointer only to be optional at compile time: callers pass a local's address
   // or nothing, never a run-time choice, so that it stays in registers.)
+  if constexpr (std::is_void_v<OTile> && kDTiles % 4 == 0) {
+    if (vector_stores && !o_float32 && vector_stores_fit(o_base, o_error, offset, row_stride, head_dim)) {
+      if (o_error != nullptr)
+        store_output_vectors<true, T>(o_base, o_error, offset, row_stride, lse, o, softmax, scale, row0, rows, head_dim,
+                                      mask, m0, q_len, kv_len, lane, seen);
+      else
+        store_output_vectors<false, T>(o_base, o_error, offset, row_stride, lse, o, softmax, scale, row0, rows,
+                                       head_dim, mask, m0, q_len, kv_len, lane, seen);
+      return;
+    }
+  }
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll

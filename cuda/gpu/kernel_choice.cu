@@ -22,6 +22,7 @@ constexpr const char* kBiasLoadsVariable = "JAX_FLASH_CUDA_BIAS_LOADS";
 constexpr const char* kForwardGridVariable = "JAX_FLASH_CUDA_FWD_GRID";
 constexpr const char* kForwardRowsVariable = "JAX_FLASH_CUDA_FWD_ROWS";
 constexpr const char* kUnseenBlocksVariable = "JAX_FLASH_CUDA_FWD_UNSEEN";
+constexpr const char* kForwardStoresVariable = "JAX_FLASH_CUDA_FWD_STORES";
 
 struct Overrides {
   std::optional<KernelFamily> forward;
@@ -36,6 +37,7 @@ struct Overrides {
   std::optional<QueryTileGrid> forward_grid;  // JAX_FLASH_CUDA_FWD_GRID=measured (or unset): none
   bool end_aligned_rows = true;  // JAX_FLASH_CUDA_FWD_ROWS=start turns it off
   bool skip_unseen_blocks = true;  // JAX_FLASH_CUDA_FWD_UNSEEN=compute turns it off
+  bool vector_stores = false;  // JAX_FLASH_CUDA_FWD_STORES=vectors turns it on
   std::string error;
 };
 
@@ -135,6 +137,7 @@ Overrides read_overrides() {
   o.forward_grid = read_forward_grid(o.error);
   o.end_aligned_rows = read_switch(kForwardRowsVariable, "end", "start", o.error);
   o.skip_unseen_blocks = read_switch(kUnseenBlocksVariable, "skip", "compute", o.error);
+  o.vector_stores = !read_switch(kForwardStoresVariable, "pairs", "vectors", o.error);
   return o;
 }
 
@@ -183,6 +186,7 @@ DecodeLoads decode_loads() { return overrides().decode_loads; }
 std::optional<QueryTileGrid> forward_grid_override() { return overrides().forward_grid; }
 bool end_aligned_rows_enabled() { return overrides().end_aligned_rows; }
 bool skip_unseen_blocks_enabled() { return overrides().skip_unseen_blocks; }
+bool vector_stores_enabled() { return overrides().vector_stores; }
 bool staged_bias_enabled() { return overrides().bias_loads != BiasLoads::kDirect; }
 bool tma_bias_enabled() { return overrides().bias_loads == BiasLoads::kTma; }
 

@@ -144,7 +144,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
         for (int e = 0; e < 4; ++e) o[mt][dt][e] *= p.dropout_scale;
 
   // Epilogue: normalise, write O (zeros for rows with nothing to attend) and the log-sum-exp.
-  store_output<T>(p.o, p.o_float32, p.o_error, task.q_offset, task.q_stride, p.lse + task.stat_offset + m0, o, softmax,
+  store_output<T>(p.o, p.o_float32, p.o_error, p.o_vector_stores, task.q_offset, task.q_stride, p.lse + task.stat_offset + m0, o, softmax,
                softmax_scale, warp_m0, blk.rows, p.shape.head_dim, p.mask, m0, task.q_len, task.kv_len,
                lane, kGeneral ? &seen : nullptr);
 }

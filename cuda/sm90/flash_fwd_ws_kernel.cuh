@@ -514,7 +514,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       if (issuer) bulk_wait_read();
       named_barrier_sync(o_tile_barrier, 128);
       stamp(kFwdEventStoreSynced);
-      store_output<T, 1, kDv / 8, typename Traits::OTile>(p.o, false, nullptr, values.row_offset, values.row_stride,
+      store_output<T, 1, kDv / 8, typename Traits::OTile>(p.o, false, nullptr, false, values.row_offset, values.row_stride,
                                                           p.lse + task.stat_offset + m0, o, softmax, softmax_scale,
                                                           warp_m0, blk.rows, values.head_dim, p.mask, m0, task.q_len,
                                                           task.kv_len, lane, nullptr, smem.o);
@@ -527,7 +527,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         bulk_commit();
       }
     } else {
-      store_output<T>(p.o, p.o_float32, p.o_error, values.row_offset, values.row_stride, p.lse + task.stat_offset + m0, o,
+      store_output<T>(p.o, p.o_float32, p.o_error, p.o_vector_stores, values.row_offset, values.row_stride, p.lse + task.stat_offset + m0, o,
                       softmax, softmax_scale, warp_m0, blk.rows, values.head_dim, p.mask, m0, task.q_len,
                       task.kv_len, lane, kIds || kBlockWalk ? &seen : nullptr);
       stamp(kFwdEventStoreWritten);
