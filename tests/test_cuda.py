@@ -483,17 +483,18 @@ def test_forward_direct_store_on_hopper():
 
 
 @pytest.mark.parametrize("forward", ["sm90ws", "sm80"])
-def test_forward_vector_stores_on_cuda(forward):
-  """With JAX_FLASH_CUDA_FWD_STORES=vectors (experimental, session 52) the forwards store 16-bit O
-  rows from registers, and a differentiated call's rounding errors, 8 columns a lane at once
-  after a quad's shuffles, where the rows allow (gpu/epilogue.cuh store_output_vectors; head
-  dims that are not a multiple of 8, 111 among the cases, keep the pair stores): the reference
-  cases, the deterministic and forward-only ones, the forward's own split of o bit for bit
-  against the float32 o it writes by pairs, the NaN rules and unwritten elements, the CUDA-graph
-  capture and the training step pass, on the Hopper kernels and on the mma.sync ones."""
+def test_forward_pair_stores_on_cuda(forward):
+  """By default (since session 52) the forwards store 16-bit O rows from registers, and a
+  differentiated call's rounding errors, 8 columns a lane at once after a quad's shuffles where
+  the rows allow (gpu/epilogue.cuh store_output_vectors; head dims that are not a multiple of 8,
+  111 among the cases, take the pair stores anyway). With JAX_FLASH_CUDA_FWD_STORES=pairs every
+  row takes the pair stores, as before: the reference cases, the deterministic and forward-only
+  ones, the forward's own split of o bit for bit against the float32 o, the NaN rules and
+  unwritten elements, the CUDA-graph capture and the training step pass, on the Hopper kernels
+  and on the mma.sync ones."""
   if forward == "sm90ws" and not _on_hopper():
     pytest.skip("the Hopper kernels run on compute capability 9.x only")
-  env = {"JAX_FLASH_CUDA_FWD_STORES": "vectors", "JAX_FLASH_CUDA_FORWARD": forward}
+  env = {"JAX_FLASH_CUDA_FWD_STORES": "pairs", "JAX_FLASH_CUDA_FORWARD": forward}
   result = _run_in_subprocess(
       env, "-k",
       "test_cuda_matches_reference or test_deterministic_matches_reference or test_forward_only_matches_reference "

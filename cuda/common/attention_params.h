@@ -183,8 +183,8 @@ struct FwdParams : AttentionParams {
   // The Hopper forward's tile counter (CUDA; its persistent grid takes tiles from it: the
   // scheduler workspace, an output of the custom call, zeroed by the launch).
   int* tile_counter = nullptr;
-  // The CUDA forwards' 16-bit O rows stored 8 columns a lane at once where they fit (experimental:
-  // JAX_FLASH_CUDA_FWD_STORES=vectors; gpu/epilogue.cuh store_output_vectors).
+  // The CUDA forwards' 16-bit O rows stored 8 columns a lane at once where they fit (the default;
+  // JAX_FLASH_CUDA_FWD_STORES=pairs: 4 bytes a pair; gpu/epilogue.cuh store_output_vectors).
   bool o_vector_stores = false;
 };
 

@@ -37,7 +37,7 @@ struct Overrides {
   std::optional<QueryTileGrid> forward_grid;  // JAX_FLASH_CUDA_FWD_GRID=measured (or unset): none
   bool end_aligned_rows = true;  // JAX_FLASH_CUDA_FWD_ROWS=start turns it off
   bool skip_unseen_blocks = true;  // JAX_FLASH_CUDA_FWD_UNSEEN=compute turns it off
-  bool vector_stores = false;  // JAX_FLASH_CUDA_FWD_STORES=vectors turns it on
+  bool vector_stores = true;  // JAX_FLASH_CUDA_FWD_STORES=pairs turns it off
   std::string error;
 };
 
@@ -137,7 +137,7 @@ Overrides read_overrides() {
   o.forward_grid = read_forward_grid(o.error);
   o.end_aligned_rows = read_switch(kForwardRowsVariable, "end", "start", o.error);
   o.skip_unseen_blocks = read_switch(kUnseenBlocksVariable, "skip", "compute", o.error);
-  o.vector_stores = !read_switch(kForwardStoresVariable, "pairs", "vectors", o.error);
+  o.vector_stores = read_switch(kForwardStoresVariable, "vectors", "pairs", o.error);
   return o;
 }
 

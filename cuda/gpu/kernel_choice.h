@@ -110,15 +110,15 @@
 //                             Only the 192-row tiles' kernels (head dims up to 64) have the skip
 //                             since session 50 (Sm90FwdWsTraits::kSkipsUnseenBlocks): its code
 //                             cost the others 7-20% even when off.
-//   JAX_FLASH_CUDA_FWD_STORES = pairs | vectors (default: pairs; vectors experimental, session 52,
-//                             not yet run on a GPU): how a forward stores O from registers (the
-//                             differentiated forwards at every head dim, the plain ones where no
-//                             TMA store runs: head dims 96, 192, 256 and the mma.sync kernels;
-//                             gpu/epilogue.cuh): each lane its pairs of columns, 4 bytes a store,
-//                             or 8 adjacent columns (16 bytes, and 8 of o_error) after a quad's
-//                             shuffles, where the rows are aligned for it (store_output_vectors).
-//                             Head dim 256's pair stores took ~14,000 cycles a tile on an H200
-//                             (PERF_NOTES v50).
+//   JAX_FLASH_CUDA_FWD_STORES = vectors | pairs (default: vectors since session 52): how a forward
+//                             stores O from registers (the differentiated forwards at every head
+//                             dim, the plain ones where no TMA store runs: head dims 96, 192, 256
+//                             and the mma.sync kernels; gpu/epilogue.cuh): 8 adjacent columns a
+//                             lane (16 bytes, and 8 of o_error) after a quad's shuffles, where the
+//                             rows are aligned for it (store_output_vectors), or each lane its
+//                             pairs of columns, 4 bytes a store, as before. On an H100 (session
+//                             52) vectors ran head dim 256's forward 12-35% faster at seq
+//                             1024-2048, head dim 128's fwd+bwd up to 9% at seq 1024.
 //   JAX_FLASH_CUDA_NARROW = split | off (default: split since session 19, whose differential run
 //                           of 2000 configurations gave 0 misses under it): narrow plain calls
 //                           (narrow_shape below) run the mma.sync kernels with P and dS as hi +
@@ -187,7 +187,7 @@ bool end_aligned_rows_enabled();
 // FwdTmaParams::skip_unseen_blocks).
 bool skip_unseen_blocks_enabled();
 // Whether the forwards store 16-bit O rows (and their rounding errors) from registers 8 columns
-// a lane at once (JAX_FLASH_CUDA_FWD_STORES=vectors; FwdParams::o_vector_stores).
+// a lane at once (unless JAX_FLASH_CUDA_FWD_STORES=pairs; FwdParams::o_vector_stores).
 bool vector_stores_enabled();
 // Whether the Hopper kernels stage a 16-bit bias array's tiles through shared memory where they
 // can (unless JAX_FLASH_CUDA_BIAS_LOADS=direct), and whether they copy them by TMA where it can

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Session 52's plan, call A (written, not run: no GPU was lent in session 52). The forward's
+# Session 52, call A (run on an H100: README.md beside this folder). The forward's
 # 16-byte O stores (JAX_FLASH_CUDA_FWD_STORES=vectors, gpu/epilogue.cuh store_output_vectors)
-# against the pair stores of the same modules (`pairs`, the default) and against the modules of
+# against the pair stores of the same modules (`pairs`, the default then) and against the modules of
 # before the switch (build/baseline: session 50's, the epilogue as it was; whether the switch's
 # code costs the default anything), each in its own process with cuDNN: head dim 256 (the plain
 # forward stores O from registers; ~14,000 cycles a tile, v50) and 128 (the differentiated
