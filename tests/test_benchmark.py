@@ -680,9 +680,6 @@ def test_cli_refused_segment_ids_are_unavailable(monkeypatch, capsys):
     return original(*args, **kwargs)
 
   monkeypatch.setattr(jax_flash, "dot_product_attention", refusing)
-  # Medians of 5 (not PACKED_CPU_RUN's single timing): the separate bwd row is fwd+bwd minus fwd,
-  # and CI's loaded 2 cores once timed one fwd+bwd of 0.37 ms under one fwd of 0.49 ms ("fails":
-  # no backward time to derive).
   assert benchmark.main([*PACKED_CPU_RUN, "--seqs", "128", "--reps", "5", "--skip", "xla", "torch"]) == 0
   out = capsys.readouterr().out
   lines = out.splitlines()
@@ -691,7 +688,15 @@ def test_cli_refused_segment_ids_are_unavailable(monkeypatch, capsys):
   # The whole output in each message: its notes say why a cell is not a rate (CI once saw the
   # separate rows fail, and only this would have said why).
   assert all(row["jax_flash GFLOP/s"] == "unavailable" for row in rows), out
-  assert all(row["jax_flash_separate GFLOP/s"] not in ("unavailable", "fails") for row in rows), out
+  # The separate rows ran: fwd and fwd+bwd are rates. The bwd row is fwd+bwd minus fwd, and at
+  # this size a loaded CI machine has timed fwd+bwd under fwd even as medians of 5 (0.20 ms
+  # against 0.24 ms), so it may be "fails", but only for that reason.
+  measured = {row["pass"]: row["jax_flash_separate GFLOP/s"] for row in rows}
+  assert all(measured[p] not in ("unavailable", "fails", "-") for p in ("fwd", "fwd+bwd")), out
+  assert measured["bwd"] != "unavailable", out
+  if measured["bwd"] == "fails":
+    assert ("- jax_flash_separate fails: fwd+bwd no slower than fwd: no backward time to "
+            "derive") in lines, out
   assert all(row["packed/separate time"] == "-" for row in rows), out
   assert ("- jax_flash unavailable: NotImplementedError: 'cuda' takes no segment ids yet "
           "(test)") in lines, out
