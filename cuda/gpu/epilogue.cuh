@@ -65,6 +65,41 @@ __device__ __forceinline__ bool vector_stores_fit(const void* o_base, const int8
          reinterpret_cast<uintptr_t>(o_base) % 16 == 0 && reinterpret_cast<uintptr_t>(o_error) % 8 == 0;
 }
 
+// One of a thread's two rows of 16-row tile mt (lane / 4 + 8 half): where it goes, whether it is
+// stored (inside the block's rows and at or after query 0: rows before 0 are an end-aligned
+// tile's padding), whether the masks left it empty, and what normalises it (the sum of the
+// 16-bit P when by_rounded_sum). Every lane forms it, stored or not: the sums and
+// SeenRows::any are quad shuffles.
+struct OutputRow {
+  int row;  // of the block
+  bool stored;
+  bool empty;
+  float inv;  // 0 when empty
+  float lse;  // kEmptyRowLse when empty
+
+  // The row's log-sum-exp, by one lane of the quad.
+  __device__ __forceinline__ void store_lse(float* lse_rows, int lane) const {
+    if (lane % 4 == 0 && stored) lse_rows[row] = lse;
+  }
+};
+
+template <int kMTiles>
+__device__ __forceinline__ OutputRow output_row(const OnlineSoftmax<kMTiles>& softmax, int mt, int half,
+                                                bool by_rounded_sum, float scale, int row0, int rows,
+                                                const MaskParams& mask, int64_t m0, int64_t q_len, int64_t kv_len,
+                                                int lane, const SeenRows<kMTiles>* seen) {
+  OutputRow r;
+  r.row = row0 + mt * 16 + half * 8 + lane / 4;
+  const float sum = quad_sum(softmax.sum[mt][half]);
+  const float sum_rounded = quad_sum(softmax.sum_rounded[mt][half]);
+  const bool unseen = seen != nullptr && !seen->any(mt, half);
+  r.stored = r.row < rows && m0 + r.row >= 0;
+  r.empty = unseen || key_range(mask, m0 + r.row, q_len, kv_len).empty();
+  r.inv = r.empty ? 0.f : 1.f / (by_rounded_sum ? sum_rounded : sum);
+  r.lse = r.empty ? kEmptyRowLse : softmax.lse_of(mt, half, sum, scale);
+  return r;
+}
+
 // store_output's 16-bit rows (kErrors: with their rounding errors at o_error) with each lane
 // storing 8 adjacent columns at once (quad_transpose): a quarter of the store instructions, each
 // a row's whole 32-byte sectors, and no branch per element (the default since session 52; head
@@ -82,21 +117,13 @@ __device__ __forceinline__ void store_output_vectors(void* o_base, int8_t* o_err
   static_assert(kDTiles % 4 == 0, "a quad turns over four 8-column tiles at a time");
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) {
-    // This thread's rows lane / 4 (half 0) and + 8 (half 1) of the 16-row tile.
-    bool stored[2], empty[2];
-    float inv[2];
+    OutputRow r[2];
     int64_t at[2];  // element of o (and o_error) of the row's column 0
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int row = row0 + mt * 16 + half * 8 + lane / 4;
-      const float sum = quad_sum(softmax.sum[mt][half]);
-      const float sum_rounded = quad_sum(softmax.sum_rounded[mt][half]);
-      const bool unseen = seen != nullptr && !seen->any(mt, half);
-      stored[half] = row < rows && m0 + row >= 0;  // (rows before 0: an end-aligned tile's padding)
-      empty[half] = unseen || key_range(mask, m0 + row, q_len, kv_len).empty();
-      inv[half] = empty[half] ? 0.f : 1.f / (kErrors ? sum_rounded : sum);
-      at[half] = offset + row * row_stride;
-      if (lane % 4 == 0 && stored[half]) lse[row] = empty[half] ? kEmptyRowLse : softmax.lse_of(mt, half, sum, scale);
+      r[half] = output_row(softmax, mt, half, kErrors, scale, row0, rows, mask, m0, q_len, kv_len, lane, seen);
+      at[half] = offset + r[half].row * row_stride;
+      r[half].store_lse(lse, lane);
     }
 #pragma unroll
     for (int g = 0; g < kDTiles / 4; ++g) {
@@ -109,7 +136,8 @@ __device__ __forceinline__ void store_output_vectors(void* o_base, int8_t* o_err
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const float* pair = &o[mt][4 * g + j][2 * half];
-          const float x = empty[half] ? 0.f : pair[0] * inv[half], y = empty[half] ? 0.f : pair[1] * inv[half];
+          const float x = r[half].empty ? 0.f : pair[0] * r[half].inv;
+          const float y = r[half].empty ? 0.f : pair[1] * r[half].inv;
           if constexpr (kErrors) {
             uint16_t pair_errors;
             split_pair<T>(x, y, hi[j], pair_errors);
@@ -119,7 +147,7 @@ __device__ __forceinline__ void store_output_vectors(void* o_base, int8_t* o_err
           }
         }
         quad_transpose(hi, lane);
-        if (stored[half] && in_width)
+        if (r[half].stored && in_width)
           *reinterpret_cast<uint4*>(static_cast<T*>(o_base) + at[half] + col) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
       }
       if constexpr (kErrors) {
@@ -127,8 +155,8 @@ __device__ __forceinline__ void store_output_vectors(void* o_base, int8_t* o_err
         const uint2 upper_row = make_uint2((errors[0] & 0xFFFFu) | errors[1] << 16, (errors[2] & 0xFFFFu) | errors[3] << 16);
         const uint2 lower_row = make_uint2(errors[0] >> 16 | (errors[1] & 0xFFFF0000u),
                                            errors[2] >> 16 | (errors[3] & 0xFFFF0000u));
-        if (stored[0] && in_width) *reinterpret_cast<uint2*>(o_error + at[0] + col) = upper_row;
-        if (stored[1] && in_width) *reinterpret_cast<uint2*>(o_error + at[1] + col) = lower_row;
+        if (r[0].stored && in_width) *reinterpret_cast<uint2*>(o_error + at[0] + col) = upper_row;
+        if (r[1].stored && in_width) *reinterpret_cast<uint2*>(o_error + at[1] + col) = lower_row;
       }
     }
   }
@@ -173,34 +201,29 @@ __device__ __forceinline__ void store_output(void* o_base, bool o_float32, int8_
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int row = row0 + mt * 16 + half * 8 + lane / 4;
-      const float sum = quad_sum(softmax.sum[mt][half]);
-      const float sum_rounded = quad_sum(softmax.sum_rounded[mt][half]);
-      bool unseen = false;
-      if (seen) unseen = !seen->any(mt, half);
-      if (row >= rows || m0 + row < 0) continue;  // (rows before 0: an end-aligned tile's padding)
-      const bool empty = unseen || key_range(mask, m0 + row, q_len, kv_len).empty();
-      const float inv = empty ? 0.f : 1.f / (o_float32 || o_error ? sum_rounded : sum);
+      const OutputRow r =
+          output_row(softmax, mt, half, o_float32 || o_error, scale, row0, rows, mask, m0, q_len, kv_len, lane, seen);
+      if (!r.stored) continue;
 #pragma unroll
       for (int dt = 0; dt < kDTiles; ++dt) {
         const int col = dt * 8 + (lane % 4) * 2;
         if (col >= head_dim) continue;
-        const float x = o[mt][dt][2 * half] * inv, y = o[mt][dt][2 * half + 1] * inv;
+        const float x = o[mt][dt][2 * half] * r.inv, y = o[mt][dt][2 * half + 1] * r.inv;
         if constexpr (!std::is_void_v<OTile>) {
-          *reinterpret_cast<uint32_t*>(o_tile + OTile::offset(row, dt) + (lane % 4) * 2) =
-              empty ? 0u : MmaOp<T>::pack(x, y);
+          *reinterpret_cast<uint32_t*>(o_tile + OTile::offset(r.row, dt) + (lane % 4) * 2) =
+              r.empty ? 0u : MmaOp<T>::pack(x, y);
           continue;
         }
-        const int64_t at = offset + row * row_stride + col;
+        const int64_t at = offset + r.row * row_stride + col;
         if (o_float32)
-          *reinterpret_cast<float2*>(static_cast<float*>(o_base) + at) = empty ? make_float2(0.f, 0.f)
-                                                                               : make_float2(x, y);
+          *reinterpret_cast<float2*>(static_cast<float*>(o_base) + at) =
+              r.empty ? make_float2(0.f, 0.f) : make_float2(x, y);
         else if (o_error == nullptr)
-          *reinterpret_cast<uint32_t*>(static_cast<T*>(o_base) + at) = empty ? 0u : MmaOp<T>::pack(x, y);
+          *reinterpret_cast<uint32_t*>(static_cast<T*>(o_base) + at) = r.empty ? 0u : MmaOp<T>::pack(x, y);
         else
-          store_split_pair<T>(static_cast<T*>(o_base) + at, o_error + at, empty ? 0.f : x, empty ? 0.f : y);
+          store_split_pair<T>(static_cast<T*>(o_base) + at, o_error + at, r.empty ? 0.f : x, r.empty ? 0.f : y);
       }
-      if (lane % 4 == 0) lse[row] = empty ? kEmptyRowLse : softmax.lse_of(mt, half, sum, scale);
+      r.store_lse(lse, lane);
     }
 }
 
