@@ -23,6 +23,11 @@ start) for every score of a row; the slice's lse is moved by slope times that, a
 for its backward kernel (jax_flash._reference.alibi_lse_shift). The offset is traced (the
 query slice's start depends on the device), so the plans, and the switch, are unchanged.
 
+jax.nn's bias and mask arrays (jax_flash._logit_rows): each device holds its query rows' with
+every key's column (B|1, N|1, L|1, S|1); nothing is gathered. A slice's kernel takes its rows
+and the columns of its key range; its bias gradient goes to the same columns of the slice's
+rows (the keys outside the range get none: the masks hide them).
+
 Block masks (one bool per 128 x 128 block, jax_flash.BLOCK_MASK_BLOCK): each device holds the
 block rows of its queries, with every key block's column in the sequence's order (B, N, L/128,
 S/128);
@@ -43,6 +48,7 @@ import jax.numpy as jnp
 from jax_flash import _ops
 from jax_flash._block_sparse import BLOCK_MASK_BLOCK
 from jax_flash._chunks import from_layout_order, to_layout_order
+from jax_flash._logit_rows import LogitRows
 from jax_flash._reference import EMPTY_ROW_LSE, alibi_lse_shift
 from jax_flash._ring import _varying_like
 
@@ -117,46 +123,61 @@ def _blocks_for(plan: _Slice, blocks):
   return blocks[..., plan.start // block_k:-(-plan.stop // block_k)]
 
 
+def _logits_for(plan: _Slice, logits: LogitRows | None) -> LogitRows | None:
+  """The kernel's bias and mask of a slice: its rows, cut to the key range's columns."""
+  return None if logits is None else logits.cut(plan.start, plan.stop - plan.start)
+
+
 def _local_kv_lens(kv_lens, plan: _Slice):
   return jnp.clip(kv_lens - plan.start, 0, plan.stop - plan.start).astype(jnp.int32)
 
 
-def _slice_fwd(plan: _Slice, q, k, v, q_lens, kv_lens, alibi=None, ids=None, blocks=None):
+def _slice_fwd(plan: _Slice, q, k, v, q_lens, kv_lens, alibi=None, ids=None, blocks=None,
+               logits=None):
   """(o float32, lse) of one query slice (q_lens local to it) against the gathered K/V;
   `alibi`: None or (slopes (B, N), the slice's first global query row); `ids`: None or
   (the slice's query ids, the gathered key ids); `blocks`: None or the block mask of its rows
-  (B, N, rows / 128, S / 128)."""
+  (B, N, rows / 128, S / 128); `logits`: None or the bias and mask of its rows (LogitRows)."""
   if plan.stop == plan.start:  # nothing visible: every row empty
     batch, rows, heads, _ = q.shape
     return (_varying_like(jnp.zeros((batch, rows, heads, v.shape[-1]), jnp.float32), q),
             _varying_like(jnp.full((batch, heads, rows), EMPTY_ROW_LSE, jnp.float32), q))
+  arrays = {} if logits is None else _logits_for(plan, logits).kernel_arrays()
   o, lse = _ops.flash_fwd(q, k[:, plan.start:plan.stop], v[:, plan.start:plan.stop], q_lens,
                           _local_kv_lens(kv_lens, plan), plan.config, _ids_for(plan, ids),
-                          None if alibi is None else alibi[0], _blocks_for(plan, blocks))
+                          None if alibi is None else alibi[0], _blocks_for(plan, blocks),
+                          **arrays)
   if alibi is not None:
     lse = alibi_lse_shift(lse, alibi[0], plan.start - alibi[1])
   return _varying_like(o.astype(jnp.float32), q), _varying_like(lse, q)
 
 
 def _slice_bwd(plan: _Slice, q, k, v, o, lse, d_o, q_lens, kv_lens, alibi=None, ids=None,
-               blocks=None):
-  """(dq, dk float32, dv float32) of _slice_fwd, dK/dV over the whole gathered sequence."""
+               blocks=None, logits=None):
+  """(dq, dk float32, dv float32, dbias) of _slice_fwd, dK/dV over the whole gathered sequence;
+  dbias float32 over the slice's bias rows and every key's column where `logits` asks for it,
+  else None."""
   dk = jnp.zeros(k.shape, jnp.float32)
   dv = jnp.zeros(v.shape, jnp.float32)
+  dbias = None if logits is None else logits.zero_dbias()
   if plan.stop == plan.start:
     return (_varying_like(jnp.zeros(q.shape, q.dtype), q), _varying_like(dk, k),
-            _varying_like(dv, v))
+            _varying_like(dv, v), None if dbias is None else _varying_like(dbias, q))
   slopes = None
   if alibi is not None:  # the lse the slice's kernel formed its scores against
     slopes = alibi[0]
     lse = alibi_lse_shift(lse, slopes, plan.start - alibi[1], sign=-1)
-  dq, dk_part, dv_part = _ops.flash_bwd(
+  arrays = {} if logits is None else _logits_for(plan, logits).kernel_arrays(backward=True)
+  grads = _ops.flash_bwd(
       q, k[:, plan.start:plan.stop], v[:, plan.start:plan.stop], o, lse, d_o, q_lens,
       _local_kv_lens(kv_lens, plan), plan.config, _ids_for(plan, ids), None, slopes,
-      _blocks_for(plan, blocks))
+      _blocks_for(plan, blocks), None, dbias=dbias is not None, **arrays)
+  dq, dk_part, dv_part = grads[:3]
   dk = dk.at[:, plan.start:plan.stop].set(dk_part.astype(jnp.float32))
   dv = dv.at[:, plan.start:plan.stop].set(dv_part.astype(jnp.float32))
-  return _varying_like(dq, q), _varying_like(dk, k), _varying_like(dv, v)
+  if dbias is not None:
+    dbias = _varying_like(logits.add_dbias(dbias, grads[3], 0, plan.start), q)
+  return _varying_like(dq, q), _varying_like(dk, k), _varying_like(dv, v), dbias
 
 
 def _by_rank(rank, plans: list[_Slice], fn, *args):
@@ -193,13 +214,13 @@ def _id_pair(q_ids_c, kv_ids):
 
 def all_gather_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=None, *,
                    axis_name, layout: str, kv_layout: str | None = None, alibi_slopes=None,
-                   block_mask=None):
+                   block_mask=None, logits: LogitRows | None = None):
   """(o, lse) over a sequence sharded along `axis_name`, with _ops.flash_fwd's arguments and
   results (this device's query slices in `layout`, its K/V slices in `kv_layout`, by default
   the same, the segment ids with them; q_lens and kv_lens global; the ALiBi slopes (B, N) of
   this device's heads; the block mask (B, N, L / 128, S / 128) of its query rows, in `layout`,
-  every key block in the sequence's order: see block_aligned). Inside shard_map or a
-  partitioned lowering."""
+  every key block in the sequence's order: see block_aligned; the bias and mask rows of its
+  queries likewise, `logits`). Inside shard_map or a partitioned lowering."""
   num = jax.lax.axis_size(axis_name)
   rank = jax.lax.axis_index(axis_name)
   q_ids, kv_ids = segment_ids if segment_ids is not None else (None, None)
@@ -208,12 +229,14 @@ def all_gather_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_
   rows = q.shape[1] // parts
   q_id_cs = _split_rows(q_ids, parts, 1) if q_ids is not None else [None] * parts
   block_cs = _split_rows(block_mask, parts, 2) if block_mask is not None else [None] * parts
+  logit_cs = [None] * parts if logits is None else logits.chunks(parts)
   outs, lses = [], []
-  for q_c, q_id_c, blocks_c, (plans, q_lens_c, first_row) in zip(
-      _split_rows(q, parts, 1), q_id_cs, block_cs,
+  for q_c, q_id_c, blocks_c, logits_c, (plans, q_lens_c, first_row) in zip(
+      _split_rows(q, parts, 1), q_id_cs, block_cs, logit_cs,
       _slices(config, num, layout, rows, k.shape[1], rank, q_lens)):
     o, lse = _by_rank(rank, plans, _slice_fwd, q_c, k, v, q_lens_c, kv_lens,
-                      _alibi_arg(alibi_slopes, first_row), _id_pair(q_id_c, kv_ids), blocks_c)
+                      _alibi_arg(alibi_slopes, first_row), _id_pair(q_id_c, kv_ids), blocks_c,
+                      logits_c)
     outs.append(o)
     lses.append(lse)
   out = jnp.concatenate(outs, axis=1).astype(jnp.float32 if config.o_float32 else q.dtype)
@@ -222,8 +245,10 @@ def all_gather_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_
 
 def all_gather_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelConfig,
                    segment_ids=None, *, axis_name, layout: str, kv_layout: str | None = None,
-                   alibi_slopes=None, block_mask=None):
-  """(dq, dk, dv) of all_gather_fwd, with _ops.flash_bwd's arguments and results."""
+                   alibi_slopes=None, block_mask=None, logits: LogitRows | None = None):
+  """(dq, dk, dv) of all_gather_fwd, with _ops.flash_bwd's arguments and results; where
+  `logits` asks for the bias's gradient, (dq, dk, dv, dbias), dbias float32 over this device's
+  bias rows."""
   num = jax.lax.axis_size(axis_name)
   rank = jax.lax.axis_index(axis_name)
   kv_layout = kv_layout or layout
@@ -236,17 +261,24 @@ def all_gather_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelCon
   dv = jnp.zeros(v_all.shape, jnp.float32)
   q_id_cs = _split_rows(q_ids, parts, 1) if q_ids is not None else [None] * parts
   block_cs = _split_rows(block_mask, parts, 2) if block_mask is not None else [None] * parts
+  logit_cs = [None] * parts if logits is None else logits.chunks(parts)
+  dbias = None if logits is None else logits.zero_dbias()
   chunks = zip(_split_rows(q, parts, 1), _split_rows(o, parts, 1), _split_rows(lse, parts, 2),
-               _split_rows(d_o, parts, 1), q_id_cs, block_cs,
+               _split_rows(d_o, parts, 1), q_id_cs, block_cs, logit_cs,
                _slices(config, num, layout, rows, k_all.shape[1], rank, q_lens))
-  for q_c, o_c, lse_c, do_c, q_id_c, blocks_c, (plans, q_lens_c, first_row) in chunks:
-    dq_c, dk_c, dv_c = _by_rank(rank, plans, _slice_bwd, q_c, k_all, v_all, o_c, lse_c, do_c,
-                                q_lens_c, kv_lens, _alibi_arg(alibi_slopes, first_row),
-                                _id_pair(q_id_c, kv_ids), blocks_c)
+  for c, (q_c, o_c, lse_c, do_c, q_id_c, blocks_c, logits_c, (plans, q_lens_c, first_row)) in (
+      enumerate(chunks)):
+    dq_c, dk_c, dv_c, dbias_c = _by_rank(rank, plans, _slice_bwd, q_c, k_all, v_all, o_c, lse_c,
+                                         do_c, q_lens_c, kv_lens,
+                                         _alibi_arg(alibi_slopes, first_row),
+                                         _id_pair(q_id_c, kv_ids), blocks_c, logits_c)
     dqs.append(dq_c)
     dk, dv = dk + dk_c, dv + dv_c
+    if dbias is not None:
+      dbias = logits.add_dbias(dbias, dbias_c, c * rows, 0)
   # Back into the layout the devices hold the sequence in, then each device's slice summed.
   dk, dv = (jax.lax.psum_scatter(to_layout_order(x, 1, num, kv_layout), axis_name,
                                  scatter_dimension=1, tiled=True) for x in (dk, dv))
-  return (_varying_like(jnp.concatenate(dqs, axis=1).astype(q.dtype), q),
-          _varying_like(dk.astype(k.dtype), k), _varying_like(dv.astype(v.dtype), v))
+  grads = (_varying_like(jnp.concatenate(dqs, axis=1).astype(q.dtype), q),
+           _varying_like(dk.astype(k.dtype), k), _varying_like(dv.astype(v.dtype), v))
+  return grads if dbias is None else (*grads, dbias)

@@ -42,6 +42,13 @@ moved with them by the zig-zag relayout; the ring passes the key-side ids around
 all-gather gathers them with K/V, the all-to-all gathers both sides' ids whole (they are per
 position, not per head) by all-to-all.
 
+jax.nn's bias and mask arrays ((B|1, N|1, T|1, S|1)) go with the ring and the all-gather under
+jax.jit: each device holds the rows of its own queries (sharded and moved by the zig-zag
+relayout like them, where the array has the query dim) with every key's column
+(jax_flash._logit_rows); nothing travels, and the bias's gradient comes back in the same rows.
+The all-to-all does not carry them yet (the automatic choice passes it over; asking for it
+raises).
+
 Block masks (block-sparse attention: one bool per 128 x 128 block, jax_flash.BLOCK_MASK_BLOCK)
 go with every strategy where the shards are whole blocks: each device holds the block rows of its
 own queries (sharded and moved by the zig-zag relayout like the queries), with every key block's
@@ -64,6 +71,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_flash import _all_gather, _all_to_all, _dispatch, _ops, _ring, _validation
+from jax_flash._logit_rows import LogitRows
 from jax_flash._block_sparse import BLOCK_MASK_BLOCK
 from jax_flash._chunks import contiguous_to_zigzag, zigzag_to_contiguous
 
@@ -139,16 +147,20 @@ def _zigzag_fits(name: str, num: int, seq_q: int, seq_k: int) -> bool:
 
 
 def choose(request: str | None, *, num: int, seq_q: int, seq_k: int, heads_q: int,
-           config: _ops.KernelConfig, block_mask: bool = False) -> Strategy | None:
+           config: _ops.KernelConfig, block_mask: bool = False,
+           logit_arrays: str | None = None) -> Strategy | None:
   """The strategy of a call partitioned under jax.jit (see the module docstring for the
   automatic rule). `heads_q` are the query heads on each device of the sequence axis. A
   requested strategy that cannot run raises ValueError; the automatic choice returns None
   when none can (the caller then gathers the sequence). With `block_mask` only strategies and
-  layouts that can carry it count (_block_mask_problem)."""
+  layouts that can carry it count (_block_mask_problem); with `logit_arrays` (the bias and
+  mask arrays' names) only the ring and the all-gather."""
   check_request(request)
   facts = dict(num=num, seq_q=seq_q, seq_k=seq_k, heads_q=heads_q, config=config)
 
   def problem(name: str, layout: str = "contiguous") -> str | None:
+    if logit_arrays and name == "all_to_all":
+      return f"all_to_all does not carry {logit_arrays} yet (use 'ring' or 'all_gather')"
     found = _why_not(name, **facts)
     if found is None and block_mask:
       found = _block_mask_problem(name, layout, num=num, seq_q=seq_q, seq_k=seq_k,
@@ -200,19 +212,27 @@ def _kv_layout(strategy: Strategy) -> str:
   return "contiguous" if strategy.relayout and not _moved(strategy, kv=True) else strategy.layout
 
 
+def _logit_options(strategy: Strategy, logits: LogitRows | None) -> dict:
+  if logits is None:
+    return {}
+  if strategy.name == "all_to_all":  # (choose never picks it for them)
+    raise ValueError("all_to_all does not carry bias and mask arrays")
+  return dict(logits=logits)
+
+
 def _run_fwd(strategy: Strategy, q, k, v, q_lens, kv_lens, config, axis_name,
-             segment_ids=None, alibi_slopes=None, block_mask=None):
+             segment_ids=None, alibi_slopes=None, block_mask=None, logits=None):
   options = dict(axis_name=axis_name, layout=strategy.layout, alibi_slopes=alibi_slopes,
-                 block_mask=block_mask)
+                 block_mask=block_mask, **_logit_options(strategy, logits))
   if strategy.name == "all_gather":
     options["kv_layout"] = _kv_layout(strategy)
   return _FORWARD[strategy.name](q, k, v, q_lens, kv_lens, config, segment_ids, **options)
 
 
 def _run_bwd(strategy: Strategy, q, k, v, o, lse, d_o, q_lens, kv_lens, config, axis_name,
-             segment_ids=None, alibi_slopes=None, block_mask=None):
+             segment_ids=None, alibi_slopes=None, block_mask=None, logits=None):
   options = dict(axis_name=axis_name, layout=strategy.layout, alibi_slopes=alibi_slopes,
-                 block_mask=block_mask)
+                 block_mask=block_mask, **_logit_options(strategy, logits))
   if strategy.name == "all_gather":
     options["kv_layout"] = _kv_layout(strategy)
   return _BACKWARD[strategy.name](q, k, v, o, lse, d_o, q_lens, kv_lens, config, segment_ids,
@@ -240,20 +260,37 @@ def _relayout_blocks(strategy: Strategy, block_mask, axis_name):
   return block_mask
 
 
+def _relayout_logits(strategy: Strategy, logits: LogitRows | None, axis_name):
+  """The bias and mask rows moved as the queries are, where they have the query dim."""
+  if logits is None or not strategy.relayout:
+    return logits
+
+  def moved(x):
+    if x is None or x.shape[2] == 1:
+      return x
+    (x,) = contiguous_to_zigzag((x,), axis_name, (2,))
+    return x
+
+  return dataclasses.replace(logits, bias=moved(logits.bias), mask=moved(logits.mask))
+
+
 def sharded_fwd(strategy: Strategy, q, k, v, q_lens, kv_lens, config: _ops.KernelConfig,
-                segment_ids=None, alibi_slopes=None, block_mask=None, *, axis_name):
+                segment_ids=None, alibi_slopes=None, block_mask=None, logits=None, *,
+                axis_name):
   """(o, lse) of `strategy` over contiguous slices (a partitioned lowering's operands; the
   segment ids None or (q_ids, kv_ids) slices; the ALiBi slopes None or (B, N), per head, never
-  moved; the block mask None or the block rows of the query slice, every key block's column):
-  moved into the strategy's layout and back where it asks for that."""
+  moved; the block mask None or the block rows of the query slice, every key block's column;
+  the bias and mask None or a LogitRows of the query slice's rows, every key's column): moved
+  into the strategy's layout and back where it asks for that."""
   if _moved(strategy, kv=True):
     q, k, v = contiguous_to_zigzag((q, k, v), axis_name, (1, 1, 1))
   elif _moved(strategy, kv=False):
     (q,) = contiguous_to_zigzag((q,), axis_name, (1,))
   segment_ids = _relayout_ids(strategy, segment_ids, axis_name)
   block_mask = _relayout_blocks(strategy, block_mask, axis_name)
+  logits = _relayout_logits(strategy, logits, axis_name)
   o, lse = _run_fwd(strategy, q, k, v, q_lens, kv_lens, config, axis_name, segment_ids,
-                    alibi_slopes, block_mask)
+                    alibi_slopes, block_mask, logits)
   if strategy.relayout:
     o, lse = zigzag_to_contiguous((o, lse), axis_name, (1, 2))
   return o, lse
@@ -261,21 +298,25 @@ def sharded_fwd(strategy: Strategy, q, k, v, q_lens, kv_lens, config: _ops.Kerne
 
 def sharded_bwd(strategy: Strategy, q, k, v, o, lse, d_o, q_lens, kv_lens,
                 config: _ops.KernelConfig, segment_ids=None, alibi_slopes=None, block_mask=None,
-                *, axis_name):
-  """(dq, dk, dv) of sharded_fwd."""
+                logits=None, *, axis_name):
+  """(dq, dk, dv) of sharded_fwd; where `logits` asks for the bias's gradient, (dq, dk, dv,
+  dbias), dbias float32 over the query slice's bias rows (contiguous again)."""
   if strategy.relayout:
     q, o, d_o, lse = contiguous_to_zigzag((q, o, d_o, lse), axis_name, (1, 1, 1, 2))
   if _moved(strategy, kv=True):
     k, v = contiguous_to_zigzag((k, v), axis_name, (1, 1))
   segment_ids = _relayout_ids(strategy, segment_ids, axis_name)
   block_mask = _relayout_blocks(strategy, block_mask, axis_name)
-  dq, dk, dv = _run_bwd(strategy, q, k, v, o, lse, d_o, q_lens, kv_lens, config, axis_name,
-                        segment_ids, alibi_slopes, block_mask)
+  logits = _relayout_logits(strategy, logits, axis_name)
+  dq, dk, dv, *dbias = _run_bwd(strategy, q, k, v, o, lse, d_o, q_lens, kv_lens, config,
+                                axis_name, segment_ids, alibi_slopes, block_mask, logits)
   if _moved(strategy, kv=True):
     dq, dk, dv = zigzag_to_contiguous((dq, dk, dv), axis_name, (1, 1, 1))
   elif strategy.relayout:
     (dq,) = zigzag_to_contiguous((dq,), axis_name, (1,))
-  return dq, dk, dv
+  if dbias and strategy.relayout and dbias[0].shape[2] != 1:
+    dbias = list(zigzag_to_contiguous((dbias[0],), axis_name, (2,)))
+  return (dq, dk, dv, *dbias)
 
 
 # ---- inside shard_map ---------------------------------------------------------------------------

@@ -24,6 +24,13 @@ runs the kernel with the local query ids and the visiting key ids. A row that se
 block gets 0 and EMPTY_ROW_LSE there, which weighs nothing in the merge, so a row with no key in
 any block ends at 0 and EMPTY_ROW_LSE as on one device.
 
+jax.nn's bias and mask arrays (jax_flash._logit_rows): each device holds its query rows' with
+every key's column (B|1, N|1, L|1, S|1); nothing travels. Each block pair takes its query
+chunk's rows and the visiting key chunk's columns, and the bias's gradient of each pair is added
+into the same place of a float32 accumulator of the device's rows (summed where a dim is
+broadcast). A row the mask empties in a block pair weighs nothing in the merge, as with segment
+ids.
+
 Block masks (block-sparse attention, one bool per 128 x 128 block, jax_flash.BLOCK_MASK_BLOCK):
 each device holds the block rows of its own queries, every key block's column, in the order of
 the whole sequence (B, N, L/128, S/128); nothing travels. Each block pair takes its query chunk's
@@ -43,6 +50,7 @@ import numpy as np
 
 from jax_flash import _ops
 from jax_flash._block_sparse import BLOCK_MASK_BLOCK
+from jax_flash._logit_rows import LogitRows
 from jax_flash._reference import EMPTY_ROW_LSE, alibi_lse_shift
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -98,26 +106,29 @@ def _varying_axes(x) -> frozenset:
   return vma if vma is not None else aval.manual_axis_type.varying
 
 
-def _block_fwd(config, relation, q, k, v, q_lens, kv_lens, ids=(), alibi=None, blocks=None):
+def _block_fwd(config, relation, q, k, v, q_lens, kv_lens, ids=(), alibi=None, blocks=None,
+               logits: LogitRows | None = None):
   """(o float32, lse) of one block pair, by its relation; `ids`: () or (q_ids, kv_ids) of the
   pair; `alibi`: None or (slopes (B, N), key chunk start - query chunk start); `blocks`: None
-  or the pair's block mask (_pair_blocks)."""
+  or the pair's block mask (_pair_blocks); `logits`: None or the pair's bias and mask."""
   diagonal, full = _configs(config)
   slopes = None if alibi is None else alibi[0]
+  arrays = {} if logits is None else logits.kernel_arrays()
 
-  def skip(q, k, v, q_lens, kv_lens, ids, slopes, blocks):
+  def skip(q, k, v, q_lens, kv_lens, ids, slopes, blocks, arrays):
     batch, seq, heads, _ = q.shape
     return (_varying_like(jnp.zeros((batch, seq, heads, v.shape[-1]), jnp.float32), q),
             _varying_like(jnp.full((batch, heads, seq), EMPTY_ROW_LSE, jnp.float32), q))
 
   def run(cfg):
-    def branch(q, k, v, q_lens, kv_lens, ids, slopes, blocks):
-      o, lse = _ops.flash_fwd(q, k, v, q_lens, kv_lens, cfg, tuple(ids) or None, slopes, blocks)
+    def branch(q, k, v, q_lens, kv_lens, ids, slopes, blocks, arrays):
+      o, lse = _ops.flash_fwd(q, k, v, q_lens, kv_lens, cfg, tuple(ids) or None, slopes, blocks,
+                              **arrays)
       return _varying_like(o.astype(jnp.float32), q), _varying_like(lse, q)
     return branch
 
   o, lse = jax.lax.switch(relation, [skip, run(diagonal), run(full)], q, k, v, q_lens, kv_lens,
-                          tuple(ids), slopes, blocks)
+                          tuple(ids), slopes, blocks, arrays)
   if alibi is not None:
     lse = alibi_lse_shift(lse, slopes, alibi[1])
   return o, lse
@@ -163,6 +174,12 @@ def _pair_blocks(rows, k_id, chunk_k: int):
   return jax.lax.dynamic_slice_in_dim(rows, k_id * columns, columns, axis=3)
 
 
+def _pair_logits(rows: LogitRows | None, k_id, chunk_k: int) -> LogitRows | None:
+  """The bias and mask of a block pair: its query chunk's `rows`, cut to the columns of key
+  chunk `k_id` (traced: the visiting chunk); None without them."""
+  return None if rows is None else rows.cut(k_id * chunk_k, chunk_k)
+
+
 def _unless_hidden(relation, blocks):
   """The pair's relation, or 0 (skip) where its block mask hides every block."""
   return relation if blocks is None else jnp.where(jnp.any(blocks), relation, 0)
@@ -174,12 +191,14 @@ def _split_blocks(block_mask, parts: int):
 
 
 def ring_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=None, *,
-             axis_name, layout: str, alibi_slopes=None, block_mask=None):
+             axis_name, layout: str, alibi_slopes=None, block_mask=None,
+             logits: LogitRows | None = None):
   """(o, lse) of the ring over `axis_name`, with _ops.flash_fwd's arguments and results (this
   device's slices in `layout`, segment ids too; q_lens and kv_lens global; the ALiBi slopes
   (B, N) of this device's heads; the block mask (B, N, L / 128, S / 128) of this device's query
-  rows, in `layout`, and every key block, in the sequence's order; each chunk whole blocks).
-  Inside shard_map or a partitioned lowering."""
+  rows, in `layout`, and every key block, in the sequence's order; each chunk whole blocks; the
+  bias and mask rows of its queries likewise, `logits`). Inside shard_map or a partitioned
+  lowering."""
   num = jax.lax.axis_size(axis_name)
   rank = jax.lax.axis_index(axis_name)
   q_ids = _chunk_ids(rank, num, layout)
@@ -191,6 +210,7 @@ def ring_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=No
   q_seg = _split_ids(segment_ids, parts)[0]
   kv_seg = None if segment_ids is None else segment_ids[1]
   block_rows = _split_blocks(block_mask, parts)
+  logit_rows = [None] * parts if logits is None else logits.chunks(parts)
   perm = [(i, (i + 1) % num) for i in range(num)]
   for step in range(num):
     src = (rank - step) % num
@@ -205,7 +225,8 @@ def ring_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=No
                                 q_c, k_c, v_c, _local_lengths(q_lens, q_id, chunk_q),
                                 _local_lengths(kv_lens, k_id, chunk_k),
                                 _pair_ids(q_seg[c], kv_seg_c),
-                                _alibi_pair(alibi_slopes, q_id, k_id, chunk_q, chunk_k), blocks)
+                                _alibi_pair(alibi_slopes, q_id, k_id, chunk_q, chunk_k), blocks,
+                                _pair_logits(logit_rows[c], k_id, chunk_k))
         outs[c], lses[c] = _merge(outs[c], lses[c], o_p, lse_p)
     if step + 1 < num:  # the key-side ids travel with their K/V slice
       if kv_seg is None:
@@ -217,32 +238,39 @@ def ring_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=No
 
 
 def _block_bwd(config, relation, q, k, v, o, lse, d_o, q_lens, kv_lens, ids=(), alibi=None,
-               blocks=None):
-  """(dq, dk, dv) of one block pair, `lse` the rows' global one; `ids`, `alibi` and `blocks` as
-  in _block_fwd."""
+               blocks=None, logits: LogitRows | None = None):
+  """(dq, dk, dv, dbias) of one block pair, `lse` the rows' global one; `ids`, `alibi`, `blocks`
+  and `logits` as in _block_fwd; dbias float32, None unless logits asks for it."""
   diagonal, full = _configs(config)
   slopes = None if alibi is None else alibi[0]
   if alibi is not None:  # the lse the block's kernel formed its scores against
     lse = alibi_lse_shift(lse, slopes, alibi[1], sign=-1)
+  arrays = {} if logits is None else logits.kernel_arrays(backward=True)
+  wants_dbias = logits is not None and logits.dbias
 
-  def skip(q, k, v, o, lse, d_o, q_lens, kv_lens, ids, slopes, blocks):
+  def skip(q, k, v, o, lse, d_o, q_lens, kv_lens, ids, slopes, blocks, arrays):
+    dbias = _varying_like(jnp.zeros(arrays["bias"].shape, jnp.float32), q) if wants_dbias else None
     return (_varying_like(jnp.zeros(q.shape, q.dtype), q), _varying_like(jnp.zeros(k.shape, k.dtype), k),
-            _varying_like(jnp.zeros(v.shape, v.dtype), v))
+            _varying_like(jnp.zeros(v.shape, v.dtype), v), dbias)
 
   def run(cfg):
-    def branch(q, k, v, o, lse, d_o, q_lens, kv_lens, ids, slopes, blocks):
-      dq, dk, dv = _ops.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, cfg, tuple(ids) or None,
-                                  None, slopes, blocks)
-      return _varying_like(dq, q), _varying_like(dk, k), _varying_like(dv, v)
+    def branch(q, k, v, o, lse, d_o, q_lens, kv_lens, ids, slopes, blocks, arrays):
+      grads = _ops.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, cfg, tuple(ids) or None,
+                             None, slopes, blocks, None, dbias=wants_dbias, **arrays)
+      dbias = _varying_like(grads[3].astype(jnp.float32), q) if wants_dbias else None
+      return _varying_like(grads[0], q), _varying_like(grads[1], k), _varying_like(grads[2], v), dbias
     return branch
 
   return jax.lax.switch(relation, [skip, run(diagonal), run(full)],
-                        q, k, v, o, lse, d_o, q_lens, kv_lens, tuple(ids), slopes, blocks)
+                        q, k, v, o, lse, d_o, q_lens, kv_lens, tuple(ids), slopes, blocks, arrays)
 
 
 def ring_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=None,
-             *, axis_name, layout: str, alibi_slopes=None, block_mask=None):
-  """(dq, dk, dv) of the ring over `axis_name`, with _ops.flash_bwd's arguments and results."""
+             *, axis_name, layout: str, alibi_slopes=None, block_mask=None,
+             logits: LogitRows | None = None):
+  """(dq, dk, dv) of the ring over `axis_name`, with _ops.flash_bwd's arguments and results;
+  where `logits` asks for the bias's gradient, (dq, dk, dv, dbias), dbias float32 over this
+  device's bias rows."""
   num = jax.lax.axis_size(axis_name)
   rank = jax.lax.axis_index(axis_name)
   q_ids = _chunk_ids(rank, num, layout)
@@ -256,6 +284,8 @@ def ring_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelConfig, s
   q_seg = _split_ids(segment_ids, parts)[0]
   kv_seg = None if segment_ids is None else segment_ids[1]
   block_rows = _split_blocks(block_mask, parts)
+  logit_rows = [None] * parts if logits is None else logits.chunks(parts)
+  dbias = None if logits is None else logits.zero_dbias()
   perm = [(i, (i + 1) % num) for i in range(num)]
   for step in range(num):
     src = (rank - step) % num
@@ -265,11 +295,14 @@ def ring_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelConfig, s
     for c, q_id in enumerate(q_ids):
       for j, (k_c, v_c, k_id) in enumerate(zip(_split(k, parts, 1), _split(v, parts, 1), k_ids)):
         blocks = _pair_blocks(block_rows[c], k_id, chunk_k)
-        dq_p, dk_p, dv_p = _block_bwd(
+        dq_p, dk_p, dv_p, dbias_p = _block_bwd(
             config, _unless_hidden(_relation(q_id, k_id, config.is_causal), blocks), qs[c], k_c,
             v_c, os_[c], lses[c], dos[c], _local_lengths(q_lens, q_id, chunk_q),
             _local_lengths(kv_lens, k_id, chunk_k), _pair_ids(q_seg[c], kv_seg_cs[j]),
-            _alibi_pair(alibi_slopes, q_id, k_id, chunk_q, chunk_k), blocks)
+            _alibi_pair(alibi_slopes, q_id, k_id, chunk_q, chunk_k), blocks,
+            _pair_logits(logit_rows[c], k_id, chunk_k))
+        if dbias is not None:
+          dbias = logits.add_dbias(dbias, dbias_p, c * chunk_q, k_id * chunk_k)
         dqs[c] = dqs[c] + dq_p.astype(jnp.float32)
         dks[j] = dks[j] + dk_p.astype(jnp.float32)
         dvs[j] = dvs[j] + dv_p.astype(jnp.float32)
@@ -283,4 +316,5 @@ def ring_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelConfig, s
     else:
       dk, dv = jax.lax.ppermute((dk, dv), axis_name, perm)
   dq = jnp.concatenate(dqs, axis=1)
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+  grads = dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+  return grads if dbias is None else (*grads, dbias)

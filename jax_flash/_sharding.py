@@ -41,9 +41,10 @@ sequence-sharded call gathers the sequence and a requested strategy raises namin
 
 jax.nn's bias and mask arrays ((B|1, N|1, T|1, S|1), the "cpu" kernel's, never broadcast
 further) come after them: a full batch dim shards with the batch and a full head dim with the
-query heads, a dim of 1 is replicated; the backward sums dbias over the mesh axes its bias is
-replicated on (psum). No context-parallel strategy carries them yet: a sequence-sharded call
-gathers the sequence and a requested strategy raises naming them.
+query heads, a full query dim with the sequence where a context-parallel strategy runs over it
+(the ring or the all-gather: jax_flash._logit_rows), a dim of 1 is replicated, and so is the
+key dim; the backward sums dbias over the mesh axes its bias is replicated on (psum). Where
+no strategy that carries them can run, a sequence-sharded call gathers the sequence.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_flash import _context_parallel, _derivatives, _ops, _rounding
+from jax_flash._logit_rows import LogitRows, logit_rows
 
 # Factors: b batch, t query positions, s key positions, n query heads, k kv heads, h the head
 # dim of q and k, e the head dim of v (and o, do, dv: MLA-style calls have e != h).
@@ -79,9 +81,12 @@ _ALIBI_RULE = ", b n"
 _BLOCKS_RULE = ", b n x y"
 # The dropout seeds (b n w): w their four words.
 _DROPOUT_RULE = ", b n w"
-# The bias and the mask: b n t s where a dim is full, a factor of their own where it is 1.
-_BIAS_FACTORS = (("b", "c"), ("n", "d"), ("t", "f"), ("s", "g"))
-_MASK_FACTORS = (("b", "i"), ("n", "j"), ("t", "l"), ("s", "m"))
+# The bias and the mask: b n t where a dim is full, a factor of their own where it is 1; the key
+# dim a factor of its own either way (each device holds every key's column of its rows, also
+# where K/V are sharded along the sequence: a shared s would have Shardy shard a (B, 1, 1, S)
+# bias's keys like K's, only for the partition to gather them back).
+_BIAS_FACTORS = (("b", "c"), ("n", "d"), ("t", "f"), ("g", "g"))
+_MASK_FACTORS = (("b", "i"), ("n", "j"), ("t", "l"), ("m", "m"))
 
 
 def _logit_factors(dims, factors) -> str:
@@ -145,9 +150,9 @@ def _plan(mesh, arg_shapes, config: _ops.KernelConfig, blocks: bool = False,
   """Read off the query's sharding: batch as it is; heads by _heads_plan; a sharded sequence
   runs the strategy _context_parallel.choose picks for the call (or the one it asks for), and
   is gathered where none can run. A block mask (`blocks`) goes only with a strategy that can
-  carry it (_context_parallel.choose). With dropout (config.dropout_rate) or bias/mask arrays
-  (`logit_arrays`: their names, for the message) no strategy runs: the sequence is gathered,
-  and a requested strategy raises."""
+  carry it (_context_parallel.choose), and so do bias/mask arrays (`logit_arrays`: their names,
+  for the messages). With dropout (config.dropout_rate) no strategy runs: the sequence is
+  gathered, and a requested strategy raises."""
   q, k = arg_shapes[0], arg_shapes[1]
   batch = _spec_entry(q.sharding, 0)
   seq = _spec_entry(q.sharding, 1)
@@ -156,7 +161,7 @@ def _plan(mesh, arg_shapes, config: _ops.KernelConfig, blocks: bool = False,
   q_heads, kv_heads = _heads_plan(mesh, q.shape, k.shape, _spec_entry(q.sharding, 2))
   strategy = None
   carried_by_none = (f"dropout (dropout_rate={config.dropout_rate!r})" if config.dropout_rate
-                     else logit_arrays)
+                     else None)
   if seq is not None and carried_by_none:
     if config.context_parallel is not None:
       raise ValueError(f"context_parallel={config.context_parallel!r} cannot run this call: no "
@@ -166,7 +171,8 @@ def _plan(mesh, arg_shapes, config: _ops.KernelConfig, blocks: bool = False,
   if seq is not None:
     strategy = _context_parallel.choose(
         config.context_parallel, num=_axis_size(mesh, seq), seq_q=q.shape[1], seq_k=k.shape[1],
-        heads_q=q.shape[2] // _axis_size(mesh, q_heads), config=config, block_mask=blocks)
+        heads_q=q.shape[2] // _axis_size(mesh, q_heads), config=config, block_mask=blocks,
+        logit_arrays=logit_arrays)
     seq = seq if strategy is not None else None
   return _Plan(batch, q_heads, kv_heads, seq, strategy)
 
@@ -234,9 +240,15 @@ class _Extras:
   @staticmethod
   def logit_sharding(mesh, plan: _Plan, dims):
     """A bias's or mask's sharding: its full batch dim with the batch, its full head dim with
-    the query heads, the rest replicated."""
+    the query heads, its full query dim with the sequence (where a strategy runs over it), the
+    rest replicated."""
     return NamedSharding(mesh, P(plan.batch if dims[0] else None,
-                                 plan.q_heads if dims[1] else None, None, None))
+                                 plan.q_heads if dims[1] else None,
+                                 plan.seq if dims[2] else None, None))
+
+  def logit_rows(self, rest) -> LogitRows | None:
+    """The bias and mask among the operands as a strategy takes them (None without)."""
+    return logit_rows(self.bias_array(rest), self.mask_array(rest), self.dbias)
 
   def shardings(self, mesh, plan: _Plan, q_rows) -> tuple:
     """Their shardings: o_error like q; the ids with the batch (and the sequence where a
@@ -280,7 +292,7 @@ def _fwd_op(extras: _Extras):
         whole = dataclasses.replace(config, o_split=False, o_float32=True) if split else config
         o, lse = _context_parallel.sharded_fwd(plan.strategy, q, k, v, q_lens, kv_lens, whole,
                                                ids, alibi, extras.block_mask(rest),
-                                               axis_name=plan.seq)
+                                               extras.logit_rows(rest), axis_name=plan.seq)
         if not split:
           return o, lse
         o, o_error = _rounding.split_rounding(o, q.dtype)
@@ -326,11 +338,10 @@ def _bwd_op(extras: _Extras):
         o_error, ids, alibi = extras.split(rest)
         if o_error is not None:  # the strategies take o whole, in float32
           o = _rounding.join_rounding(o, o_error)
-        dq, dk, dv = _context_parallel.sharded_bwd(plan.strategy, q, k, v, o, lse, d_o, q_lens,
-                                                   kv_lens, config, ids, alibi,
-                                                   extras.block_mask(rest),
-                                                   axis_name=plan.seq)
-        dbias = None  # (a bias never runs a strategy: _plan gathers the sequence)
+        dq, dk, dv, *dbias = _context_parallel.sharded_bwd(
+            plan.strategy, q, k, v, o, lse, d_o, q_lens, kv_lens, config, ids, alibi,
+            extras.block_mask(rest), extras.logit_rows(rest), axis_name=plan.seq)
+        dbias = dbias[0] if dbias else None  # float32: cast below, once summed
       else:
         grads = impl(q, k, v, o, lse, d_o, q_lens, kv_lens, *rest, config)
         (dq, dk, dv), dbias = grads[:3], (grads[3] if extras.dbias else None)
@@ -339,13 +350,15 @@ def _bwd_op(extras: _Extras):
         dk, dv = jax.lax.psum((dk, dv), plan.q_heads)
       if not extras.dbias:
         return dq, dk, dv
-      # A bias replicated over sharded batch or heads: each device holds its shard's part.
+      # A bias replicated over sharded batch, heads or sequence: each device holds its shard's
+      # part.
       summed = tuple(axes for axes, full in ((plan.batch, extras.bias[0]),
-                                             (plan.q_heads, extras.bias[1]))
+                                             (plan.q_heads, extras.bias[1]),
+                                             (plan.seq, extras.bias[2]))
                      if axes is not None and not full)
       for axes in summed:
         dbias = jax.lax.psum(dbias, axes)
-      return dq, dk, dv, dbias
+      return dq, dk, dv, dbias.astype(extras.bias_array(rest).dtype)
 
     return (mesh, lower, _bwd_results(mesh, plan),
             (q_rows, kv_rows, kv_rows, q_rows, lse, q_rows, lens, lens,

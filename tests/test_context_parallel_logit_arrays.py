@@ -1,0 +1,178 @@
+"""jax.nn's bias and mask arrays under context parallelism: dot_product_attention under jax.jit
+with the sequence sharded, on simulated 2- and 4-device meshes, runs the ring or the all-gather
+with each device's rows of the arrays (jax_flash._logit_rows) instead of gathering the sequence:
+output, dq, dk, dv and dbias against the single-device kernel with the same arrays.
+
+The cases cover every broadcast form of the bias ((B, N, T, S), (1, 1, T, S), a per-key (B, 1,
+1, S), a per-query (1, N, T, 1) whose gradient is exactly 0), a (B, 1, T, S) mask (with one
+query row hidden whole: 0 output, no gradient), causal masks in both layouts, lengths, T != S,
+a window, segment ids beside them, and a bfloat16 bias. The compiled programs hold only the
+strategy's collectives (and an all-reduce where the bias has no query dim: its gradient summed
+over the sequence's devices): the sequence is not gathered.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_flash
+from attention_testing import random_array
+from test_context_parallel import COLLECTIVES, SPEC
+
+B, N, K, H = 2, 4, 2, 16
+BIAS_ROWS_SPEC = P(None, None, "seq", None)
+
+
+def _mesh(devices: int) -> Mesh:
+  if len(jax.devices()) < devices:
+    pytest.skip(f"needs {devices} devices")
+  return Mesh(np.array(jax.devices()[:devices]), ("seq",))
+
+
+def _inputs(seed: int, t: int, s: int, bias_shape, bias_dtype=jnp.float32, masked=True):
+  """q, k, v, the cotangent g, a bias of `bias_shape` and (where `masked`) a (B, 1, T, S) mask
+  with each row's key min(i, S - 1) visible but for one row of batch element 0 hidden whole."""
+  rng = np.random.default_rng(seed)
+  q = random_array(rng, (B, t, N, H), jnp.float32)
+  k, v = (random_array(rng, (B, s, K, H), jnp.float32) for _ in range(2))
+  g = random_array(rng, q.shape, jnp.float32)
+  bias = random_array(rng, bias_shape, bias_dtype)
+  mask = None
+  if masked:
+    m = rng.random((B, 1, t, s)) < 0.7
+    m[:, :, np.arange(t), np.minimum(np.arange(t), s - 1)] = True
+    m[0, 0, t // 3] = False
+    mask = jnp.asarray(m)
+  return q, k, v, g, bias, mask
+
+
+def _attention(mask, context_parallel=None, **options):
+  lens = {n: jnp.asarray(options.pop(n), jnp.int32) for n in list(options) if n.endswith("lengths")}
+
+  def attention(q, k, v, bias, *ids):
+    id_options = dict(q_segment_ids=ids[0], kv_segment_ids=ids[1]) if ids else {}
+    return jax_flash.dot_product_attention(q, k, v, bias, mask, implementation="cpu",
+                                           context_parallel=context_parallel, **lens, **options,
+                                           **id_options)
+  return attention
+
+
+def _run(attention, q, k, v, bias, g, *ids) -> tuple[dict, str]:
+  """out, dq, dk, dv, dbias (float64 numpy) of attention under jit, and the compiled HLO."""
+
+  def results(q, k, v, bias, g, *ids):
+    out, vjp = jax.vjp(lambda q, k, v, bias: attention(q, k, v, bias, *ids), q, k, v, bias)
+    dq, dk, dv, dbias = vjp(g.astype(out.dtype))
+    return dict(out=out, dq=dq, dk=dk, dv=dv, dbias=dbias)
+
+  compiled = jax.jit(results).lower(q, k, v, bias, g, *ids).compile()
+  got = compiled(q, k, v, bias, g, *ids)
+  return ({n: np.asarray(jnp.asarray(x, jnp.float32), np.float64) for n, x in got.items()},
+          compiled.as_text())
+
+
+def _segment_ids(seed: int, seq: int) -> jax.Array:
+  rng = np.random.default_rng(seed + 300)
+  cuts = np.sort(rng.choice(np.arange(1, seq), size=(B, 3), replace=False), axis=-1)
+  return jnp.asarray(np.stack([np.searchsorted(c, np.arange(seq), side="right") for c in cuts]),
+                     jnp.int32)
+
+
+CASES = [
+    # devices, context_parallel, T, S, bias shape, options, collectives of forward + backward
+    (4, "ring", 256, 256, (B, N, 256, 256), dict(), {"collective-permute"}),
+    (4, "ring:zigzag", 256, 256, (1, 1, 256, 256),
+     dict(is_causal=True, query_seq_lengths=(256, 200), key_value_seq_lengths=(230, 256)),
+     {"collective-permute"}),
+    (2, "ring", 128, 192, (B, 1, 1, 192), dict(), {"collective-permute", "all-reduce"}),
+    (4, "ring:zigzag", 256, 256, (1, N, 256, 1), dict(is_causal=True, ids=True),
+     {"collective-permute"}),
+    (4, "all_gather", 256, 384, (B, N, 256, 384), dict(),
+     {"all-gather", "reduce-scatter"}),
+    (4, "all_gather:zigzag", 256, 256, (B, 1, 256, 256), dict(is_causal=True, ids=True),
+     {"all-gather", "reduce-scatter", "collective-permute"}),
+    # automatic: a window leaves the all-gather (the ring takes none; the all-to-all carries no
+    # bias): contiguous, windows are not balanced by zig-zag
+    (4, None, 256, 256, (1, N, 256, 256), dict(local_window_size=(40, 8)),
+     {"all-gather", "reduce-scatter"}),
+    # automatic, causal: the ring in the zig-zag layout
+    (2, None, 256, 256, (B, N, 256, 256), dict(is_causal=True), {"collective-permute"}),
+]
+
+
+@pytest.mark.parametrize(
+    "devices,context_parallel,t,s,bias_shape,options,collectives", CASES,
+    ids=[f"{d}dev-{c}-T{t}-S{s}-bias{'x'.join(map(str, b))}-{'-'.join(o) or 'full'}"
+         for d, c, t, s, b, o, _ in CASES])
+def test_jit_sequence_sharded_with_bias_and_mask(devices, context_parallel, t, s, bias_shape,
+                                                 options, collectives):
+  """The strategy runs with each device's rows of the arrays (the bias and mask passed as the
+  caller has them, replicated) and gives the single-device results; the program holds only the
+  strategy's collectives."""
+  mesh = _mesh(devices)
+  options = dict(options)
+  with_ids = options.pop("ids", False)
+  seed = devices * 100 + t + s + len(bias_shape) + len(options)
+  q, k, v, g, bias, mask = _inputs(seed, t, s, bias_shape)
+  ids = (_segment_ids(seed, t), _segment_ids(seed, s)) if with_ids else ()
+  want, _ = _run(_attention(mask, **dict(options)), q, k, v, bias, g, *ids)
+  put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+  sharded = [put(x, SPEC) for x in (q, k, v, g)]
+  got, hlo = _run(_attention(mask, context_parallel, **dict(options)), *sharded[:3], bias,
+                  sharded[3], *(put(x, P(None, "seq")) for x in ids))
+  for name in want:
+    np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5, err_msg=name)
+  if bias_shape[3] == 1:  # a per-query bias: the softmax cancels it
+    assert np.all(got["dbias"] == 0)
+  else:
+    assert np.abs(want["dbias"]).max() > 1e-3
+  empty = np.asarray(mask[0, 0].any(-1) == False)  # noqa: E712 (the rows hidden whole)
+  assert empty.any() and np.all(got["out"][0, empty] == 0) and np.all(got["dq"][0, empty] == 0)
+  assert set(COLLECTIVES.findall(hlo)) == collectives
+
+
+def test_bias_rows_sharded_by_the_caller():
+  """A bias whose query rows the caller already shards along the sequence: the same results,
+  nothing moved for it (only the ring's collective-permutes)."""
+  mesh = _mesh(4)
+  q, k, v, g, bias, mask = _inputs(7, 256, 256, (B, N, 256, 256), masked=False)
+  want, _ = _run(_attention(None), q, k, v, bias, g)
+  put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+  got, hlo = _run(_attention(None, "ring"), *(put(x, SPEC) for x in (q, k, v)),
+                  put(bias, BIAS_ROWS_SPEC), put(g, SPEC))
+  for name in want:
+    np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5, err_msg=name)
+  assert set(COLLECTIVES.findall(hlo)) == {"collective-permute"}
+
+
+@pytest.mark.parametrize("bias_shape", [(B, N, 256, 256), (B, 1, 1, 256)], ids=["BNTS", "B11S"])
+def test_bfloat16_bias(bias_shape):
+  """A bfloat16 bias: the output and dq, dk, dv as on one device; dbias within a bfloat16
+  rounding of it (the two round the same float32 sums, which the ring forms in another order;
+  a bias with no query dim is summed in float32 over the blocks and the devices, rounded once)."""
+  mesh = _mesh(4)
+  q, k, v, g, bias, mask = _inputs(11, 256, 256, bias_shape, jnp.bfloat16)
+  want, _ = _run(_attention(mask), q, k, v, bias, g)
+  put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+  got, _ = _run(_attention(mask, "ring"), *(put(x, SPEC) for x in (q, k, v)), bias, put(g, SPEC))
+  for name in ("out", "dq", "dk", "dv"):
+    np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5, err_msg=name)
+  np.testing.assert_allclose(got["dbias"], want["dbias"], rtol=2 ** -7, atol=1e-6)
+  assert np.abs(want["dbias"]).max() > 1e-3
+
+
+def test_all_to_all_does_not_carry_them():
+  """The all-to-all carries no bias or mask yet: asking for it raises naming them, and the
+  automatic choice passes it over (where the ring cannot run, a window, the all-gather does)."""
+  mesh = _mesh(2)
+  q, k, v, g, bias, mask = _inputs(3, 128, 128, (1, N, 128, 128))
+  sharded = [jax.device_put(x, NamedSharding(mesh, SPEC)) for x in (q, k, v)]
+  with pytest.raises(Exception, match="all_to_all does not carry bias and mask arrays"):
+    jax.jit(_attention(mask, "all_to_all")).lower(*sharded, bias).compile()
+  hlo = jax.jit(_attention(mask, None, local_window_size=(16, 16))).lower(*sharded, bias).compile()
+  assert "all-to-all" not in hlo.as_text() and "all-gather" in hlo.as_text()
