@@ -114,13 +114,8 @@ def _flash_attention_bwd(config, residuals, cotangents):
   dq, dk, dv, dbias = _backward_kernel(q, k, v, o, lse, d_o, q_lens, kv_lens, config,
                                        segment_ids, o_error, alibi_slopes, block_mask,
                                        dropout_seeds, bias, mask, wants_dbias)
-  if dbias is not None and bias.shape[-1] == 1:
-    # A bias with no key dim adds one constant to all of a row's scores, which the softmax
-    # cancels: its gradient is exactly 0. The kernel's sum of dS over the row's keys leaves only
-    # rounding there (with 16-bit inputs that of the forward's 16-bit P, ~2^-9 of the
-    # gradients), so only its NaNs and infs are kept. (With sinks the row has one more term,
-    # which the bias does not shift: _flash_attention_sinks_bwd keeps the sum.)
-    dbias = jnp.where(jnp.isfinite(dbias), jnp.zeros_like(dbias), dbias)
+  if dbias is not None and bias.shape[-1] == 1:  # (not with sinks: _flash_attention_sinks_bwd)
+    dbias = _ops.row_bias_gradient(dbias)
   return dq, dk, dv, None, None, None, None, None, None, dbias, None
 
 

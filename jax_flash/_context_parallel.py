@@ -42,12 +42,12 @@ moved with them by the zig-zag relayout; the ring passes the key-side ids around
 all-gather gathers them with K/V, the all-to-all gathers both sides' ids whole (they are per
 position, not per head) by all-to-all.
 
-jax.nn's bias and mask arrays ((B|1, N|1, T|1, S|1)) go with the ring and the all-gather under
-jax.jit: each device holds the rows of its own queries (sharded and moved by the zig-zag
-relayout like them, where the array has the query dim) with every key's column
-(jax_flash._logit_rows); nothing travels, and the bias's gradient comes back in the same rows.
-The all-to-all does not carry them yet (the automatic choice passes it over; asking for it
-raises).
+jax.nn's bias and mask arrays ((B|1, N|1, T|1, S|1)) go with the ring and the all-gather: each
+device holds the rows of its own queries (under jax.jit sharded and moved by the zig-zag
+relayout like them, where the array has the query dim; inside shard_map passed so) with every
+key's column (jax_flash._logit_rows); nothing travels, and the bias's gradient comes back in
+the same rows. The all-to-all does not carry them yet (the automatic choice passes it over;
+asking for it raises).
 
 Block masks (block-sparse attention: one bool per 128 x 128 block, jax_flash.BLOCK_MASK_BLOCK)
 go with every strategy where the shards are whole blocks: each device holds the block rows of its
@@ -71,7 +71,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_flash import _all_gather, _all_to_all, _dispatch, _ops, _ring, _validation
-from jax_flash._logit_rows import LogitRows
+from jax_flash._logit_rows import LogitRows, logit_rows
 from jax_flash._block_sparse import BLOCK_MASK_BLOCK
 from jax_flash._chunks import contiguous_to_zigzag, zigzag_to_contiguous
 
@@ -324,29 +324,42 @@ def sharded_bwd(strategy: Strategy, q, k, v, o, lse, d_o, q_lens, kv_lens,
 
 # segment_ids: None or this device's (q_ids, kv_ids); alibi: None or the slopes (B, N) float32;
 # block_mask: None or this device's block rows (B, N, L/128, S/128). Like the lengths, not
-# differentiated.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
-def _attention(q, k, v, q_lens, kv_lens, segment_ids, alibi, block_mask, config, strategy,
-               axis_name):
+# differentiated. bias, mask: None or this device's rows of them (B|1, N|1, L|1, S|1); the bias
+# differentiated (its gradient formed wherever one is given).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12))
+def _attention(q, k, v, q_lens, kv_lens, segment_ids, alibi, block_mask, bias, mask, config,
+               strategy, axis_name):
   return _run_fwd(strategy, q, k, v, q_lens, kv_lens, config, axis_name, segment_ids, alibi,
-                  block_mask)
+                  block_mask, logit_rows(bias, mask))
 
 
-def _attention_fwd(q, k, v, q_lens, kv_lens, segment_ids, alibi, block_mask, config, strategy,
-                   axis_name):
+def _attention_fwd(q, k, v, q_lens, kv_lens, segment_ids, alibi, block_mask, bias, mask, config,
+                   strategy, axis_name):
   # The output in float32 for the backward, as dot_product_attention's forward keeps it.
   out32, lse = _run_fwd(strategy, q, k, v, q_lens, kv_lens, _ops.for_backward(config),
-                        axis_name, segment_ids, alibi, block_mask)
+                        axis_name, segment_ids, alibi, block_mask, logit_rows(bias, mask))
   return (out32.astype(q.dtype), lse), (q, k, v, q_lens, kv_lens, segment_ids, alibi,
-                                        block_mask, out32, lse)
+                                        block_mask, bias, mask, out32, lse)
+
+
+def _unvarying_like(gradient, x):
+  """`gradient` summed over the mesh axes it varies over and `x` does not: the gradient of an
+  input each device holds the same of (inside shard_map, an unvarying bias) is the devices'
+  sum, typed as the input is."""
+  missing = tuple(sorted(_ring._varying_axes(gradient) - _ring._varying_axes(x)))
+  return jax.lax.psum(gradient, missing) if missing else gradient
 
 
 def _attention_bwd(config, strategy, axis_name, residuals, cotangents):
-  q, k, v, q_lens, kv_lens, segment_ids, alibi, block_mask, out, lse = residuals
+  q, k, v, q_lens, kv_lens, segment_ids, alibi, block_mask, bias, mask, out, lse = residuals
   d_out, _ = cotangents  # lse leaves under stop_gradient
-  dq, dk, dv = _run_bwd(strategy, q, k, v, out, lse, d_out, q_lens, kv_lens, config, axis_name,
-                        segment_ids, alibi, block_mask)
-  return dq, dk, dv, None, None, None, None, None
+  dq, dk, dv, *dbias = _run_bwd(strategy, q, k, v, out, lse, d_out, q_lens, kv_lens, config,
+                                axis_name, segment_ids, alibi, block_mask,
+                                logit_rows(bias, mask, dbias=True))
+  dbias = _unvarying_like(dbias[0], bias).astype(bias.dtype) if dbias else None
+  if dbias is not None and bias.shape[-1] == 1:
+    dbias = _ops.row_bias_gradient(dbias)
+  return dq, dk, dv, None, None, None, None, None, dbias, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -362,7 +375,8 @@ def context_parallel_attention(
     return_residual: bool = False, q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
     block_mask: jax.Array | None = None, logits_soft_cap: float | None = None,
-    alibi_slopes: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+    alibi_slopes: jax.Array | None = None, bias: jax.Array | None = None,
+    mask: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Attention over a sequence sharded along `axis_name`, for use inside ``jax.shard_map``.
 
   Args:
@@ -391,6 +405,14 @@ def context_parallel_attention(
     logits_soft_cap, alibi_slopes: as in ``dot_product_attention`` (the slopes ``(N,)``, one
       per query head, positions the global ones: each block's kernel is handed its slices'
       offset); on the kernels that take them ("cpu" today).
+    bias, mask: jax.nn's arrays (as in ``dot_product_attention``), this device's rows of them:
+      broadcastable to ``(B, N, L, S)`` (each dim 1 or full; L = T/P this device's query rows,
+      in `layout`; every key's column, in the sequence's order). With "ring" and
+      "all_gather" (not "all_to_all": ValueError); nothing of them travels. The bias is
+      differentiable: its gradient comes back over the same rows (a bias each device holds
+      the same of, unvarying, gets the devices' sum). A mask on the "cuda" kernels:
+      ``NotImplementedError`` (under ``jax.jit``, ``dot_product_attention`` with a
+      sequence-sharded input carries it).
     The other arguments are those of ``jax_flash.dot_product_attention`` on its kernels
     (``implementation`` None, "cpu" or "cuda").
 
@@ -437,6 +459,13 @@ def context_parallel_attention(
     if problem:
       raise ValueError(f"strategy={strategy!r} in layout={layout!r} cannot run query"
                        f"{query.shape}, key{key.shape} over {num} devices: {problem}")
+  arrays_passed = [f"{n}{jnp.shape(x)}" for n, x in (("bias", bias), ("mask", mask))
+                   if x is not None]
+  if arrays_passed and strategy == "all_to_all":
+    raise ValueError(f"strategy='all_to_all' does not carry bias and mask arrays yet (use 'ring' "
+                     f"or 'all_gather'); got {' and '.join(arrays_passed)}")
+  bias = _validation.check_logit_array("bias", bias, batch, heads_q, rows_q, seq_k)
+  mask = _validation.check_logit_array("mask", mask, batch, heads_q, rows_q, seq_k)
   return _run_in_shard_map(
       Strategy(strategy, layout), query, key, value, axis_name=axis_name, caller=caller,
       logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
@@ -446,18 +475,20 @@ def context_parallel_attention(
       key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
       segment_id_shapes=None if segment_ids is None else (jnp.shape(q_segment_ids),
                                                           jnp.shape(kv_segment_ids)),
-      block_mask=block_mask, blocks_passed=blocks_passed, return_residual=return_residual)
+      block_mask=block_mask, blocks_passed=blocks_passed, return_residual=return_residual,
+      bias=bias, mask=mask)
 
 
 def _run_in_shard_map(plan: Strategy, query, key, value, *, axis_name, caller: str, masks,
                       seq_q: int, seq_k: int, scale, is_causal, window_left: int,
                       window_right: int, implementation, deterministic, query_seq_lengths,
                       key_value_seq_lengths, segment_ids, segment_id_shapes, block_mask,
-                      blocks_passed, return_residual, logits_soft_cap=None, alibi_slopes=None):
+                      blocks_passed, return_residual, logits_soft_cap=None, alibi_slopes=None,
+                      bias=None, mask=None):
   """What context_parallel_attention and ring_attention do once their own arguments are
   checked: the soft cap and ALiBi slopes checked, the implementation chosen, the global lengths
   checked (full where absent), `plan` run on the kernels (through _ops.call_kernels: scale,
-  padding) with _attention's VJP."""
+  padding) with _attention's VJP. `bias` and `mask`: checked rank-4 rows of them, or None."""
   batch, head_dim = query.shape[0], query.shape[-1]
   logits_soft_cap = _validation.check_logits_soft_cap(logits_soft_cap)
   alibi_slopes = _validation.check_alibi_slopes(alibi_slopes, query.shape[2], query.shape)
@@ -467,8 +498,15 @@ def _run_in_shard_map(plan: Strategy, query, key, value, *, axis_name, caller: s
           segment_ids=segment_id_shapes, block_mask=blocks_passed,
           logits_soft_cap=logits_soft_cap,
           alibi_slopes=None if alibi_slopes is None else alibi_slopes.shape,
-          value=None if value.shape[-1] == head_dim else value.shape),
+          value=None if value.shape[-1] == head_dim else value.shape,
+          bias=None if bias is None else bias.shape, mask=None if mask is None else mask.shape),
       caller=caller)
+  if mask is not None and implementation == "cuda":
+    # (call_kernels derives the blocks a CUDA call's mask hides from the local key count; here
+    # the mask's columns are the whole sequence's)
+    raise NotImplementedError(f"{caller}: a mask on the 'cuda' kernels inside shard_map is not "
+                              "supported yet; under jax.jit, dot_product_attention with a "
+                              "sequence-sharded input carries it")
   q_lens = _validation.check_seq_lengths("query_seq_lengths", query_seq_lengths, batch, seq_q)
   kv_lens = _validation.check_seq_lengths("key_value_seq_lengths", key_value_seq_lengths, batch,
                                           seq_k)
@@ -478,16 +516,16 @@ def _run_in_shard_map(plan: Strategy, query, key, value, *, axis_name, caller: s
     kv_lens = jnp.full((batch,), seq_k, jnp.int32)
 
   def attention(q, k, v, q_lens, kv_lens, config, segment_ids=None, alibi=None,
-                block_mask=None):
-    return _attention(q, k, v, q_lens, kv_lens, segment_ids, alibi, block_mask, config, plan,
-                      axis_name)
+                block_mask=None, bias=None, mask=None):
+    return _attention(q, k, v, q_lens, kv_lens, segment_ids, alibi, block_mask, bias, mask,
+                      config, plan, axis_name)
 
   out, lse = _ops.call_kernels(
       attention, query, key, value, q_lens, kv_lens, implementation=implementation,
       scale=_validation.check_scale(scale, head_dim), is_causal=bool(is_causal),
       window_left=window_left, window_right=window_right, deterministic=deterministic,
       caller=caller, segment_ids=segment_ids, block_mask=block_mask,
-      logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes)
+      logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, bias=bias, mask=mask)
   lse = jax.lax.stop_gradient(lse)
   return (out, jnp.swapaxes(lse, -1, -2)) if return_residual else out
 

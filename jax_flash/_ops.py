@@ -208,6 +208,15 @@ def _dropout_operands(config: KernelConfig, dropout_seeds) -> tuple[tuple, dict]
 BIAS_DTYPES = frozenset(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 
 
+def row_bias_gradient(dbias: jax.Array) -> jax.Array:
+  """The gradient of a bias with no key dim from the kernel's: exactly 0 but for its NaNs and
+  infs. Such a bias adds one constant to all of a row's scores, which the softmax cancels; the
+  kernel's sum of dS over the row's keys leaves only rounding there (with 16-bit inputs that of
+  the forward's 16-bit P, ~2^-9 of the gradients). (With sinks the row has one more term, which
+  the bias does not shift: the sinks' backward keeps the sum.)"""
+  return jnp.where(jnp.isfinite(dbias), jnp.zeros_like(dbias), dbias)
+
+
 def _logit_operands(config: KernelConfig, bias, mask, seq_q: int, seq_k: int,
                     backward: bool = False) -> tuple[tuple, dict]:
   """The bias and mask operands and attributes of a kernel call: both passes of both kernels

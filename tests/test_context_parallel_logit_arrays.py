@@ -176,3 +176,59 @@ def test_all_to_all_does_not_carry_them():
     jax.jit(_attention(mask, "all_to_all")).lower(*sharded, bias).compile()
   hlo = jax.jit(_attention(mask, None, local_window_size=(16, 16))).lower(*sharded, bias).compile()
   assert "all-to-all" not in hlo.as_text() and "all-gather" in hlo.as_text()
+
+
+SHARD_MAP_CASES = [
+    # devices, strategy, layout, T, S, bias shape (global), options
+    (4, "ring", "contiguous", 256, 256, (B, N, 256, 256), dict()),
+    (4, "ring", "zigzag", 256, 256, (1, 1, 256, 256), dict(is_causal=True)),
+    (2, "ring", "contiguous", 128, 192, (B, 1, 1, 192), dict()),
+    (4, "all_gather", "zigzag", 256, 256, (B, 1, 256, 256), dict(is_causal=True)),
+    (2, "all_gather", "contiguous", 128, 256, (1, N, 128, 256), dict(local_window_size=(24, 8))),
+]
+
+
+@pytest.mark.parametrize(
+    "devices,strategy,layout,t,s,bias_shape,options", SHARD_MAP_CASES,
+    ids=[f"{d}dev-{st}-{l}-T{t}-S{s}-bias{'x'.join(map(str, b))}-{'-'.join(o) or 'full'}"
+         for d, st, l, t, s, b, o in SHARD_MAP_CASES])
+def test_shard_map_strategies_with_bias_and_mask(devices, strategy, layout, t, s, bias_shape,
+                                                 options):
+  """context_parallel_attention inside shard_map, each device passing its rows of the bias and
+  the mask (in the layout), against the single-device kernel: out, dq, dk, dv and dbias (a bias
+  without the query dim passed whole to every device: shard_map sums its gradient)."""
+  mesh = _mesh(devices)
+  q, k, v, g, bias, mask = _inputs(devices + t + s, t, s, bias_shape)
+  want, _ = _run(_attention(mask, **dict(options)), q, k, v, bias, g)
+  order = jax_flash.zigzag_indices(t, devices) if layout == "zigzag" else np.arange(t)
+  k_order = jax_flash.zigzag_indices(s, devices) if layout == "zigzag" else np.arange(s)
+  bias_rows = bias_shape[2] != 1
+  bias_spec = BIAS_ROWS_SPEC if bias_rows else P()
+
+  def local(q, k, v, bias, mask):
+    return jax_flash.context_parallel_attention(
+        q, k, v, axis_name="seq", strategy=strategy, layout=layout, bias=bias, mask=mask,
+        implementation="cpu", **options)
+
+  sharded = jax.shard_map(local, mesh=mesh, in_specs=(SPEC, SPEC, SPEC, bias_spec, BIAS_ROWS_SPEC),
+                          out_specs=SPEC)
+  got, _ = _run(lambda q, k, v, bias: sharded(q, k, v, bias, mask[:, :, order]),
+                q[:, order], k[:, k_order], v[:, k_order],
+                bias[:, :, order] if bias_rows else bias, g[:, order])
+  got = {n: (x[:, :, np.argsort(order)] if n == "dbias" and bias_rows else
+             x[:, np.argsort(k_order)] if n in ("dk", "dv") else
+             x if n == "dbias" else x[:, np.argsort(order)]) for n, x in got.items()}
+  for name in want:
+    np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5, err_msg=name)
+  assert np.abs(want["dbias"]).max() > 1e-3
+
+
+def test_shard_map_all_to_all_refuses_them():
+  """context_parallel_attention's all-to-all raises naming the arrays and their shapes."""
+  mesh = _mesh(2)
+  q, k, v, g, bias, mask = _inputs(5, 128, 128, (1, N, 128, 128))
+  local = lambda q, k, v, bias: jax_flash.context_parallel_attention(
+      q, k, v, axis_name="seq", strategy="all_to_all", bias=bias, implementation="cpu")
+  with pytest.raises(ValueError, match=r"does not carry bias and mask arrays yet .*bias\(1, 4, 64, 128\)"):
+    jax.shard_map(local, mesh=mesh, in_specs=(SPEC,) * 3 + (BIAS_ROWS_SPEC,), out_specs=SPEC)(
+        q, k, v, bias)
