@@ -23,10 +23,10 @@ start) for every score of a row; the slice's lse is moved by slope times that, a
 for its backward kernel (jax_flash._reference.alibi_lse_shift). The offset is traced (the
 query slice's start depends on the device), so the plans, and the switch, are unchanged.
 
-jax.nn's bias and mask arrays (jax_flash._logit_rows): each device holds its query rows' with
-every key's column (B|1, N|1, L|1, S|1); nothing is gathered. A slice's kernel takes its rows
-and the columns of its key range; its bias gradient goes to the same columns of the slice's
-rows (the keys outside the range get none: the masks hide them).
+jax.nn's bias and mask arrays (jax_flash._logit_rows): each device holds the rows of its own
+queries, with every key's column (B|1, N|1, L|1, S|1); nothing is gathered. A slice's kernel
+takes its rows and the columns of its key range; its bias gradient goes to the same columns of
+the slice's rows (the keys outside the range get none: the masks hide them).
 
 Block masks (one bool per 128 x 128 block, jax_flash.BLOCK_MASK_BLOCK): each device holds the
 block rows of its queries, with every key block's column in the sequence's order (B, N, L/128,

@@ -24,12 +24,12 @@ runs the kernel with the local query ids and the visiting key ids. A row that se
 block gets 0 and EMPTY_ROW_LSE there, which weighs nothing in the merge, so a row with no key in
 any block ends at 0 and EMPTY_ROW_LSE as on one device.
 
-jax.nn's bias and mask arrays (jax_flash._logit_rows): each device holds its query rows' with
-every key's column (B|1, N|1, L|1, S|1); nothing travels. Each block pair takes its query
-chunk's rows and the visiting key chunk's columns, and the bias's gradient of each pair is added
-into the same place of a float32 accumulator of the device's rows (summed where a dim is
-broadcast). A row the mask empties in a block pair weighs nothing in the merge, as with segment
-ids.
+jax.nn's bias and mask arrays (jax_flash._logit_rows): each device holds the rows of its own
+queries, with every key's column (B|1, N|1, L|1, S|1); nothing travels. Each block pair takes
+its query chunk's rows and the visiting key chunk's columns, and the bias's gradient of each
+pair is added into the same place of a float32 accumulator of the device's rows (summed where a
+dim is broadcast). A row the mask empties in a block pair weighs nothing in the merge, as with
+segment ids.
 
 Block masks (block-sparse attention, one bool per 128 x 128 block, jax_flash.BLOCK_MASK_BLOCK):
 each device holds the block rows of its own queries, every key block's column, in the order of
@@ -258,7 +258,8 @@ def _block_bwd(config, relation, q, k, v, o, lse, d_o, q_lens, kv_lens, ids=(), 
       grads = _ops.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, cfg, tuple(ids) or None,
                              None, slopes, blocks, None, dbias=wants_dbias, **arrays)
       dbias = _varying_like(grads[3].astype(jnp.float32), q) if wants_dbias else None
-      return _varying_like(grads[0], q), _varying_like(grads[1], k), _varying_like(grads[2], v), dbias
+      return (_varying_like(grads[0], q), _varying_like(grads[1], k), _varying_like(grads[2], v),
+              dbias)
     return branch
 
   return jax.lax.switch(relation, [skip, run(diagonal), run(full)],
