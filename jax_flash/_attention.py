@@ -236,9 +236,8 @@ def dot_product_attention(
       where it lies, through its strides: nothing ``(B, N, T, S)`` is formed; its backward
       sums dbias deterministically), "blockwise" and "xla"; the CUDA kernels raise
       ``NotImplementedError`` (so does ``None`` where it picks them). Sharded calls shard it
-      with the batch and the heads where it has them; a sequence-sharded call runs the ring
-      or the all-gather with each device's query rows of it and of ``mask`` (nothing of them
-      travels), the all-to-all takes neither (a requested one raises).
+      with the batch and the heads where it has them; a sequence-sharded call runs its
+      context-parallel strategy with each device's query rows of it and of ``mask``.
     mask: bool, ``True`` where a query may attend a key, broadcastable like ``bias``, on top
       of every other mask (a row left no key gives zeros); the same paths take it (the "cpu"
       kernel skips the tiles it hides). Causal, padding and window masks are cheaper through

@@ -42,12 +42,11 @@ moved with them by the zig-zag relayout; the ring passes the key-side ids around
 all-gather gathers them with K/V, the all-to-all gathers both sides' ids whole (they are per
 position, not per head) by all-to-all.
 
-jax.nn's bias and mask arrays ((B|1, N|1, T|1, S|1)) go with the ring and the all-gather: each
-device holds the rows of its own queries (under jax.jit sharded and moved by the zig-zag
-relayout like them, where the array has the query dim; inside shard_map passed so) with every
-key's column (jax_flash._logit_rows); nothing travels, and the bias's gradient comes back in
-the same rows. The all-to-all does not carry them yet (the automatic choice passes it over;
-asking for it raises).
+jax.nn's bias and mask arrays ((B|1, N|1, T|1, S|1)) go with every strategy: each device holds
+the rows of its own queries (under jax.jit sharded and moved by the zig-zag relayout like them,
+where the array has the query dim; inside shard_map passed so) with every key's column
+(jax_flash._logit_rows), and the bias's gradient comes back in the same rows. Nothing of them
+travels in the ring and the all-gather; the all-to-all sends them with the queries.
 
 Block masks (block-sparse attention: one bool per 128 x 128 block, jax_flash.BLOCK_MASK_BLOCK)
 go with every strategy where the shards are whole blocks: each device holds the block rows of its
@@ -147,20 +146,16 @@ def _zigzag_fits(name: str, num: int, seq_q: int, seq_k: int) -> bool:
 
 
 def choose(request: str | None, *, num: int, seq_q: int, seq_k: int, heads_q: int,
-           config: _ops.KernelConfig, block_mask: bool = False,
-           logit_arrays: str | None = None) -> Strategy | None:
+           config: _ops.KernelConfig, block_mask: bool = False) -> Strategy | None:
   """The strategy of a call partitioned under jax.jit (see the module docstring for the
   automatic rule). `heads_q` are the query heads on each device of the sequence axis. A
   requested strategy that cannot run raises ValueError; the automatic choice returns None
   when none can (the caller then gathers the sequence). With `block_mask` only strategies and
-  layouts that can carry it count (_block_mask_problem); with `logit_arrays` (the bias and
-  mask arrays' names) only the ring and the all-gather."""
+  layouts that can carry it count (_block_mask_problem)."""
   check_request(request)
   facts = dict(num=num, seq_q=seq_q, seq_k=seq_k, heads_q=heads_q, config=config)
 
   def problem(name: str, layout: str = "contiguous") -> str | None:
-    if logit_arrays and name == "all_to_all":
-      return f"all_to_all does not carry {logit_arrays} yet (use 'ring' or 'all_gather')"
     found = _why_not(name, **facts)
     if found is None and block_mask:
       found = _block_mask_problem(name, layout, num=num, seq_q=seq_q, seq_k=seq_k,
@@ -212,18 +207,10 @@ def _kv_layout(strategy: Strategy) -> str:
   return "contiguous" if strategy.relayout and not _moved(strategy, kv=True) else strategy.layout
 
 
-def _logit_options(strategy: Strategy, logits: LogitRows | None) -> dict:
-  if logits is None:
-    return {}
-  if strategy.name == "all_to_all":  # (choose never picks it for them)
-    raise ValueError("all_to_all does not carry bias and mask arrays")
-  return dict(logits=logits)
-
-
 def _run_fwd(strategy: Strategy, q, k, v, q_lens, kv_lens, config, axis_name,
              segment_ids=None, alibi_slopes=None, block_mask=None, logits=None):
   options = dict(axis_name=axis_name, layout=strategy.layout, alibi_slopes=alibi_slopes,
-                 block_mask=block_mask, **_logit_options(strategy, logits))
+                 block_mask=block_mask, logits=logits)
   if strategy.name == "all_gather":
     options["kv_layout"] = _kv_layout(strategy)
   return _FORWARD[strategy.name](q, k, v, q_lens, kv_lens, config, segment_ids, **options)
@@ -232,7 +219,7 @@ def _run_fwd(strategy: Strategy, q, k, v, q_lens, kv_lens, config, axis_name,
 def _run_bwd(strategy: Strategy, q, k, v, o, lse, d_o, q_lens, kv_lens, config, axis_name,
              segment_ids=None, alibi_slopes=None, block_mask=None, logits=None):
   options = dict(axis_name=axis_name, layout=strategy.layout, alibi_slopes=alibi_slopes,
-                 block_mask=block_mask, **_logit_options(strategy, logits))
+                 block_mask=block_mask, logits=logits)
   if strategy.name == "all_gather":
     options["kv_layout"] = _kv_layout(strategy)
   return _BACKWARD[strategy.name](q, k, v, o, lse, d_o, q_lens, kv_lens, config, segment_ids,
@@ -407,8 +394,8 @@ def context_parallel_attention(
       offset); on the kernels that take them ("cpu" today).
     bias, mask: jax.nn's arrays (as in ``dot_product_attention``), this device's rows of them:
       broadcastable to ``(B, N, L, S)`` (each dim 1 or full; L = T/P this device's query rows,
-      in `layout`; every key's column, in the sequence's order). With "ring" and
-      "all_gather" (not "all_to_all": ValueError); nothing of them travels. The bias is
+      in `layout`; every key's column, in the sequence's order). Nothing of them travels in
+      "ring" and "all_gather"; "all_to_all" sends them with the queries. The bias is
       differentiable: its gradient comes back over the same rows (a bias each device holds
       the same of, unvarying, gets the devices' sum). A mask on the "cuda" kernels:
       ``NotImplementedError`` (under ``jax.jit``, ``dot_product_attention`` with a
@@ -459,11 +446,6 @@ def context_parallel_attention(
     if problem:
       raise ValueError(f"strategy={strategy!r} in layout={layout!r} cannot run query"
                        f"{query.shape}, key{key.shape} over {num} devices: {problem}")
-  arrays_passed = [f"{n}{jnp.shape(x)}" for n, x in (("bias", bias), ("mask", mask))
-                   if x is not None]
-  if arrays_passed and strategy == "all_to_all":
-    raise ValueError(f"strategy='all_to_all' does not carry bias and mask arrays yet (use 'ring' "
-                     f"or 'all_gather'); got {' and '.join(arrays_passed)}")
   bias = _validation.check_logit_array("bias", bias, batch, heads_q, rows_q, seq_k)
   mask = _validation.check_logit_array("mask", mask, batch, heads_q, rows_q, seq_k)
   return _run_in_shard_map(

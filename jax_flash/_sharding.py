@@ -42,9 +42,8 @@ sequence-sharded call gathers the sequence and a requested strategy raises namin
 jax.nn's bias and mask arrays ((B|1, N|1, T|1, S|1), the "cpu" kernel's, never broadcast
 further) come after them: a full batch dim shards with the batch and a full head dim with the
 query heads, a full query dim with the sequence where a context-parallel strategy runs over it
-(the ring or the all-gather: jax_flash._logit_rows), a dim of 1 is replicated, and so is the
-key dim; the backward sums dbias over the mesh axes its bias is replicated on (psum). Where
-no strategy that carries them can run, a sequence-sharded call gathers the sequence.
+(each carries them: jax_flash._logit_rows), a dim of 1 is replicated, and so is the key dim;
+the backward sums dbias over the mesh axes its bias is replicated on (psum).
 """
 
 from __future__ import annotations
@@ -145,14 +144,12 @@ def _heads_plan(mesh, q_shape, k_shape, heads) -> tuple[object, object]:
   return None, None
 
 
-def _plan(mesh, arg_shapes, config: _ops.KernelConfig, blocks: bool = False,
-          logit_arrays: str | None = None) -> _Plan:
+def _plan(mesh, arg_shapes, config: _ops.KernelConfig, blocks: bool = False) -> _Plan:
   """Read off the query's sharding: batch as it is; heads by _heads_plan; a sharded sequence
   runs the strategy _context_parallel.choose picks for the call (or the one it asks for), and
   is gathered where none can run. A block mask (`blocks`) goes only with a strategy that can
-  carry it (_context_parallel.choose), and so do bias/mask arrays (`logit_arrays`: their names,
-  for the messages). With dropout (config.dropout_rate) no strategy runs: the sequence is
-  gathered, and a requested strategy raises."""
+  carry it (_context_parallel.choose). With dropout (config.dropout_rate) no strategy runs: the
+  sequence is gathered, and a requested strategy raises."""
   q, k = arg_shapes[0], arg_shapes[1]
   batch = _spec_entry(q.sharding, 0)
   seq = _spec_entry(q.sharding, 1)
@@ -171,8 +168,7 @@ def _plan(mesh, arg_shapes, config: _ops.KernelConfig, blocks: bool = False,
   if seq is not None:
     strategy = _context_parallel.choose(
         config.context_parallel, num=_axis_size(mesh, seq), seq_q=q.shape[1], seq_k=k.shape[1],
-        heads_q=q.shape[2] // _axis_size(mesh, q_heads), config=config, block_mask=blocks,
-        logit_arrays=logit_arrays)
+        heads_q=q.shape[2] // _axis_size(mesh, q_heads), config=config, block_mask=blocks)
     seq = seq if strategy is not None else None
   return _Plan(batch, q_heads, kv_heads, seq, strategy)
 
@@ -199,12 +195,6 @@ class _Extras:
   bias: tuple[bool, bool, bool, bool] | None = None
   mask: tuple[bool, bool, bool, bool] | None = None
   dbias: bool = False  # the backward's: the bias's gradient a fourth result
-
-  @property
-  def logit_arrays(self) -> str | None:
-    """The bias and mask arrays taken, named for the messages ("bias and mask"), or None."""
-    names = [n for n, dims in (("bias", self.bias), ("mask", self.mask)) if dims is not None]
-    return " and ".join(names) + " arrays" if names else None
 
   @property
   def trailing(self) -> int:
@@ -281,8 +271,7 @@ def _fwd_op(extras: _Extras):
                           extras.mask_array(rest))
 
   def partition(config, mesh, arg_shapes, result_shape):
-    plan = _plan(mesh, arg_shapes, config, blocks=extras.blocks,
-                 logit_arrays=extras.logit_arrays)
+    plan = _plan(mesh, arg_shapes, config, blocks=extras.blocks)
     q_rows, kv_rows, lse, lens = _shardings(mesh, plan)
 
     def lower(q, k, v, q_lens, kv_lens, *rest):
@@ -304,8 +293,7 @@ def _fwd_op(extras: _Extras):
             (q_rows, kv_rows, kv_rows, lens, lens, *extras.shardings(mesh, plan, q_rows)))
 
   def infer(config, mesh, arg_shapes, result_shape):
-    plan = _plan(mesh, arg_shapes, config, blocks=extras.blocks,
-                 logit_arrays=extras.logit_arrays)
+    plan = _plan(mesh, arg_shapes, config, blocks=extras.blocks)
     q_rows, _, lse, _ = _shardings(mesh, plan)
     return (q_rows, lse, q_rows) if split else (q_rows, lse)
 
@@ -329,8 +317,7 @@ def _bwd_op(extras: _Extras):
                           extras.bias_array(rest), extras.mask_array(rest), extras.dbias)
 
   def partition(config, mesh, arg_shapes, result_shape):
-    plan = _plan(mesh, arg_shapes, config, blocks=extras.blocks,
-                 logit_arrays=extras.logit_arrays)
+    plan = _plan(mesh, arg_shapes, config, blocks=extras.blocks)
     q_rows, kv_rows, lse, lens = _shardings(mesh, plan)
 
     def lower(q, k, v, o, lse, d_o, q_lens, kv_lens, *rest):
@@ -371,8 +358,7 @@ def _bwd_op(extras: _Extras):
     return q_rows, kv_rows, kv_rows, extras.logit_sharding(mesh, plan, extras.bias)
 
   def infer(config, mesh, arg_shapes, result_shape):
-    plan = _plan(mesh, arg_shapes, config, blocks=extras.blocks,
-                 logit_arrays=extras.logit_arrays)
+    plan = _plan(mesh, arg_shapes, config, blocks=extras.blocks)
     return _bwd_results(mesh, plan)
 
   inputs = (8 + extras.error + 2 * extras.ids + extras.alibi + extras.blocks + extras.dropout

@@ -392,19 +392,18 @@ def test_batch_and_head_sharding(mesh, spec, bias_shape):
     assert not re.search(r"all-reduce|all-gather|all-to-all|collective-permute", hlo)
 
 
-def test_sequence_sharding_runs_a_strategy(mesh):
-  """A sharded sequence runs a context-parallel strategy that carries the arrays (here the
-  ring, zig-zag: causal) with the batch sharded beside it: the single-device results, and no
-  all-gather of the sequence. The all-to-all does not carry them: asking for it raises naming
-  them (tests/test_context_parallel_logit_arrays.py has the strategies' own cases)."""
+@pytest.mark.parametrize("context_parallel", [None, "all_to_all"])
+def test_sequence_sharding_runs_a_strategy(mesh, context_parallel):
+  """A sharded sequence runs a context-parallel strategy with the arrays' rows (automatic: the
+  ring, zig-zag as causal; or the all-to-all) with the batch sharded beside it: the
+  single-device results, and no all-gather of the sequence
+  (tests/test_context_parallel_logit_arrays.py has the strategies' own cases)."""
   from jax.sharding import PartitionSpec as P
-  got, want, hlo = _sharded_run(mesh, P("data", "model", None, None), (1, SN, ST, ST))
+  got, want, hlo = _sharded_run(mesh, P("data", "model", None, None), (1, SN, ST, ST),
+                                context_parallel=context_parallel)
   for name, x, w in zip(("out", "dq", "dk", "dv", "dbias"), got, want):
     np.testing.assert_allclose(x, w, rtol=2e-6, atol=2e-6, err_msg=name)
-  assert "collective-permute" in hlo
-  with pytest.raises(Exception, match="bias and mask arrays"):
-    _sharded_run(mesh, P("data", "model", None, None), (1, SN, ST, ST),
-                 context_parallel="all_to_all")
+  assert ("all-to-all" if context_parallel else "collective-permute") in hlo
 
 
 def test_sharding_with_gspmd(mesh):

@@ -1,14 +1,16 @@
 """jax.nn's bias and mask arrays under context parallelism: dot_product_attention under jax.jit
-with the sequence sharded, on simulated 2- and 4-device meshes, runs the ring or the all-gather
-with each device's rows of the arrays (jax_flash._logit_rows) instead of gathering the sequence:
-output, dq, dk, dv and dbias against the single-device kernel with the same arrays.
+with the sequence sharded, and context_parallel_attention inside shard_map, on simulated 2- and
+4-device meshes, run every strategy (ring, all-gather, all-to-all) with each device's rows of the
+arrays (jax_flash._logit_rows) instead of gathering the sequence: output, dq, dk, dv and dbias
+against the single-device kernel with the same arrays.
 
 The cases cover every broadcast form of the bias ((B, N, T, S), (1, 1, T, S), a per-key (B, 1,
 1, S), a per-query (1, N, T, 1) whose gradient is exactly 0), a (B, 1, T, S) mask (with one
 query row hidden whole: 0 output, no gradient), causal masks in both layouts, lengths, T != S,
 a window, segment ids beside them, and a bfloat16 bias. The compiled programs hold only the
 strategy's collectives (and an all-reduce where the bias has no query dim: its gradient summed
-over the sequence's devices): the sequence is not gathered.
+over the sequence's devices; a reduce-scatter where the all-to-all gathers the rows of a bias
+without heads): the sequence is not gathered.
 """
 
 from __future__ import annotations
@@ -96,10 +98,16 @@ CASES = [
      {"all-gather", "reduce-scatter"}),
     (4, "all_gather:zigzag", 256, 256, (B, 1, 256, 256), dict(is_causal=True, ids=True),
      {"all-gather", "reduce-scatter", "collective-permute"}),
-    # automatic: a window leaves the all-gather (the ring takes none; the all-to-all carries no
-    # bias): contiguous, windows are not balanced by zig-zag
-    (4, None, 256, 256, (1, N, 256, 256), dict(local_window_size=(40, 8)),
-     {"all-gather", "reduce-scatter"}),
+    # the all-to-all: heads split, rows gathered (B N T S); rows gathered whole, the gradient
+    # reduce-scattered (no heads); a head slice (no query dim: the gradient summed over the
+    # devices)
+    (2, "all_to_all", 128, 128, (B, N, 128, 128), dict(is_causal=True, ids=True),
+     {"all-to-all"}),
+    (4, "all_to_all", 256, 256, (1, 1, 256, 256), dict(query_seq_lengths=(256, 190)),
+     {"all-to-all", "reduce-scatter"}),
+    (4, "all_to_all", 256, 384, (B, N, 1, 384), dict(), {"all-to-all", "all-reduce"}),
+    # automatic: a window leaves the all-to-all (the ring takes none; 4 heads split over 4)
+    (4, None, 256, 256, (1, N, 256, 256), dict(local_window_size=(40, 8)), {"all-to-all"}),
     # automatic, causal: the ring in the zig-zag layout
     (2, None, 256, 256, (B, N, 256, 256), dict(is_causal=True), {"collective-permute"}),
 ]
@@ -166,18 +174,6 @@ def test_bfloat16_bias(bias_shape):
   assert np.abs(want["dbias"]).max() > 1e-3
 
 
-def test_all_to_all_does_not_carry_them():
-  """The all-to-all carries no bias or mask yet: asking for it raises naming them, and the
-  automatic choice passes it over (where the ring cannot run, a window, the all-gather does)."""
-  mesh = _mesh(2)
-  q, k, v, g, bias, mask = _inputs(3, 128, 128, (1, N, 128, 128))
-  sharded = [jax.device_put(x, NamedSharding(mesh, SPEC)) for x in (q, k, v)]
-  with pytest.raises(Exception, match="all_to_all does not carry bias and mask arrays"):
-    jax.jit(_attention(mask, "all_to_all")).lower(*sharded, bias).compile()
-  hlo = jax.jit(_attention(mask, None, local_window_size=(16, 16))).lower(*sharded, bias).compile()
-  assert "all-to-all" not in hlo.as_text() and "all-gather" in hlo.as_text()
-
-
 SHARD_MAP_CASES = [
     # devices, strategy, layout, T, S, bias shape (global), options
     (4, "ring", "contiguous", 256, 256, (B, N, 256, 256), dict()),
@@ -185,6 +181,9 @@ SHARD_MAP_CASES = [
     (2, "ring", "contiguous", 128, 192, (B, 1, 1, 192), dict()),
     (4, "all_gather", "zigzag", 256, 256, (B, 1, 256, 256), dict(is_causal=True)),
     (2, "all_gather", "contiguous", 128, 256, (1, N, 128, 256), dict(local_window_size=(24, 8))),
+    (4, "all_to_all", "zigzag", 256, 256, (B, N, 256, 256), dict(is_causal=True)),
+    (2, "all_to_all", "contiguous", 128, 128, (1, 1, 128, 128), dict(local_window_size=(24, 8))),
+    (4, "all_to_all", "contiguous", 256, 256, (B, N, 1, 256), dict()),
 ]
 
 
@@ -221,15 +220,3 @@ def test_shard_map_strategies_with_bias_and_mask(devices, strategy, layout, t, s
   for name in want:
     np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5, err_msg=name)
   assert np.abs(want["dbias"]).max() > 1e-3
-
-
-def test_shard_map_all_to_all_refuses_them():
-  """context_parallel_attention's all-to-all raises naming the arrays and their shapes."""
-  mesh = _mesh(2)
-  q, k, v, g, bias, mask = _inputs(5, 128, 128, (1, N, 128, 128))
-  local = lambda q, k, v, bias: jax_flash.context_parallel_attention(
-      q, k, v, axis_name="seq", strategy="all_to_all", bias=bias, implementation="cpu")
-  refused = r"does not carry bias and mask arrays yet .*bias\(1, 4, 64, 128\)"
-  with pytest.raises(ValueError, match=refused):
-    jax.shard_map(local, mesh=mesh, in_specs=(SPEC,) * 3 + (BIAS_ROWS_SPEC,), out_specs=SPEC)(
-        q, k, v, bias)
