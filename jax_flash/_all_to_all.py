@@ -18,6 +18,8 @@ which keeps "all-to-all only" true of the compiled program.
 
 ALiBi slopes ((B, N), per head) need no communication: each device takes the slopes of the head
 slice it receives, and the kernel sees the whole sequence, so its positions are the global ones.
+So do dropout's seeds ((B, N, 4): jax_flash._dropout.seeds, which hold the global head index):
+the kernel draws every element's decision at its global position, as on one device.
 
 Block masks (B, N, L/128, S/128: the block rows of each device's queries, every key block's
 column; blocks of jax_flash.BLOCK_MASK_BLOCK) go by one more all-to-all, as the queries do: heads
@@ -169,10 +171,11 @@ def _sum_kv_copies(dk, repeats: int):
 
 def all_to_all_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=None, *,
                    axis_name, layout: str, alibi_slopes=None, block_mask=None,
-                   logits: LogitRows | None = None):
+                   logits: LogitRows | None = None, dropout_seeds=None):
   """(o, lse) over a sequence sharded along `axis_name`, with _ops.flash_fwd's arguments and
   results (this device's slices in `layout`, segment ids, block mask rows and bias and mask
-  rows, `logits`, too; q_lens and kv_lens global).
+  rows, `logits`, too; q_lens and kv_lens global; the dropout seeds (B, N, 4) of this device's
+  heads).
   Inside shard_map or a partitioned lowering; the local query heads must split over the axis."""
   num = jax.lax.axis_size(axis_name)
   like = q
@@ -182,6 +185,7 @@ def all_to_all_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_
                           _whole_ids(segment_ids, axis_name, layout, num),
                           _head_slice(alibi_slopes, axis_name, num),
                           _blocks_to_heads(block_mask, axis_name, layout, num),
+                          _head_slice(dropout_seeds, axis_name, num),
                           **_logits_to_heads(logits, axis_name, layout, num))
   # Typed as varying where q was (inside shard_map, over the mesh's other axes too).
   return (_varying_like(_to_sequence(o, axis_name, layout, num), like),
@@ -190,7 +194,7 @@ def all_to_all_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_
 
 def all_to_all_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelConfig,
                    segment_ids=None, *, axis_name, layout: str, alibi_slopes=None,
-                   block_mask=None, logits: LogitRows | None = None):
+                   block_mask=None, logits: LogitRows | None = None, dropout_seeds=None):
   """(dq, dk, dv) of all_to_all_fwd, with _ops.flash_bwd's arguments and results; where
   `logits` asks for the bias's gradient, (dq, dk, dv, dbias), dbias float32 over this device's
   bias rows (_dbias_to_sequence)."""
@@ -208,8 +212,8 @@ def all_to_all_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelCon
   grads = _ops.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config,
                          _whole_ids(segment_ids, axis_name, layout, num), None,
                          _head_slice(alibi_slopes, axis_name, num),
-                         _blocks_to_heads(block_mask, axis_name, layout, num), None,
-                         dbias=wants_dbias, **arrays)
+                         _blocks_to_heads(block_mask, axis_name, layout, num),
+                         _head_slice(dropout_seeds, axis_name, num), dbias=wants_dbias, **arrays)
   dq, dk, dv = (_to_sequence(x, axis_name, layout, num) for x in grads[:3])
   out = (_varying_like(dq, q_in), _varying_like(_sum_kv_copies(dk, repeats), k_in),
          _varying_like(_sum_kv_copies(dv, repeats), v_in))

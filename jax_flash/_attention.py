@@ -334,9 +334,10 @@ def dot_product_attention(
       indices). Taken by "cpu" (tiled kernel; such calls never run the split-KV decode
       kernel), "blockwise" (the decisions of one key block at a time: linear memory) and
       "xla"; the CUDA kernels raise ``NotImplementedError`` (pass
-      ``implementation="blockwise"`` on a GPU). A sequence-sharded call gathers the sequence
-      (a requested ``context_parallel`` raises). Rows and keys outside every mask get no
-      weight whether dropped or kept.
+      ``implementation="blockwise"`` on a GPU). A sequence-sharded call runs the all-to-all
+      strategy where the heads split over the devices, and gathers the sequence elsewhere (a
+      requested ring or all-gather raises). Rows and keys outside every mask get no weight
+      whether dropped or kept.
     dropout_key: the JAX PRNG key the mask is drawn from, required when ``dropout_rate > 0``
       (``ValueError`` naming it otherwise): one key, ``jax.random.key(seed)`` (a typed key of
       the default threefry2x32 implementation) or ``jax.random.PRNGKey(seed)`` (raw

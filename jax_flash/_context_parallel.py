@@ -48,6 +48,10 @@ where the array has the query dim; inside shard_map passed so) with every key's 
 (jax_flash._logit_rows), and the bias's gradient comes back in the same rows. Nothing of them
 travels in the ring and the all-gather; the all-to-all sends them with the queries.
 
+Fused dropout goes with the all-to-all only (its kernel sees the whole sequence of its heads
+and takes those heads' seeds); the ring's and the all-gather's kernels would draw the decisions
+at their slices' positions (_why_not).
+
 Block masks (block-sparse attention: one bool per 128 x 128 block, jax_flash.BLOCK_MASK_BLOCK)
 go with every strategy where the shards are whole blocks: each device holds the block rows of its
 own queries (sharded and moved by the zig-zag relayout like the queries), with every key block's
@@ -102,6 +106,11 @@ def _why_not(name: str, *, num: int, seq_q: int, seq_k: int, heads_q: int,
   if seq_q % num or seq_k % num:
     return (f"the query and key lengths ({seq_q}, {seq_k}) must split over the {num} devices "
             "of the sequence axis")
+  if config.dropout_rate and name != "all_to_all":
+    # (the kernels draw dropout's decisions at their operands' positions: a slice's would not
+    # be the global ones)
+    return (f"only all_to_all carries dropout (dropout_rate={config.dropout_rate!r}) yet: the "
+            f"{name} strategy's kernels see slices of the sequence")
   windowed = config.window_left >= 0 or config.window_right >= 0
   if name == "ring":
     if windowed:
@@ -207,23 +216,33 @@ def _kv_layout(strategy: Strategy) -> str:
   return "contiguous" if strategy.relayout and not _moved(strategy, kv=True) else strategy.layout
 
 
-def _run_fwd(strategy: Strategy, q, k, v, q_lens, kv_lens, config, axis_name,
-             segment_ids=None, alibi_slopes=None, block_mask=None, logits=None):
+def _options(strategy: Strategy, axis_name, alibi_slopes, block_mask, logits,
+             dropout_seeds) -> dict:
+  """A strategy's keyword arguments: the all-gather's K/V layout, the dropout seeds (only the
+  all-to-all takes them: _why_not)."""
   options = dict(axis_name=axis_name, layout=strategy.layout, alibi_slopes=alibi_slopes,
                  block_mask=block_mask, logits=logits)
   if strategy.name == "all_gather":
     options["kv_layout"] = _kv_layout(strategy)
-  return _FORWARD[strategy.name](q, k, v, q_lens, kv_lens, config, segment_ids, **options)
+  if dropout_seeds is not None:
+    options["dropout_seeds"] = dropout_seeds
+  return options
+
+
+def _run_fwd(strategy: Strategy, q, k, v, q_lens, kv_lens, config, axis_name,
+             segment_ids=None, alibi_slopes=None, block_mask=None, logits=None,
+             dropout_seeds=None):
+  return _FORWARD[strategy.name](q, k, v, q_lens, kv_lens, config, segment_ids,
+                                 **_options(strategy, axis_name, alibi_slopes, block_mask,
+                                            logits, dropout_seeds))
 
 
 def _run_bwd(strategy: Strategy, q, k, v, o, lse, d_o, q_lens, kv_lens, config, axis_name,
-             segment_ids=None, alibi_slopes=None, block_mask=None, logits=None):
-  options = dict(axis_name=axis_name, layout=strategy.layout, alibi_slopes=alibi_slopes,
-                 block_mask=block_mask, logits=logits)
-  if strategy.name == "all_gather":
-    options["kv_layout"] = _kv_layout(strategy)
+             segment_ids=None, alibi_slopes=None, block_mask=None, logits=None,
+             dropout_seeds=None):
   return _BACKWARD[strategy.name](q, k, v, o, lse, d_o, q_lens, kv_lens, config, segment_ids,
-                                  **options)
+                                  **_options(strategy, axis_name, alibi_slopes, block_mask,
+                                             logits, dropout_seeds))
 
 
 def _relayout_ids(strategy: Strategy, segment_ids, axis_name):
@@ -262,13 +281,14 @@ def _relayout_logits(strategy: Strategy, logits: LogitRows | None, axis_name):
 
 
 def sharded_fwd(strategy: Strategy, q, k, v, q_lens, kv_lens, config: _ops.KernelConfig,
-                segment_ids=None, alibi_slopes=None, block_mask=None, logits=None, *,
-                axis_name):
+                segment_ids=None, alibi_slopes=None, block_mask=None, logits=None,
+                dropout_seeds=None, *, axis_name):
   """(o, lse) of `strategy` over contiguous slices (a partitioned lowering's operands; the
   segment ids None or (q_ids, kv_ids) slices; the ALiBi slopes None or (B, N), per head, never
   moved; the block mask None or the block rows of the query slice, every key block's column;
-  the bias and mask None or a LogitRows of the query slice's rows, every key's column): moved
-  into the strategy's layout and back where it asks for that."""
+  the bias and mask None or a LogitRows of the query slice's rows, every key's column; the
+  dropout seeds None or (B, N, 4), per head, the all-to-all's only): moved into the strategy's
+  layout and back where it asks for that."""
   if _moved(strategy, kv=True):
     q, k, v = contiguous_to_zigzag((q, k, v), axis_name, (1, 1, 1))
   elif _moved(strategy, kv=False):
@@ -277,7 +297,7 @@ def sharded_fwd(strategy: Strategy, q, k, v, q_lens, kv_lens, config: _ops.Kerne
   block_mask = _relayout_blocks(strategy, block_mask, axis_name)
   logits = _relayout_logits(strategy, logits, axis_name)
   o, lse = _run_fwd(strategy, q, k, v, q_lens, kv_lens, config, axis_name, segment_ids,
-                    alibi_slopes, block_mask, logits)
+                    alibi_slopes, block_mask, logits, dropout_seeds)
   if strategy.relayout:
     o, lse = zigzag_to_contiguous((o, lse), axis_name, (1, 2))
   return o, lse
@@ -285,7 +305,7 @@ def sharded_fwd(strategy: Strategy, q, k, v, q_lens, kv_lens, config: _ops.Kerne
 
 def sharded_bwd(strategy: Strategy, q, k, v, o, lse, d_o, q_lens, kv_lens,
                 config: _ops.KernelConfig, segment_ids=None, alibi_slopes=None, block_mask=None,
-                logits=None, *, axis_name):
+                logits=None, dropout_seeds=None, *, axis_name):
   """(dq, dk, dv) of sharded_fwd; where `logits` asks for the bias's gradient, (dq, dk, dv,
   dbias), dbias float32 over the query slice's bias rows (contiguous again)."""
   if strategy.relayout:
@@ -296,7 +316,8 @@ def sharded_bwd(strategy: Strategy, q, k, v, o, lse, d_o, q_lens, kv_lens,
   block_mask = _relayout_blocks(strategy, block_mask, axis_name)
   logits = _relayout_logits(strategy, logits, axis_name)
   dq, dk, dv, *dbias = _run_bwd(strategy, q, k, v, o, lse, d_o, q_lens, kv_lens, config,
-                                axis_name, segment_ids, alibi_slopes, block_mask, logits)
+                                axis_name, segment_ids, alibi_slopes, block_mask, logits,
+                                dropout_seeds)
   if _moved(strategy, kv=True):
     dq, dk, dv = zigzag_to_contiguous((dq, dk, dv), axis_name, (1, 1, 1))
   elif strategy.relayout:

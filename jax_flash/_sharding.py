@@ -36,8 +36,9 @@ sequence, and a requested strategy raises naming block_mask.
 Dropout seeds ((B, N, 4) uint32, the "cpu" kernel's: jax_flash._dropout.seeds) come last: they
 shard with the batch and the query heads (no communication; they hold the global batch and head
 indices, so every shard draws the mask of its own elements). The kernels number rows and keys
-from their slices' starts, so no context-parallel strategy carries dropout yet: a
-sequence-sharded call gathers the sequence and a requested strategy raises naming dropout_rate.
+from their operands' starts, so of the context-parallel strategies only the all-to-all (whose
+kernel sees the whole sequence) carries dropout: elsewhere a sequence-sharded call gathers the
+sequence, and a requested ring or all-gather raises naming dropout_rate.
 
 jax.nn's bias and mask arrays ((B|1, N|1, T|1, S|1), the "cpu" kernel's, never broadcast
 further) come after them: a full batch dim shards with the batch and a full head dim with the
@@ -148,8 +149,8 @@ def _plan(mesh, arg_shapes, config: _ops.KernelConfig, blocks: bool = False) -> 
   """Read off the query's sharding: batch as it is; heads by _heads_plan; a sharded sequence
   runs the strategy _context_parallel.choose picks for the call (or the one it asks for), and
   is gathered where none can run. A block mask (`blocks`) goes only with a strategy that can
-  carry it (_context_parallel.choose). With dropout (config.dropout_rate) no strategy runs: the
-  sequence is gathered, and a requested strategy raises."""
+  carry it (_context_parallel.choose), and with dropout (config.dropout_rate) only the
+  all-to-all runs."""
   q, k = arg_shapes[0], arg_shapes[1]
   batch = _spec_entry(q.sharding, 0)
   seq = _spec_entry(q.sharding, 1)
@@ -157,14 +158,6 @@ def _plan(mesh, arg_shapes, config: _ops.KernelConfig, blocks: bool = False) -> 
     batch = None
   q_heads, kv_heads = _heads_plan(mesh, q.shape, k.shape, _spec_entry(q.sharding, 2))
   strategy = None
-  carried_by_none = (f"dropout (dropout_rate={config.dropout_rate!r})" if config.dropout_rate
-                     else None)
-  if seq is not None and carried_by_none:
-    if config.context_parallel is not None:
-      raise ValueError(f"context_parallel={config.context_parallel!r} cannot run this call: no "
-                       f"context-parallel strategy carries {carried_by_none} yet (without "
-                       "context_parallel the sequence is gathered)")
-    seq = None
   if seq is not None:
     strategy = _context_parallel.choose(
         config.context_parallel, num=_axis_size(mesh, seq), seq_q=q.shape[1], seq_k=k.shape[1],
@@ -281,7 +274,8 @@ def _fwd_op(extras: _Extras):
         whole = dataclasses.replace(config, o_split=False, o_float32=True) if split else config
         o, lse = _context_parallel.sharded_fwd(plan.strategy, q, k, v, q_lens, kv_lens, whole,
                                                ids, alibi, extras.block_mask(rest),
-                                               extras.logit_rows(rest), axis_name=plan.seq)
+                                               extras.logit_rows(rest),
+                                               extras.dropout_seeds(rest), axis_name=plan.seq)
         if not split:
           return o, lse
         o, o_error = _rounding.split_rounding(o, q.dtype)
@@ -327,7 +321,8 @@ def _bwd_op(extras: _Extras):
           o = _rounding.join_rounding(o, o_error)
         dq, dk, dv, *dbias = _context_parallel.sharded_bwd(
             plan.strategy, q, k, v, o, lse, d_o, q_lens, kv_lens, config, ids, alibi,
-            extras.block_mask(rest), extras.logit_rows(rest), axis_name=plan.seq)
+            extras.block_mask(rest), extras.logit_rows(rest), extras.dropout_seeds(rest),
+            axis_name=plan.seq)
         dbias = dbias[0] if dbias else None  # float32: cast below, once summed
       else:
         grads = impl(q, k, v, o, lse, d_o, q_lens, kv_lens, *rest, config)

@@ -514,15 +514,18 @@ def _sharded_value_and_grads(sharding=None, **cp):
   return jax.jit(jax.value_and_grad(loss, (0, 1, 2)))
 
 
-@pytest.mark.parametrize("spec", ["batch", "heads", "sequence"])
-def test_sharded_calls_draw_the_global_mask(spec):
-  """Batch- and head-sharded calls draw each element's mask by its global indices, and a
-  sequence-sharded one gathers the sequence: the same output and gradients as one device. A
-  requested context-parallel strategy raises, naming dropout."""
+@pytest.mark.parametrize("spec,heads", [("batch", 4), ("heads", 4), ("sequence", 4),
+                                        ("sequence", 1)])
+def test_sharded_calls_draw_the_global_mask(spec, heads):
+  """Batch- and head-sharded calls draw each element's mask by its global indices; a
+  sequence-sharded one runs the all-to-all where the heads split over the devices (its kernel
+  sees the whole sequence of its heads; the seeds hold the global head indices) and gathers the
+  sequence where they do not: the same output and gradients as one device. A requested ring
+  or all-gather raises, naming dropout (their kernels see slices of the sequence)."""
   from jax.sharding import NamedSharding, PartitionSpec as P
   if len(jax.devices()) < 2:
     pytest.skip("needs 2 devices")
-  q, k, v = _qkv((2, 64, 4, 16), kv_heads=4)
+  q, k, v = _qkv((2, 64, heads, 16), kv_heads=heads)
   mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
   spec = {"batch": P("x"), "heads": P(None, None, "x", None),
           "sequence": P(None, "x", None, None)}[spec]
@@ -533,8 +536,11 @@ def test_sharded_calls_draw_the_global_mask(spec):
   for a, b in zip(got_g, want_g):
     np.testing.assert_allclose(a, b, atol=2e-5)
   if spec == P(None, "x", None, None):
-    with pytest.raises(Exception, match="no context-parallel strategy carries dropout"):
-      _sharded_value_and_grads(context_parallel="ring")(*sharded)
+    hlo = _sharded_value_and_grads().lower(*sharded).compile().as_text()
+    assert ("all-to-all" in hlo) == (heads == 4) and ("all-gather" in hlo) == (heads == 1)
+    for request in ("ring", "all_gather"):
+      with pytest.raises(Exception, match="only all_to_all carries dropout"):
+        _sharded_value_and_grads(context_parallel=request)(*sharded)
 
 
 # ---------------------------------------------------------------------------------------------
