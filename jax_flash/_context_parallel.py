@@ -541,7 +541,8 @@ def ring_attention(
     return_residual: bool = False, q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
     block_mask: jax.Array | None = None, logits_soft_cap: float | None = None,
-    alibi_slopes: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+    alibi_slopes: jax.Array | None = None, bias: jax.Array | None = None,
+    mask: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Ring attention over a sequence sharded along `axis_name`, for use inside ``jax.shard_map``
   (``context_parallel_attention`` with ``strategy="ring"``, which this runs).
 
@@ -563,9 +564,10 @@ def ring_attention(
       slopes); on the kernels that take them ("cpu" today).
     The other arguments are those of ``jax_flash.dot_product_attention``, on its kernels
     (``implementation`` None, "cpu" or "cuda", checked and padded as there); with
-    ``is_causal`` the global query and key positions must coincide (T == S). Local windows,
-    bias and masks are not supported here (``context_parallel_attention`` runs windows with
-    its other strategies).
+    ``is_causal`` the global query and key positions must coincide (T == S). Local windows
+    are not supported here (``context_parallel_attention`` runs windows with its other
+    strategies). ``bias`` and ``mask``: this device's rows of them, as
+    ``context_parallel_attention`` takes them; nothing of them travels.
 
   Returns:
     This device's slice of the output (and of the log-sum-exp, ``(B, T/P, N)`` float32, with
@@ -604,6 +606,8 @@ def ring_attention(
     if problem:
       raise ValueError(f"ring_attention in layout={layout!r} cannot run query{query.shape}, "
                        f"key{key.shape} over {num} devices: {problem}")
+  bias = _validation.check_logit_array("bias", bias, batch, heads_q, rows_q, seq_k)
+  mask = _validation.check_logit_array("mask", mask, batch, heads_q, rows_q, seq_k)
   return _run_in_shard_map(
       Strategy("ring", layout), query, key, value, axis_name=axis_name, caller=caller,
       logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
@@ -613,4 +617,5 @@ def ring_attention(
       segment_ids=segment_ids,
       segment_id_shapes=None if segment_ids is None else (jnp.shape(q_segment_ids),
                                                           jnp.shape(kv_segment_ids)),
-      block_mask=block_mask, blocks_passed=blocks_passed, return_residual=return_residual)
+      block_mask=block_mask, blocks_passed=blocks_passed, return_residual=return_residual,
+      bias=bias, mask=mask)

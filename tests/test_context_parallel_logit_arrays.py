@@ -184,6 +184,9 @@ SHARD_MAP_CASES = [
     (4, "all_to_all", "zigzag", 256, 256, (B, N, 256, 256), dict(is_causal=True)),
     (2, "all_to_all", "contiguous", 128, 128, (1, 1, 128, 128), dict(local_window_size=(24, 8))),
     (4, "all_to_all", "contiguous", 256, 256, (B, N, 1, 256), dict()),
+    # jax_flash.ring_attention (the ring's own entry point) takes the same rows
+    (4, "ring_attention", "zigzag", 256, 256, (B, 1, 256, 256), dict(is_causal=True)),
+    (2, "ring_attention", "contiguous", 128, 192, (B, 1, 1, 192), dict()),
 ]
 
 
@@ -193,8 +196,8 @@ SHARD_MAP_CASES = [
          for d, st, l, t, s, b, o in SHARD_MAP_CASES])
 def test_shard_map_strategies_with_bias_and_mask(devices, strategy, layout, t, s, bias_shape,
                                                  options):
-  """context_parallel_attention inside shard_map, each device passing its rows of the bias and
-  the mask (in the layout), against the single-device kernel: out, dq, dk, dv and dbias (a bias
+  """context_parallel_attention (and ring_attention) inside shard_map, each device passing its
+  rows of the bias and the mask (in the layout), against the single-device kernel: out, dq, dk, dv and dbias (a bias
   without the query dim passed whole to every device: shard_map sums its gradient)."""
   mesh = _mesh(devices)
   q, k, v, g, bias, mask = _inputs(devices + t + s, t, s, bias_shape)
@@ -205,6 +208,9 @@ def test_shard_map_strategies_with_bias_and_mask(devices, strategy, layout, t, s
   bias_spec = BIAS_ROWS_SPEC if bias_rows else P()
 
   def local(q, k, v, bias, mask):
+    if strategy == "ring_attention":
+      return jax_flash.ring_attention(q, k, v, axis_name="seq", layout=layout, bias=bias,
+                                      mask=mask, implementation="cpu", **options)
     return jax_flash.context_parallel_attention(
         q, k, v, axis_name="seq", strategy=strategy, layout=layout, bias=bias, mask=mask,
         implementation="cpu", **options)
