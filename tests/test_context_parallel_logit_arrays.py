@@ -19,21 +19,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_flash
 from attention_testing import random_array
 from test_context_parallel import COLLECTIVES, SPEC
+from test_context_parallel_block_mask import _mesh, _segment_ids
 
 B, N, K, H = 2, 4, 2, 16
 BIAS_ROWS_SPEC = P(None, None, "seq", None)
-
-
-def _mesh(devices: int) -> Mesh:
-  if len(jax.devices()) < devices:
-    pytest.skip(f"needs {devices} devices")
-  return Mesh(np.array(jax.devices()[:devices]), ("seq",))
 
 
 def _inputs(seed: int, t: int, s: int, bias_shape, bias_dtype=jnp.float32, masked=True):
@@ -78,13 +73,6 @@ def _run(attention, q, k, v, bias, g, *ids) -> tuple[dict, str]:
           compiled.as_text())
 
 
-def _segment_ids(seed: int, seq: int) -> jax.Array:
-  rng = np.random.default_rng(seed + 300)
-  cuts = np.sort(rng.choice(np.arange(1, seq), size=(B, 3), replace=False), axis=-1)
-  return jnp.asarray(np.stack([np.searchsorted(c, np.arange(seq), side="right") for c in cuts]),
-                     jnp.int32)
-
-
 CASES = [
     # devices, context_parallel, T, S, bias shape, options, collectives of forward + backward
     (4, "ring", 256, 256, (B, N, 256, 256), dict(), {"collective-permute"}),
@@ -127,7 +115,7 @@ def test_jit_sequence_sharded_with_bias_and_mask(devices, context_parallel, t, s
   with_ids = options.pop("ids", False)
   seed = devices * 100 + t + s + len(bias_shape) + len(options)
   q, k, v, g, bias, mask = _inputs(seed, t, s, bias_shape)
-  ids = (_segment_ids(seed, t), _segment_ids(seed, s)) if with_ids else ()
+  ids = tuple(jnp.asarray(_segment_ids(seed, n, batch=B)) for n in (t, s)) if with_ids else ()
   want, _ = _run(_attention(mask, **dict(options)), q, k, v, bias, g, *ids)
   put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
   sharded = [put(x, SPEC) for x in (q, k, v, g)]
