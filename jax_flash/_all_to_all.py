@@ -46,7 +46,7 @@ import jax.numpy as jnp
 
 from jax_flash import _ops
 from jax_flash._chunks import from_layout_order, to_layout_order
-from jax_flash._logit_rows import LogitRows
+from jax_flash._logit_rows import HEADS, ROWS, LogitRows, full
 from jax_flash._ring import _varying_like
 
 
@@ -101,7 +101,7 @@ def _logit_to_heads(x, axis_name, layout: str, num: int):
   slice takes: (B|1, N/P|1, T|1, S|1), rows in natural order (None stays None)."""
   if x is None:
     return None
-  heads, rows = x.shape[1] != 1, x.shape[2] != 1
+  heads, rows = full(x, HEADS), full(x, ROWS)
   if heads and rows:
     x = jax.lax.all_to_all(x, axis_name, split_axis=1, concat_axis=2, tiled=True)
     return from_layout_order(x, 2, num, layout)
@@ -118,7 +118,7 @@ def _dbias_to_sequence(dbias, bias, axis_name, layout: str, num: int):
   """The inverse of _logit_to_heads for the gradient (float32) of `bias` (this device's rows):
   this device's rows, its share of a sum over the devices where the bias lacks the heads or the
   query dim."""
-  heads, rows = bias.shape[1] != 1, bias.shape[2] != 1
+  heads, rows = full(bias, HEADS), full(bias, ROWS)
   if heads and rows:
     dbias = to_layout_order(dbias, 2, num, layout)
     return jax.lax.all_to_all(dbias, axis_name, split_axis=2, concat_axis=1, tiled=True)

@@ -57,31 +57,13 @@ def _narrow_cuda_call(q, k, config, segment_ids, alibi_slopes, block_mask, dropo
                                           config.window_right, q.shape[-3], k.shape[-3])
 
 
-def _primal_values(primals):
-  """The values of the primals a symbolic-zeros forward rule gets (CustomVJPPrimal leaves)."""
-  return jax.tree.map(lambda primal: primal.value, primals)
-
-
-def _wants_dbias(bias) -> tuple:
-  """Whether the backward forms dbias, as a residual: (None,) for a bias something
-  differentiates (custom_vjp's `perturbed`), () otherwise (static: the tuple's length)."""
-  return (None,) if bias is not None and bias.perturbed else ()
-
-
-def _cotangent(d_o):
-  """The output's cotangent as an array (symbolic zeros: a SymbolicZero where it is zero)."""
-  if isinstance(d_o, jax.custom_derivatives.SymbolicZero):
-    return jnp.zeros(d_o.shape, d_o.dtype)
-  return d_o
-
-
 def _flash_attention_fwd(q, k, v, q_lens, kv_lens, config, segment_ids=None,
                          alibi_slopes=None, block_mask=None, dropout_seeds=None, bias=None,
                          mask=None):
-  wants_dbias = _wants_dbias(bias)
+  wants_dbias = _derivatives.wants_gradient(bias)
   (q, k, v, q_lens, kv_lens, segment_ids, alibi_slopes, block_mask, dropout_seeds, bias,
-   mask) = _primal_values((q, k, v, q_lens, kv_lens, segment_ids, alibi_slopes, block_mask,
-                           dropout_seeds, bias, mask))
+   mask) = _derivatives.primal_values((q, k, v, q_lens, kv_lens, segment_ids, alibi_slopes,
+                                       block_mask, dropout_seeds, bias, mask))
   narrow = _narrow_cuda_call(q, k, config, segment_ids, alibi_slopes, block_mask, dropout_seeds)
   fwd_config = _ops.for_backward(config, split=not narrow)
   outputs = _sharding.flash_fwd(q, k, v, q_lens, kv_lens, fwd_config, segment_ids,
@@ -99,11 +81,11 @@ def _flash_attention_fwd(q, k, v, q_lens, kv_lens, config, segment_ids=None,
 def _backward_kernel(q, k, v, o, lse, d_o, q_lens, kv_lens, config, segment_ids, o_error,
                      alibi_slopes, block_mask, dropout_seeds, bias, mask, wants_dbias):
   """(dq, dk, dv, dbias or None) of the backward kernel; dbias None unless `wants_dbias`
-  (_wants_dbias)."""
+  (_derivatives.wants_gradient)."""
   dbias = bias is not None and bool(wants_dbias)
-  grads = _sharding.flash_bwd(q, k, v, o, lse, _cotangent(d_o), q_lens, kv_lens, config,
-                              segment_ids, o_error, alibi_slopes, block_mask, dropout_seeds,
-                              bias, mask, dbias)
+  grads = _sharding.flash_bwd(q, k, v, o, lse, _derivatives.cotangent_array(d_o), q_lens,
+                              kv_lens, config, segment_ids, o_error, alibi_slopes, block_mask,
+                              dropout_seeds, bias, mask, dbias)
   return grads if dbias else (*grads, None)
 
 

@@ -73,8 +73,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_flash import _all_gather, _all_to_all, _dispatch, _ops, _ring, _validation
-from jax_flash._logit_rows import LogitRows, logit_rows
+from jax_flash import (_all_gather, _all_to_all, _derivatives, _dispatch, _ops, _ring,
+                       _validation)
+from jax_flash._logit_rows import ROWS, LogitRows, full, logit_rows
 from jax_flash._block_sparse import BLOCK_MASK_BLOCK
 from jax_flash._chunks import contiguous_to_zigzag, zigzag_to_contiguous
 
@@ -272,9 +273,9 @@ def _relayout_logits(strategy: Strategy, logits: LogitRows | None, axis_name):
     return logits
 
   def moved(x):
-    if x is None or x.shape[2] == 1:
+    if x is None or not full(x, ROWS):
       return x
-    (x,) = contiguous_to_zigzag((x,), axis_name, (2,))
+    (x,) = contiguous_to_zigzag((x,), axis_name, (ROWS,))
     return x
 
   return dataclasses.replace(logits, bias=moved(logits.bias), mask=moved(logits.mask))
@@ -322,7 +323,7 @@ def sharded_bwd(strategy: Strategy, q, k, v, o, lse, d_o, q_lens, kv_lens,
     dq, dk, dv = zigzag_to_contiguous((dq, dk, dv), axis_name, (1, 1, 1))
   elif strategy.relayout:
     (dq,) = zigzag_to_contiguous((dq,), axis_name, (1,))
-  if dbias and strategy.relayout and dbias[0].shape[2] != 1:
+  if dbias and strategy.relayout and full(dbias[0], ROWS):
     dbias = list(zigzag_to_contiguous((dbias[0],), axis_name, (2,)))
   return (dq, dk, dv, *dbias)
 
@@ -333,7 +334,8 @@ def sharded_bwd(strategy: Strategy, q, k, v, o, lse, d_o, q_lens, kv_lens,
 # segment_ids: None or this device's (q_ids, kv_ids); alibi: None or the slopes (B, N) float32;
 # block_mask: None or this device's block rows (B, N, L/128, S/128). Like the lengths, not
 # differentiated. bias, mask: None or this device's rows of them (B|1, N|1, L|1, S|1); the bias
-# differentiated (its gradient formed wherever one is given).
+# differentiated where something differentiates it (symbolic zeros: `perturbed`, as in
+# _attention._flash_attention), the mask not.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12))
 def _attention(q, k, v, q_lens, kv_lens, segment_ids, alibi, block_mask, bias, mask, config,
                strategy, axis_name):
@@ -343,11 +345,15 @@ def _attention(q, k, v, q_lens, kv_lens, segment_ids, alibi, block_mask, bias, m
 
 def _attention_fwd(q, k, v, q_lens, kv_lens, segment_ids, alibi, block_mask, bias, mask, config,
                    strategy, axis_name):
+  wants_dbias = _derivatives.wants_gradient(bias)
+  q, k, v, q_lens, kv_lens, segment_ids, alibi, block_mask, bias, mask = (
+      _derivatives.primal_values((q, k, v, q_lens, kv_lens, segment_ids, alibi, block_mask,
+                                  bias, mask)))
   # The output in float32 for the backward, as dot_product_attention's forward keeps it.
   out32, lse = _run_fwd(strategy, q, k, v, q_lens, kv_lens, _ops.for_backward(config),
                         axis_name, segment_ids, alibi, block_mask, logit_rows(bias, mask))
   return (out32.astype(q.dtype), lse), (q, k, v, q_lens, kv_lens, segment_ids, alibi,
-                                        block_mask, bias, mask, out32, lse)
+                                        block_mask, bias, mask, out32, lse, wants_dbias)
 
 
 def _unvarying_like(gradient, x):
@@ -359,18 +365,20 @@ def _unvarying_like(gradient, x):
 
 
 def _attention_bwd(config, strategy, axis_name, residuals, cotangents):
-  q, k, v, q_lens, kv_lens, segment_ids, alibi, block_mask, bias, mask, out, lse = residuals
+  (q, k, v, q_lens, kv_lens, segment_ids, alibi, block_mask, bias, mask, out, lse,
+   wants_dbias) = residuals
   d_out, _ = cotangents  # lse leaves under stop_gradient
-  dq, dk, dv, *dbias = _run_bwd(strategy, q, k, v, out, lse, d_out, q_lens, kv_lens, config,
+  dq, dk, dv, *dbias = _run_bwd(strategy, q, k, v, out, lse,
+                                _derivatives.cotangent_array(d_out), q_lens, kv_lens, config,
                                 axis_name, segment_ids, alibi, block_mask,
-                                logit_rows(bias, mask, dbias=True))
+                                logit_rows(bias, mask, dbias=bool(wants_dbias)))
   dbias = _unvarying_like(dbias[0], bias).astype(bias.dtype) if dbias else None
   if dbias is not None and bias.shape[-1] == 1:
     dbias = _ops.row_bias_gradient(dbias)
   return dq, dk, dv, None, None, None, None, None, dbias, None
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
 def context_parallel_attention(

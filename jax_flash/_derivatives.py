@@ -21,6 +21,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 import jax
+import jax.numpy as jnp
 
 HIGHER_ORDER_MESSAGE = (
     "jax_flash: the kernels' backward pass cannot be differentiated: second and higher "
@@ -65,3 +66,27 @@ def explain_forward_mode(caller: str, implementation: str) -> Iterator[None]:
     if _JAX_FORWARD_MODE_ERROR not in str(e):
       raise
     raise TypeError(forward_mode_message(caller, implementation)) from e
+
+
+# Helpers of the custom VJPs defined with symbolic zeros (``defvjp(..., symbolic_zeros=True)``):
+# their forward rules see which primals something differentiates, so that the backward forms
+# only those gradients (a constant bias costs the backward no dbias).
+
+
+def primal_values(primals):
+  """The values of the primals a symbolic-zeros forward rule gets (CustomVJPPrimal leaves)."""
+  return jax.tree.map(lambda primal: primal.value, primals)
+
+
+def wants_gradient(primal) -> tuple:
+  """Whether the backward forms the gradient of `primal` (a CustomVJPPrimal or None), as a
+  residual: (None,) where something differentiates it (`perturbed`), () otherwise (static:
+  the tuple's length)."""
+  return (None,) if primal is not None and primal.perturbed else ()
+
+
+def cotangent_array(cotangent):
+  """A cotangent as an array (a SymbolicZero where it is zero becomes zeros)."""
+  if isinstance(cotangent, jax.custom_derivatives.SymbolicZero):
+    return jnp.zeros(cotangent.shape, cotangent.dtype)
+  return cotangent

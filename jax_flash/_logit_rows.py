@@ -17,25 +17,26 @@ import functools
 import jax
 import jax.numpy as jnp
 
-_ROWS, _COLUMNS = 2, 3  # the query and key dims of a (B|1, N|1, T|1, S|1) array
+HEADS, ROWS, COLUMNS = 1, 2, 3  # the head, query and key dims of a (B|1, N|1, T|1, S|1) array
 
 
-def _full(x, axis: int) -> bool:
+def full(x, axis: int) -> bool:
+  """Whether x has its own entries along `axis` (not broadcast: a dim of 1)."""
   return x.shape[axis] != 1
 
 
 def _rows(x, parts: int) -> list:
   """x's rows split into `parts` query chunks (x as it is, `parts` times, where broadcast)."""
-  if x is None or parts == 1 or not _full(x, _ROWS):
+  if x is None or parts == 1 or not full(x, ROWS):
     return [x] * parts
-  return jnp.split(x, parts, axis=_ROWS)
+  return jnp.split(x, parts, axis=ROWS)
 
 
 def _columns(x, start, size: int):
   """x's columns [start, start + size) (`start` static or traced); x where broadcast."""
-  if x is None or not _full(x, _COLUMNS):
+  if x is None or not full(x, COLUMNS):
     return x
-  return jax.lax.dynamic_slice_in_dim(x, start, size, axis=_COLUMNS)
+  return jax.lax.dynamic_slice_in_dim(x, start, size, axis=COLUMNS)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("bias", "mask"),
@@ -65,7 +66,7 @@ class LogitRows:
     sums of them round once, at the end, as one device's kernel does."""
     bias = self.bias
     if (backward and self.dbias and bias.dtype != jnp.float32
-        and not (_full(bias, _ROWS) and _full(bias, _COLUMNS))):
+        and not (full(bias, ROWS) and full(bias, COLUMNS))):
       bias = bias.astype(jnp.float32)
     return dict(bias=bias, mask=self.mask)
 
@@ -78,7 +79,7 @@ class LogitRows:
     and columns [column0, ...) where those dims are full (row0 static or traced; column0 too)."""
     if total is None:
       return None
-    start = (0, 0, row0 if _full(total, _ROWS) else 0, column0 if _full(total, _COLUMNS) else 0)
+    start = (0, 0, row0 if full(total, ROWS) else 0, column0 if full(total, COLUMNS) else 0)
     current = jax.lax.dynamic_slice(total, start, part.shape)
     return jax.lax.dynamic_update_slice(total, current + part.astype(jnp.float32), start)
 

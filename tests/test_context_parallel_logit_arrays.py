@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_flash
-from attention_testing import random_array
+from attention_testing import ffi_calls, random_array
 from test_context_parallel import COLLECTIVES, SPEC
 from test_context_parallel_block_mask import _mesh, _segment_ids
 
@@ -214,3 +214,34 @@ def test_shard_map_strategies_with_bias_and_mask(devices, strategy, layout, t, s
   for name in want:
     np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5, err_msg=name)
   assert np.abs(want["dbias"]).max() > 1e-3
+
+
+@pytest.mark.parametrize("strategy", ["ring", "all_gather", "all_to_all"])
+def test_shard_map_bias_nothing_differentiates_gets_no_dbias(strategy):
+  """Inside shard_map, a bias that nothing differentiates (a constant of the loss) costs the
+  backward kernels no dbias: each returns a (0,) result, as on one device, and dq, dk, dv are
+  those of the call that differentiates the bias too (within the order of sums)."""
+  devices, t = 2, 128
+  mesh = _mesh(devices)
+  q, k, v, g, bias, mask = _inputs(7, t, t, (B, N, t, t))
+
+  def loss(q, k, v, bias):
+    local = lambda q, k, v, bias, mask: jax_flash.context_parallel_attention(
+        q, k, v, axis_name="seq", strategy=strategy, bias=bias, mask=mask, implementation="cpu")
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(SPEC,) * 3 + (BIAS_ROWS_SPEC,) * 2,
+                            out_specs=SPEC)
+    return jnp.sum(sharded(q, k, v, bias, mask) * g)
+
+  def backward_results(argnums):
+    calls = ffi_calls(jax.grad(loss, argnums=argnums), q, k, v, bias)
+    return [results for name, _, _, results in calls if "bwd" in name]
+
+  without, with_dbias = backward_results((0, 1, 2)), backward_results((0, 1, 2, 3))
+  assert without and len(without) == len(with_dbias)
+  dbias = 5  # the kernel's dbias result (as test_bias_mask_kernel reads it)
+  assert all(tuple(results[dbias].shape) == (0,) for results in without)
+  assert all(len(results[dbias].shape) == 4 for results in with_dbias)  # the strategy's cut
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, bias)
+  grads_too = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, bias)[:3]
+  for a, b in zip(grads, grads_too):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
