@@ -34,8 +34,15 @@ S/128);
 nothing is gathered. A slice's kernel takes its rows and the columns of its key range, so the
 query chunks must be whole blocks and each key range must start on a block: a range cut by a
 window's left edge starts at a block boundary only when the left size is a multiple of 128
-(block_aligned; jax_flash._context_parallel falls back where not). Its end may cut a block (the
-kernel's last key block is then partial, as the mask's last column is at S).
+(key_ranges_aligned; jax_flash._context_parallel falls back where not). Its end may cut a
+block (the kernel's last key block is then partial, as the mask's last column is at S).
+
+Fused dropout (jax_flash._dropout; seeds (B, N, SEED_WORDS) per head: nothing is gathered): a
+slice's kernel takes the seeds with their row and column words moved to the slice's first row
+and its key range's first key (jax_flash._dropout.at_offset), so it drops what one kernel over
+the whole sequence drops there. The query chunks must be whole 16-row groups of the decisions'
+layout and each key range must start on a 16-key group (a window's left size a multiple of 16
+where it cuts the range: key_ranges_aligned).
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_flash import _ops
+from jax_flash import _dropout, _ops
 from jax_flash._block_sparse import BLOCK_MASK_BLOCK
 from jax_flash._chunks import from_layout_order, to_layout_order
 from jax_flash._logit_rows import LogitRows
@@ -103,14 +110,15 @@ def _ids_for(plan: _Slice, ids):
   return q_ids, kv_ids[:, plan.start:plan.stop]
 
 
-def block_aligned(config: _ops.KernelConfig, num: int, layout: str, seq_q: int,
-                  seq_k: int) -> bool:
+def key_ranges_aligned(config: _ops.KernelConfig, num: int, layout: str, seq_q: int,
+                       seq_k: int, multiple: int) -> bool:
   """Whether every query slice of the all-gather over `num` devices in `layout` starts its key
-  range on a key block of the block mask (see the module docstring); the query chunks' own
-  alignment is the caller's to check."""
+  range on a multiple of `multiple` keys: a key block of the block mask, or a 16-key group of
+  dropout's decisions (see the module docstring); the query chunks' own alignment is the
+  caller's to check."""
   parts = 1 if layout == "contiguous" else 2
   rows = seq_q // (num * parts)
-  return all(_slice_plan(config, chunk * rows, rows, seq_k).start % BLOCK_MASK_BLOCK[1] == 0
+  return all(_slice_plan(config, chunk * rows, rows, seq_k).start % multiple == 0
              for chunk in range(num * parts))
 
 
@@ -128,16 +136,28 @@ def _logits_for(plan: _Slice, logits: LogitRows | None) -> LogitRows | None:
   return None if logits is None else logits.cut(plan.start, plan.stop - plan.start)
 
 
+def _seeds_for(plan: _Slice, seeds):
+  """The kernel's dropout seeds of a slice: `seeds` (at its first row: _row_seeds) moved to the
+  key range's first key (None without dropout)."""
+  return None if seeds is None else _dropout.at_offset(seeds, 0, plan.start)
+
+
+def _row_seeds(dropout_seeds, first_row):
+  """The dropout seeds at a query slice's first global row (None without dropout)."""
+  return None if dropout_seeds is None else _dropout.at_offset(dropout_seeds, first_row, 0)
+
+
 def _local_kv_lens(kv_lens, plan: _Slice):
   return jnp.clip(kv_lens - plan.start, 0, plan.stop - plan.start).astype(jnp.int32)
 
 
 def _slice_fwd(plan: _Slice, q, k, v, q_lens, kv_lens, alibi=None, ids=None, blocks=None,
-               logits=None):
+               logits=None, seeds=None):
   """(o float32, lse) of one query slice (q_lens local to it) against the gathered K/V;
   `alibi`: None or (slopes (B, N), the slice's first global query row); `ids`: None or
   (the slice's query ids, the gathered key ids); `blocks`: None or the block mask of its rows
-  (B, N, rows / 128, S / 128); `logits`: None or the bias and mask of its rows (LogitRows)."""
+  (B, N, rows / 128, S / 128); `logits`: None or the bias and mask of its rows (LogitRows);
+  `seeds`: None or the dropout seeds at the slice's first row (_seeds_for adds its keys')."""
   if plan.stop == plan.start:  # nothing visible: every row empty
     batch, rows, heads, _ = q.shape
     return (_varying_like(jnp.zeros((batch, rows, heads, v.shape[-1]), jnp.float32), q),
@@ -146,14 +166,14 @@ def _slice_fwd(plan: _Slice, q, k, v, q_lens, kv_lens, alibi=None, ids=None, blo
   o, lse = _ops.flash_fwd(q, k[:, plan.start:plan.stop], v[:, plan.start:plan.stop], q_lens,
                           _local_kv_lens(kv_lens, plan), plan.config, _ids_for(plan, ids),
                           None if alibi is None else alibi[0], _blocks_for(plan, blocks),
-                          **arrays)
+                          _seeds_for(plan, seeds), **arrays)
   if alibi is not None:
     lse = alibi_lse_shift(lse, alibi[0], plan.start - alibi[1])
   return _varying_like(o.astype(jnp.float32), q), _varying_like(lse, q)
 
 
 def _slice_bwd(plan: _Slice, q, k, v, o, lse, d_o, q_lens, kv_lens, alibi=None, ids=None,
-               blocks=None, logits=None):
+               blocks=None, logits=None, seeds=None):
   """(dq, dk float32, dv float32, dbias) of _slice_fwd, dK/dV over the whole gathered sequence;
   dbias float32 over the slice's bias rows and every key's column where `logits` asks for it,
   else None."""
@@ -171,7 +191,7 @@ def _slice_bwd(plan: _Slice, q, k, v, o, lse, d_o, q_lens, kv_lens, alibi=None, 
   grads = _ops.flash_bwd(
       q, k[:, plan.start:plan.stop], v[:, plan.start:plan.stop], o, lse, d_o, q_lens,
       _local_kv_lens(kv_lens, plan), plan.config, _ids_for(plan, ids), None, slopes,
-      _blocks_for(plan, blocks), None, dbias=dbias is not None, **arrays)
+      _blocks_for(plan, blocks), _seeds_for(plan, seeds), dbias=dbias is not None, **arrays)
   dq, dk_part, dv_part = grads[:3]
   dk = dk.at[:, plan.start:plan.stop].set(dk_part.astype(jnp.float32))
   dv = dv.at[:, plan.start:plan.stop].set(dv_part.astype(jnp.float32))
@@ -214,12 +234,12 @@ def _id_pair(q_ids_c, kv_ids):
 
 def all_gather_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=None, *,
                    axis_name, layout: str, kv_layout: str | None = None, alibi_slopes=None,
-                   block_mask=None, logits: LogitRows | None = None):
+                   block_mask=None, logits: LogitRows | None = None, dropout_seeds=None):
   """(o, lse) over a sequence sharded along `axis_name`, with _ops.flash_fwd's arguments and
   results (this device's query slices in `layout`, its K/V slices in `kv_layout`, by default
   the same, the segment ids with them; q_lens and kv_lens global; the ALiBi slopes (B, N) of
   this device's heads; the block mask (B, N, L / 128, S / 128) of its query rows, in `layout`,
-  every key block in the sequence's order: see block_aligned; the bias and mask rows of its
+  every key block in the sequence's order: see key_ranges_aligned; the bias and mask rows of its
   queries likewise, `logits`). Inside shard_map or a partitioned lowering."""
   num = jax.lax.axis_size(axis_name)
   rank = jax.lax.axis_index(axis_name)
@@ -236,7 +256,7 @@ def all_gather_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_
       _slices(config, num, layout, rows, k.shape[1], rank, q_lens)):
     o, lse = _by_rank(rank, plans, _slice_fwd, q_c, k, v, q_lens_c, kv_lens,
                       _alibi_arg(alibi_slopes, first_row), _id_pair(q_id_c, kv_ids), blocks_c,
-                      logits_c)
+                      logits_c, _row_seeds(dropout_seeds, first_row))
     outs.append(o)
     lses.append(lse)
   out = jnp.concatenate(outs, axis=1).astype(jnp.float32 if config.o_float32 else q.dtype)
@@ -245,7 +265,8 @@ def all_gather_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_
 
 def all_gather_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelConfig,
                    segment_ids=None, *, axis_name, layout: str, kv_layout: str | None = None,
-                   alibi_slopes=None, block_mask=None, logits: LogitRows | None = None):
+                   alibi_slopes=None, block_mask=None, logits: LogitRows | None = None,
+                   dropout_seeds=None):
   """(dq, dk, dv) of all_gather_fwd, with _ops.flash_bwd's arguments and results; where
   `logits` asks for the bias's gradient, (dq, dk, dv, dbias), dbias float32 over this device's
   bias rows."""
@@ -271,7 +292,8 @@ def all_gather_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelCon
     dq_c, dk_c, dv_c, dbias_c = _by_rank(rank, plans, _slice_bwd, q_c, k_all, v_all, o_c, lse_c,
                                          do_c, q_lens_c, kv_lens,
                                          _alibi_arg(alibi_slopes, first_row),
-                                         _id_pair(q_id_c, kv_ids), blocks_c, logits_c)
+                                         _id_pair(q_id_c, kv_ids), blocks_c, logits_c,
+                                         _row_seeds(dropout_seeds, first_row))
     dqs.append(dq_c)
     dk, dv = dk + dk_c, dv + dv_c
     if dbias is not None:

@@ -18,8 +18,8 @@ which keeps "all-to-all only" true of the compiled program.
 
 ALiBi slopes ((B, N), per head) need no communication: each device takes the slopes of the head
 slice it receives, and the kernel sees the whole sequence, so its positions are the global ones.
-So do dropout's seeds ((B, N, 4): jax_flash._dropout.seeds, which hold the global head index):
-the kernel draws every element's decision at its global position, as on one device.
+So do dropout's seeds ((B, N, SEED_WORDS): jax_flash._dropout.seeds, which hold the global head
+index): the kernel draws every element's decision at its global position, as on one device.
 
 Block masks (B, N, L/128, S/128: the block rows of each device's queries, every key block's
 column; blocks of jax_flash.BLOCK_MASK_BLOCK) go by one more all-to-all, as the queries do: heads
@@ -174,8 +174,8 @@ def all_to_all_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_
                    logits: LogitRows | None = None, dropout_seeds=None):
   """(o, lse) over a sequence sharded along `axis_name`, with _ops.flash_fwd's arguments and
   results (this device's slices in `layout`, segment ids, block mask rows and bias and mask
-  rows, `logits`, too; q_lens and kv_lens global; the dropout seeds (B, N, 4) of this device's
-  heads).
+  rows, `logits`, too; q_lens and kv_lens global; the dropout seeds (B, N, SEED_WORDS) of this
+  device's heads).
   Inside shard_map or a partitioned lowering; the local query heads must split over the axis."""
   num = jax.lax.axis_size(axis_name)
   like = q

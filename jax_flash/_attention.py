@@ -18,7 +18,7 @@ _XLA_PATHS = {"xla": attention_reference, "blockwise": blockwise_attention}
 
 
 # segment_ids: None or (q_ids (B, T), kv_ids (B, S)) int32; alibi_slopes: None or (B, N)
-# float32; block_mask: None or (B, N, Tb, Sb) bool; dropout_seeds: None or (B, N, 4) uint32
+# float32; block_mask: None or (B, N, Tb, Sb) bool; dropout_seeds: None or (B, N, SEED_WORDS) uint32
 # (jax_flash._dropout.seeds), exactly when config.dropout_rate > 0. Like the lengths, none is
 # differentiated (their cotangents are None: zero). bias and mask: None or jax.nn's arrays,
 # (B|1, N|1, T|1, S|1) float and bool, as the caller broadcast them; the bias is differentiated
@@ -316,10 +316,11 @@ def dot_product_attention(
       indices). Taken by "cpu" (tiled kernel; such calls never run the split-KV decode
       kernel), "blockwise" (the decisions of one key block at a time: linear memory) and
       "xla"; the CUDA kernels raise ``NotImplementedError`` (pass
-      ``implementation="blockwise"`` on a GPU). A sequence-sharded call runs the all-to-all
-      strategy where the heads split over the devices, and gathers the sequence elsewhere (a
-      requested ring or all-gather raises). Rows and keys outside every mask get no weight
-      whether dropped or kept.
+      ``implementation="blockwise"`` on a GPU). A sequence-sharded call runs every
+      context-parallel strategy and drops what one device drops (the ring's and the
+      all-gather's kernels take the seeds moved to their slices' first row and key, which must
+      start 16 x 16 groups of the decisions: else the strategy is passed over, and a request
+      raises). Rows and keys outside every mask get no weight whether dropped or kept.
     dropout_key: the JAX PRNG key the mask is drawn from, required when ``dropout_rate > 0``
       (``ValueError`` naming it otherwise): one key, ``jax.random.key(seed)`` (a typed key of
       the default threefry2x32 implementation) or ``jax.random.PRNGKey(seed)`` (raw

@@ -340,7 +340,7 @@ def _backward(q, k, v, o, lse, has_keys, d_o, q_lens, kv_lens, bias, mask, segme
   return dq.reshape(q.shape).astype(q.dtype), unblock(dk, k), unblock(dv, v), dbias, dsinks
 
 
-# alibi_slopes: None or (N,) float32; dropout_seeds: None or (B, N, 4) uint32
+# alibi_slopes: None or (N,) float32; dropout_seeds: None or (B, N, SEED_WORDS) uint32
 # (jax_flash._dropout.seeds). Neither is differentiated (their cotangents are None: zero).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(11,))
 def _attention(q, k, v, q_lens, kv_lens, bias, mask, segment_ids, sinks, alibi_slopes,
@@ -391,7 +391,7 @@ def blockwise_attention(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bo
   attention; each step expands only its key block's columns of it to an element mask and
   combines that with `mask` (never the whole (T, S); this path visits every block, the "cpu"
   kernel skips hidden ones). `dropout_rate` (None: off)
-  with `dropout_seeds` (B, N, 4) uint32: each step multiplies its normalised probabilities
+  with `dropout_seeds` (B, N, SEED_WORDS) uint32: each step multiplies its normalised probabilities
   by keep / (1 - rate), the kernels' decisions drawn for its key block alone (no (T, S)
   array), forward and backward."""
   mask = _Masks(mask, block_mask)

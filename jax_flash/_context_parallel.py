@@ -48,9 +48,11 @@ where the array has the query dim; inside shard_map passed so) with every key's 
 (jax_flash._logit_rows), and the bias's gradient comes back in the same rows. Nothing of them
 travels in the ring and the all-gather; the all-to-all sends them with the queries.
 
-Fused dropout goes with the all-to-all only (its kernel sees the whole sequence of its heads
-and takes those heads' seeds); the ring's and the all-gather's kernels would draw the decisions
-at their slices' positions (_why_not).
+Fused dropout goes with every strategy: the all-to-all's kernel sees the whole sequence of its
+heads and takes those heads' seeds; the ring's and the all-gather's kernels see slices and take
+the seeds moved to their slices' first row and key (jax_flash._dropout.at_offset), which must
+start 16-row and 16-key groups of the decisions' layout (_dropout_problem). Every strategy drops
+what one device drops.
 
 Block masks (block-sparse attention: one bool per 128 x 128 block, jax_flash.BLOCK_MASK_BLOCK)
 go with every strategy where the shards are whole blocks: each device holds the block rows of its
@@ -73,8 +75,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_flash import (_all_gather, _all_to_all, _derivatives, _dispatch, _ops, _ring,
-                       _validation)
+from jax_flash import (_all_gather, _all_to_all, _derivatives, _dispatch, _dropout, _ops,
+                       _ring, _validation)
 from jax_flash._logit_rows import ROWS, LogitRows, full, logit_rows
 from jax_flash._block_sparse import BLOCK_MASK_BLOCK
 from jax_flash._chunks import contiguous_to_zigzag, zigzag_to_contiguous
@@ -107,11 +109,6 @@ def _why_not(name: str, *, num: int, seq_q: int, seq_k: int, heads_q: int,
   if seq_q % num or seq_k % num:
     return (f"the query and key lengths ({seq_q}, {seq_k}) must split over the {num} devices "
             "of the sequence axis")
-  if config.dropout_rate and name != "all_to_all":
-    # (the kernels draw dropout's decisions at their operands' positions: a slice's would not
-    # be the global ones)
-    return (f"only all_to_all carries dropout (dropout_rate={config.dropout_rate!r}) yet: the "
-            f"{name} strategy's kernels see slices of the sequence")
   windowed = config.window_left >= 0 or config.window_right >= 0
   if name == "ring":
     if windowed:
@@ -131,7 +128,7 @@ def _block_mask_problem(name: str, layout: str, *, num: int, seq_q: int, seq_k: 
   can; the lengths split over the devices, and in the zig-zag layout into 2 `num` chunks). Each
   device holds the block rows of its queries, so its query slice (each zig-zag chunk) must be
   whole blocks; the ring cuts the columns of each K/V chunk, so those must be too; the
-  all-gather cuts each query slice's key range (_all_gather.block_aligned)."""
+  all-gather cuts each query slice's key range (_all_gather.key_ranges_aligned)."""
   parts = 2 if layout == "zigzag" else 1
   block_q, block_k = BLOCK_MASK_BLOCK
   where = "zig-zag chunk" if parts == 2 else "slice"
@@ -142,10 +139,40 @@ def _block_mask_problem(name: str, layout: str, *, num: int, seq_q: int, seq_k: 
   if name == "ring" and keys % block_k:
     return (f"the ring with a block_mask needs each device's key {where} to be whole "
             f"{block_k}-key blocks; S={seq_k} over {num} devices ({layout}) gives {keys} keys")
-  if name == "all_gather" and not _all_gather.block_aligned(config, num, layout, seq_q, seq_k):
+  if name == "all_gather" and not _all_gather.key_ranges_aligned(config, num, layout, seq_q,
+                                                                 seq_k, block_k):
     return (f"the all-gather with a block_mask needs each query slice's key range to start on "
             f"a {block_k}-key block: the left size of local_window_size "
             f"({config.window_left}) must be a multiple of {block_k}")
+  return None
+
+
+def _dropout_problem(name: str, layout: str, *, num: int, seq_q: int, seq_k: int,
+                     config: _ops.KernelConfig) -> str | None:
+  """Why strategy `name` in `layout` cannot carry fused dropout over `num` devices (None: it
+  can). The all-to-all's kernel sees the whole sequence of its heads. The ring's and the
+  all-gather's kernels see slices: each takes the seeds moved to its slice's first row and key
+  (jax_flash._dropout.at_offset), which must start 16-row and 16-key groups of the decisions'
+  layout: the query slices (zig-zag: chunks), the ring's key slices, the all-gather's key
+  ranges (a window's left size cuts them)."""
+  if name == "all_to_all":
+    return None
+  multiple = _dropout.OFFSET_MULTIPLE
+  parts = 2 if layout == "zigzag" else 1
+  where = "zig-zag chunk" if parts == 2 else "slice"
+  rows, keys = seq_q // (num * parts), seq_k // (num * parts)
+  rate = f"dropout_rate={config.dropout_rate!r}"
+  if rows % multiple:
+    return (f"the {name} with {rate} needs each device's query {where} to be a multiple of "
+            f"{multiple} rows; T={seq_q} over {num} devices ({layout}) gives {rows}")
+  if name == "ring" and keys % multiple:
+    return (f"the ring with {rate} needs each device's key {where} to be a multiple of "
+            f"{multiple} keys; S={seq_k} over {num} devices ({layout}) gives {keys}")
+  if name == "all_gather" and not _all_gather.key_ranges_aligned(config, num, layout, seq_q,
+                                                                 seq_k, multiple):
+    return (f"the all-gather with {rate} needs each query slice's key range to start on a "
+            f"multiple of {multiple} keys: the left size of local_window_size "
+            f"({config.window_left}) must be a multiple of {multiple}")
   return None
 
 
@@ -161,7 +188,8 @@ def choose(request: str | None, *, num: int, seq_q: int, seq_k: int, heads_q: in
   automatic rule). `heads_q` are the query heads on each device of the sequence axis. A
   requested strategy that cannot run raises ValueError; the automatic choice returns None
   when none can (the caller then gathers the sequence). With `block_mask` only strategies and
-  layouts that can carry it count (_block_mask_problem)."""
+  layouts that can carry it count (_block_mask_problem), and with dropout
+  (config.dropout_rate) those that can carry that (_dropout_problem)."""
   check_request(request)
   facts = dict(num=num, seq_q=seq_q, seq_k=seq_k, heads_q=heads_q, config=config)
 
@@ -170,6 +198,8 @@ def choose(request: str | None, *, num: int, seq_q: int, seq_k: int, heads_q: in
     if found is None and block_mask:
       found = _block_mask_problem(name, layout, num=num, seq_q=seq_q, seq_k=seq_k,
                                   config=config)
+    if found is None and config.dropout_rate:
+      found = _dropout_problem(name, layout, num=num, seq_q=seq_q, seq_k=seq_k, config=config)
     return found
 
   if request is None:
@@ -219,8 +249,8 @@ def _kv_layout(strategy: Strategy) -> str:
 
 def _options(strategy: Strategy, axis_name, alibi_slopes, block_mask, logits,
              dropout_seeds) -> dict:
-  """A strategy's keyword arguments: the all-gather's K/V layout, the dropout seeds (only the
-  all-to-all takes them: _why_not)."""
+  """A strategy's keyword arguments: the all-gather's K/V layout, the dropout seeds (where
+  given)."""
   options = dict(axis_name=axis_name, layout=strategy.layout, alibi_slopes=alibi_slopes,
                  block_mask=block_mask, logits=logits)
   if strategy.name == "all_gather":
@@ -288,7 +318,7 @@ def sharded_fwd(strategy: Strategy, q, k, v, q_lens, kv_lens, config: _ops.Kerne
   segment ids None or (q_ids, kv_ids) slices; the ALiBi slopes None or (B, N), per head, never
   moved; the block mask None or the block rows of the query slice, every key block's column;
   the bias and mask None or a LogitRows of the query slice's rows, every key's column; the
-  dropout seeds None or (B, N, 4), per head, the all-to-all's only): moved into the strategy's
+  dropout seeds None or (B, N, SEED_WORDS), per head, never moved): moved into the strategy's
   layout and back where it asks for that."""
   if _moved(strategy, kv=True):
     q, k, v = contiguous_to_zigzag((q, k, v), axis_name, (1, 1, 1))
@@ -332,28 +362,32 @@ def sharded_bwd(strategy: Strategy, q, k, v, o, lse, d_o, q_lens, kv_lens,
 
 
 # segment_ids: None or this device's (q_ids, kv_ids); alibi: None or the slopes (B, N) float32;
+# dropout_seeds: None or (B, N, SEED_WORDS) uint32 (jax_flash._dropout.seeds, this device's
+# batch and heads), exactly when config.dropout_rate > 0;
 # block_mask: None or this device's block rows (B, N, L/128, S/128). Like the lengths, not
 # differentiated. bias, mask: None or this device's rows of them (B|1, N|1, L|1, S|1); the bias
 # differentiated where something differentiates it (symbolic zeros: `perturbed`, as in
 # _attention._flash_attention), the mask not.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12))
-def _attention(q, k, v, q_lens, kv_lens, segment_ids, alibi, block_mask, bias, mask, config,
-               strategy, axis_name):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(11, 12, 13))
+def _attention(q, k, v, q_lens, kv_lens, segment_ids, alibi, block_mask, bias, mask,
+               dropout_seeds, config, strategy, axis_name):
   return _run_fwd(strategy, q, k, v, q_lens, kv_lens, config, axis_name, segment_ids, alibi,
-                  block_mask, logit_rows(bias, mask))
+                  block_mask, logit_rows(bias, mask), dropout_seeds)
 
 
-def _attention_fwd(q, k, v, q_lens, kv_lens, segment_ids, alibi, block_mask, bias, mask, config,
-                   strategy, axis_name):
+def _attention_fwd(q, k, v, q_lens, kv_lens, segment_ids, alibi, block_mask, bias, mask,
+                   dropout_seeds, config, strategy, axis_name):
   wants_dbias = _derivatives.wants_gradient(bias)
-  q, k, v, q_lens, kv_lens, segment_ids, alibi, block_mask, bias, mask = (
+  q, k, v, q_lens, kv_lens, segment_ids, alibi, block_mask, bias, mask, dropout_seeds = (
       _derivatives.primal_values((q, k, v, q_lens, kv_lens, segment_ids, alibi, block_mask,
-                                  bias, mask)))
+                                  bias, mask, dropout_seeds)))
   # The output in float32 for the backward, as dot_product_attention's forward keeps it.
   out32, lse = _run_fwd(strategy, q, k, v, q_lens, kv_lens, _ops.for_backward(config),
-                        axis_name, segment_ids, alibi, block_mask, logit_rows(bias, mask))
+                        axis_name, segment_ids, alibi, block_mask, logit_rows(bias, mask),
+                        dropout_seeds)
   return (out32.astype(q.dtype), lse), (q, k, v, q_lens, kv_lens, segment_ids, alibi,
-                                        block_mask, bias, mask, out32, lse, wants_dbias)
+                                        block_mask, bias, mask, dropout_seeds, out32, lse,
+                                        wants_dbias)
 
 
 def _unvarying_like(gradient, x):
@@ -365,17 +399,17 @@ def _unvarying_like(gradient, x):
 
 
 def _attention_bwd(config, strategy, axis_name, residuals, cotangents):
-  (q, k, v, q_lens, kv_lens, segment_ids, alibi, block_mask, bias, mask, out, lse,
+  (q, k, v, q_lens, kv_lens, segment_ids, alibi, block_mask, bias, mask, dropout_seeds, out, lse,
    wants_dbias) = residuals
   d_out, _ = cotangents  # lse leaves under stop_gradient
   dq, dk, dv, *dbias = _run_bwd(strategy, q, k, v, out, lse,
                                 _derivatives.cotangent_array(d_out), q_lens, kv_lens, config,
                                 axis_name, segment_ids, alibi, block_mask,
-                                logit_rows(bias, mask, dbias=bool(wants_dbias)))
+                                logit_rows(bias, mask, dbias=bool(wants_dbias)), dropout_seeds)
   dbias = _unvarying_like(dbias[0], bias).astype(bias.dtype) if dbias else None
   if dbias is not None and bias.shape[-1] == 1:
     dbias = _ops.row_bias_gradient(dbias)
-  return dq, dk, dv, None, None, None, None, None, dbias, None
+  return dq, dk, dv, None, None, None, None, None, dbias, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
@@ -392,7 +426,8 @@ def context_parallel_attention(
     kv_segment_ids: jax.Array | None = None,
     block_mask: jax.Array | None = None, logits_soft_cap: float | None = None,
     alibi_slopes: jax.Array | None = None, bias: jax.Array | None = None,
-    mask: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+    mask: jax.Array | None = None, dropout_rate: float = 0.0,
+    dropout_key: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Attention over a sequence sharded along `axis_name`, for use inside ``jax.shard_map``.
 
   Args:
@@ -429,6 +464,15 @@ def context_parallel_attention(
       the same of, unvarying, gets the devices' sum). A mask on the "cuda" kernels:
       ``NotImplementedError`` (under ``jax.jit``, ``dot_product_attention`` with a
       sequence-sharded input carries it).
+    dropout_rate, dropout_key: fused dropout, as in ``dot_product_attention``: the decision of
+      query row ``i`` and key ``j`` (global positions) of batch element ``b`` and query head
+      ``h`` of this device's slices (numbered from 0 on each device, as under ``vmap``) is
+      ``jax_flash._dropout.keep_mask(dropout_key, dropout_rate, B, N, T, S)[b, h, i, j]``, so
+      a device drops what one device over the whole sequence drops. "ring" and
+      "all_gather" need the slices to start dropout's 16 x 16 groups (each query slice,
+      zig-zag chunk, a multiple of 16 rows; the ring's key slices a multiple of 16 keys; with
+      "all_gather" a window's left size a multiple of 16 where it cuts the key ranges); else
+      ValueError naming ``dropout_rate``.
     The other arguments are those of ``jax_flash.dot_product_attention`` on its kernels
     (``implementation`` None, "cpu" or "cuda").
 
@@ -475,6 +519,14 @@ def context_parallel_attention(
     if problem:
       raise ValueError(f"strategy={strategy!r} in layout={layout!r} cannot run query"
                        f"{query.shape}, key{key.shape} over {num} devices: {problem}")
+  dropout_rate = _validation.check_dropout_rate(dropout_rate)
+  dropout_key = _validation.check_dropout_key(dropout_key, dropout_rate)
+  if dropout_rate is not None:
+    problem = _dropout_problem(strategy, layout, num=num, seq_q=seq_q, seq_k=seq_k,
+                               config=dataclasses.replace(probe, dropout_rate=dropout_rate))
+    if problem:
+      raise ValueError(f"strategy={strategy!r} in layout={layout!r} cannot run query"
+                       f"{query.shape}, key{key.shape} over {num} devices: {problem}")
   bias = _validation.check_logit_array("bias", bias, batch, heads_q, rows_q, seq_k)
   mask = _validation.check_logit_array("mask", mask, batch, heads_q, rows_q, seq_k)
   return _run_in_shard_map(
@@ -487,7 +539,7 @@ def context_parallel_attention(
       segment_id_shapes=None if segment_ids is None else (jnp.shape(q_segment_ids),
                                                           jnp.shape(kv_segment_ids)),
       block_mask=block_mask, blocks_passed=blocks_passed, return_residual=return_residual,
-      bias=bias, mask=mask)
+      bias=bias, mask=mask, dropout_rate=dropout_rate, dropout_key=dropout_key)
 
 
 def _run_in_shard_map(plan: Strategy, query, key, value, *, axis_name, caller: str, masks,
@@ -495,11 +547,12 @@ def _run_in_shard_map(plan: Strategy, query, key, value, *, axis_name, caller: s
                       window_right: int, implementation, deterministic, query_seq_lengths,
                       key_value_seq_lengths, segment_ids, segment_id_shapes, block_mask,
                       blocks_passed, return_residual, logits_soft_cap=None, alibi_slopes=None,
-                      bias=None, mask=None):
+                      bias=None, mask=None, dropout_rate=None, dropout_key=None):
   """What context_parallel_attention and ring_attention do once their own arguments are
   checked: the soft cap and ALiBi slopes checked, the implementation chosen, the global lengths
   checked (full where absent), `plan` run on the kernels (through _ops.call_kernels: scale,
-  padding) with _attention's VJP. `bias` and `mask`: checked rank-4 rows of them, or None."""
+  padding) with _attention's VJP. `bias` and `mask`: checked rank-4 rows of them, or None;
+  `dropout_rate` and `dropout_key`: checked (None: no dropout)."""
   batch, head_dim = query.shape[0], query.shape[-1]
   logits_soft_cap = _validation.check_logits_soft_cap(logits_soft_cap)
   alibi_slopes = _validation.check_alibi_slopes(alibi_slopes, query.shape[2], query.shape)
@@ -510,7 +563,8 @@ def _run_in_shard_map(plan: Strategy, query, key, value, *, axis_name, caller: s
           logits_soft_cap=logits_soft_cap,
           alibi_slopes=None if alibi_slopes is None else alibi_slopes.shape,
           value=None if value.shape[-1] == head_dim else value.shape,
-          bias=None if bias is None else bias.shape, mask=None if mask is None else mask.shape),
+          bias=None if bias is None else bias.shape, mask=None if mask is None else mask.shape,
+          dropout_rate=dropout_rate),
       caller=caller)
   if mask is not None and implementation == "cuda":
     # (call_kernels derives the blocks a CUDA call's mask hides from the local key count; here
@@ -526,17 +580,22 @@ def _run_in_shard_map(plan: Strategy, query, key, value, *, axis_name, caller: s
   if kv_lens is None:
     kv_lens = jnp.full((batch,), seq_k, jnp.int32)
 
+  dropout_seeds = None
+  if dropout_rate is not None:  # (this device's batch and heads, numbered from 0)
+    dropout_seeds = _dropout.seeds(dropout_key, batch, query.shape[2])
+
   def attention(q, k, v, q_lens, kv_lens, config, segment_ids=None, alibi=None,
-                block_mask=None, bias=None, mask=None):
+                block_mask=None, bias=None, mask=None, dropout_seeds=None):
     return _attention(q, k, v, q_lens, kv_lens, segment_ids, alibi, block_mask, bias, mask,
-                      config, plan, axis_name)
+                      dropout_seeds, config, plan, axis_name)
 
   out, lse = _ops.call_kernels(
       attention, query, key, value, q_lens, kv_lens, implementation=implementation,
       scale=_validation.check_scale(scale, head_dim), is_causal=bool(is_causal),
       window_left=window_left, window_right=window_right, deterministic=deterministic,
       caller=caller, segment_ids=segment_ids, block_mask=block_mask,
-      logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, bias=bias, mask=mask)
+      logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
+      dropout_rate=dropout_rate, dropout_seeds=dropout_seeds)
   lse = jax.lax.stop_gradient(lse)
   return (out, jnp.swapaxes(lse, -1, -2)) if return_residual else out
 
@@ -550,7 +609,8 @@ def ring_attention(
     kv_segment_ids: jax.Array | None = None,
     block_mask: jax.Array | None = None, logits_soft_cap: float | None = None,
     alibi_slopes: jax.Array | None = None, bias: jax.Array | None = None,
-    mask: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+    mask: jax.Array | None = None, dropout_rate: float = 0.0,
+    dropout_key: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Ring attention over a sequence sharded along `axis_name`, for use inside ``jax.shard_map``
   (``context_parallel_attention`` with ``strategy="ring"``, which this runs).
 
@@ -575,7 +635,9 @@ def ring_attention(
     ``is_causal`` the global query and key positions must coincide (T == S). Local windows
     are not supported here (``context_parallel_attention`` runs windows with its other
     strategies). ``bias`` and ``mask``: this device's rows of them, as
-    ``context_parallel_attention`` takes them; nothing of them travels.
+    ``context_parallel_attention`` takes them; nothing of them travels. ``dropout_rate`` and
+    ``dropout_key``: as ``context_parallel_attention`` takes them (each device's query and key
+    slices, zig-zag: chunks, a multiple of 16 rows and keys).
 
   Returns:
     This device's slice of the output (and of the log-sum-exp, ``(B, T/P, N)`` float32, with
@@ -614,6 +676,14 @@ def ring_attention(
     if problem:
       raise ValueError(f"ring_attention in layout={layout!r} cannot run query{query.shape}, "
                        f"key{key.shape} over {num} devices: {problem}")
+  dropout_rate = _validation.check_dropout_rate(dropout_rate)
+  dropout_key = _validation.check_dropout_key(dropout_key, dropout_rate)
+  if dropout_rate is not None:
+    probe = _ops.KernelConfig("cpu", 1.0, bool(is_causal), -1, -1, dropout_rate=dropout_rate)
+    problem = _dropout_problem("ring", layout, num=num, seq_q=seq_q, seq_k=seq_k, config=probe)
+    if problem:
+      raise ValueError(f"ring_attention in layout={layout!r} cannot run query{query.shape}, "
+                       f"key{key.shape} over {num} devices: {problem}")
   bias = _validation.check_logit_array("bias", bias, batch, heads_q, rows_q, seq_k)
   mask = _validation.check_logit_array("mask", mask, batch, heads_q, rows_q, seq_k)
   return _run_in_shard_map(
@@ -626,4 +696,4 @@ def ring_attention(
       segment_id_shapes=None if segment_ids is None else (jnp.shape(q_segment_ids),
                                                           jnp.shape(kv_segment_ids)),
       block_mask=block_mask, blocks_passed=blocks_passed, return_residual=return_residual,
-      bias=bias, mask=mask)
+      bias=bias, mask=mask, dropout_rate=dropout_rate, dropout_key=dropout_key)

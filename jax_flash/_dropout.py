@@ -12,7 +12,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from jax_flash import _switches
+from jax_flash import _registry, _switches
 
 # Fused dropout on the CUDA kernels (both families' dropout instantiations: cuda/gpu/
 # dropout_fragments.h) is experimental: tested on the H200, but 1.5x the plain fwd+bwd at head
@@ -36,6 +36,16 @@ def cuda_kernels_take_dropout() -> bool:
   """Whether the "cuda" implementation takes dropout_rate in this process
   (JAX_FLASH_CUDA_DROPOUT=on when jax_flash was imported; experimental)."""
   return _CUDA_DROPOUT
+
+# The words of the seeds a kernel takes per (batch element, query head), in
+# cuda/common/dropout_bits.h's DropoutSeedWord order: the key's two, the counter's head, batch,
+# row and column words (the last two those of the kernel's first row and key); and the multiple
+# a kernel's row and key offsets in the sequence must be (at_offset).
+SEED_WORDS: int = _registry.KERNEL_CONSTANTS["dropout_seed_words"]
+OFFSET_MULTIPLE: int = _registry.KERNEL_CONSTANTS["dropout_offset_multiple"]
+_KEY0, _KEY1, _HEAD, _BATCH, _ROW_WORD, _COLUMN_WORD = range(6)
+if SEED_WORDS != 6:  # (a native module of another layout: its seeds would be misread)
+  raise ImportError(f"jax_flash._dropout reads 6 seed words; the native module has {SEED_WORDS}")
 
 _MUL = (0xD2511F53, 0xCD9E8D57)
 _BUMP = (0x9E3779B9, 0xBB67AE85)
@@ -88,28 +98,48 @@ def dropout_bits(key: jax.Array, batch: int, heads: int, seq_q: int, seq_k: int)
 
 
 def seeds(key: jax.Array, batch: int, heads: int, *, shared: bool = False) -> jax.Array:
-  """What the kernels take per (batch element, query head): uint32 (batch, heads, 4), the key's
-  two words and the counter's head and batch words (key0, key1, h, b). With `shared` every
-  (b, h) gets head and batch words 0: one mask for the whole batch and every head (Flax's
-  broadcast_dropout), that of keep_mask(key, rate, 1, 1, T, S)[0, 0]."""
+  """What the kernels take per (batch element, query head): uint32 (batch, heads, SEED_WORDS),
+  the key's two words and the counter's head and batch words (key0, key1, h, b), then its row
+  and column words of the kernel's first row and key (0: the operands start the sequence;
+  at_offset moves them). With `shared` every (b, h) gets head and batch words 0: one mask for
+  the whole batch and every head (Flax's broadcast_dropout), that of keep_mask(key, rate, 1, 1,
+  T, S)[0, 0]."""
   k0, k1 = key_words(key)
   shape = (batch, heads)
   h = jnp.broadcast_to(jnp.arange(heads, dtype=jnp.uint32)[None, :], shape)
   b = jnp.broadcast_to(jnp.arange(batch, dtype=jnp.uint32)[:, None], shape)
   if shared:
     h, b = jnp.zeros(shape, jnp.uint32), jnp.zeros(shape, jnp.uint32)
-  return jnp.stack([jnp.broadcast_to(k0, shape), jnp.broadcast_to(k1, shape), h, b], axis=-1)
+  zero = jnp.zeros(shape, jnp.uint32)
+  return jnp.stack([jnp.broadcast_to(k0, shape), jnp.broadcast_to(k1, shape), h, b, zero, zero],
+                   axis=-1)
+
+
+def at_offset(seed_words: jax.Array, row0, column0) -> jax.Array:
+  """`seed_words` (..., SEED_WORDS) for a kernel whose operands start at row `row0` and key
+  `column0` of the sequence the seeds were made for (ints or traced scalars, multiples of
+  OFFSET_MULTIPLE: the caller checks that statically, e.g. chunk sizes), so that it draws the
+  decisions of those places: a context-parallel block pair's (jax_flash._ring,
+  jax_flash._all_gather). The row word moves by row0 / 2, the column word by column0 / 4 (the
+  layout's 16 x 16 groups: 8 row words, 4 column words each)."""
+  for name, offset in (("row0", row0), ("column0", column0)):
+    if isinstance(offset, int) and offset % OFFSET_MULTIPLE:
+      raise ValueError(f"dropout's {name}={offset} must be a multiple of {OFFSET_MULTIPLE}")
+  shift = jnp.stack([jnp.asarray(row0 // 2, jnp.uint32), jnp.asarray(column0 // 4, jnp.uint32)])
+  return seed_words.at[..., _ROW_WORD:].add(shift)
 
 
 def bits_from_seeds(seed_words: jax.Array, rows: jax.Array, cols: jax.Array) -> jax.Array:
-  """The 16 Philox bits of query rows `rows` (T,) and keys `cols` (S,) (int positions) under
-  `seed_words` (..., 4) as seeds() makes them: uint32 in [0, 2^16), (..., T, S), dropout_bits.h's
-  layout."""
+  """The 16 Philox bits of query rows `rows` (T,) and keys `cols` (S,) (int positions, from the
+  seeds' first row and key) under `seed_words` (..., SEED_WORDS) as seeds() makes them: uint32 in
+  [0, 2^16), (..., T, S), dropout_bits.h's layout."""
   seed_words = seed_words[..., None, None, :]
   r = jnp.asarray(rows).astype(jnp.uint32)[:, None]
   c = jnp.asarray(cols).astype(jnp.uint32)[None, :]
-  words = philox4x32_10(((c // 16) * 4 + (c % 8) // 2, (r // 16) * 8 + r % 8, seed_words[..., 2],
-                         seed_words[..., 3]), (seed_words[..., 0], seed_words[..., 1]))
+  column_word = seed_words[..., _COLUMN_WORD] + (c // 16) * 4 + (c % 8) // 2
+  row_word = seed_words[..., _ROW_WORD] + (r // 16) * 8 + r % 8
+  words = philox4x32_10((column_word, row_word, seed_words[..., _HEAD], seed_words[..., _BATCH]),
+                        (seed_words[..., _KEY0], seed_words[..., _KEY1]))
   index = 2 * ((r // 8) % 2) + (c // 8) % 2
   word = jnp.select([index == 0, index == 1, index == 2], words[:3], words[3])
   return jnp.where(c % 2 == 1, word >> 16, word & 0xFFFF)
@@ -118,9 +148,9 @@ def bits_from_seeds(seed_words: jax.Array, rows: jax.Array, cols: jax.Array) -> 
 def keep_from_seeds(seed_words: jax.Array, rate: float, rows: jax.Array,
                     cols: jax.Array) -> jax.Array:
   """The keep decisions of query rows `rows` (T,) and keys `cols` (S,) (int positions) under
-  `seed_words` (..., 4) as seeds() makes them: bool (..., T, S). keep_mask(key, rate, B, N, T,
-  S) is this of seeds(key, B, N), every row and every key; the "blockwise" path asks it for one
-  key block at a time."""
+  `seed_words` (..., SEED_WORDS) as seeds() makes them: bool (..., T, S). keep_mask(key, rate,
+  B, N, T, S) is this of seeds(key, B, N), every row and every key; the "blockwise" path asks it
+  for one key block at a time."""
   return bits_from_seeds(seed_words, rows, cols) >= jnp.uint32(threshold(rate))
 
 

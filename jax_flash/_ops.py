@@ -7,11 +7,11 @@ Kernel layouts: q, dq (..., T, N, H); k, dk (..., S, K, H); v, dv (..., S, K, Hv
 (..., N, T) float32;
 q_lens, kv_lens (...,) int32; segment ids, where given, (..., T) and (..., S) int32, and ALiBi
 slopes, where given, (..., N) float32, the block mask, where given, (..., N, Tb, Sb) bool, and
-the dropout seeds, where given, (..., N, 4) uint32 (jax_flash._dropout.seeds; the "cpu" kernel
-only), and jax.nn's bias and mask, where given, (..., N|1, T|1, S|1) as the caller broadcast
-them (the "cpu" kernel only: LogitArray in cuda/common/attention_params.h). Leading dimensions
-are batch;
-vmap adds more (``broadcast_all``), and the kernels fold them all into one batch dimension.
+the dropout seeds, where given, (..., N, SEED_WORDS) uint32 (jax_flash._dropout.seeds; the
+"cpu" kernel only), and jax.nn's bias and mask, where given, (..., N|1, T|1, S|1) as the caller
+broadcast them (the "cpu" kernel only: LogitArray in cuda/common/attention_params.h). Leading
+dimensions are batch; vmap adds more (``broadcast_all``), and the kernels fold them all into one
+batch dimension.
 """
 
 from __future__ import annotations
@@ -190,8 +190,8 @@ def block_sparse_lists(block_mask: jax.Array, heads_k: int) -> tuple[jax.Array, 
 
 def _dropout_operands(config: KernelConfig, dropout_seeds) -> tuple[tuple, dict]:
   """The dropout operand and attribute of a kernel call: the "cpu" and "cuda" passes always take
-  the uint32 seeds (..., N, 4) (a (0,) placeholder without) and the rate "dropout_rate" (0.0:
-  off). The seeds come exactly with a rate > 0 (on "cuda" only where
+  the uint32 seeds (..., N, SEED_WORDS) (a (0,) placeholder without) and the rate "dropout_rate"
+  (0.0: off). The seeds come exactly with a rate > 0 (on "cuda" only where
   jax_flash._dropout.cuda_kernels_take_dropout; jax_flash._dispatch refuses it otherwise)."""
   if (dropout_seeds is None) != (not config.dropout_rate):
     raise ValueError(f"dropout_rate={config.dropout_rate!r} and dropout seeds go together "
@@ -246,7 +246,7 @@ def _flash_fwd(q, k, v, q_lens, kv_lens, config: KernelConfig, segment_ids=None,
   config.o_float32), and lse (..., N, T) float32; with config.o_split (o, lse, o_error), o_error
   o's int8 rounding error (jax_flash._rounding). `segment_ids`: None or (q_ids (..., T),
   kv_ids (..., S)) int32; `alibi_slopes`: None or (..., N) float32 (one slope per batch element
-  and query head); `dropout_seeds`: None or (..., N, 4) uint32, exactly when
+  and query head); `dropout_seeds`: None or (..., N, SEED_WORDS) uint32, exactly when
   config.dropout_rate > 0; `bias` and `mask`: None or (..., N|1, T|1, S|1), float and bool
   (the "cuda" kernels' only under JAX_FLASH_CUDA_LOGIT_ARRAYS=on, the mask as its bits:
   _logit_operands)."""
@@ -510,10 +510,11 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
   so such calls never run the decode kernel. With `block_mask` (B|1, N|1, Tb, Sb) bool
   `attention` gets it broadcast to (B, N, Tb, Sb) after the slopes (None where not given); the
   tiled kernel only, as the slopes. With `dropout_rate` (> 0; KernelConfig.dropout_rate
-  carries it) and `dropout_seeds` (B, N, 4) uint32 (jax_flash._dropout.seeds) `attention` gets
-  the seeds as its keyword argument `dropout_seeds`; the tiled kernel only. With jax.nn's `bias`
-  and `mask` ((B|1, N|1, T|1, S|1), float and bool: never broadcast further) `attention` gets
-  them as its keyword arguments `bias` and `mask`; the tiled kernel only. A bias of a dtype the
+  carries it) and `dropout_seeds` (B, N, SEED_WORDS) uint32 (jax_flash._dropout.seeds)
+  `attention` gets the seeds as its keyword argument `dropout_seeds`; the tiled kernel only.
+  With jax.nn's `bias` and `mask` ((B|1, N|1, T|1, S|1), float and bool: never broadcast
+  further) `attention` gets them as its keyword arguments `bias` and `mask`; the tiled kernel
+  only. A bias of a dtype the
   kernel does not read (BIAS_DTYPES) is cast to float32 here, outside the custom VJP.
 
   With nothing to compute (B, T or N is 0) or no key for any row (S is 0) no kernel runs: the

@@ -88,10 +88,10 @@ def dropout_multipliers(dropout_seeds, rate: float, heads_k: int, seq_q: int, se
                         key_offset=0) -> jax.Array:
   """(B, K, G, T, S) float32: Z = keep / (1 - rate) of the scores laid out as grouped (query
   head h = kv head * G + member), for the S keys from position `key_offset` on; `dropout_seeds`
-  (B, N, 4) uint32 (jax_flash._dropout.seeds). The same decisions as the kernels'
+  (B, N, SEED_WORDS) uint32 (jax_flash._dropout.seeds). The same decisions as the kernels'
   (jax_flash._dropout.keep_mask)."""
-  batch, heads_q, _ = dropout_seeds.shape
-  seeds5 = dropout_seeds.reshape(batch, heads_k, heads_q // heads_k, 4)
+  batch, heads_q, words = dropout_seeds.shape
+  seeds5 = dropout_seeds.reshape(batch, heads_k, heads_q // heads_k, words)
   return _dropout.multipliers(seeds5, rate, jnp.arange(seq_q),
                               key_offset + jnp.arange(seq_k))
 
@@ -111,7 +111,8 @@ def attention_reference(q, k, v, q_lens, kv_lens, *, scale: float, is_causal: bo
   """Returns (o, lse): o (B, T, N, Hv) in q's dtype, lse (B, N, T) float32. q and k are
   (B, T|S, N|K, H), v (B, S, K, Hv): its head dim Hv may differ from H (MLA-style).
 
-  `dropout_rate` (None: off) with `dropout_seeds` (B, N, 4) uint32 (jax_flash._dropout.seeds):
+  `dropout_rate` (None: off) with `dropout_seeds` (B, N, SEED_WORDS) uint32
+  (jax_flash._dropout.seeds):
   the normalised probabilities are multiplied by keep / (1 - rate) before P V
   (dropout_multipliers: the kernels' decisions); the lse is not affected.
 

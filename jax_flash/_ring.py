@@ -38,6 +38,14 @@ rows and the visiting key chunk's columns (a dynamic slice at the chunk's first 
 every chunk must be whole blocks (jax_flash._context_parallel checks it). A pair whose block
 mask hides every block is skipped like an invisible causal pair; within a pair the kernel skips
 the hidden blocks.
+
+Fused dropout (jax_flash._dropout; seeds (B, N, SEED_WORDS) per head: nothing travels): each
+block's kernel takes this device's heads' seeds with their row and column words moved to its
+query chunk's first row and its key chunk's first key (jax_flash._dropout.at_offset), so it
+draws the decisions of those places in the sequence and drops what one kernel over the whole
+sequence drops; the chunks must be whole 16-row and 16-key groups of the decisions' layout
+(jax_flash._context_parallel checks it). The backward regenerates them the same way. (The
+output's merge is unchanged: dropout leaves the lse alone.)
 """
 
 from __future__ import annotations
@@ -48,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash import _ops
+from jax_flash import _dropout, _ops
 from jax_flash._block_sparse import BLOCK_MASK_BLOCK
 from jax_flash._logit_rows import LogitRows
 from jax_flash._reference import EMPTY_ROW_LSE, alibi_lse_shift
@@ -107,28 +115,29 @@ def _varying_axes(x) -> frozenset:
 
 
 def _block_fwd(config, relation, q, k, v, q_lens, kv_lens, ids=(), alibi=None, blocks=None,
-               logits: LogitRows | None = None):
+               logits: LogitRows | None = None, seeds=None):
   """(o float32, lse) of one block pair, by its relation; `ids`: () or (q_ids, kv_ids) of the
   pair; `alibi`: None or (slopes (B, N), key chunk start - query chunk start); `blocks`: None
-  or the pair's block mask (_pair_blocks); `logits`: None or the pair's bias and mask."""
+  or the pair's block mask (_pair_blocks); `logits`: None or the pair's bias and mask; `seeds`:
+  None or the pair's dropout seeds (_pair_seeds)."""
   diagonal, full = _configs(config)
   slopes = None if alibi is None else alibi[0]
   arrays = {} if logits is None else logits.kernel_arrays()
 
-  def skip(q, k, v, q_lens, kv_lens, ids, slopes, blocks, arrays):
+  def skip(q, k, v, q_lens, kv_lens, ids, slopes, blocks, seeds, arrays):
     batch, seq, heads, _ = q.shape
     return (_varying_like(jnp.zeros((batch, seq, heads, v.shape[-1]), jnp.float32), q),
             _varying_like(jnp.full((batch, heads, seq), EMPTY_ROW_LSE, jnp.float32), q))
 
   def run(cfg):
-    def branch(q, k, v, q_lens, kv_lens, ids, slopes, blocks, arrays):
+    def branch(q, k, v, q_lens, kv_lens, ids, slopes, blocks, seeds, arrays):
       o, lse = _ops.flash_fwd(q, k, v, q_lens, kv_lens, cfg, tuple(ids) or None, slopes, blocks,
-                              **arrays)
+                              seeds, **arrays)
       return _varying_like(o.astype(jnp.float32), q), _varying_like(lse, q)
     return branch
 
   o, lse = jax.lax.switch(relation, [skip, run(diagonal), run(full)], q, k, v, q_lens, kv_lens,
-                          tuple(ids), slopes, blocks, arrays)
+                          tuple(ids), slopes, blocks, seeds, arrays)
   if alibi is not None:
     lse = alibi_lse_shift(lse, slopes, alibi[1])
   return o, lse
@@ -174,6 +183,16 @@ def _pair_blocks(rows, k_id, chunk_k: int):
   return jax.lax.dynamic_slice_in_dim(rows, k_id * columns, columns, axis=3)
 
 
+def _pair_seeds(dropout_seeds, q_id, k_id, chunk_q: int, chunk_k: int):
+  """The dropout seeds of a block pair: this device's heads' seeds at its query chunk's first
+  row and its key chunk's first key (chunks of whole 16-row and 16-key groups:
+  jax_flash._context_parallel checks), so that its kernel drops what one kernel over the whole
+  sequence drops there; None without dropout."""
+  if dropout_seeds is None:
+    return None
+  return _dropout.at_offset(dropout_seeds, q_id * chunk_q, k_id * chunk_k)
+
+
 def _pair_logits(rows: LogitRows | None, k_id, chunk_k: int) -> LogitRows | None:
   """The bias and mask of a block pair: its query chunk's `rows`, cut to the columns of key
   chunk `k_id` (traced: the visiting chunk); None without them."""
@@ -192,7 +211,7 @@ def _split_blocks(block_mask, parts: int):
 
 def ring_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=None, *,
              axis_name, layout: str, alibi_slopes=None, block_mask=None,
-             logits: LogitRows | None = None):
+             logits: LogitRows | None = None, dropout_seeds=None):
   """(o, lse) of the ring over `axis_name`, with _ops.flash_fwd's arguments and results (this
   device's slices in `layout`, segment ids too; q_lens and kv_lens global; the ALiBi slopes
   (B, N) of this device's heads; the block mask (B, N, L / 128, S / 128) of this device's query
@@ -226,7 +245,8 @@ def ring_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=No
                                 _local_lengths(kv_lens, k_id, chunk_k),
                                 _pair_ids(q_seg[c], kv_seg_c),
                                 _alibi_pair(alibi_slopes, q_id, k_id, chunk_q, chunk_k), blocks,
-                                _pair_logits(logit_rows[c], k_id, chunk_k))
+                                _pair_logits(logit_rows[c], k_id, chunk_k),
+                                _pair_seeds(dropout_seeds, q_id, k_id, chunk_q, chunk_k))
         outs[c], lses[c] = _merge(outs[c], lses[c], o_p, lse_p)
     if step + 1 < num:  # the key-side ids travel with their K/V slice
       if kv_seg is None:
@@ -238,9 +258,9 @@ def ring_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=No
 
 
 def _block_bwd(config, relation, q, k, v, o, lse, d_o, q_lens, kv_lens, ids=(), alibi=None,
-               blocks=None, logits: LogitRows | None = None):
-  """(dq, dk, dv, dbias) of one block pair, `lse` the rows' global one; `ids`, `alibi`, `blocks`
-  and `logits` as in _block_fwd; dbias float32, None unless logits asks for it."""
+               blocks=None, logits: LogitRows | None = None, seeds=None):
+  """(dq, dk, dv, dbias) of one block pair, `lse` the rows' global one; `ids`, `alibi`, `blocks`,
+  `logits` and `seeds` as in _block_fwd; dbias float32, None unless logits asks for it."""
   diagonal, full = _configs(config)
   slopes = None if alibi is None else alibi[0]
   if alibi is not None:  # the lse the block's kernel formed its scores against
@@ -248,27 +268,27 @@ def _block_bwd(config, relation, q, k, v, o, lse, d_o, q_lens, kv_lens, ids=(), 
   arrays = {} if logits is None else logits.kernel_arrays(backward=True)
   wants_dbias = logits is not None and logits.dbias
 
-  def skip(q, k, v, o, lse, d_o, q_lens, kv_lens, ids, slopes, blocks, arrays):
+  def skip(q, k, v, o, lse, d_o, q_lens, kv_lens, ids, slopes, blocks, seeds, arrays):
     dbias = _varying_like(jnp.zeros(arrays["bias"].shape, jnp.float32), q) if wants_dbias else None
     return (_varying_like(jnp.zeros(q.shape, q.dtype), q), _varying_like(jnp.zeros(k.shape, k.dtype), k),
             _varying_like(jnp.zeros(v.shape, v.dtype), v), dbias)
 
   def run(cfg):
-    def branch(q, k, v, o, lse, d_o, q_lens, kv_lens, ids, slopes, blocks, arrays):
+    def branch(q, k, v, o, lse, d_o, q_lens, kv_lens, ids, slopes, blocks, seeds, arrays):
       grads = _ops.flash_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, cfg, tuple(ids) or None,
-                             None, slopes, blocks, None, dbias=wants_dbias, **arrays)
+                             None, slopes, blocks, seeds, dbias=wants_dbias, **arrays)
       dbias = _varying_like(grads[3].astype(jnp.float32), q) if wants_dbias else None
       return (_varying_like(grads[0], q), _varying_like(grads[1], k), _varying_like(grads[2], v),
               dbias)
     return branch
 
-  return jax.lax.switch(relation, [skip, run(diagonal), run(full)],
-                        q, k, v, o, lse, d_o, q_lens, kv_lens, tuple(ids), slopes, blocks, arrays)
+  return jax.lax.switch(relation, [skip, run(diagonal), run(full)], q, k, v, o, lse, d_o, q_lens,
+                        kv_lens, tuple(ids), slopes, blocks, seeds, arrays)
 
 
 def ring_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=None,
              *, axis_name, layout: str, alibi_slopes=None, block_mask=None,
-             logits: LogitRows | None = None):
+             logits: LogitRows | None = None, dropout_seeds=None):
   """(dq, dk, dv) of the ring over `axis_name`, with _ops.flash_bwd's arguments and results;
   where `logits` asks for the bias's gradient, (dq, dk, dv, dbias), dbias float32 over this
   device's bias rows."""
@@ -301,7 +321,8 @@ def ring_bwd(q, k, v, o, lse, d_o, q_lens, kv_lens, config: _ops.KernelConfig, s
             v_c, os_[c], lses[c], dos[c], _local_lengths(q_lens, q_id, chunk_q),
             _local_lengths(kv_lens, k_id, chunk_k), _pair_ids(q_seg[c], kv_seg_cs[j]),
             _alibi_pair(alibi_slopes, q_id, k_id, chunk_q, chunk_k), blocks,
-            _pair_logits(logit_rows[c], k_id, chunk_k))
+            _pair_logits(logit_rows[c], k_id, chunk_k),
+            _pair_seeds(dropout_seeds, q_id, k_id, chunk_q, chunk_k))
         if dbias is not None:
           dbias = logits.add_dbias(dbias, dbias_p, c * chunk_q, k_id * chunk_k)
         dqs[c] = dqs[c] + dq_p.astype(jnp.float32)

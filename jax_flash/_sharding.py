@@ -33,12 +33,13 @@ context-parallel strategy runs over it, which carries them where the shards are 
 blocks (jax_flash._context_parallel); where no strategy can, a sequence-sharded call gathers the
 sequence, and a requested strategy raises naming block_mask.
 
-Dropout seeds ((B, N, 4) uint32, the "cpu" kernel's: jax_flash._dropout.seeds) come last: they
-shard with the batch and the query heads (no communication; they hold the global batch and head
-indices, so every shard draws the mask of its own elements). The kernels number rows and keys
-from their operands' starts, so of the context-parallel strategies only the all-to-all (whose
-kernel sees the whole sequence) carries dropout: elsewhere a sequence-sharded call gathers the
-sequence, and a requested ring or all-gather raises naming dropout_rate.
+Dropout seeds ((B, N, SEED_WORDS) uint32: jax_flash._dropout.seeds) come after the block mask:
+they shard with the batch and the query heads (no communication; they hold the global batch and
+head indices, so every shard draws the mask of its own elements). Every context-parallel
+strategy carries dropout (the ring's and the all-gather's kernels take the seeds moved to their
+slices' first row and key) where the slices start 16-row and 16-key groups of the decisions'
+layout (jax_flash._context_parallel); where none can, a sequence-sharded call gathers the
+sequence, and a requested strategy raises naming dropout_rate.
 
 jax.nn's bias and mask arrays ((B|1, N|1, T|1, S|1), the "cpu" kernel's, never broadcast
 further) come after them: a full batch dim shards with the batch and a full head dim with the
@@ -79,7 +80,7 @@ _IDS_RULE = ", b t, b s"
 _ALIBI_RULE = ", b n"
 # The block mask (b n x y): x query blocks, y key blocks.
 _BLOCKS_RULE = ", b n x y"
-# The dropout seeds (b n w): w their four words.
+# The dropout seeds (b n w): w their words (jax_flash._dropout.SEED_WORDS).
 _DROPOUT_RULE = ", b n w"
 # The bias and the mask: b n t where a dim is full, a factor of their own where it is 1; the key
 # dim a factor of its own either way (each device holds every key's column of its rows, also
@@ -149,8 +150,7 @@ def _plan(mesh, arg_shapes, config: _ops.KernelConfig, blocks: bool = False) -> 
   """Read off the query's sharding: batch as it is; heads by _heads_plan; a sharded sequence
   runs the strategy _context_parallel.choose picks for the call (or the one it asks for), and
   is gathered where none can run. A block mask (`blocks`) goes only with a strategy that can
-  carry it (_context_parallel.choose), and with dropout (config.dropout_rate) only the
-  all-to-all runs."""
+  carry it (_context_parallel.choose), and so does dropout (config.dropout_rate)."""
   q, k = arg_shapes[0], arg_shapes[1]
   batch = _spec_entry(q.sharding, 0)
   seq = _spec_entry(q.sharding, 1)
@@ -429,7 +429,7 @@ def flash_fwd(q, k, v, q_lens, kv_lens, config: _ops.KernelConfig, segment_ids=N
               alibi_slopes=None, block_mask=None, dropout_seeds=None, bias=None, mask=None):
   """(o, lse) of the forward kernel ((o, lse, o_error) with config.o_split); q, k, v rank 4,
   lens rank 1, segment_ids None or (q_ids (B, T), kv_ids (B, S)), alibi_slopes None or (B, N)
-  float32, block_mask None or (B, N, Tb, Sb) bool, dropout_seeds None or (B, N, 4) uint32,
+  float32, block_mask None or (B, N, Tb, Sb) bool, dropout_seeds None or (B, N, SEED_WORDS) uint32,
   bias and mask None or (B|1, N|1, T|1, S|1); partitions and vmaps (vmap folds a bias's mapped
   axis into its batch as q's, and broadcasts an unmapped one along it)."""
   op = _fwd_op_for(_Extras(error=config.o_split, ids=segment_ids is not None,

@@ -428,7 +428,7 @@ def test_cuda_kernels_refuse_dropout(monkeypatch):
   assert not _dropout.cuda_kernels_take_dropout()
   config = _ops.KernelConfig("cuda", 1.0, False, -1, -1, dropout_rate=0.1)
   with pytest.raises(NotImplementedError, match="dropout_rate"):
-    _ops._dropout_operands(config, jnp.zeros((2, 2, 4), jnp.uint32))
+    _ops._dropout_operands(config, jnp.zeros((2, 2, _dropout.SEED_WORDS), jnp.uint32))
 
 
 def test_cuda_dropout_switch_reads_its_values():
@@ -444,7 +444,8 @@ def test_cuda_dropout_switch_reads_its_values():
 def test_cuda_calls_carry_the_seeds_and_rate_under_the_switch(monkeypatch):
   """With JAX_FLASH_CUDA_DROPOUT=on (simulated here: the switch's value patched, this machine a
   CUDA host), a differentiated CUDA call with dropout traces to the forward and backward custom
-  calls with the rate and the (B, N, 4) uint32 seeds of jax_flash._dropout.seeds; one without
+  calls with the rate and the (B, N, SEED_WORDS) uint32 seeds of jax_flash._dropout.seeds; one
+  without
   dropout passes rate 0 and an empty uint32 operand, deterministic=True and head dims up to 32
   (the mma.sync kernels) carry them too; what the kernels' dropout does not cover (segment ids,
   a block mask) is refused at trace time."""
@@ -465,7 +466,8 @@ def test_cuda_calls_carry_the_seeds_and_rate_under_the_switch(monkeypatch):
   # The uint32 operands: the seeds, then the mask's bits (an empty placeholder: no mask here).
   for name, attributes, operands, _ in calls:
     assert float(attributes["dropout_rate"]) == pytest.approx(0.2), name
-    assert [tuple(x.shape) for x in operands if x.dtype == jnp.uint32] == [(2, 4, 4), (0,)], name
+    assert ([tuple(x.shape) for x in operands if x.dtype == jnp.uint32]
+            == [(2, 4, _dropout.SEED_WORDS), (0,)]), name
   for name, attributes, operands, _ in ffi_calls(
       jax.grad(functools.partial(loss, rate=None), argnums=(0, 1, 2)), q, k, v):
     assert float(attributes["dropout_rate"]) == 0.0, name
@@ -505,42 +507,179 @@ def test_vmap():
     np.testing.assert_allclose(got[i], f(q[i], k[i], v[i], keys[i]), atol=1e-6)
 
 
-def _sharded_value_and_grads(sharding=None, **cp):
+def _sharded_value_and_grads(is_causal=True, **options):
   def loss(q, k, v):
     out = jax_flash.dot_product_attention(q, k, v, dropout_rate=0.3,
-                                          dropout_key=jax.random.key(6), is_causal=True,
-                                          implementation="cpu", **cp)
+                                          dropout_key=jax.random.key(6), is_causal=is_causal,
+                                          implementation="cpu", **options)
     return jnp.sum(out * jnp.cos(out))
   return jax.jit(jax.value_and_grad(loss, (0, 1, 2)))
 
 
-@pytest.mark.parametrize("spec,heads", [("batch", 4), ("heads", 4), ("sequence", 4),
-                                        ("sequence", 1)])
-def test_sharded_calls_draw_the_global_mask(spec, heads):
-  """Batch- and head-sharded calls draw each element's mask by its global indices; a
-  sequence-sharded one runs the all-to-all where the heads split over the devices (its kernel
-  sees the whole sequence of its heads; the seeds hold the global head indices) and gathers the
-  sequence where they do not: the same output and gradients as one device. A requested ring
-  or all-gather raises, naming dropout (their kernels see slices of the sequence)."""
-  from jax.sharding import NamedSharding, PartitionSpec as P
+def _two_device_mesh():
   if len(jax.devices()) < 2:
     pytest.skip("needs 2 devices")
-  q, k, v = _qkv((2, 64, heads, 16), kv_heads=heads)
-  mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
-  spec = {"batch": P("x"), "heads": P(None, None, "x", None),
-          "sequence": P(None, "x", None, None)}[spec]
-  sharded = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)]
-  want, want_g = _sharded_value_and_grads()(q, k, v)
-  got, got_g = _sharded_value_and_grads()(*sharded)
+  return jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
+
+
+def _assert_as_one_device(sharded, q, k, v, **options):
+  """The sharded call's value and gradients are one device's (the same mask: the same output
+  to rounding); returns its compiled HLO."""
+  want, want_g = _sharded_value_and_grads(**options)(q, k, v)
+  got, got_g = _sharded_value_and_grads(**options)(*sharded)
   np.testing.assert_allclose(got, want, rtol=1e-5)
   for a, b in zip(got_g, want_g):
     np.testing.assert_allclose(a, b, atol=2e-5)
-  if spec == P(None, "x", None, None):
-    hlo = _sharded_value_and_grads().lower(*sharded).compile().as_text()
-    assert ("all-to-all" in hlo) == (heads == 4) and ("all-gather" in hlo) == (heads == 1)
-    for request in ("ring", "all_gather"):
-      with pytest.raises(Exception, match="only all_to_all carries dropout"):
-        _sharded_value_and_grads(context_parallel=request)(*sharded)
+  return _sharded_value_and_grads(**options).lower(*sharded).compile().as_text()
+
+
+@pytest.mark.parametrize("spec", ["batch", "heads"])
+def test_batch_and_head_sharded_calls_draw_the_global_mask(spec):
+  """Batch- and head-sharded calls draw each element's mask by its global indices (the seeds
+  hold them): the same output and gradients as one device."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = _two_device_mesh()
+  q, k, v = _qkv((2, 64, 4, 16), kv_heads=4)
+  spec = {"batch": P("x"), "heads": P(None, None, "x", None)}[spec]
+  _assert_as_one_device([jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)],
+                        q, k, v)
+
+
+SEQUENCE_CASES = [
+    # context_parallel, query heads, T, S, options, a collective the HLO must hold
+    (None, 4, 64, 64, dict(), "collective-permute"),  # automatic, causal: the zig-zag ring
+    ("ring", 4, 64, 64, dict(is_causal=False), "collective-permute"),
+    ("ring:zigzag", 1, 64, 64, dict(), "collective-permute"),
+    ("ring", 2, 64, 96, dict(is_causal=False), "collective-permute"),
+    ("all_gather", 4, 64, 64, dict(), "all-gather"),
+    ("all_gather:zigzag", 2, 128, 128, dict(), "all-gather"),
+    ("all_gather", 2, 64, 96, dict(is_causal=False, local_window_size=(16, 8)), "all-gather"),
+    ("all_to_all", 4, 64, 64, dict(), "all-to-all"),
+]
+
+
+@pytest.mark.parametrize(
+    "request_,heads,t,s,options,collective", SEQUENCE_CASES,
+    ids=[f"{r}-N{n}-T{t}-S{s}-{'-'.join(f'{k}{v}' for k, v in o.items()) or 'causal'}"
+         for r, n, t, s, o, _ in SEQUENCE_CASES])
+def test_sequence_sharded_strategies_drop_as_one_device(request_, heads, t, s, options,
+                                                        collective):
+  """A sequence-sharded call with dropout runs every context-parallel strategy and drops what
+  one device drops: the all-to-all's kernel sees the whole sequence of its heads (the seeds
+  hold the global head indices); the ring's and the all-gather's kernels see slices and take
+  the seeds moved to their slices' first row and key (_dropout.at_offset; the test fails with
+  the move left out: each slice would draw the sequence's first rows' decisions). The HLO holds
+  the strategy's collective."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = _two_device_mesh()
+  q, _, _ = _qkv((2, t, heads, 16), kv_heads=1, seed=1)
+  _, k, v = _qkv((2, s, heads, 16), kv_heads=1, seed=2)
+  spec = NamedSharding(mesh, P(None, "x", None, None))
+  sharded = [jax.device_put(x, spec) for x in (q, k, v)]
+  hlo = _assert_as_one_device(sharded, q, k, v, context_parallel=request_, **options)
+  assert collective in hlo
+  assert request_ == "all_gather" or "all-gather" not in hlo or collective == "all-gather"
+
+
+def test_sequence_sharded_dropout_off_the_groups_is_refused_or_gathered():
+  """The ring's and the all-gather's slices must start dropout's 16 x 16 groups: T = 48 over 2
+  devices (24 rows a slice) refuses a requested ring or all-gather, naming dropout_rate; the
+  automatic choice takes the all-to-all where the heads split and gathers the sequence where
+  they do not; a window whose left size (8) cuts the all-gather's key ranges off the groups is
+  refused too."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = _two_device_mesh()
+  spec = NamedSharding(mesh, P(None, "x", None, None))
+  for heads, collective in ((4, "all-to-all"), (1, "all-gather")):
+    q, k, v = _qkv((2, 48, heads, 16), kv_heads=1)
+    sharded = [jax.device_put(x, spec) for x in (q, k, v)]
+    assert collective in _assert_as_one_device(sharded, q, k, v)
+    for request_ in ("ring", "all_gather"):
+      # (raised where the call is partitioned: XLA's error carries the message)
+      with pytest.raises(Exception, match="dropout_rate=0.3 needs each device's query slice"):
+        _sharded_value_and_grads(context_parallel=request_)(*sharded)
+  q, k, v = _qkv((2, 64, 2, 16), kv_heads=1)
+  sharded = [jax.device_put(x, spec) for x in (q, k, v)]
+  with pytest.raises(Exception, match="left size of local_window_size"):
+    _sharded_value_and_grads(context_parallel="all_gather", is_causal=False,
+                             local_window_size=(8, 8))(*sharded)
+
+
+SHARD_MAP_CASES = [
+    # entry point / strategy, layout, T, S, options
+    ("ring", "contiguous", 64, 96, dict()),
+    ("ring", "zigzag", 128, 128, dict(is_causal=True)),
+    ("all_gather", "zigzag", 128, 128, dict(is_causal=True)),
+    ("all_gather", "contiguous", 64, 64, dict(local_window_size=(16, 0))),
+    ("all_to_all", "contiguous", 64, 64, dict(is_causal=True)),
+    ("ring_attention", "zigzag", 128, 128, dict(is_causal=True)),
+]
+
+
+@pytest.mark.parametrize("strategy,layout,t,s,options", SHARD_MAP_CASES,
+                         ids=[f"{st}-{l}-T{t}-S{s}-{'-'.join(o) or 'full'}"
+                              for st, l, t, s, o in SHARD_MAP_CASES])
+def test_shard_map_entry_points_drop_as_one_device(strategy, layout, t, s, options):
+  """context_parallel_attention (every strategy) and ring_attention inside shard_map take
+  dropout_rate and dropout_key and drop what dot_product_attention on one device drops (rows
+  and keys at their global positions; the batch and heads are not sharded here, so their
+  indices are the global ones): output and gradients."""
+  from jax.sharding import PartitionSpec as P
+  mesh = _two_device_mesh()
+  key = jax.random.key(21)
+  q, _, _ = _qkv((2, t, 2, 16), kv_heads=1, seed=3)
+  _, k, v = _qkv((2, s, 2, 16), kv_heads=1, seed=4)
+  order = jax_flash.zigzag_indices(t, 2) if layout == "zigzag" else np.arange(t)
+  k_order = jax_flash.zigzag_indices(s, 2) if layout == "zigzag" else np.arange(s)
+
+  def one_device(q, k, v):
+    out = jax_flash.dot_product_attention(q, k, v, dropout_rate=0.25, dropout_key=key,
+                                          implementation="cpu", **options)
+    return jnp.sum(out * jnp.cos(out))
+
+  def local(q, k, v):
+    if strategy == "ring_attention":
+      return jax_flash.ring_attention(q, k, v, axis_name="x", layout=layout, dropout_rate=0.25,
+                                      dropout_key=key, implementation="cpu", **options)
+    return jax_flash.context_parallel_attention(
+        q, k, v, axis_name="x", strategy=strategy, layout=layout, dropout_rate=0.25,
+        dropout_key=key, implementation="cpu", **options)
+
+  spec = P(None, "x", None, None)
+  sharded = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+
+  def loss(q, k, v):
+    out = sharded(q, k, v)
+    return jnp.sum(out * jnp.cos(out))
+
+  want, want_g = jax.jit(jax.value_and_grad(one_device, (0, 1, 2)))(q, k, v)
+  got, got_g = jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(q[:, order], k[:, k_order],
+                                                            v[:, k_order])
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  back = (np.argsort(order), np.argsort(k_order), np.argsort(k_order))
+  for a, b, index in zip(got_g, want_g, back):
+    np.testing.assert_allclose(np.asarray(a)[:, index], b, atol=2e-5)
+
+
+def test_shard_map_dropout_off_the_groups_is_refused():
+  """Inside shard_map a ring or all-gather whose slices do not start dropout's 16 x 16 groups
+  raises ValueError naming dropout_rate (24-row slices); a missing key raises naming
+  dropout_key, as dot_product_attention does."""
+  from jax.sharding import PartitionSpec as P
+  mesh = _two_device_mesh()
+  q, k, v = _qkv((1, 48, 2, 16), kv_heads=1)
+  spec = P(None, "x", None, None)
+
+  def run(**kwargs):
+    local = lambda q, k, v: jax_flash.context_parallel_attention(
+        q, k, v, axis_name="x", dropout_rate=0.25, implementation="cpu", **kwargs)
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)(q, k, v)
+
+  for strategy in ("ring", "all_gather"):
+    with pytest.raises(ValueError, match="dropout_rate=0.25 needs each device's query slice"):
+      run(strategy=strategy, dropout_key=jax.random.key(0))
+  with pytest.raises(ValueError, match="dropout_key"):
+    run(strategy="all_to_all")
 
 
 # ---------------------------------------------------------------------------------------------

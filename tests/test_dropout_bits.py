@@ -57,14 +57,18 @@ def test_the_kernels_header_gives_the_same_bits(tmp_path):
   np.testing.assert_array_equal(native, ours)
 
 
+@pytest.mark.parametrize("offset", [(0, 0), (32, 4096)], ids=["start", "offset"])
 @pytest.mark.parametrize("layout", ["forward", "transposed"])
 @pytest.mark.parametrize("rate", [0.1, 0.5])
-def test_the_cuda_fragments_keep_the_references_elements(tmp_path, layout, rate):
+def test_the_cuda_fragments_keep_the_references_elements(tmp_path, layout, rate, offset):
   """cuda/gpu/dropout_fragments.h, run for every lane of every 16-row warp tile (the CUDA kernels'
   accumulator layouts: the forward's S, the backward's transposed S^T), keeps exactly the elements
-  the reference keeps, for one (batch, head) stream with nonzero head and batch words."""
+  the reference keeps, for one (batch, head) stream with nonzero head and batch words, at the
+  sequence's start and with its row and column words moved (a context-parallel block's seeds:
+  _dropout.at_offset)."""
   binary = _compile(tmp_path, "dropout_fragments_check")
   seed_words = _dropout.seeds(jax.random.key(11), 3, 5)[2, 3]  # (key0, key1, head 3, batch 2)
+  seed_words = _dropout.at_offset(seed_words, *offset)
   seq_q, seq_k = 48, 80
   words = [str(int(w)) for w in seed_words]
   out = subprocess.run([str(binary), layout, *words, str(_dropout.threshold(rate)), str(seq_q), str(seq_k)],
@@ -106,6 +110,26 @@ def test_masks_are_deterministic_and_depend_on_the_key():
   for i in range(8):
     for j in range(i):
       assert not np.array_equal(group[:, i], group[:, j]), (i, j)
+
+
+@pytest.mark.parametrize("row0,column0", [(16, 0), (0, 48), (4096, 208), (0, 0)])
+def test_seeds_at_an_offset_draw_that_places_bits(row0, column0):
+  """Seeds moved to (row0, column0) (a context-parallel block's: _dropout.at_offset) give the
+  bits the unmoved seeds give at rows row0 + i and keys column0 + j, every element of an odd
+  grid (groups cut at both ends); traced offsets the same; offsets off the 16 x 16 groups are
+  refused."""
+  seed_words = _dropout.seeds(jax.random.key(5), 2, 3)
+  rows, cols = jnp.arange(37), jnp.arange(41)
+  want = _dropout.bits_from_seeds(seed_words, row0 + rows, column0 + cols)
+  moved = _dropout.at_offset(seed_words, row0, column0)
+  np.testing.assert_array_equal(_dropout.bits_from_seeds(moved, rows, cols), want)
+  traced = jax.jit(_dropout.at_offset)(seed_words, jnp.int32(row0), jnp.int32(column0))
+  np.testing.assert_array_equal(traced, moved)
+  if row0 or column0:  # (a check that the move is seen at all)
+    assert not np.array_equal(_dropout.bits_from_seeds(seed_words, rows, cols), want)
+  for bad in ((8, 0), (0, 4)):
+    with pytest.raises(ValueError, match="multiple of 16"):
+      _dropout.at_offset(seed_words, *bad)
 
 
 def test_rate_zero_keeps_everything_and_bad_rates_are_errors():

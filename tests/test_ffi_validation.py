@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash import _registry
+from jax_flash import _dropout, _registry
 
 INT64_MAX = np.iinfo(np.int64).max
 INT64_MIN = np.iinfo(np.int64).min
@@ -59,6 +59,7 @@ class Call:
 
 B, T, S, N, K, H = 2, 5, 7, 4, 2, 8
 Q, KV, ROWS = (B, T, N, H), (B, S, K, H), (B, N, T)
+W = _dropout.SEED_WORDS  # dropout's seed words, as the native module gives them
 
 
 # The CPU passes' segment-id operands without ids: int32 placeholders with no elements; and
@@ -171,7 +172,7 @@ def with_long_sequences(call: Call) -> Call:
   return call
 
 
-def with_dropout(call: Call, shape=(B, N, 4), dtype="uint32", rate=0.25) -> Call:
+def with_dropout(call: Call, shape=(B, N, W), dtype="uint32", rate=0.25) -> Call:
   """Dropout switched on (a rate > 0), with a seeds operand of this shape."""
   call.shapes["dropout_seeds"] = (tuple(shape), dtype)
   return with_attributes(call, dropout_rate=rate)
@@ -306,19 +307,19 @@ COMMON_ERRORS = [
     ("blocks_elements", lambda c: with_block_mask(c, shape=(B, N, T, S)), ("block_mask(2, 4, 5, 7) bool",)),
     ("blocks_uint8", lambda c: with_block_mask(c, dtype="uint8"), ("block_mask(2, 4, 1, 1) uint8", "bool")),
     ("blocks_empty_int32", lambda c: with_dtype(c, "int32", "block_mask"), ("block_mask(0,) int32", "bool")),
-    # Dropout: a rate in [0, 1); rate > 0 takes uint32 seeds (batch dims..., N, 4), rate 0 none.
+    # Dropout: a rate in [0, 1); rate > 0 takes uint32 seeds (batch dims..., N, W), rate 0 none.
     ("dropout_on_empty", lambda c: with_attributes(c, dropout_rate=0.5),
-     ("dropout_seeds(0,) uint32", "(..., N, 4)", "q(2, 5, 4, 8)")),
+     ("dropout_seeds(0,) uint32", f"(..., N, {W})", "q(2, 5, 4, 8)")),
     ("dropout_off_given", lambda c: with_dropout(c, rate=0.0),
-     ("dropout_rate=0 takes an empty", "dropout_seeds(2, 4, 4) uint32")),
+     ("dropout_rate=0 takes an empty", f"dropout_seeds(2, 4, {W}) uint32")),
     ("dropout_rate_1", lambda c: with_dropout(c, rate=1.0), ("dropout_rate", "[0, 1)", "got 1")),
     ("dropout_rate_negative", lambda c: with_attributes(c, dropout_rate=-0.5),
      ("dropout_rate", "got -0.5")),
     ("dropout_rate_nan", lambda c: with_dropout(c, rate=float("nan")), ("dropout_rate", "got nan")),
-    ("dropout_kv_heads", lambda c: with_dropout(c, shape=(B, K, 4)), ("dropout_seeds(2, 2, 4) uint32",)),
-    ("dropout_words", lambda c: with_dropout(c, shape=(B, N, 2)), ("dropout_seeds(2, 4, 2) uint32",)),
-    ("dropout_unbatched", lambda c: with_dropout(c, shape=(N, 4)), ("dropout_seeds(4, 4) uint32",)),
-    ("dropout_int32", lambda c: with_dropout(c, dtype="int32"), ("dropout_seeds(2, 4, 4) int32", "uint32")),
+    ("dropout_kv_heads", lambda c: with_dropout(c, shape=(B, K, W)), (f"dropout_seeds(2, 2, {W}) uint32",)),
+    ("dropout_words", lambda c: with_dropout(c, shape=(B, N, 4)), ("dropout_seeds(2, 4, 4) uint32",)),
+    ("dropout_unbatched", lambda c: with_dropout(c, shape=(N, W)), (f"dropout_seeds(4, {W}) uint32",)),
+    ("dropout_int32", lambda c: with_dropout(c, dtype="int32"), (f"dropout_seeds(2, 4, {W}) int32", "uint32")),
 ]
 
 LOGIT_ERRORS = [

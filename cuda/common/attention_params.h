@@ -11,7 +11,7 @@
 //   alibi_slopes : (batch, heads_q), float32, or absent
 //   block_mask   : (batch, heads_q, q_blocks, k_blocks), bool, or absent (CPU); blocks of
 //                  kBlockMaskRows x kBlockMaskKeys (128 x 128)
-//   dropout_seeds : (batch, heads_q, 4), uint32, or absent
+//   dropout_seeds : (batch, heads_q, kDropoutSeedWords = 6), uint32, or absent
 //   bias, mask   : broadcastable to (batch, heads_q, seq_q, seq_k) (LogitArray), or absent (CPU)
 // "batch" is every leading dimension folded together (vmap adds them).
 #pragma once
@@ -139,11 +139,13 @@ struct AttentionParams {
   const int32_t* q_block_visits = nullptr;
   const int32_t* q_block_visit_counts = nullptr;
   // Fused dropout (FlashAttention, Dao et al. 2022), or null for none: per (batch, query head)
-  // four words (key0, key1, head, batch), the Philox key and the counter's head and batch words
-  // of common/dropout_bits.h, which gives every score element's keep decision from its row and
-  // key (so nothing T x S is stored, and the backward regenerates the forward's mask). The
-  // head and batch words are the caller's (the global indices under batch or head sharding and
-  // vmap; the same for every element where one mask is shared). The normalised probabilities P
+  // six words (key0, key1, head, batch, row word, column word: common/dropout_bits.h
+  // DropoutSeedWord), the Philox key and the counter's words, which give every score element's
+  // keep decision from its row and key (so nothing T x S is stored, and the backward
+  // regenerates the forward's mask). The head and batch words are the caller's (the global
+  // indices under batch or head sharding and vmap; the same for every element where one mask
+  // is shared), and so are the row and column words of the kernel's first row and key (0, or a
+  // context-parallel block's place in the sequence). The normalised probabilities P
   // become P * keep / (1 - rate) before P V; the lse is not affected. The CPU kernel reads
   // it, and the Hopper CUDA kernels' dropout instantiations (gpu/dropout_fragments.h;
   // experimental: the Python side passes it to them only under JAX_FLASH_CUDA_DROPOUT=on).

@@ -48,11 +48,33 @@ JF_HOST_DEVICE inline PhiloxWords philox4x32_10(PhiloxWords counter, uint32_t ke
   return counter;
 }
 
-// The Philox counter of score element (row, column) of (batch, head), the index of its word and
-// its 16 bits (dropout_bits).
-JF_HOST_DEVICE inline PhiloxWords dropout_counter(int64_t batch, int64_t head, int64_t row, int64_t column) {
-  return {{static_cast<uint32_t>((column / 16) * 4 + (column % 8) / 2), static_cast<uint32_t>((row / 16) * 8 + row % 8),
-           static_cast<uint32_t>(head), static_cast<uint32_t>(batch)}};
+// What a kernel takes per (batch element, query head) (AttentionParams::dropout_seeds), in this
+// order: the Philox key's two words, the counter's head and batch words, and the counter's row
+// and column words of the kernel's row 0 and key 0. Those are 0 where the kernel's operands
+// start the sequence; a kernel over rows [R, ...) and keys [C, ...) of it (a context-parallel
+// block pair: R and C multiples of 16) takes R / 2 and C / 4, and then draws each element's
+// bits at its place in the sequence (the counter words below are base + the local formula).
+enum DropoutSeedWord : int {
+  kSeedKey0,
+  kSeedKey1,
+  kSeedHead,
+  kSeedBatch,
+  kSeedRowWord,
+  kSeedColumnWord,
+  kDropoutSeedWords  // the count
+};
+// A kernel's row and column offsets must be multiples of this for its row and column words to
+// name them (the layout's 16 x 16 groups).
+constexpr int kDropoutOffsetMultiple = 16;
+
+// The Philox counter of score element (row, column) of (batch, head), its row and column words
+// based at row_word0 and column_word0 (the seeds' kSeedRowWord and kSeedColumnWord), the index
+// of its word and its 16 bits (dropout_bits).
+JF_HOST_DEVICE inline PhiloxWords dropout_counter(int64_t batch, int64_t head, int64_t row, int64_t column,
+                                                  uint32_t row_word0 = 0, uint32_t column_word0 = 0) {
+  return {{column_word0 + static_cast<uint32_t>((column / 16) * 4 + (column % 8) / 2),
+           row_word0 + static_cast<uint32_t>((row / 16) * 8 + row % 8), static_cast<uint32_t>(head),
+           static_cast<uint32_t>(batch)}};
 }
 JF_HOST_DEVICE inline int dropout_word_index(int64_t row, int64_t column) {
   return static_cast<int>(2 * ((row / 8) % 2) + (column / 8) % 2);

@@ -504,9 +504,10 @@ auto with_segment_ids(Binding binding) {
       .template Attr<bool>("segment_ids");
 }
 
-// Fused dropout: with dropout_rate in (0, 1), dropout_seeds (..., N, 4) uint32, its leading
+// Fused dropout: with dropout_rate in (0, 1), dropout_seeds (..., N, 6) uint32, its leading
 // dimensions those of q and N q's query heads (per batch element and query head the Philox key
-// words and the counter's head and batch words: AttentionParams::dropout_seeds); with rate 0,
+// words and the counter's head, batch, row and column words: AttentionParams::dropout_seeds,
+// common/dropout_bits.h DropoutSeedWord); with rate 0,
 // a uint32 operand of no elements (the callers pass a (0,) placeholder). Call after the
 // attention inputs are set (it reads params.shape). The CPU and CUDA passes take it alike.
 inline xla::ffi::Error set_dropout(const xla::ffi::AnyBuffer& seeds, double rate, const xla::ffi::AnyBuffer& q,
@@ -526,10 +527,11 @@ inline xla::ffi::Error set_dropout(const xla::ffi::AnyBuffer& seeds, double rate
   const auto sd = seeds.dimensions(), qd = q.dimensions();
   bool match = sd.size() + 1 == qd.size();
   for (size_t i = 0; match && i + 2 < sd.size(); ++i) match = sd[i] == qd[i];
-  if (match) match = sd[sd.size() - 2] == params.shape.heads_q && sd[sd.size() - 1] == 4;
+  if (match) match = sd[sd.size() - 2] == params.shape.heads_q && sd[sd.size() - 1] == kDropoutSeedWords;
   if (!match)
-    return invalid(describe("dropout_seeds", seeds) + ": must be q's batch dims, query heads and 4 words (..., N, 4), " +
-                   "for " + describe("q", q));
+    return invalid(describe("dropout_seeds", seeds) + ": must be q's batch dims, query heads and " +
+                   std::to_string(kDropoutSeedWords) + " words (..., N, " + std::to_string(kDropoutSeedWords) +
+                   "), for " + describe("q", q));
   params.dropout_seeds = static_cast<const uint32_t*>(seeds.untyped_data());
   params.dropout_threshold = dropout_threshold(rate);
   params.dropout_scale = static_cast<float>(1.0 / (1.0 - rate));

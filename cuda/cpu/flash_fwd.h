@@ -299,13 +299,15 @@ inline void alibi_rows(float* s, int64_t ld, int64_t rows, int64_t cols, int64_t
 struct Dropout {
   uint32_t key0 = 0, key1 = 0;  // the Philox key
   uint32_t head = 0, batch = 0;  // the counter's head and batch words
+  uint32_t row_word0 = 0, column_word0 = 0;  // the counter's row and column words of row 0, key 0
   uint32_t threshold = 0;  // 16-bit halves below it drop their element
   float scale = 1.f;  // 1 / (1 - rate)
   bool on = false;
   Dropout(const AttentionParams& p, int64_t b, int64_t h) {
     if (!p.dropout_seeds) return;
-    const uint32_t* seed = p.dropout_seeds + (b * p.shape.heads_q + h) * 4;
-    key0 = seed[0], key1 = seed[1], head = seed[2], batch = seed[3];
+    const uint32_t* seed = p.dropout_seeds + (b * p.shape.heads_q + h) * kDropoutSeedWords;
+    key0 = seed[kSeedKey0], key1 = seed[kSeedKey1], head = seed[kSeedHead], batch = seed[kSeedBatch];
+    row_word0 = seed[kSeedRowWord], column_word0 = seed[kSeedColumnWord];
     threshold = p.dropout_threshold;
     scale = p.dropout_scale;
     on = true;
@@ -391,13 +393,13 @@ inline void dropout_columns(const Dropout& dropout, int64_t i0, int64_t rows, in
   const UVec threshold = dropout.threshold - UVec{};
   const int64_t group_begin = j0 / 16, group_end = (j0 + cols + 15) / 16;  // 16-key groups
   for (int64_t span = 0; span < rows; span += kDropoutRows) {
-    const int64_t first_word = (i0 + span) / 2;  // the span's first row word: 8 per 16 rows
+    const int64_t first_word = dropout.row_word0 + (i0 + span) / 2;  // the span's first row word: 8 per 16 rows
     for (int64_t w0 = 0; w0 < kDropoutRows / 2; w0 += kLanes) {
       const UVec row_words = static_cast<uint32_t>(first_word + w0) + lanes;
       for (int64_t group = group_begin; group < group_end; ++group)
         for (int pair = 0; pair < 4; ++pair) {
-          UVec w[4] = {static_cast<uint32_t>(group * 4 + pair) - UVec{}, row_words, dropout.head - UVec{},
-                       dropout.batch - UVec{}};
+          UVec w[4] = {dropout.column_word0 + static_cast<uint32_t>(group * 4 + pair) - UVec{}, row_words,
+                       dropout.head - UVec{}, dropout.batch - UVec{}};
           philox_lanes(w, dropout.key0, dropout.key1);
           for (int k = 0; k < 4; ++k) {  // keys + 0, + 1 (word 0's halves), + 8, + 9 (word 1's)
             const int64_t c = 16 * group + 2 * pair + 8 * (k / 2) + k % 2 - j0;  // the tile column

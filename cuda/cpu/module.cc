@@ -5,6 +5,7 @@
 
 #include "common/attention_params.h"
 #include "common/decode_params.h"
+#include "common/dropout_bits.h"
 #include "common/mask.h"
 #include "cpu/ffi_handlers.h"
 #include "cpu/kernels.h"
@@ -49,6 +50,10 @@ NB_MODULE(_native, m) {
     // builds, here so that the packing is tested where no CUDA module was built.
     c["mask_bits_group"] = jax_flash::kMaskBitsGroup;
     c["mask_bits_words"] = jax_flash::kMaskBitsWords;
+    // Fused dropout's seed words (common/dropout_bits.h DropoutSeedWord) and the multiple a
+    // kernel's row and key offsets in the sequence must be (jax_flash._dropout.at_offset).
+    c["dropout_seed_words"] = static_cast<int>(jax_flash::kDropoutSeedWords);
+    c["dropout_offset_multiple"] = jax_flash::kDropoutOffsetMultiple;
     return c;
   });
   m.def("cpu_dq_accum_elements",

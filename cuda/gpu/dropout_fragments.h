@@ -25,26 +25,33 @@
 
 namespace jax_flash::cuda {
 
-// The keep decisions of one (batch element, query head): the Philox key, the counter's head and
-// batch words (AttentionParams::dropout_seeds' four words) and the threshold.
+// The keep decisions of one (batch element, query head): the Philox key, the counter's head,
+// batch, row and column words (AttentionParams::dropout_seeds' words: DropoutSeedWord) and the
+// threshold.
 struct DropoutStream {
-  uint32_t key0 = 0, key1 = 0, head = 0, batch = 0;
+  uint32_t key0 = 0, key1 = 0, head = 0, batch = 0, row_word0 = 0, column_word0 = 0;
   uint32_t threshold = 0;  // 16-bit halves below it drop their element
 
   JF_HOST_DEVICE DropoutStream() {}
   JF_HOST_DEVICE DropoutStream(const uint32_t* seed, uint32_t threshold_)
-      : key0(seed[0]), key1(seed[1]), head(seed[2]), batch(seed[3]), threshold(threshold_) {}
+      : key0(seed[kSeedKey0]),
+        key1(seed[kSeedKey1]),
+        head(seed[kSeedHead]),
+        batch(seed[kSeedBatch]),
+        row_word0(seed[kSeedRowWord]),
+        column_word0(seed[kSeedColumnWord]),
+        threshold(threshold_) {}
 
   // The Philox call of the group holding score element (row, column).
   JF_HOST_DEVICE PhiloxWords group_words(int64_t row, int64_t column) const {
-    return philox4x32_10(dropout_counter(batch, head, row, column), key0, key1);
+    return philox4x32_10(dropout_counter(batch, head, row, column, row_word0, column_word0), key0, key1);
   }
   JF_HOST_DEVICE bool keeps(uint32_t bits16) const { return bits16 >= threshold; }
 };
 
 // The seeds' stream of (b, h) in params (which must have dropout_seeds).
 JF_HOST_DEVICE inline DropoutStream dropout_stream(const AttentionParams& p, int64_t b, int64_t h) {
-  return DropoutStream(p.dropout_seeds + (b * p.shape.heads_q + h) * 4, p.dropout_threshold);
+  return DropoutStream(p.dropout_seeds + (b * p.shape.heads_q + h) * kDropoutSeedWords, p.dropout_threshold);
 }
 
 // A forward pair of n-tiles' decisions (row0 % 16 < 8; col0 even, col0 % 16 < 8: the first

@@ -2,8 +2,10 @@
 // scores, in the forward's layout (rows = query rows) or the backward's transposed one (rows =
 // keys), and prints the keep decisions as T lines of S characters ('1' kept, '0' dropped) in
 // (query row, key) order, for tests/test_dropout_bits.py to compare with jax_flash/_dropout.py.
-//   usage: dropout_fragments_check forward|transposed key0 key1 head batch threshold T S
-// T and S multiples of 16. Exits 1 if some element is given no decision or two.
+//   usage: dropout_fragments_check forward|transposed key0 key1 head batch row_word column_word
+//          threshold T S
+// (the seed words in common/dropout_bits.h's DropoutSeedWord order), T and S multiples of 16.
+// Exits 1 if some element is given no decision or two.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -12,12 +14,13 @@
 #include "gpu/dropout_fragments.h"
 
 int main(int argc, char** argv) {
-  if (argc != 9) return 2;
+  constexpr int kWords = jax_flash::kDropoutSeedWords;
+  if (argc != 5 + kWords) return 2;
   const bool forward = std::strcmp(argv[1], "forward") == 0;
-  uint32_t seed[4];
-  for (int i = 0; i < 4; ++i) seed[i] = static_cast<uint32_t>(std::strtoul(argv[2 + i], nullptr, 10));
-  const auto threshold = static_cast<uint32_t>(std::strtoul(argv[6], nullptr, 10));
-  const long T = std::atol(argv[7]), S = std::atol(argv[8]);
+  uint32_t seed[kWords];
+  for (int i = 0; i < kWords; ++i) seed[i] = static_cast<uint32_t>(std::strtoul(argv[2 + i], nullptr, 10));
+  const auto threshold = static_cast<uint32_t>(std::strtoul(argv[2 + kWords], nullptr, 10));
+  const long T = std::atol(argv[3 + kWords]), S = std::atol(argv[4 + kWords]);
   if (T % 16 || S % 16) return 2;
   const jax_flash::cuda::DropoutStream stream(seed, threshold);
   std::vector<int> keep(T * S, -1);
