@@ -461,9 +461,10 @@ def context_parallel_attention(
       in `layout`; every key's column, in the sequence's order). Nothing of them travels in
       "ring" and "all_gather"; "all_to_all" sends them with the queries. The bias is
       differentiable: its gradient comes back over the same rows (a bias each device holds
-      the same of, unvarying, gets the devices' sum). A mask on the "cuda" kernels:
-      ``NotImplementedError`` (under ``jax.jit``, ``dot_product_attention`` with a
-      sequence-sharded input carries it).
+      the same of, unvarying, gets the devices' sum). On the "cuda" kernels (experimental:
+      JAX_FLASH_CUDA_LOGIT_ARRAYS=on) the blocks a mask hides whole are skipped, carried as a
+      block mask is: a mask there needs the slices a block_mask needs (else
+      ``NotImplementedError``).
     dropout_rate, dropout_key: fused dropout, as in ``dot_product_attention``: the decision of
       query row ``i`` and key ``j`` (global positions) of batch element ``b`` and query head
       ``h`` of this device's slices (numbered from 0 on each device, as under ``vmap``) is
@@ -567,11 +568,14 @@ def _run_in_shard_map(plan: Strategy, query, key, value, *, axis_name, caller: s
           dropout_rate=dropout_rate),
       caller=caller)
   if mask is not None and implementation == "cuda":
-    # (call_kernels derives the blocks a CUDA call's mask hides from the local key count; here
-    # the mask's columns are the whole sequence's)
-    raise NotImplementedError(f"{caller}: a mask on the 'cuda' kernels inside shard_map is not "
-                              "supported yet; under jax.jit, dot_product_attention with a "
-                              "sequence-sharded input carries it")
+    # The CUDA kernels skip the blocks a mask hides whole: call_kernels adds them to the block
+    # mask, whose rows the strategy then carries as it carries a caller's.
+    probe = _ops.KernelConfig("cuda", 1.0, bool(is_causal), window_left, window_right)
+    problem = _block_mask_problem(plan.name, plan.layout, num=jax.lax.axis_size(axis_name),
+                                  seq_q=seq_q, seq_k=seq_k, config=probe)
+    if problem:
+      raise NotImplementedError(f"{caller}: a mask on the 'cuda' kernels inside shard_map goes "
+                                f"with the blocks it hides, as a block_mask does: {problem}")
   q_lens = _validation.check_seq_lengths("query_seq_lengths", query_seq_lengths, batch, seq_q)
   kv_lens = _validation.check_seq_lengths("key_value_seq_lengths", key_value_seq_lengths, batch,
                                           seq_k)
@@ -595,7 +599,7 @@ def _run_in_shard_map(plan: Strategy, query, key, value, *, axis_name, caller: s
       window_left=window_left, window_right=window_right, deterministic=deterministic,
       caller=caller, segment_ids=segment_ids, block_mask=block_mask,
       logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
-      dropout_rate=dropout_rate, dropout_seeds=dropout_seeds)
+      mask_keys=seq_k, dropout_rate=dropout_rate, dropout_seeds=dropout_seeds)
   lse = jax.lax.stop_gradient(lse)
   return (out, jnp.swapaxes(lse, -1, -2)) if return_residual else out
 

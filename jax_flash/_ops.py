@@ -486,6 +486,7 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
                  dropout_seeds: jax.Array | None = None,
                  bias: jax.Array | None = None,
                  mask: jax.Array | None = None,
+                 mask_keys: int | None = None,
                  ) -> tuple[jax.Array, jax.Array]:
   """(out, lse) of `attention` with what every entry point does around the kernels: the scale
   made positive (positive_scale) and the head dim zero-padded as `implementation` needs
@@ -514,8 +515,10 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
   `attention` gets the seeds as its keyword argument `dropout_seeds`; the tiled kernel only.
   With jax.nn's `bias` and `mask` ((B|1, N|1, T|1, S|1), float and bool: never broadcast
   further) `attention` gets them as its keyword arguments `bias` and `mask`; the tiled kernel
-  only. A bias of a dtype the
-  kernel does not read (BIAS_DTYPES) is cast to float32 here, outside the custom VJP.
+  only. A bias of a dtype the kernel does not read (BIAS_DTYPES) is cast to float32 here,
+  outside the custom VJP. On "cuda" the blocks a mask hides whole join the block mask (the
+  kernels skip them), with as many key blocks as `mask_keys` keys make: k's S by default; inside
+  shard_map the sequence's, whose keys the mask's and the block mask's columns cover there.
 
   With nothing to compute (B, T or N is 0) or no key for any row (S is 0) no kernel runs: the
   output is zeros (every row empty, lse EMPTY_ROW_LSE), as jax.nn's is, and so are the
@@ -556,7 +559,8 @@ def call_kernels(attention: KernelAttention, q: jax.Array, k: jax.Array, v: jax.
     # The blocks the mask hides whole are skipped like a block mask's (the CUDA kernels' walk;
     # the CPU kernel finds them itself, tile by tile).
     hidden = _logit_arrays.block_mask_of(mask, *BLOCK_MASK_BLOCK)
-    hidden = jnp.broadcast_to(hidden, (*hidden.shape[:-2], *block_mask_shape(seq_q, k.shape[1])))
+    columns = k.shape[1] if mask_keys is None else mask_keys
+    hidden = jnp.broadcast_to(hidden, (*hidden.shape[:-2], *block_mask_shape(seq_q, columns)))
     block_mask = hidden if block_mask is None else jnp.logical_and(block_mask, hidden)
   with _derivatives.explain_forward_mode(caller, implementation):
     extra = () if segment_ids is None else (tuple(segment_ids),)

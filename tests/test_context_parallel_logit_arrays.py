@@ -245,3 +245,36 @@ def test_shard_map_bias_nothing_differentiates_gets_no_dbias(strategy):
   grads_too = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, bias)[:3]
   for a, b in zip(grads, grads_too):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_shard_map_cuda_mask_skips_its_hidden_blocks(monkeypatch):
+  """Inside shard_map on the "cuda" kernels (traced on a simulated CUDA host, the arrays' switch
+  patched on), a mask's rows go to each block pair's kernel as its bits, with the blocks the
+  mask hides whole as a block mask over the whole sequence's key blocks (here the causal
+  mask's upper blocks: the kernels' block_sparse attribute, and the ring skips the pair above
+  the diagonal); slices that are not whole 128-row blocks are refused, naming the reason."""
+  from attention_testing import simulate_cuda_host
+  from jax_flash import _dispatch, _logit_arrays
+  simulate_cuda_host(monkeypatch)
+  monkeypatch.setattr(_logit_arrays, "_CUDA_LOGIT_ARRAYS", True)
+  monkeypatch.setattr(_dispatch, "_check_cuda_runs", lambda: None)
+  mesh = _mesh(2)
+
+  def calls(t):
+    q = jnp.ones((1, t, N, 64), jnp.bfloat16)
+    mask = jnp.tril(jnp.ones((1, 1, t, t), bool))
+    local = lambda q, mask: jax_flash.context_parallel_attention(
+        q, q, q, axis_name="seq", strategy="ring", mask=mask, implementation="cuda")
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(SPEC, BIAS_ROWS_SPEC), out_specs=SPEC)
+    return ffi_calls(lambda q: sharded(q, mask).astype(jnp.float32).sum(), q)
+
+  found = calls(512)
+  forward = [(attributes, operands) for name, attributes, operands, _ in found
+             if name == "jax_flash_cuda_fwd"]
+  assert forward
+  for attributes, operands in forward:  # each pair: 256 query rows, 256 keys of bits
+    assert bool(attributes["mask"]) and bool(attributes["block_sparse"])
+    assert ((1, 1, 256, 8), jnp.dtype(jnp.uint32)) in {(tuple(x.shape), jnp.dtype(x.dtype))
+                                                      for x in operands}
+  with pytest.raises(NotImplementedError, match="whole 128-row blocks"):
+    calls(128)

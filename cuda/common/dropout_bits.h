@@ -7,7 +7,9 @@
 //
 // One Philox call gives four 32-bit words, eight 16-bit halves: one each for the 2 x 4 score
 // elements rows r, r + 8 and columns c, c + 1, c + 8, c + 9 (r % 16 < 8; c even, c % 16 < 8):
-//   counter = ((c / 16) * 4 + (c % 16) / 2, (r / 16) * 8 + r % 8, head, batch),
+//   counter = (column word + (c / 16) * 4 + (c % 16) / 2, row word + (r / 16) * 8 + r % 8, head,
+//              batch), the row and column words 0 where the kernel's operands start the
+//              sequence (DropoutSeedWord below),
 //   key = the JAX key's two words,
 //   word index = 2 * ((r / 8) % 2) + (c / 8) % 2, its low half for even c, high half for odd c.
 // An element is kept when its half is >= the threshold round(rate * 2^16) (keep probability
