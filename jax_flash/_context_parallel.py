@@ -122,29 +122,40 @@ def _why_not(name: str, *, num: int, seq_q: int, seq_k: int, heads_q: int,
   return None
 
 
+def _slices_problem(name: str, layout: str, *, num: int, seq_q: int, seq_k: int,
+                    config: _ops.KernelConfig, what: str, rows: int, keys: int,
+                    unit: str) -> str | None:
+  """Why the slices of strategy `name` in `layout` over `num` devices do not start on the
+  `rows` x `keys` units (`unit`: "blocks", "groups") that `what` needs (None: they do; the
+  lengths split over the devices, and in the zig-zag layout into 2 `num` chunks): each
+  device's query slice (each zig-zag chunk), the ring's key slices (the K/V chunks), the
+  all-gather's key ranges (_all_gather.key_ranges_aligned: a window's left size cuts them)."""
+  parts = 2 if layout == "zigzag" else 1
+  where = "zig-zag chunk" if parts == 2 else "slice"
+  slice_rows, slice_keys = seq_q // (num * parts), seq_k // (num * parts)
+  if slice_rows % rows:
+    return (f"{what} needs each device's query {where} to be whole {rows}-row {unit}; "
+            f"T={seq_q} over {num} devices ({layout}) gives {slice_rows} rows")
+  if name == "ring" and slice_keys % keys:
+    return (f"the ring with {what} needs each device's key {where} to be whole {keys}-key "
+            f"{unit}; S={seq_k} over {num} devices ({layout}) gives {slice_keys} keys")
+  if name == "all_gather" and not _all_gather.key_ranges_aligned(config, num, layout, seq_q,
+                                                                 seq_k, keys):
+    return (f"the all-gather with {what} needs each query slice's key range to start on "
+            f"whole {keys}-key {unit}: the left size of local_window_size "
+            f"({config.window_left}) must be a multiple of {keys}")
+  return None
+
+
 def _block_mask_problem(name: str, layout: str, *, num: int, seq_q: int, seq_k: int,
                         config: _ops.KernelConfig) -> str | None:
   """Why strategy `name` in `layout` cannot carry a block mask over `num` devices (None: it
-  can; the lengths split over the devices, and in the zig-zag layout into 2 `num` chunks). Each
-  device holds the block rows of its queries, so its query slice (each zig-zag chunk) must be
-  whole blocks; the ring cuts the columns of each K/V chunk, so those must be too; the
-  all-gather cuts each query slice's key range (_all_gather.key_ranges_aligned)."""
-  parts = 2 if layout == "zigzag" else 1
-  block_q, block_k = BLOCK_MASK_BLOCK
-  where = "zig-zag chunk" if parts == 2 else "slice"
-  rows, keys = seq_q // (num * parts), seq_k // (num * parts)
-  if rows % block_q:
-    return (f"a block_mask needs each device's query {where} to be whole {block_q}-row blocks; "
-            f"T={seq_q} over {num} devices ({layout}) gives {rows} rows")
-  if name == "ring" and keys % block_k:
-    return (f"the ring with a block_mask needs each device's key {where} to be whole "
-            f"{block_k}-key blocks; S={seq_k} over {num} devices ({layout}) gives {keys} keys")
-  if name == "all_gather" and not _all_gather.key_ranges_aligned(config, num, layout, seq_q,
-                                                                 seq_k, block_k):
-    return (f"the all-gather with a block_mask needs each query slice's key range to start on "
-            f"a {block_k}-key block: the left size of local_window_size "
-            f"({config.window_left}) must be a multiple of {block_k}")
-  return None
+  can). Each device holds the block rows of its queries, so its query slice must be whole
+  blocks; the ring cuts the columns of each K/V chunk, the all-gather each key range, so
+  those must start on blocks too."""
+  return _slices_problem(name, layout, num=num, seq_q=seq_q, seq_k=seq_k, config=config,
+                         what="a block_mask", rows=BLOCK_MASK_BLOCK[0], keys=BLOCK_MASK_BLOCK[1],
+                         unit="blocks")
 
 
 def _dropout_problem(name: str, layout: str, *, num: int, seq_q: int, seq_k: int,
@@ -152,28 +163,13 @@ def _dropout_problem(name: str, layout: str, *, num: int, seq_q: int, seq_k: int
   """Why strategy `name` in `layout` cannot carry fused dropout over `num` devices (None: it
   can). The all-to-all's kernel sees the whole sequence of its heads. The ring's and the
   all-gather's kernels see slices: each takes the seeds moved to its slice's first row and key
-  (jax_flash._dropout.at_offset), which must start 16-row and 16-key groups of the decisions'
-  layout: the query slices (zig-zag: chunks), the ring's key slices, the all-gather's key
-  ranges (a window's left size cuts them)."""
+  (jax_flash._dropout.at_offset), which must start 16 x 16 groups of the decisions' layout."""
   if name == "all_to_all":
     return None
   multiple = _dropout.OFFSET_MULTIPLE
-  parts = 2 if layout == "zigzag" else 1
-  where = "zig-zag chunk" if parts == 2 else "slice"
-  rows, keys = seq_q // (num * parts), seq_k // (num * parts)
-  rate = f"dropout_rate={config.dropout_rate!r}"
-  if rows % multiple:
-    return (f"the {name} with {rate} needs each device's query {where} to be a multiple of "
-            f"{multiple} rows; T={seq_q} over {num} devices ({layout}) gives {rows}")
-  if name == "ring" and keys % multiple:
-    return (f"the ring with {rate} needs each device's key {where} to be a multiple of "
-            f"{multiple} keys; S={seq_k} over {num} devices ({layout}) gives {keys}")
-  if name == "all_gather" and not _all_gather.key_ranges_aligned(config, num, layout, seq_q,
-                                                                 seq_k, multiple):
-    return (f"the all-gather with {rate} needs each query slice's key range to start on a "
-            f"multiple of {multiple} keys: the left size of local_window_size "
-            f"({config.window_left}) must be a multiple of {multiple}")
-  return None
+  return _slices_problem(name, layout, num=num, seq_q=seq_q, seq_k=seq_k, config=config,
+                         what=f"dropout_rate={config.dropout_rate!r}", rows=multiple,
+                         keys=multiple, unit="groups")
 
 
 def _zigzag_fits(name: str, num: int, seq_q: int, seq_k: int) -> bool:
