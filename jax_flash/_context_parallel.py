@@ -464,8 +464,12 @@ def context_parallel_attention(
     dropout_rate, dropout_key: fused dropout, as in ``dot_product_attention``: the decision of
       query row ``i`` and key ``j`` (global positions) of batch element ``b`` and query head
       ``h`` of this device's slices (numbered from 0 on each device, as under ``vmap``) is
-      ``jax_flash._dropout.keep_mask(dropout_key, dropout_rate, B, N, T, S)[b, h, i, j]``, so
-      a device drops what one device over the whole sequence drops. "ring" and
+      ``jax_flash._dropout.keep_mask(key, dropout_rate, B, N, T, S)[b, h, i, j]``, so the
+      devices drop what one device over the whole sequence drops. ``key`` is `dropout_key`
+      where the query varies over no mesh axis but `axis_name`'s; where it varies over others
+      too (a data axis sharding the batch, a tensor axis the heads), ``jax.random.fold_in(
+      dropout_key, i)`` with i this device's index along those axes (row-major, by name), so
+      that the shards draw masks of their own. "ring" and
       "all_gather" need the slices to start dropout's 16 x 16 groups (each query slice,
       zig-zag chunk, a multiple of 16 rows; the ring's key slices a multiple of 16 keys; with
       "all_gather" a window's left size a multiple of 16 where it cuts the key ranges); else
@@ -539,6 +543,22 @@ def context_parallel_attention(
       bias=bias, mask=mask, dropout_rate=dropout_rate, dropout_key=dropout_key)
 
 
+def _key_of_this_shard(key, query, axis_name):
+  """The dropout key of this device's batch and heads: `key` as it is where the query varies
+  over no mesh axis but the sequence's (every device holds the whole batch and every head, so
+  each drops what one device drops), else folded (jax.random.fold_in) with this device's index
+  along the others (say a data axis sharding the batch): there the kernels number the batch and
+  heads from 0 on each device, and the shards must not draw the same masks."""
+  sequence = set(axis_name) if isinstance(axis_name, (tuple, list)) else {axis_name}
+  others = sorted(_ring._varying_axes(query) - sequence)
+  if not others:
+    return key
+  index = jnp.int32(0)
+  for name in others:
+    index = index * jax.lax.axis_size(name) + jax.lax.axis_index(name)
+  return jax.random.fold_in(key, index)
+
+
 def _run_in_shard_map(plan: Strategy, query, key, value, *, axis_name, caller: str, masks,
                       seq_q: int, seq_k: int, scale, is_causal, window_left: int,
                       window_right: int, implementation, deterministic, query_seq_lengths,
@@ -582,6 +602,7 @@ def _run_in_shard_map(plan: Strategy, query, key, value, *, axis_name, caller: s
 
   dropout_seeds = None
   if dropout_rate is not None:  # (this device's batch and heads, numbered from 0)
+    dropout_key = _key_of_this_shard(dropout_key, query, axis_name)
     dropout_seeds = _dropout.seeds(dropout_key, batch, query.shape[2])
 
   def attention(q, k, v, q_lens, kv_lens, config, segment_ids=None, alibi=None,

@@ -661,6 +661,32 @@ def test_shard_map_entry_points_drop_as_one_device(strategy, layout, t, s, optio
     np.testing.assert_allclose(np.asarray(a)[:, index], b, atol=2e-5)
 
 
+def test_shard_map_dropout_folds_the_other_axes_into_the_key():
+  """With the batch sharded over a data axis beside the sequence's (a 2 x 2 mesh), each data
+  shard numbers its batch from 0, so its key is folded with its index along the data axis:
+  shard d drops what one device drops with jax.random.fold_in(key, d) over its own batch
+  elements (and the two shards draw different masks)."""
+  from jax.sharding import Mesh, PartitionSpec as P
+  if len(jax.devices()) < 4:
+    pytest.skip("needs 4 devices")
+  mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "seq"))
+  key = jax.random.key(8)
+  q, k, v = _qkv((2, 64, 2, 16), kv_heads=1, seed=9)
+  spec = P("data", "seq", None, None)
+  local = lambda q, k, v: jax_flash.context_parallel_attention(
+      q, k, v, axis_name="seq", strategy="ring", dropout_rate=0.4, dropout_key=key,
+      implementation="cpu")
+  got = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))(q, k, v)
+  for d in range(2):
+    want = jax_flash.dot_product_attention(q[d:d + 1], k[d:d + 1], v[d:d + 1], dropout_rate=0.4,
+                                           dropout_key=jax.random.fold_in(key, d),
+                                           implementation="cpu")
+    np.testing.assert_allclose(got[d:d + 1], want, rtol=1e-5, atol=1e-6)
+  unfolded = jax_flash.dot_product_attention(q[1:], k[1:], v[1:], dropout_rate=0.4,
+                                             dropout_key=key, implementation="cpu")
+  assert not np.allclose(got[1:], unfolded, atol=1e-3)
+
+
 def test_shard_map_dropout_off_the_groups_is_refused():
   """Inside shard_map a ring or all-gather whose slices do not start dropout's 16 x 16 groups
   raises ValueError naming dropout_rate (24-row slices); a missing key raises naming
