@@ -520,16 +520,6 @@ def context_parallel_attention(
     if problem:
       raise ValueError(f"strategy={strategy!r} in layout={layout!r} cannot run query"
                        f"{query.shape}, key{key.shape} over {num} devices: {problem}")
-  dropout_rate = _validation.check_dropout_rate(dropout_rate)
-  dropout_key = _validation.check_dropout_key(dropout_key, dropout_rate)
-  if dropout_rate is not None:
-    problem = _dropout_problem(strategy, layout, num=num, seq_q=seq_q, seq_k=seq_k,
-                               config=dataclasses.replace(probe, dropout_rate=dropout_rate))
-    if problem:
-      raise ValueError(f"strategy={strategy!r} in layout={layout!r} cannot run query"
-                       f"{query.shape}, key{key.shape} over {num} devices: {problem}")
-  bias = _validation.check_logit_array("bias", bias, batch, heads_q, rows_q, seq_k)
-  mask = _validation.check_logit_array("mask", mask, batch, heads_q, rows_q, seq_k)
   return _run_in_shard_map(
       Strategy(strategy, layout), query, key, value, axis_name=axis_name, caller=caller,
       logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
@@ -566,13 +556,26 @@ def _run_in_shard_map(plan: Strategy, query, key, value, *, axis_name, caller: s
                       blocks_passed, return_residual, logits_soft_cap=None, alibi_slopes=None,
                       bias=None, mask=None, dropout_rate=None, dropout_key=None):
   """What context_parallel_attention and ring_attention do once their own arguments are
-  checked: the soft cap and ALiBi slopes checked, the implementation chosen, the global lengths
+  checked: the soft cap, the ALiBi slopes, the bias and mask rows and dropout checked (dropout
+  against `plan`'s slices: _dropout_problem), the implementation chosen, the global lengths
   checked (full where absent), `plan` run on the kernels (through _ops.call_kernels: scale,
-  padding) with _attention's VJP. `bias` and `mask`: checked rank-4 rows of them, or None;
-  `dropout_rate` and `dropout_key`: checked (None: no dropout)."""
-  batch, head_dim = query.shape[0], query.shape[-1]
+  padding) with _attention's VJP."""
+  batch, rows_q, heads_q, head_dim = query.shape
+  num = jax.lax.axis_size(axis_name)
+  dropout_rate = _validation.check_dropout_rate(dropout_rate)
+  dropout_key = _validation.check_dropout_key(dropout_key, dropout_rate)
+  probe = _ops.KernelConfig("cpu", 1.0, bool(is_causal), window_left, window_right,
+                            dropout_rate=dropout_rate or 0.0)
+  if dropout_rate is not None:
+    problem = _dropout_problem(plan.name, plan.layout, num=num, seq_q=seq_q, seq_k=seq_k,
+                               config=probe)
+    if problem:
+      raise ValueError(f"{caller} with strategy={plan.name!r} in layout={plan.layout!r} cannot "
+                       f"run query{query.shape}, key{key.shape} over {num} devices: {problem}")
+  bias = _validation.check_logit_array("bias", bias, batch, heads_q, rows_q, seq_k)
+  mask = _validation.check_logit_array("mask", mask, batch, heads_q, rows_q, seq_k)
   logits_soft_cap = _validation.check_logits_soft_cap(logits_soft_cap)
-  alibi_slopes = _validation.check_alibi_slopes(alibi_slopes, query.shape[2], query.shape)
+  alibi_slopes = _validation.check_alibi_slopes(alibi_slopes, heads_q, query.shape)
   implementation = _dispatch.select(
       implementation, _dispatch.Call(
           query.shape, query.dtype, mask_forms=masks, deterministic=deterministic, ring=True,
@@ -586,9 +589,8 @@ def _run_in_shard_map(plan: Strategy, query, key, value, *, axis_name, caller: s
   if mask is not None and implementation == "cuda":
     # The CUDA kernels skip the blocks a mask hides whole: call_kernels adds them to the block
     # mask, whose rows the strategy then carries as it carries a caller's.
-    probe = _ops.KernelConfig("cuda", 1.0, bool(is_causal), window_left, window_right)
-    problem = _block_mask_problem(plan.name, plan.layout, num=jax.lax.axis_size(axis_name),
-                                  seq_q=seq_q, seq_k=seq_k, config=probe)
+    problem = _block_mask_problem(plan.name, plan.layout, num=num, seq_q=seq_q, seq_k=seq_k,
+                                  config=probe)
     if problem:
       raise NotImplementedError(f"{caller}: a mask on the 'cuda' kernels inside shard_map goes "
                                 f"with the blocks it hides, as a block_mask does: {problem}")
@@ -603,7 +605,7 @@ def _run_in_shard_map(plan: Strategy, query, key, value, *, axis_name, caller: s
   dropout_seeds = None
   if dropout_rate is not None:  # (this device's batch and heads, numbered from 0)
     dropout_key = _key_of_this_shard(dropout_key, query, axis_name)
-    dropout_seeds = _dropout.seeds(dropout_key, batch, query.shape[2])
+    dropout_seeds = _dropout.seeds(dropout_key, batch, heads_q)
 
   def attention(q, k, v, q_lens, kv_lens, config, segment_ids=None, alibi=None,
                 block_mask=None, bias=None, mask=None, dropout_seeds=None):
@@ -697,16 +699,6 @@ def ring_attention(
     if problem:
       raise ValueError(f"ring_attention in layout={layout!r} cannot run query{query.shape}, "
                        f"key{key.shape} over {num} devices: {problem}")
-  dropout_rate = _validation.check_dropout_rate(dropout_rate)
-  dropout_key = _validation.check_dropout_key(dropout_key, dropout_rate)
-  if dropout_rate is not None:
-    probe = _ops.KernelConfig("cpu", 1.0, bool(is_causal), -1, -1, dropout_rate=dropout_rate)
-    problem = _dropout_problem("ring", layout, num=num, seq_q=seq_q, seq_k=seq_k, config=probe)
-    if problem:
-      raise ValueError(f"ring_attention in layout={layout!r} cannot run query{query.shape}, "
-                       f"key{key.shape} over {num} devices: {problem}")
-  bias = _validation.check_logit_array("bias", bias, batch, heads_q, rows_q, seq_k)
-  mask = _validation.check_logit_array("mask", mask, batch, heads_q, rows_q, seq_k)
   return _run_in_shard_map(
       Strategy("ring", layout), query, key, value, axis_name=axis_name, caller=caller,
       logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
