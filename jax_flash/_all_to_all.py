@@ -79,21 +79,26 @@ def _lse_to_sequence(lse, axis_name, layout: str, num: int):
   return jax.lax.all_to_all(lse, axis_name, split_axis=2, concat_axis=1, tiled=True)
 
 
-def _gather_ids(ids, axis_name, layout: str, num: int):
-  """(B, L/P) int32 slices -> (B, L), the whole sequence's ids in natural order, on every
-  device: an all-gather done by all-to-all (the slice repeated once per device)."""
-  x = jnp.broadcast_to(ids[..., None], (*ids.shape, num))
-  x = jax.lax.all_to_all(x, axis_name, split_axis=2, concat_axis=1, tiled=True)
-  return from_layout_order(x[..., 0], 1, num, layout)
+def _gather_rows(x, axis: int, axis_name, layout: str, num: int):
+  """x with this device's slice of the sequence along `axis` -> the whole sequence's, in
+  natural order, on every device: an all-gather done by all-to-all (the slice repeated once per
+  device), so that the program holds only all-to-alls."""
+  x = jnp.broadcast_to(x[..., None], (*x.shape, num))
+  x = jax.lax.all_to_all(x, axis_name, split_axis=x.ndim - 1, concat_axis=axis, tiled=True)
+  return from_layout_order(x[..., 0], axis, num, layout)
+
+
+def _heads_for_rows(x, axis_name, layout: str, num: int):
+  """(B, N, L, ...) rows of this device's queries -> (B, N/P, T, ...): this device's heads of
+  every row, in natural order (one all-to-all)."""
+  x = jax.lax.all_to_all(x, axis_name, split_axis=1, concat_axis=2, tiled=True)
+  return from_layout_order(x, 2, num, layout)
 
 
 def _blocks_to_heads(block_mask, axis_name, layout: str, num: int):
   """(B, N, L/128, S/128) block rows -> (B, N/P, T/128, S/128), the rows in natural order (None
   without a block mask)."""
-  if block_mask is None:
-    return None
-  x = jax.lax.all_to_all(block_mask, axis_name, split_axis=1, concat_axis=2, tiled=True)
-  return from_layout_order(x, 2, num, layout)
+  return None if block_mask is None else _heads_for_rows(block_mask, axis_name, layout, num)
 
 
 def _logit_to_heads(x, axis_name, layout: str, num: int):
@@ -103,12 +108,9 @@ def _logit_to_heads(x, axis_name, layout: str, num: int):
     return None
   heads, rows = full(x, HEADS), full(x, ROWS)
   if heads and rows:
-    x = jax.lax.all_to_all(x, axis_name, split_axis=1, concat_axis=2, tiled=True)
-    return from_layout_order(x, 2, num, layout)
-  if rows:  # every device needs every row: gathered by all-to-all (the slice once per device)
-    x = jnp.broadcast_to(x[..., None], (*x.shape, num))
-    x = jax.lax.all_to_all(x, axis_name, split_axis=4, concat_axis=2, tiled=True)
-    return from_layout_order(x[..., 0], 2, num, layout)
+    return _heads_for_rows(x, axis_name, layout, num)
+  if rows:  # every device needs every row
+    return _gather_rows(x, ROWS, axis_name, layout, num)
   if heads:
     return _head_slice(x, axis_name, num)
   return x
@@ -143,7 +145,7 @@ def _logits_to_heads(logits: LogitRows | None, axis_name, layout: str, num: int)
 def _whole_ids(segment_ids, axis_name, layout: str, num: int):
   if segment_ids is None:
     return None
-  return tuple(_gather_ids(x, axis_name, layout, num) for x in segment_ids)
+  return tuple(_gather_rows(x, 1, axis_name, layout, num) for x in segment_ids)  # (B, T)
 
 
 def _head_slice(x, axis_name, num: int):
