@@ -245,14 +245,11 @@ def _kv_layout(strategy: Strategy) -> str:
 
 def _options(strategy: Strategy, axis_name, alibi_slopes, block_mask, logits,
              dropout_seeds) -> dict:
-  """A strategy's keyword arguments: the all-gather's K/V layout, the dropout seeds (where
-  given)."""
+  """A strategy's keyword arguments (the all-gather's also its K/V layout)."""
   options = dict(axis_name=axis_name, layout=strategy.layout, alibi_slopes=alibi_slopes,
-                 block_mask=block_mask, logits=logits)
+                 block_mask=block_mask, logits=logits, dropout_seeds=dropout_seeds)
   if strategy.name == "all_gather":
     options["kv_layout"] = _kv_layout(strategy)
-  if dropout_seeds is not None:
-    options["dropout_seeds"] = dropout_seeds
   return options
 
 
